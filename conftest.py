@@ -1,0 +1,81 @@
+"""Shared fixtures: the lab's models, built into tmp paths for many shapes.
+
+Models come from gen_models.py's builder (one builder in the project), so the
+suite measures exactly what the main job writes into ops/.
+"""
+
+from dataclasses import dataclass
+
+import onnx
+import pytest
+
+import gen_models
+
+
+@dataclass(frozen=True)
+class Case:
+    """One shape of the lab: layer count, input shape, the node excluded."""
+
+    layers: int
+    input_shape: tuple
+    exclude: str
+    dim: int = 8
+    seed: int = 0
+
+    @property
+    def id(self):
+        rank = len(self.input_shape) + 1
+        return f"{self.layers}-layers-{rank}d-exclude-{self.exclude}"
+
+
+# Lists, never sets: every xdist worker must collect the same order.
+CASES = [
+    Case(3, ("N",), "fc2_matmul"),
+    Case(3, ("N", 5), "fc1_add"),
+    Case(4, ("N",), "fc2_add"),
+    Case(4, ("N", 3), "fc4_matmul"),
+    Case(6, ("N",), "fc1_matmul"),
+    Case(6, ("N", 2), "fc3_matmul"),
+    Case(6, ("N",), "fc6_add"),
+]
+CANONICAL = Case(3, ("N",), "fc2_matmul")
+VARIANTS = ["fp32", "full", "matmul_only", "excluded", "dynamic"]
+QDQ_VARIANTS = ["full", "matmul_only", "excluded"]
+
+
+def case_params(cases=CASES):
+    return [pytest.param(case, id=case.id) for case in cases]
+
+
+@pytest.fixture(scope="session")
+def build_case(tmp_path_factory):
+    """Factory: the five variants of a case as ``{variant: path}``, built once.
+
+    Session-scoped because quantization is the slow part and every test of a
+    case reads the same files; each case gets its own tmp folder.
+    """
+    built = {}
+
+    def build(case):
+        if case not in built:
+            folder = tmp_path_factory.mktemp(case.id)
+            fp32 = folder / "fp32.onnx"
+            model = gen_models.build_mlp(case.layers, case.dim, case.seed, case.input_shape)
+            onnx.save(model, fp32)
+            paths = gen_models.quantize_variants(fp32, folder, case.exclude, case.seed)
+            built[case] = {"fp32": fp32, **paths}
+        return built[case]
+
+    return build
+
+
+@pytest.fixture(params=case_params())
+def case(request):
+    """Every lab case, so invariants are checked on more than one shape."""
+    return request.param
+
+
+@pytest.fixture
+def variants(build_case, case):
+    """The built variants of the current case."""
+    return build_case(case)

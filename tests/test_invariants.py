@@ -1,0 +1,163 @@
+"""Laws that must hold on every lab case and every quantized variant.
+
+Each test runs over all of conftest.CASES (layers 3/4/6, 2-D and 3-D inputs,
+a MatMul or an Add excluded), so a rule tuned to one shape fails here.
+"""
+
+import onnx
+import pytest
+
+import graphscan
+from conftest import QDQ_VARIANTS, VARIANTS
+
+DELTA_KEYS = [
+    "quantize_delta",
+    "dequantize_delta",
+    "round_trip_delta",
+    "island_delta",
+    "float_delta",
+]
+
+
+def negated(answer):
+    """A diff answer with a/b swapped and every delta negated."""
+    return {
+        "a": answer["b"],
+        "b": answer["a"],
+        "op_delta": {op: -d for op, d in answer["op_delta"].items()},
+        **{key: -answer[key] for key in DELTA_KEYS},
+    }
+
+
+@pytest.mark.parametrize("variant", QDQ_VARIANTS)
+def test_activation_dequantize_equals_round_trips(variants, variant):
+    # onnxruntime wraps every quantized activation in one Q->DQ pair and stores
+    # weights already quantized, so the DQs that are not weights are the round trips.
+    answer = graphscan.qdq(str(variants[variant]))
+    assert answer["round_trips"] > 0
+    assert answer["dequantize"] - answer["weight_dequantize"] == answer["round_trips"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_wrapped_plus_float_is_compute(variants, variant):
+    answer = graphscan.islands(str(variants[variant]))
+    census = graphscan.nodes(str(variants[variant]))["op_types"]
+    qdq_nodes = census.get("QuantizeLinear", 0) + census.get("DequantizeLinear", 0)
+    assert answer["compute"] == sum(census.values()) - qdq_nodes
+    assert answer["wrapped"] + answer["float"] == answer["compute"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_island_sizes_sum_to_float(variants, variant):
+    answer = graphscan.islands(str(variants[variant]))
+    assert sum(island["size"] for island in answer["islands"]) == answer["float"]
+    assert answer["island_count"] == len(answer["islands"])
+    for island in answer["islands"]:
+        assert island["size"] == len(island["nodes"]) == len(island["op_types"])
+        assert island["nodes"] == sorted(island["nodes"])
+        assert island["op_types"] == sorted(island["op_types"])
+    firsts = [island["nodes"][0] for island in answer["islands"]]
+    assert firsts == sorted(firsts)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_crossings_sum_per_island(variants, variant):
+    path = str(variants[variant])
+    answer = graphscan.boundary(path)
+    per_island = answer["per_island"]
+    assert answer["crossings"] == sum(
+        e["in_dequantize"] + e["out_quantize"] for e in per_island
+    )
+    islands = graphscan.islands(path)["islands"]
+    assert [e["nodes"] for e in per_island] == [i["nodes"] for i in islands]
+
+
+def test_fp32_is_one_float_island(variants, case):
+    answer = graphscan.islands(str(variants["fp32"]))
+    assert answer["wrapped"] == 0
+    assert answer["float"] == 3 * case.layers
+    assert answer["island_count"] == 1
+    assert graphscan.boundary(str(variants["fp32"]))["crossings"] == 0
+
+
+def test_full_wraps_every_compute_node(variants):
+    # Static QDQ with no scope option wraps MatMul and Add (Relu is absorbed).
+    answer = graphscan.islands(str(variants["full"]))
+    assert answer["float"] == 0
+    assert answer["island_count"] == 0
+    assert "Relu" not in graphscan.nodes(str(variants["full"]))["op_types"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_diff_with_itself_is_zero(variants, variant):
+    path = str(variants[variant])
+    answer = graphscan.diff(path, path)
+    assert answer["op_delta"] == {}
+    assert all(answer[key] == 0 for key in DELTA_KEYS)
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        pytest.param("full", "matmul_only", id="full-vs-matmul_only"),
+        pytest.param("full", "excluded", id="full-vs-excluded"),
+        pytest.param("fp32", "full", id="fp32-vs-full"),
+        pytest.param("matmul_only", "dynamic", id="matmul_only-vs-dynamic"),
+    ],
+)
+def test_diff_is_antisymmetric(variants, a, b):
+    forward = graphscan.diff(str(variants[a]), str(variants[b]))
+    backward = graphscan.diff(str(variants[b]), str(variants[a]))
+    assert forward["op_delta"] != {}
+    assert backward == negated(forward)
+
+
+def test_diff_deltas_are_b_minus_a(variants):
+    a, b = str(variants["full"]), str(variants["matmul_only"])
+    answer = graphscan.diff(a, b)
+    qa, qb = graphscan.qdq(a), graphscan.qdq(b)
+    ia, ib = graphscan.islands(a), graphscan.islands(b)
+    assert answer["quantize_delta"] == qb["quantize"] - qa["quantize"]
+    assert answer["dequantize_delta"] == qb["dequantize"] - qa["dequantize"]
+    assert answer["round_trip_delta"] == qb["round_trips"] - qa["round_trips"]
+    assert answer["island_delta"] == ib["island_count"] - ia["island_count"]
+    assert answer["float_delta"] == ib["float"] - ia["float"]
+    ops_a, ops_b = graphscan.nodes(a)["op_types"], graphscan.nodes(b)["op_types"]
+    for op in set(ops_a) | set(ops_b):
+        assert answer["op_delta"].get(op, 0) == ops_b.get(op, 0) - ops_a.get(op, 0)
+
+
+def test_matmul_only_leaves_one_island_per_layer(variants, case):
+    answer = graphscan.islands(str(variants["matmul_only"]))
+    assert answer["island_count"] == case.layers
+    float_nodes = {name for island in answer["islands"] for name in island["nodes"]}
+    census = graphscan.nodes(str(variants["matmul_only"]))["op_types"]
+    adds = [f"fc{layer}_add" for layer in range(1, case.layers + 1)]
+    assert census["Add"] == case.layers
+    assert set(adds) <= float_nodes
+    assert not any(name.endswith("_matmul") for name in float_nodes)
+
+
+def test_excluded_node_stays_float_with_float_weight(variants, case):
+    answer = graphscan.islands(str(variants["excluded"]))
+    float_nodes = {name for island in answer["islands"] for name in island["nodes"]}
+    assert case.exclude in float_nodes
+
+    model = onnx.load(str(variants["excluded"]))
+    (node,) = [n for n in model.graph.node if n.name == case.exclude]
+    initializers = {init.name: init for init in model.graph.initializer}
+    # The excluded node's own parameter (weight or bias) is read straight from
+    # a FLOAT initializer, not through a DequantizeLinear.
+    parameters = [initializers[name] for name in node.input if name in initializers]
+    assert parameters, f"{case.exclude} reads no initializer directly"
+    assert all(p.data_type == onnx.TensorProto.FLOAT for p in parameters)
+
+
+def test_dynamic_has_integer_matmul_and_no_qdq(variants, case):
+    census = graphscan.nodes(str(variants["dynamic"]))["op_types"]
+    assert census.get("MatMulInteger") == case.layers
+    assert census.get("DynamicQuantizeLinear", 0) > 0
+    assert "QuantizeLinear" not in census
+    assert "DequantizeLinear" not in census
+    answer = graphscan.qdq(str(variants["dynamic"]))
+    assert (answer["quantize"], answer["dequantize"], answer["round_trips"]) == (0, 0, 0)
