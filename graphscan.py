@@ -367,6 +367,229 @@ def diff(a, b):
 
 
 # --------------------------------------------------------------------------
+# fuse: MatMul + Add -> Gemm, verified with onnxruntime before anything is written
+
+EXIT_RUNTIME = 5  # the model does not run in onnxruntime
+EXIT_MISMATCH = 6  # the fused model does not reproduce the original
+
+FUSE_RELATIVE_TOLERANCE = 1e-5
+FUSE_SEED = 0
+SYMBOLIC_DIM_SIZE = 2  # size given to symbolic dimensions of verification inputs
+
+SKIP_OUTPUT_SHARED = "output used elsewhere or a graph output"
+SKIP_C_NOT_INITIALIZER = "the Add's other input is not an initializer"
+SKIP_A_NOT_RANK_2 = "A is not rank 2"
+SKIP_B_NOT_2D = "B is not a 2-D initializer"
+SKIP_C_NOT_BROADCAST = "C does not broadcast to (M, N)"
+
+
+def static_shapes(model):
+    """``{tensor: [dim_value or None, ...]}`` for every tensor whose rank is known."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    graph = inferred.graph
+    shapes = {}
+    for info in list(graph.input) + list(graph.value_info) + list(graph.output):
+        tensor_type = info.type.tensor_type
+        if tensor_type.HasField("shape"):
+            shapes[info.name] = [
+                d.dim_value if d.HasField("dim_value") else None
+                for d in tensor_type.shape.dim
+            ]
+    for init in graph.initializer:
+        shapes[init.name] = list(init.dims)
+    return shapes
+
+
+def broadcasts_to(c_shape, m, n):
+    """Whether C of ``c_shape`` unidirectionally broadcasts to (m, n); m may be unknown."""
+    if len(c_shape) > 2:
+        return False
+    for dim, target in zip(reversed(c_shape), (n, m)):
+        if dim != 1 and (target is None or dim != target):
+            return False
+    return True
+
+
+def gemm_plan(index, model, shapes, matmul):
+    """``(add_index, c_name, None)`` if MatMul ``matmul`` can fuse, else ``(None, None, reason)``."""
+    graph_outputs = {output.name for output in model.graph.output}
+    node = model.graph.node[matmul]
+    product = node.output[0]
+    consumers = index.consumers_of(product)
+    if (
+        len(consumers) != 1
+        or index.op_types[consumers[0]] != "Add"
+        or product in graph_outputs
+    ):
+        return None, None, SKIP_OUTPUT_SHARED
+    add = consumers[0]
+    others = [t for t in model.graph.node[add].input if t != product]
+    if len(others) != 1 or others[0] not in index.initializers:
+        return None, None, SKIP_C_NOT_INITIALIZER
+    a_shape = shapes.get(node.input[0])
+    if a_shape is None or len(a_shape) != 2:
+        return None, None, SKIP_A_NOT_RANK_2
+    b_name = node.input[1]
+    if b_name not in index.initializers or len(shapes[b_name]) != 2:
+        return None, None, SKIP_B_NOT_2D
+    if not broadcasts_to(shapes[others[0]], a_shape[0], shapes[b_name][1]):
+        return None, None, SKIP_C_NOT_BROADCAST
+    return add, others[0], None
+
+
+def unique_name(wanted, taken):
+    name, n = wanted, 1
+    while name in taken:
+        name, n = f"{wanted}_{n}", n + 1
+    taken.add(name)
+    return name
+
+
+def fuse_matmul_add(model):
+    """A copy of ``model`` with every legal MatMul+Add replaced by one Gemm.
+
+    Returns ``(fused_model, fused, skipped)`` as the ``fuse`` answer lists them.
+    The Gemm takes the Add's place and output name, so downstream is untouched.
+    """
+    index = GraphIndex(model.graph)
+    shapes = static_shapes(model)
+    taken = set(index.names)
+    replace, drop, fused, skipped = {}, set(), [], []
+    for i, op_type in enumerate(index.op_types):
+        if op_type != "MatMul":
+            continue
+        add, c_name, reason = gemm_plan(index, model, shapes, i)
+        if reason:
+            skipped.append({"node": index.names[i], "reason": reason})
+            continue
+        matmul = model.graph.node[i]
+        gemm_name = unique_name(f"{index.names[i]}_gemm", taken)
+        replace[add] = onnx.helper.make_node(
+            "Gemm",
+            [matmul.input[0], matmul.input[1], c_name],
+            [model.graph.node[add].output[0]],
+            name=gemm_name,
+        )
+        drop.add(i)
+        fused.append({"matmul": index.names[i], "add": index.names[add], "gemm": gemm_name})
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    for i, node in enumerate(model.graph.node):
+        if i not in drop:
+            out.graph.node.append(replace.get(i, node))
+    dropped_tensors = {model.graph.node[i].output[0] for i in drop}
+    kept_info = [v for v in model.graph.value_info if v.name not in dropped_tensors]
+    del out.graph.value_info[:]
+    out.graph.value_info.extend(kept_info)
+    return out, fused, skipped
+
+
+def random_inputs(model, seed):
+    """Seeded inputs for every graph input (symbolic dims get a fixed size)."""
+    import numpy as np
+
+    initializers = {init.name for init in model.graph.initializer}
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for info in model.graph.input:
+        if info.name in initializers:
+            continue
+        tensor_type = info.type.tensor_type
+        shape = [
+            d.dim_value if d.HasField("dim_value") else SYMBOLIC_DIM_SIZE
+            for d in tensor_type.shape.dim
+        ]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
+        feeds[info.name] = rng.standard_normal(shape).astype(dtype)
+    return feeds
+
+
+def run_model(model, feeds, path):
+    """All graph outputs of ``model`` on ``feeds``, with ORT's own fusions off."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(
+            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+        return session.run(None, feeds)
+    except Exception as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise GraphscanError(f"{path}: model does not run in onnxruntime ({reason})", EXIT_RUNTIME)
+
+
+def max_abs_difference(expected, actual):
+    """Largest |expected - actual| over all outputs, and the largest |expected|."""
+    import numpy as np
+
+    error = max((float(np.max(np.abs(e - a), initial=0.0)) for e, a in zip(expected, actual)), default=0.0)
+    scale = max((float(np.max(np.abs(e), initial=0.0)) for e in expected), default=0.0)
+    return error, scale
+
+
+def write_atomically(data, path):
+    """Write ``data`` to ``path`` through a temporary file beside it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+        os.replace(temporary, path)
+    except OSError as exc:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise GraphscanError(f"{path}: cannot write ({exc.strerror or exc})", EXIT_NO_FILE)
+
+
+def load_with_weights(path):
+    """The model with external-data weights loaded from its own folder."""
+    model = load_model(path)
+    from onnx import external_data_helper
+
+    if any(external_data_helper.uses_external_data(t) for t in model.graph.initializer):
+        try:
+            external_data_helper.load_external_data_for_model(
+                model, os.path.dirname(os.path.abspath(path))
+            )
+        except Exception as exc:
+            raise GraphscanError(f"{path}: cannot load external data ({exc})", EXIT_NOT_ONNX)
+    return model
+
+
+def fuse(path, output):
+    """Fuse MatMul+Add into Gemm, verify with onnxruntime, then write ``output``."""
+    model = load_with_weights(path)
+    fused_model, fused, skipped = fuse_matmul_add(model)
+    try:
+        onnx.checker.check_model(fused_model, full_check=True)
+    except Exception as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise GraphscanError(f"{path}: fused model fails the checker ({reason})", EXIT_MISMATCH)
+    feeds = random_inputs(model, FUSE_SEED)
+    expected = run_model(model, feeds, path)
+    actual = run_model(fused_model, feeds, output)
+    error, scale = max_abs_difference(expected, actual)
+    if error > FUSE_RELATIVE_TOLERANCE * max(scale, 1.0):
+        raise GraphscanError(
+            f"{path}: fused model differs from the original by {error:.3g} "
+            f"(allowed {FUSE_RELATIVE_TOLERANCE:g} relative); nothing written",
+            EXIT_MISMATCH,
+        )
+    write_atomically(fused_model.SerializeToString(), output)
+    return {
+        "model": path,
+        "output": output,
+        "fused": fused,
+        "skipped": skipped,
+        "max_abs_error": error,
+    }
+
+
+# --------------------------------------------------------------------------
 # Command line
 
 COMMANDS = {
@@ -375,23 +598,28 @@ COMMANDS = {
     "islands": (islands, ["model"], "int8-wrapped vs float nodes, float islands"),
     "boundary": (boundary, ["model"], "DQs entering and Qs leaving each island"),
     "diff": (diff, ["a", "b"], "b minus a for the counts above"),
+    "fuse": (fuse, ["model", "output"], "fuse MatMul+Add into Gemm, verified, into output"),
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of printing usage and exiting."""
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that raises a one-line usage error instead of printing usage."""
 
     def error(self, message):
         raise GraphscanError(f"usage: {message}", EXIT_USAGE)
 
 
 def build_parser():
-    parser = _Parser(
+    parser = OneLineParser(
         prog="graphscan.py",
         description="Count what quantization did to an ONNX graph; one JSON object on stdout.",
-        epilog="exit codes: 0 ok, 2 usage, 3 no such file, 4 not an ONNX model",
+        epilog=(
+            "exit codes: 0 ok, 2 usage, 3 no such file (or output not writable), "
+            "4 not an ONNX model, 5 model does not run in onnxruntime, "
+            "6 fused model does not reproduce the original"
+        ),
     )
-    sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=OneLineParser)
     for name, (_, paths, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         for path in paths:
