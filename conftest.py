@@ -25,7 +25,7 @@ class Case:
     @property
     def id(self):
         rank = len(self.input_shape) + 1
-        return f"{self.layers}-layers-{rank}d-exclude-{self.exclude}"
+        return f"{self.layers}-layers-{rank}d-dim{self.dim}-exclude-{self.exclude}"
 
 
 # Lists, never sets: every xdist worker must collect the same order.
@@ -38,7 +38,14 @@ CASES = [
     Case(6, ("N", 2), "fc3_matmul"),
     Case(6, ("N",), "fc6_add"),
 ]
-CANONICAL = Case(3, ("N",), "fc2_matmul")
+# The lab's default models, exactly as `python gen_models.py` builds them.
+CANONICAL = Case(
+    gen_models.DEFAULT_LAYERS,
+    ("N",),
+    gen_models.default_exclude(gen_models.DEFAULT_LAYERS),
+    dim=gen_models.DEFAULT_DIM,
+    seed=gen_models.DEFAULT_SEED,
+)
 VARIANTS = ["fp32", "full", "matmul_only", "excluded", "dynamic"]
 QDQ_VARIANTS = ["full", "matmul_only", "excluded"]
 

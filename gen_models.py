@@ -20,6 +20,9 @@ from onnx import TensorProto, helper, numpy_helper
 import graphscan
 
 OPSET = 17
+DEFAULT_LAYERS = 3
+DEFAULT_DIM = 16
+DEFAULT_SEED = 0
 CALIBRATION_BATCHES = 8
 CALIBRATION_BATCH_SIZE = 4
 
@@ -492,9 +495,9 @@ def parse_args(argv):
         description="Build the lab's models and write every artifact into the output folder."
     )
     parser.add_argument("--out", default="ops", help="output folder (default: ops)")
-    parser.add_argument("--layers", type=int, default=3, help="MatMul-Add-Relu layers, >= 3")
-    parser.add_argument("--dim", type=int, default=16, help="feature width (default: 16)")
-    parser.add_argument("--seed", type=int, default=0, help="weights and calibration seed")
+    parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help="MatMul-Add-Relu layers, >= 3")
+    parser.add_argument("--dim", type=int, default=DEFAULT_DIM, help="feature width")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="weights and calibration seed")
     parser.add_argument("--exclude", help="node left out of excluded.onnx (default: a middle MatMul)")
     return parser.parse_args(argv)
 
