@@ -75,6 +75,83 @@ def build_mlp(layers, dim, seed, input_shape=("N",)):
     return model
 
 
+class CnnBuilder:
+    """Appends named nodes and seeded initializers for build_cnn."""
+
+    def __init__(self, seed, fold_batchnorm):
+        self.rng = np.random.default_rng(seed)
+        self.fold_batchnorm = fold_batchnorm
+        self.nodes, self.initializers = [], []
+
+    def weight(self, name, shape, scale=1.0):
+        array = (self.rng.standard_normal(shape) * scale).astype(np.float32)
+        self.initializers.append(numpy_helper.from_array(array, name))
+        return name
+
+    def node(self, op_type, inputs, name, **attributes):
+        self.nodes.append(helper.make_node(op_type, inputs, [name], name=name, **attributes))
+        return name
+
+    def conv(self, x, name, c_in, c_out, kernel=3, stride=1):
+        """Conv, then BatchNormalization (or its folded form: nothing more)."""
+        fan_in = c_in * kernel * kernel
+        w = self.weight(f"{name}_w", (c_out, c_in, kernel, kernel), np.sqrt(2.0 / fan_in))
+        b = self.weight(f"{name}_b", (c_out,), 0.1)
+        pad = kernel // 2
+        y = self.node("Conv", [x, w, b], name, pads=[pad] * 4, strides=[stride, stride])
+        if self.fold_batchnorm:
+            return y
+        # Not "<name>_bn_scale": the quantizer names its own scales "<tensor>_scale".
+        gamma = self.constant(f"{name}_gamma", 1.0 + 0.1 * self.rng.standard_normal(c_out))
+        beta = self.weight(f"{name}_beta", (c_out,), 0.1)
+        mean = self.weight(f"{name}_mean", (c_out,), 0.1)
+        var = self.constant(f"{name}_var", 1.0 + 0.1 * np.abs(self.rng.standard_normal(c_out)))
+        return self.node("BatchNormalization", [y, gamma, beta, mean, var], f"{name}_bn")
+
+    def constant(self, name, values):
+        array = np.asarray(values, dtype=np.float32)
+        self.initializers.append(numpy_helper.from_array(array, name))
+        return name
+
+
+def build_cnn(blocks, channels=8, size=16, seed=0, fold_batchnorm=False):
+    """A small residual CNN: Conv (+BatchNorm), Relu, residual Add, Resize, Concat.
+
+    Every two residual blocks a stride-2 Conv goes down, a Resize comes back
+    up and a Concat joins the skip path; a Gemm head gives 10 logits. About
+    10 compute nodes per block, so ``blocks=25`` is over 250.
+    """
+    net = CnnBuilder(seed, fold_batchnorm)
+    c = channels
+    x = net.node("Relu", [net.conv("x", "stem", 3, c)], "stem_relu")
+    for block in range(1, blocks + 1):
+        p = f"b{block}"
+        h = net.node("Relu", [net.conv(x, f"{p}_conv1", c, c)], f"{p}_relu1")
+        h = net.conv(h, f"{p}_conv2", c, c)
+        x = net.node("Relu", [net.node("Add", [h, x], f"{p}_add")], f"{p}_relu2")
+        if block % 2 == 0:
+            down = net.node("Relu", [net.conv(x, f"{p}_down", c, c, stride=2)], f"{p}_down_relu")
+            scales = net.constant(f"{p}_resize_scales", [1, 1, 2, 2])
+            up = net.node("Resize", [down, "", scales], f"{p}_up", mode="nearest")
+            joined = net.node("Concat", [up, x], f"{p}_concat", axis=1)
+            x = net.node("Relu", [net.conv(joined, f"{p}_merge", 2 * c, c, kernel=1)], f"{p}_merge_relu")
+    pooled = net.node("GlobalAveragePool", [x], "pool")
+    flat = net.node("Flatten", [pooled], "flatten", axis=1)
+    head_w = net.weight("head_w", (c, 10), 1.0 / np.sqrt(c))
+    head_b = net.weight("head_b", (10,), 0.1)
+    net.nodes.append(helper.make_node("Gemm", [flat, head_w, head_b], ["y"], name="head"))
+    graph = helper.make_graph(
+        net.nodes,
+        "cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, size, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 10])],
+        net.initializers,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
 def concrete_shape(model, batch=CALIBRATION_BATCH_SIZE):
     """The graph input's shape with every symbolic dimension set to ``batch``."""
     dims = model.graph.input[0].type.tensor_type.shape.dim

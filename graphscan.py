@@ -14,7 +14,9 @@ Only the standard library and onnx are imported at start.
 
 import argparse
 import json
+import math
 import os
+import re
 import stat
 import sys
 from collections import Counter
@@ -43,14 +45,25 @@ class GraphscanError(Exception):
 # Loading
 
 
-def load_model(path):
-    """Parse ``path`` as an ONNX model without touching external-data files."""
+def one_line(exc):
+    """The first line of an exception's message, for a one-line stderr report."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def check_readable(path):
+    """Raise exit 3 unless ``path`` is an existing regular file."""
     try:
         mode = os.stat(path).st_mode
     except OSError as exc:
         raise GraphscanError(f"{path}: no such file ({exc.strerror or exc})", EXIT_NO_FILE)
     if not stat.S_ISREG(mode):
         raise GraphscanError(f"{path}: not a regular file", EXIT_NO_FILE)
+
+
+def load_model(path):
+    """Parse ``path`` as an ONNX model without touching external-data files."""
+    check_readable(path)
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -65,8 +78,7 @@ def parse_model(data, path):
     try:
         model.ParseFromString(data)
     except Exception as exc:  # protobuf raises DecodeError, upb sometimes others
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise GraphscanError(f"{path}: not an ONNX model ({reason})", EXIT_NOT_ONNX)
+        raise GraphscanError(f"{path}: not an ONNX model ({one_line(exc)})", EXIT_NOT_ONNX)
     # Protobuf parses an empty file, or one cut at a field boundary, as a
     # (partial) message: a model must at least carry a graph and an opset.
     if not data or not model.HasField("graph") or not model.opset_import:
@@ -485,8 +497,8 @@ def fuse_matmul_add(model):
     return out, fused, skipped
 
 
-def random_inputs(model, seed):
-    """Seeded inputs for every graph input (symbolic dims get a fixed size)."""
+def random_inputs(model, seed, symbolic_size):
+    """Seeded normal data for every graph input, symbolic dims set to ``symbolic_size``."""
     import numpy as np
 
     initializers = {init.name for init in model.graph.initializer}
@@ -497,7 +509,7 @@ def random_inputs(model, seed):
             continue
         tensor_type = info.type.tensor_type
         shape = [
-            d.dim_value if d.HasField("dim_value") else SYMBOLIC_DIM_SIZE
+            d.dim_value if d.HasField("dim_value") else symbolic_size
             for d in tensor_type.shape.dim
         ]
         dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
@@ -511,15 +523,18 @@ def run_model(model, feeds, path):
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # errors are reported in our one line, not ORT's log
+    run_options = ort.RunOptions()
+    run_options.log_severity_level = 4
     try:
         session = ort.InferenceSession(
             model.SerializeToString(), options, providers=["CPUExecutionProvider"]
         )
-        return session.run(None, feeds)
+        return session.run(None, feeds, run_options)
     except Exception as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise GraphscanError(f"{path}: model does not run in onnxruntime ({reason})", EXIT_RUNTIME)
+        raise GraphscanError(
+            f"{path}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME
+        )
 
 
 def max_abs_difference(expected, actual):
@@ -556,7 +571,7 @@ def load_with_weights(path):
                 model, os.path.dirname(os.path.abspath(path))
             )
         except Exception as exc:
-            raise GraphscanError(f"{path}: cannot load external data ({exc})", EXIT_NOT_ONNX)
+            raise GraphscanError(f"{path}: cannot load external data ({one_line(exc)})", EXIT_NOT_ONNX)
     return model
 
 
@@ -567,9 +582,8 @@ def fuse(path, output):
     try:
         onnx.checker.check_model(fused_model, full_check=True)
     except Exception as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise GraphscanError(f"{path}: fused model fails the checker ({reason})", EXIT_MISMATCH)
-    feeds = random_inputs(model, FUSE_SEED)
+        raise GraphscanError(f"{path}: fused model fails the checker ({one_line(exc)})", EXIT_MISMATCH)
+    feeds = random_inputs(model, FUSE_SEED, SYMBOLIC_DIM_SIZE)
     expected = run_model(model, feeds, path)
     actual = run_model(fused_model, feeds, output)
     error, scale = max_abs_difference(expected, actual)
@@ -590,15 +604,414 @@ def fuse(path, output):
 
 
 # --------------------------------------------------------------------------
+# trace: the operator where a quantized model's error is born
+#
+# Two onnxruntime sessions in all: the float model once, and the quantized
+# model once with every operator's single-op model appended to its graph, fed
+# from the float references. No session per operator.
+
+EXIT_INPUTS = 7  # the models' inputs differ, or --inputs lacks one
+TRACE_TOLERANCE = 1e-2
+TRACE_SYMBOLIC_DIM_SIZE = 1
+QDQ_SUFFIX = re.compile(
+    r"_(?:QuantizeLinear_Input|QuantizeLinear_Output|DequantizeLinear_Output)(?:_\d+)?$"
+)
+ROW_PREFIX = "graphscan.row{}/"  # tensors of row k's single-op model inside the combined graph
+FLOAT_PREFIX = "graphscan.float/"  # float references fed into the combined graph
+
+
+def value_names(graph):
+    """Graph inputs that are not initializers, and every node output."""
+    initializers = {init.name for init in graph.initializer}
+    names = {i.name for i in graph.input if i.name not in initializers}
+    names.update(t for node in graph.node for t in node.output if t)
+    return names
+
+
+class ReferenceMatcher:
+    """Finds the float tensor a quantized-model tensor should be compared with."""
+
+    def __init__(self, float_graph):
+        self.tensors = value_names(float_graph)
+        self.by_node = {}
+        for i, node in enumerate(float_graph.node):
+            for k, tensor in enumerate(node.output):
+                if tensor:
+                    self.by_node[(node_name(node, i), k)] = tensor
+
+    def reference(self, tensor, producer_name=None, output_index=None):
+        """Same name without ORT's QDQ suffixes, else the same node's same output."""
+        stripped = QDQ_SUFFIX.sub("", tensor)
+        if stripped in self.tensors:
+            return stripped
+        return self.by_node.get((producer_name, output_index))
+
+
+def has_subgraph(node):
+    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+
+
+class OpModel:
+    """The single-op model of one operator of the quantized model.
+
+    ``nodes`` are indices into the quantized graph: each input's own Q->DQ
+    chain (or weight DQ), the operator, and its output Q->DQ if any.
+    ``feeds`` maps each model input (a quantized-model tensor name) to the
+    float reference fed in (``None``: the quantized model's own value, used
+    only when no reference exists). ``output`` is what the next op sees.
+    """
+
+    def __init__(self, index, graph, i, matcher, initializer_protos):
+        self.index, self.graph, self.row = index, graph, i
+        chain = []
+        for tensor in index.inputs[i]:
+            for j in input_chain(index, graph, tensor):
+                if j not in chain:
+                    chain.append(j)
+        out_chain, self.output = output_chain(index, graph, graph.node[i].output[0])
+        self.nodes = chain + [i] + out_chain
+        produced = {t for j in self.nodes for t in index.outputs[j]}
+        self.initializers, self.feeds = [], {}
+        for j in self.nodes:
+            for tensor in index.inputs[j]:
+                if tensor in produced or tensor in self.feeds or tensor in self.initializers:
+                    continue
+                if tensor in index.initializers:
+                    self.initializers.append(tensor)
+                else:
+                    self.feeds[tensor] = tensor_reference(index, matcher, tensor)
+        self.output_scale = output_scale(graph, out_chain, initializer_protos)
+
+    def node_protos(self, rename=None, name_prefix=""):
+        """Copies of the model's nodes, every tensor passed through ``rename``."""
+        rename = rename or (lambda t: t)
+        protos = []
+        for j in self.nodes:
+            node = onnx.NodeProto()
+            node.CopyFrom(self.graph.node[j])
+            node.name = name_prefix + self.index.names[j]
+            node.input[:] = [rename(t) if t else t for t in node.input]
+            node.output[:] = [rename(t) if t else t for t in node.output]
+            protos.append(node)
+        return protos
+
+
+def input_chain(index, graph, tensor):
+    """Indices of the Q/DQ nodes between ``tensor`` and its data source, source first."""
+    chain = []
+    producer = index.producer_of(tensor)
+    while producer is not None and not index.is_compute(producer) and producer not in chain:
+        chain.append(producer)
+        producer = index.producer_of(graph.node[producer].input[0])
+    return chain[::-1]
+
+
+def output_chain(index, graph, tensor):
+    """The Q->DQ pair right after ``tensor`` and the tensor the next op sees."""
+    for q in index.consumers_of(tensor):
+        if index.is_q[q]:
+            for dq in index.consumers_of(graph.node[q].output[0]):
+                if index.is_dq[dq]:
+                    return [q, dq], graph.node[dq].output[0]
+    return [], tensor
+
+
+def output_scale(graph, out_chain, initializer_protos):
+    """The output Q's scale as a float, when it is a scalar initializer."""
+    if not out_chain:
+        return None
+    init = initializer_protos.get(graph.node[out_chain[0]].input[1])
+    if init is None:
+        return None
+    values = onnx.numpy_helper.to_array(init)
+    return float(values.reshape(-1)[0]) if values.size == 1 else None
+
+
+def tensor_reference(index, matcher, tensor):
+    producer = index.producer_of(tensor)
+    if producer is None:
+        return matcher.reference(tensor)
+    return matcher.reference(tensor, index.names[producer], index.outputs[producer].index(tensor))
+
+
+def trace_inputs(model, inputs_path, seed):
+    """The arrays both models run on: from ``--inputs`` or seeded normal data."""
+    import numpy as np
+
+    initializers = {init.name for init in model.graph.initializer}
+    wanted = [i for i in model.graph.input if i.name not in initializers]
+    if inputs_path is None:
+        return random_inputs(model, seed, TRACE_SYMBOLIC_DIM_SIZE)
+    check_readable(inputs_path)
+    try:
+        with np.load(inputs_path, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except Exception as exc:
+        raise GraphscanError(f"{inputs_path}: not an .npz file ({one_line(exc)})", EXIT_INPUTS)
+    missing = [i.name for i in wanted if i.name not in arrays]
+    if missing:
+        raise GraphscanError(f"{inputs_path}: no array for input {', '.join(missing)}", EXIT_INPUTS)
+    return {i.name: arrays[i.name] for i in wanted}
+
+
+def check_same_inputs(float_model, quant_model, a, b):
+    names = [sorted(value_input_names(m.graph)) for m in (float_model, quant_model)]
+    if names[0] != names[1]:
+        raise GraphscanError(
+            f"{a} and {b}: the models' inputs differ ({', '.join(names[0])} vs {', '.join(names[1])})",
+            EXIT_INPUTS,
+        )
+
+
+def value_input_names(graph):
+    initializers = {init.name for init in graph.initializer}
+    return [i.name for i in graph.input if i.name not in initializers]
+
+
+def run_with_outputs(model, feeds, outputs, path, extra_inputs=()):
+    """Run ``model`` exposing ``outputs`` (tensor names); returns ``{name: array}``."""
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    graph_outputs = {o.name for o in exposed.graph.output}
+    exposed.graph.input.extend(extra_inputs)
+    exposed.graph.output.extend(
+        onnx.ValueInfoProto(name=t) for t in outputs if t not in graph_outputs
+    )
+    names = [o.name for o in exposed.graph.output]
+    return dict(zip(names, run_model(exposed, feeds, path)))
+
+
+def combined_model(quant_model, op_models, float_values):
+    """The quantized model with every single-op model appended, and their feeds."""
+    combined = onnx.ModelProto()
+    combined.CopyFrom(quant_model)
+    feeds, extra_inputs, outputs = {}, [], {}
+    for k, op in enumerate(op_models):
+        if op is None:
+            continue
+        prefix = ROW_PREFIX.format(k)
+        fed = {}
+        for tensor, reference in op.feeds.items():
+            if reference is None:
+                fed[tensor] = tensor  # the quantized model's own value
+                continue
+            fed[tensor] = FLOAT_PREFIX + reference
+            if fed[tensor] not in feeds:
+                feeds[fed[tensor]] = float_values[reference]
+                extra_inputs.append(value_info_of(fed[tensor], float_values[reference]))
+        keep = set(op.initializers)
+
+        def rename(tensor, prefix=prefix, fed=fed, keep=keep):
+            return fed.get(tensor) or (tensor if tensor in keep else prefix + tensor)
+
+        combined.graph.node.extend(op.node_protos(rename, prefix))
+        outputs[k] = rename(op.output)
+    return combined, feeds, extra_inputs, outputs
+
+
+def value_info_of(name, array):
+    elem_type = onnx.helper.np_dtype_to_tensor_dtype(array.dtype)
+    return onnx.helper.make_tensor_value_info(name, elem_type, list(array.shape))
+
+
+def error_stats(reference, value):
+    """(max |ref - value|, SQNR in dB) or Nones when they cannot be compared."""
+    import numpy as np
+
+    if reference is None or value is None or reference.shape != value.shape:
+        return None, None
+    if not (np.issubdtype(reference.dtype, np.number) and np.issubdtype(value.dtype, np.number)):
+        return None, None
+    ref, val = reference.astype(np.float64), value.astype(np.float64)
+    noise = float(np.linalg.norm(ref - val))
+    signal = float(np.linalg.norm(ref))
+    max_abs = float(np.max(np.abs(ref - val), initial=0.0))
+    sqnr = 20.0 * math.log10(signal / noise) if noise > 0 and signal > 0 else None
+    return max_abs, sqnr
+
+
+def unmatched_float_nodes(float_graph, quant_index, rows):
+    """Float compute nodes with no quantized counterpart of the same name and op_type."""
+    quant = {(quant_index.names[i], quant_index.op_types[i]) for i in range(len(quant_index))}
+    float_index = GraphIndex(float_graph)
+    referenced = {}
+    for row in rows:
+        producer = float_index.producer_of(row["reference"]) if row["reference"] else None
+        if producer is not None:
+            referenced.setdefault(producer, set()).add(row["op_type"])
+    unmatched = []
+    for i in range(len(float_index)):
+        if not float_index.is_compute(i):
+            continue
+        name, op_type = float_index.names[i], float_index.op_types[i]
+        if (name, op_type) in quant or op_type in referenced.get(i, ()):
+            continue
+        reason = "its output is compared with a quantized node of another type (absorbed)"
+        if i not in referenced:
+            reason = "no quantized node of the same name and op_type"
+        unmatched.append({"node": name, "op_type": op_type, "reason": reason})
+    return unmatched
+
+
+def file_safe(name):
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
+def standalone_model(quant_model, op, input_arrays):
+    """``op`` as a model of its own, for ``--save``: inputs typed from the arrays."""
+    wanted = set(op.initializers)
+    initializers = [init for init in quant_model.graph.initializer if init.name in wanted]
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            op.node_protos(),
+            file_safe(op.index.names[op.row]),
+            [value_info_of(name, input_arrays[name]) for name in op.feeds],
+            [onnx.ValueInfoProto(name=op.output)],
+            initializers,
+        ),
+        opset_imports=quant_model.opset_import,
+    )
+    model.ir_version = quant_model.ir_version
+    return model
+
+
+def save_op_models(folder, quant_model, rows, op_models, arrays_by_row):
+    """Write ``<node>.onnx`` and ``<node>.npz`` for every row that has a single-op model."""
+    import io
+
+    import numpy as np
+
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise GraphscanError(f"{folder}: cannot create ({exc.strerror or exc})", EXIT_NO_FILE)
+    used = set()
+    for row, op, arrays in zip(rows, op_models, arrays_by_row):
+        if op is None or arrays is None:
+            continue
+        stem = file_safe(row["node"])
+        if stem in used:  # two names that differ only in unsafe characters
+            stem = f"{stem}_{op.row}"
+        used.add(stem)
+        model = standalone_model(quant_model, op, arrays)
+        write_atomically(model.SerializeToString(), os.path.join(folder, stem + ".onnx"))
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        write_atomically(buffer.getvalue(), os.path.join(folder, stem + ".npz"))
+
+
+def trace(a, b, inputs=None, seed=0, tolerance=TRACE_TOLERANCE, save=None):
+    """Per operator of ``b`` (quantized): isolated and propagated error against ``a`` (float)."""
+    float_model, quant_model = load_with_weights(a), load_with_weights(b)
+    check_same_inputs(float_model, quant_model, a, b)
+    feeds = trace_inputs(float_model, inputs, seed)
+    quant_index = GraphIndex(quant_model.graph)
+    matcher = ReferenceMatcher(float_model.graph)
+
+    rows_nodes = [i for i in range(len(quant_index)) if quant_index.is_compute(i)]
+    references = [
+        tensor_reference(quant_index, matcher, quant_model.graph.node[i].output[0])
+        if quant_model.graph.node[i].output and quant_model.graph.node[i].output[0]
+        else None
+        for i in rows_nodes
+    ]
+    initializer_protos = {init.name: init for init in quant_model.graph.initializer}
+    op_models = [
+        None if has_subgraph(quant_model.graph.node[i]) or ref is None
+        else OpModel(quant_index, quant_model.graph, i, matcher, initializer_protos)
+        for i, ref in zip(rows_nodes, references)
+    ]
+    output_names = [o.name for o in float_model.graph.output]
+    wanted_float = {r for r in references if r} | set(output_names)
+    for op in op_models:
+        if op is not None:
+            wanted_float.update(r for r in op.feeds.values() if r)
+    float_values = {**feeds, **run_with_outputs(float_model, feeds, sorted(wanted_float - set(feeds)), a)}
+
+    combined, row_feeds, extra_inputs, row_outputs = combined_model(quant_model, op_models, float_values)
+    seen = {i: output_chain(quant_index, quant_model.graph, quant_model.graph.node[i].output[0])[1]
+            for i in rows_nodes if quant_model.graph.node[i].output}
+    own_values = {t for op in op_models if op for t, r in op.feeds.items() if r is None}
+    wanted_quant = sorted(set(seen.values()) | set(row_outputs.values()) | own_values | set(output_names))
+    quant_values = run_with_outputs(
+        combined, {**feeds, **row_feeds}, wanted_quant, b, extra_inputs
+    )
+    quant_values.update(feeds)
+
+    rows, arrays_by_row = [], []
+    for k, (i, reference) in enumerate(zip(rows_nodes, references)):
+        ref_value = float_values.get(reference) if reference else None
+        op = op_models[k]
+        isolated = quant_values.get(row_outputs[k]) if op else None
+        isolated_max, _ = error_stats(ref_value, isolated)
+        propagated_max, sqnr = error_stats(ref_value, quant_values.get(seen.get(i)))
+        scale = op.output_scale if op else None
+        rows.append({
+            "node": quant_index.names[i],
+            "op_type": quant_index.op_types[i],
+            "wrapped": quant_index.wrapped[i],
+            "reference": reference,
+            "isolated_max_abs": isolated_max,
+            "propagated_max_abs": propagated_max,
+            "isolated_lsb": isolated_max / scale if isolated_max is not None and scale else None,
+            "sqnr_db": sqnr,
+        })
+        if op is not None and ref_value is not None:
+            arrays = {t: (float_values[r] if r else quant_values[t]) for t, r in op.feeds.items()}
+            arrays_by_row.append({**arrays, "reference": ref_value})
+        else:
+            arrays_by_row.append(None)
+
+    if save is not None:
+        save_op_models(save, quant_model, rows, op_models, arrays_by_row)
+    return {
+        "a": a,
+        "b": b,
+        "inputs": {name: list(array.shape) for name, array in feeds.items()},
+        "ops": rows,
+        "outputs": {
+            name: error_stats(float_values[name], quant_values.get(name))[0] for name in output_names
+        },
+        "worst_isolated": worst_isolated(rows),
+        "first_over": first_over(rows, tolerance),
+        "unmatched": unmatched_float_nodes(float_model.graph, quant_index, rows),
+    }
+
+
+def worst_isolated(rows):
+    measured = [r for r in rows if r["isolated_max_abs"] is not None]
+    if not measured:
+        return None
+    worst = max(measured, key=lambda r: r["isolated_max_abs"])  # first of equals
+    return {"node": worst["node"], "max_abs": worst["isolated_max_abs"]}
+
+
+def first_over(rows, tolerance):
+    for r in rows:
+        if r["isolated_max_abs"] is not None and r["isolated_max_abs"] > tolerance:
+            return {"node": r["node"], "max_abs": r["isolated_max_abs"]}
+    return None
+
+
+# --------------------------------------------------------------------------
 # Command line
 
+TRACE_OPTIONS = [
+    ("--inputs", {"metavar": "FILE.npz", "help": "one array per graph input, by name"}),
+    ("--seed", {"type": int, "default": 0, "help": "seed of the random inputs (default: 0)"}),
+    ("--tolerance", {"type": float, "default": TRACE_TOLERANCE, "help": "first_over threshold"}),
+    ("--save", {"metavar": "DIR", "help": "write each op's single-op model and inputs here"}),
+]
+
+# name: (function, positional paths, help, options)
 COMMANDS = {
-    "nodes": (nodes, ["model"], "op census and initializer dtypes"),
-    "qdq": (qdq, ["model"], "Q/DQ counts, round trips, weight DQs"),
-    "islands": (islands, ["model"], "int8-wrapped vs float nodes, float islands"),
-    "boundary": (boundary, ["model"], "DQs entering and Qs leaving each island"),
-    "diff": (diff, ["a", "b"], "b minus a for the counts above"),
-    "fuse": (fuse, ["model", "output"], "fuse MatMul+Add into Gemm, verified, into output"),
+    "nodes": (nodes, ["model"], "op census and initializer dtypes", []),
+    "qdq": (qdq, ["model"], "Q/DQ counts, round trips, weight DQs", []),
+    "islands": (islands, ["model"], "int8-wrapped vs float nodes, float islands", []),
+    "boundary": (boundary, ["model"], "DQs entering and Qs leaving each island", []),
+    "diff": (diff, ["a", "b"], "b minus a for the counts above", []),
+    "fuse": (fuse, ["model", "output"], "fuse MatMul+Add into Gemm, verified, into output", []),
+    "trace": (trace, ["a", "b"], "per-op isolated and propagated error of b (quantized) vs a (float)", TRACE_OPTIONS),
 }
 
 
@@ -616,14 +1029,17 @@ def build_parser():
         epilog=(
             "exit codes: 0 ok, 2 usage, 3 no such file (or output not writable), "
             "4 not an ONNX model, 5 model does not run in onnxruntime, "
-            "6 fused model does not reproduce the original"
+            "6 fused model does not reproduce the original, "
+            "7 trace inputs do not match the models"
         ),
     )
     sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=OneLineParser)
-    for name, (_, paths, help_text) in COMMANDS.items():
+    for name, (_, paths, help_text, options) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         for path in paths:
             command.add_argument(path, help="path to an .onnx file")
+        for flag, settings in options:
+            command.add_argument(flag, **settings)
     return parser
 
 
@@ -634,8 +1050,9 @@ def run(argv):
         raise GraphscanError(
             f"usage: a command is required ({', '.join(COMMANDS)})", EXIT_USAGE
         )
-    function, paths, _ = COMMANDS[args.command]
-    return function(*(getattr(args, p) for p in paths))
+    function, paths, _, options = COMMANDS[args.command]
+    keywords = {flag.lstrip("-"): getattr(args, flag.lstrip("-")) for flag, _ in options}
+    return function(*(getattr(args, p) for p in paths), **keywords)
 
 
 def main(argv=None):
