@@ -629,22 +629,31 @@ def value_names(graph):
 
 
 class ReferenceMatcher:
-    """Finds the float tensor a quantized-model tensor should be compared with."""
+    """Finds the float tensor a quantized-model tensor should be compared with.
+
+    Like the quantized side, the float side is taken as the next op sees it:
+    after its own Q->DQ, if the "float" model has one (comparing two
+    quantized models, or a model with itself, then gives zeros where equal).
+    """
 
     def __init__(self, float_graph):
+        self.graph = float_graph
+        self.index = GraphIndex(float_graph)
         self.tensors = value_names(float_graph)
         self.by_node = {}
         for i, node in enumerate(float_graph.node):
             for k, tensor in enumerate(node.output):
                 if tensor:
-                    self.by_node[(node_name(node, i), k)] = tensor
+                    self.by_node[(self.index.names[i], k)] = tensor
 
     def reference(self, tensor, producer_name=None, output_index=None):
         """Same name without ORT's QDQ suffixes, else the same node's same output."""
         stripped = QDQ_SUFFIX.sub("", tensor)
-        if stripped in self.tensors:
-            return stripped
-        return self.by_node.get((producer_name, output_index))
+        if stripped not in self.tensors:
+            stripped = self.by_node.get((producer_name, output_index))
+        if stripped is None:
+            return None
+        return output_chain(self.index, self.graph, stripped)[1]
 
 
 def has_subgraph(node):
@@ -830,13 +839,14 @@ def error_stats(reference, value):
     return max_abs, sqnr
 
 
-def unmatched_float_nodes(float_graph, quant_index, rows):
+def unmatched_float_nodes(float_index, quant_index, rows):
     """Float compute nodes with no quantized counterpart of the same name and op_type."""
     quant = {(quant_index.names[i], quant_index.op_types[i]) for i in range(len(quant_index))}
-    float_index = GraphIndex(float_graph)
     referenced = {}
     for row in rows:
         producer = float_index.producer_of(row["reference"]) if row["reference"] else None
+        while producer is not None and not float_index.is_compute(producer):
+            producer = float_index.producer_of(float_index.graph.node[producer].input[0])
         if producer is not None:
             referenced.setdefault(producer, set()).add(row["op_type"])
     unmatched = []
@@ -857,8 +867,8 @@ def file_safe(name):
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
-def standalone_model(quant_model, op, input_arrays):
-    """``op`` as a model of its own, for ``--save``: inputs typed from the arrays."""
+def standalone_model(quant_model, op, input_arrays, output_array):
+    """``op`` as a model of its own, for ``--save``: typed from the arrays it ran on."""
     wanted = set(op.initializers)
     initializers = [init for init in quant_model.graph.initializer if init.name in wanted]
     model = onnx.helper.make_model(
@@ -866,7 +876,7 @@ def standalone_model(quant_model, op, input_arrays):
             op.node_protos(),
             file_safe(op.index.names[op.row]),
             [value_info_of(name, input_arrays[name]) for name in op.feeds],
-            [onnx.ValueInfoProto(name=op.output)],
+            [value_info_of(op.output, output_array)],
             initializers,
         ),
         opset_imports=quant_model.opset_import,
@@ -886,14 +896,15 @@ def save_op_models(folder, quant_model, rows, op_models, arrays_by_row):
     except OSError as exc:
         raise GraphscanError(f"{folder}: cannot create ({exc.strerror or exc})", EXIT_NO_FILE)
     used = set()
-    for row, op, arrays in zip(rows, op_models, arrays_by_row):
-        if op is None or arrays is None:
+    for row, op, saved in zip(rows, op_models, arrays_by_row):
+        if op is None or saved is None:
             continue
+        arrays, output_array = saved
         stem = file_safe(row["node"])
         if stem in used:  # two names that differ only in unsafe characters
             stem = f"{stem}_{op.row}"
         used.add(stem)
-        model = standalone_model(quant_model, op, arrays)
+        model = standalone_model(quant_model, op, arrays, output_array)
         write_atomically(model.SerializeToString(), os.path.join(folder, stem + ".onnx"))
         buffer = io.BytesIO()
         np.savez(buffer, **arrays)
@@ -956,9 +967,9 @@ def trace(a, b, inputs=None, seed=0, tolerance=TRACE_TOLERANCE, save=None):
             "isolated_lsb": isolated_max / scale if isolated_max is not None and scale else None,
             "sqnr_db": sqnr,
         })
-        if op is not None and ref_value is not None:
+        if isolated is not None and ref_value is not None:
             arrays = {t: (float_values[r] if r else quant_values[t]) for t, r in op.feeds.items()}
-            arrays_by_row.append({**arrays, "reference": ref_value})
+            arrays_by_row.append(({**arrays, "reference": ref_value}, isolated))
         else:
             arrays_by_row.append(None)
 
@@ -974,7 +985,7 @@ def trace(a, b, inputs=None, seed=0, tolerance=TRACE_TOLERANCE, save=None):
         },
         "worst_isolated": worst_isolated(rows),
         "first_over": first_over(rows, tolerance),
-        "unmatched": unmatched_float_nodes(float_model.graph, quant_index, rows),
+        "unmatched": unmatched_float_nodes(matcher.index, quant_index, rows),
     }
 
 
