@@ -668,15 +668,18 @@ class OpModel:
     ``feeds`` maps each model input (a quantized-model tensor name) to the
     float reference fed in (``None``: the quantized model's own value, used
     only when no reference exists). ``output`` is what the next op sees.
+    ``weight_nodes`` are the chains that start at an initializer: their value
+    is the quantized model's own, so the combined graph reuses it.
     """
 
     def __init__(self, index, graph, i, matcher, initializer_protos):
         self.index, self.graph, self.row = index, graph, i
-        chain = []
+        chain, self.weight_nodes = [], set()
         for tensor in index.inputs[i]:
-            for j in input_chain(index, graph, tensor):
-                if j not in chain:
-                    chain.append(j)
+            links = input_chain(index, graph, tensor)
+            if links and graph.node[links[0]].input[0] in index.initializers:
+                self.weight_nodes.update(links)
+            chain += [j for j in links if j not in chain]
         out_chain, self.output = output_chain(index, graph, graph.node[i].output[0])
         self.nodes = chain + [i] + out_chain
         produced = {t for j in self.nodes for t in index.outputs[j]}
@@ -691,11 +694,13 @@ class OpModel:
                     self.feeds[tensor] = tensor_reference(index, matcher, tensor)
         self.output_scale = output_scale(graph, out_chain, initializer_protos)
 
-    def node_protos(self, rename=None, name_prefix=""):
-        """Copies of the model's nodes, every tensor passed through ``rename``."""
+    def node_protos(self, rename=None, name_prefix="", skip=()):
+        """Copies of the model's nodes but ``skip``, every tensor passed through ``rename``."""
         rename = rename or (lambda t: t)
         protos = []
         for j in self.nodes:
+            if j in skip:
+                continue
             node = onnx.NodeProto()
             node.CopyFrom(self.graph.node[j])
             node.name = name_prefix + self.index.names[j]
@@ -777,10 +782,15 @@ def value_input_names(graph):
     return [i.name for i in graph.input if i.name not in initializers]
 
 
-def run_with_outputs(model, feeds, outputs, path, extra_inputs=()):
-    """Run ``model`` exposing ``outputs`` (tensor names); returns ``{name: array}``."""
-    exposed = onnx.ModelProto()
-    exposed.CopyFrom(model)
+def run_with_outputs(model, feeds, outputs, path, extra_inputs=(), copy=True):
+    """Run ``model`` exposing ``outputs`` (tensor names); returns ``{name: array}``.
+
+    ``copy=False`` lets a caller's private model be changed in place.
+    """
+    exposed = model
+    if copy:
+        exposed = onnx.ModelProto()
+        exposed.CopyFrom(model)
     graph_outputs = {o.name for o in exposed.graph.output}
     exposed.graph.input.extend(extra_inputs)
     exposed.graph.output.extend(
@@ -808,12 +818,14 @@ def combined_model(quant_model, op_models, float_values):
             if fed[tensor] not in feeds:
                 feeds[fed[tensor]] = float_values[reference]
                 extra_inputs.append(value_info_of(fed[tensor], float_values[reference]))
+        # Initializers and dequantized weights are the quantized model's own tensors.
         keep = set(op.initializers)
+        keep.update(t for j in op.weight_nodes for t in op.index.outputs[j])
 
         def rename(tensor, prefix=prefix, fed=fed, keep=keep):
             return fed.get(tensor) or (tensor if tensor in keep else prefix + tensor)
 
-        combined.graph.node.extend(op.node_protos(rename, prefix))
+        combined.graph.node.extend(op.node_protos(rename, prefix, skip=op.weight_nodes))
         outputs[k] = rename(op.output)
     return combined, feeds, extra_inputs, outputs
 
@@ -831,10 +843,11 @@ def error_stats(reference, value):
         return None, None
     if not (np.issubdtype(reference.dtype, np.number) and np.issubdtype(value.dtype, np.number)):
         return None, None
-    ref, val = reference.astype(np.float64), value.astype(np.float64)
-    noise = float(np.linalg.norm(ref - val))
+    ref = reference.astype(np.float64)
+    difference = ref - value
+    noise = float(np.linalg.norm(difference))
     signal = float(np.linalg.norm(ref))
-    max_abs = float(np.max(np.abs(ref - val), initial=0.0))
+    max_abs = float(np.max(np.abs(difference), initial=0.0))
     sqnr = 20.0 * math.log10(signal / noise) if noise > 0 and signal > 0 else None
     return max_abs, sqnr
 
@@ -945,7 +958,7 @@ def trace(a, b, inputs=None, seed=0, tolerance=TRACE_TOLERANCE, save=None):
     own_values = {t for op in op_models if op for t, r in op.feeds.items() if r is None}
     wanted_quant = sorted(set(seen.values()) | set(row_outputs.values()) | own_values | set(output_names))
     quant_values = run_with_outputs(
-        combined, {**feeds, **row_feeds}, wanted_quant, b, extra_inputs
+        combined, {**feeds, **row_feeds}, wanted_quant, b, extra_inputs, copy=False
     )
     quant_values.update(feeds)
 

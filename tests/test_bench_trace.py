@@ -1,0 +1,33 @@
+"""The trace speed contract: no slower than onnxruntime's own qdq_loss_debug flow.
+
+Deselected by default (see pytest.ini); run by hand, serially, on a quiet machine, so the
+two sides' timings do not compete with other workers:
+    pytest -m bench -p no:xdist tests/test_bench_trace.py
+"""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "bench_trace.py"
+
+
+def _load_bench():
+    # bench/ is a folder of scripts, not a package: load the file itself.
+    spec = importlib.util.spec_from_file_location("bench_trace", BENCH_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.bench
+def test_trace_no_slower_than_ort_qdq_loss_debug(tmp_path):
+    bench = _load_bench()
+    report = bench.run_benchmark(bench.DEFAULT_BLOCKS, bench.DEFAULT_RUNS, tmp_path)
+    table = bench.format_table(report)
+
+    assert report["compute"] >= bench.MIN_COMPUTE, table
+    # A fast trace that skipped operators would prove nothing: one row per compute node.
+    assert report["sides"]["trace"]["entries"] == report["compute_quant"], table
+    assert report["ratio"] <= bench.BOUND, f"trace slower than the ORT flow:\n{table}"
