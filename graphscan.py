@@ -13,6 +13,9 @@ Only the standard library and onnx are imported at start.
 """
 
 import argparse
+import functools
+import gc
+import itertools
 import json
 import math
 import os
@@ -111,33 +114,147 @@ class GraphIndex:
     Node ``i`` is ``graph.node[i]``. Graph inputs, initializers and graph
     outputs are not nodes, so they never appear as producers or consumers;
     empty tensor names (absent optional inputs/outputs) are skipped.
+    One pass reads the nodes; every other table is built on first use, mostly
+    by set operations that run in C, so a question pays only for what it
+    needs. 100,000-node graphs are normal.
     """
 
     def __init__(self, graph):
         self.graph = graph
-        nodes = list(graph.node)
-        self.op_types = [node.op_type for node in nodes]
-        self.names = [node_name(node, i) for i, node in enumerate(nodes)]
-        self.inputs = [[t for t in node.input if t] for node in nodes]
-        self.outputs = [[t for t in node.output if t] for node in nodes]
-        self.initializers = {init.name for init in graph.initializer}
-        self.producer = {}
-        self.consumers = {}
-        for i, outputs in enumerate(self.outputs):
-            for tensor in outputs:
-                self.producer[tensor] = i
-        for i, inputs in enumerate(self.inputs):
-            for tensor in inputs:
-                self.consumers.setdefault(tensor, []).append(i)
-        self.is_q = [op == QUANTIZE for op in self.op_types]
-        self.is_dq = [op == DEQUANTIZE for op in self.op_types]
-        self.wrapped = [self._is_wrapped(i) for i in range(len(nodes))]
+        self.op_types, self.inputs, self.outputs = op_types, inputs, outputs = [], [], []
+        self.inputs_with_gaps = {}  # nodes with absent ("") inputs, as written
+        for i, node in enumerate(graph.node):
+            op_types.append(node.op_type)
+            # Slicing a repeated field is far cheaper than iterating it.
+            ins, outs = node.input[:], node.output[:]
+            if "" in ins:
+                self.inputs_with_gaps[i] = ins
+                ins = [t for t in ins if t]
+            inputs.append(ins)
+            outputs.append([t for t in outs if t] if "" in outs else outs)
+        self.is_q = [op == QUANTIZE for op in op_types]
+        self.is_dq = [op == DEQUANTIZE for op in op_types]
+        self.q_nodes = [i for i, q in enumerate(self.is_q) if q]
+        self.dq_nodes = [i for i, dq in enumerate(self.is_dq) if dq]
+        self.compute_nodes = [
+            i for i, (q, dq) in enumerate(zip(self.is_q, self.is_dq)) if not (q or dq)
+        ]
 
     def __len__(self):
         return len(self.op_types)
 
+    def _inputs_of(self, node_indices):
+        inputs = self.inputs
+        return itertools.chain.from_iterable(inputs[i] for i in node_indices)
+
+    def _outputs_of(self, node_indices):
+        outputs = self.outputs
+        return itertools.chain.from_iterable(outputs[i] for i in node_indices)
+
+    # Who reads each tensor, as three sets over disjoint groups of readers;
+    # each name is hashed once, and every rule below is a set operation in C.
+    @functools.cached_property
+    def read_by_q(self):
+        return set(self._inputs_of(self.q_nodes))
+
+    @functools.cached_property
+    def read_by_dq(self):
+        return set(self._inputs_of(self.dq_nodes))
+
+    @functools.cached_property
+    def read_by_compute(self):
+        return set(self._inputs_of(self.compute_nodes))
+
+    @functools.cached_property
+    def wrapped(self):
+        """Per node: every input comes from a DQ and every output goes to Qs only.
+
+        An output nobody consumes (e.g. a bare graph output) is not wrapped.
+        """
+        dq_outputs = set(self._outputs_of(self.dq_nodes))
+        read_by_q_only = self.read_by_q - self.read_by_dq - self.read_by_compute
+        inputs, outputs = self.inputs, self.outputs
+        wrapped = [False] * len(self)
+        for i in self.compute_nodes:
+            if dq_outputs.issuperset(inputs[i]) and read_by_q_only.issuperset(outputs[i]):
+                wrapped[i] = True
+        return wrapped
+
+    @functools.cached_property
+    def floating(self):
+        floating, wrapped = [False] * len(self), self.wrapped
+        for i in self.compute_nodes:
+            floating[i] = not wrapped[i]
+        return floating
+
+    @functools.cached_property
+    def float_nodes(self):
+        floating = self.floating
+        return [i for i in self.compute_nodes if floating[i]]
+
+    @functools.cached_property
+    def producer(self):
+        """``{tensor: index of the node producing it}``."""
+        return {t: i for i, outs in enumerate(self.outputs) for t in outs}
+
+    @functools.cached_property
+    def float_producer(self):
+        return self._producer_among(self.float_nodes)
+
+    @functools.cached_property
+    def dq_producer(self):
+        return self._producer_among(self.dq_nodes)
+
+    def _producer_among(self, node_indices):
+        outputs = self.outputs
+        return {t: i for i in node_indices for t in outputs[i]}
+
+    @functools.cached_property
+    def consumers(self):
+        """``{tensor: [node indices]}`` over every node."""
+        return self._consumers(range(len(self)))
+
+    @functools.cached_property
+    def float_consumers(self):
+        return self._consumers(self.float_nodes)
+
+    @functools.cached_property
+    def q_consumers_of_float(self):
+        """``{tensor made by a float node: [Q nodes reading it]}``."""
+        float_outputs = set(self._outputs_of(self.float_nodes))
+        inputs = self.inputs
+        readers = [i for i in self.q_nodes if not float_outputs.isdisjoint(inputs[i])]
+        return self._consumers(readers)
+
+    def _consumers(self, node_indices):
+        table = {}
+        for i in node_indices:
+            for tensor in self.inputs[i]:
+                users = table.get(tensor)
+                if users is None:
+                    table[tensor] = [i]
+                elif users[-1] != i:  # a node reading one tensor twice is one consumer
+                    users.append(i)
+        return table
+
+    @functools.cached_property
+    def initializers(self):
+        """Names of the graph's initializers."""
+        return {init.name for init in self.graph.initializer}
+
+    @functools.cached_property
+    def names(self):
+        """Every node's name; ``name(i)`` is cheaper when only a few are needed."""
+        return [self.name(i) for i in range(len(self))]
+
+    def name(self, i):
+        return node_name(self.graph.node[i], i)
+
     def is_compute(self, i):
         return not (self.is_q[i] or self.is_dq[i])
+
+    def is_float(self, i):
+        return self.floating[i]
 
     def producer_of(self, tensor):
         """Index of the node producing ``tensor``, or None."""
@@ -146,108 +263,91 @@ class GraphIndex:
     def consumers_of(self, tensor):
         return self.consumers.get(tensor, ())
 
-    def _is_wrapped(self, i):
-        # Wrapped: every input comes from a DQ and every output goes to Qs only
-        # (an output nobody consumes, e.g. a bare graph output, is not wrapped).
-        if not self.is_compute(i):
-            return False
-        for tensor in self.inputs[i]:
-            producer = self.producer.get(tensor)
-            if producer is None or not self.is_dq[producer]:
-                return False
-        for tensor in self.outputs[i]:
-            consumers = self.consumers.get(tensor)
-            if not consumers or not all(self.is_q[c] for c in consumers):
-                return False
-        return True
 
-    def is_float(self, i):
-        return self.is_compute(i) and not self.wrapped[i]
-
-    def float_neighbours(self, i):
-        """Float nodes sharing a tensor directly with float node ``i``."""
-        for tensor in self.inputs[i]:
-            producer = self.producer.get(tensor)
-            if producer is not None and self.is_float(producer):
-                yield producer
-        for tensor in self.outputs[i]:
-            for consumer in self.consumers.get(tensor, ()):
-                if self.is_float(consumer):
-                    yield consumer
+def float_components(index):
+    """Connected components of float nodes (lists of node indices), unordered."""
+    producer, consumers = index.float_producer, index.float_consumers
+    seen = [False] * len(index)
+    components = []
+    for start in index.float_nodes:
+        if seen[start]:
+            continue
+        seen[start] = True
+        component, stack = [], [start]
+        while stack:
+            i = stack.pop()
+            component.append(i)
+            for tensor in index.inputs[i]:
+                p = producer.get(tensor)
+                if p is not None and not seen[p]:
+                    seen[p] = True
+                    stack.append(p)
+            for tensor in index.outputs[i]:
+                for c in consumers.get(tensor, ()):
+                    if not seen[c]:
+                        seen[c] = True
+                        stack.append(c)
+        components.append(component)
+    return components
 
 
 def float_islands(index):
-    """Connected components of float nodes, each a list of node indices.
+    """Float islands as ``(node indices, sorted names)`` in SPEC.md's order.
 
-    Each island is sorted by node name and the list by each island's names,
-    which puts the island with the smallest first name first (SPEC.md).
+    Each island's names are sorted, and the list by those names, which puts
+    the island with the smallest first name first.
     """
-    seen = [False] * len(index)
     islands = []
-    for start in range(len(index)):
-        if seen[start] or not index.is_float(start):
-            continue
-        seen[start] = True
-        island, stack = [], [start]
-        while stack:
-            i = stack.pop()
-            island.append(i)
-            for j in index.float_neighbours(i):
-                if not seen[j]:
-                    seen[j] = True
-                    stack.append(j)
-        island.sort(key=index.names.__getitem__)
-        islands.append(island)
-    islands.sort(key=lambda island: [index.names[i] for i in island])
+    for component in float_components(index):
+        named = sorted((index.name(i), i) for i in component)
+        islands.append(([i for _, i in named], [name for name, _ in named]))
+    islands.sort(key=lambda island: island[1])
     return islands
 
 
 def boundary_of(index, island):
     """Distinct DQ nodes feeding the island and distinct Q nodes it feeds."""
     in_dequantize, out_quantize = set(), set()
+    dq_producer, q_consumers = index.dq_producer, index.q_consumers_of_float
     for i in island:
         for tensor in index.inputs[i]:
-            producer = index.producer_of(tensor)
-            if producer is not None and index.is_dq[producer]:
-                in_dequantize.add(producer)
+            p = dq_producer.get(tensor)
+            if p is not None:
+                in_dequantize.add(p)
         for tensor in index.outputs[i]:
-            for consumer in index.consumers_of(tensor):
-                if index.is_q[consumer]:
-                    out_quantize.add(consumer)
+            out_quantize.update(q_consumers.get(tensor, ()))
     return in_dequantize, out_quantize
 
 
 def count_round_trips(index):
     """Q nodes whose output is consumed, and consumed only by DQ nodes."""
-    count = 0
-    for i in range(len(index)):
-        if not index.is_q[i]:
-            continue
-        consumers = [c for t in index.outputs[i] for c in index.consumers_of(t)]
-        if consumers and all(index.is_dq[c] for c in consumers):
-            count += 1
-    return count
+    read_by_non_dq = index.read_by_q | index.read_by_compute
+    read_by_dq_only = index.read_by_dq - read_by_non_dq
+    outputs = index.outputs
+    return sum(
+        1
+        for i in index.q_nodes
+        if not read_by_dq_only.isdisjoint(outputs[i]) and read_by_non_dq.isdisjoint(outputs[i])
+    )
 
 
 def count_weight_dequantize(index):
     """DQ nodes whose first input is an initializer (a stored int8 weight)."""
-    graph_nodes = index.graph.node
-    return sum(
-        1
-        for i in range(len(index))
-        if index.is_dq[i]
-        and graph_nodes[i].input
-        and graph_nodes[i].input[0] in index.initializers
-    )
+    initializers, inputs, gaps = index.initializers, index.inputs, index.inputs_with_gaps
+    count = 0
+    for i in index.dq_nodes:
+        first = (gaps[i] if i in gaps else inputs[i])[:1]  # input 0 as written
+        count += bool(first) and first[0] in initializers
+    return count
 
 
 # --------------------------------------------------------------------------
 # Answers from an index (used by the commands and by gen_models.py)
 
 
-def census(index):
+def census(op_types):
     """``{op_type: count}`` with keys sorted."""
-    return dict(sorted(Counter(index.op_types).items()))
+    return dict(sorted(Counter(op_types).items()))
 
 
 def initializer_census(graph):
@@ -258,23 +358,23 @@ def initializer_census(graph):
 
 def qdq_counts(index):
     return {
-        "quantize": sum(index.is_q),
-        "dequantize": sum(index.is_dq),
+        "quantize": len(index.q_nodes),
+        "dequantize": len(index.dq_nodes),
         "round_trips": count_round_trips(index),
         "weight_dequantize": count_weight_dequantize(index),
     }
 
 
 def island_report(index, islands):
-    compute = sum(1 for i in range(len(index)) if index.is_compute(i))
-    wrapped = sum(index.wrapped)
+    compute = len(index.compute_nodes)
+    wrapped = compute - len(index.float_nodes)
     entries = []
-    for island in islands:
+    for members, names in islands:
         entries.append(
             {
-                "nodes": [index.names[i] for i in island],
-                "size": len(island),
-                "op_types": sorted(index.op_types[i] for i in island),
+                "nodes": names,
+                "size": len(members),
+                "op_types": sorted(index.op_types[i] for i in members),
             }
         )
     return {
@@ -288,11 +388,11 @@ def island_report(index, islands):
 
 def boundary_report(index, islands):
     per_island = []
-    for island in islands:
-        in_dq, out_q = boundary_of(index, island)
+    for members, names in islands:
+        in_dq, out_q = boundary_of(index, members)
         per_island.append(
             {
-                "nodes": [index.names[i] for i in island],
+                "nodes": names,
                 "in_dequantize": len(in_dq),
                 "out_quantize": len(out_q),
             }
@@ -316,11 +416,11 @@ def index_model(path):
 def nodes(path):
     """Op census and initializer dtype census."""
     model = load_model(path)
-    index = GraphIndex(model.graph)
+    op_types = [node.op_type for node in model.graph.node]  # no index needed
     return {
         "model": path,
-        "nodes": len(index),
-        "op_types": census(index),
+        "nodes": len(op_types),
+        "op_types": census(op_types),
         "initializers": initializer_census(model.graph),
     }
 
@@ -343,13 +443,12 @@ def boundary(path):
 
 
 def summary(index):
-    """The numbers ``diff`` compares, from one index."""
-    report = island_report(index, float_islands(index))
+    """The numbers ``diff`` compares, from one index (islands need no names)."""
     return {
-        "op_types": census(index),
+        "op_types": census(index.op_types),
         **qdq_counts(index),
-        "island_count": report["island_count"],
-        "float": report["float"],
+        "island_count": len(float_components(index)),
+        "float": len(index.float_nodes),
     }
 
 
@@ -1082,6 +1181,10 @@ def run(argv):
 def main(argv=None):
     """Run one command; print its JSON answer or one error line. Returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    # A short run that builds a million small objects: the cyclic collector
+    # would only rescan them again and again (about a third of the time).
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
         answer = run(argv)
     except GraphscanError as exc:
@@ -1092,6 +1195,9 @@ def main(argv=None):
     except Exception as exc:  # a bug: still one line, never a traceback
         print(f"graphscan: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_INTERNAL
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     sys.stdout.write(json.dumps(answer) + "\n")
     return EXIT_OK
 
