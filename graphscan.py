@@ -18,6 +18,7 @@ import gc
 import itertools
 import json
 import math
+import mmap
 import os
 import re
 import stat
@@ -64,15 +65,119 @@ def check_readable(path):
         raise GraphscanError(f"{path}: not a regular file", EXIT_NO_FILE)
 
 
-def load_model(path):
-    """Parse ``path`` as an ONNX model without touching external-data files."""
+# Above this size a model is parsed without its tensor payloads (see skim_model).
+SKIM_THRESHOLD = 64 * 1024 * 1024
+
+
+def load_model(path, weights=False):
+    """Parse ``path`` as an ONNX model without touching external-data files.
+
+    Without ``weights``, a big file is memory-mapped and parsed without its
+    initializers' data: a 2 GiB model costs megabytes, not two copies of
+    its weights. Names, dims and data types of initializers are kept.
+    """
     check_readable(path)
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            if weights or os.fstat(f.fileno()).st_size < SKIM_THRESHOLD:
+                return parse_model(f.read(), path)
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                with memoryview(mapped) as view:
+                    try:
+                        data = skim_model(view)
+                    except (IndexError, ValueError) as exc:
+                        raise GraphscanError(
+                            f"{path}: not an ONNX model ({one_line(exc)})", EXIT_NOT_ONNX
+                        )
+            return parse_model(data, path)
     except OSError as exc:
         raise GraphscanError(f"{path}: cannot read ({exc.strerror or exc})", EXIT_NO_FILE)
-    return parse_model(data, path)
+
+
+# Protobuf wire format, just enough to skip tensor payloads of big models.
+MODEL_GRAPH = 7  # ModelProto.graph
+GRAPH_INITIALIZER = 5  # GraphProto.initializer
+# TensorProto float_data, int32_data, string_data, int64_data, raw_data,
+# double_data, uint64_data: the payload; everything else is the header.
+TENSOR_PAYLOAD = {4, 5, 6, 7, 9, 10, 11}
+LENGTH_DELIMITED = 2
+
+
+def read_varint(buf, pos):
+    result = shift = 0
+    while True:
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("malformed varint")
+
+
+def encode_varint(value):
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def wire_fields(buf, start, end):
+    """Yield ``(field number, wire type, value start, value end, field start)``."""
+    pos = start
+    while pos < end:
+        field_start = pos
+        key, pos = read_varint(buf, pos)
+        wire = key & 7
+        value_start = pos
+        if wire == 0:
+            _, pos = read_varint(buf, pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == LENGTH_DELIMITED:
+            length, pos = read_varint(buf, pos)
+            value_start = pos
+            pos += length
+        elif wire == 5:
+            pos += 4
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+        if pos > end:
+            raise ValueError("truncated field")
+        yield key >> 3, wire, value_start, pos, field_start
+
+
+def length_delimited(number, payload):
+    return encode_varint(number << 3 | LENGTH_DELIMITED) + encode_varint(len(payload)) + payload
+
+
+def skim_model(buf):
+    """ModelProto bytes with every graph initializer reduced to its header."""
+    out = bytearray()
+    for number, wire, start, end, field_start in wire_fields(buf, 0, len(buf)):
+        if number == MODEL_GRAPH and wire == LENGTH_DELIMITED:
+            out += length_delimited(MODEL_GRAPH, skim_graph(buf, start, end))
+        else:
+            out += buf[field_start:end]
+    return bytes(out)
+
+
+def skim_graph(buf, start, end):
+    out = bytearray()
+    for number, wire, value_start, value_end, field_start in wire_fields(buf, start, end):
+        if number == GRAPH_INITIALIZER and wire == LENGTH_DELIMITED:
+            header = b"".join(
+                buf[f_start:f_end]
+                for n, _, _, f_end, f_start in wire_fields(buf, value_start, value_end)
+                if n not in TENSOR_PAYLOAD
+            )
+            out += length_delimited(GRAPH_INITIALIZER, header)
+        else:
+            out += buf[field_start:value_end]
+    return bytes(out)
 
 
 def parse_model(data, path):
@@ -660,8 +765,8 @@ def write_atomically(data, path):
 
 
 def load_with_weights(path):
-    """The model with external-data weights loaded from its own folder."""
-    model = load_model(path)
+    """The model with its weights, external data read by onnx's checked loader."""
+    model = load_model(path, weights=True)
     from onnx import external_data_helper
 
     if any(external_data_helper.uses_external_data(t) for t in model.graph.initializer):
