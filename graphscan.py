@@ -1056,8 +1056,17 @@ def error_stats(reference, value):
     return max_abs, sqnr
 
 
+REASON_ABSORBED = "its output is compared with a quantized node of another type (absorbed)"
+REASON_NO_TWIN = "no quantized node of the same name and op_type"
+REASON_SUBGRAPH = "has a subgraph (If/Loop/Scan): only its outputs are compared, it is not isolated"
+
+
 def unmatched_float_nodes(float_index, quant_index, rows):
-    """Float compute nodes with no quantized counterpart of the same name and op_type."""
+    """Float compute nodes with no quantized counterpart of the same name and op_type.
+
+    Nodes with subgraphs are listed too: trace compares their outputs but
+    builds no single-op model for them (their bodies read outer tensors).
+    """
     quant = {(quant_index.names[i], quant_index.op_types[i]) for i in range(len(quant_index))}
     referenced = {}
     for row in rows:
@@ -1071,11 +1080,12 @@ def unmatched_float_nodes(float_index, quant_index, rows):
         if not float_index.is_compute(i):
             continue
         name, op_type = float_index.names[i], float_index.op_types[i]
-        if (name, op_type) in quant or op_type in referenced.get(i, ()):
+        if has_subgraph(float_index.graph.node[i]):
+            reason = REASON_SUBGRAPH
+        elif (name, op_type) in quant or op_type in referenced.get(i, ()):
             continue
-        reason = "its output is compared with a quantized node of another type (absorbed)"
-        if i not in referenced:
-            reason = "no quantized node of the same name and op_type"
+        else:
+            reason = REASON_ABSORBED if i in referenced else REASON_NO_TWIN
         unmatched.append({"node": name, "op_type": op_type, "reason": reason})
     return unmatched
 
