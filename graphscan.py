@@ -28,10 +28,13 @@ from collections import Counter
 import onnx
 
 EXIT_OK = 0
+EXIT_INTERNAL = 1  # a bug in graphscan, still reported in one line
 EXIT_USAGE = 2
-EXIT_NO_FILE = 3
-EXIT_NOT_ONNX = 4
-EXIT_INTERNAL = 1  # a bug in graphscan, reported in one line
+EXIT_NO_FILE = 3  # no such file, not a regular file, or an output that cannot be written
+EXIT_NOT_ONNX = 4  # not an ONNX model (or, for fuse/trace, its external data cannot be loaded)
+EXIT_RUNTIME = 5  # fuse/trace: the model does not run in onnxruntime
+EXIT_MISMATCH = 6  # fuse: the fused model does not reproduce the original
+EXIT_INPUTS = 7  # trace: the models' inputs differ, or --inputs is unreadable or lacks one
 
 QUANTIZE = "QuantizeLinear"
 DEQUANTIZE = "DequantizeLinear"
@@ -358,9 +361,6 @@ class GraphIndex:
     def is_compute(self, i):
         return not (self.is_q[i] or self.is_dq[i])
 
-    def is_float(self, i):
-        return self.floating[i]
-
     def producer_of(self, tensor):
         """Index of the node producing ``tensor``, or None."""
         return self.producer.get(tensor)
@@ -584,9 +584,6 @@ def diff(a, b):
 
 # --------------------------------------------------------------------------
 # fuse: MatMul + Add -> Gemm, verified with onnxruntime before anything is written
-
-EXIT_RUNTIME = 5  # the model does not run in onnxruntime
-EXIT_MISMATCH = 6  # the fused model does not reproduce the original
 
 FUSE_RELATIVE_TOLERANCE = 1e-5
 FUSE_SEED = 0
@@ -814,7 +811,6 @@ def fuse(path, output):
 # model once with every operator's single-op model appended to its graph, fed
 # from the float references. No session per operator.
 
-EXIT_INPUTS = 7  # the models' inputs differ, or --inputs lacks one
 TRACE_TOLERANCE = 1e-2
 TRACE_SYMBOLIC_DIM_SIZE = 1
 QDQ_SUFFIX = re.compile(
