@@ -203,9 +203,26 @@ def parse_model(data, path):
 # The graph index: built once, every question answered from it in linear time
 
 
+def as_text(value):
+    """A protobuf string field as ``str``.
+
+    Protobuf hands a string field that is not valid UTF-8 to Python as
+    ``bytes``; graphscan shows it with U+FFFD for each bad byte, so it sorts
+    and prints like every other name.
+    """
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def as_texts(values):
+    """``values`` with any ``bytes`` decoded; the list itself when all are ``str``."""
+    if bytes in set(map(type, values)):
+        return [as_text(v) for v in values]
+    return values
+
+
 def node_name(node, index):
     """The node's name, or ``<op_type>_<index>`` when it has none."""
-    return node.name or f"{node.op_type}_{index}"
+    return as_text(node.name) or f"{as_text(node.op_type)}_{index}"
 
 
 def dtype_name(data_type):
@@ -240,6 +257,7 @@ class GraphIndex:
                 ins = [t for t in ins if t]
             inputs.append(ins)
             outputs.append([t for t in outs if t] if "" in outs else outs)
+        self.op_types = op_types = as_texts(op_types)
         self.is_q = [op == QUANTIZE for op in op_types]
         self.is_dq = [op == DEQUANTIZE for op in op_types]
         self.q_nodes = [i for i, q in enumerate(self.is_q) if q]
@@ -521,7 +539,7 @@ def index_model(path):
 def nodes(path):
     """Op census and initializer dtype census."""
     model = load_model(path)
-    op_types = [node.op_type for node in model.graph.node]  # no index needed
+    op_types = as_texts([node.op_type for node in model.graph.node])  # no index needed
     return {
         "model": path,
         "nodes": len(op_types),
@@ -1297,7 +1315,7 @@ def main(argv=None):
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        answer = run(argv)
+        text = json.dumps(run(argv))
     except GraphscanError as exc:
         print(f"graphscan: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -1309,7 +1327,7 @@ def main(argv=None):
     finally:
         if gc_was_enabled:
             gc.enable()
-    sys.stdout.write(json.dumps(answer) + "\n")
+    sys.stdout.write(text + "\n")
     return EXIT_OK
 
 
