@@ -8,8 +8,32 @@ from dataclasses import dataclass
 
 import onnx
 import pytest
+from hypothesis import HealthCheck, settings
 
 import gen_models
+
+
+# Hypothesis profiles for tests/test_properties.py. Registered here because the plugin
+# loads `--hypothesis-profile NAME` in pytest_configure, before test modules import.
+# database=None: tests never write into the repository (no .hypothesis/ folder); a failure
+# prints its minimal example and a reproduce blob instead.
+settings.register_profile(
+    "default",
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "thorough",
+    max_examples=5000,
+    deadline=None,
+    derandomize=False,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 @dataclass(frozen=True)
