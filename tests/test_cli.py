@@ -18,32 +18,16 @@ import pytest
 
 import conftest
 import graphscan
+from conftest import (
+    COMMANDS,
+    ISLAND_KEYS,
+    PER_ISLAND_KEYS,
+    SINGLE_MODEL_COMMANDS,
+    SPEC_KEYS,
+    assert_counts_are_integers,
+)
 
 GRAPHSCAN = str(Path(__file__).resolve().parent.parent / "graphscan.py")
-
-COMMANDS = ["nodes", "qdq", "islands", "boundary", "diff"]
-SINGLE_MODEL_COMMANDS = ["nodes", "qdq", "islands", "boundary"]
-
-# SPEC.md "Commands": exactly these keys, no more and no fewer.
-SPEC_KEYS = {
-    "nodes": ["model", "nodes", "op_types", "initializers"],
-    "qdq": ["model", "quantize", "dequantize", "round_trips", "weight_dequantize"],
-    "islands": ["model", "compute", "wrapped", "float", "island_count", "islands"],
-    "boundary": ["model", "island_count", "crossings", "per_island"],
-    "diff": [
-        "a",
-        "b",
-        "op_delta",
-        "quantize_delta",
-        "dequantize_delta",
-        "round_trip_delta",
-        "island_delta",
-        "float_delta",
-    ],
-}
-ISLAND_KEYS = ["nodes", "size", "op_types"]
-PER_ISLAND_KEYS = ["nodes", "in_dequantize", "out_quantize"]
-PATH_KEYS = ["model", "a", "b"]
 
 
 # --------------------------------------------------------------------------
@@ -87,20 +71,6 @@ def error_line(proc, exit_code):
     line = text.rstrip("\n")
     assert line.strip(), describe(proc)
     return line
-
-
-def assert_counts_are_integers(value, where="answer"):
-    """Every number in a structural answer is an int (never a float or a bool)."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            assert isinstance(key, str), where
-            if key not in PATH_KEYS:
-                assert_counts_are_integers(item, f"{where}[{key!r}]")
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            assert_counts_are_integers(item, f"{where}[{i}]")
-    elif not isinstance(value, str):
-        assert type(value) is int, f"{where} = {value!r} is not an int"
 
 
 def in_process(command, paths):

@@ -19,33 +19,19 @@ import onnx
 import pytest
 
 import graphscan
+from conftest import (
+    ISLAND_KEYS,
+    PER_ISLAND_KEYS,
+    SINGLE_MODEL_COMMANDS,
+    SPEC_KEYS,
+    assert_counts_are_integers,
+)
 
 GRAPHSCAN = str(Path(__file__).resolve().parent.parent / "graphscan.py")
 CORPUS_ROOT = Path(onnx.__file__).parent / "backend" / "test" / "data"
 CORPUS = sorted(CORPUS_ROOT.rglob("*.onnx"))
 
-SINGLE_MODEL_COMMANDS = ["nodes", "qdq", "islands", "boundary"]
-# SPEC.md "Commands": exactly these keys, no more and no fewer.
-SPEC_KEYS = {
-    "nodes": ["model", "nodes", "op_types", "initializers"],
-    "qdq": ["model", "quantize", "dequantize", "round_trips", "weight_dequantize"],
-    "islands": ["model", "compute", "wrapped", "float", "island_count", "islands"],
-    "boundary": ["model", "island_count", "crossings", "per_island"],
-    "diff": [
-        "a",
-        "b",
-        "op_delta",
-        "quantize_delta",
-        "dequantize_delta",
-        "round_trip_delta",
-        "island_delta",
-        "float_delta",
-    ],
-}
-ISLAND_KEYS = ["nodes", "size", "op_types"]
-PER_ISLAND_KEYS = ["nodes", "in_dequantize", "out_quantize"]
 DELTA_KEYS = SPEC_KEYS["diff"][3:]
-PATH_KEYS = ["model", "a", "b"]
 
 # A handful run as a real process: one or two per folder, odd ones included
 # (a 1746-node zoo model, string inputs, sequence ops, a training-domain op).
@@ -85,20 +71,6 @@ def sample_paths(relatives):
 
 # --------------------------------------------------------------------------
 # Checks shared by the corpus and its quantized copies
-
-
-def assert_counts_are_integers(value, where="answer"):
-    """Every number in a structural answer is an int (never a float or a bool)."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            assert isinstance(key, str), f"{where}: key {key!r} is not a str"
-            if key not in PATH_KEYS:
-                assert_counts_are_integers(item, f"{where}[{key!r}]")
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            assert_counts_are_integers(item, f"{where}[{i}]")
-    elif not isinstance(value, str):
-        assert type(value) is int, f"{where} = {value!r} is not an int"
 
 
 def assert_spec_shape(command, answer):

@@ -28,30 +28,16 @@ import pytest
 from onnx import TensorProto, helper
 
 import graphscan
+from conftest import (
+    COMMANDS,
+    SINGLE_MODEL_COMMANDS,
+    SPEC_KEYS,
+    assert_counts_are_integers,
+)
 
 GRAPHSCAN = str(Path(__file__).resolve().parent.parent / "graphscan.py")
 CORPUS_ROOT = Path(onnx.__file__).parent / "backend" / "test" / "data"
 
-SINGLE_MODEL_COMMANDS = ["nodes", "qdq", "islands", "boundary"]
-COMMANDS = SINGLE_MODEL_COMMANDS + ["diff"]
-# SPEC.md "Commands": exactly these keys, no more and no fewer.
-SPEC_KEYS = {
-    "nodes": ["model", "nodes", "op_types", "initializers"],
-    "qdq": ["model", "quantize", "dequantize", "round_trips", "weight_dequantize"],
-    "islands": ["model", "compute", "wrapped", "float", "island_count", "islands"],
-    "boundary": ["model", "island_count", "crossings", "per_island"],
-    "diff": [
-        "a",
-        "b",
-        "op_delta",
-        "quantize_delta",
-        "dequantize_delta",
-        "round_trip_delta",
-        "island_delta",
-        "float_delta",
-    ],
-}
-PATH_KEYS = ["model", "a", "b"]
 ERROR_EXITS = [graphscan.EXIT_NO_FILE, graphscan.EXIT_NOT_ONNX]
 
 MUTATIONS = int(os.environ.get("GRAPHSCAN_MUTATIONS", "200"))
@@ -234,19 +220,6 @@ def write_mutation(originals, folder, source, kind, seed):
 
 # --------------------------------------------------------------------------
 # The contract, as one function per side
-
-
-def assert_counts_are_integers(value, where="answer"):
-    if isinstance(value, dict):
-        for key, item in value.items():
-            assert isinstance(key, str), f"{where}: key {key!r} is not a str"
-            if key not in PATH_KEYS:
-                assert_counts_are_integers(item, f"{where}[{key!r}]")
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            assert_counts_are_integers(item, f"{where}[{i}]")
-    elif not isinstance(value, str):
-        assert type(value) is int, f"{where} = {value!r} is not an int"
 
 
 def contract_violation(command, paths, code, out, err):
