@@ -566,10 +566,15 @@ def boundary(path):
 
 
 def summary(index):
-    """The numbers ``diff`` compares, from one index (islands need no names)."""
+    """The numbers ``diff`` compares, from one index.
+
+    Only what diff reports: islands need no names, weight DQs are not compared.
+    """
     return {
         "op_types": census(index.op_types),
-        **qdq_counts(index),
+        "quantize": len(index.q_nodes),
+        "dequantize": len(index.dq_nodes),
+        "round_trips": count_round_trips(index),
         "island_count": len(float_components(index)),
         "float": len(index.float_nodes),
     }
