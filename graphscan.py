@@ -1157,6 +1157,39 @@ def save_op_models(folder, quant_model, rows, op_models, arrays_by_row):
         write_atomically(buffer.getvalue(), os.path.join(folder, stem + ".npz"))
 
 
+def plan_rows(quant_model, quant_index, matcher):
+    """Per compute node of the quantized model: its index, float reference and
+    single-op model (None where it has no reference or has a subgraph)."""
+    graph = quant_model.graph
+    initializer_protos = {init.name: init for init in graph.initializer}
+    rows = []
+    for i in quant_index.compute_nodes:
+        first_output = graph.node[i].output[0] if graph.node[i].output else ""
+        reference = tensor_reference(quant_index, matcher, first_output) if first_output else None
+        op = None
+        if reference is not None and not has_subgraph(graph.node[i]):
+            op = OpModel(quant_index, graph, i, matcher, initializer_protos)
+        rows.append((i, reference, op))
+    return rows
+
+
+def row_answer(index, i, reference, op, ref_value, isolated, seen):
+    """One ``ops`` row of the trace answer."""
+    isolated_max, _ = error_stats(ref_value, isolated)
+    propagated_max, sqnr = error_stats(ref_value, seen)
+    scale = op.output_scale if op else None
+    return {
+        "node": index.names[i],
+        "op_type": index.op_types[i],
+        "wrapped": index.wrapped[i],
+        "reference": reference,
+        "isolated_max_abs": isolated_max,
+        "propagated_max_abs": propagated_max,
+        "isolated_lsb": isolated_max / scale if isolated_max is not None and scale else None,
+        "sqnr_db": sqnr,
+    }
+
+
 def trace(a, b, inputs=None, seed=0, tolerance=TRACE_TOLERANCE, save=None):
     """Per operator of ``b`` (quantized): isolated and propagated error against ``a`` (float)."""
     float_model, quant_model = load_with_weights(a), load_with_weights(b)
@@ -1164,63 +1197,45 @@ def trace(a, b, inputs=None, seed=0, tolerance=TRACE_TOLERANCE, save=None):
     feeds = trace_inputs(float_model, inputs, seed)
     quant_index = GraphIndex(quant_model.graph)
     matcher = ReferenceMatcher(float_model.graph)
-
-    rows_nodes = [i for i in range(len(quant_index)) if quant_index.is_compute(i)]
-    references = [
-        tensor_reference(quant_index, matcher, quant_model.graph.node[i].output[0])
-        if quant_model.graph.node[i].output and quant_model.graph.node[i].output[0]
-        else None
-        for i in rows_nodes
-    ]
-    initializer_protos = {init.name: init for init in quant_model.graph.initializer}
-    op_models = [
-        None if has_subgraph(quant_model.graph.node[i]) or ref is None
-        else OpModel(quant_index, quant_model.graph, i, matcher, initializer_protos)
-        for i, ref in zip(rows_nodes, references)
-    ]
+    plan = plan_rows(quant_model, quant_index, matcher)
+    op_models = [op for _, _, op in plan]
     output_names = [o.name for o in float_model.graph.output]
-    wanted_float = {r for r in references if r} | set(output_names)
-    for op in op_models:
-        if op is not None:
-            wanted_float.update(r for r in op.feeds.values() if r)
-    float_values = {**feeds, **run_with_outputs(float_model, feeds, sorted(wanted_float - set(feeds)), a)}
 
+    # Session 1: the float model, exposing every reference a row needs.
+    wanted_float = {ref for _, ref, _ in plan if ref} | set(output_names)
+    for op in filter(None, op_models):
+        wanted_float.update(ref for ref in op.feeds.values() if ref)
+    float_values = {
+        **feeds,
+        **run_with_outputs(float_model, feeds, sorted(wanted_float - set(feeds)), a),
+    }
+
+    # Session 2: the quantized model with every single-op model appended.
     combined, row_feeds, extra_inputs, row_outputs = combined_model(quant_model, op_models, float_values)
-    seen = {i: output_chain(quant_index, quant_model.graph, quant_model.graph.node[i].output[0])[1]
-            for i in rows_nodes if quant_model.graph.node[i].output}
-    own_values = {t for op in op_models if op for t, r in op.feeds.items() if r is None}
-    wanted_quant = sorted(set(seen.values()) | set(row_outputs.values()) | own_values | set(output_names))
+    seen = {
+        i: output_chain(quant_index, quant_model.graph, quant_model.graph.node[i].output[0])[1]
+        for i, _, _ in plan
+        if quant_model.graph.node[i].output
+    }
+    own_values = {t for op in filter(None, op_models) for t, ref in op.feeds.items() if ref is None}
+    wanted_quant = set(seen.values()) | set(row_outputs.values()) | own_values | set(output_names)
     quant_values = run_with_outputs(
-        combined, {**feeds, **row_feeds}, wanted_quant, b, extra_inputs, copy=False
+        combined, {**feeds, **row_feeds}, sorted(wanted_quant), b, extra_inputs, copy=False
     )
     quant_values.update(feeds)
 
-    rows, arrays_by_row = [], []
-    for k, (i, reference) in enumerate(zip(rows_nodes, references)):
+    rows, saved = [], []
+    for k, (i, reference, op) in enumerate(plan):
         ref_value = float_values.get(reference) if reference else None
-        op = op_models[k]
         isolated = quant_values.get(row_outputs[k]) if op else None
-        isolated_max, _ = error_stats(ref_value, isolated)
-        propagated_max, sqnr = error_stats(ref_value, quant_values.get(seen.get(i)))
-        scale = op.output_scale if op else None
-        rows.append({
-            "node": quant_index.names[i],
-            "op_type": quant_index.op_types[i],
-            "wrapped": quant_index.wrapped[i],
-            "reference": reference,
-            "isolated_max_abs": isolated_max,
-            "propagated_max_abs": propagated_max,
-            "isolated_lsb": isolated_max / scale if isolated_max is not None and scale else None,
-            "sqnr_db": sqnr,
-        })
+        rows.append(row_answer(quant_index, i, reference, op, ref_value, isolated, quant_values.get(seen.get(i))))
+        arrays = None
         if isolated is not None and ref_value is not None:
             arrays = {t: (float_values[r] if r else quant_values[t]) for t, r in op.feeds.items()}
-            arrays_by_row.append(({**arrays, "reference": ref_value}, isolated))
-        else:
-            arrays_by_row.append(None)
-
+            arrays = ({**arrays, "reference": ref_value}, isolated)
+        saved.append(arrays)
     if save is not None:
-        save_op_models(save, quant_model, rows, op_models, arrays_by_row)
+        save_op_models(save, quant_model, rows, op_models, saved)
     return {
         "a": a,
         "b": b,
