@@ -280,15 +280,11 @@ def trace_back(index, tensor, graph_inputs):
 
     Returns ``(name or None, crossed)``; ``crossed`` tells a Q/DQ was passed.
     """
-    crossed = False
-    while True:
-        producer = index.producer_of(tensor)
-        if producer is None:
-            return (tensor if tensor in graph_inputs else None), crossed
-        if index.is_compute(producer):
-            return index.names[producer], crossed
-        crossed = True
-        tensor = index.inputs[producer][0]
+    source, chain = graphscan.data_source(index, index.graph, tensor)
+    producer = index.producer_of(source)
+    if producer is None:
+        return (source if source in graph_inputs else None), bool(chain)
+    return index.names[producer], bool(chain)
 
 
 def layer_chain_mermaid(path):

@@ -646,9 +646,8 @@ def broadcasts_to(c_shape, m, n):
     return True
 
 
-def gemm_plan(index, model, shapes, matmul):
+def gemm_plan(index, model, shapes, graph_outputs, matmul):
     """``(add_index, c_name, None)`` if MatMul ``matmul`` can fuse, else ``(None, None, reason)``."""
-    graph_outputs = {output.name for output in model.graph.output}
     node = model.graph.node[matmul]
     product = node.output[0]
     consumers = index.consumers_of(product)
@@ -690,11 +689,12 @@ def fuse_matmul_add(model):
     index = GraphIndex(model.graph)
     shapes = static_shapes(model)
     taken = set(index.names)
+    graph_outputs = {output.name for output in model.graph.output}
     replace, drop, fused, skipped = {}, set(), [], []
     for i, op_type in enumerate(index.op_types):
         if op_type != "MatMul":
             continue
-        add, c_name, reason = gemm_plan(index, model, shapes, i)
+        add, c_name, reason = gemm_plan(index, model, shapes, graph_outputs, i)
         if reason:
             skipped.append({"node": index.names[i], "reason": reason})
             continue
@@ -721,16 +721,19 @@ def fuse_matmul_add(model):
     return out, fused, skipped
 
 
+def value_inputs(graph):
+    """The graph inputs that are not initializers: what a run must be fed."""
+    initializers = {init.name for init in graph.initializer}
+    return [info for info in graph.input if info.name not in initializers]
+
+
 def random_inputs(model, seed, symbolic_size):
     """Seeded normal data for every graph input, symbolic dims set to ``symbolic_size``."""
     import numpy as np
 
-    initializers = {init.name for init in model.graph.initializer}
     rng = np.random.default_rng(seed)
     feeds = {}
-    for info in model.graph.input:
-        if info.name in initializers:
-            continue
+    for info in value_inputs(model.graph):
         tensor_type = info.type.tensor_type
         shape = [
             d.dim_value if d.HasField("dim_value") else symbolic_size
@@ -845,8 +848,7 @@ FLOAT_PREFIX = "graphscan.float/"  # float references fed into the combined grap
 
 def value_names(graph):
     """Graph inputs that are not initializers, and every node output."""
-    initializers = {init.name for init in graph.initializer}
-    names = {i.name for i in graph.input if i.name not in initializers}
+    names = {info.name for info in value_inputs(graph)}
     names.update(t for node in graph.node for t in node.output if t)
     return names
 
@@ -899,8 +901,8 @@ class OpModel:
         self.index, self.graph, self.row = index, graph, i
         chain, self.weight_nodes = [], set()
         for tensor in index.inputs[i]:
-            links = input_chain(index, graph, tensor)
-            if links and graph.node[links[0]].input[0] in index.initializers:
+            source, links = data_source(index, graph, tensor)
+            if links and source in index.initializers:
                 self.weight_nodes.update(links)
             chain += [j for j in links if j not in chain]
         out_chain, self.output = output_chain(index, graph, graph.node[i].output[0])
@@ -943,6 +945,14 @@ def input_chain(index, graph, tensor):
     return chain[::-1]
 
 
+def data_source(index, graph, tensor):
+    """``(source tensor, Q/DQ chain)``: where ``tensor``'s data comes from once
+    every Q/DQ in front of it is skipped (a compute output, a graph input or an
+    initializer), and the Q/DQ nodes skipped, source first."""
+    chain = input_chain(index, graph, tensor)
+    return (graph.node[chain[0]].input[0] if chain else tensor), chain
+
+
 def output_chain(index, graph, tensor):
     """The Q->DQ pair right after ``tensor`` and the tensor the next op sees."""
     for q in index.consumers_of(tensor):
@@ -975,8 +985,7 @@ def trace_inputs(model, inputs_path, seed):
     """The arrays both models run on: from ``--inputs`` or seeded normal data."""
     import numpy as np
 
-    initializers = {init.name for init in model.graph.initializer}
-    wanted = [i for i in model.graph.input if i.name not in initializers]
+    wanted = value_inputs(model.graph)
     if inputs_path is None:
         return random_inputs(model, seed, TRACE_SYMBOLIC_DIM_SIZE)
     check_readable(inputs_path)
@@ -992,17 +1001,12 @@ def trace_inputs(model, inputs_path, seed):
 
 
 def check_same_inputs(float_model, quant_model, a, b):
-    names = [sorted(value_input_names(m.graph)) for m in (float_model, quant_model)]
+    names = [sorted(i.name for i in value_inputs(m.graph)) for m in (float_model, quant_model)]
     if names[0] != names[1]:
         raise GraphscanError(
             f"{a} and {b}: the models' inputs differ ({', '.join(names[0])} vs {', '.join(names[1])})",
             EXIT_INPUTS,
         )
-
-
-def value_input_names(graph):
-    initializers = {init.name for init in graph.initializer}
-    return [i.name for i in graph.input if i.name not in initializers]
 
 
 def run_with_outputs(model, feeds, outputs, path, extra_inputs=(), copy=True):
@@ -1089,9 +1093,10 @@ def unmatched_float_nodes(float_index, quant_index, rows):
     quant = {(quant_index.names[i], quant_index.op_types[i]) for i in range(len(quant_index))}
     referenced = {}
     for row in rows:
-        producer = float_index.producer_of(row["reference"]) if row["reference"] else None
-        while producer is not None and not float_index.is_compute(producer):
-            producer = float_index.producer_of(float_index.graph.node[producer].input[0])
+        if row["reference"] is None:
+            continue
+        source, _ = data_source(float_index, float_index.graph, row["reference"])
+        producer = float_index.producer_of(source)
         if producer is not None:
             referenced.setdefault(producer, set()).add(row["op_type"])
     unmatched = []
