@@ -178,14 +178,28 @@ def calibration_reader(shape, seed):
     return SeededReader()
 
 
+def quantize_qdq(source, target, seed, **scope):
+    """Static QDQ quantization with a new seeded reader; ``scope`` narrows it.
+
+    The one place static settings live, so gemm_full.onnx is quantized exactly
+    like full.onnx.
+    """
+    from onnxruntime.quantization import QuantFormat, quantize_static
+
+    shape = concrete_shape(onnx.load(str(source)))
+    quantize_static(
+        str(source), str(target), calibration_reader(shape, seed),
+        quant_format=QuantFormat.QDQ, **scope,
+    )
+
+
 def quantize_variants(fp32_path, out_dir, exclude, seed):
     """Write full, matmul_only, excluded and dynamic next to ``fp32_path``.
 
     Returns ``{variant: path}``. Each static call gets its own fresh reader.
     """
-    from onnxruntime.quantization import QuantFormat, quantize_dynamic, quantize_static
+    from onnxruntime.quantization import quantize_dynamic
 
-    shape = concrete_shape(onnx.load(str(fp32_path)))
     scopes = {
         "full": {},
         "matmul_only": {"op_types_to_quantize": ["MatMul"]},
@@ -194,13 +208,7 @@ def quantize_variants(fp32_path, out_dir, exclude, seed):
     paths = {}
     for variant, scope in scopes.items():
         paths[variant] = out_dir / f"{variant}.onnx"
-        quantize_static(
-            str(fp32_path),
-            str(paths[variant]),
-            calibration_reader(shape, seed),
-            quant_format=QuantFormat.QDQ,
-            **scope,
-        )
+        quantize_qdq(fp32_path, paths[variant], seed, **scope)
     paths["dynamic"] = out_dir / "dynamic.onnx"
     quantize_dynamic(str(fp32_path), str(paths["dynamic"]))
     return paths
@@ -537,7 +545,7 @@ def build_lab(folder, layers, dim, seed, exclude):
     onnx.save(build_mlp(layers, dim, seed), paths["fp32"])
     quantize_variants(paths["fp32"], folder, exclude, seed)
     fused = graphscan.fuse(str(paths["fp32"]), str(paths["gemm"]))
-    quantize_static_full(paths["gemm"], paths["gemm_full"], seed)
+    quantize_qdq(paths["gemm"], paths["gemm_full"], seed)  # the settings of full.onnx
     answers = {m: measure(paths[m]) for m in MODELS}
     scope = scope_report(paths, answers, exclude)
     fuse = fuse_report(answers, fused["max_abs_error"])
@@ -546,16 +554,6 @@ def build_lab(folder, layers, dim, seed, exclude):
     report = ops_report(paths, answers, scope, fuse, layers)
     (folder / "ops_report.md").write_text(report, encoding="utf-8")
     return {"answers": answers, "scope": scope, "fuse": fuse}
-
-
-def quantize_static_full(source, target, seed):
-    """Static QDQ with no scope option: the same settings as full.onnx."""
-    from onnxruntime.quantization import QuantFormat, quantize_static
-
-    shape = concrete_shape(onnx.load(str(source)))
-    quantize_static(
-        str(source), str(target), calibration_reader(shape, seed), quant_format=QuantFormat.QDQ
-    )
 
 
 def default_exclude(layers):

@@ -66,7 +66,6 @@ def build_pair(blocks: int, workdir: Path) -> dict:
     import numpy as np
     import onnx
     import onnxruntime
-    from onnxruntime.quantization import QuantFormat, quantize_static
 
     sys.path.insert(0, str(REPO_ROOT))  # gen_models and graphscan live at the repo root
     import gen_models
@@ -83,12 +82,7 @@ def build_pair(blocks: int, workdir: Path) -> dict:
     root, level = logging.getLogger(), logging.getLogger().level
     root.setLevel(logging.ERROR)
     try:
-        quantize_static(
-            str(paths["float"]),
-            str(paths["quant"]),
-            gen_models.calibration_reader(gen_models.concrete_shape(model), SEED),
-            quant_format=QuantFormat.QDQ,
-        )
+        gen_models.quantize_qdq(paths["float"], paths["quant"], SEED)
     finally:
         root.setLevel(level)
     x = np.random.default_rng(SEED).standard_normal(INPUT_SHAPE).astype(np.float32)

@@ -240,7 +240,7 @@ def test_failure_mid_build_leaves_ops_untouched(tmp_path, capsys, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("quantizer exploded")
 
-    monkeypatch.setattr(gen_models, "quantize_static_full", broken)
+    monkeypatch.setattr(gen_models, "quantize_qdq", broken)
     assert gen_models.main(["--out", str(out), "--dim", "8", "--seed", "5"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "quantizer exploded" in err

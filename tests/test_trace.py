@@ -231,10 +231,7 @@ def test_cnn_runs_end_to_end(tmp_path, fold):
     model = gen_models.build_cnn(2, channels=4, size=8, seed=1, fold_batchnorm=fold)
     fp32, quant = tmp_path / "cnn.onnx", tmp_path / "cnn_q.onnx"
     onnx.save(model, fp32)
-    from onnxruntime.quantization import QuantFormat, quantize_static
-
-    reader = gen_models.calibration_reader(gen_models.concrete_shape(model, batch=2), 0)
-    quantize_static(str(fp32), str(quant), reader, quant_format=QuantFormat.QDQ)
+    gen_models.quantize_qdq(fp32, quant, seed=0)
 
     answer = graphscan.trace(str(fp32), str(quant), seed=4)
     op_types = {r["op_type"] for r in answer["ops"]}
