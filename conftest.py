@@ -46,6 +46,17 @@ def assert_counts_are_integers(value, where="answer"):
         assert type(value) is int, f"{where} = {value!r} is not an int"
 
 
+def run_onnx(path, feeds):
+    """All outputs of the model at ``path`` on ``feeds``, run directly in onnxruntime
+    with graph optimizations off, as graphscan runs models (Q/DQ kept as written)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
 # Hypothesis profiles for tests/test_properties.py. Registered here because the plugin
 # loads `--hypothesis-profile NAME` in pytest_configure, before test modules import.
 # database=None: tests never write into the repository (no .hypothesis/ folder); a failure

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
+from conftest import run_onnx
 
 GRAPHSCAN = str(Path(__file__).resolve().parent.parent / "graphscan.py")
 RNG = np.random.default_rng(7)
@@ -35,13 +35,6 @@ def save_graph(path, nodes, inputs, outputs, initializers):
     onnx.checker.check_model(model, full_check=True)
     onnx.save(model, path)
     return str(path)
-
-
-def run(path, feeds):
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)
 
 
 def matmul_add(a="a", b="B", c="C", extra=()):
@@ -80,7 +73,7 @@ def test_fused_model_matches_on_any_batch(tmp_path, batch):
     onnx.save(gen_models.build_mlp(3, 16, seed=1), source)
     graphscan.fuse(str(source), str(target))
     x = np.random.default_rng(batch).standard_normal((batch, 16)).astype(np.float32)
-    (expected,), (actual,) = run(source, {"x": x}), run(target, {"x": x})
+    (expected,), (actual,) = run_onnx(source, {"x": x}), run_onnx(target, {"x": x})
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -216,7 +209,7 @@ def test_broadcastable_c_is_fused(tmp_path, c_shape, a_shape):
     answer = graphscan.fuse(source, str(target))
     assert answer["fused"] == [{"matmul": "mm_node", "add": "add_node", "gemm": "mm_node_gemm"}]
     a = RNG.standard_normal([2, 3]).astype(np.float32)
-    np.testing.assert_allclose(run(target, {"a": a})[0], run(source, {"a": a})[0], rtol=1e-5)
+    np.testing.assert_allclose(run_onnx(target, {"a": a})[0], run_onnx(source, {"a": a})[0], rtol=1e-5)
 
 
 def test_matmul_add_with_c_first_is_fused(tmp_path):

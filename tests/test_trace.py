@@ -12,13 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
 import gen_models
 import graphscan
-from conftest import Case
+from conftest import Case, run_onnx
 
 GRAPHSCAN = str(Path(__file__).resolve().parent.parent / "graphscan.py")
 LAB = Case(4, ("N",), "fc2_matmul", dim=16)
@@ -28,12 +27,6 @@ ROW_KEYS = [
     "propagated_max_abs", "isolated_lsb", "sqnr_db",
 ]
 ANSWER_KEYS = ["a", "b", "inputs", "ops", "outputs", "worst_isolated", "first_over", "unmatched"]
-
-
-def session(path):
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def initializers_of(model):
@@ -168,8 +161,8 @@ def test_faulty_isolated_error_matches_numpy(faulty_trace, lab, faulty, x):
 
 def test_final_output_equals_direct_onnxruntime(faulty_trace, lab, faulty, x):
     answer, _ = faulty_trace
-    (expected,) = session(lab["fp32"]).run(None, {"x": x})
-    (actual,) = session(faulty).run(None, {"x": x})
+    (expected,) = run_onnx(lab["fp32"], {"x": x})
+    (actual,) = run_onnx(faulty, {"x": x})
     direct = float(np.max(np.abs(expected.astype(np.float64) - actual)))
     assert answer["outputs"] == {"y": pytest.approx(direct, rel=1e-6)}
     last = [r for r in answer["ops"] if r["reference"] == "y"]
@@ -190,7 +183,7 @@ def test_saved_single_op_model_reruns_to_its_row(faulty_trace):
         with np.load(folder / f"{row['node']}.npz") as arrays:
             feeds = {k: arrays[k] for k in arrays.files if k != "reference"}
             reference = arrays["reference"]
-        (out,) = session(model_path).run(None, feeds)
+        (out,) = run_onnx(model_path, feeds)
         error = float(np.max(np.abs(reference.astype(np.float64) - out)))
         assert error == pytest.approx(row["isolated_max_abs"], rel=1e-6, abs=1e-9), row["node"]
 
@@ -241,7 +234,7 @@ def test_cnn_runs_end_to_end(tmp_path, fold):
         assert row["reference"] is not None, row
         assert row["isolated_max_abs"] is not None and row["propagated_max_abs"] is not None
     feeds = graphscan.random_inputs(model, 4, graphscan.TRACE_SYMBOLIC_DIM_SIZE)
-    (expected,), (actual,) = session(fp32).run(None, feeds), session(quant).run(None, feeds)
+    (expected,), (actual,) = run_onnx(fp32, feeds), run_onnx(quant, feeds)
     assert answer["outputs"]["y"] == pytest.approx(float(np.max(np.abs(expected - actual))), rel=1e-6)
 
 
