@@ -1716,8 +1716,14 @@ def find_in_optimized(index, names, optimized, i):
         # The Q after it keeps its name even when its tensors are renamed
         # (onnxruntime's int8 -> uint8 rewrite): the node was folded into it.
         for q in index.consumers_of(tensor):
-            if index.is_q[q] and names[q] in optimized.by_name:
+            if not index.is_q[q]:
+                continue
+            if names[q] in optimized.by_name:
                 return optimized.by_name[names[q]], "tensor"
+            # The Q itself was fused: whatever makes its output took the node in.
+            producer = optimized.kernel_producer(graph.node[q].output[0])
+            if producer is not None:
+                return producer, "tensor"
     signature = set()
     for tensor in index.inputs[i]:
         source, chain = data_source(index, graph, tensor)
