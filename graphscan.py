@@ -34,7 +34,8 @@ EXIT_NO_FILE = 3  # no such file, not a regular file, or an output that cannot b
 EXIT_NOT_ONNX = 4  # not an ONNX model (or, for fuse/trace, its external data cannot be loaded)
 EXIT_RUNTIME = 5  # fuse/trace: the model does not run in onnxruntime
 EXIT_MISMATCH = 6  # fuse: the fused model does not reproduce the original
-EXIT_INPUTS = 7  # trace: the models' inputs differ, or --inputs is unreadable or lacks one
+EXIT_INPUTS = 7  # the models' inputs differ, or --inputs / --shape is unreadable, lacks one or does not fit
+EXIT_BUDGET = 8  # check: a budget is broken (the JSON answer says which)
 
 QUANTIZE = "QuantizeLinear"
 DEQUANTIZE = "DequantizeLinear"
@@ -2132,6 +2133,141 @@ def time_answer(floor, feeds, defaulted, runs, shares, node_us, removed, model_s
 
 
 # --------------------------------------------------------------------------
+# check: a gate for CI. Each budget is measured and compared with its limit;
+# the answer is the same JSON whether the budgets hold (exit 0) or not (exit 8).
+
+# name: (what it measures, direction). "max" holds when value <= limit.
+BUDGETS = {
+    "max_float": ("float compute nodes (islands)", "max"),
+    "max_islands": ("float islands (islands)", "max"),
+    "max_crossings": ("boundary crossings (boundary)", "max"),
+    "min_int8": ("fraction of the nodes that run a kernel which run an int8 or int8_data kernel (runtime)", "min"),
+    "min_sqnr": ("output SQNR in dB against --float (impact's definition)", "min"),
+}
+
+
+def read_budget_file(path):
+    """``{budget: limit}`` from a JSON file; an unknown key or a non-number is a usage error."""
+    check_readable(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            limits = json.load(f)
+    except OSError as exc:
+        raise GraphscanError(f"{path}: cannot read ({exc.strerror or exc})", EXIT_NO_FILE)
+    except ValueError as exc:
+        raise GraphscanError(f"usage: {path}: not JSON ({one_line(exc)})", EXIT_USAGE)
+    if not isinstance(limits, dict):
+        raise GraphscanError(f"usage: {path}: expected a JSON object of budgets", EXIT_USAGE)
+    unknown = sorted(set(limits) - set(BUDGETS))
+    if unknown:
+        raise GraphscanError(
+            f"usage: {path}: unknown budget {', '.join(unknown)} (known: {', '.join(BUDGETS)})", EXIT_USAGE
+        )
+    return {name: budget_limit(name, value, path) for name, value in limits.items()}
+
+
+def budget_limit(name, value, where):
+    """A budget's limit as a number, checked (exit 2 when it is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise GraphscanError(f"usage: {where}: budget {name} must be a finite number, not {value!r}", EXIT_USAGE)
+    if name in ("max_float", "max_islands", "max_crossings") and (value < 0 or value != int(value)):
+        raise GraphscanError(f"usage: {where}: budget {name} must be a whole number >= 0", EXIT_USAGE)
+    if name == "min_int8" and not 0 <= value <= 1:
+        raise GraphscanError(f"usage: {where}: budget min_int8 is a fraction between 0 and 1", EXIT_USAGE)
+    return int(value) if name.startswith("max_") else float(value)
+
+
+def output_sqnr_db(reference, values):
+    """``20*log10(||f|| / ||f - q||)`` over all outputs flattened to float64.
+
+    ``inf`` when the outputs are equal (NaNs in the same places included),
+    ``nan`` when a non-finite value makes it undefined, ``-inf`` when f is all
+    zeros and q is not. The JSON boundary shows all three as null.
+    """
+    import numpy as np
+
+    f = np.concatenate([np.asarray(r, dtype=np.float64).reshape(-1) for r in reference])
+    q = np.concatenate([np.asarray(v, dtype=np.float64).reshape(-1) for v in values])
+    if f.shape == q.shape and np.array_equal(f, q, equal_nan=True):
+        return math.inf
+    if f.shape != q.shape or not (np.isfinite(f).all() and np.isfinite(q).all()):
+        return math.nan
+    signal, noise = float(np.linalg.norm(f)), float(np.linalg.norm(f - q))
+    return 20.0 * math.log10(signal / noise) if signal > 0 else -math.inf
+
+
+def measured_sqnr(float_path, quant_path, inputs, shape, seed):
+    """Output SQNR of the quantized model against the float one over all samples."""
+    float_model, quant_model = load_with_weights(float_path), load_with_weights(quant_path)
+    check_same_inputs(float_model, quant_model, float_path, quant_path)
+    samples, _ = model_samples(float_model, inputs, parse_shapes(shape), seed, 1)
+    reference, values = [], []
+    for feeds in samples:
+        expected = run_model(float_model, feeds, float_path)
+        actual = run_model(quant_model, feeds, quant_path)
+        if len(expected) != len(actual):
+            raise GraphscanError(f"{float_path} and {quant_path}: the models' outputs differ", EXIT_INPUTS)
+        reference += expected
+        values += actual
+    return output_sqnr_db(reference, values)
+
+
+def budget_values(path, names, float_path, inputs, shape, seed):
+    """The measured value of each budget in ``names``."""
+    values = {}
+    if {"max_float", "max_islands", "max_crossings"} & set(names):
+        index = index_model(path)
+        islands_found = float_islands(index)
+        values["max_float"] = len(index.float_nodes)
+        values["max_islands"] = len(islands_found)
+        values["max_crossings"] = boundary_report(index, islands_found)["crossings"]
+    if "min_int8" in names:
+        classes = runtime(path)["classes"]
+        running = classes["int8"] + classes["int8_data"] + classes["float"]
+        values["min_int8"] = (classes["int8"] + classes["int8_data"]) / running if running else 0.0
+    if "min_sqnr" in names:
+        if float_path is None:
+            raise GraphscanError("usage: --min-sqnr needs --float F.onnx", EXIT_USAGE)
+        values["min_sqnr"] = measured_sqnr(float_path, path, inputs, shape, seed)
+    return values
+
+
+def budget_holds(name, value, limit):
+    if BUDGETS[name][1] == "max":
+        return value <= limit
+    return value >= limit  # an SQNR of inf (equal outputs) holds, nan does not
+
+
+def check(path, float=None, budget=None, max_float=None, max_islands=None, max_crossings=None,
+          min_int8=None, min_sqnr=None, inputs=None, shape=None, seed=0):
+    """Measure each budget given (options override the --budget file) and say which hold."""
+    limits = read_budget_file(budget) if budget is not None else {}
+    given = {"max_float": max_float, "max_islands": max_islands, "max_crossings": max_crossings,
+             "min_int8": min_int8, "min_sqnr": min_sqnr}
+    for name, value in given.items():
+        if value is not None:
+            limits[name] = budget_limit(name, value, f"--{name.replace('_', '-')}")
+    if not limits:
+        raise GraphscanError(
+            f"usage: check needs at least one budget (--budget FILE or --{' / --'.join(n.replace('_', '-') for n in BUDGETS)})",
+            EXIT_USAGE,
+        )
+    check_readable(path)
+    names = [name for name in BUDGETS if name in limits]  # a fixed order, whatever the file's
+    values = budget_values(path, names, float, inputs, shape, seed)
+    budgets = [
+        {
+            "name": name,
+            "value": values[name] if math.isfinite(values[name]) else None,  # strict JSON
+            "limit": limits[name],
+            "ok": budget_holds(name, values[name], limits[name]),
+        }
+        for name in names
+    ]
+    return {"model": path, "float": float, "budgets": budgets, "ok": all(b["ok"] for b in budgets)}
+
+
+# --------------------------------------------------------------------------
 # Command line
 
 TRACE_OPTIONS = [
@@ -2151,6 +2287,22 @@ RUNTIME_OPTIONS = [
     ("--runs", {"type": int, "default": RUNTIME_DEFAULT_RUNS, "help": f"--time: timed runs (default: {RUNTIME_DEFAULT_RUNS})"}),
 ]
 
+CHECK_OPTIONS = [
+    ("--float", {"metavar": "F.onnx", "help": "the float model, for --min-sqnr"}),
+    ("--budget", {"metavar": "FILE.json", "help": "budgets as a JSON object (options override it)"}),
+    ("--max-float", {"type": int, "metavar": "N", "help": "at most N float compute nodes"}),
+    ("--max-islands", {"type": int, "metavar": "N", "help": "at most N float islands"}),
+    ("--max-crossings", {"type": int, "metavar": "N", "help": "at most N boundary crossings"}),
+    ("--min-int8", {"type": float, "metavar": "FRACTION", "help": "at least this fraction of kernels run int8 (runtime)"}),
+    ("--min-sqnr", {"type": float, "metavar": "DB", "help": "output SQNR against --float of at least DB"}),
+    ("--inputs", {"metavar": "FILE.npz", "action": "append", "help": "--min-sqnr: one sample per file (repeatable)"}),
+    ("--shape", {"metavar": "NAME=D0,D1,...", "action": "append", "help": "--min-sqnr: shape of a graph input"}),
+    ("--seed", {"type": int, "default": 0, "help": "--min-sqnr: seed of the random sample (default: 0)"}),
+]
+
+# Commands whose exit code depends on the answer (the JSON is printed either way).
+ANSWER_EXIT_CODES = {"check": lambda answer: EXIT_OK if answer["ok"] else EXIT_BUDGET}
+
 # name: (function, positional paths, help, options)
 COMMANDS = {
     "nodes": (nodes, ["model"], "op census and initializer dtypes", []),
@@ -2160,6 +2312,7 @@ COMMANDS = {
     "diff": (diff, ["a", "b"], "b minus a for the counts above", []),
     "fuse": (fuse, ["model", "output"], "fuse MatMul+Add into Gemm, verified, into output", []),
     "trace": (trace, ["a", "b"], "per-op isolated and propagated error of b (quantized) vs a (float)", TRACE_OPTIONS),
+    "check": (check, ["model"], "a CI gate: exit 8 when a budget (float nodes, islands, crossings, int8 share, SQNR) is broken", CHECK_OPTIONS),
     "runtime": (runtime, ["model"], "what onnxruntime really runs per node: int8, int8_data, float, absorbed", RUNTIME_OPTIONS),
 }
 
@@ -2179,7 +2332,7 @@ def build_parser():
             "exit codes: 0 ok, 2 usage, 3 no such file (or output not writable), "
             "4 not an ONNX model, 5 model does not run in onnxruntime, "
             "6 fused model does not reproduce the original, "
-            "7 trace inputs do not match the models"
+            "7 inputs do not match the models, 8 check: a budget is broken"
         ),
     )
     sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=OneLineParser)
@@ -2213,7 +2366,8 @@ def main(argv=None):
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        text = json.dumps(run(argv))
+        answer = run(argv)
+        text = json.dumps(answer)
     except GraphscanError as exc:
         print(f"graphscan: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -2226,7 +2380,8 @@ def main(argv=None):
         if gc_was_enabled:
             gc.enable()
     sys.stdout.write(text + "\n")
-    return EXIT_OK
+    exit_code = ANSWER_EXIT_CODES.get(argv[0] if argv else None)
+    return exit_code(answer) if exit_code else EXIT_OK
 
 
 if __name__ == "__main__":
