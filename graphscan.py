@@ -1468,6 +1468,357 @@ def first_over(rows, tolerance):
 
 
 # --------------------------------------------------------------------------
+# --format table: aligned plain text for people
+#
+# The JSON answer is the contract. A table is rendered from it after the
+# command returns, so it can never change what a program reads; renderers
+# are ``(answer, top) -> str`` and every line fits TABLE_WIDTH columns.
+
+TABLE_WIDTH = 80
+CUT = "..."
+MIN_COLUMN = 8  # a column is never cut narrower than this
+
+
+def middle_cut(text, width):
+    """``text`` in at most ``width`` characters, its middle replaced by ``...``.
+
+    Both ends stay: a layer's prefix and its op suffix are what tell names apart.
+    """
+    if len(text) <= width:
+        return text
+    if width <= len(CUT):
+        return text[:width]
+    keep = width - len(CUT)
+    head = (keep + 1) // 2
+    return text[:head] + CUT + text[len(text) - (keep - head):]
+
+
+def cell(value):
+    """A value as table text: floats in 3 significant digits, None as '-'."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return str(value)
+
+
+def is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def format_table(titles, rows, width=TABLE_WIDTH):
+    """Aligned columns, numbers to the right; the widest columns are cut in the
+    middle (never below MIN_COLUMN) until each line fits ``width``."""
+    texts = [[cell(v) for v in row] for row in rows]
+    right = [
+        any(is_number(row[k]) for row in rows) and all(is_number(row[k]) or row[k] is None for row in rows)
+        for k in range(len(titles))
+    ]
+    widths = [max([len(t)] + [len(row[k]) for row in texts]) for k, t in enumerate(titles)]
+    # The first column (names) may keep twice the width of any other.
+    while sum(widths) + 2 * (len(widths) - 1) > width and max(widths) > MIN_COLUMN:
+        k = max(range(len(widths)), key=lambda k: widths[k] / (2 if k == 0 else 1) if widths[k] > MIN_COLUMN else 0)
+        widths[k] -= 1
+    lines = []
+    for row in [list(titles)] + texts:
+        parts = []
+        for k, text in enumerate(row):
+            text = middle_cut(text, widths[k])
+            parts.append(text.rjust(widths[k]) if right[k] else text.ljust(widths[k]))
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def format_fields(pairs, width=TABLE_WIDTH):
+    """``key value`` pairs on as few lines as fit ``width``; long values cut in the middle."""
+    lines, line = [], ""
+    for key, value in pairs:
+        text = f"{key} {middle_cut(cell(value), width - len(key) - 1)}"
+        if line and len(line) + 3 + len(text) > width:
+            lines.append(line)
+            line = ""
+        line = f"{line}   {text}" if line else text
+    return "\n".join(lines + [line])
+
+
+def format_names(names, width=TABLE_WIDTH, indent="  "):
+    """Names separated by commas, wrapped to ``width``, each cut to fit one line."""
+    lines, line = [], indent
+    for name in names:
+        name = middle_cut(name, width - len(indent) - 1)
+        if line.strip() and len(line) + len(name) + 2 > width:
+            lines.append(line.rstrip())
+            line = indent
+        line += name + ", "
+    lines.append(line.rstrip(", "))
+    return "\n".join(lines)
+
+
+def limited(rows, top):
+    """The first ``top`` rows (all without ``--top``) and a note on what was left out."""
+    if top is None or top >= len(rows):
+        return rows, ""
+    return rows[:top], f"({len(rows) - top} more not shown; --top {top})"
+
+
+def section(title, titles, rows, top=None):
+    shown, note = limited(rows, top)
+    parts = [title, format_table(titles, shown) if shown else "  (none)"]
+    return "\n".join(parts + ([note] if note else []))
+
+
+def page(*blocks):
+    return "\n\n".join(b for b in blocks if b)
+
+
+def by_count(counts):
+    """``{key: count}`` items, largest count first, ties by key."""
+    return sorted(counts.items(), key=lambda item: (-abs(item[1]), item[0]))
+
+
+def graph_positions(path):
+    """``{node name: position in graph.node}``, to show names in graph order."""
+    return {name: i for i, name in enumerate(index_model(path).names)}
+
+
+def islands_by_size(members, positions):
+    """JSON positions of islands, largest first, ties by their first node in graph order."""
+
+    def first(k):
+        return min(positions.get(name, -1) for name in members[k])
+
+    return sorted(range(len(members)), key=lambda k: (-len(members[k]), first(k)))
+
+
+def op_summary(op_types):
+    return ", ".join(f"{op} {n}" if n > 1 else op for op, n in by_count(Counter(op_types)))
+
+
+def nodes_table(answer, top):
+    return page(
+        format_fields([("model", answer["model"]), ("nodes", answer["nodes"]), ("op types", len(answer["op_types"]))]),
+        section("op_type census", ["op_type", "count"], by_count(answer["op_types"]), top),
+        section("initializers", ["dtype", "count"], by_count(answer["initializers"])),
+    )
+
+
+def qdq_table(answer, top):
+    counts = [(key, answer[key]) for key in ("quantize", "dequantize", "round_trips", "weight_dequantize")]
+    return page(format_fields([("model", answer["model"])]), format_table(["Q/DQ", "count"], counts))
+
+
+def island_rows(members, positions, extra):
+    """One row per island, largest first: #, size, extra columns, first and last node in graph order."""
+    rows = []
+    for k in islands_by_size(members, positions):
+        ordered = sorted(members[k], key=lambda name: positions.get(name, -1))
+        rows.append([k + 1, len(ordered), *extra(k), ordered[0], ordered[-1]])
+    return rows
+
+
+def islands_table(answer, top):
+    positions = graph_positions(answer["model"])
+    islands_list = answer["islands"]
+    members = [island["nodes"] for island in islands_list]
+    rows = island_rows(members, positions, lambda k: [op_summary(islands_list[k]["op_types"])])
+    shown, _ = limited(rows, top)
+    listing = [
+        f"island {row[0]} in graph order:\n"
+        + format_names(sorted(members[row[0] - 1], key=lambda name: positions.get(name, -1)))
+        for row in shown
+    ]
+    return page(
+        format_fields([("model", answer["model"])] + [(key, answer[key]) for key in ("compute", "wrapped", "float", "island_count")]),
+        section("float islands, largest first (# = position in the JSON list + 1)", ["#", "size", "op_types", "first", "last"], rows, top),
+        *listing,
+    )
+
+
+def boundary_table(answer, top):
+    positions = graph_positions(answer["model"])
+    per_island = answer["per_island"]
+    members = [island["nodes"] for island in per_island]
+    rows = island_rows(members, positions, lambda k: [per_island[k]["in_dequantize"], per_island[k]["out_quantize"]])
+    return page(
+        format_fields([("model", answer["model"]), ("island_count", answer["island_count"]), ("crossings", answer["crossings"])]),
+        section("crossings per island, largest first", ["#", "size", "DQ in", "Q out", "first", "last"], rows, top),
+    )
+
+
+def diff_table(answer, top):
+    deltas = [(key, answer[key]) for key in answer if key.endswith("_delta") and key != "op_delta"]
+    return page(
+        format_fields([("a", answer["a"]), ("b", answer["b"])]),
+        format_table(["b - a", "delta"], deltas),
+        section("op_delta, largest change first", ["op_type", "delta"], by_count(answer["op_delta"]), top),
+    )
+
+
+def fuse_table(answer, top):
+    fused = [[f["matmul"], f["add"], f["gemm"]] for f in answer["fused"]]
+    skipped = [[s["node"], s["reason"]] for s in answer["skipped"]]
+    return page(
+        format_fields(
+            [("model", answer["model"]), ("output", answer["output"]), ("fused", len(fused)),
+             ("skipped", len(skipped)), ("max_abs_error", answer["max_abs_error"])]
+        ),
+        section("fused", ["matmul", "add", "gemm"], fused, top),
+        section("skipped", ["matmul", "reason"], skipped, top),
+    )
+
+
+def input_fields(inputs):
+    """``inputs`` of a trace/impact answer as header pairs: shapes, and any defaulted list."""
+    pairs = []
+    for name, value in inputs.items():
+        if name == "defaulted" and not all(isinstance(d, int) for d in value):
+            pairs.append(("defaulted", ", ".join(value) or "none"))
+        else:
+            pairs.append((f"input {name}", "x".join(map(str, value))))
+    return pairs
+
+
+def ranked(rows, key):
+    """Rows with a value for ``key``, largest first (ties keep their order)."""
+    return sorted((r for r in rows if r.get(key) is not None), key=lambda r: -r[key])
+
+
+def trace_table(answer, top):
+    columns = ["node", "op_type", "wrap", "isolated", "propag.", "lsb", "sqnr_db"]  # short: 80 columns
+    keys = ["node", "op_type", "wrapped", "isolated_max_abs", "propagated_max_abs", "isolated_lsb", "sqnr_db"]
+    if any("clipped" in row for row in answer["ops"]):
+        columns.append("clipped")
+        keys.append("clipped")
+
+    def rows(ops):
+        return [[row.get(key) for key in keys] for row in ops]
+
+    def headline(key):
+        value = answer.get(key)
+        return (key, f"{value['node']} ({value['max_abs']:.3g})" if value else None)
+
+    head = format_fields(
+        [("a", answer["a"]), ("b", answer["b"])]
+        + input_fields(answer["inputs"])
+        + [(f"output {name} max_abs", error) for name, error in answer["outputs"].items()]
+        + [headline("worst_isolated"), headline("first_over"), ("ops", len(answer["ops"]))]
+    )
+    if top is None:
+        body = [section("ops in graph order", columns, rows(answer["ops"]))]
+    else:
+        body = [
+            section("ops by isolated error", columns, rows(ranked(answer["ops"], "isolated_max_abs")), top),
+            section("ops by propagated error", columns, rows(ranked(answer["ops"], "propagated_max_abs")), top),
+        ]
+    unmatched = [[u["node"], u["op_type"], u["reason"]] for u in answer["unmatched"]]
+    return page(head, *body, section("unmatched float nodes", ["node", "op_type", "reason"], unmatched, top))
+
+
+RUNTIME_CLASSES = ["int8", "int8_data", "float", "absorbed"]
+
+
+def node_us(answer, node):
+    """A node's kernel time in microseconds, when ``--time`` measured it."""
+    if node.get("us") is not None:
+        return node["us"]
+    return (answer.get("time") or {}).get("us", {}).get(node["node"])
+
+
+def runtime_table(answer, top):
+    env = answer["environment"]
+    head = format_fields(
+        [("model", answer["model"]), ("onnxruntime", env.get("onnxruntime")), ("provider", env.get("provider")),
+         ("level", env.get("level")), ("machine", env.get("machine")), ("int8_allowed", env.get("int8_allowed")),
+         ("compute", answer["compute"]), ("wrapped", answer["wrapped"])]
+        + [(name, answer["classes"].get(name, 0)) for name in RUNTIME_CLASSES]
+        + [("wrapped_but_float", answer["wrapped_but_float"]), ("float_but_int8", answer["float_but_int8"])]
+    )
+    by_op = sorted(answer["by_op_type"].items(), key=lambda item: (-sum(item[1].values()), item[0]))
+    op_rows = [[op] + [counts.get(name, 0) for name in RUNTIME_CLASSES] for op, counts in by_op]
+    timed = "time" in answer
+    nodes_list = answer["nodes"]
+    title = "nodes in graph order"
+    if timed and top is not None:
+        nodes_list = sorted(nodes_list, key=lambda n: -(node_us(answer, n) or 0))
+        title = "nodes by kernel time"
+    node_rows = [
+        [n["node"], n["op_type"], n["wrapped"], n["class"], n["kernel"], (n.get("reason") or {}).get("code")]
+        + ([node_us(answer, n)] if timed else [])
+        for n in nodes_list
+    ]
+    node_titles = ["node", "op_type", "wrapped", "class", "kernel", "reason"] + (["us"] if timed else [])
+    blocks = [head, section("by op_type", ["op_type"] + RUNTIME_CLASSES, op_rows), section(title, node_titles, node_rows, top)]
+    if timed:
+        time = answer["time"]
+        shares = [[key, value] for key, value in time.items() if is_number(value)]
+        blocks.append(section("time", ["share", "value"], shares))
+        if time.get("method"):
+            blocks.append("method: " + str(time["method"]))
+    return page(*blocks)
+
+
+def impact_table(answer, top):
+    head = format_fields(
+        [("a", answer["a"]), ("b", answer["b"])]
+        + input_fields(answer["inputs"])
+        + [("samples", answer["samples"]), ("output_sqnr_db", answer["output_sqnr_db"])]
+    )
+    ops = [[r["node"], r["op_type"], r["sqnr_db"], r["gain_db"]] for r in answer["ops"]]
+    tensors = [
+        [r["tensor"], r["producer"], r["gain_db"], r["rounding_gain_db"], r["clipped"]] for r in answer["tensors"]
+    ]
+    blocks = [
+        head,
+        section("ops by output gain when kept float", ["node", "op_type", "sqnr_db", "gain_db"], ops, top),
+        section("tensors by output gain when kept float", ["tensor", "producer", "gain_db", "rounding", "clipped"], tensors, top),
+    ]
+    exclude = answer.get("exclude")
+    if exclude is not None:
+        blocks.append(
+            format_fields([(key, exclude[key]) for key in ("target_sqnr_db", "sqnr_db", "reached")])
+            + "\nnodes_to_exclude:\n"
+            + format_names(exclude["nodes"])
+        )
+    return page(*blocks)
+
+
+def generic_table(answer, top):
+    """Any answer: scalars as header fields, then each list or mapping as a table."""
+    blocks = [format_fields([(k, v) for k, v in answer.items() if not isinstance(v, (list, dict))])]
+    for key, value in answer.items():
+        if isinstance(value, dict):
+            blocks.append(section(key, ["key", "value"], list(value.items()), top))
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            titles = list(value[0])
+            blocks.append(section(key, titles, [[v.get(t) for t in titles] for v in value], top))
+        elif isinstance(value, list):
+            blocks.append(f"{key}:\n" + format_names(map(cell, value)))
+    return page(*blocks)
+
+
+TABLE_RENDERERS = {
+    "nodes": nodes_table,
+    "qdq": qdq_table,
+    "islands": islands_table,
+    "boundary": boundary_table,
+    "diff": diff_table,
+    "fuse": fuse_table,
+    "trace": trace_table,
+    "runtime": runtime_table,
+    "impact": impact_table,
+}
+
+
+def render_table(command, answer, top=None):
+    """The answer of ``command`` as text for a terminal (commands without a renderer get a generic one)."""
+    return TABLE_RENDERERS.get(command, generic_table)(answer, top)
+
+
+# --------------------------------------------------------------------------
 # Command line
 
 TRACE_OPTIONS = [
@@ -1496,6 +1847,26 @@ class OneLineParser(argparse.ArgumentParser):
         raise GraphscanError(f"usage: {message}", EXIT_USAGE)
 
 
+FORMATS = ["json", "table"]
+TEXT_COMMANDS = {"dot"}  # answer text for people instead of a JSON object
+
+
+def row_count(text):
+    """``--top N``: a non-negative integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def option_dest(flag, settings):
+    """The keyword an option is passed as: its ``dest``, else the flag in snake_case."""
+    return settings.get("dest") or flag.lstrip("-").replace("-", "_")
+
+
 def build_parser():
     parser = OneLineParser(
         prog="graphscan.py",
@@ -1514,19 +1885,39 @@ def build_parser():
             command.add_argument(path, help="path to an .onnx file")
         for flag, settings in options:
             command.add_argument(flag, **settings)
+        if name in TEXT_COMMANDS:
+            continue
+        output = command.add_argument_group("output (tables are for people; the JSON is the contract)")
+        output.add_argument("--format", choices=FORMATS, default="json", help="json (default) or table")
+        if "--top" not in (flag for flag, _ in options):  # a command's own --top also limits its JSON
+            output.add_argument(
+                "--top", type=row_count, metavar="N", help="table: only the N largest rows of each long list"
+            )
     return parser
 
 
 def run(argv):
-    """Parse ``argv`` and return the command's answer (raises GraphscanError)."""
+    """Parse ``argv``, run the command, return the text to print (raises GraphscanError).
+
+    The text is the answer's JSON, or with ``--format table`` a table rendered
+    from that same answer; ``dot`` answers DOT text.
+    """
     args = build_parser().parse_args(argv)
     if args.command is None:
         raise GraphscanError(
             f"usage: a command is required ({', '.join(COMMANDS)})", EXIT_USAGE
         )
     function, paths, _, options = COMMANDS[args.command]
-    keywords = {flag.lstrip("-"): getattr(args, flag.lstrip("-")) for flag, _ in options}
-    return function(*(getattr(args, p) for p in paths), **keywords)
+    fmt, top = getattr(args, "format", "json"), getattr(args, "top", None)
+    if fmt == "json" and top is not None and "--top" not in (flag for flag, _ in options):
+        raise GraphscanError("usage: --top only limits tables; add --format table", EXIT_USAGE)
+    keywords = {option_dest(f, s): getattr(args, option_dest(f, s)) for f, s in options}
+    answer = function(*(getattr(args, p) for p in paths), **keywords)
+    if args.command in TEXT_COMMANDS:
+        return answer.rstrip("\n")
+    if fmt == "table":
+        return render_table(args.command, answer, top)
+    return json.dumps(answer)
 
 
 def main(argv=None):
@@ -1537,7 +1928,7 @@ def main(argv=None):
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        text = json.dumps(run(argv))
+        text = run(argv)
     except GraphscanError as exc:
         print(f"graphscan: {exc}", file=sys.stderr)
         return exc.exit_code
