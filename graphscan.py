@@ -1595,6 +1595,7 @@ def islands_by_size(members, positions):
 
 
 def op_summary(op_types):
+    """``"Add 2, Relu"``: op types by count, largest first."""
     return ", ".join(f"{op} {n}" if n > 1 else op for op, n in by_count(Counter(op_types)))
 
 
@@ -1819,6 +1820,172 @@ def render_table(command, answer, top=None):
 
 
 # --------------------------------------------------------------------------
+# dot: the island map as a Graphviz picture (for people; the JSON is the contract)
+#
+# Compute nodes only: every Q/DQ chain between two of them is folded into the
+# edge's label (Q→DQ is a round trip), chains that start at an initializer
+# (weights) are hidden, and each float island is a cluster.
+
+COLOURS = {  # node kind: (fill colour, its name in the picture's legend)
+    "int8": ("#1b9e77", "dark green"),
+    "int8_data": ("#a6dba0", "light green"),
+    "wrapped": ("#a6dba0", "green"),
+    "float": ("#f4a582", "orange"),
+    "absorbed": ("#d9d9d9", "grey"),
+    "unknown": ("#ffffff", "white"),
+}
+DOT_NAME_WIDTH = 32  # node labels cut in the middle beyond this
+COLLAPSE_HINT = 500  # compute nodes above which --collapse is worth it
+
+
+def dot_quote(text):
+    """A DOT string literal; backslashes and quotes escaped, newlines as \\n."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def dot_attributes(**attributes):
+    return "[" + ", ".join(f"{key}={dot_quote(str(value))}" for key, value in attributes.items()) + "]"
+
+
+def folded_edges(index):
+    """``[(source id, target id, label)]`` between compute nodes (``n<i>``), graph
+    inputs (``in<k>``) and outputs (``out<k>``), each Q/DQ chain folded into the
+    label; chains from initializers are dropped. Distinct, in graph order."""
+    graph = index.graph
+    input_ids = {info.name: f"in{k}" for k, info in enumerate(value_inputs(graph))}
+    edges = {}
+
+    def link(tensor, target):
+        source, chain = data_source(index, graph, tensor)
+        producer = index.producer_of(source)
+        if producer is not None and index.is_compute(producer):
+            source_id = f"n{producer}"
+        elif source in input_ids:
+            source_id = input_ids[source]
+        else:
+            return  # a weight, or a chain that starts nowhere
+        label = "→".join("Q" if index.is_q[j] else "DQ" for j in chain)
+        edges.setdefault((source_id, target, label), None)
+
+    for i in index.compute_nodes:
+        for tensor in index.inputs[i]:
+            link(tensor, f"n{i}")
+    for k, output in enumerate(graph.output):
+        link(output.name, f"out{k}")
+    return list(edges)
+
+
+def wrapped_runs(index, edges, kinds):
+    """Groups of wrapped compute nodes of one kind joined by edges between them
+    (a float node always ends a group), in graph order; only groups of two or more."""
+    group = {i: i for i in index.compute_nodes if index.wrapped[i]}
+
+    def root(i):
+        while group[i] != i:
+            group[i] = group[group[i]]
+            i = group[i]
+        return i
+
+    for source, target, _ in edges:
+        if source.startswith("n") and target.startswith("n"):
+            p, i = int(source[1:]), int(target[1:])
+            if p in group and i in group and kinds[p] == kinds[i]:
+                group[root(i)] = root(p)
+    members = {}
+    for i in group:
+        members.setdefault(root(i), []).append(i)
+    return [run for run in members.values() if len(run) > 1]
+
+
+def runtime_classes(path):
+    """``{node name: runtime class}`` from the ``runtime`` command (issue 8)."""
+    runtime_command = globals().get("runtime")
+    if runtime_command is None:
+        raise GraphscanError(
+            "usage: dot --runtime needs the runtime command, which this graphscan.py does not have", EXIT_USAGE
+        )
+    return {node["node"]: node["class"] for node in runtime_command(path)["nodes"]}
+
+
+def unlinked_groups(index, edges, kinds):
+    """Wrapped compute nodes no edge of the picture touches (Constants that only
+    set a Q/DQ's scale or zero point), grouped by kind, in graph order."""
+    linked = {ident for source, target, _ in edges for ident in (source, target)}
+    groups = {}
+    for i in index.compute_nodes:
+        if index.wrapped[i] and f"n{i}" not in linked:
+            groups.setdefault(kinds[i], []).append(i)
+    return list(groups.values())
+
+
+def dot(path, runtime_colours=False, collapse=False):
+    """The island map of ``path`` as Graphviz DOT text."""
+    index = index_model(path)
+    names = index.names
+    if runtime_colours:
+        by_name = runtime_classes(path)
+        kinds = {i: by_name.get(names[i], "unknown") for i in index.compute_nodes}
+    else:
+        kinds = {i: "wrapped" if index.wrapped[i] else "float" for i in index.compute_nodes}
+    islands = float_islands(index)
+    edges = folded_edges(index)
+    boxes = unlinked_groups(index, edges, kinds) + (wrapped_runs(index, edges, kinds) if collapse else [])
+    box_of = {i: k for k, members in enumerate(boxes) for i in members}
+
+    def node_line(i):
+        label = middle_cut(names[i], DOT_NAME_WIDTH) + "\n" + index.op_types[i]
+        return f"n{i} {dot_attributes(label=label, tooltip=names[i], fillcolor=COLOURS[kinds[i]][0])};"
+
+    counts = Counter(kinds.values())
+    legend = ", ".join(f"{counts[kind]} {kind} ({COLOURS[kind][1]})" for kind in COLOURS if counts[kind])
+    lines = [
+        "digraph graphscan {",
+        "  graph " + dot_attributes(
+            label=f"{path}: {len(index.compute_nodes)} compute nodes ({legend}), {len(islands)} float islands;"
+            " edge labels: the Q/DQ between two nodes (Q→DQ = a round trip)",
+            labelloc="t", fontname="Helvetica", pack="true", packmode="array_u8",
+        ) + ";",
+        "  node " + dot_attributes(shape="box", style="rounded,filled", fontname="Helvetica", fontsize="10") + ";",
+        "  edge " + dot_attributes(fontname="Helvetica", fontsize="8") + ";",
+    ]
+    for k, info in enumerate(value_inputs(index.graph)):
+        lines.append(f"  in{k} {dot_attributes(label=info.name, shape='ellipse', style='')};")
+    for k, output in enumerate(index.graph.output):
+        lines.append(f"  out{k} {dot_attributes(label=output.name, shape='ellipse', style='')};")
+    for number, (members, _) in enumerate(islands, 1):
+        in_dq, out_q = boundary_of(index, members)
+        label = (
+            f"island {number}: {len(members)} nodes, {len(in_dq) + len(out_q)} crossings "
+            f"({len(in_dq)} DQ in, {len(out_q)} Q out)"
+        )
+        lines.append(f"  subgraph cluster_island_{number} {{")
+        lines.append("    graph " + dot_attributes(label=label, style="dashed", color="#b2182b") + ";")
+        lines += ["    " + node_line(i) for i in sorted(members)]
+        lines.append("  }")
+    lines += ["  " + node_line(i) for i in index.compute_nodes if index.wrapped[i] and i not in box_of]
+    for k, members in enumerate(boxes):
+        first, last = middle_cut(names[members[0]], DOT_NAME_WIDTH), middle_cut(names[members[-1]], DOT_NAME_WIDTH)
+        ops = middle_cut(op_summary(index.op_types[i] for i in members), 2 * DOT_NAME_WIDTH)
+        label = f"{len(members)} {kinds[members[0]]} nodes: {ops}\n{first}\n…\n{last}"
+        tooltip = "\n".join(names[i] for i in members)  # every member, for the reader (and the tests)
+        colour = COLOURS[kinds[members[0]]][0]
+        lines.append(f"  box{k} {dot_attributes(label=label, tooltip=tooltip, fillcolor=colour, penwidth='2')};")
+
+    def drawn_as(ident):
+        i = int(ident[1:]) if ident.startswith("n") else None
+        return f"box{box_of[i]}" if i in box_of else ident
+
+    drawn = set()
+    for source, target, label in edges:
+        key = (drawn_as(source), drawn_as(target), label)
+        if key[0] != key[1] and key not in drawn:
+            drawn.add(key)
+            lines.append(f"  {key[0]} -> {key[1]}" + (f" {dot_attributes(label=label)};" if label else ";"))
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------
 # Command line
 
 TRACE_OPTIONS = [
@@ -1826,6 +1993,13 @@ TRACE_OPTIONS = [
     ("--seed", {"type": int, "default": 0, "help": "seed of the random inputs (default: 0)"}),
     ("--tolerance", {"type": float, "default": TRACE_TOLERANCE, "help": "first_over threshold"}),
     ("--save", {"metavar": "DIR", "help": "write each op's single-op model and inputs here"}),
+]
+
+DOT_OPTIONS = [
+    ("--runtime", {"action": "store_true", "dest": "runtime_colours",
+                   "help": "colour nodes by what onnxruntime runs: int8, int8_data, float, absorbed"}),
+    ("--collapse", {"action": "store_true",
+                    "help": f"draw chains of wrapped nodes as one box (for graphs over {COLLAPSE_HINT} nodes)"}),
 ]
 
 # name: (function, positional paths, help, options)
@@ -1837,6 +2011,7 @@ COMMANDS = {
     "diff": (diff, ["a", "b"], "b minus a for the counts above", []),
     "fuse": (fuse, ["model", "output"], "fuse MatMul+Add into Gemm, verified, into output", []),
     "trace": (trace, ["a", "b"], "per-op isolated and propagated error of b (quantized) vs a (float)", TRACE_OPTIONS),
+    "dot": (dot, ["model"], "Graphviz DOT picture of the island map (DOT text, not JSON)", DOT_OPTIONS),
 }
 
 
