@@ -1909,13 +1909,13 @@ def runtime_classes(path):
 
 def unlinked_groups(index, edges, kinds):
     """Wrapped compute nodes no edge of the picture touches (Constants that only
-    set a Q/DQ's scale or zero point), grouped by kind, in graph order."""
+    set a Q's scale or zero point), grouped by kind in graph order; groups of two or more."""
     linked = {ident for source, target, _ in edges for ident in (source, target)}
     groups = {}
     for i in index.compute_nodes:
         if index.wrapped[i] and f"n{i}" not in linked:
             groups.setdefault(kinds[i], []).append(i)
-    return list(groups.values())
+    return [members for members in groups.values() if len(members) > 1]
 
 
 def dot(path, runtime_colours=False, collapse=False):

@@ -10,7 +10,10 @@ import re
 import shutil
 import subprocess
 
+import numpy as np
+import onnx
 import pytest
+from onnx import helper, numpy_helper
 
 import graphscan
 from conftest import CANONICAL, QDQ_VARIANTS, VARIANTS
@@ -151,6 +154,28 @@ def test_collapse_draws_a_wrapped_chain_as_one_box(tmp_path):
     ident = {attrs["tooltip"]: i for i, attrs in nodes.items() if i.startswith("n")}
     assert edges == [("in0", "box0", "Q→DQ"), ("box0", ident["d"], "Q→DQ"), (ident["d"], ident["e"], ""), (ident["e"], "out0", "")]
     assert list(clusters.values())[0]["label"] == "island 1: 2 nodes, 1 crossings (1 DQ in, 0 Q out)"
+
+
+def test_constants_that_only_set_a_q_scale_are_one_box(tmp_path):
+    # Constant nodes make the scales of q1, q3 and dq4. No input, and every output read only
+    # by Qs: wrapped (vacuously) for q1's and q3's, which no edge touches: one box of two.
+    # The one read by a DQ is float (SPEC: all consumers must be Qs), an island of its own.
+    path = chain_model(tmp_path / "m.onnx", ["a", "qdq", "b", "qdq", "c"])
+    model = onnx.load(path)
+    readers = {"q1": "scale_q1", "q3": "scale_q3", "dq3": "scale_dq3"}
+    for node in model.graph.node:
+        if node.name in readers:
+            node.input[1] = readers[node.name]
+    for name in ["scale_dq3", "scale_q3", "scale_q1"]:  # each inserted first: scale_q1 leads
+        constant = numpy_helper.from_array(np.float32(0.1))
+        model.graph.node.insert(0, helper.make_node("Constant", [], [name], name=name, value=constant))
+    onnx.save(model, path)
+    nodes, clusters, edges = assert_structure(path, graphscan.dot(path))
+    assert nodes["box0"]["tooltip"] == "scale_q1\nscale_q3"
+    assert nodes["box0"]["label"].startswith("2 wrapped nodes: Constant 2\n")
+    assert not [edge for edge in edges if "box0" in edge]
+    alone = [c for c in clusters.values() if [nodes[i]["tooltip"] for i in c["nodes"]] == ["scale_dq3"]]
+    assert alone and alone[0]["label"].endswith("0 crossings (0 DQ in, 0 Q out)")
 
 
 def test_names_with_quotes_and_backslashes_survive(tmp_path):
