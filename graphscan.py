@@ -3,7 +3,7 @@
 
 A QDQ model keeps every operator and only wraps tensors in QuantizeLinear /
 DequantizeLinear, so "quantized" and "runs in int8" can only be told apart by
-counting the graph. The contract (keys, ordering, exit codes) is SPEC.md.
+counting the graph. The contract (keys, ordering, exit codes) is docs/SPEC.md.
 
     python graphscan.py <command> <model...>
 
