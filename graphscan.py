@@ -1503,7 +1503,7 @@ def cell(value):
         return f"{value:.3g}"
     if isinstance(value, (list, dict)):
         return json.dumps(value)
-    return str(value)
+    return str(value).replace("\n", "\\n")  # one row per line, whatever a name holds
 
 
 def is_number(value):
@@ -1547,15 +1547,14 @@ def format_fields(pairs, width=TABLE_WIDTH):
 
 def format_names(names, width=TABLE_WIDTH, indent="  "):
     """Names separated by commas, wrapped to ``width``, each cut to fit one line."""
-    lines, line = [], indent
+    lines, line = [], ""
     for name in names:
-        name = middle_cut(name, width - len(indent) - 1)
-        if line.strip() and len(line) + len(name) + 2 > width:
-            lines.append(line.rstrip())
-            line = indent
-        line += name + ", "
-    lines.append(line.rstrip(", "))
-    return "\n".join(lines)
+        name = middle_cut(cell(name), width - len(indent) - 1)
+        if line and len(indent) + len(line) + len(name) + 3 > width:  # 3: ', ' now, ',' if wrapped
+            lines.append(indent + line + ",")
+            line = ""
+        line = f"{line}, {name}" if line else name
+    return "\n".join(lines + [indent + line])
 
 
 def limited(rows, top):

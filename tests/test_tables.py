@@ -166,6 +166,24 @@ def test_long_names_are_cut_in_the_middle_to_80_columns(tmp_path, capsys):
         assert name.startswith(head) and name.endswith(tail) and len(head) > 10 and len(tail) > 10
 
 
+def test_a_name_with_a_newline_stays_on_one_row(tmp_path, capsys):
+    path = chain_model(tmp_path / "m.onnx", ["first\nhalf", "second"])
+    text = printed(capsys, ["islands", path, "--format", "table"])
+    assert island_listing(text, 1) == ["first\\nhalf", "second"]
+    assert "1     2  Relu 2    first\\nhalf  second" in text.splitlines()
+
+
+@pytest.mark.parametrize("width", [20, 37, 80])
+def test_wrapped_name_lists_fit_their_width(width):
+    names = [f"layer{k}/{'x' * (k % 13)}" for k in range(60)]
+    text = graphscan.format_names(names, width)
+    assert_fits(text, width)
+    # Each name is cut to fit a line of its own: width - 2 (indent) - 1 (its comma).
+    assert [n.strip() for n in text.replace("\n", "").split(",")] == [
+        graphscan.middle_cut(name, width - 3) for name in names
+    ]
+
+
 # --------------------------------------------------------------------------
 # --format and --top on the command line
 
