@@ -1510,19 +1510,25 @@ def is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def format_table(titles, rows, width=TABLE_WIDTH):
-    """Aligned columns, numbers to the right; the widest columns are cut in the
-    middle (never below MIN_COLUMN) until each line fits ``width``."""
+def format_table(titles, rows, width=TABLE_WIDTH, cut_first=()):
+    """Aligned columns, numbers to the right. Until each line fits ``width``, the
+    columns titled in ``cut_first`` and then the widest ones are cut in the middle
+    (never below MIN_COLUMN)."""
     texts = [[cell(v) for v in row] for row in rows]
     right = [
         any(is_number(row[k]) for row in rows) and all(is_number(row[k]) or row[k] is None for row in rows)
         for k in range(len(titles))
     ]
     widths = [max([len(t)] + [len(row[k]) for row in texts]) for k, t in enumerate(titles)]
-    # The first column (names) may keep twice the width of any other.
+    first = [k for k, t in enumerate(titles) if t in cut_first]
+
+    def weight(k):  # cut_first columns go first; the first column (names) may keep twice any other's width
+        if widths[k] <= MIN_COLUMN:
+            return 0
+        return widths[k] * (1000 if k in first else 1) / (2 if k == 0 else 1)
+
     while sum(widths) + 2 * (len(widths) - 1) > width and max(widths) > MIN_COLUMN:
-        k = max(range(len(widths)), key=lambda k: widths[k] / (2 if k == 0 else 1) if widths[k] > MIN_COLUMN else 0)
-        widths[k] -= 1
+        widths[max(range(len(widths)), key=weight)] -= 1
     lines = []
     for row in [list(titles)] + texts:
         parts = []
@@ -1564,9 +1570,9 @@ def limited(rows, top):
     return rows[:top], f"({len(rows) - top} more not shown; --top {top})"
 
 
-def section(title, titles, rows, top=None):
+def section(title, titles, rows, top=None, cut_first=()):
     shown, note = limited(rows, top)
-    parts = [title, format_table(titles, shown) if shown else "  (none)"]
+    parts = [title, format_table(titles, shown, cut_first=cut_first) if shown else "  (none)"]
     return "\n".join(parts + ([note] if note else []))
 
 
@@ -1633,7 +1639,10 @@ def islands_table(answer, top):
     ]
     return page(
         format_fields([("model", answer["model"])] + [(key, answer[key]) for key in ("compute", "wrapped", "float", "island_count")]),
-        section("float islands, largest first (# = position in the JSON list + 1)", ["#", "size", "op_types", "first", "last"], rows, top),
+        section(
+            "float islands, largest first (# = position in the JSON list + 1)",
+            ["#", "size", "op_types", "first", "last"], rows, top, cut_first=["op_types"],
+        ),
         *listing,
     )
 
@@ -1708,11 +1717,11 @@ def trace_table(answer, top):
         + [headline("worst_isolated"), headline("first_over"), ("ops", len(answer["ops"]))]
     )
     if top is None:
-        body = [section("ops in graph order", columns, rows(answer["ops"]))]
+        body = [section("ops in graph order", columns, rows(answer["ops"]), cut_first=["op_type"])]
     else:
         body = [
-            section("ops by isolated error", columns, rows(ranked(answer["ops"], "isolated_max_abs")), top),
-            section("ops by propagated error", columns, rows(ranked(answer["ops"], "propagated_max_abs")), top),
+            section("ops by isolated error", columns, rows(ranked(answer["ops"], "isolated_max_abs")), top, ["op_type"]),
+            section("ops by propagated error", columns, rows(ranked(answer["ops"], "propagated_max_abs")), top, ["op_type"]),
         ]
     unmatched = [[u["node"], u["op_type"], u["reason"]] for u in answer["unmatched"]]
     return page(head, *body, section("unmatched float nodes", ["node", "op_type", "reason"], unmatched, top))
@@ -1751,7 +1760,7 @@ def runtime_table(answer, top):
         for n in nodes_list
     ]
     node_titles = ["node", "op_type", "wrapped", "class", "kernel", "reason"] + (["us"] if timed else [])
-    blocks = [head, section("by op_type", ["op_type"] + RUNTIME_CLASSES, op_rows), section(title, node_titles, node_rows, top)]
+    blocks = [head, section("by op_type", ["op_type"] + RUNTIME_CLASSES, op_rows), section(title, node_titles, node_rows, top, ["op_type"])]
     if timed:
         time = answer["time"]
         shares = [[key, value] for key, value in time.items() if is_number(value)]
