@@ -2005,9 +2005,9 @@ TRACE_OPTIONS = [
 
 DOT_OPTIONS = [
     ("--runtime", {"action": "store_true", "dest": "runtime_colours",
-                   "help": "colour nodes by what onnxruntime runs: int8, int8_data, float, absorbed"}),
+                   "help": "colour nodes by what onnxruntime runs (int8, int8_data, float, absorbed), from the runtime command"}),
     ("--collapse", {"action": "store_true",
-                    "help": f"draw chains of wrapped nodes as one box (for graphs over {COLLAPSE_HINT} nodes)"}),
+                    "help": f"draw each connected group of wrapped nodes as one box (for over {COLLAPSE_HINT} compute nodes)"}),
 ]
 
 # name: (function, positional paths, help, options)
