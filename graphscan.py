@@ -1507,6 +1507,7 @@ def cell(value):
 
 
 def is_number(value):
+    """An int or float, not a bool: what a table aligns to the right."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -1571,12 +1572,14 @@ def limited(rows, top):
 
 
 def section(title, titles, rows, top=None, cut_first=()):
+    """A titled table of ``rows`` (``(none)`` when empty), cut to ``top`` rows with a note."""
     shown, note = limited(rows, top)
     parts = [title, format_table(titles, shown, cut_first=cut_first) if shown else "  (none)"]
     return "\n".join(parts + ([note] if note else []))
 
 
 def page(*blocks):
+    """Blocks of text separated by blank lines; empty blocks left out."""
     return "\n\n".join(b for b in blocks if b)
 
 
@@ -1605,6 +1608,7 @@ def op_summary(op_types):
 
 
 def nodes_table(answer, top):
+    """Op types and initializer dtypes, largest count first."""
     return page(
         format_fields([("model", answer["model"]), ("nodes", answer["nodes"]), ("op types", len(answer["op_types"]))]),
         section("op_type census", ["op_type", "count"], by_count(answer["op_types"]), top),
@@ -1613,6 +1617,7 @@ def nodes_table(answer, top):
 
 
 def qdq_table(answer, top):
+    """The four Q/DQ counts."""
     counts = [(key, answer[key]) for key in ("quantize", "dequantize", "round_trips", "weight_dequantize")]
     return page(format_fields([("model", answer["model"])]), format_table(["Q/DQ", "count"], counts))
 
@@ -1627,6 +1632,7 @@ def island_rows(members, positions, extra):
 
 
 def islands_table(answer, top):
+    """Islands largest first, then each shown island's members in graph order."""
     positions = graph_positions(answer["model"])
     islands_list = answer["islands"]
     members = [island["nodes"] for island in islands_list]
@@ -1648,6 +1654,7 @@ def islands_table(answer, top):
 
 
 def boundary_table(answer, top):
+    """DQs in and Qs out per island, largest island first."""
     positions = graph_positions(answer["model"])
     per_island = answer["per_island"]
     members = [island["nodes"] for island in per_island]
@@ -1659,6 +1666,7 @@ def boundary_table(answer, top):
 
 
 def diff_table(answer, top):
+    """The count deltas, then op types by the size of their change."""
     deltas = [(key, answer[key]) for key in answer if key.endswith("_delta") and key != "op_delta"]
     return page(
         format_fields([("a", answer["a"]), ("b", answer["b"])]),
@@ -1668,6 +1676,7 @@ def diff_table(answer, top):
 
 
 def fuse_table(answer, top):
+    """What was fused and what was skipped, in graph order."""
     fused = [[f["matmul"], f["add"], f["gemm"]] for f in answer["fused"]]
     skipped = [[s["node"], s["reason"]] for s in answer["skipped"]]
     return page(
@@ -1697,6 +1706,7 @@ def ranked(rows, key):
 
 
 def trace_table(answer, top):
+    """Rows in graph order; with ``top``, the largest isolated and the largest propagated errors."""
     columns = ["node", "op_type", "wrap", "isolated", "propag.", "lsb", "sqnr_db"]  # short: 80 columns
     keys = ["node", "op_type", "wrapped", "isolated_max_abs", "propagated_max_abs", "isolated_lsb", "sqnr_db"]
     if any("clipped" in row for row in answer["ops"]):
@@ -1738,6 +1748,7 @@ def node_us(answer, node):
 
 
 def runtime_table(answer, top):
+    """Classes by op type and nodes in graph order (slowest first with ``top`` and ``--time``)."""
     env = answer["environment"]
     head = format_fields(
         [("model", answer["model"]), ("onnxruntime", env.get("onnxruntime")), ("provider", env.get("provider")),
@@ -1771,6 +1782,7 @@ def runtime_table(answer, top):
 
 
 def impact_table(answer, top):
+    """Ops and tensors in the answer's order (largest gain first), and the exclusion found."""
     head = format_fields(
         [("a", answer["a"]), ("b", answer["b"])]
         + input_fields(answer["inputs"])
@@ -1852,6 +1864,7 @@ def dot_quote(text):
 
 
 def dot_attributes(**attributes):
+    """``[key="value", ...]`` with every value quoted."""
     return "[" + ", ".join(f"{key}={dot_quote(str(value))}" for key, value in attributes.items()) + "]"
 
 
