@@ -1775,6 +1775,9 @@ def runtime_table(answer, top):
     if timed:
         time = answer["time"]
         shares = [[key, value] for key, value in time.items() if is_number(value)]
+        for key, value in time.items():  # shares may also come grouped, e.g. {"shares": {class: share}}
+            if isinstance(value, dict) and value and all(is_number(v) for v in value.values()) and key != "us":
+                shares += [[f"{key}.{name}", share] for name, share in value.items()]
         blocks.append(section("time", ["share", "value"], shares))
         if time.get("method"):
             blocks.append("method: " + str(time["method"]))

@@ -335,3 +335,12 @@ def test_generic_table_shows_every_budget():
     text = graphscan.render_table("check", CHECK_ANSWER)
     rows = [line.split() for line in text.splitlines() if line.startswith("max_")]
     assert rows == [["max_float", "31", "10", "no"], ["max_islands", "12", "20", "yes"]]
+
+
+def test_runtime_time_shares_may_come_flat_or_grouped():
+    # Issue 8 names the shares but not their nesting; both shapes show every share.
+    grouped = {**RUNTIME_ANSWER, "time": {"shares": {"int8": 0.25, "float": 0.75}, "round_trip_cost": 0.31}}
+    rows = first_column(graphscan.render_table("runtime", grouped), "time")
+    assert rows == ["round_trip_cost", "shares.int8", "shares.float"]
+    rows = first_column(graphscan.render_table("runtime", RUNTIME_ANSWER), "time")
+    assert rows == ["int8", "int8_data", "float", "quantize", "dequantize", "round_trip_cost"]
