@@ -1862,8 +1862,11 @@ COLLAPSE_HINT = 500  # compute nodes above which --collapse is worth it
 
 
 def dot_quote(text):
-    """A DOT string literal; backslashes and quotes escaped, newlines as \\n."""
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    """A DOT string literal in ASCII: backslashes and quotes escaped, newlines as \\n,
+    ``&`` and every non-ASCII character as an HTML entity (Graphviz decodes them), so
+    the DOT prints on any terminal."""
+    text = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("&", "&amp;")
+    return '"' + text.encode("ascii", "xmlcharrefreplace").decode("ascii") + '"'
 
 
 def dot_attributes(**attributes):
@@ -2139,7 +2142,9 @@ def main(argv=None):
     finally:
         if gc_was_enabled:
             gc.enable()
-    sys.stdout.write(text + "\n")
+    # JSON is ASCII; a table shows names as they are, escaped where the terminal cannot.
+    encoding = sys.stdout.encoding or "utf-8"
+    sys.stdout.write((text + "\n").encode(encoding, "backslashreplace").decode(encoding))
     return EXIT_OK
 
 

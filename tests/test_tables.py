@@ -8,6 +8,7 @@ hand-written answers in the shapes their issues describe.
 """
 
 import json
+import os
 import shutil
 
 import pytest
@@ -173,6 +174,13 @@ def test_a_name_with_a_newline_stays_on_one_row(tmp_path, capsys):
     text = printed(capsys, ["islands", path, "--format", "table"])
     assert island_listing(text, 1) == ["first\\nhalf", "second"]
     assert "1     2  Relu 2    first\\nhalf  second" in text.splitlines()
+
+
+def test_a_terminal_that_cannot_show_a_name_gets_it_escaped(tmp_path):
+    path = chain_model(tmp_path / "m.onnx", ["Ωmega", "b"])
+    proc = run_graphscan(["islands", path, "--format", "table"], env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert proc.returncode == 0 and proc.stderr == b""
+    assert b"\\u03a9mega, b" in proc.stdout
 
 
 @pytest.mark.parametrize("width", [20, 37, 80])
