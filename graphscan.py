@@ -1945,15 +1945,37 @@ def unlinked_groups(index, edges, kinds):
     return [members for members in groups.values() if len(members) > 1]
 
 
+def node_kinds(index, path, runtime_colours):
+    """``{compute node: kind}``: wrapped/float, or the runtime command's class."""
+    if not runtime_colours:
+        return {i: "wrapped" if index.wrapped[i] else "float" for i in index.compute_nodes}
+    by_name = runtime_classes(path)
+    kinds = {i: by_name.get(index.names[i]) for i in index.compute_nodes}
+    return {i: kind if kind in COLOURS else "unknown" for i, kind in kinds.items()}
+
+
+def dot_header(path, index, kinds, island_count):
+    """The picture's title (with its colour legend) and default styles."""
+    counts = Counter(kinds.values())
+    legend = ", ".join(f"{counts[kind]} {kind} ({COLOURS[kind][1]})" for kind in COLOURS if counts[kind])
+    title = (
+        f"{path}: {len(index.compute_nodes)} compute nodes ({legend}), {island_count} float islands;"
+        " edge labels: the Q/DQ between two nodes (Q→DQ = a round trip)"
+    )
+    # pack: disconnected parts (lone Constants, islands of one) are laid out in a grid, not one wide row.
+    graph = dot_attributes(label=title, labelloc="t", fontname="Helvetica", pack="true", packmode="array_u8")
+    return [
+        f"  graph {graph};",
+        "  node " + dot_attributes(shape="box", style="rounded,filled", fontname="Helvetica", fontsize="10") + ";",
+        "  edge " + dot_attributes(fontname="Helvetica", fontsize="8") + ";",
+    ]
+
+
 def dot(path, runtime_colours=False, collapse=False):
     """The island map of ``path`` as Graphviz DOT text."""
     index = index_model(path)
     names = index.names
-    if runtime_colours:
-        by_name = runtime_classes(path)
-        kinds = {i: by_name.get(names[i], "unknown") for i in index.compute_nodes}
-    else:
-        kinds = {i: "wrapped" if index.wrapped[i] else "float" for i in index.compute_nodes}
+    kinds = node_kinds(index, path, runtime_colours)
     islands = float_islands(index)
     edges = folded_edges(index)
     boxes = unlinked_groups(index, edges, kinds) + (wrapped_runs(index, edges, kinds) if collapse else [])
@@ -1963,18 +1985,7 @@ def dot(path, runtime_colours=False, collapse=False):
         label = middle_cut(names[i], DOT_NAME_WIDTH) + "\n" + index.op_types[i]
         return f"n{i} {dot_attributes(label=label, tooltip=names[i], fillcolor=COLOURS[kinds[i]][0])};"
 
-    counts = Counter(kinds.values())
-    legend = ", ".join(f"{counts[kind]} {kind} ({COLOURS[kind][1]})" for kind in COLOURS if counts[kind])
-    lines = [
-        "digraph graphscan {",
-        "  graph " + dot_attributes(
-            label=f"{path}: {len(index.compute_nodes)} compute nodes ({legend}), {len(islands)} float islands;"
-            " edge labels: the Q/DQ between two nodes (Q→DQ = a round trip)",
-            labelloc="t", fontname="Helvetica", pack="true", packmode="array_u8",
-        ) + ";",
-        "  node " + dot_attributes(shape="box", style="rounded,filled", fontname="Helvetica", fontsize="10") + ";",
-        "  edge " + dot_attributes(fontname="Helvetica", fontsize="8") + ";",
-    ]
+    lines = ["digraph graphscan {"] + dot_header(path, index, kinds, len(islands))
     for k, info in enumerate(value_inputs(index.graph)):
         lines.append(f"  in{k} {dot_attributes(label=info.name, shape='ellipse', style='')};")
     for k, output in enumerate(index.graph.output):
@@ -1991,7 +2002,7 @@ def dot(path, runtime_colours=False, collapse=False):
         lines.append("  }")
     lines += ["  " + node_line(i) for i in index.compute_nodes if index.wrapped[i] and i not in box_of]
     for k, members in enumerate(boxes):
-        first, last = middle_cut(names[members[0]], DOT_NAME_WIDTH), middle_cut(names[members[-1]], DOT_NAME_WIDTH)
+        first, last = (middle_cut(names[members[j]], DOT_NAME_WIDTH) for j in (0, -1))
         ops = middle_cut(op_summary(index.op_types[i] for i in members), 2 * DOT_NAME_WIDTH)
         label = f"{len(members)} {kinds[members[0]]} nodes: {ops}\n{first}\n…\n{last}"
         tooltip = "\n".join(names[i] for i in members)  # every member, for the reader (and the tests)

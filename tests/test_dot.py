@@ -202,12 +202,12 @@ def fake_runtime(classes):
 
 def test_runtime_colours_follow_the_runtime_classes(canonical, monkeypatch):
     classes = {"fc1_matmul": "int8", "fc2_matmul": "int8", "fc3_matmul": "float", "fc1_add": "float",
-               "fc1_relu": "absorbed", "fc2_add": "int8_data"}  # the rest is missing: "unknown"
+               "fc1_relu": "absorbed", "fc2_add": "int8_data", "fc3_relu": "int4"}  # int4, missing: unknown
     monkeypatch.setattr(graphscan, "runtime", fake_runtime(classes), raising=False)
     path = str(canonical["matmul_only"])
     nodes, _, _ = assert_structure(path, graphscan.dot(path, runtime_colours=True))
     colours = {attrs["tooltip"]: attrs["fillcolor"] for i, attrs in nodes.items() if i.startswith("n")}
-    expected = {**classes, "fc2_relu": "unknown", "fc3_add": "unknown", "fc3_relu": "unknown"}
+    expected = {**classes, "fc2_relu": "unknown", "fc3_add": "unknown", "fc3_relu": "unknown"}  # no int4 colour
     assert colours == {node: graphscan.COLOURS[cls][0] for node, cls in expected.items()}
     legend = parse_graph_label(graphscan.dot(path, runtime_colours=True))
     assert "2 int8 (dark green), 1 int8_data (light green), 2 float (orange), 1 absorbed (grey), 3 unknown" in legend
