@@ -1820,7 +1820,7 @@ def generic_table(answer, top):
             titles = list(value[0])
             blocks.append(section(key, titles, [[v.get(t) for t in titles] for v in value], top))
         elif isinstance(value, list):
-            blocks.append(f"{key}:\n" + format_names(map(cell, value)))
+            blocks.append(f"{key}:\n" + format_names(value))
     return page(*blocks)
 
 

@@ -296,6 +296,7 @@ CHECK_ANSWER = {
         {"name": "max_float", "value": 31, "limit": 10, "ok": False},
         {"name": "max_islands", "value": 12, "limit": 20, "ok": True},
     ],
+    "broken": ["max_float"],
 }
 
 HAND_ANSWERS = [
@@ -343,6 +344,7 @@ def test_generic_table_shows_every_budget():
     text = graphscan.render_table("check", CHECK_ANSWER)
     rows = [line.split() for line in text.splitlines() if line.startswith("max_")]
     assert rows == [["max_float", "31", "10", "no"], ["max_islands", "12", "20", "yes"]]
+    assert text.endswith("broken:\n  max_float")
 
 
 def test_runtime_time_shares_may_come_flat_or_grouped():
