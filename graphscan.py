@@ -3,7 +3,7 @@
 
 A QDQ model keeps every operator and only wraps tensors in QuantizeLinear /
 DequantizeLinear, so "quantized" and "runs in int8" can only be told apart by
-counting the graph. The contract (keys, ordering, exit codes) is SPEC.md.
+counting the graph. The contract (keys, ordering, exit codes) is docs/SPEC.md.
 
     python graphscan.py <command> <model...>
 
@@ -2266,6 +2266,560 @@ def check(path, float=None, budget=None, max_float=None, max_islands=None, max_c
     ]
     return {"model": path, "float": float, "budgets": budgets, "ok": all(b["ok"] for b in budgets)}
 
+# --format table: aligned plain text for people
+#
+# The JSON answer is the contract. A table is rendered from it after the
+# command returns, so it can never change what a program reads; renderers
+# are ``(answer, top) -> str`` and every line fits TABLE_WIDTH columns.
+
+TABLE_WIDTH = 80
+CUT = "..."
+MIN_COLUMN = 8  # a column is never cut narrower than this
+
+
+def middle_cut(text, width):
+    """``text`` in at most ``width`` characters, its middle replaced by ``...``.
+
+    Both ends stay: a layer's prefix and its op suffix are what tell names apart.
+    """
+    if len(text) <= width:
+        return text
+    if width <= len(CUT):
+        return text[:width]
+    keep = width - len(CUT)
+    head = (keep + 1) // 2
+    return text[:head] + CUT + text[len(text) - (keep - head):]
+
+
+def cell(value):
+    """A value as table text: floats in 3 significant digits, None as '-'."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return str(value).replace("\n", "\\n")  # one row per line, whatever a name holds
+
+
+def is_number(value):
+    """An int or float, not a bool: what a table aligns to the right."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def format_table(titles, rows, width=TABLE_WIDTH, cut_first=()):
+    """Aligned columns, numbers to the right. Until each line fits ``width``, the
+    columns titled in ``cut_first`` and then the widest ones are cut in the middle
+    (never below MIN_COLUMN)."""
+    texts = [[cell(v) for v in row] for row in rows]
+    right = [
+        any(is_number(row[k]) for row in rows) and all(is_number(row[k]) or row[k] is None for row in rows)
+        for k in range(len(titles))
+    ]
+    widths = [max([len(t)] + [len(row[k]) for row in texts]) for k, t in enumerate(titles)]
+    first = [k for k, t in enumerate(titles) if t in cut_first]
+
+    def weight(k):  # cut_first columns go first; the first column (names) may keep twice any other's width
+        if widths[k] <= MIN_COLUMN:
+            return 0
+        return widths[k] * (1000 if k in first else 1) / (2 if k == 0 else 1)
+
+    while sum(widths) + 2 * (len(widths) - 1) > width and max(widths) > MIN_COLUMN:
+        widths[max(range(len(widths)), key=weight)] -= 1
+    lines = []
+    for row in [list(titles)] + texts:
+        parts = []
+        for k, text in enumerate(row):
+            text = middle_cut(text, widths[k])
+            parts.append(text.rjust(widths[k]) if right[k] else text.ljust(widths[k]))
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def format_fields(pairs, width=TABLE_WIDTH):
+    """``key value`` pairs on as few lines as fit ``width``; long values cut in the middle."""
+    lines, line = [], ""
+    for key, value in pairs:
+        text = f"{key} {middle_cut(cell(value), width - len(key) - 1)}"
+        if line and len(line) + 3 + len(text) > width:
+            lines.append(line)
+            line = ""
+        line = f"{line}   {text}" if line else text
+    return "\n".join(lines + [line])
+
+
+def format_names(names, width=TABLE_WIDTH, indent="  "):
+    """Names separated by commas, wrapped to ``width``, each cut to fit one line."""
+    lines, line = [], ""
+    for name in names:
+        name = middle_cut(cell(name), width - len(indent) - 1)
+        if line and len(indent) + len(line) + len(name) + 3 > width:  # 3: ', ' now, ',' if wrapped
+            lines.append(indent + line + ",")
+            line = ""
+        line = f"{line}, {name}" if line else name
+    return "\n".join(lines + [indent + line])
+
+
+def limited(rows, top):
+    """The first ``top`` rows (all without ``--top``) and a note on what was left out."""
+    if top is None or top >= len(rows):
+        return rows, ""
+    return rows[:top], f"({len(rows) - top} more not shown; --top {top})"
+
+
+def section(title, titles, rows, top=None, cut_first=()):
+    """A titled table of ``rows`` (``(none)`` when empty), cut to ``top`` rows with a note."""
+    shown, note = limited(rows, top)
+    parts = [title, format_table(titles, shown, cut_first=cut_first) if shown else "  (none)"]
+    return "\n".join(parts + ([note] if note else []))
+
+
+def page(*blocks):
+    """Blocks of text separated by blank lines; empty blocks left out."""
+    return "\n\n".join(b for b in blocks if b)
+
+
+def by_count(counts):
+    """``{key: count}`` items, largest count first, ties by key."""
+    return sorted(counts.items(), key=lambda item: (-abs(item[1]), item[0]))
+
+
+def graph_positions(path):
+    """``{node name: position in graph.node}``, to show names in graph order."""
+    return {name: i for i, name in enumerate(index_model(path).names)}
+
+
+def islands_by_size(members, positions):
+    """JSON positions of islands, largest first, ties by their first node in graph order."""
+
+    def first(k):
+        return min(positions.get(name, -1) for name in members[k])
+
+    return sorted(range(len(members)), key=lambda k: (-len(members[k]), first(k)))
+
+
+def op_summary(op_types):
+    """``"Add 2, Relu"``: op types by count, largest first."""
+    return ", ".join(f"{op} {n}" if n > 1 else op for op, n in by_count(Counter(op_types)))
+
+
+def nodes_table(answer, top):
+    """Op types and initializer dtypes, largest count first."""
+    return page(
+        format_fields([("model", answer["model"]), ("nodes", answer["nodes"]), ("op types", len(answer["op_types"]))]),
+        section("op_type census", ["op_type", "count"], by_count(answer["op_types"]), top),
+        section("initializers", ["dtype", "count"], by_count(answer["initializers"])),
+    )
+
+
+def qdq_table(answer, top):
+    """The four Q/DQ counts."""
+    counts = [(key, answer[key]) for key in ("quantize", "dequantize", "round_trips", "weight_dequantize")]
+    return page(format_fields([("model", answer["model"])]), format_table(["Q/DQ", "count"], counts))
+
+
+def island_rows(members, positions, extra):
+    """One row per island, largest first: #, size, extra columns, first and last node in graph order."""
+    rows = []
+    for k in islands_by_size(members, positions):
+        ordered = sorted(members[k], key=lambda name: positions.get(name, -1))
+        rows.append([k + 1, len(ordered), *extra(k), ordered[0], ordered[-1]])
+    return rows
+
+
+def islands_table(answer, top):
+    """Islands largest first, then each shown island's members in graph order."""
+    positions = graph_positions(answer["model"])
+    islands_list = answer["islands"]
+    members = [island["nodes"] for island in islands_list]
+    rows = island_rows(members, positions, lambda k: [op_summary(islands_list[k]["op_types"])])
+    shown, _ = limited(rows, top)
+    listing = [
+        f"island {row[0]} in graph order:\n"
+        + format_names(sorted(members[row[0] - 1], key=lambda name: positions.get(name, -1)))
+        for row in shown
+    ]
+    return page(
+        format_fields([("model", answer["model"])] + [(key, answer[key]) for key in ("compute", "wrapped", "float", "island_count")]),
+        section(
+            "float islands, largest first (# = position in the JSON list + 1)",
+            ["#", "size", "op_types", "first", "last"], rows, top, cut_first=["op_types"],
+        ),
+        *listing,
+    )
+
+
+def boundary_table(answer, top):
+    """DQs in and Qs out per island, largest island first."""
+    positions = graph_positions(answer["model"])
+    per_island = answer["per_island"]
+    members = [island["nodes"] for island in per_island]
+    rows = island_rows(members, positions, lambda k: [per_island[k]["in_dequantize"], per_island[k]["out_quantize"]])
+    return page(
+        format_fields([("model", answer["model"]), ("island_count", answer["island_count"]), ("crossings", answer["crossings"])]),
+        section("crossings per island, largest first", ["#", "size", "DQ in", "Q out", "first", "last"], rows, top),
+    )
+
+
+def diff_table(answer, top):
+    """The count deltas, then op types by the size of their change."""
+    deltas = [(key, answer[key]) for key in answer if key.endswith("_delta") and key != "op_delta"]
+    return page(
+        format_fields([("a", answer["a"]), ("b", answer["b"])]),
+        format_table(["b - a", "delta"], deltas),
+        section("op_delta, largest change first", ["op_type", "delta"], by_count(answer["op_delta"]), top),
+    )
+
+
+def fuse_table(answer, top):
+    """What was fused and what was skipped, in graph order."""
+    fused = [[f["matmul"], f["add"], f["gemm"]] for f in answer["fused"]]
+    skipped = [[s["node"], s["reason"]] for s in answer["skipped"]]
+    return page(
+        format_fields(
+            [("model", answer["model"]), ("output", answer["output"]), ("fused", len(fused)),
+             ("skipped", len(skipped)), ("max_abs_error", answer["max_abs_error"])]
+        ),
+        section("fused", ["matmul", "add", "gemm"], fused, top),
+        section("skipped", ["matmul", "reason"], skipped, top),
+    )
+
+
+def input_fields(inputs):
+    """``inputs`` of a trace/impact answer as header pairs: shapes, and any defaulted list."""
+    pairs = []
+    for name, value in inputs.items():
+        if name == "defaulted" and not all(isinstance(d, int) for d in value):
+            pairs.append(("defaulted", ", ".join(value) or "none"))
+        else:
+            pairs.append((f"input {name}", "x".join(map(str, value))))
+    return pairs
+
+
+def ranked(rows, key):
+    """Rows with a value for ``key``, largest first (ties keep their order)."""
+    return sorted((r for r in rows if r.get(key) is not None), key=lambda r: -r[key])
+
+
+def trace_table(answer, top):
+    """Rows in graph order; with ``top``, the largest isolated and the largest propagated errors."""
+    columns = ["node", "op_type", "wrap", "isolated", "propag.", "lsb", "sqnr_db"]  # short: 80 columns
+    keys = ["node", "op_type", "wrapped", "isolated_max_abs", "propagated_max_abs", "isolated_lsb", "sqnr_db"]
+    if any("clipped" in row for row in answer["ops"]):
+        columns.append("clipped")
+        keys.append("clipped")
+
+    def rows(ops):
+        return [[row.get(key) for key in keys] for row in ops]
+
+    def headline(key):
+        value = answer.get(key)
+        return (key, f"{value['node']} ({value['max_abs']:.3g})" if value else None)
+
+    head = format_fields(
+        [("a", answer["a"]), ("b", answer["b"])]
+        + input_fields(answer["inputs"])
+        + [(f"output {name} max_abs", error) for name, error in answer["outputs"].items()]
+        + [headline("worst_isolated"), headline("first_over"), ("ops", len(answer["ops"]))]
+    )
+    if top is None:
+        body = [section("ops in graph order", columns, rows(answer["ops"]), cut_first=["op_type"])]
+    else:
+        body = [
+            section("ops by isolated error", columns, rows(ranked(answer["ops"], "isolated_max_abs")), top, ["op_type"]),
+            section("ops by propagated error", columns, rows(ranked(answer["ops"], "propagated_max_abs")), top, ["op_type"]),
+        ]
+    unmatched = [[u["node"], u["op_type"], u["reason"]] for u in answer["unmatched"]]
+    return page(head, *body, section("unmatched float nodes", ["node", "op_type", "reason"], unmatched, top))
+
+
+RUNTIME_CLASSES = ["int8", "int8_data", "float", "absorbed"]
+
+
+def node_us(answer, node):
+    """A node's kernel time in microseconds, when ``--time`` measured it."""
+    if node.get("us") is not None:
+        return node["us"]
+    return (answer.get("time") or {}).get("us", {}).get(node["node"])
+
+
+def runtime_table(answer, top):
+    """Classes by op type and nodes in graph order (slowest first with ``top`` and ``--time``)."""
+    env = answer["environment"]
+    head = format_fields(
+        [("model", answer["model"]), ("onnxruntime", env.get("onnxruntime")), ("provider", env.get("provider")),
+         ("level", env.get("level")), ("machine", env.get("machine")), ("int8_allowed", env.get("int8_allowed")),
+         ("compute", answer["compute"]), ("wrapped", answer["wrapped"])]
+        + [(name, answer["classes"].get(name, 0)) for name in RUNTIME_CLASSES]
+        + [("wrapped_but_float", answer["wrapped_but_float"]), ("float_but_int8", answer["float_but_int8"])]
+    )
+    by_op = sorted(answer["by_op_type"].items(), key=lambda item: (-sum(item[1].values()), item[0]))
+    op_rows = [[op] + [counts.get(name, 0) for name in RUNTIME_CLASSES] for op, counts in by_op]
+    timed = "time" in answer
+    nodes_list = answer["nodes"]
+    title = "nodes in graph order"
+    if timed and top is not None:
+        nodes_list = sorted(nodes_list, key=lambda n: -(node_us(answer, n) or 0))
+        title = "nodes by kernel time"
+    node_rows = [
+        [n["node"], n["op_type"], n["wrapped"], n["class"], n["kernel"], (n.get("reason") or {}).get("code")]
+        + ([node_us(answer, n)] if timed else [])
+        for n in nodes_list
+    ]
+    node_titles = ["node", "op_type", "wrapped", "class", "kernel", "reason"] + (["us"] if timed else [])
+    blocks = [head, section("by op_type", ["op_type"] + RUNTIME_CLASSES, op_rows), section(title, node_titles, node_rows, top, ["op_type"])]
+    if timed:
+        time = answer["time"]
+        shares = [[key, value] for key, value in time.items() if is_number(value)]
+        for key, value in time.items():  # shares may also come grouped, e.g. {"shares": {class: share}}
+            if isinstance(value, dict) and value and all(is_number(v) for v in value.values()) and key != "us":
+                shares += [[f"{key}.{name}", share] for name, share in value.items()]
+        blocks.append(section("time", ["share", "value"], shares))
+        if time.get("method"):
+            blocks.append("method: " + str(time["method"]))
+    return page(*blocks)
+
+
+def impact_table(answer, top):
+    """Ops and tensors in the answer's order (largest gain first), and the exclusion found."""
+    head = format_fields(
+        [("a", answer["a"]), ("b", answer["b"])]
+        + input_fields(answer["inputs"])
+        + [("samples", answer["samples"]), ("output_sqnr_db", answer["output_sqnr_db"])]
+    )
+    ops = [[r["node"], r["op_type"], r["sqnr_db"], r["gain_db"]] for r in answer["ops"]]
+    tensors = [
+        [r["tensor"], r["producer"], r["gain_db"], r["rounding_gain_db"], r["clipped"]] for r in answer["tensors"]
+    ]
+    blocks = [
+        head,
+        section("ops by output gain when kept float", ["node", "op_type", "sqnr_db", "gain_db"], ops, top),
+        section("tensors by output gain when kept float", ["tensor", "producer", "gain_db", "rounding", "clipped"], tensors, top),
+    ]
+    exclude = answer.get("exclude")
+    if exclude is not None:
+        blocks.append(
+            format_fields([(key, exclude[key]) for key in ("target_sqnr_db", "sqnr_db", "reached")])
+            + "\nnodes_to_exclude:\n"
+            + format_names(exclude["nodes"])
+        )
+    return page(*blocks)
+
+
+def generic_table(answer, top):
+    """Any answer: scalars as header fields, then each list or mapping as a table."""
+    blocks = [format_fields([(k, v) for k, v in answer.items() if not isinstance(v, (list, dict))])]
+    for key, value in answer.items():
+        if isinstance(value, dict):
+            blocks.append(section(key, ["key", "value"], list(value.items()), top))
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            titles = list(value[0])
+            blocks.append(section(key, titles, [[v.get(t) for t in titles] for v in value], top))
+        elif isinstance(value, list):
+            blocks.append(f"{key}:\n" + format_names(value))
+    return page(*blocks)
+
+
+TABLE_RENDERERS = {
+    "nodes": nodes_table,
+    "qdq": qdq_table,
+    "islands": islands_table,
+    "boundary": boundary_table,
+    "diff": diff_table,
+    "fuse": fuse_table,
+    "trace": trace_table,
+    "runtime": runtime_table,
+    "impact": impact_table,
+}
+
+
+def render_table(command, answer, top=None):
+    """The answer of ``command`` as text for a terminal (commands without a renderer get a generic one)."""
+    return TABLE_RENDERERS.get(command, generic_table)(answer, top)
+
+
+# --------------------------------------------------------------------------
+# dot: the island map as a Graphviz picture (for people; the JSON is the contract)
+#
+# Compute nodes only: every Q/DQ chain between two of them is folded into the
+# edge's label (Q→DQ is a round trip), chains that start at an initializer
+# (weights) are hidden, and each float island is a cluster.
+
+COLOURS = {  # node kind: (fill colour, its name in the picture's legend)
+    "int8": ("#1b9e77", "dark green"),
+    "int8_data": ("#a6dba0", "light green"),
+    "wrapped": ("#a6dba0", "green"),
+    "float": ("#f4a582", "orange"),
+    "absorbed": ("#d9d9d9", "grey"),
+    "unknown": ("#ffffff", "white"),
+}
+DOT_NAME_WIDTH = 32  # node labels cut in the middle beyond this
+COLLAPSE_HINT = 500  # compute nodes above which --collapse is worth it
+
+
+def dot_quote(text):
+    """A DOT string literal in ASCII: backslashes and quotes escaped, newlines as \\n,
+    ``&`` and every non-ASCII character as an HTML entity (Graphviz decodes them), so
+    the DOT prints on any terminal."""
+    text = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("&", "&amp;")
+    return '"' + text.encode("ascii", "xmlcharrefreplace").decode("ascii") + '"'
+
+
+def dot_attributes(**attributes):
+    """``[key="value", ...]`` with every value quoted."""
+    return "[" + ", ".join(f"{key}={dot_quote(str(value))}" for key, value in attributes.items()) + "]"
+
+
+def folded_edges(index):
+    """``[(source id, target id, label)]`` between compute nodes (``n<i>``), graph
+    inputs (``in<k>``) and outputs (``out<k>``), each Q/DQ chain folded into the
+    label; chains from initializers are dropped. Distinct, in graph order."""
+    graph = index.graph
+    input_ids = {info.name: f"in{k}" for k, info in enumerate(value_inputs(graph))}
+    edges = {}
+
+    def link(tensor, target):
+        source, chain = data_source(index, graph, tensor)
+        producer = index.producer_of(source)
+        if producer is not None and index.is_compute(producer):
+            source_id = f"n{producer}"
+        elif source in input_ids:
+            source_id = input_ids[source]
+        else:
+            return  # a weight, or a chain that starts nowhere
+        label = "→".join("Q" if index.is_q[j] else "DQ" for j in chain)
+        edges.setdefault((source_id, target, label), None)
+
+    for i in index.compute_nodes:
+        for tensor in index.inputs[i]:
+            link(tensor, f"n{i}")
+    for k, output in enumerate(graph.output):
+        link(output.name, f"out{k}")
+    return list(edges)
+
+
+def wrapped_runs(index, edges, kinds):
+    """Groups of wrapped compute nodes of one kind joined by edges between them
+    (a float node always ends a group), in graph order; only groups of two or more."""
+    group = {i: i for i in index.compute_nodes if index.wrapped[i]}
+
+    def root(i):
+        while group[i] != i:
+            group[i] = group[group[i]]
+            i = group[i]
+        return i
+
+    for source, target, _ in edges:
+        if source.startswith("n") and target.startswith("n"):
+            p, i = int(source[1:]), int(target[1:])
+            if p in group and i in group and kinds[p] == kinds[i]:
+                group[root(i)] = root(p)
+    members = {}
+    for i in group:
+        members.setdefault(root(i), []).append(i)
+    return [run for run in members.values() if len(run) > 1]
+
+
+def runtime_classes(path):
+    """``{node name: runtime class}`` from the ``runtime`` command (issue 8)."""
+    runtime_command = globals().get("runtime")
+    if runtime_command is None:
+        raise GraphscanError(
+            "usage: dot --runtime needs the runtime command, which this graphscan.py does not have", EXIT_USAGE
+        )
+    return {node["node"]: node["class"] for node in runtime_command(path)["nodes"]}
+
+
+def unlinked_groups(index, edges, kinds):
+    """Wrapped compute nodes no edge of the picture touches (Constants that only
+    set a Q's scale or zero point), grouped by kind in graph order; groups of two or more."""
+    linked = {ident for source, target, _ in edges for ident in (source, target)}
+    groups = {}
+    for i in index.compute_nodes:
+        if index.wrapped[i] and f"n{i}" not in linked:
+            groups.setdefault(kinds[i], []).append(i)
+    return [members for members in groups.values() if len(members) > 1]
+
+
+def node_kinds(index, path, runtime_colours):
+    """``{compute node: kind}``: wrapped/float, or the runtime command's class."""
+    if not runtime_colours:
+        return {i: "wrapped" if index.wrapped[i] else "float" for i in index.compute_nodes}
+    by_name = runtime_classes(path)
+    kinds = {i: by_name.get(index.names[i]) for i in index.compute_nodes}
+    return {i: kind if kind in COLOURS else "unknown" for i, kind in kinds.items()}
+
+
+def dot_header(path, index, kinds, island_count):
+    """The picture's title (with its colour legend) and default styles."""
+    counts = Counter(kinds.values())
+    legend = ", ".join(f"{counts[kind]} {kind} ({COLOURS[kind][1]})" for kind in COLOURS if counts[kind])
+    title = (
+        f"{path}: {len(index.compute_nodes)} compute nodes ({legend}), {island_count} float islands;"
+        " edge labels: the Q/DQ between two nodes (Q→DQ = a round trip)"
+    )
+    # pack: disconnected parts (lone Constants, islands of one) are laid out in a grid, not one wide row.
+    graph = dot_attributes(label=title, labelloc="t", fontname="Helvetica", pack="true", packmode="array_u8")
+    return [
+        f"  graph {graph};",
+        "  node " + dot_attributes(shape="box", style="rounded,filled", fontname="Helvetica", fontsize="10") + ";",
+        "  edge " + dot_attributes(fontname="Helvetica", fontsize="8") + ";",
+    ]
+
+
+def dot(path, runtime_colours=False, collapse=False):
+    """The island map of ``path`` as Graphviz DOT text."""
+    index = index_model(path)
+    names = index.names
+    kinds = node_kinds(index, path, runtime_colours)
+    islands = float_islands(index)
+    edges = folded_edges(index)
+    boxes = unlinked_groups(index, edges, kinds) + (wrapped_runs(index, edges, kinds) if collapse else [])
+    box_of = {i: k for k, members in enumerate(boxes) for i in members}
+
+    def node_line(i):
+        label = middle_cut(names[i], DOT_NAME_WIDTH) + "\n" + index.op_types[i]
+        return f"n{i} {dot_attributes(label=label, tooltip=names[i], fillcolor=COLOURS[kinds[i]][0])};"
+
+    lines = ["digraph graphscan {"] + dot_header(path, index, kinds, len(islands))
+    for k, info in enumerate(value_inputs(index.graph)):
+        lines.append(f"  in{k} {dot_attributes(label=info.name, shape='ellipse', style='')};")
+    for k, output in enumerate(index.graph.output):
+        lines.append(f"  out{k} {dot_attributes(label=output.name, shape='ellipse', style='')};")
+    for number, (members, _) in enumerate(islands, 1):
+        in_dq, out_q = boundary_of(index, members)
+        label = (
+            f"island {number}: {len(members)} nodes, {len(in_dq) + len(out_q)} crossings "
+            f"({len(in_dq)} DQ in, {len(out_q)} Q out)"
+        )
+        lines.append(f"  subgraph cluster_island_{number} {{")
+        lines.append("    graph " + dot_attributes(label=label, style="dashed", color="#b2182b") + ";")
+        lines += ["    " + node_line(i) for i in sorted(members)]
+        lines.append("  }")
+    lines += ["  " + node_line(i) for i in index.compute_nodes if index.wrapped[i] and i not in box_of]
+    for k, members in enumerate(boxes):
+        first, last = (middle_cut(names[members[j]], DOT_NAME_WIDTH) for j in (0, -1))
+        ops = middle_cut(op_summary(index.op_types[i] for i in members), 2 * DOT_NAME_WIDTH)
+        label = f"{len(members)} {kinds[members[0]]} nodes: {ops}\n{first}\n…\n{last}"
+        tooltip = "\n".join(names[i] for i in members)  # every member, for the reader (and the tests)
+        colour = COLOURS[kinds[members[0]]][0]
+        lines.append(f"  box{k} {dot_attributes(label=label, tooltip=tooltip, fillcolor=colour, penwidth='2')};")
+
+    def drawn_as(ident):
+        i = int(ident[1:]) if ident.startswith("n") else None
+        return f"box{box_of[i]}" if i in box_of else ident
+
+    drawn = set()
+    for source, target, label in edges:
+        key = (drawn_as(source), drawn_as(target), label)
+        if key[0] != key[1] and key not in drawn:
+            drawn.add(key)
+            lines.append(f"  {key[0]} -> {key[1]}" + (f" {dot_attributes(label=label)};" if label else ";"))
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
 
 # --------------------------------------------------------------------------
 # Command line
@@ -2303,6 +2857,13 @@ CHECK_OPTIONS = [
 # Commands whose exit code depends on the answer (the JSON is printed either way).
 ANSWER_EXIT_CODES = {"check": lambda answer: EXIT_OK if answer["ok"] else EXIT_BUDGET}
 
+DOT_OPTIONS = [
+    ("--runtime", {"action": "store_true", "dest": "runtime_colours",
+                   "help": "colour nodes by what onnxruntime runs (int8, int8_data, float, absorbed), from the runtime command"}),
+    ("--collapse", {"action": "store_true",
+                    "help": f"draw each connected group of wrapped nodes as one box (for over {COLLAPSE_HINT} compute nodes)"}),
+]
+
 # name: (function, positional paths, help, options)
 COMMANDS = {
     "nodes": (nodes, ["model"], "op census and initializer dtypes", []),
@@ -2312,8 +2873,9 @@ COMMANDS = {
     "diff": (diff, ["a", "b"], "b minus a for the counts above", []),
     "fuse": (fuse, ["model", "output"], "fuse MatMul+Add into Gemm, verified, into output", []),
     "trace": (trace, ["a", "b"], "per-op isolated and propagated error of b (quantized) vs a (float)", TRACE_OPTIONS),
-    "check": (check, ["model"], "a CI gate: exit 8 when a budget (float nodes, islands, crossings, int8 share, SQNR) is broken", CHECK_OPTIONS),
     "runtime": (runtime, ["model"], "what onnxruntime really runs per node: int8, int8_data, float, absorbed", RUNTIME_OPTIONS),
+    "check": (check, ["model"], "a CI gate: exit 8 when a budget (float nodes, islands, crossings, int8 share, SQNR) is broken", CHECK_OPTIONS),
+    "dot": (dot, ["model"], "Graphviz DOT picture of the island map (DOT text, not JSON)", DOT_OPTIONS),
 }
 
 
@@ -2322,6 +2884,26 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         raise GraphscanError(f"usage: {message}", EXIT_USAGE)
+
+
+FORMATS = ["json", "table"]
+TEXT_COMMANDS = {"dot"}  # answer text for people instead of a JSON object
+
+
+def row_count(text):
+    """``--top N``: a non-negative integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def option_dest(flag, settings):
+    """The keyword an option is passed as: its ``dest``, else the flag in snake_case."""
+    return settings.get("dest") or flag.lstrip("-").replace("-", "_")
 
 
 def build_parser():
@@ -2342,20 +2924,41 @@ def build_parser():
             command.add_argument(path, help="path to an .onnx file")
         for flag, settings in options:
             command.add_argument(flag, **settings)
+        if name in TEXT_COMMANDS:
+            continue
+        output = command.add_argument_group("output (tables are for people; the JSON is the contract)")
+        output.add_argument("--format", choices=FORMATS, default="json", help="json (default) or table")
+        if "--top" not in (flag for flag, _ in options):  # a command's own --top also limits its JSON
+            output.add_argument(
+                "--top", type=row_count, metavar="N", help="table: only the N largest rows of each long list"
+            )
     return parser
 
 
 def run(argv):
-    """Parse ``argv`` and return the command's answer (raises GraphscanError)."""
+    """Parse ``argv``, run the command, return the text to print and the exit code
+    (raises GraphscanError).
+
+    The text is the answer's JSON, or with ``--format table`` a table rendered
+    from that same answer; ``dot`` answers DOT text.
+    """
     args = build_parser().parse_args(argv)
     if args.command is None:
         raise GraphscanError(
             f"usage: a command is required ({', '.join(COMMANDS)})", EXIT_USAGE
         )
     function, paths, _, options = COMMANDS[args.command]
-    dests = [flag.lstrip("-").replace("-", "_") for flag, _ in options]
-    keywords = {dest: getattr(args, dest) for dest in dests}
-    return function(*(getattr(args, p) for p in paths), **keywords)
+    fmt, top = getattr(args, "format", "json"), getattr(args, "top", None)
+    if fmt == "json" and top is not None and "--top" not in (flag for flag, _ in options):
+        raise GraphscanError("usage: --top only limits tables; add --format table", EXIT_USAGE)
+    keywords = {option_dest(f, s): getattr(args, option_dest(f, s)) for f, s in options}
+    answer = function(*(getattr(args, p) for p in paths), **keywords)
+    if args.command in TEXT_COMMANDS:
+        return answer.rstrip("\n"), EXIT_OK
+    exit_code = ANSWER_EXIT_CODES.get(args.command, lambda _: EXIT_OK)(answer)
+    if fmt == "table":
+        return render_table(args.command, answer, top), exit_code
+    return json.dumps(answer), exit_code
 
 
 def main(argv=None):
@@ -2366,8 +2969,7 @@ def main(argv=None):
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        answer = run(argv)
-        text = json.dumps(answer)
+        text, exit_code = run(argv)
     except GraphscanError as exc:
         print(f"graphscan: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -2379,9 +2981,10 @@ def main(argv=None):
     finally:
         if gc_was_enabled:
             gc.enable()
-    sys.stdout.write(text + "\n")
-    exit_code = ANSWER_EXIT_CODES.get(argv[0] if argv else None)
-    return exit_code(answer) if exit_code else EXIT_OK
+    # JSON is ASCII; a table shows names as they are, escaped where the terminal cannot.
+    encoding = sys.stdout.encoding or "utf-8"
+    sys.stdout.write((text + "\n").encode(encoding, "backslashreplace").decode(encoding))
+    return exit_code
 
 
 if __name__ == "__main__":

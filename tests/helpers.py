@@ -56,3 +56,34 @@ def error_line(proc, code):
     assert len(lines) == 1, describe(proc)
     assert lines[0].startswith("graphscan: "), describe(proc)
     return lines[0]
+
+
+def chain_model(path, steps, op_type="Relu"):
+    """Write a runnable one-chain model ``x -> steps -> y`` to ``path`` and return it as a str.
+
+    Each step is a node name (an ``op_type`` node of that name) or ``"qdq"``, a
+    QuantizeLinear -> DequantizeLinear pair (int8, scale 0.1) named ``q<k>``/``dq<k>``.
+    A chain's float nodes between two pairs form one island, so sizes and graph
+    order are fixed by the list.
+    """
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    nodes, tensor = [], "x"
+    for k, step in enumerate(steps):
+        out = "y" if k == len(steps) - 1 else f"t{k}"
+        if step == "qdq":
+            nodes.append(helper.make_node("QuantizeLinear", [tensor, "s", "zp"], [f"{out}_q"], name=f"q{k}"))
+            nodes.append(helper.make_node("DequantizeLinear", [f"{out}_q", "s", "zp"], [out], name=f"dq{k}"))
+        else:
+            nodes.append(helper.make_node(op_type, [tensor], [out], name=step))
+        tensor = out
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        [numpy_helper.from_array(np.float32(0.1), "s"), numpy_helper.from_array(np.int8(0), "zp")],
+    )
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
+    return str(path)
