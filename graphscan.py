@@ -2539,10 +2539,8 @@ RUNTIME_CLASSES = ["int8", "int8_data", "float", "absorbed"]
 
 
 def node_us(answer, node):
-    """A node's kernel time in microseconds, when ``--time`` measured it."""
-    if node.get("us") is not None:
-        return node["us"]
-    return (answer.get("time") or {}).get("us", {}).get(node["node"])
+    """A node's kernel microseconds per run, when ``--time`` measured it."""
+    return (answer.get("time") or {}).get("nodes", {}).get(node["node"])
 
 
 def runtime_table(answer, top):
@@ -2572,13 +2570,11 @@ def runtime_table(answer, top):
     blocks = [head, section("by op_type", ["op_type"] + RUNTIME_CLASSES, op_rows), section(title, node_titles, node_rows, top, ["op_type"])]
     if timed:
         time = answer["time"]
-        shares = [[key, value] for key, value in time.items() if is_number(value)]
-        for key, value in time.items():  # shares may also come grouped, e.g. {"shares": {class: share}}
-            if isinstance(value, dict) and value and all(is_number(v) for v in value.values()) and key != "us":
-                shares += [[f"{key}.{name}", share] for name, share in value.items()]
-        blocks.append(section("time", ["share", "value"], shares))
-        if time.get("method"):
-            blocks.append("method: " + str(time["method"]))
+        numbers = [[key, time[key]] for key in ("runs", "profiler_floor_us", "round_trip_cost")]
+        numbers += [[f"wall_ms {key}", value] for key, value in time["wall_ms"].items()]
+        numbers += [[f"share {kind}", share] for kind, share in time["shares"].items()]
+        blocks.append(section("time", ["what", "value"], numbers))
+        blocks.append("method: " + time["method"])
     return page(*blocks)
 
 
