@@ -18,14 +18,28 @@ import gc
 import itertools
 import json
 import math
-import mmap
 import os
 import re
+import signal
 import stat
 import sys
 from collections import Counter
 
-import onnx
+EXIT_INTERRUPTED = 130  # SIGINT, as shells report it (128 + 2)
+
+
+def exit_on_interrupt(signum, frame):
+    """SIGINT where main() cannot catch it (importing onnx, shutting down): one line, exit 130."""
+    try:
+        os.write(2, b"graphscan: interrupted\n")
+    finally:
+        os._exit(EXIT_INTERRUPTED)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, exit_on_interrupt)  # importing onnx takes a moment
+
+import onnx  # noqa: E402  (after the SIGINT handler on purpose)
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1  # a bug in graphscan, still reported in one line
@@ -58,43 +72,128 @@ def one_line(exc):
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def shown(path):
+    """``path`` as error messages name it: unchanged when it prints on one line,
+    else escaped as ``repr`` does (a newline in a file name shows as ``\\n``)."""
+    path = os.fsdecode(path)
+    return path if path.isprintable() else repr(path)
+
+
+# Characters str.splitlines() breaks at: a message must never contain one.
+LINE_BREAKS = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+def single_line(text):
+    """``text`` with every line break escaped, so a report stays one line."""
+    return LINE_BREAKS.sub(lambda m: repr(m.group())[1:-1], text)
+
+
 def check_readable(path):
     """Raise exit 3 unless ``path`` is an existing regular file."""
     try:
         mode = os.stat(path).st_mode
-    except OSError as exc:
-        raise GraphscanError(f"{path}: no such file ({exc.strerror or exc})", EXIT_NO_FILE)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise GraphscanError(f"{shown(path)}: no such file ({getattr(exc, 'strerror', None) or exc})", EXIT_NO_FILE)
     if not stat.S_ISREG(mode):
-        raise GraphscanError(f"{path}: not a regular file", EXIT_NO_FILE)
+        raise GraphscanError(f"{shown(path)}: not a regular file", EXIT_NO_FILE)
 
 
 # Above this size a model is parsed without its tensor payloads (see skim_model).
 SKIM_THRESHOLD = 64 * 1024 * 1024
+# ModelProto's fields and their wire types (0 varint, 2 length-delimited): the
+# first field of a model file is one of these, so a file that starts with
+# anything else is refused before it is read further.
+MODEL_FIELD_WIRES = {
+    field.number: 0 if field.type in (field.TYPE_INT64, field.TYPE_INT32) else 2
+    for field in onnx.ModelProto.DESCRIPTOR.fields
+}
+
+
+def check_first_field(head, path):
+    """Exit 4 unless the file's first bytes ``head`` start a known ModelProto field.
+
+    A zero-filled or random file is refused from its first bytes, in microseconds,
+    instead of after reading (or mapping) all of it.
+    """
+    try:
+        key, _ = read_varint(head, 0)
+    except (IndexError, ValueError):
+        key = None
+    if key is None or MODEL_FIELD_WIRES.get(key >> 3) != key & 7:
+        raise GraphscanError(
+            f"{shown(path)}: not an ONNX model (it does not start with a ModelProto field)", EXIT_NOT_ONNX
+        )
 
 
 def load_model(path, weights=False):
     """Parse ``path`` as an ONNX model without touching external-data files.
 
-    Without ``weights``, a big file is memory-mapped and parsed without its
-    initializers' data: a 2 GiB model costs megabytes, not two copies of
-    its weights. Names, dims and data types of initializers are kept.
+    Without ``weights``, a big file is parsed without its initializers' data,
+    reading only the bytes it keeps: a 2 GiB model costs megabytes, not two
+    copies of its weights. Names, dims and data types of initializers are kept.
     """
     check_readable(path)
     try:
         with open(path, "rb") as f:
-            if weights or os.fstat(f.fileno()).st_size < SKIM_THRESHOLD:
+            size = os.fstat(f.fileno()).st_size
+            if size:
+                check_first_field(os.pread(f.fileno(), 16, 0), path)
+            if weights or size < SKIM_THRESHOLD:
                 return parse_model(f.read(), path)
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                with memoryview(mapped) as view:
-                    try:
-                        data = skim_model(view)
-                    except (IndexError, ValueError) as exc:
-                        raise GraphscanError(
-                            f"{path}: not an ONNX model ({one_line(exc)})", EXIT_NOT_ONNX
-                        )
+            try:
+                data = skim_model(FileBytes(f.fileno(), size))
+            except (IndexError, ValueError) as exc:
+                raise GraphscanError(f"{shown(path)}: not an ONNX model ({one_line(exc)})", EXIT_NOT_ONNX)
             return parse_model(data, path)
     except OSError as exc:
-        raise GraphscanError(f"{path}: cannot read ({exc.strerror or exc})", EXIT_NO_FILE)
+        raise GraphscanError(f"{shown(path)}: cannot read ({exc.strerror or exc})", EXIT_NO_FILE)
+
+
+class FileBytes:
+    """The bytes of an open file, indexed and sliced like ``bytes``, read on demand.
+
+    Not a memory map: a file truncated while it is read gives a short read
+    (``ValueError``, exit 4), never SIGBUS. Reads go through a window of
+    ``WINDOW`` bytes, so the skimmer's byte-by-byte varints stay cheap.
+    """
+
+    WINDOW = 1 << 20
+
+    def __init__(self, fd, size):
+        self.fd, self.size = fd, size
+        self.start, self.window = 0, b""
+
+    def __len__(self):
+        return self.size
+
+    def _read(self, start, length):
+        data = os.pread(self.fd, length, start)
+        if len(data) != length:
+            raise ValueError("the file is shorter than when it was opened (changed while being read)")
+        return data
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, _ = key.indices(self.size)
+            if stop <= start:
+                return b""
+            if start >= self.start and stop <= self.start + len(self.window):
+                return self.window[start - self.start : stop - self.start]
+            if stop - start > self.WINDOW:
+                return self._read(start, stop - start)
+            self._fill(start)
+            return self.window[start - self.start : stop - self.start]
+        if not 0 <= key < self.size:
+            raise IndexError("read past the end of the file")
+        offset = key - self.start
+        if not 0 <= offset < len(self.window):
+            self._fill(key)
+            offset = 0
+        return self.window[offset]
+
+    def _fill(self, start):
+        self.start = start
+        self.window = self._read(start, min(self.WINDOW, self.size - start))
 
 
 # Protobuf wire format, just enough to skip tensor payloads of big models.
@@ -134,6 +233,8 @@ def wire_fields(buf, start, end):
     while pos < end:
         field_start = pos
         key, pos = read_varint(buf, pos)
+        if key >> 3 == 0:
+            raise ValueError("field number 0")
         wire = key & 7
         value_start = pos
         if wire == 0:
@@ -189,12 +290,12 @@ def parse_model(data, path):
     try:
         model.ParseFromString(data)
     except Exception as exc:  # protobuf raises DecodeError, upb sometimes others
-        raise GraphscanError(f"{path}: not an ONNX model ({one_line(exc)})", EXIT_NOT_ONNX)
+        raise GraphscanError(f"{shown(path)}: not an ONNX model ({one_line(exc)})", EXIT_NOT_ONNX)
     # Protobuf parses an empty file, or one cut at a field boundary, as a
     # (partial) message: a model must at least carry a graph and an opset.
     if not data or not model.HasField("graph") or not model.opset_import:
         raise GraphscanError(
-            f"{path}: not an ONNX model (no graph or opset_import)", EXIT_NOT_ONNX
+            f"{shown(path)}: not an ONNX model (no graph or opset_import)", EXIT_NOT_ONNX
         )
     return model
 
@@ -635,7 +736,7 @@ class InputSpec:
                     d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
                     for d in tensor_type.shape.dim
                 ]
-        self.type_text = dtype_name(tensor_type.elem_type) if self.kind == "tensor_type" else str(self.kind)
+        self.type_text = dtype_name(tensor_type.elem_type) if self.kind == "tensor_type" else str(self.kind or "untyped")
 
     @property
     def numeric(self):
@@ -743,16 +844,16 @@ def read_npz_inputs(path, specs):
     try:
         archive = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise GraphscanError(f"{path}: not an .npz file ({one_line(exc)})", EXIT_INPUTS)
+        raise GraphscanError(f"{shown(path)}: not an .npz file ({one_line(exc)})", EXIT_INPUTS)
     with archive:
         members = {}
         for info in archive.infolist():
             if not info.filename.endswith(".npy"):
-                raise GraphscanError(f"{path}: member {info.filename!r} is not a .npy array", EXIT_INPUTS)
+                raise GraphscanError(f"{shown(path)}: member {info.filename!r} is not a .npy array", EXIT_INPUTS)
             members[info.filename[: -len(".npy")]] = info
         missing = [s.name for s in specs if s.name not in members]
         if missing:
-            raise GraphscanError(f"{path}: no array for input {', '.join(missing)}", EXIT_INPUTS)
+            raise GraphscanError(f"{shown(path)}: no array for input {', '.join(missing)}", EXIT_INPUTS)
         return {spec.name: read_npy_member(path, archive, members[spec.name], spec) for spec in specs}
 
 
@@ -769,15 +870,15 @@ def read_npy_member(path, archive, info, spec):
             version = np.lib.format.read_magic(f)
             read_header = NPY_HEADER_READERS.get(version)
             if read_header is None:
-                raise GraphscanError(f"{path}: array {name!r} has .npy format {version}", EXIT_INPUTS)
+                raise GraphscanError(f"{shown(path)}: array {name!r} has .npy format {version}", EXIT_INPUTS)
             shape, fortran, dtype = getattr(np.lib.format, read_header)(f)
             if dtype.hasobject:
-                raise GraphscanError(f"{path}: array {name!r} holds Python objects", EXIT_INPUTS)
+                raise GraphscanError(f"{shown(path)}: array {name!r} holds Python objects", EXIT_INPUTS)
             check_array_fits(path, spec, dtype, shape)
             count = math.prod(shape)
             if count * dtype.itemsize > min(MAX_INPUT_BYTES, info.file_size):
                 raise GraphscanError(
-                    f"{path}: array {name!r} declares {count * dtype.itemsize} bytes but the member holds "
+                    f"{shown(path)}: array {name!r} declares {count * dtype.itemsize} bytes but the member holds "
                     f"{info.file_size}",
                     EXIT_INPUTS,
                 )
@@ -785,9 +886,9 @@ def read_npy_member(path, archive, info, spec):
     except GraphscanError:
         raise
     except Exception as exc:
-        raise GraphscanError(f"{path}: cannot read array {name!r} ({one_line(exc)})", EXIT_INPUTS)
+        raise GraphscanError(f"{shown(path)}: cannot read array {name!r} ({one_line(exc)})", EXIT_INPUTS)
     if len(data) != count * dtype.itemsize:
-        raise GraphscanError(f"{path}: array {name!r} is truncated", EXIT_INPUTS)
+        raise GraphscanError(f"{shown(path)}: array {name!r} is truncated", EXIT_INPUTS)
     array = np.frombuffer(data, dtype=dtype)
     order = "F" if fortran else "C"
     return np.ascontiguousarray(array.reshape(shape, order=order)).astype(dtype.newbyteorder("="), copy=False)
@@ -799,14 +900,14 @@ def check_array_fits(path, spec, dtype, shape):
 
     if spec.dtype is None or np.dtype(dtype).newbyteorder("=") != np.dtype(spec.dtype):
         raise GraphscanError(
-            f"{path}: array {spec.name!r} is {np.dtype(dtype).name} {list(shape)}, the model wants {spec.describe()}",
+            f"{shown(path)}: array {spec.name!r} is {np.dtype(dtype).name} {list(shape)}, the model wants {spec.describe()}",
             EXIT_INPUTS,
         )
     if spec.dims is not None and (
         len(shape) != len(spec.dims) or any(d is not None and d != s for d, s in zip(spec.dims, shape))
     ):
         raise GraphscanError(
-            f"{path}: array {spec.name!r} has shape {list(shape)}, the model wants {spec.describe()}",
+            f"{shown(path)}: array {spec.name!r} has shape {list(shape)}, the model wants {spec.describe()}",
             EXIT_INPUTS,
         )
 
@@ -837,7 +938,7 @@ def check_same_inputs(float_model, quant_model, a, b):
     specs = [{s.name: s for s in input_specs(m)} for m in (float_model, quant_model)]
     if sorted(specs[0]) != sorted(specs[1]):
         raise GraphscanError(
-            f"{a} and {b}: the models' inputs differ ({', '.join(sorted(specs[0]))} vs {', '.join(sorted(specs[1]))})",
+            f"{shown(a)} and {shown(b)}: the models' inputs differ ({', '.join(sorted(specs[0]))} vs {', '.join(sorted(specs[1]))})",
             EXIT_INPUTS,
         )
     for name, first in specs[0].items():
@@ -848,7 +949,7 @@ def check_same_inputs(float_model, quant_model, a, b):
         )
         if first.type_text != second.type_text or not dims_agree:
             raise GraphscanError(
-                f"{a} and {b}: input {name!r} is {first.describe()} in one and {second.describe()} in the other",
+                f"{shown(a)} and {shown(b)}: input {name!r} is {first.describe()} in one and {second.describe()} in the other",
                 EXIT_INPUTS,
             )
 
@@ -865,6 +966,10 @@ SKIP_C_NOT_INITIALIZER = "the Add's other input is not an initializer"
 SKIP_A_NOT_RANK_2 = "A is not rank 2"
 SKIP_B_NOT_2D = "B is not a 2-D initializer"
 SKIP_C_NOT_BROADCAST = "C does not broadcast to (M, N)"
+SKIP_TYPE = "Gemm runs only FLOAT, FLOAT16 or DOUBLE"
+# The types onnx's Gemm accepts in every opset and onnxruntime's CPU Gemm runs
+# (it has no integer kernel, although Gemm-9 and later declare int32/int64).
+GEMM_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
 
 
 def static_shapes(model):
@@ -894,7 +999,7 @@ def broadcasts_to(c_shape, m, n):
     return True
 
 
-def gemm_plan(index, model, shapes, graph_outputs, matmul):
+def gemm_plan(index, model, shapes, initializer_types, graph_outputs, matmul):
     """``(add_index, c_name, None)`` if MatMul ``matmul`` can fuse, else ``(None, None, reason)``."""
     node = model.graph.node[matmul]
     product = node.output[0]
@@ -917,6 +1022,8 @@ def gemm_plan(index, model, shapes, graph_outputs, matmul):
         return None, None, SKIP_B_NOT_2D
     if not broadcasts_to(shapes[others[0]], a_shape[0], shapes[b_name][1]):
         return None, None, SKIP_C_NOT_BROADCAST
+    if initializer_types[b_name] not in GEMM_TYPES:
+        return None, None, SKIP_TYPE
     return add, others[0], None
 
 
@@ -936,13 +1043,14 @@ def fuse_matmul_add(model):
     """
     index = GraphIndex(model.graph)
     shapes = static_shapes(model)
+    initializer_types = {init.name: init.data_type for init in model.graph.initializer}
     taken = set(index.names)
     graph_outputs = {output.name for output in model.graph.output}
     replace, drop, fused, skipped = {}, set(), [], []
     for i, op_type in enumerate(index.op_types):
         if op_type != "MatMul":
             continue
-        add, c_name, reason = gemm_plan(index, model, shapes, graph_outputs, i)
+        add, c_name, reason = gemm_plan(index, model, shapes, initializer_types, graph_outputs, i)
         if reason:
             skipped.append({"node": index.names[i], "reason": reason})
             continue
@@ -985,31 +1093,135 @@ def run_model(model, feeds, path):
         return session.run(None, feeds, run_options)
     except Exception as exc:
         raise GraphscanError(
-            f"{path}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME
+            f"{shown(path)}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME
         )
 
 
-def max_abs_difference(expected, actual):
-    """Largest |expected - actual| over all outputs, and the largest |expected|."""
+def compare_outputs(expected, actual):
+    """How far ``actual`` is from ``expected`` (two lists of onnxruntime outputs).
+
+    Returns ``(max_abs_error, scale, compared, problem)``. Floats: NaN and
+    +-Inf must sit at the same places with the same value, then the largest
+    |expected - actual| and |expected| are taken over the finite values only.
+    Everything else (integers, booleans, strings, sequences, optionals, maps)
+    must be equal. ``compared``: how many values were compared this way;
+    ``problem``: the first difference that no tolerance excuses, or None.
+    """
     import numpy as np
 
-    error = max((float(np.max(np.abs(e - a), initial=0.0)) for e, a in zip(expected, actual)), default=0.0)
-    scale = max((float(np.max(np.abs(e), initial=0.0)) for e in expected), default=0.0)
-    return error, scale
+    error = scale = 0.0
+    compared = 0
+    pending = [(f"output {k}", e, a) for k, (e, a) in enumerate(zip(expected, actual))]
+    while pending:
+        where, e, a = pending.pop()
+        if isinstance(e, (list, tuple)) or isinstance(a, (list, tuple)):
+            if not (isinstance(e, (list, tuple)) and isinstance(a, (list, tuple)) and len(e) == len(a)):
+                return error, scale, compared, f"at {where}: sequences of different lengths"
+            pending.extend((f"{where}[{i}]", x, y) for i, (x, y) in enumerate(zip(e, a)))
+            continue
+        if isinstance(e, dict) or isinstance(a, dict):
+            if not (isinstance(e, dict) and isinstance(a, dict) and sorted(e) == sorted(a)):
+                return error, scale, compared, f"at {where}: maps with different keys"
+            pending.extend((f"{where}[{key!r}]", e[key], a[key]) for key in e)
+            continue
+        if e is None or a is None:  # an optional without a value
+            if (e is None) != (a is None):
+                return error, scale, compared, f"at {where}: a value in one model only"
+            continue
+        e, a = np.asarray(e), np.asarray(a)
+        if e.shape != a.shape or e.dtype != a.dtype:
+            return error, scale, compared, f"at {where}: {a.dtype} {list(a.shape)} instead of {e.dtype} {list(e.shape)}"
+        if e.dtype.kind not in "fc":
+            if not np.array_equal(e, a):
+                return error, scale, compared, f"at {where}: other values"
+            compared += e.size
+            continue
+        finite = np.isfinite(e)
+        if not np.array_equal(finite, np.isfinite(a)) or not np.array_equal(e[~finite], a[~finite], equal_nan=True):
+            return error, scale, compared, f"at {where}: NaN or infinity at other places"
+        if finite.any():
+            e64, a64 = e[finite].astype(np.complex128 if e.dtype.kind == "c" else np.float64), a[finite]
+            error = max(error, float(np.max(np.abs(e64 - a64))))
+            scale = max(scale, float(np.max(np.abs(e64))))
+            compared += int(finite.sum())
+    return error, scale, compared, None
+
+
+# A temporary output file is named like this, beside the output: short (a
+# 250-character output name still fits NAME_MAX), hidden, never ``*.onnx``.
+TEMPORARY_PREFIX = ".graphscan-"
+TEMPORARY_SUFFIX = ".partial"
+
+
+def check_output_path(path):
+    """Exit 3 unless ``path`` can be replaced: it is absent or a regular file,
+    in a folder that exists. A device, FIFO or folder there is left untouched."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise GraphscanError(f"{shown(path)}: cannot write (no folder {shown(folder)})", EXIT_NO_FILE)
+        return None
+    except (OSError, ValueError) as exc:
+        raise GraphscanError(f"{shown(path)}: cannot write ({getattr(exc, 'strerror', None) or exc})", EXIT_NO_FILE)
+    if not stat.S_ISREG(mode):
+        raise GraphscanError(f"{shown(path)}: exists and is not a regular file; left untouched", EXIT_NO_FILE)
+    return mode
 
 
 def write_atomically(data, path):
-    """Write ``data`` to ``path`` through a temporary file beside it."""
-    folder = os.path.dirname(os.path.abspath(path))
-    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    """Write ``data`` to ``path`` so that it is either the old file or all of the new one.
+
+    The bytes go to a temporary file in the target's folder, are fsynced,
+    renamed over the target, and the folder is fsynced. A symbolic link is
+    written through. A run killed half-way leaves at most one
+    ``.graphscan-*.partial`` file, which is never taken for the output.
+    """
+    import tempfile
+
+    target = os.path.realpath(path) if os.path.islink(path) else path
+    old_mode = check_output_path(target)
+    folder = os.path.dirname(os.path.abspath(target))
+    if old_mode is None:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    else:
+        mode = stat.S_IMODE(old_mode)
+    temporary = None
     try:
-        with open(temporary, "wb") as f:
+        fd, temporary = tempfile.mkstemp(prefix=TEMPORARY_PREFIX, suffix=TEMPORARY_SUFFIX, dir=folder)
+        with open(fd, "wb") as f:
             f.write(data)
-        os.replace(temporary, path)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(temporary, target)
+        temporary = None
     except OSError as exc:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise GraphscanError(f"{path}: cannot write ({exc.strerror or exc})", EXIT_NO_FILE)
+        raise GraphscanError(f"{shown(path)}: cannot write ({exc.strerror or exc})", EXIT_NO_FILE)
+    finally:  # also on KeyboardInterrupt
+        if temporary is not None:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass
+    fsync_folder(folder)
+
+
+def fsync_folder(folder):
+    """Make a rename in ``folder`` durable; file systems that cannot are not an error."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def load_with_weights(path):
@@ -1023,27 +1235,50 @@ def load_with_weights(path):
                 model, os.path.dirname(os.path.abspath(path))
             )
         except Exception as exc:
-            raise GraphscanError(f"{path}: cannot load external data ({one_line(exc)})", EXIT_NOT_ONNX)
+            raise GraphscanError(f"{shown(path)}: cannot load external data ({one_line(exc)})", EXIT_NOT_ONNX)
     return model
 
 
-def fuse(path, output):
-    """Fuse MatMul+Add into Gemm, verify with onnxruntime, then write ``output``."""
+def check_original(model, path):
+    """Exit 4 unless the model to fuse passes the checker itself: a broken original
+    (a cycle, two producers of a tensor, an opset that does not exist) is the
+    input's fault, not the fusion's."""
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as exc:
+        raise GraphscanError(f"{shown(path)}: not a valid ONNX model ({one_line(exc)})", EXIT_NOT_ONNX)
+
+
+def fuse(path, output, inputs=None, shape=None, seed=FUSE_SEED):
+    """Fuse MatMul+Add into Gemm, verify with onnxruntime, then write ``output``.
+
+    The verification sample is ``inputs`` (an .npz) or seeded data whose
+    symbolic dimensions come from ``shape`` (``--shape NAME=D0,...``) or are 2.
+    """
     model = load_with_weights(path)
+    check_original(model, path)
+    check_output_path(os.path.realpath(output) if os.path.islink(output) else output)
     fused_model, fused, skipped = fuse_matmul_add(model)
     try:
         onnx.checker.check_model(fused_model, full_check=True)
     except Exception as exc:
-        raise GraphscanError(f"{path}: fused model fails the checker ({one_line(exc)})", EXIT_MISMATCH)
-    feeds = random_inputs(model, FUSE_SEED, SYMBOLIC_DIM_SIZE)
+        raise GraphscanError(f"{shown(path)}: fused model fails the checker ({one_line(exc)})", EXIT_MISMATCH)
+    samples, _ = model_samples(model, [inputs] if inputs else None, parse_shapes(shape), seed, SYMBOLIC_DIM_SIZE)
+    feeds = samples[0]
     expected = run_model(model, feeds, path)
-    actual = run_model(fused_model, feeds, output)
-    error, scale = max_abs_difference(expected, actual)
-    if error > FUSE_RELATIVE_TOLERANCE * max(scale, 1.0):
+    actual = run_model(fused_model, feeds, f"the fused model of {shown(path)}")
+    error, scale, compared, problem = compare_outputs(expected, actual)
+    if problem is None and not compared and any(np_size(e) for e in expected):
         raise GraphscanError(
-            f"{path}: fused model differs from the original by {error:.3g} "
-            f"(allowed {FUSE_RELATIVE_TOLERANCE:g} relative); nothing written",
+            f"{shown(path)}: cannot verify the fused model: the original's outputs are all NaN or "
+            f"infinite on this input (give others with --inputs); nothing written",
             EXIT_MISMATCH,
+        )
+    if problem is None and error > FUSE_RELATIVE_TOLERANCE * max(scale, 1.0):
+        problem = f"by {error:.3g} (allowed {FUSE_RELATIVE_TOLERANCE:g} relative)"
+    if problem is not None:
+        raise GraphscanError(
+            f"{shown(path)}: fused model differs from the original {problem}; nothing written", EXIT_MISMATCH
         )
     write_atomically(fused_model.SerializeToString(), output)
     return {
@@ -1053,6 +1288,19 @@ def fuse(path, output):
         "skipped": skipped,
         "max_abs_error": error,
     }
+
+
+def np_size(value):
+    """How many values an onnxruntime output holds (0 for an absent optional)."""
+    import numpy as np
+
+    if value is None:
+        return 0
+    if isinstance(value, (list, tuple)):
+        return sum(np_size(v) for v in value)
+    if isinstance(value, dict):
+        return len(value)
+    return np.asarray(value).size
 
 
 # --------------------------------------------------------------------------
@@ -1342,7 +1590,7 @@ def save_op_models(folder, quant_model, rows, op_models, arrays_by_row):
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:
-        raise GraphscanError(f"{folder}: cannot create ({exc.strerror or exc})", EXIT_NO_FILE)
+        raise GraphscanError(f"{shown(folder)}: cannot create ({exc.strerror or exc})", EXIT_NO_FILE)
     used = set()
     for row, op, saved in zip(rows, op_models, arrays_by_row):
         if op is None or saved is None:
@@ -1470,11 +1718,48 @@ def first_over(rows, tolerance):
 # --------------------------------------------------------------------------
 # Command line
 
+def non_negative_int(text):
+    """argparse type of ``--seed``: numpy seeds are integers >= 0 (exit 2 otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def finite_non_negative(text):
+    """argparse type of ``--tolerance``: a finite number >= 0 (NaN would never be exceeded)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+SEED_OPTION = ("--seed", {"type": non_negative_int, "default": 0, "help": "seed of the random inputs (default: 0)"})
+
 TRACE_OPTIONS = [
     ("--inputs", {"metavar": "FILE.npz", "help": "one array per graph input, by name"}),
-    ("--seed", {"type": int, "default": 0, "help": "seed of the random inputs (default: 0)"}),
-    ("--tolerance", {"type": float, "default": TRACE_TOLERANCE, "help": "first_over threshold"}),
+    SEED_OPTION,
+    ("--tolerance", {"type": finite_non_negative, "default": TRACE_TOLERANCE, "help": "first_over threshold"}),
     ("--save", {"metavar": "DIR", "help": "write each op's single-op model and inputs here"}),
+]
+
+FUSE_OPTIONS = [
+    ("--inputs", {"metavar": "FILE.npz", "help": "verify on these arrays (one per graph input, by name)"}),
+    (
+        "--shape",
+        {
+            "metavar": "NAME=D0,D1,...",
+            "action": "append",
+            "help": "shape of an input's seeded data (repeatable; symbolic dimensions are 2 otherwise)",
+        },
+    ),
+    SEED_OPTION,
 ]
 
 # name: (function, positional paths, help, options)
@@ -1484,7 +1769,7 @@ COMMANDS = {
     "islands": (islands, ["model"], "int8-wrapped vs float nodes, float islands", []),
     "boundary": (boundary, ["model"], "DQs entering and Qs leaving each island", []),
     "diff": (diff, ["a", "b"], "b minus a for the counts above", []),
-    "fuse": (fuse, ["model", "output"], "fuse MatMul+Add into Gemm, verified, into output", []),
+    "fuse": (fuse, ["model", "output"], "fuse MatMul+Add into Gemm, verified, into output", FUSE_OPTIONS),
     "trace": (trace, ["a", "b"], "per-op isolated and propagated error of b (quantized) vs a (float)", TRACE_OPTIONS),
 }
 
@@ -1529,6 +1814,69 @@ def run(argv):
     return function(*(getattr(args, p) for p in paths), **keywords)
 
 
+def strict_json(answer):
+    """One strict JSON text for ``answer``: NaN and +-Infinity become ``null``.
+
+    Strict parsers reject those tokens, so no answer may carry them. The
+    sanitizing walk runs only when ``allow_nan=False`` finds one.
+    """
+    try:
+        return json.dumps(answer, allow_nan=False)
+    except ValueError:
+        return json.dumps(finite_or_null(answer), allow_nan=False)
+
+
+def finite_or_null(value):
+    """``value`` with every non-finite float, at any depth, replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(item) for item in value]
+    return value
+
+
+def report(line):
+    """One line on stderr; a closed or full stderr cannot make it a traceback."""
+    stream = sys.stderr
+    if stream is None:
+        return
+    try:
+        stream.write(f"graphscan: {single_line(line)}\n")
+        stream.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def write_answer(text):
+    """Write the answer on stdout, or raise exit 3 when stdout cannot take it
+    (closed, a pipe whose reader left, a full disk)."""
+    stream = sys.stdout
+    if stream is None:  # started with stdout closed (>&-)
+        raise GraphscanError("cannot write the answer: stdout is closed", EXIT_NO_FILE)
+    try:
+        stream.write(text)
+        stream.flush()
+    except (OSError, ValueError) as exc:
+        discard_stdout(stream)
+        raise GraphscanError(
+            f"cannot write the answer to stdout ({getattr(exc, 'strerror', None) or one_line(exc)})", EXIT_NO_FILE
+        )
+
+
+def discard_stdout(stream):
+    """Point stdout's descriptor at /dev/null, so the interpreter's final flush
+    of what could not be written does not print an error of its own."""
+    try:
+        fd = stream.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except (OSError, ValueError):  # not a real file (a test's capture)
+        return
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def main(argv=None):
     """Run one command; print its JSON answer or one error line. Returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -1537,21 +1885,29 @@ def main(argv=None):
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        text = json.dumps(run(argv))
+        write_answer(strict_json(run(argv)) + "\n")
     except GraphscanError as exc:
-        print(f"graphscan: {exc}", file=sys.stderr)
+        report(str(exc))
         return exc.exit_code
     except SystemExit as exc:  # argparse after printing --help
         return exc.code if isinstance(exc.code, int) else EXIT_OK
+    except KeyboardInterrupt:
+        report("interrupted")
+        return EXIT_INTERRUPTED
     except Exception as exc:  # a bug: still one line, never a traceback
-        print(f"graphscan: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        report(f"internal error: {type(exc).__name__}: {one_line(exc)}")
         return EXIT_INTERNAL
     finally:
         if gc_was_enabled:
             gc.enable()
-    sys.stdout.write(text + "\n")
     return EXIT_OK
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # main() reports it in one line
+    try:
+        code = main()
+    except KeyboardInterrupt:  # in the instant between main()'s own handlers
+        code = EXIT_INTERRUPTED
+    signal.signal(signal.SIGINT, exit_on_interrupt)  # no traceback during shutdown either
+    sys.exit(code)
