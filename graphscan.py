@@ -109,20 +109,41 @@ MODEL_FIELD_WIRES = {
 }
 
 
-def check_first_field(head, path):
-    """Exit 4 unless the file's first bytes ``head`` start a known ModelProto field.
+HEAD_BYTES = 64 * 1024  # how much of a file check_head reads
 
-    A zero-filled or random file is refused from its first bytes, in microseconds,
-    instead of after reading (or mapping) all of it.
+
+def check_head(head, path):
+    """Exit 4 unless ``head``, a file's first bytes, reads as the start of a ModelProto.
+
+    The first field must be one of ModelProto's, with its wire type, and every
+    field that starts inside ``head`` must be well formed (a field number
+    above 0, a wire type protobuf still writes). A zero-filled, random or
+    text file is refused from its first bytes, in microseconds, before the
+    rest of it is read or parsed.
     """
+    pos, first, problem = 0, True, None
     try:
-        key, _ = read_varint(head, 0)
-    except (IndexError, ValueError):
-        key = None
-    if key is None or MODEL_FIELD_WIRES.get(key >> 3) != key & 7:
-        raise GraphscanError(
-            f"{shown(path)}: not an ONNX model (it does not start with a ModelProto field)", EXIT_NOT_ONNX
-        )
+        while pos < len(head) and problem is None:
+            key, pos = read_varint(head, pos)
+            number, wire = key >> 3, key & 7
+            if first and MODEL_FIELD_WIRES.get(number) != wire:
+                problem = "it does not start with a ModelProto field"
+            elif number == 0 or wire not in (0, 1, LENGTH_DELIMITED, 5):
+                problem = f"malformed protobuf at byte {pos}"
+            first = False
+            if wire == 0:
+                _, pos = read_varint(head, pos)
+            elif wire == LENGTH_DELIMITED:
+                length, pos = read_varint(head, pos)
+                pos += length
+            else:
+                pos += 8 if wire == 1 else 4
+    except IndexError:  # the head ends inside a field: nothing wrong so far
+        pass
+    except ValueError as exc:
+        problem = str(exc)
+    if problem is not None:
+        raise GraphscanError(f"{shown(path)}: not an ONNX model ({problem})", EXIT_NOT_ONNX)
 
 
 def load_model(path, weights=False):
@@ -136,8 +157,7 @@ def load_model(path, weights=False):
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            if size:
-                check_first_field(os.pread(f.fileno(), 16, 0), path)
+            check_head(os.pread(f.fileno(), HEAD_BYTES, 0), path)
             if weights or size < SKIM_THRESHOLD:
                 return parse_model(f.read(), path)
             try:
@@ -816,9 +836,10 @@ def seeded_feeds(specs, shapes, seed, default_size):
     feeds, defaulted = {}, []
     for spec in specs:
         if not spec.numeric:
+            # --inputs can give a string tensor; a sequence, map or optional nothing can.
+            hint = "; give it with --inputs" if spec.dtype is not None else ", and --inputs holds only tensors"
             raise GraphscanError(
-                f"input {spec.name!r} is {spec.describe()}: graphscan can only generate numeric "
-                f"tensors; give it with --inputs",
+                f"input {spec.name!r} is {spec.describe()}: graphscan can only generate numeric tensors{hint}",
                 EXIT_INPUTS,
             )
         shape, was_defaulted = resolve_shape(spec, shapes, default_size)
@@ -891,14 +912,18 @@ def read_npy_member(path, archive, info, spec):
         raise GraphscanError(f"{shown(path)}: array {name!r} is truncated", EXIT_INPUTS)
     array = np.frombuffer(data, dtype=dtype)
     order = "F" if fortran else "C"
-    return np.ascontiguousarray(array.reshape(shape, order=order)).astype(dtype.newbyteorder("="), copy=False)
+    array = np.ascontiguousarray(array.reshape(shape, order=order)).astype(dtype.newbyteorder("="), copy=False)
+    return array.astype(object) if spec.dtype == np.dtype(object) else array  # onnxruntime's strings
 
 
 def check_array_fits(path, spec, dtype, shape):
     """Exit 7 unless an array of ``dtype`` and ``shape`` can feed ``spec``."""
     import numpy as np
 
-    if spec.dtype is None or np.dtype(dtype).newbyteorder("=") != np.dtype(spec.dtype):
+    # A STRING input (object in numpy) is given as a fixed-width text array:
+    # .npz cannot hold object arrays without pickles, which are refused.
+    is_text = spec.dtype is not None and np.dtype(spec.dtype).hasobject and np.dtype(dtype).kind == "U"
+    if spec.dtype is None or (np.dtype(dtype).newbyteorder("=") != np.dtype(spec.dtype) and not is_text):
         raise GraphscanError(
             f"{shown(path)}: array {spec.name!r} is {np.dtype(dtype).name} {list(shape)}, the model wants {spec.describe()}",
             EXIT_INPUTS,
@@ -1239,6 +1264,9 @@ def load_with_weights(path):
     return model
 
 
+ORT_OLDEST_OPSET = 7  # onnxruntime has no kernel for older default-domain opsets
+
+
 def check_original(model, path):
     """Exit 4 unless the model to fuse passes the checker itself: a broken original
     (a cycle, two producers of a tensor, an opset that does not exist) is the
@@ -1247,6 +1275,15 @@ def check_original(model, path):
         onnx.checker.check_model(model, full_check=True)
     except Exception as exc:
         raise GraphscanError(f"{shown(path)}: not a valid ONNX model ({one_line(exc)})", EXIT_NOT_ONNX)
+    # The checker passes default-domain opsets that do not exist (above onnx's
+    # newest) and ones older than any onnxruntime runs.
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx") and not ORT_OLDEST_OPSET <= opset.version <= onnx.defs.onnx_opset_version():
+            raise GraphscanError(
+                f"{shown(path)}: opset {opset.version} of the default domain: onnx defines up to "
+                f"{onnx.defs.onnx_opset_version()} and onnxruntime runs {ORT_OLDEST_OPSET} and newer",
+                EXIT_NOT_ONNX,
+            )
 
 
 def fuse(path, output, inputs=None, shape=None, seed=FUSE_SEED):
@@ -1723,7 +1760,7 @@ def non_negative_int(text):
     try:
         value = int(text)
     except ValueError:
-        value = -1
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
@@ -1734,7 +1771,7 @@ def finite_non_negative(text):
     try:
         value = float(text)
     except ValueError:
-        value = math.nan
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}")
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
