@@ -215,6 +215,16 @@ class FileBytes:
         self.start = start
         self.window = self._read(start, min(self.WINDOW, self.size - start))
 
+    # A field's key and length varints take at most this many bytes.
+    FIELD_HEAD = 20
+
+    def window_at(self, pos):
+        """``(window, its start)`` holding the head of the field at ``pos``."""
+        window_end = self.start + len(self.window)
+        if pos < self.start or (pos + self.FIELD_HEAD > window_end and window_end < self.size):
+            self._fill(pos)
+        return self.window, self.start
+
 
 # Protobuf wire format, just enough to skip tensor payloads of big models.
 MODEL_GRAPH = 7  # ModelProto.graph
@@ -248,30 +258,39 @@ def encode_varint(value):
 
 
 def wire_fields(buf, start, end):
-    """Yield ``(field number, wire type, value start, value end, field start)``."""
+    """Yield ``(field number, wire type, value start, value end, field start)`` for
+    each field in ``buf[start:end]``; ``buf`` is ``bytes`` or a ``FileBytes``, whose
+    fields are parsed inside its window of plain bytes."""
+    file = buf if isinstance(buf, FileBytes) else None
+    data, base, data_end = (b"", 0, 0) if file is not None else (buf, 0, len(buf))
     pos = start
     while pos < end:
+        # A window is immutable bytes: still right for its range after the file's moved on.
+        if file is not None and (pos < base or (pos + file.FIELD_HEAD > data_end and data_end < file.size)):
+            data, base = file.window_at(pos)
+            data_end = base + len(data)
         field_start = pos
-        key, pos = read_varint(buf, pos)
+        key, pos = read_varint(data, pos - base)
         if key >> 3 == 0:
             raise ValueError("field number 0")
         wire = key & 7
         value_start = pos
         if wire == 0:
-            _, pos = read_varint(buf, pos)
+            _, pos = read_varint(data, pos)
         elif wire == 1:
             pos += 8
         elif wire == LENGTH_DELIMITED:
-            length, pos = read_varint(buf, pos)
+            length, pos = read_varint(data, pos)
             value_start = pos
             pos += length
         elif wire == 5:
             pos += 4
         else:
             raise ValueError(f"unsupported wire type {wire}")
+        pos += base
         if pos > end:
             raise ValueError("truncated field")
-        yield key >> 3, wire, value_start, pos, field_start
+        yield key >> 3, wire, value_start + base, pos, field_start
 
 
 def length_delimited(number, payload):
@@ -291,16 +310,22 @@ def skim_model(buf):
 
 def skim_graph(buf, start, end):
     out = bytearray()
+    kept_from = start  # fields other than initializers are copied in runs, not one by one
     for number, wire, value_start, value_end, field_start in wire_fields(buf, start, end):
         if number == GRAPH_INITIALIZER and wire == LENGTH_DELIMITED:
+            if field_start > kept_from:
+                out += buf[kept_from:field_start]
+            kept_from = value_end
+            tensor, first, last = buf, value_start, value_end
+            if last - first <= FileBytes.WINDOW:  # small: one read, then parsed as bytes
+                tensor, first, last = buf[first:last], 0, last - first
             header = b"".join(
-                buf[f_start:f_end]
-                for n, _, _, f_end, f_start in wire_fields(buf, value_start, value_end)
+                tensor[f_start:f_end]
+                for n, _, _, f_end, f_start in wire_fields(tensor, first, last)
                 if n not in TENSOR_PAYLOAD
             )
             out += length_delimited(GRAPH_INITIALIZER, header)
-        else:
-            out += buf[field_start:value_end]
+    out += buf[kept_from:end]
     return bytes(out)
 
 
