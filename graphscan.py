@@ -48,7 +48,7 @@ EXIT_NO_FILE = 3  # no such file, not a regular file, or an output that cannot b
 EXIT_NOT_ONNX = 4  # not an ONNX model (or, for fuse/trace, its external data cannot be loaded)
 EXIT_RUNTIME = 5  # fuse/trace: the model does not run in onnxruntime
 EXIT_MISMATCH = 6  # fuse: the fused model does not reproduce the original
-EXIT_INPUTS = 7  # trace: the models' inputs differ, or --inputs is unreadable or lacks one
+EXIT_INPUTS = 7  # fuse/trace: the models' inputs differ, or --inputs/--shape cannot feed them
 
 QUANTIZE = "QuantizeLinear"
 DEQUANTIZE = "DequantizeLinear"
@@ -1848,10 +1848,10 @@ def build_parser():
         prog="graphscan.py",
         description="Count what quantization did to an ONNX graph; one JSON object on stdout.",
         epilog=(
-            "exit codes: 0 ok, 2 usage, 3 no such file (or output not writable), "
-            "4 not an ONNX model, 5 model does not run in onnxruntime, "
+            "exit codes: 0 ok, 1 internal error, 2 usage, 3 no such file (or output or stdout "
+            "not writable), 4 not an ONNX model, 5 model does not run in onnxruntime, "
             "6 fused model does not reproduce the original, "
-            "7 trace inputs do not match the models"
+            "7 inputs do not match the models, 130 interrupted"
         ),
     )
     sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=OneLineParser)
@@ -1915,8 +1915,6 @@ def write_answer(text):
     """Write the answer on stdout, or raise exit 3 when stdout cannot take it
     (closed, a pipe whose reader left, a full disk)."""
     stream = sys.stdout
-    if stream is None:  # started with stdout closed (>&-)
-        raise GraphscanError("cannot write the answer: stdout is closed", EXIT_NO_FILE)
     try:
         stream.write(text)
         stream.flush()
@@ -1947,6 +1945,8 @@ def main(argv=None):
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
+        if sys.stdout is None:  # checked first: files opened now could take descriptor 1
+            raise GraphscanError("cannot write the answer: stdout is closed", EXIT_NO_FILE)
         write_answer(strict_json(run(argv)) + "\n")
     except GraphscanError as exc:
         report(str(exc))
