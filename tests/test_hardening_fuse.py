@@ -83,8 +83,13 @@ def make_link_to_fifo(folder):
     return folder / "out.onnx", stat.S_ISFIFO
 
 
-def use_dev_null(folder):
-    return "/dev/null", stat.S_ISCHR
+def make_char_device(folder):
+    """A private copy of /dev/null (major 1, minor 3): never the system's own, so a
+    regression that replaces the target cannot damage the machine running the test."""
+    if os.geteuid() != 0:
+        pytest.skip("creating a device node needs root")
+    os.mknod(folder / "out.onnx", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    return folder / "out.onnx", stat.S_ISCHR
 
 
 @pytest.mark.parametrize(
@@ -93,7 +98,7 @@ def use_dev_null(folder):
         pytest.param(make_fifo, id="fifo"),
         pytest.param(make_folder, id="folder"),
         pytest.param(make_link_to_fifo, id="symlink-to-fifo"),
-        pytest.param(use_dev_null, id="dev-null"),
+        pytest.param(make_char_device, id="character-device"),
     ],
 )
 def test_output_that_is_not_a_regular_file_is_untouched(tmp_path, lab_fp32, make_target):
