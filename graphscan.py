@@ -1952,6 +1952,11 @@ def main(argv=None):
         report(str(exc))
         return exc.exit_code
     except SystemExit as exc:  # argparse after printing --help
+        try:
+            write_answer("")  # the help text must have reached stdout too
+        except GraphscanError as unwritable:
+            report(str(unwritable))
+            return unwritable.exit_code
         return exc.code if isinstance(exc.code, int) else EXIT_OK
     except KeyboardInterrupt:
         report("interrupted")
