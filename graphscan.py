@@ -1842,6 +1842,13 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
         raise GraphscanError(f"usage: {message}", EXIT_USAGE)
 
+    def print_help(self, file=None):
+        """Help on stdout like an answer: argparse would silently drop a failed write."""
+        if file is None:
+            write_answer(self.format_help())
+        else:
+            super().print_help(file)
+
 
 def build_parser():
     parser = OneLineParser(
@@ -1952,11 +1959,6 @@ def main(argv=None):
         report(str(exc))
         return exc.exit_code
     except SystemExit as exc:  # argparse after printing --help
-        try:
-            write_answer("")  # the help text must have reached stdout too
-        except GraphscanError as unwritable:
-            report(str(unwritable))
-            return unwritable.exit_code
         return exc.code if isinstance(exc.code, int) else EXIT_OK
     except KeyboardInterrupt:
         report("interrupted")

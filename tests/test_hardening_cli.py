@@ -125,10 +125,14 @@ REWIRE_STDOUT = {
 
 
 @pytest.mark.parametrize("how", list(REWIRE_STDOUT))
-@pytest.mark.parametrize("command", ["islands", "fuse"])
+@pytest.mark.parametrize("command", ["islands", "fuse", "--help"])
 def test_stdout_that_cannot_be_written_is_one_line_exit_3(tmp_path, lab, how, command):
     rewire = f"import os, sys; {REWIRE_STDOUT[how]}; os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
-    args = [command, lab["full"]] if command == "islands" else [command, lab["fp32"], tmp_path / "out.onnx"]
+    args = {
+        "islands": [command, lab["full"]],
+        "fuse": [command, lab["fp32"], tmp_path / "out.onnx"],
+        "--help": [command],
+    }[command]
     line = error_line(run_graphscan(args, python_flags=("-c", rewire)), graphscan.EXIT_NO_FILE)
     assert "stdout" in line
     if how == "closed":  # known before any work: nothing is written
