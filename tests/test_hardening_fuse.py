@@ -512,3 +512,15 @@ def test_string_input_is_exit_7_without_inputs_and_runs_with_them(tmp_path, caps
     np.savez(tmp_path / "t.npz", t=np.array([["A", "B", "c"]]))
     answer = graphscan.fuse(source, str(tmp_path / "out.onnx"), inputs=str(tmp_path / "t.npz"))
     assert [f["gemm"] for f in answer["fused"]] == ["mm_node_gemm"]
+
+
+@pytest.mark.parametrize("untyped", ["a", "y"], ids=["untyped-input", "untyped-output"])
+def test_untyped_input_or_output_is_a_clear_exit_4(tmp_path, capsys, untyped):
+    """onnx's checker requires a type on graph inputs and outputs: the original is refused."""
+    def info(name, shape):
+        return helper.make_empty_tensor_value_info(name) if name == untyped else tensor(name, TensorProto.FLOAT, shape)
+
+    source = save_model(tmp_path / "m.onnx", matmul_add(), [info("a", [2, 3])], [info("y", [2, 4])], weights(), check=False)
+    code, out, err = fuse_main(capsys, source, tmp_path / "out.onnx")
+    assert (code, out, len(err)) == (graphscan.EXIT_NOT_ONNX, "", 1)
+    assert "not a valid ONNX model" in err[0] and "type" in err[0]
