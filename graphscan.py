@@ -178,6 +178,7 @@ class FileBytes:
     """
 
     WINDOW = 1 << 20
+    FIELD_HEAD = 20  # a field's key and length varints take at most this many bytes
 
     def __init__(self, fd, size):
         self.fd, self.size = fd, size
@@ -214,9 +215,6 @@ class FileBytes:
     def _fill(self, start):
         self.start = start
         self.window = self._read(start, min(self.WINDOW, self.size - start))
-
-    # A field's key and length varints take at most this many bytes.
-    FIELD_HEAD = 20
 
     def window_at(self, pos):
         """``(window, its start)`` holding the head of the field at ``pos``."""
