@@ -124,8 +124,13 @@ REWIRE_STDOUT = {
 }
 
 
-@pytest.mark.parametrize("how", list(REWIRE_STDOUT))
-@pytest.mark.parametrize("command", ["islands", "fuse", "--help"])
+STDOUT_CASES = [
+    *(pytest.param(command, how, id=f"{command.lstrip('-')}-{how}") for command in ["islands", "--help"] for how in REWIRE_STDOUT),
+    pytest.param("fuse", "closed", id="fuse-closed"),  # refused before the output is written
+]
+
+
+@pytest.mark.parametrize("command, how", STDOUT_CASES)
 def test_stdout_that_cannot_be_written_is_one_line_exit_3(tmp_path, lab, how, command):
     rewire = f"import os, sys; {REWIRE_STDOUT[how]}; os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
     args = {
