@@ -591,12 +591,12 @@ def staging_folder(out):
         out.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=".building-", dir=out))
     except OSError as exc:
-        raise LabError(f"{out}: cannot write there ({exc.strerror or exc})")
+        raise LabError(f"{graphscan.shown(out)}: cannot write there ({exc.strerror or exc})")
 
 
 def summary_lines(out, result):
     scope, fuse = result["scope"], result["fuse"]
-    lines = [f"gen_models: wrote {len(ARTIFACTS)} files into {out}/: {', '.join(ARTIFACTS)}"]
+    lines = [f"gen_models: wrote {len(ARTIFACTS)} files into {graphscan.shown(out)}/: {', '.join(ARTIFACTS)}"]
     for variant, entry in scope["models"].items():
         lines.append(
             f"  {variant}: {entry['round_trips']} round trips, {entry['island_count']} islands, "
@@ -624,12 +624,15 @@ def main(argv=None):
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     except (LabError, graphscan.GraphscanError) as exc:
-        print(f"gen_models: error: {exc}", file=sys.stderr)
+        print(f"gen_models: error: {graphscan.single_line(str(exc))}", file=sys.stderr)
         return 1
     except SystemExit as exc:  # argparse after printing --help
         return exc.code if isinstance(exc.code, int) else 0
+    except KeyboardInterrupt:  # the staging folder is already removed
+        print("gen_models: interrupted", file=sys.stderr)
+        return graphscan.EXIT_INTERRUPTED
     except Exception as exc:  # still one line; ops/ is untouched either way
-        print(f"gen_models: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"gen_models: error: {type(exc).__name__}: {graphscan.one_line(exc)}", file=sys.stderr)
         return 1
     print("\n".join(summary_lines(out, result)), file=sys.stderr)
     return 0

@@ -18,14 +18,28 @@ import gc
 import itertools
 import json
 import math
-import mmap
 import os
 import re
+import signal
 import stat
 import sys
 from collections import Counter
 
-import onnx
+EXIT_INTERRUPTED = 130  # SIGINT, as shells report it (128 + 2)
+
+
+def exit_on_interrupt(signum, frame):
+    """SIGINT where main() cannot catch it (importing onnx, shutting down): one line, exit 130."""
+    try:
+        os.write(2, b"graphscan: interrupted\n")
+    finally:
+        os._exit(EXIT_INTERRUPTED)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, exit_on_interrupt)  # importing onnx takes a moment
+
+import onnx  # noqa: E402  (after the SIGINT handler on purpose)
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1  # a bug in graphscan, still reported in one line
@@ -34,7 +48,7 @@ EXIT_NO_FILE = 3  # no such file, not a regular file, or an output that cannot b
 EXIT_NOT_ONNX = 4  # not an ONNX model (or, for fuse/trace, its external data cannot be loaded)
 EXIT_RUNTIME = 5  # fuse/trace: the model does not run in onnxruntime
 EXIT_MISMATCH = 6  # fuse: the fused model does not reproduce the original
-EXIT_INPUTS = 7  # the models' inputs differ, or --inputs / --shape is unreadable, lacks one or does not fit
+EXIT_INPUTS = 7  # the models' inputs differ, or --inputs / --shape cannot feed them
 EXIT_BUDGET = 8  # check: a budget is broken (the JSON answer says which)
 
 QUANTIZE = "QuantizeLinear"
@@ -59,43 +73,156 @@ def one_line(exc):
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def shown(path):
+    """``path`` as error messages name it: unchanged when it prints on one line,
+    else escaped as ``repr`` does (a newline in a file name shows as ``\\n``)."""
+    path = os.fsdecode(path)
+    return path if path.isprintable() else repr(path)
+
+
+# Characters str.splitlines() breaks at: a message must never contain one.
+LINE_BREAKS = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+def single_line(text):
+    """``text`` with every line break escaped, so a report stays one line."""
+    return LINE_BREAKS.sub(lambda m: repr(m.group())[1:-1], text)
+
+
 def check_readable(path):
     """Raise exit 3 unless ``path`` is an existing regular file."""
     try:
         mode = os.stat(path).st_mode
-    except OSError as exc:
-        raise GraphscanError(f"{path}: no such file ({exc.strerror or exc})", EXIT_NO_FILE)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise GraphscanError(f"{shown(path)}: no such file ({getattr(exc, 'strerror', None) or exc})", EXIT_NO_FILE)
     if not stat.S_ISREG(mode):
-        raise GraphscanError(f"{path}: not a regular file", EXIT_NO_FILE)
+        raise GraphscanError(f"{shown(path)}: not a regular file", EXIT_NO_FILE)
 
 
 # Above this size a model is parsed without its tensor payloads (see skim_model).
 SKIM_THRESHOLD = 64 * 1024 * 1024
+# ModelProto's fields and their wire types (0 varint, 2 length-delimited): the
+# first field of a model file is one of these, so a file that starts with
+# anything else is refused before it is read further.
+MODEL_FIELD_WIRES = {
+    field.number: 0 if field.type in (field.TYPE_INT64, field.TYPE_INT32) else 2
+    for field in onnx.ModelProto.DESCRIPTOR.fields
+}
+
+
+HEAD_BYTES = 64 * 1024  # how much of a file check_head reads
+
+
+def check_head(head, path):
+    """Exit 4 unless ``head``, a file's first bytes, reads as the start of a ModelProto.
+
+    The first field must be one of ModelProto's, with its wire type, and every
+    field that starts inside ``head`` must be well formed (a field number
+    above 0, a wire type protobuf still writes). A zero-filled, random or
+    text file is refused from its first bytes, in microseconds, before the
+    rest of it is read or parsed.
+    """
+    pos, first, problem = 0, True, None
+    try:
+        while pos < len(head) and problem is None:
+            key, pos = read_varint(head, pos)
+            number, wire = key >> 3, key & 7
+            if first and MODEL_FIELD_WIRES.get(number) != wire:
+                problem = "it does not start with a ModelProto field"
+            elif number == 0 or wire not in (0, 1, LENGTH_DELIMITED, 5):
+                problem = f"malformed protobuf at byte {pos}"
+            first = False
+            if wire == 0:
+                _, pos = read_varint(head, pos)
+            elif wire == LENGTH_DELIMITED:
+                length, pos = read_varint(head, pos)
+                pos += length
+            else:
+                pos += 8 if wire == 1 else 4
+    except IndexError:  # the head ends inside a field: nothing wrong so far
+        pass
+    except ValueError as exc:
+        problem = str(exc)
+    if problem is not None:
+        raise GraphscanError(f"{shown(path)}: not an ONNX model ({problem})", EXIT_NOT_ONNX)
 
 
 def load_model(path, weights=False):
     """Parse ``path`` as an ONNX model without touching external-data files.
 
-    Without ``weights``, a big file is memory-mapped and parsed without its
-    initializers' data: a 2 GiB model costs megabytes, not two copies of
-    its weights. Names, dims and data types of initializers are kept.
+    Without ``weights``, a big file is parsed without its initializers' data,
+    reading only the bytes it keeps: a 2 GiB model costs megabytes, not two
+    copies of its weights. Names, dims and data types of initializers are kept.
     """
     check_readable(path)
     try:
         with open(path, "rb") as f:
-            if weights or os.fstat(f.fileno()).st_size < SKIM_THRESHOLD:
+            size = os.fstat(f.fileno()).st_size
+            check_head(os.pread(f.fileno(), HEAD_BYTES, 0), path)
+            if weights or size < SKIM_THRESHOLD:
                 return parse_model(f.read(), path)
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                with memoryview(mapped) as view:
-                    try:
-                        data = skim_model(view)
-                    except (IndexError, ValueError) as exc:
-                        raise GraphscanError(
-                            f"{path}: not an ONNX model ({one_line(exc)})", EXIT_NOT_ONNX
-                        )
+            try:
+                data = skim_model(FileBytes(f.fileno(), size))
+            except (IndexError, ValueError) as exc:
+                raise GraphscanError(f"{shown(path)}: not an ONNX model ({one_line(exc)})", EXIT_NOT_ONNX)
             return parse_model(data, path)
     except OSError as exc:
-        raise GraphscanError(f"{path}: cannot read ({exc.strerror or exc})", EXIT_NO_FILE)
+        raise GraphscanError(f"{shown(path)}: cannot read ({exc.strerror or exc})", EXIT_NO_FILE)
+
+
+class FileBytes:
+    """The bytes of an open file, indexed and sliced like ``bytes``, read on demand.
+
+    Not a memory map: a file truncated while it is read gives a short read
+    (``ValueError``, exit 4), never SIGBUS. Reads go through a window of
+    ``WINDOW`` bytes, so the skimmer's byte-by-byte varints stay cheap.
+    """
+
+    WINDOW = 1 << 20
+    FIELD_HEAD = 20  # a field's key and length varints take at most this many bytes
+
+    def __init__(self, fd, size):
+        self.fd, self.size = fd, size
+        self.start, self.window = 0, b""
+
+    def __len__(self):
+        return self.size
+
+    def _read(self, start, length):
+        data = os.pread(self.fd, length, start)
+        if len(data) != length:
+            raise ValueError("the file is shorter than when it was opened (changed while being read)")
+        return data
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, _ = key.indices(self.size)
+            if stop <= start:
+                return b""
+            if start >= self.start and stop <= self.start + len(self.window):
+                return self.window[start - self.start : stop - self.start]
+            if stop - start > self.WINDOW:
+                return self._read(start, stop - start)
+            self._fill(start)
+            return self.window[start - self.start : stop - self.start]
+        if not 0 <= key < self.size:
+            raise IndexError("read past the end of the file")
+        offset = key - self.start
+        if not 0 <= offset < len(self.window):
+            self._fill(key)
+            offset = 0
+        return self.window[offset]
+
+    def _fill(self, start):
+        self.start = start
+        self.window = self._read(start, min(self.WINDOW, self.size - start))
+
+    def window_at(self, pos):
+        """``(window, its start)`` holding the head of the field at ``pos``."""
+        window_end = self.start + len(self.window)
+        if pos < self.start or (pos + self.FIELD_HEAD > window_end and window_end < self.size):
+            self._fill(pos)
+        return self.window, self.start
 
 
 # Protobuf wire format, just enough to skip tensor payloads of big models.
@@ -130,28 +257,39 @@ def encode_varint(value):
 
 
 def wire_fields(buf, start, end):
-    """Yield ``(field number, wire type, value start, value end, field start)``."""
+    """Yield ``(field number, wire type, value start, value end, field start)`` for
+    each field in ``buf[start:end]``; ``buf`` is ``bytes`` or a ``FileBytes``, whose
+    fields are parsed inside its window of plain bytes."""
+    file = buf if isinstance(buf, FileBytes) else None
+    data, base, data_end = (b"", 0, 0) if file is not None else (buf, 0, len(buf))
     pos = start
     while pos < end:
+        # A window is immutable bytes: still right for its range after the file's moved on.
+        if file is not None and (pos < base or (pos + file.FIELD_HEAD > data_end and data_end < file.size)):
+            data, base = file.window_at(pos)
+            data_end = base + len(data)
         field_start = pos
-        key, pos = read_varint(buf, pos)
+        key, pos = read_varint(data, pos - base)
+        if key >> 3 == 0:
+            raise ValueError("field number 0")
         wire = key & 7
         value_start = pos
         if wire == 0:
-            _, pos = read_varint(buf, pos)
+            _, pos = read_varint(data, pos)
         elif wire == 1:
             pos += 8
         elif wire == LENGTH_DELIMITED:
-            length, pos = read_varint(buf, pos)
+            length, pos = read_varint(data, pos)
             value_start = pos
             pos += length
         elif wire == 5:
             pos += 4
         else:
             raise ValueError(f"unsupported wire type {wire}")
+        pos += base
         if pos > end:
             raise ValueError("truncated field")
-        yield key >> 3, wire, value_start, pos, field_start
+        yield key >> 3, wire, value_start + base, pos, field_start
 
 
 def length_delimited(number, payload):
@@ -171,16 +309,22 @@ def skim_model(buf):
 
 def skim_graph(buf, start, end):
     out = bytearray()
+    kept_from = start  # fields other than initializers are copied in runs, not one by one
     for number, wire, value_start, value_end, field_start in wire_fields(buf, start, end):
         if number == GRAPH_INITIALIZER and wire == LENGTH_DELIMITED:
+            if field_start > kept_from:
+                out += buf[kept_from:field_start]
+            kept_from = value_end
+            tensor, first, last = buf, value_start, value_end
+            if last - first <= FileBytes.WINDOW:  # small: one read, then parsed as bytes
+                tensor, first, last = buf[first:last], 0, last - first
             header = b"".join(
-                buf[f_start:f_end]
-                for n, _, _, f_end, f_start in wire_fields(buf, value_start, value_end)
+                tensor[f_start:f_end]
+                for n, _, _, f_end, f_start in wire_fields(tensor, first, last)
                 if n not in TENSOR_PAYLOAD
             )
             out += length_delimited(GRAPH_INITIALIZER, header)
-        else:
-            out += buf[field_start:value_end]
+    out += buf[kept_from:end]
     return bytes(out)
 
 
@@ -190,12 +334,12 @@ def parse_model(data, path):
     try:
         model.ParseFromString(data)
     except Exception as exc:  # protobuf raises DecodeError, upb sometimes others
-        raise GraphscanError(f"{path}: not an ONNX model ({one_line(exc)})", EXIT_NOT_ONNX)
+        raise GraphscanError(f"{shown(path)}: not an ONNX model ({one_line(exc)})", EXIT_NOT_ONNX)
     # Protobuf parses an empty file, or one cut at a field boundary, as a
     # (partial) message: a model must at least carry a graph and an opset.
     if not data or not model.HasField("graph") or not model.opset_import:
         raise GraphscanError(
-            f"{path}: not an ONNX model (no graph or opset_import)", EXIT_NOT_ONNX
+            f"{shown(path)}: not an ONNX model (no graph or opset_import)", EXIT_NOT_ONNX
         )
     return model
 
@@ -636,7 +780,7 @@ class InputSpec:
                     d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
                     for d in tensor_type.shape.dim
                 ]
-        self.type_text = dtype_name(tensor_type.elem_type) if self.kind == "tensor_type" else str(self.kind)
+        self.type_text = dtype_name(tensor_type.elem_type) if self.kind == "tensor_type" else str(self.kind or "untyped")
 
     @property
     def numeric(self):
@@ -716,9 +860,10 @@ def seeded_feeds(specs, shapes, seed, default_size):
     feeds, defaulted = {}, []
     for spec in specs:
         if not spec.numeric:
+            # --inputs can give a string tensor; a sequence, map or optional nothing can.
+            hint = "; give it with --inputs" if spec.dtype is not None else ", and --inputs holds only tensors"
             raise GraphscanError(
-                f"input {spec.name!r} is {spec.describe()}: graphscan can only generate numeric "
-                f"tensors; give it with --inputs",
+                f"input {spec.name!r} is {spec.describe()}: graphscan can only generate numeric tensors{hint}",
                 EXIT_INPUTS,
             )
         shape, was_defaulted = resolve_shape(spec, shapes, default_size)
@@ -744,16 +889,16 @@ def read_npz_inputs(path, specs):
     try:
         archive = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise GraphscanError(f"{path}: not an .npz file ({one_line(exc)})", EXIT_INPUTS)
+        raise GraphscanError(f"{shown(path)}: not an .npz file ({one_line(exc)})", EXIT_INPUTS)
     with archive:
         members = {}
         for info in archive.infolist():
             if not info.filename.endswith(".npy"):
-                raise GraphscanError(f"{path}: member {info.filename!r} is not a .npy array", EXIT_INPUTS)
+                raise GraphscanError(f"{shown(path)}: member {info.filename!r} is not a .npy array", EXIT_INPUTS)
             members[info.filename[: -len(".npy")]] = info
         missing = [s.name for s in specs if s.name not in members]
         if missing:
-            raise GraphscanError(f"{path}: no array for input {', '.join(missing)}", EXIT_INPUTS)
+            raise GraphscanError(f"{shown(path)}: no array for input {', '.join(missing)}", EXIT_INPUTS)
         return {spec.name: read_npy_member(path, archive, members[spec.name], spec) for spec in specs}
 
 
@@ -770,15 +915,15 @@ def read_npy_member(path, archive, info, spec):
             version = np.lib.format.read_magic(f)
             read_header = NPY_HEADER_READERS.get(version)
             if read_header is None:
-                raise GraphscanError(f"{path}: array {name!r} has .npy format {version}", EXIT_INPUTS)
+                raise GraphscanError(f"{shown(path)}: array {name!r} has .npy format {version}", EXIT_INPUTS)
             shape, fortran, dtype = getattr(np.lib.format, read_header)(f)
             if dtype.hasobject:
-                raise GraphscanError(f"{path}: array {name!r} holds Python objects", EXIT_INPUTS)
+                raise GraphscanError(f"{shown(path)}: array {name!r} holds Python objects", EXIT_INPUTS)
             check_array_fits(path, spec, dtype, shape)
             count = math.prod(shape)
             if count * dtype.itemsize > min(MAX_INPUT_BYTES, info.file_size):
                 raise GraphscanError(
-                    f"{path}: array {name!r} declares {count * dtype.itemsize} bytes but the member holds "
+                    f"{shown(path)}: array {name!r} declares {count * dtype.itemsize} bytes but the member holds "
                     f"{info.file_size}",
                     EXIT_INPUTS,
                 )
@@ -786,28 +931,32 @@ def read_npy_member(path, archive, info, spec):
     except GraphscanError:
         raise
     except Exception as exc:
-        raise GraphscanError(f"{path}: cannot read array {name!r} ({one_line(exc)})", EXIT_INPUTS)
+        raise GraphscanError(f"{shown(path)}: cannot read array {name!r} ({one_line(exc)})", EXIT_INPUTS)
     if len(data) != count * dtype.itemsize:
-        raise GraphscanError(f"{path}: array {name!r} is truncated", EXIT_INPUTS)
+        raise GraphscanError(f"{shown(path)}: array {name!r} is truncated", EXIT_INPUTS)
     array = np.frombuffer(data, dtype=dtype)
     order = "F" if fortran else "C"
-    return np.ascontiguousarray(array.reshape(shape, order=order)).astype(dtype.newbyteorder("="), copy=False)
+    array = np.ascontiguousarray(array.reshape(shape, order=order)).astype(dtype.newbyteorder("="), copy=False)
+    return array.astype(object) if spec.dtype == np.dtype(object) else array  # onnxruntime's strings
 
 
 def check_array_fits(path, spec, dtype, shape):
     """Exit 7 unless an array of ``dtype`` and ``shape`` can feed ``spec``."""
     import numpy as np
 
-    if spec.dtype is None or np.dtype(dtype).newbyteorder("=") != np.dtype(spec.dtype):
+    # A STRING input (object in numpy) is given as a fixed-width text array:
+    # .npz cannot hold object arrays without pickles, which are refused.
+    is_text = spec.dtype is not None and np.dtype(spec.dtype).hasobject and np.dtype(dtype).kind == "U"
+    if spec.dtype is None or (np.dtype(dtype).newbyteorder("=") != np.dtype(spec.dtype) and not is_text):
         raise GraphscanError(
-            f"{path}: array {spec.name!r} is {np.dtype(dtype).name} {list(shape)}, the model wants {spec.describe()}",
+            f"{shown(path)}: array {spec.name!r} is {np.dtype(dtype).name} {list(shape)}, the model wants {spec.describe()}",
             EXIT_INPUTS,
         )
     if spec.dims is not None and (
         len(shape) != len(spec.dims) or any(d is not None and d != s for d, s in zip(spec.dims, shape))
     ):
         raise GraphscanError(
-            f"{path}: array {spec.name!r} has shape {list(shape)}, the model wants {spec.describe()}",
+            f"{shown(path)}: array {spec.name!r} has shape {list(shape)}, the model wants {spec.describe()}",
             EXIT_INPUTS,
         )
 
@@ -838,7 +987,7 @@ def check_same_inputs(float_model, quant_model, a, b):
     specs = [{s.name: s for s in input_specs(m)} for m in (float_model, quant_model)]
     if sorted(specs[0]) != sorted(specs[1]):
         raise GraphscanError(
-            f"{a} and {b}: the models' inputs differ ({', '.join(sorted(specs[0]))} vs {', '.join(sorted(specs[1]))})",
+            f"{shown(a)} and {shown(b)}: the models' inputs differ ({', '.join(sorted(specs[0]))} vs {', '.join(sorted(specs[1]))})",
             EXIT_INPUTS,
         )
     for name, first in specs[0].items():
@@ -849,7 +998,7 @@ def check_same_inputs(float_model, quant_model, a, b):
         )
         if first.type_text != second.type_text or not dims_agree:
             raise GraphscanError(
-                f"{a} and {b}: input {name!r} is {first.describe()} in one and {second.describe()} in the other",
+                f"{shown(a)} and {shown(b)}: input {name!r} is {first.describe()} in one and {second.describe()} in the other",
                 EXIT_INPUTS,
             )
 
@@ -866,6 +1015,10 @@ SKIP_C_NOT_INITIALIZER = "the Add's other input is not an initializer"
 SKIP_A_NOT_RANK_2 = "A is not rank 2"
 SKIP_B_NOT_2D = "B is not a 2-D initializer"
 SKIP_C_NOT_BROADCAST = "C does not broadcast to (M, N)"
+SKIP_TYPE = "Gemm runs only FLOAT, FLOAT16 or DOUBLE"
+# The types onnx's Gemm accepts in every opset and onnxruntime's CPU Gemm runs
+# (it has no integer kernel, although Gemm-9 and later declare int32/int64).
+GEMM_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
 
 
 def static_shapes(model):
@@ -895,7 +1048,7 @@ def broadcasts_to(c_shape, m, n):
     return True
 
 
-def gemm_plan(index, model, shapes, graph_outputs, matmul):
+def gemm_plan(index, model, shapes, initializer_types, graph_outputs, matmul):
     """``(add_index, c_name, None)`` if MatMul ``matmul`` can fuse, else ``(None, None, reason)``."""
     node = model.graph.node[matmul]
     product = node.output[0]
@@ -918,6 +1071,8 @@ def gemm_plan(index, model, shapes, graph_outputs, matmul):
         return None, None, SKIP_B_NOT_2D
     if not broadcasts_to(shapes[others[0]], a_shape[0], shapes[b_name][1]):
         return None, None, SKIP_C_NOT_BROADCAST
+    if initializer_types[b_name] not in GEMM_TYPES:
+        return None, None, SKIP_TYPE
     return add, others[0], None
 
 
@@ -937,13 +1092,14 @@ def fuse_matmul_add(model):
     """
     index = GraphIndex(model.graph)
     shapes = static_shapes(model)
+    initializer_types = {init.name: init.data_type for init in model.graph.initializer}
     taken = set(index.names)
     graph_outputs = {output.name for output in model.graph.output}
     replace, drop, fused, skipped = {}, set(), [], []
     for i, op_type in enumerate(index.op_types):
         if op_type != "MatMul":
             continue
-        add, c_name, reason = gemm_plan(index, model, shapes, graph_outputs, i)
+        add, c_name, reason = gemm_plan(index, model, shapes, initializer_types, graph_outputs, i)
         if reason:
             skipped.append({"node": index.names[i], "reason": reason})
             continue
@@ -986,31 +1142,135 @@ def run_model(model, feeds, path):
         return session.run(None, feeds, run_options)
     except Exception as exc:
         raise GraphscanError(
-            f"{path}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME
+            f"{shown(path)}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME
         )
 
 
-def max_abs_difference(expected, actual):
-    """Largest |expected - actual| over all outputs, and the largest |expected|."""
+def compare_outputs(expected, actual):
+    """How far ``actual`` is from ``expected`` (two lists of onnxruntime outputs).
+
+    Returns ``(max_abs_error, scale, compared, problem)``. Floats: NaN and
+    +-Inf must sit at the same places with the same value, then the largest
+    |expected - actual| and |expected| are taken over the finite values only.
+    Everything else (integers, booleans, strings, sequences, optionals, maps)
+    must be equal. ``compared``: how many values were compared this way;
+    ``problem``: the first difference that no tolerance excuses, or None.
+    """
     import numpy as np
 
-    error = max((float(np.max(np.abs(e - a), initial=0.0)) for e, a in zip(expected, actual)), default=0.0)
-    scale = max((float(np.max(np.abs(e), initial=0.0)) for e in expected), default=0.0)
-    return error, scale
+    error = scale = 0.0
+    compared = 0
+    pending = [(f"output {k}", e, a) for k, (e, a) in enumerate(zip(expected, actual))]
+    while pending:
+        where, e, a = pending.pop()
+        if isinstance(e, (list, tuple)) or isinstance(a, (list, tuple)):
+            if not (isinstance(e, (list, tuple)) and isinstance(a, (list, tuple)) and len(e) == len(a)):
+                return error, scale, compared, f"at {where}: sequences of different lengths"
+            pending.extend((f"{where}[{i}]", x, y) for i, (x, y) in enumerate(zip(e, a)))
+            continue
+        if isinstance(e, dict) or isinstance(a, dict):
+            if not (isinstance(e, dict) and isinstance(a, dict) and sorted(e) == sorted(a)):
+                return error, scale, compared, f"at {where}: maps with different keys"
+            pending.extend((f"{where}[{key!r}]", e[key], a[key]) for key in e)
+            continue
+        if e is None or a is None:  # an optional without a value
+            if (e is None) != (a is None):
+                return error, scale, compared, f"at {where}: a value in one model only"
+            continue
+        e, a = np.asarray(e), np.asarray(a)
+        if e.shape != a.shape or e.dtype != a.dtype:
+            return error, scale, compared, f"at {where}: {a.dtype} {list(a.shape)} instead of {e.dtype} {list(e.shape)}"
+        if e.dtype.kind not in "fc":
+            if not np.array_equal(e, a):
+                return error, scale, compared, f"at {where}: other values"
+            compared += e.size
+            continue
+        finite = np.isfinite(e)
+        if not np.array_equal(finite, np.isfinite(a)) or not np.array_equal(e[~finite], a[~finite], equal_nan=True):
+            return error, scale, compared, f"at {where}: NaN or infinity at other places"
+        if finite.any():
+            e64, a64 = e[finite].astype(np.complex128 if e.dtype.kind == "c" else np.float64), a[finite]
+            error = max(error, float(np.max(np.abs(e64 - a64))))
+            scale = max(scale, float(np.max(np.abs(e64))))
+            compared += int(finite.sum())
+    return error, scale, compared, None
+
+
+# A temporary output file is named like this, beside the output: short (a
+# 250-character output name still fits NAME_MAX), hidden, never ``*.onnx``.
+TEMPORARY_PREFIX = ".graphscan-"
+TEMPORARY_SUFFIX = ".partial"
+
+
+def check_output_path(path):
+    """Exit 3 unless ``path`` can be replaced: it is absent or a regular file,
+    in a folder that exists. A device, FIFO or folder there is left untouched."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise GraphscanError(f"{shown(path)}: cannot write (no folder {shown(folder)})", EXIT_NO_FILE)
+        return None
+    except (OSError, ValueError) as exc:
+        raise GraphscanError(f"{shown(path)}: cannot write ({getattr(exc, 'strerror', None) or exc})", EXIT_NO_FILE)
+    if not stat.S_ISREG(mode):
+        raise GraphscanError(f"{shown(path)}: exists and is not a regular file; left untouched", EXIT_NO_FILE)
+    return mode
 
 
 def write_atomically(data, path):
-    """Write ``data`` to ``path`` through a temporary file beside it."""
-    folder = os.path.dirname(os.path.abspath(path))
-    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    """Write ``data`` to ``path`` so that it is either the old file or all of the new one.
+
+    The bytes go to a temporary file in the target's folder, are fsynced,
+    renamed over the target, and the folder is fsynced. A symbolic link is
+    written through. A run killed half-way leaves at most one
+    ``.graphscan-*.partial`` file, which is never taken for the output.
+    """
+    import tempfile
+
+    target = os.path.realpath(path) if os.path.islink(path) else path
+    old_mode = check_output_path(target)
+    folder = os.path.dirname(os.path.abspath(target))
+    if old_mode is None:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    else:
+        mode = stat.S_IMODE(old_mode)
+    temporary = None
     try:
-        with open(temporary, "wb") as f:
+        fd, temporary = tempfile.mkstemp(prefix=TEMPORARY_PREFIX, suffix=TEMPORARY_SUFFIX, dir=folder)
+        with open(fd, "wb") as f:
             f.write(data)
-        os.replace(temporary, path)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(temporary, target)
+        temporary = None
     except OSError as exc:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise GraphscanError(f"{path}: cannot write ({exc.strerror or exc})", EXIT_NO_FILE)
+        raise GraphscanError(f"{shown(path)}: cannot write ({exc.strerror or exc})", EXIT_NO_FILE)
+    finally:  # also on KeyboardInterrupt
+        if temporary is not None:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass
+    fsync_folder(folder)
+
+
+def fsync_folder(folder):
+    """Make a rename in ``folder`` durable; file systems that cannot are not an error."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def load_with_weights(path):
@@ -1024,27 +1284,62 @@ def load_with_weights(path):
                 model, os.path.dirname(os.path.abspath(path))
             )
         except Exception as exc:
-            raise GraphscanError(f"{path}: cannot load external data ({one_line(exc)})", EXIT_NOT_ONNX)
+            raise GraphscanError(f"{shown(path)}: cannot load external data ({one_line(exc)})", EXIT_NOT_ONNX)
     return model
 
 
-def fuse(path, output):
-    """Fuse MatMul+Add into Gemm, verify with onnxruntime, then write ``output``."""
+ORT_OLDEST_OPSET = 7  # onnxruntime has no kernel for older default-domain opsets
+
+
+def check_original(model, path):
+    """Exit 4 unless the model to fuse passes the checker itself: a broken original
+    (a cycle, two producers of a tensor, an opset that does not exist) is the
+    input's fault, not the fusion's."""
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as exc:
+        raise GraphscanError(f"{shown(path)}: not a valid ONNX model ({one_line(exc)})", EXIT_NOT_ONNX)
+    # The checker passes default-domain opsets that do not exist (above onnx's
+    # newest) and ones older than any onnxruntime runs.
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx") and not ORT_OLDEST_OPSET <= opset.version <= onnx.defs.onnx_opset_version():
+            raise GraphscanError(
+                f"{shown(path)}: opset {opset.version} of the default domain: onnx defines up to "
+                f"{onnx.defs.onnx_opset_version()} and onnxruntime runs {ORT_OLDEST_OPSET} and newer",
+                EXIT_NOT_ONNX,
+            )
+
+
+def fuse(path, output, inputs=None, shape=None, seed=FUSE_SEED):
+    """Fuse MatMul+Add into Gemm, verify with onnxruntime, then write ``output``.
+
+    The verification sample is ``inputs`` (an .npz) or seeded data whose
+    symbolic dimensions come from ``shape`` (``--shape NAME=D0,...``) or are 2.
+    """
     model = load_with_weights(path)
+    check_original(model, path)
+    check_output_path(os.path.realpath(output) if os.path.islink(output) else output)
     fused_model, fused, skipped = fuse_matmul_add(model)
     try:
         onnx.checker.check_model(fused_model, full_check=True)
     except Exception as exc:
-        raise GraphscanError(f"{path}: fused model fails the checker ({one_line(exc)})", EXIT_MISMATCH)
-    feeds = random_inputs(model, FUSE_SEED, SYMBOLIC_DIM_SIZE)
+        raise GraphscanError(f"{shown(path)}: fused model fails the checker ({one_line(exc)})", EXIT_MISMATCH)
+    samples, _ = model_samples(model, [inputs] if inputs else None, parse_shapes(shape), seed, SYMBOLIC_DIM_SIZE)
+    feeds = samples[0]
     expected = run_model(model, feeds, path)
-    actual = run_model(fused_model, feeds, output)
-    error, scale = max_abs_difference(expected, actual)
-    if error > FUSE_RELATIVE_TOLERANCE * max(scale, 1.0):
+    actual = run_model(fused_model, feeds, f"the fused model of {shown(path)}")
+    error, scale, compared, problem = compare_outputs(expected, actual)
+    if problem is None and not compared and any(np_size(e) for e in expected):
         raise GraphscanError(
-            f"{path}: fused model differs from the original by {error:.3g} "
-            f"(allowed {FUSE_RELATIVE_TOLERANCE:g} relative); nothing written",
+            f"{shown(path)}: cannot verify the fused model: the original's outputs are all NaN or "
+            f"infinite on this input (give others with --inputs); nothing written",
             EXIT_MISMATCH,
+        )
+    if problem is None and error > FUSE_RELATIVE_TOLERANCE * max(scale, 1.0):
+        problem = f"by {error:.3g} (allowed {FUSE_RELATIVE_TOLERANCE:g} relative)"
+    if problem is not None:
+        raise GraphscanError(
+            f"{shown(path)}: fused model differs from the original {problem}; nothing written", EXIT_MISMATCH
         )
     write_atomically(fused_model.SerializeToString(), output)
     return {
@@ -1054,6 +1349,19 @@ def fuse(path, output):
         "skipped": skipped,
         "max_abs_error": error,
     }
+
+
+def np_size(value):
+    """How many values an onnxruntime output holds (0 for an absent optional)."""
+    import numpy as np
+
+    if value is None:
+        return 0
+    if isinstance(value, (list, tuple)):
+        return sum(np_size(v) for v in value)
+    if isinstance(value, dict):
+        return len(value)
+    return np.asarray(value).size
 
 
 # --------------------------------------------------------------------------
@@ -1343,7 +1651,7 @@ def save_op_models(folder, quant_model, rows, op_models, arrays_by_row):
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:
-        raise GraphscanError(f"{folder}: cannot create ({exc.strerror or exc})", EXIT_NO_FILE)
+        raise GraphscanError(f"{shown(folder)}: cannot create ({exc.strerror or exc})", EXIT_NO_FILE)
     used = set()
     for row, op, saved in zip(rows, op_models, arrays_by_row):
         if op is None or saved is None:
@@ -1588,7 +1896,7 @@ def build_session(model_bytes, path, options, provider):
     try:
         return ort.InferenceSession(model_bytes, options, providers=[provider])
     except Exception as exc:
-        raise GraphscanError(f"{path}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME)
+        raise GraphscanError(f"{shown(path)}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME)
 
 
 def optimized_model(model_bytes, path, level, provider, int8_allowed):
@@ -1604,7 +1912,7 @@ def optimized_model(model_bytes, path, level, provider, int8_allowed):
                 return parse_model(f.read(), path)
         except OSError as exc:
             raise GraphscanError(
-                f"{path}: onnxruntime saved no optimized graph ({exc.strerror or exc})", EXIT_RUNTIME
+                f"{shown(path)}: onnxruntime saved no optimized graph ({exc.strerror or exc})", EXIT_RUNTIME
             )
 
 
@@ -1981,7 +2289,7 @@ def profiled_runs(model_bytes, path, options, provider, feeds, runs):
             for _ in range(runs + 1):
                 session.run(None, feeds)
         except Exception as exc:
-            raise GraphscanError(f"{path}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME)
+            raise GraphscanError(f"{shown(path)}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME)
         return [event for event in profile_events(session) if event[0] >= 1]
 
 
@@ -2095,14 +2403,14 @@ def runtime_time(named_bytes, optimized_proto, path, rows, optimized, feeds, def
     frozen = runtime_session_options("basic", False, threads=1)
     frozen.graph_optimization_level = type(frozen.graph_optimization_level).ORT_DISABLE_ALL
     sessions = [
-        build_session(optimized_proto.SerializeToString(), f"{path} (as optimized by onnxruntime)", frozen, provider),
-        build_session(ablated.SerializeToString(), f"graphscan's copy of {path} without Q/DQ round trips",
+        build_session(optimized_proto.SerializeToString(), f"{shown(path)} (as optimized by onnxruntime)", frozen, provider),
+        build_session(ablated.SerializeToString(), f"graphscan's copy of {shown(path)} without Q/DQ round trips",
                       frozen, provider),
     ]
     try:
         model_s, ablated_s = interleaved_wall_times(sessions, feeds, runs)
     except Exception as exc:
-        raise GraphscanError(f"{path}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME)
+        raise GraphscanError(f"{shown(path)}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME)
     cost = 1.0 - ablated_s / model_s if model_s > 0 else None
     return time_answer(floor, feeds, defaulted, runs, shares, node_us, removed, model_s, ablated_s, cost)
 
@@ -2153,15 +2461,15 @@ def read_budget_file(path):
         with open(path, encoding="utf-8") as f:
             limits = json.load(f)
     except OSError as exc:
-        raise GraphscanError(f"{path}: cannot read ({exc.strerror or exc})", EXIT_NO_FILE)
+        raise GraphscanError(f"{shown(path)}: cannot read ({exc.strerror or exc})", EXIT_NO_FILE)
     except ValueError as exc:
-        raise GraphscanError(f"usage: {path}: not JSON ({one_line(exc)})", EXIT_USAGE)
+        raise GraphscanError(f"usage: {shown(path)}: not JSON ({one_line(exc)})", EXIT_USAGE)
     if not isinstance(limits, dict):
-        raise GraphscanError(f"usage: {path}: expected a JSON object of budgets", EXIT_USAGE)
+        raise GraphscanError(f"usage: {shown(path)}: expected a JSON object of budgets", EXIT_USAGE)
     unknown = sorted(set(limits) - set(BUDGETS))
     if unknown:
         raise GraphscanError(
-            f"usage: {path}: unknown budget {', '.join(unknown)} (known: {', '.join(BUDGETS)})", EXIT_USAGE
+            f"usage: {shown(path)}: unknown budget {', '.join(unknown)} (known: {', '.join(BUDGETS)})", EXIT_USAGE
         )
     return {name: budget_limit(name, value, path) for name, value in limits.items()}
 
@@ -2206,7 +2514,7 @@ def measured_sqnr(float_path, quant_path, inputs, shape, seed):
         expected = run_model(float_model, feeds, float_path)
         actual = run_model(quant_model, feeds, quant_path)
         if len(expected) != len(actual):
-            raise GraphscanError(f"{float_path} and {quant_path}: the models' outputs differ", EXIT_INPUTS)
+            raise GraphscanError(f"{shown(float_path)} and {shown(quant_path)}: the models' outputs differ", EXIT_INPUTS)
         reference += expected
         values += actual
     return output_sqnr_db(reference, values)
@@ -2820,10 +3128,34 @@ def dot(path, runtime_colours=False, collapse=False):
 # --------------------------------------------------------------------------
 # Command line
 
+def non_negative_int(text):
+    """argparse type of ``--seed``: numpy seeds are integers >= 0 (exit 2 otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def finite_non_negative(text):
+    """argparse type of ``--tolerance``: a finite number >= 0 (NaN would never be exceeded)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+SEED_OPTION = ("--seed", {"type": non_negative_int, "default": 0, "help": "seed of the random inputs (default: 0)"})
+
 TRACE_OPTIONS = [
     ("--inputs", {"metavar": "FILE.npz", "help": "one array per graph input, by name"}),
-    ("--seed", {"type": int, "default": 0, "help": "seed of the random inputs (default: 0)"}),
-    ("--tolerance", {"type": float, "default": TRACE_TOLERANCE, "help": "first_over threshold"}),
+    SEED_OPTION,
+    ("--tolerance", {"type": finite_non_negative, "default": TRACE_TOLERANCE, "help": "first_over threshold"}),
     ("--save", {"metavar": "DIR", "help": "write each op's single-op model and inputs here"}),
 ]
 
@@ -2847,7 +3179,7 @@ CHECK_OPTIONS = [
     ("--min-sqnr", {"type": float, "metavar": "DB", "help": "output SQNR against --float of at least DB"}),
     ("--inputs", {"metavar": "FILE.npz", "action": "append", "help": "--min-sqnr: one sample per file (repeatable)"}),
     ("--shape", {"metavar": "NAME=D0,D1,...", "action": "append", "help": "--min-sqnr: shape of a graph input"}),
-    ("--seed", {"type": int, "default": 0, "help": "--min-sqnr: seed of the random sample (default: 0)"}),
+    SEED_OPTION,
 ]
 
 # Commands whose exit code depends on the answer (the JSON is printed either way).
@@ -2860,6 +3192,19 @@ DOT_OPTIONS = [
                     "help": f"draw each connected group of wrapped nodes as one box (for over {COLLAPSE_HINT} compute nodes)"}),
 ]
 
+FUSE_OPTIONS = [
+    ("--inputs", {"metavar": "FILE.npz", "help": "verify on these arrays (one per graph input, by name)"}),
+    (
+        "--shape",
+        {
+            "metavar": "NAME=D0,D1,...",
+            "action": "append",
+            "help": "shape of an input's seeded data (repeatable; symbolic dimensions are 2 otherwise)",
+        },
+    ),
+    SEED_OPTION,
+]
+
 # name: (function, positional paths, help, options)
 COMMANDS = {
     "nodes": (nodes, ["model"], "op census and initializer dtypes", []),
@@ -2867,7 +3212,7 @@ COMMANDS = {
     "islands": (islands, ["model"], "int8-wrapped vs float nodes, float islands", []),
     "boundary": (boundary, ["model"], "DQs entering and Qs leaving each island", []),
     "diff": (diff, ["a", "b"], "b minus a for the counts above", []),
-    "fuse": (fuse, ["model", "output"], "fuse MatMul+Add into Gemm, verified, into output", []),
+    "fuse": (fuse, ["model", "output"], "fuse MatMul+Add into Gemm, verified, into output", FUSE_OPTIONS),
     "trace": (trace, ["a", "b"], "per-op isolated and propagated error of b (quantized) vs a (float)", TRACE_OPTIONS),
     "runtime": (runtime, ["model"], "what onnxruntime really runs per node: int8, int8_data, float, absorbed", RUNTIME_OPTIONS),
     "check": (check, ["model"], "a CI gate: exit 8 when a budget (float nodes, islands, crossings, int8 share, SQNR) is broken", CHECK_OPTIONS),
@@ -2880,6 +3225,13 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         raise GraphscanError(f"usage: {message}", EXIT_USAGE)
+
+    def print_help(self, file=None):
+        """Help on stdout like an answer: argparse would silently drop a failed write."""
+        if file is None:
+            write_answer(self.format_help())
+        else:
+            super().print_help(file)
 
 
 FORMATS = ["json", "table"]
@@ -2907,10 +3259,10 @@ def build_parser():
         prog="graphscan.py",
         description="Count what quantization did to an ONNX graph; one JSON object on stdout.",
         epilog=(
-            "exit codes: 0 ok, 2 usage, 3 no such file (or output not writable), "
-            "4 not an ONNX model, 5 model does not run in onnxruntime, "
+            "exit codes: 0 ok, 1 internal error, 2 usage, 3 no such file (or output or stdout "
+            "not writable), 4 not an ONNX model, 5 model does not run in onnxruntime, "
             "6 fused model does not reproduce the original, "
-            "7 inputs do not match the models, 8 check: a budget is broken"
+            "7 inputs do not match the models, 8 check: a budget is broken, 130 interrupted"
         ),
     )
     sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=OneLineParser)
@@ -2954,7 +3306,70 @@ def run(argv):
     exit_code = ANSWER_EXIT_CODES.get(args.command, lambda _: EXIT_OK)(answer)
     if fmt == "table":
         return render_table(args.command, answer, top), exit_code
-    return json.dumps(answer), exit_code
+    return strict_json(answer), exit_code
+
+
+def strict_json(answer):
+    """One strict JSON text for ``answer``: NaN and +-Infinity become ``null``.
+
+    Strict parsers reject those tokens, so no answer may carry them. The
+    sanitizing walk runs only when ``allow_nan=False`` finds one.
+    """
+    try:
+        return json.dumps(answer, allow_nan=False)
+    except ValueError:
+        return json.dumps(finite_or_null(answer), allow_nan=False)
+
+
+def finite_or_null(value):
+    """``value`` with every non-finite float, at any depth, replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(item) for item in value]
+    return value
+
+
+def report(line):
+    """One line on stderr; a closed or full stderr cannot make it a traceback."""
+    stream = sys.stderr
+    if stream is None:
+        return
+    try:
+        stream.write(f"graphscan: {single_line(line)}\n")
+        stream.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def write_answer(text):
+    """Write the answer on stdout, or raise exit 3 when stdout cannot take it
+    (closed, a pipe whose reader left, a full disk)."""
+    stream = sys.stdout
+    # JSON is ASCII; a table shows names as they are, escaped where the terminal cannot.
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    try:
+        stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
+        stream.flush()
+    except (OSError, ValueError) as exc:
+        discard_stdout(stream)
+        raise GraphscanError(
+            f"cannot write the answer to stdout ({getattr(exc, 'strerror', None) or one_line(exc)})", EXIT_NO_FILE
+        )
+
+
+def discard_stdout(stream):
+    """Point stdout's descriptor at /dev/null, so the interpreter's final flush
+    of what could not be written does not print an error of its own."""
+    try:
+        fd = stream.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except (OSError, ValueError):  # not a real file (a test's capture)
+        return
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def main(argv=None):
@@ -2965,23 +3380,32 @@ def main(argv=None):
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
+        if sys.stdout is None:  # checked first: files opened now could take descriptor 1
+            raise GraphscanError("cannot write the answer: stdout is closed", EXIT_NO_FILE)
         text, exit_code = run(argv)
+        write_answer(text + "\n")
     except GraphscanError as exc:
-        print(f"graphscan: {exc}", file=sys.stderr)
+        report(str(exc))
         return exc.exit_code
     except SystemExit as exc:  # argparse after printing --help
         return exc.code if isinstance(exc.code, int) else EXIT_OK
+    except KeyboardInterrupt:
+        report("interrupted")
+        return EXIT_INTERRUPTED
     except Exception as exc:  # a bug: still one line, never a traceback
-        print(f"graphscan: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        report(f"internal error: {type(exc).__name__}: {one_line(exc)}")
         return EXIT_INTERNAL
     finally:
         if gc_was_enabled:
             gc.enable()
-    # JSON is ASCII; a table shows names as they are, escaped where the terminal cannot.
-    encoding = sys.stdout.encoding or "utf-8"
-    sys.stdout.write((text + "\n").encode(encoding, "backslashreplace").decode(encoding))
     return exit_code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # main() reports it in one line
+    try:
+        code = main()
+    except KeyboardInterrupt:  # in the instant between main()'s own handlers
+        code = EXIT_INTERRUPTED
+    signal.signal(signal.SIGINT, exit_on_interrupt)  # no traceback during shutdown either
+    sys.exit(code)
