@@ -61,8 +61,6 @@ class BenchError(Exception):
 
 def build_pair(blocks: int, workdir: Path) -> dict:
     """fp32.onnx, its static QDQ quant.onnx and x.npz in workdir, with their sizes."""
-    import logging
-
     import numpy as np
     import onnx
     import onnxruntime
@@ -79,12 +77,8 @@ def build_pair(blocks: int, workdir: Path) -> dict:
     model = gen_models.build_cnn(blocks, channels=8, size=INPUT_SHAPE[-1], seed=SEED)
     onnx.save(model, paths["float"])
     # The quantizer logs a "consider pre-processing" advice on every call; not our news.
-    root, level = logging.getLogger(), logging.getLogger().level
-    root.setLevel(logging.ERROR)
-    try:
+    with gen_models.quiet_quantizer():
         gen_models.quantize_qdq(paths["float"], paths["quant"], SEED)
-    finally:
-        root.setLevel(level)
     x = np.random.default_rng(SEED).standard_normal(INPUT_SHAPE).astype(np.float32)
     np.savez(paths["inputs"], x=x)
     return {
