@@ -16,7 +16,7 @@ from conftest import run_onnx
 from tests.helpers import error_line, json_answer, run_graphscan, strict_loads
 
 
-def one_layer(path, weight_scale=1.0, value_info=(), extra_nodes=(), output="y"):
+def one_layer(path, weight_scale=1.0, value_info=(), extra_nodes=(), output="y", rows=2):
     """a [2, 3] -> MatMul "mm_node" (B) -> Add "add_node" (C) -> ``output``, plus extras.
 
     ``weight_scale`` sets the size of the outputs (B's entries are N(0, 1) times it).
@@ -34,8 +34,8 @@ def one_layer(path, weight_scale=1.0, value_info=(), extra_nodes=(), output="y")
     graph = helper.make_graph(
         nodes,
         "g",
-        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [2, 3])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [rows, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, 4])],
         initializers,
         value_info=[helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 4]) for n in value_info],
     )
@@ -161,3 +161,40 @@ def test_model_above_the_skim_threshold_is_fused_with_its_weights(tmp_path, monk
     assert weights.keys() == original.keys()
     for name in original:
         np.testing.assert_array_equal(weights[name], original[name])
+
+
+def test_max_abs_error_is_measured_on_two_rows_for_a_symbolic_batch(tmp_path, monkeypatch):
+    """B off by 2e-6 (accepted): the error depends on the input, so it pins fuse's
+    input: seed 0, the symbolic batch N set to 2."""
+    source = one_layer(tmp_path / "m.onnx", rows="N")
+    honest = graphscan.fuse_matmul_add
+
+    def off_by(model):
+        fused, done, skipped = honest(model)
+        (b,) = [i for i in fused.graph.initializer if i.name == "B"]
+        b.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(b) + np.float32(2e-6), "B"))
+        return fused, done, skipped
+
+    monkeypatch.setattr(graphscan, "fuse_matmul_add", off_by)
+    target = tmp_path / "out.onnx"
+    answer = graphscan.fuse(source, str(target))
+    x = seeded_input()
+    (expected,), (actual,) = run_onnx(source, {"a": x}), run_onnx(target, {"a": x})
+    assert answer["max_abs_error"] == float(np.max(np.abs(expected - actual))) > 0
+
+
+def test_fused_model_failing_the_checker_exits_6_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    source = one_layer(tmp_path / "m.onnx")
+    honest = graphscan.fuse_matmul_add
+
+    def broken(model):
+        fused, done, skipped = honest(model)
+        fused.graph.node[0].input[1] = "no_such_tensor"
+        return fused, done, skipped
+
+    monkeypatch.setattr(graphscan, "fuse_matmul_add", broken)
+    target = tmp_path / "out.onnx"
+    assert graphscan.main(["fuse", source, str(target)]) == graphscan.EXIT_MISMATCH
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and "checker" in err
+    assert not target.exists()

@@ -291,3 +291,16 @@ def test_non_utf8_op_type_shows_the_replacement_character(tmp_path, capsys):
 def test_unreadable_and_missing_paths_name_the_path_as_a_process(tmp_path):
     line = error_line(run_graphscan(["nodes", "missing.onnx"], cwd=tmp_path), graphscan.EXIT_NO_FILE)
     assert "missing.onnx" in line
+
+
+def test_a_bug_is_exit_1_in_one_line(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "m.onnx"
+    path.write_bytes(qdq_model().SerializeToString())
+
+    def crash(path):
+        raise KeyError("a bug")
+
+    monkeypatch.setitem(graphscan.COMMANDS, "nodes", (crash, *graphscan.COMMANDS["nodes"][1:]))
+    code, out, err = run_main(capsys, ["nodes", path])
+    assert (code, out) == (graphscan.EXIT_INTERNAL, "")
+    assert err.startswith("graphscan: internal error: KeyError") and err.count("\n") == 1

@@ -165,6 +165,7 @@ def test_ort_qdq_suffix_maps_back_to_the_float_tensor(tmp_path, suffix):
     assert rows["other"]["reference"] == "t"
     assert rows["other"]["isolated_max_abs"] == 0.0
     assert rows["n1"]["isolated_max_abs"] == 0.0  # fed the float t
+    assert answer["unmatched"] == []  # r1's output is compared with a Relu: matched
 
 
 def test_split_with_renamed_outputs_matches_output_by_position(tmp_path):
@@ -329,3 +330,44 @@ def test_trace_reads_external_data_beside_the_model_from_any_folder(tmp_path):
     assert (sub / "weights.bin").stat().st_size > 0
     answer = json_answer(run_graphscan(["trace", "sub/m.onnx", "sub/m.onnx"], cwd=tmp_path))
     assert {row["isolated_max_abs"] for row in answer["ops"]} == {0.0}
+
+
+# --------------------------------------------------------------------------
+# Defaults: the tolerance and the seeded input
+
+
+def offset_pair(tmp_path, offset):
+    """x + c in both models, c larger by ``offset`` in the second: row "n" is off by it."""
+    def model(name, c):
+        return save(
+            tmp_path / name,
+            [helper.make_node("Add", ["x", "c"], ["y"], name="n")],
+            {"x": [1, 4]},
+            {"y": [1, 4]},
+            [numpy_helper.from_array(np.full(4, c, np.float32), "c")],
+        )
+
+    return model("a.onnx", 0.5), model("b.onnx", 0.5 + offset)
+
+
+@pytest.mark.parametrize(
+    "offset, over", [pytest.param(0.004, False, id="4e-3-under"), pytest.param(0.02, True, id="2e-2-over")]
+)
+def test_default_tolerance_is_1e2(tmp_path, offset, over):
+    a, b = offset_pair(tmp_path, offset)
+    answer = graphscan.trace(a, b)
+    (row,) = answer["ops"]
+    assert row["isolated_max_abs"] == pytest.approx(offset, rel=1e-3)
+    assert answer["first_over"] == ({"node": "n", "max_abs": row["isolated_max_abs"]} if over else None)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_default_input_is_the_seeded_standard_normal(lab, tmp_path, seed):
+    """Without --inputs, x is numpy's default_rng(seed).standard_normal((1, 16)) as float32."""
+    x = np.random.default_rng(seed).standard_normal((1, LAB.dim)).astype(np.float32)
+    np.savez(tmp_path / "x.npz", x=x)
+    seeded = graphscan.trace(lab["fp32"], lab["full"], seed=seed)
+    given = graphscan.trace(lab["fp32"], lab["full"], inputs=str(tmp_path / "x.npz"))
+    assert seeded["ops"] == given["ops"] and seeded["outputs"] == given["outputs"]
+    (expected,), (actual,) = run_onnx(lab["fp32"], {"x": x}), run_onnx(lab["full"], {"x": x})
+    assert seeded["outputs"]["y"] == pytest.approx(float(np.max(np.abs(expected - actual))), rel=1e-6)
