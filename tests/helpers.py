@@ -173,3 +173,42 @@ def run_main(capsys, argv):
         return None, captured.out, captured.err + f"Traceback (escaped main): {type(exc).__name__}: {exc}"
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def process_result(proc):
+    """``(exit code, stdout, stderr)`` of a finished run, the streams decoded as text."""
+    return proc.returncode, proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
+
+
+def command_paths(command, path, original):
+    """The paths of one run on ``path``: ``diff`` compares ``original`` with it."""
+    return [str(original), str(path)] if command == "diff" else [str(path)]
+
+
+def contract_violation(command, paths, code, out, err):
+    """Why one run of a counting command breaks SPEC.md's contract, or None.
+
+    ``out``/``err`` are text. Exit 0: one strict JSON object of SPEC's shape on one
+    stdout line, stderr empty. Exit 3 or 4: stdout empty, one ``graphscan: `` line
+    on stderr naming the last path (the damaged one). Nothing else, no traceback.
+    """
+    shown = f"exit {code}, stdout {out[:300]!r}, stderr {err[:500]!r}"
+    if "Traceback" in out or "Traceback" in err:
+        return f"traceback: {shown}"
+    if code == 0:
+        if err or not out.endswith("\n") or out.count("\n") != 1:
+            return f"exit 0 but not one stdout line and empty stderr: {shown}"
+        try:
+            assert_spec_shape(command, strict_loads(out))
+        except (ValueError, AssertionError, AttributeError, TypeError) as exc:
+            return f"exit 0 with an answer that is not SPEC's ({exc}): {shown}"
+        return None
+    if code in (3, 4):  # no file / not an ONNX model
+        if out:
+            return f"error exit with stdout: {shown}"
+        if not err.endswith("\n") or err.count("\n") != 1 or not err.startswith("graphscan: "):
+            return f"error exit without exactly one 'graphscan: ' stderr line: {shown}"
+        if paths[-1] not in err:
+            return f"error line does not name {paths[-1]}: {shown}"
+        return None
+    return f"exit code outside the contract: {shown}"
