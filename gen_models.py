@@ -358,7 +358,7 @@ def staging_folder(out):
         out.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=".building-", dir=out))
     except OSError as exc:
-        raise LabError(f"{out}: cannot write there ({exc.strerror or exc})")
+        raise LabError(f"{out}: cannot write there ({exc.strerror or exc})") from None
 
 
 def summary_lines(out, result):

@@ -164,7 +164,7 @@ def section_islands(answers, paths):
     for variant in STATIC_VARIANTS:
         a = answers[variant]
         lines += ["", f"{variant}.onnx 의 섬 {a['islands']['island_count']} 개:"]
-        pairs = zip(a["islands"]["islands"], a["boundary"]["per_island"])
+        pairs = zip(a["islands"]["islands"], a["boundary"]["per_island"], strict=True)
         lines += [island_line(entry, per) for entry, per in pairs] or ["- 없음"]
     lines += [
         "",

@@ -35,7 +35,7 @@ from pathlib import Path
 
 # bench/ is a folder of scripts, loaded by path from the tests too: find measure.py beside us.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import measured  # noqa: E402  (bench/measure.py: the one peak-memory wrapper)
+from measure import measured
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GRAPHSCAN = REPO_ROOT / "graphscan.py"
@@ -226,10 +226,14 @@ def format_table(report: dict) -> str:
     """The human-readable summary: the model, one row per side, the ratio."""
     short = "" if report["compute"] >= MIN_COMPUTE else f"  (below the required {MIN_COMPUTE})"
     lines = [
-        f"CNN: {report['blocks']} blocks, {report['compute']} compute nodes fp32{short}; "
-        f"quantized: {report['nodes_quant']} nodes, {report['compute_quant']} compute",
-        f"median of {report['runs']} runs after 1 warm-up; graphscan.py "
-        f"{report['graphscan_sha256']}, onnxruntime {report['onnxruntime']}",
+        (
+            f"CNN: {report['blocks']} blocks, {report['compute']} compute nodes fp32{short}; "
+            f"quantized: {report['nodes_quant']} nodes, {report['compute_quant']} compute"
+        ),
+        (
+            f"median of {report['runs']} runs after 1 warm-up; graphscan.py "
+            f"{report['graphscan_sha256']}, onnxruntime {report['onnxruntime']}"
+        ),
         f"{'side':<10}{'seconds':>9}{'peak RSS MB':>13}{'entries':>9}",
     ]
     for name in SIDES:

@@ -73,7 +73,9 @@ def control_flow_model(quantized):
     def qdq(tensor):
         return [
             helper.make_node("QuantizeLinear", [tensor, "s", "z"], [f"{tensor}_q"], name=f"{tensor}_quantize"),
-            helper.make_node("DequantizeLinear", [f"{tensor}_q", "s", "z"], [f"{tensor}_dq"], name=f"{tensor}_dequantize"),
+            helper.make_node(
+                "DequantizeLinear", [f"{tensor}_q", "s", "z"], [f"{tensor}_dq"], name=f"{tensor}_dequantize"
+            ),
         ], f"{tensor}_dq"
 
     nodes, relu_input = [], "x"

@@ -183,9 +183,9 @@ def mutate(data, kind, rng):
         positions = [int(p) for p in rng.integers(0, len(data), size=count)]
         masks = [int(m) for m in rng.integers(1, 256, size=count)]
         damaged = bytearray(data)
-        for position, mask in zip(positions, masks):
+        for position, mask in zip(positions, masks, strict=True):
             damaged[position] ^= mask
-        return bytes(damaged), f"xor (offset, mask) {list(zip(positions, masks))}"
+        return bytes(damaged), f"xor (offset, mask) {list(zip(positions, masks, strict=True))}"
     start = int(rng.integers(0, len(data)))
     length = int(rng.integers(1, 65))
     damaged = bytearray(data)

@@ -9,6 +9,7 @@ import gen_models
 import graphscan
 from conftest import run_onnx
 from tests.helpers import json_answer, run_graphscan
+
 RNG = np.random.default_rng(7)
 
 
@@ -170,7 +171,7 @@ SKIP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("reason, nodes, inputs, initializers, outputs", SKIP_CASES)
+@pytest.mark.parametrize(("reason", "nodes", "inputs", "initializers", "outputs"), SKIP_CASES)
 def test_illegal_pattern_is_skipped_with_its_reason(
     tmp_path, reason, nodes, inputs, initializers, outputs
 ):
@@ -182,7 +183,7 @@ def test_illegal_pattern_is_skipped_with_its_reason(
 
 
 @pytest.mark.parametrize(
-    "c_shape, a_shape",
+    ("c_shape", "a_shape"),
     [
         pytest.param([4], ["N", 3], id="c-vector-symbolic-batch"),
         pytest.param([1, 4], [2, 3], id="c-row"),
@@ -255,7 +256,7 @@ def test_fuse_by_subprocess(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "argv, code",
+    ("argv", "code"),
     [
         pytest.param(["fuse", "missing.onnx", "out.onnx"], graphscan.EXIT_NO_FILE, id="missing-input"),
         pytest.param(["fuse", "fp32.onnx", "no/such/dir/out.onnx"], graphscan.EXIT_NO_FILE, id="output-folder-missing"),

@@ -157,7 +157,7 @@ REPORT_SECTIONS = [
 def report_sections(text):
     """``{heading: body}`` of the report's ## sections, in order."""
     parts = re.split(r"^(## .*)$", text, flags=re.M)
-    return dict(zip(parts[1::2], parts[2::2]))
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
 def assert_four_sections(text):
@@ -218,7 +218,7 @@ def test_report_mermaid_tells_int8_from_float(lab):
 
 
 @pytest.mark.parametrize(
-    "argv, message",
+    ("argv", "message"),
     [
         pytest.param(["--layers", "2"], "--layers must be at least 3", id="too-few-layers"),
         pytest.param(["--exclude", "fc9_matmul"], "is not a node", id="unknown-exclude"),

@@ -77,7 +77,7 @@ TOLERANCE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("offset, weight_scale, code", TOLERANCE_CASES)
+@pytest.mark.parametrize(("offset", "weight_scale", "code"), TOLERANCE_CASES)
 def test_verification_tolerance_is_1e5_relative(tmp_path, capsys, bias_offset, offset, weight_scale, code):
     source = one_layer(tmp_path / "m.onnx", weight_scale)
     target = tmp_path / "out.onnx"
@@ -126,8 +126,11 @@ def test_external_data_is_read_beside_the_model_from_another_folder(tmp_path):
     sub = tmp_path / "sub"
     sub.mkdir()
     onnx.save(
-        gen_models.build_mlp(3, 8, seed=2), sub / "fp32.onnx",
-        save_as_external_data=True, location="weights.bin", size_threshold=0,
+        gen_models.build_mlp(3, 8, seed=2),
+        sub / "fp32.onnx",
+        save_as_external_data=True,
+        location="weights.bin",
+        size_threshold=0,
     )
     answer = json_answer(run_graphscan(["fuse", "sub/fp32.onnx", "gemm.onnx"], cwd=tmp_path))
     assert len(answer["fused"]) == 3

@@ -80,9 +80,7 @@ def model_bytes(model, graph_extra=b"", tensor_extra=b"", model_extra=b""):
     graph.CopyFrom(model.graph)
     initializers = [t.SerializeToString() for t in graph.initializer]
     del graph.initializer[:]
-    graph_data = graph.SerializeToString() + b"".join(
-        length_delimited(5, t + tensor_extra) for t in initializers
-    )
+    graph_data = graph.SerializeToString() + b"".join(length_delimited(5, t + tensor_extra) for t in initializers)
     head = onnx.ModelProto()
     head.CopyFrom(model)
     head.ClearField("graph")
@@ -175,7 +173,7 @@ def test_name_length_running_past_its_initializer_is_refused(tmp_path, capsys):
     assert tensor.endswith(name)
     bad_tensor = tensor[: -len(name)] + key(8, 2) + varint(21) + b"s"
     start = data.index(length_delimited(5, tensor))
-    data = data[:start] + length_delimited(5, bad_tensor) + data[start + len(length_delimited(5, tensor)):]
+    data = data[:start] + length_delimited(5, bad_tensor) + data[start + len(length_delimited(5, tensor)) :]
     path = tmp_path / "m.onnx"
     path.write_bytes(data)
     for threshold in [0, 1 << 40]:  # skimmed, then parsed whole
@@ -196,7 +194,7 @@ PAYLOADS = [
 ]
 
 
-@pytest.mark.parametrize("field, data_type, values", PAYLOADS)
+@pytest.mark.parametrize(("field", "data_type", "values"), PAYLOADS)
 def test_skim_drops_every_payload_field_and_keeps_the_header(field, data_type, values):
     tensor = TensorProto(name="w", data_type=data_type, dims=[2], doc_string="kept")
     if field == "raw_data":
@@ -240,7 +238,7 @@ def test_skim_threshold_is_the_first_size_that_skims(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "message, line",
+    ("message", "line"),
     [
         pytest.param("first line\nsecond line", "first line", id="two-lines"),
         pytest.param("\n  only after a blank line\nmore", "only after a blank line", id="leading-blank"),

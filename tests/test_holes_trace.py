@@ -29,9 +29,7 @@ def lab(build_case):
 @pytest.fixture(scope="module")
 def traced(lab):
     """trace(fp32, variant) with the default seeded input, per static variant."""
-    return {
-        variant: graphscan.trace(lab["fp32"], lab[variant]) for variant in ["full", "matmul_only"]
-    }
+    return {variant: graphscan.trace(lab["fp32"], lab[variant]) for variant in ["full", "matmul_only"]}
 
 
 def save(path, nodes, inputs, outputs, initializers=()):
@@ -170,6 +168,7 @@ def test_ort_qdq_suffix_maps_back_to_the_float_tensor(tmp_path, suffix):
 
 def test_split_with_renamed_outputs_matches_output_by_position(tmp_path):
     """Split "sp" keeps its name but its outputs are renamed: output k is the float output k."""
+
     def model(path, first, second):
         return save(
             path,
@@ -233,7 +232,7 @@ UNMATCHED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("quant_nodes, reason_word", UNMATCHED_CASES)
+@pytest.mark.parametrize(("quant_nodes", "reason_word"), UNMATCHED_CASES)
 def test_unmatched_reason_says_why(tmp_path, quant_nodes, reason_word):
     a = save(
         tmp_path / "a.onnx",
@@ -324,8 +323,11 @@ def test_trace_reads_external_data_beside_the_model_from_any_folder(tmp_path):
     sub = tmp_path / "sub"
     sub.mkdir()
     onnx.save(
-        gen_models.build_mlp(3, 8, seed=0), sub / "m.onnx",
-        save_as_external_data=True, location="weights.bin", size_threshold=0,
+        gen_models.build_mlp(3, 8, seed=0),
+        sub / "m.onnx",
+        save_as_external_data=True,
+        location="weights.bin",
+        size_threshold=0,
     )
     assert (sub / "weights.bin").stat().st_size > 0
     answer = json_answer(run_graphscan(["trace", "sub/m.onnx", "sub/m.onnx"], cwd=tmp_path))
@@ -338,6 +340,7 @@ def test_trace_reads_external_data_beside_the_model_from_any_folder(tmp_path):
 
 def offset_pair(tmp_path, offset):
     """x + c in both models, c larger by ``offset`` in the second: row "n" is off by it."""
+
     def model(name, c):
         return save(
             tmp_path / name,
@@ -351,7 +354,7 @@ def offset_pair(tmp_path, offset):
 
 
 @pytest.mark.parametrize(
-    "offset, over", [pytest.param(0.004, False, id="4e-3-under"), pytest.param(0.02, True, id="2e-2-over")]
+    ("offset", "over"), [pytest.param(0.004, False, id="4e-3-under"), pytest.param(0.02, True, id="2e-2-over")]
 )
 def test_default_tolerance_is_1e2(tmp_path, offset, over):
     a, b = offset_pair(tmp_path, offset)

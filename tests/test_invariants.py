@@ -58,12 +58,12 @@ def test_full_wraps_every_compute_node(variants):
 def test_diff_with_itself_is_zero(variants, variant):
     path = str(variants[variant])
     assert graphscan.diff(path, path) == {
-        "a": path, "b": path, "op_delta": {}, **{key: 0 for key in DELTA_KEYS}
+        "a": path, "b": path, "op_delta": {}, **dict.fromkeys(DELTA_KEYS, 0)
     }
 
 
 @pytest.mark.parametrize(
-    "a, b",
+    ("a", "b"),
     [
         pytest.param("full", "matmul_only", id="full-vs-matmul_only"),
         pytest.param("full", "excluded", id="full-vs-excluded"),
@@ -79,7 +79,7 @@ def test_diff_is_antisymmetric(variants, a, b):
 
 
 @pytest.mark.parametrize(
-    "a, b",
+    ("a", "b"),
     [
         pytest.param("full", "matmul_only", id="full-vs-matmul_only"),
         pytest.param("fp32", "excluded", id="fp32-vs-excluded"),

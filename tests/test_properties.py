@@ -344,7 +344,7 @@ def save_graphs(tmp_path_factory):
         folder.mkdir()
         previous.append(folder)
         saved = []
-        for name, graph in zip("ab", graphs):
+        for name, graph in zip("ab", graphs, strict=False):  # one or two graphs
             path = folder / f"{name}.onnx"
             path.write_bytes(to_model(graph).SerializeToString())
             saved.append((str(path), onnx.load(path, load_external_data=False)))
@@ -414,7 +414,7 @@ def test_diff_matches_the_reference_and_is_antisymmetric(save_graphs, a, b):
     }
     assert graphscan.diff(path_b, path_a) == negated(forward)
     same = graphscan.diff(path_a, path_a)
-    assert same == {"a": path_a, "b": path_a, "op_delta": {}, **{key: 0 for key in DELTA_KEYS}}
+    assert same == {"a": path_a, "b": path_a, "op_delta": {}, **dict.fromkeys(DELTA_KEYS, 0)}
 
 
 # capsys is function-scoped, but run_main reads it empty before and after each run,

@@ -14,6 +14,7 @@ import gen_models
 import graphscan
 from conftest import Case, run_onnx
 from tests.helpers import json_answer, run_graphscan
+
 LAB = Case(4, ("N",), "fc2_matmul", dim=16)
 FAULTY = "fc2_matmul"
 ROW_KEYS = [
@@ -51,7 +52,7 @@ def lab(build_case):
 def faulty(lab, tmp_path_factory):
     """full.onnx with one hidden layer's weight scale multiplied by 1.5."""
     model = onnx.load(lab["full"])
-    matmul = [n for n in model.graph.node if n.name == FAULTY][0]
+    (matmul,) = [n for n in model.graph.node if n.name == FAULTY]
     scale_name = producer(model, matmul.input[1]).input[1]
     (scale,) = [i for i in model.graph.initializer if i.name == scale_name]
     scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale) * 1.5, scale_name))
@@ -116,7 +117,7 @@ def test_errors_before_the_fault_are_unchanged_by_it(faulty_trace, lab, inputs_n
     before = names.index(FAULTY)
     assert answer["ops"][:before] == clean["ops"][:before]
     # Isolation: ops after the fault get perfect inputs, so their isolated error stays.
-    for row, clean_row in zip(answer["ops"][before + 1:], clean["ops"][before + 1:]):
+    for row, clean_row in zip(answer["ops"][before + 1:], clean["ops"][before + 1:], strict=True):
         assert row["isolated_max_abs"] == pytest.approx(clean_row["isolated_max_abs"], rel=1e-6)
         assert row["propagated_max_abs"] >= clean_row["propagated_max_abs"] * 0.5
 
@@ -140,7 +141,7 @@ def test_faulty_isolated_error_matches_numpy(faulty_trace, lab, faulty, x):
     h1 = np.maximum(x @ fp32["fc1_weight"] + fp32["fc1_bias"], 0).astype(np.float32)
     reference = (h1 @ fp32["fc2_weight"]).astype(np.float32)
 
-    matmul = [n for n in quant_model.graph.node if n.name == FAULTY][0]
+    (matmul,) = [n for n in quant_model.graph.node if n.name == FAULTY]
     a_dq, w_dq = producer(quant_model, matmul.input[0]), producer(quant_model, matmul.input[1])
     a_scale, a_zp = quant[a_dq.input[1]], quant[a_dq.input[2]]
     a = dequantize(quantize(h1, a_scale, a_zp), a_scale, a_zp)
@@ -202,7 +203,7 @@ def test_absorbed_relu_compares_the_add_with_post_relu(lab, x, inputs_npz):
     answer = graphscan.trace(str(lab["fp32"]), str(lab["full"]), inputs=str(inputs_npz))
     fp32 = onnx.load(lab["fp32"])
     for layer in range(1, LAB.layers + 1):
-        matmul, add, relu = gen_models.layer_names(layer)
+        _, add, relu = gen_models.layer_names(layer)
         row = row_of(answer, add)
         assert producer(fp32, row["reference"]).name == relu
         assert {"node": relu, "op_type": "Relu"}.items() <= next(
