@@ -17,7 +17,6 @@ import graphscan
 from bench.measure import measured
 from tests.helpers import GRAPHSCAN, ROOT, SINGLE_MODEL_COMMANDS, strict_loads
 
-STRUCTURAL = SINGLE_MODEL_COMMANDS
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -80,7 +79,7 @@ def peak_rss(argv, folder):
     return result["exit"], out.read_text(), result["peak_rss"]
 
 
-@pytest.mark.parametrize("command", STRUCTURAL)
+@pytest.mark.parametrize("command", SINGLE_MODEL_COMMANDS)
 def test_missing_external_data_file_is_never_needed(tmp_path, command):
     path = with_external_weights(tmp_path / "m.onnx", "weights.bin", 256)
     answer = getattr(graphscan, command)(str(path))
@@ -104,7 +103,7 @@ def opened_files(argv):
     return done.returncode, json.loads(done.stderr.splitlines()[-1])
 
 
-@pytest.mark.parametrize("command", STRUCTURAL)
+@pytest.mark.parametrize("command", SINGLE_MODEL_COMMANDS)
 def test_location_outside_the_folder_is_never_opened(tmp_path, command):
     (tmp_path / "weights.bin").write_bytes(bytes(256))
     evil = with_external_weights(tmp_path / "evil.onnx", "../../etc/shadow", 1024)
@@ -139,9 +138,9 @@ def test_skimmed_and_full_parse_agree(tmp_path, monkeypatch, build_case):
 
     variants = build_case(CASES[1])
     for variant, path in variants.items():
-        full = [getattr(graphscan, c)(str(path)) for c in STRUCTURAL]
+        full = [getattr(graphscan, c)(str(path)) for c in SINGLE_MODEL_COMMANDS]
         monkeypatch.setattr(graphscan, "SKIM_THRESHOLD", 0)
-        skimmed = [getattr(graphscan, c)(str(path)) for c in STRUCTURAL]
+        skimmed = [getattr(graphscan, c)(str(path)) for c in SINGLE_MODEL_COMMANDS]
         monkeypatch.undo()
         assert skimmed == full, variant
 
@@ -171,7 +170,7 @@ def test_two_gib_embedded_model(tmp_path):
     path = write_big_model(tmp_path / "big.onnx", 480 * MiB, 4)  # 1.88 GiB, under protobuf's 2 GiB
     size = path.stat().st_size
     rows = []
-    for command in STRUCTURAL:
+    for command in SINGLE_MODEL_COMMANDS:
         code, stdout, peak = peak_rss([sys.executable, GRAPHSCAN, command, str(path)], tmp_path)
         assert code == 0, stdout
         strict_loads(stdout)
@@ -189,7 +188,7 @@ def test_several_gib_external_model(tmp_path):
     with open(weights, "wb") as f:
         f.truncate(6 * GiB)  # sparse: structural commands must never read it
     path = with_external_weights(tmp_path / "m.onnx", "weights.bin", 6 * GiB)
-    for command in STRUCTURAL:
+    for command in SINGLE_MODEL_COMMANDS:
         code, stdout, peak = peak_rss([sys.executable, GRAPHSCAN, command, str(path)], tmp_path)
         assert code == 0
         strict_loads(stdout)
