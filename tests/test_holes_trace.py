@@ -374,3 +374,48 @@ def test_default_input_is_the_seeded_standard_normal(lab, tmp_path, seed):
     assert seeded["ops"] == given["ops"] and seeded["outputs"] == given["outputs"]
     (expected,), (actual,) = run_onnx(lab["fp32"], {"x": x}), run_onnx(lab["full"], {"x": x})
     assert seeded["outputs"]["y"] == pytest.approx(float(np.max(np.abs(expected - actual))), rel=1e-6)
+
+
+# --------------------------------------------------------------------------
+# What cannot be measured is null, not a guess
+
+
+def test_per_channel_output_scale_gives_no_lsb(tmp_path):
+    """The output Q has one scale per channel: there is no single LSB to count in."""
+    a = save(tmp_path / "a.onnx", [helper.make_node("Relu", ["x"], ["y"], name="r")], {"x": [1, 2]}, {"y": [1, 2]})
+    qparams = [
+        numpy_helper.from_array(np.array([0.1, 0.2], np.float32), "s"),
+        numpy_helper.from_array(np.array([0, 0], np.int8), "z"),
+    ]
+    b = save(
+        tmp_path / "b.onnx",
+        [
+            helper.make_node("Relu", ["x"], ["t"], name="r"),
+            helper.make_node("QuantizeLinear", ["t", "s", "z"], ["t_q"], name="q", axis=1),
+            helper.make_node("DequantizeLinear", ["t_q", "s", "z"], ["y"], name="dq", axis=1),
+        ],
+        {"x": [1, 2]},
+        {"y": [1, 2]},
+        qparams,
+    )
+    np.savez(tmp_path / "x.npz", x=np.array([[0.33, 0.77]], np.float32))  # not on either grid
+    (row,) = graphscan.trace(a, b, inputs=str(tmp_path / "x.npz"))["ops"]
+    assert row["isolated_max_abs"] > 0
+    assert row["isolated_lsb"] is None
+
+
+def test_outputs_of_different_shapes_are_not_compared(tmp_path):
+    """Same node, same output name, [1, 1] in one model and a scalar in the other: null."""
+
+    def model(name, keepdims, shape):
+        return save(
+            tmp_path / name,
+            [helper.make_node("ReduceSum", ["x"], ["y"], name="s", keepdims=keepdims)],
+            {"x": [2, 2]},
+            {"y": shape},
+        )
+
+    answer = graphscan.trace(model("a.onnx", 1, [1, 1]), model("b.onnx", 0, []))
+    (row,) = answer["ops"]
+    assert (row["isolated_max_abs"], row["propagated_max_abs"], row["sqnr_db"]) == (None, None, None)
+    assert answer["outputs"] == {"y": None}
