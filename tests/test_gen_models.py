@@ -40,7 +40,7 @@ def fresh_ops(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=["committed", 3, 4, 6], ids=lambda n: f"{n}-layers" if n != "committed" else n)
-def lab(request, tmp_path_factory):
+def generated_lab(request, tmp_path_factory):
     """The committed ops/, and whole labs built for other layer counts, as graders will."""
     if request.param == "committed":
         return gen_models.DEFAULT_LAYERS, OPS
@@ -127,8 +127,8 @@ def test_committed_gemm_passes_checker_and_matches_fp32():
     assert read_json(OPS, "fuse.json")["max_abs_error"] <= 1e-5
 
 
-def test_lab_fusion_removes_one_round_trip_per_layer(lab):
-    layers, out = lab
+def test_lab_fusion_removes_one_round_trip_per_layer(generated_lab):
+    layers, out = generated_lab
     fuse = read_json(out, "fuse.json")
     assert fuse["removed_round_trips"] == layers
     assert fuse["after"]["op_types"]["Gemm"] == layers
@@ -137,8 +137,8 @@ def test_lab_fusion_removes_one_round_trip_per_layer(lab):
     assert gemm_full["float"] == 0 and gemm_full["island_count"] == 0
 
 
-def test_lab_scope_narrowing_on_any_layer_count(lab):
-    layers, out = lab
+def test_lab_scope_narrowing_on_any_layer_count(generated_lab):
+    layers, out = generated_lab
     scope = read_json(out, "scope.json")
     assert scope["excluded_node"] == f"fc{(layers + 1) // 2}_matmul"
     assert scope["models"]["matmul_only"]["island_count"] == layers
@@ -169,12 +169,12 @@ def test_committed_report_has_exactly_the_four_sections():
     assert_four_sections((OPS / "ops_report.md").read_text(encoding="utf-8"))
 
 
-def test_report_has_exactly_the_four_sections(lab):
-    assert_four_sections((lab[1] / "ops_report.md").read_text(encoding="utf-8"))
+def test_report_has_exactly_the_four_sections(generated_lab):
+    assert_four_sections((generated_lab[1] / "ops_report.md").read_text(encoding="utf-8"))
 
 
-def test_report_quotes_the_json_numbers(lab):
-    layers, out = lab
+def test_report_quotes_the_json_numbers(generated_lab):
+    layers, out = generated_lab
     scope, fuse = read_json(out, "scope.json"), read_json(out, "fuse.json")
     sections = report_sections((out / "ops_report.md").read_text(encoding="utf-8"))
     scope_text = sections[REPORT_SECTIONS[2]]
@@ -192,8 +192,8 @@ def test_report_quotes_the_json_numbers(lab):
     assert "시간은 재지 않았다" in fuse_text
 
 
-def test_report_islands_match_the_reference(lab):
-    _, out = lab
+def test_report_islands_match_the_reference(generated_lab):
+    _, out = generated_lab
     islands_text = report_sections((out / "ops_report.md").read_text(encoding="utf-8"))[REPORT_SECTIONS[1]]
     for variant in ["matmul_only", "excluded"]:
         answer = reference_of(out / f"{variant}.onnx")["boundary"]
@@ -204,8 +204,8 @@ def test_report_islands_match_the_reference(lab):
             assert f"들어오는 DQ {entry['in_dequantize']}, 나가는 Q {entry['out_quantize']}" in islands_text
 
 
-def test_report_mermaid_tells_int8_from_float(lab):
-    layers, out = lab
+def test_report_mermaid_tells_int8_from_float(generated_lab):
+    layers, out = generated_lab
     text = (out / "ops_report.md").read_text(encoding="utf-8")
     (block,) = re.findall(r"```mermaid\n(.*?)```", text, flags=re.S)
     islands = reference_of(out / "matmul_only.onnx")["islands"]

@@ -21,15 +21,15 @@ OPSET = [helper.make_opsetid("", 17)]
 
 
 @pytest.fixture(scope="module")
-def lab(build_case):
+def trace_lab(build_case):
     """The four-layer lab's variants as path strings."""
     return {variant: str(path) for variant, path in build_case(LAB).items()}
 
 
 @pytest.fixture(scope="module")
-def traced(lab):
+def traced(trace_lab):
     """trace(fp32, variant) with the default seeded input, per static variant."""
-    return {variant: graphscan.trace(lab["fp32"], lab[variant]) for variant in ["full", "matmul_only"]}
+    return {variant: graphscan.trace(trace_lab["fp32"], trace_lab[variant]) for variant in ["full", "matmul_only"]}
 
 
 def save(path, nodes, inputs, outputs, initializers=()):
@@ -67,8 +67,8 @@ def output_q_scales(path):
 
 
 @pytest.mark.parametrize("variant", ["full", "matmul_only"])
-def test_isolated_lsb_is_isolated_error_over_the_output_scale_on_every_row(lab, traced, variant):
-    answer, scales = traced[variant], output_q_scales(lab[variant])
+def test_isolated_lsb_is_isolated_error_over_the_output_scale_on_every_row(trace_lab, traced, variant):
+    answer, scales = traced[variant], output_q_scales(trace_lab[variant])
     differing = 0
     for row in answer["ops"]:
         if row["node"] in scales:
@@ -86,25 +86,25 @@ def test_isolated_lsb_is_isolated_error_over_the_output_scale_on_every_row(lab, 
 # worst_isolated, first_over and the default input size
 
 
-def test_trace_of_a_model_with_itself_names_the_first_row_worst(lab):
+def test_trace_of_a_model_with_itself_names_the_first_row_worst(trace_lab):
     """Every isolated error is 0.0: a tie, and the first row wins it."""
-    answer = graphscan.trace(lab["full"], lab["full"])
+    answer = graphscan.trace(trace_lab["full"], trace_lab["full"])
     assert answer["worst_isolated"] == {"node": "fc1_matmul", "max_abs": 0.0}
 
 
-def test_zero_tolerance_on_identical_models_is_null(lab):
+def test_zero_tolerance_on_identical_models_is_null(trace_lab):
     """0.0 is not over a tolerance of 0: first_over compares with >, not >=."""
-    assert graphscan.trace(lab["fp32"], lab["fp32"], tolerance=0.0)["first_over"] is None
+    assert graphscan.trace(trace_lab["fp32"], trace_lab["fp32"], tolerance=0.0)["first_over"] is None
 
 
-def test_tolerance_equal_to_an_error_is_not_over_it(lab, traced):
+def test_tolerance_equal_to_an_error_is_not_over_it(trace_lab, traced):
     """fc1_matmul has the largest isolated error of full.onnx (its input and its weight
     are both rounded); at exactly that tolerance no row is over."""
     worst = traced["full"]["worst_isolated"]
     assert worst["node"] == "fc1_matmul"
-    answer = graphscan.trace(lab["fp32"], lab["full"], tolerance=worst["max_abs"])
+    answer = graphscan.trace(trace_lab["fp32"], trace_lab["full"], tolerance=worst["max_abs"])
     assert answer["first_over"] is None
-    below = graphscan.trace(lab["fp32"], lab["full"], tolerance=np.nextafter(worst["max_abs"], 0))
+    below = graphscan.trace(trace_lab["fp32"], trace_lab["full"], tolerance=np.nextafter(worst["max_abs"], 0))
     assert below["first_over"] == worst
 
 
@@ -121,7 +121,7 @@ def test_worst_and_first_over_pick_the_first_of_equal_rows():
     assert graphscan.worst_isolated(rows[:1]) is None
 
 
-def test_default_input_gives_symbolic_dimensions_size_1(lab, traced):
+def test_default_input_gives_symbolic_dimensions_size_1(trace_lab, traced):
     """Without --inputs, the batch dimension N of x [N, 16] is 1."""
     assert traced["full"]["inputs"] == {"x": [1, LAB.dim]}
 
@@ -365,14 +365,14 @@ def test_default_tolerance_is_1e2(tmp_path, offset, over):
 
 
 @pytest.mark.parametrize("seed", [0, 3])
-def test_default_input_is_the_seeded_standard_normal(lab, tmp_path, seed):
+def test_default_input_is_the_seeded_standard_normal(trace_lab, tmp_path, seed):
     """Without --inputs, x is numpy's default_rng(seed).standard_normal((1, 16)) as float32."""
     x = np.random.default_rng(seed).standard_normal((1, LAB.dim)).astype(np.float32)
     np.savez(tmp_path / "x.npz", x=x)
-    seeded = graphscan.trace(lab["fp32"], lab["full"], seed=seed)
-    given = graphscan.trace(lab["fp32"], lab["full"], inputs=str(tmp_path / "x.npz"))
+    seeded = graphscan.trace(trace_lab["fp32"], trace_lab["full"], seed=seed)
+    given = graphscan.trace(trace_lab["fp32"], trace_lab["full"], inputs=str(tmp_path / "x.npz"))
     assert seeded["ops"] == given["ops"] and seeded["outputs"] == given["outputs"]
-    (expected,), (actual,) = run_onnx(lab["fp32"], {"x": x}), run_onnx(lab["full"], {"x": x})
+    (expected,), (actual,) = run_onnx(trace_lab["fp32"], {"x": x}), run_onnx(trace_lab["full"], {"x": x})
     assert seeded["outputs"]["y"] == pytest.approx(float(np.max(np.abs(expected - actual))), rel=1e-6)
 
 
