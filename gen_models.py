@@ -2,7 +2,8 @@
 """Build the lab's models and write every artifact into ``ops/``.
 
 The one model builder of the project: conftest.py builds its test models with
-these same functions.
+these same functions. The Korean report (ops_report.md) is written by
+ops_report.py from the answers measured here.
 """
 
 import contextlib
