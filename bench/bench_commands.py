@@ -322,9 +322,11 @@ def run_benchmark(n_nodes: int, runs: int, workdir: Path) -> dict:
 def format_table(report: dict) -> str:
     """The human-readable summary: one header line and one row per command."""
     lines = [
-        f"model: {report['nodes']} nodes, {report['bytes'] / 1e6:.1f} MB "
-        f"(diff twin: {report['nodes_b']} nodes, {report['bytes_b'] / 1e6:.1f} MB); "
-        f"median of {report['runs']} runs; bound {report['bound']:.1f}x",
+        (
+            f"model: {report['nodes']} nodes, {report['bytes'] / 1e6:.1f} MB "
+            f"(diff twin: {report['nodes_b']} nodes, {report['bytes_b'] / 1e6:.1f} MB); "
+            f"median of {report['runs']} runs; bound {report['bound']:.1f}x"
+        ),
         f"{'command':<18}{'seconds':>9}{'ratio':>8}",
     ]
     for row in report["results"]:

@@ -16,9 +16,9 @@ Each side runs once untimed (page cache warm, output checked), then RUNS times, 
 interleaved so drift hits both; the median wall time counts. trace must take no more than
 the ORT flow (ratio <= BOUND). Exit 0 when it does, 1 when it does not, 3 when a run fails.
 
-Peak memory is ru_maxrss of each child as reported by a small wrapper process that spawns
-it: Linux carries a parent's own high-water mark into a child it spawns directly, and this
-benchmark's parent holds onnxruntime and a quantizer run, larger than either child.
+Peak memory is ru_maxrss of each child as reported by bench/measure.py, a small wrapper
+process that spawns it: Linux carries a parent's own high-water mark into a child it spawns
+directly, and this benchmark's parent holds onnxruntime and a quantizer run.
 """
 
 # Only the standard library at module level: the ORT flow runs as this file, and its
@@ -28,13 +28,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+# bench/ is a folder of scripts, loaded by path from the tests too: find measure.py beside us.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure import measured
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GRAPHSCAN = REPO_ROOT / "graphscan.py"
@@ -47,8 +48,6 @@ BOUND = 1.0  # trace seconds / ORT flow seconds
 SEED = 0
 INPUT_SHAPE = (1, 3, 16, 16)
 SIDES = ["trace", "ort_flow"]
-# ru_maxrss is KiB on Linux and bytes on macOS.
-RSS_UNIT = 1 if sys.platform == "darwin" else 1024
 
 
 class BenchError(Exception):
@@ -61,8 +60,6 @@ class BenchError(Exception):
 
 def build_pair(blocks: int, workdir: Path) -> dict:
     """fp32.onnx, its static QDQ quant.onnx and x.npz in workdir, with their sizes."""
-    import logging
-
     import numpy as np
     import onnx
     import onnxruntime
@@ -79,12 +76,8 @@ def build_pair(blocks: int, workdir: Path) -> dict:
     model = gen_models.build_cnn(blocks, channels=8, size=INPUT_SHAPE[-1], seed=SEED)
     onnx.save(model, paths["float"])
     # The quantizer logs a "consider pre-processing" advice on every call; not our news.
-    root, level = logging.getLogger(), logging.getLogger().level
-    root.setLevel(logging.ERROR)
-    try:
+    with gen_models.quiet_quantizer():
         gen_models.quantize_qdq(paths["float"], paths["quant"], SEED)
-    finally:
-        root.setLevel(level)
     x = np.random.default_rng(SEED).standard_normal(INPUT_SHAPE).astype(np.float32)
     np.savez(paths["inputs"], x=x)
     return {
@@ -145,30 +138,13 @@ def run_ort_flow(argv: list[str]) -> int:
 # Timing whole processes
 
 
-def run_measured(argv: list[str]) -> int:
-    """``--measure STDOUT STDERR COMMAND...``: run COMMAND, print its seconds, peak RSS, exit.
-
-    This wrapper is a fresh, small process, so RUSAGE_CHILDREN holds COMMAND's own peak and
-    not the benchmark's; its own start-up is outside the time it reports.
-    """
-    stdout_path, stderr_path, *command = argv
-    with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
-        start = time.perf_counter()
-        done = subprocess.run(command, stdout=out, stderr=err)
-        seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * RSS_UNIT
-    print(json.dumps({"seconds": seconds, "peak_rss": peak, "exit": done.returncode}))
-    return 0
-
-
 def measure(name: str, command: list[str], workdir: Path) -> dict:
-    """One run of ``command`` through the wrapper: seconds, peak RSS bytes, stdout path."""
+    """One run of ``command`` through bench/measure.py: seconds, peak RSS bytes, stdout path."""
     stdout_path, stderr_path = workdir / f"{name}.stdout", workdir / f"{name}.stderr"
-    wrapper = [sys.executable, str(THIS_FILE), "--measure", str(stdout_path), str(stderr_path)]
-    done = subprocess.run(wrapper + command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise BenchError(f"{name}: the measuring wrapper failed: {last_line(done.stderr)}")
-    result = json.loads(done.stdout)
+    try:
+        result = measured(command, stdout_path, stderr_path)
+    except RuntimeError as exc:
+        raise BenchError(f"{name}: {exc}") from None
     if result["exit"] != 0:
         raise BenchError(f"{name}: exit {result['exit']}: {last_line(stderr_path.read_text())}")
     return {**result, "stdout": stdout_path}
@@ -250,10 +226,14 @@ def format_table(report: dict) -> str:
     """The human-readable summary: the model, one row per side, the ratio."""
     short = "" if report["compute"] >= MIN_COMPUTE else f"  (below the required {MIN_COMPUTE})"
     lines = [
-        f"CNN: {report['blocks']} blocks, {report['compute']} compute nodes fp32{short}; "
-        f"quantized: {report['nodes_quant']} nodes, {report['compute_quant']} compute",
-        f"median of {report['runs']} runs after 1 warm-up; graphscan.py "
-        f"{report['graphscan_sha256']}, onnxruntime {report['onnxruntime']}",
+        (
+            f"CNN: {report['blocks']} blocks, {report['compute']} compute nodes fp32{short}; "
+            f"quantized: {report['nodes_quant']} nodes, {report['compute_quant']} compute"
+        ),
+        (
+            f"median of {report['runs']} runs after 1 warm-up; graphscan.py "
+            f"{report['graphscan_sha256']}, onnxruntime {report['onnxruntime']}"
+        ),
         f"{'side':<10}{'seconds':>9}{'peak RSS MB':>13}{'entries':>9}",
     ]
     for name in SIDES:
@@ -273,8 +253,6 @@ def main(argv: list[str] | None = None) -> int:
     # Internal modes: the benchmark runs this same file as its children.
     if argv[:1] == ["--ort-flow"]:
         return run_ort_flow(argv[1:])
-    if argv[:1] == ["--measure"]:
-        return run_measured(argv[1:])
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=DEFAULT_BLOCKS, help="build_cnn blocks")

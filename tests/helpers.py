@@ -87,3 +87,159 @@ def chain_model(path, steps, op_type="Relu"):
     )
     save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
     return str(path)
+
+
+# --------------------------------------------------------------------------
+# SPEC.md "Commands": the counting commands and exactly their keys
+
+
+SINGLE_MODEL_COMMANDS = ["nodes", "qdq", "islands", "boundary"]
+COMMANDS = SINGLE_MODEL_COMMANDS + ["diff"]
+SPEC_KEYS = {
+    "nodes": ["model", "nodes", "op_types", "initializers"],
+    "qdq": ["model", "quantize", "dequantize", "round_trips", "weight_dequantize"],
+    "islands": ["model", "compute", "wrapped", "float", "island_count", "islands"],
+    "boundary": ["model", "island_count", "crossings", "per_island"],
+    "diff": [
+        "a", "b", "op_delta", "quantize_delta", "dequantize_delta",
+        "round_trip_delta", "island_delta", "float_delta",
+    ],
+}
+ISLAND_KEYS = ["nodes", "size", "op_types"]
+PER_ISLAND_KEYS = ["nodes", "in_dequantize", "out_quantize"]
+PATH_KEYS = ["model", "a", "b"]
+DELTA_KEYS = SPEC_KEYS["diff"][3:]  # every diff key but the paths and op_delta
+
+
+def assert_counts_are_integers(value, where="answer"):
+    """Every number in a structural answer is an int (never a float or a bool)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            assert isinstance(key, str), f"{where}: key {key!r} is not a str"
+            if key not in PATH_KEYS:
+                assert_counts_are_integers(item, f"{where}[{key!r}]")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            assert_counts_are_integers(item, f"{where}[{i}]")
+    elif not isinstance(value, str):
+        assert type(value) is int, f"{where} = {value!r} is not an int"
+
+
+def assert_spec_shape(command, answer):
+    """SPEC.md's keys at every level, integer counts, and a strict JSON round trip."""
+    assert sorted(answer) == sorted(SPEC_KEYS[command])
+    for entry in answer.get("islands", []):
+        assert sorted(entry) == sorted(ISLAND_KEYS)
+    for entry in answer.get("per_island", []):
+        assert sorted(entry) == sorted(PER_ISLAND_KEYS)
+    assert_counts_are_integers(answer)
+    assert strict_loads(json.dumps(answer)) == answer
+
+
+def laws_broken(answers):
+    """STYLE.md's invariants on the four single-model answers of one model: the
+    names of the laws that do not hold (empty when all hold)."""
+    nodes, qdq, islands, boundary = (answers[c] for c in SINGLE_MODEL_COMMANDS)
+    per_island = boundary["per_island"]
+    firsts = [e["nodes"][0] for e in islands["islands"]]
+    checks = {
+        "nodes == sum(op_types)": nodes["nodes"] == sum(nodes["op_types"].values()),
+        "nodes == compute + Q + DQ": nodes["nodes"]
+        == islands["compute"] + qdq["quantize"] + qdq["dequantize"],
+        "Q and DQ counted in the census": (qdq["quantize"], qdq["dequantize"])
+        == (nodes["op_types"].get("QuantizeLinear", 0), nodes["op_types"].get("DequantizeLinear", 0)),
+        "0 <= round_trips <= quantize": 0 <= qdq["round_trips"] <= qdq["quantize"],
+        "0 <= weight_dequantize <= dequantize": 0 <= qdq["weight_dequantize"] <= qdq["dequantize"],
+        "wrapped + float == compute": islands["wrapped"] + islands["float"] == islands["compute"],
+        "sum(sizes) == float": sum(e["size"] for e in islands["islands"]) == islands["float"],
+        "island_count == len(islands) == boundary island_count": islands["island_count"]
+        == len(islands["islands"])
+        == boundary["island_count"],
+        "size == len(nodes) == len(op_types) > 0": all(
+            e["size"] == len(e["nodes"]) == len(e["op_types"]) > 0 for e in islands["islands"]
+        ),
+        "islands sorted": firsts == sorted(firsts)
+        and all(e["nodes"] == sorted(e["nodes"]) for e in islands["islands"])
+        and all(e["op_types"] == sorted(e["op_types"]) for e in islands["islands"]),
+        "crossings == sum(per_island)": boundary["crossings"]
+        == sum(e["in_dequantize"] + e["out_quantize"] for e in per_island),
+        "boundary lists the islands in order": [e["nodes"] for e in per_island]
+        == [e["nodes"] for e in islands["islands"]],
+    }
+    return [law for law, holds in checks.items() if not holds]
+
+
+def assert_laws(answers):
+    broken = laws_broken(answers)
+    assert not broken, f"laws broken: {broken}"
+
+
+def negated(answer):
+    """A diff answer with a and b swapped and every delta negated: diff(b, a)."""
+    return {
+        "a": answer["b"],
+        "b": answer["a"],
+        "op_delta": {op: -d for op, d in answer["op_delta"].items()},
+        **{key: -answer[key] for key in DELTA_KEYS},
+    }
+
+
+# --------------------------------------------------------------------------
+# In-process runs
+
+
+def run_main(capsys, argv):
+    """``graphscan.main(argv)`` as ``(code, stdout, stderr)``.
+
+    An exception escaping ``main`` would be a traceback on the command line: it
+    comes back as code None with the exception in stderr.
+    """
+    import graphscan
+
+    capsys.readouterr()
+    try:
+        code = graphscan.main([str(a) for a in argv])
+    except BaseException as exc:  # any escape is the finding
+        captured = capsys.readouterr()
+        return None, captured.out, captured.err + f"Traceback (escaped main): {type(exc).__name__}: {exc}"
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def process_result(proc):
+    """``(exit code, stdout, stderr)`` of a finished run, the streams decoded as text."""
+    return proc.returncode, proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
+
+
+def command_paths(command, path, original):
+    """The paths of one run on ``path``: ``diff`` compares ``original`` with it."""
+    return [str(original), str(path)] if command == "diff" else [str(path)]
+
+
+def contract_violation(command, paths, code, out, err):
+    """Why one run of a counting command breaks SPEC.md's contract, or None.
+
+    ``out``/``err`` are text. Exit 0: one strict JSON object of SPEC's shape on one
+    stdout line, stderr empty. Exit 3 or 4: stdout empty, one ``graphscan: `` line
+    on stderr naming the last path (the damaged one). Nothing else, no traceback.
+    """
+    shown = f"exit {code}, stdout {out[:300]!r}, stderr {err[:500]!r}"
+    if "Traceback" in out or "Traceback" in err:
+        return f"traceback: {shown}"
+    if code == 0:
+        if err or not out.endswith("\n") or out.count("\n") != 1:
+            return f"exit 0 but not one stdout line and empty stderr: {shown}"
+        try:
+            assert_spec_shape(command, strict_loads(out))
+        except (ValueError, AssertionError, AttributeError, TypeError) as exc:
+            return f"exit 0 with an answer that is not SPEC's ({exc}): {shown}"
+        return None
+    if code in (3, 4):  # no file / not an ONNX model
+        if out:
+            return f"error exit with stdout: {shown}"
+        if not err.endswith("\n") or err.count("\n") != 1 or not err.startswith("graphscan: "):
+            return f"error exit without exactly one 'graphscan: ' stderr line: {shown}"
+        if paths[-1] not in err:
+            return f"error line does not name {paths[-1]}: {shown}"
+        return None
+    return f"exit code outside the contract: {shown}"

@@ -5,21 +5,18 @@ The multi-GiB cases are marked ``slow`` (deselected by default; run them with
 """
 
 import json
-import resource
 import subprocess
 import sys
-from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto
 
 import gen_models
 import graphscan
+from bench.measure import measured
+from tests.helpers import GRAPHSCAN, ROOT, SINGLE_MODEL_COMMANDS, strict_loads
 
-GRAPHSCAN = str(Path(__file__).resolve().parent.parent / "graphscan.py")
-STRUCTURAL = ["nodes", "qdq", "islands", "boundary"]
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -75,26 +72,14 @@ def with_external_weights(path, location, length):
     return path
 
 
-def peak_rss(argv):
-    """Exit code, stdout and peak RSS (bytes) of ``argv`` run in a fresh wrapper.
-
-    A child spawned straight from this test would inherit the test's own
-    high-water mark, so a small wrapper process spawns it and reads its rusage.
-    """
-    wrapper = (
-        "import resource, subprocess, sys;"
-        "done = subprocess.run(sys.argv[1:], capture_output=True, text=True);"
-        "sys.stderr.write(done.stderr);"
-        "print(done.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss);"
-        "print(done.stdout, end='')"
-    )
-    done = subprocess.run([sys.executable, "-c", wrapper, *argv], capture_output=True, text=True)
-    first, _, stdout = done.stdout.partition("\n")
-    code, kib = first.split()
-    return int(code), stdout, int(kib) * 1024
+def peak_rss(argv, folder):
+    """Exit code, stdout and peak RSS (bytes) of ``argv``, through bench/measure.py."""
+    out, err = folder / "measured.stdout", folder / "measured.stderr"
+    result = measured(argv, out, err)
+    return result["exit"], out.read_text(), result["peak_rss"]
 
 
-@pytest.mark.parametrize("command", STRUCTURAL)
+@pytest.mark.parametrize("command", SINGLE_MODEL_COMMANDS)
 def test_missing_external_data_file_is_never_needed(tmp_path, command):
     path = with_external_weights(tmp_path / "m.onnx", "weights.bin", 256)
     answer = getattr(graphscan, command)(str(path))
@@ -108,7 +93,7 @@ def opened_files(argv):
         "import json, sys\n"
         "opened = []\n"
         "sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == 'open' else None)\n"
-        f"sys.path.insert(0, {str(Path(GRAPHSCAN).parent)!r})\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
         "import graphscan\n"
         "code = graphscan.main(sys.argv[1:])\n"
         "sys.stderr.write(json.dumps(opened))\n"
@@ -118,7 +103,7 @@ def opened_files(argv):
     return done.returncode, json.loads(done.stderr.splitlines()[-1])
 
 
-@pytest.mark.parametrize("command", STRUCTURAL)
+@pytest.mark.parametrize("command", SINGLE_MODEL_COMMANDS)
 def test_location_outside_the_folder_is_never_opened(tmp_path, command):
     (tmp_path / "weights.bin").write_bytes(bytes(256))
     evil = with_external_weights(tmp_path / "evil.onnx", "../../etc/shadow", 1024)
@@ -139,7 +124,7 @@ def test_trace_refuses_a_location_outside_the_folder(tmp_path, capsys):
     assert "points outside the directory" in err and str(path) in err
 
 
-def test_trace_reports_missing_external_data(tmp_path, capsys):
+def test_fuse_reports_missing_external_data(tmp_path, capsys):
     path = with_external_weights(tmp_path / "m.onnx", "weights.bin", 256)
     assert graphscan.main(["fuse", str(path), str(tmp_path / "out.onnx")]) == graphscan.EXIT_NOT_ONNX
     out, err = capsys.readouterr()
@@ -153,9 +138,9 @@ def test_skimmed_and_full_parse_agree(tmp_path, monkeypatch, build_case):
 
     variants = build_case(CASES[1])
     for variant, path in variants.items():
-        full = [getattr(graphscan, c)(str(path)) for c in STRUCTURAL]
+        full = [getattr(graphscan, c)(str(path)) for c in SINGLE_MODEL_COMMANDS]
         monkeypatch.setattr(graphscan, "SKIM_THRESHOLD", 0)
-        skimmed = [getattr(graphscan, c)(str(path)) for c in STRUCTURAL]
+        skimmed = [getattr(graphscan, c)(str(path)) for c in SINGLE_MODEL_COMMANDS]
         monkeypatch.undo()
         assert skimmed == full, variant
 
@@ -175,8 +160,8 @@ def test_small_big_model_counts_its_initializers(tmp_path):
     answer = graphscan.nodes(str(path))
     assert answer["initializers"] == {"FLOAT": 7}
     assert answer["op_types"] == {"Add": 3, "MatMul": 3, "Relu": 3}
-    code, stdout, peak = peak_rss([sys.executable, GRAPHSCAN, "nodes", str(path)])
-    assert code == 0 and json.loads(stdout)["nodes"] == 9
+    code, stdout, peak = peak_rss([sys.executable, GRAPHSCAN, "nodes", str(path)], tmp_path)
+    assert code == 0 and strict_loads(stdout)["nodes"] == 9
     assert peak < 70 * MiB  # the 70 MiB of weights were never all in memory
 
 
@@ -185,12 +170,12 @@ def test_two_gib_embedded_model(tmp_path):
     path = write_big_model(tmp_path / "big.onnx", 480 * MiB, 4)  # 1.88 GiB, under protobuf's 2 GiB
     size = path.stat().st_size
     rows = []
-    for command in STRUCTURAL:
-        code, stdout, peak = peak_rss([sys.executable, GRAPHSCAN, command, str(path)])
+    for command in SINGLE_MODEL_COMMANDS:
+        code, stdout, peak = peak_rss([sys.executable, GRAPHSCAN, command, str(path)], tmp_path)
         assert code == 0, stdout
-        json.loads(stdout)
+        strict_loads(stdout)
         rows.append((command, peak))
-    _, _, floor = peak_rss([sys.executable, "-c", f"import onnx; onnx.load({str(path)!r})"])
+    _, _, floor = peak_rss([sys.executable, "-c", f"import onnx; onnx.load({str(path)!r})"], tmp_path)
     print(f"\nembedded model {size / GiB:.2f} GiB; onnx.load peak {floor / MiB:.0f} MiB")
     for command, peak in rows:
         print(f"  {command:9s} peak RSS {peak / MiB:7.1f} MiB = {peak / size:.3f} x file size")
@@ -203,9 +188,9 @@ def test_several_gib_external_model(tmp_path):
     with open(weights, "wb") as f:
         f.truncate(6 * GiB)  # sparse: structural commands must never read it
     path = with_external_weights(tmp_path / "m.onnx", "weights.bin", 6 * GiB)
-    for command in STRUCTURAL:
-        code, stdout, peak = peak_rss([sys.executable, GRAPHSCAN, command, str(path)])
+    for command in SINGLE_MODEL_COMMANDS:
+        code, stdout, peak = peak_rss([sys.executable, GRAPHSCAN, command, str(path)], tmp_path)
         assert code == 0
-        json.loads(stdout)
+        strict_loads(stdout)
         print(f"\n  external 6 GiB: {command:9s} peak RSS {peak / MiB:7.1f} MiB")
         assert peak < 200 * MiB

@@ -16,20 +16,20 @@ import numpy as np
 import pytest
 
 import graphscan
-from conftest import CANONICAL, run_onnx
+from conftest import DEFAULT_LAB, run_onnx
 from helpers import GRAPHSCAN, describe, error_line, json_answer, run_graphscan, strict_loads
 
 # matmul_only of the canonical 3-layer lab: each layer's Add and Relu stay
 # float (the MatMul alone is wrapped), one island per layer. Each island has
 # one DQ in (the MatMul's output) and one Q out (the next MatMul's input),
 # except the last, which only reaches the graph output: 2 + 2 + 1 crossings.
-MATMUL_ONLY = {"max_float": 2 * CANONICAL.layers, "max_islands": CANONICAL.layers,
-               "max_crossings": 2 * CANONICAL.layers - 1}
+MATMUL_ONLY = {"max_float": 2 * DEFAULT_LAB.layers, "max_islands": DEFAULT_LAB.layers,
+               "max_crossings": 2 * DEFAULT_LAB.layers - 1}
 
 
 @pytest.fixture(scope="module")
 def lab(build_case):
-    return build_case(CANONICAL)
+    return build_case(DEFAULT_LAB)
 
 
 def budget_rows(answer):
@@ -64,7 +64,7 @@ def test_min_sqnr_matches_onnxruntime_run_directly(lab, tmp_path):
     rng = np.random.default_rng(7)
     samples = []
     for k in range(2):
-        x = rng.standard_normal((5, CANONICAL.dim)).astype(np.float32)
+        x = rng.standard_normal((5, DEFAULT_LAB.dim)).astype(np.float32)
         np.savez(tmp_path / f"s{k}.npz", x=x)
         samples.append(x)
     f = np.concatenate([run_onnx(lab["fp32"], {"x": x})[0].ravel() for x in samples]).astype(np.float64)

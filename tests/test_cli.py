@@ -9,8 +9,6 @@ Each subprocess costs ~0.3 s, so the cases are chosen, not multiplied.
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,59 +16,19 @@ import pytest
 
 import conftest
 import graphscan
-from conftest import (
+from tests.helpers import (
     COMMANDS,
-    ISLAND_KEYS,
-    PER_ISLAND_KEYS,
+    GRAPHSCAN,
     SINGLE_MODEL_COMMANDS,
-    SPEC_KEYS,
-    assert_counts_are_integers,
+    assert_spec_shape,
+    describe,
+    error_line,
+    json_answer,
+    negated,
+    run_graphscan,
+    strict_loads,
 )
-
-GRAPHSCAN = str(Path(__file__).resolve().parent.parent / "graphscan.py")
-
-
-# --------------------------------------------------------------------------
-# Helpers
-
-
-def run_graphscan(args, cwd, script=GRAPHSCAN, env=None, python_flags=(), timeout=120):
-    """Run graphscan.py as a separate process; stdout and stderr stay bytes."""
-    return subprocess.run(
-        [sys.executable, *python_flags, script, *map(str, args)],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        timeout=timeout,
-    )
-
-
-def describe(proc):
-    return f"exit {proc.returncode}\nstdout: {proc.stdout!r}\nstderr: {proc.stderr!r}"
-
-
-def json_answer(proc):
-    """Assert a success: exit 0, empty stderr, one JSON object then one newline."""
-    assert proc.returncode == 0, describe(proc)
-    assert proc.stderr == b"", describe(proc)
-    text = proc.stdout.decode("utf-8")
-    answer, end = json.JSONDecoder().raw_decode(text)
-    assert text[end:] == "\n", f"stdout after the JSON object: {text[end:]!r}"
-    assert json.loads(text) == answer
-    assert isinstance(answer, dict), describe(proc)
-    return answer
-
-
-def error_line(proc, exit_code):
-    """Assert a failure: the exit code, empty stdout, one stderr line, no traceback."""
-    assert proc.returncode == exit_code, describe(proc)
-    assert proc.stdout == b"", describe(proc)
-    text = proc.stderr.decode("utf-8")
-    assert "Traceback" not in text, describe(proc)
-    assert text.endswith("\n") and text.count("\n") == 1, describe(proc)
-    line = text.rstrip("\n")
-    assert line.strip(), describe(proc)
-    return line
+from tests.reference import reference_diff, reference_of
 
 
 def in_process(command, paths):
@@ -83,9 +41,9 @@ def in_process(command, paths):
 
 
 @pytest.fixture
-def canonical(build_case):
-    """The canonical case's variants as absolute path strings (one build per session)."""
-    return {variant: str(path) for variant, path in build_case(conftest.CANONICAL).items()}
+def lab_paths(build_case):
+    """The default lab's variants as absolute path strings (one build per session)."""
+    return {variant: str(path) for variant, path in build_case(conftest.DEFAULT_LAB).items()}
 
 
 @pytest.fixture
@@ -97,12 +55,12 @@ def workdir(tmp_path):
 
 
 @pytest.fixture
-def bad_inputs(workdir, canonical):
+def bad_inputs(workdir, lab_paths):
     """Broken and missing inputs inside ``workdir``, named by the relative paths the tests pass.
 
     A good model sits beside them so that ``diff`` can fail on either path.
     """
-    full = Path(canonical["full"]).read_bytes()
+    full = Path(lab_paths["full"]).read_bytes()
     (workdir / "good.onnx").write_bytes(full)
     (workdir / "a_folder").mkdir()
     (workdir / "empty.onnx").write_bytes(b"")
@@ -126,30 +84,29 @@ SUCCESS_CASES = [
 
 
 @pytest.mark.parametrize(("command", "variants"), SUCCESS_CASES)
-def test_success_prints_the_library_answer(canonical, workdir, command, variants):
-    paths = [canonical[v] for v in variants]
+def test_success_prints_the_library_answer(lab_paths, workdir, command, variants):
+    paths = [lab_paths[v] for v in variants]
     answer = json_answer(run_graphscan([command, *paths], workdir))
 
-    assert sorted(answer) == sorted(SPEC_KEYS[command])
+    assert_spec_shape(command, answer)
     assert answer == in_process(command, paths)
-    assert_counts_are_integers(answer)
-    for entry in answer.get("islands", []):
-        assert sorted(entry) == sorted(ISLAND_KEYS)
-    for entry in answer.get("per_island", []):
-        assert sorted(entry) == sorted(PER_ISLAND_KEYS)
+    # ... and that answer is right: the brute-force reference shares no code with it.
+    if command == "diff":
+        expected = reference_diff(*map(reference_of, paths))
+        assert answer == {"a": paths[0], "b": paths[1], **expected}
+    else:
+        assert answer == {"model": paths[0], **reference_of(paths[0])[command]}
 
 
-def test_diff_subprocess_is_antisymmetric(canonical, workdir):
+def test_diff_subprocess_is_antisymmetric(lab_paths, workdir):
     """diff(a, b) == -diff(b, a), through the real process both ways."""
-    full, matmul_only = canonical["full"], canonical["matmul_only"]
+    full, matmul_only = lab_paths["full"], lab_paths["matmul_only"]
     forward = json_answer(run_graphscan(["diff", full, matmul_only], workdir))
     backward = json_answer(run_graphscan(["diff", matmul_only, full], workdir))
 
     assert (forward["a"], forward["b"]) == (full, matmul_only)
     assert (backward["a"], backward["b"]) == (matmul_only, full)
-    assert backward["op_delta"] == {op: -d for op, d in forward["op_delta"].items()}
-    for key in SPEC_KEYS["diff"][3:]:
-        assert backward[key] == -forward[key], key
+    assert backward == negated(forward)
     # The two scopes differ, so a diff of all zeros would be a wrong answer.
     assert forward["op_delta"] and forward["quantize_delta"] != 0
 
@@ -169,12 +126,12 @@ ECHO_CASES = [
 
 
 @pytest.mark.parametrize(("command", "relative"), ECHO_CASES)
-def test_paths_are_echoed_unchanged(canonical, workdir, command, relative):
+def test_paths_are_echoed_unchanged(lab_paths, workdir, command, relative):
     sub = workdir / "sub"
     sub.mkdir()
-    shutil.copyfile(canonical["full"], sub / "m.onnx")
-    shutil.copyfile(canonical["matmul_only"], sub / "other.onnx")
-    absolute = {"m.onnx": canonical["full"], "other.onnx": canonical["matmul_only"]}
+    shutil.copyfile(lab_paths["full"], sub / "m.onnx")
+    shutil.copyfile(lab_paths["matmul_only"], sub / "other.onnx")
+    absolute = {"m.onnx": lab_paths["full"], "other.onnx": lab_paths["matmul_only"]}
 
     answer = json_answer(run_graphscan([command, *relative], workdir))
 
@@ -204,9 +161,9 @@ USAGE_CASES = [
 
 
 @pytest.mark.parametrize(("args", "named"), USAGE_CASES)
-def test_usage_error_exits_2(canonical, workdir, args, named):
+def test_usage_error_exits_2(lab_paths, workdir, args, named):
     # Real model paths, so that only the usage can be what is wrong.
-    args = [a.format(full=canonical["full"]) for a in args]
+    args = [a.format(full=lab_paths["full"]) for a in args]
     line = error_line(run_graphscan(args, workdir), 2)
     for token in named:
         assert token in line
@@ -304,9 +261,9 @@ def test_help_prints_usage_and_exits_0(workdir, prefix):
         pytest.param("diff", ["full", "matmul_only"], id="diff-full-to-matmul_only"),
     ],
 )
-def test_same_command_gives_identical_bytes(canonical, workdir, command, variants):
+def test_same_command_gives_identical_bytes(lab_paths, workdir, command, variants):
     """Two runs under different string-hash seeds: no set or dict order leaks out."""
-    args = [command, *(canonical[v] for v in variants)]
+    args = [command, *(lab_paths[v] for v in variants)]
     first, second = (
         run_graphscan(args, workdir, env={**os.environ, "PYTHONHASHSEED": seed})
         for seed in ["1", "2"]
@@ -321,28 +278,28 @@ def test_same_command_gives_identical_bytes(canonical, workdir, command, variant
 # The rest of "Invocation": self-contained file, no onnxruntime for counting
 
 
-def test_copied_alone_runs_from_another_folder(canonical, tmp_path):
+def test_copied_alone_runs_from_another_folder(lab_paths, tmp_path):
     """graphscan.py copied next to a model folder, with nothing of the repo on the path."""
     tool, models = tmp_path / "tool", tmp_path / "models"
     tool.mkdir()
     models.mkdir()
     shutil.copyfile(GRAPHSCAN, tool / "graphscan.py")
-    shutil.copyfile(canonical["full"], models / "full.onnx")
+    shutil.copyfile(lab_paths["full"], models / "full.onnx")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
     script = str(tool / "graphscan.py")
     proc = run_graphscan(["islands", "full.onnx"], models, script=script, env=env)
 
     answer = json_answer(proc)
-    assert answer == {**graphscan.islands(canonical["full"]), "model": "full.onnx"}
+    assert answer == {**graphscan.islands(lab_paths["full"]), "model": "full.onnx"}
 
 
-def test_counting_commands_do_not_import_onnxruntime(canonical, workdir):
+def test_counting_commands_do_not_import_onnxruntime(lab_paths, workdir):
     """SPEC: onnxruntime is imported only by fuse/trace, so counting starts fast."""
-    proc = run_graphscan(["qdq", canonical["full"]], workdir, python_flags=["-X", "importtime"])
+    proc = run_graphscan(["qdq", lab_paths["full"]], workdir, python_flags=["-X", "importtime"])
 
     assert proc.returncode == 0, describe(proc)
-    assert json.loads(proc.stdout) == graphscan.qdq(canonical["full"])
+    assert strict_loads(proc.stdout) == graphscan.qdq(lab_paths["full"])
     imported = [
         line.rsplit("|", 1)[-1].strip()
         for line in proc.stderr.decode("utf-8").splitlines()
@@ -356,13 +313,13 @@ def test_counting_commands_do_not_import_onnxruntime(canonical, workdir):
 # In-process: main(argv) with capsys
 
 
-def test_main_success_prints_the_library_answer(canonical, capsys):
-    assert graphscan.main(["boundary", canonical["full"]]) == 0
+def test_main_success_prints_the_library_answer(lab_paths, capsys):
+    assert graphscan.main(["boundary", lab_paths["full"]]) == 0
     out, err = capsys.readouterr()
 
     assert err == ""
     assert out.endswith("\n") and out.count("\n") == 1
-    assert json.loads(out) == graphscan.boundary(canonical["full"])
+    assert json.loads(out) == graphscan.boundary(lab_paths["full"])
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import graphscan
+from conftest import run_onnx
 
 FLOAT4 = [1, 4]
 
@@ -72,7 +73,9 @@ def control_flow_model(quantized):
     def qdq(tensor):
         return [
             helper.make_node("QuantizeLinear", [tensor, "s", "z"], [f"{tensor}_q"], name=f"{tensor}_quantize"),
-            helper.make_node("DequantizeLinear", [f"{tensor}_q", "s", "z"], [f"{tensor}_dq"], name=f"{tensor}_dequantize"),
+            helper.make_node(
+                "DequantizeLinear", [f"{tensor}_q", "s", "z"], [f"{tensor}_dq"], name=f"{tensor}_dequantize"
+            ),
         ], f"{tensor}_dq"
 
     nodes, relu_input = [], "x"
@@ -145,7 +148,10 @@ def test_only_the_top_level_is_counted(pair):
 
 
 def test_trace_compares_outputs_and_lists_subgraph_nodes(pair, tmp_path):
-    answer = graphscan.trace(pair["float"], pair["quant"], save=str(tmp_path))
+    feeds = {"x": np.array([[0.3, -1.2, 0.77, 2.01]], np.float32), "cond": np.array(True)}
+    np.savez(tmp_path / "inputs.npz", **feeds)
+    saved = tmp_path / "saved"
+    answer = graphscan.trace(pair["float"], pair["quant"], inputs=str(tmp_path / "inputs.npz"), save=str(saved))
     rows = {row["node"]: row for row in answer["ops"]}
     assert list(rows) == ["relu", "choose", "repeat", "running_sum", "squash"]
     for name in ["choose", "repeat", "running_sum"]:
@@ -156,7 +162,12 @@ def test_trace_compares_outputs_and_lists_subgraph_nodes(pair, tmp_path):
     assert [(u["node"], u["reason"]) for u in answer["unmatched"]] == [
         (name, graphscan.REASON_SUBGRAPH) for name in ["choose", "repeat", "running_sum"]
     ]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
+    assert sorted(p.name for p in saved.iterdir()) == [
         "relu.npz", "relu.onnx", "squash.npz", "squash.onnx",
     ]
-    assert answer["outputs"]["y"] == rows["squash"]["propagated_max_abs"]
+    # The final error, from onnxruntime run directly on both models.
+    (expected,), (actual,) = run_onnx(pair["float"], feeds), run_onnx(pair["quant"], feeds)
+    direct = float(np.max(np.abs(expected.astype(np.float64) - actual)))
+    assert direct > 0  # x is not on the 0.02 grid, so quantization shows
+    assert answer["outputs"]["y"] == pytest.approx(direct, rel=1e-9)
+    assert rows["squash"]["propagated_max_abs"] == pytest.approx(direct, rel=1e-9)

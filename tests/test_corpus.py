@@ -9,29 +9,26 @@ are also run as a process, and a few are quantized with onnxruntime so the
 QDQ laws are checked on graphs other than the lab's MLP.
 """
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
 
+import gen_models
 import graphscan
-from conftest import (
-    ISLAND_KEYS,
-    PER_ISLAND_KEYS,
+from tests.helpers import (
+    DELTA_KEYS,
     SINGLE_MODEL_COMMANDS,
-    SPEC_KEYS,
-    assert_counts_are_integers,
+    assert_laws,
+    assert_spec_shape,
+    json_answer,
+    negated,
+    run_graphscan,
 )
+from tests.reference import reference_of
 
-GRAPHSCAN = str(Path(__file__).resolve().parent.parent / "graphscan.py")
 CORPUS_ROOT = Path(onnx.__file__).parent / "backend" / "test" / "data"
 CORPUS = sorted(CORPUS_ROOT.rglob("*.onnx"))
-
-DELTA_KEYS = SPEC_KEYS["diff"][3:]
 
 # A handful run as a real process: one or two per folder, odd ones included
 # (a 1746-node zoo model, string inputs, sequence ops, a training-domain op).
@@ -54,7 +51,7 @@ QUANTIZE_SAMPLE = [
     "pytorch-operator/test_operator_addmm/model.onnx",
     "pytorch-operator/test_operator_mm/model.onnx",
 ]
-CALIBRATION_BATCHES = 2
+CALIBRATION_BATCHES = 2  # a corpus model is quantized to check laws, not accuracy
 
 
 def corpus_id(path):
@@ -73,18 +70,6 @@ def sample_paths(relatives):
 # Checks shared by the corpus and its quantized copies
 
 
-def assert_spec_shape(command, answer):
-    """SPEC.md's keys at every level, integer counts, and a JSON round trip."""
-    assert sorted(answer) == sorted(SPEC_KEYS[command])
-    for entry in answer.get("islands", []):
-        assert sorted(entry) == sorted(ISLAND_KEYS)
-    for entry in answer.get("per_island", []):
-        assert sorted(entry) == sorted(PER_ISLAND_KEYS)
-    assert_counts_are_integers(answer)
-    text = json.dumps(answer)
-    assert json.loads(text) == answer
-
-
 def answers_of(path):
     """The four single-model answers and ``diff(path, path)``, each SPEC-shaped."""
     path = str(path)
@@ -96,30 +81,8 @@ def answers_of(path):
 
 
 def assert_invariants(answers):
-    """The laws every model obeys, whatever its origin."""
-    nodes, qdq, islands, boundary = (answers[c] for c in SINGLE_MODEL_COMMANDS)
-
-    assert nodes["nodes"] == sum(nodes["op_types"].values())
-    assert nodes["nodes"] == islands["compute"] + qdq["quantize"] + qdq["dequantize"]
-    assert islands["wrapped"] + islands["float"] == islands["compute"]
-    assert islands["island_count"] == len(islands["islands"]) == boundary["island_count"]
-    assert sum(entry["size"] for entry in islands["islands"]) == islands["float"]
-    assert boundary["crossings"] == sum(
-        entry["in_dequantize"] + entry["out_quantize"] for entry in boundary["per_island"]
-    )
-    assert 0 <= qdq["round_trips"] <= qdq["quantize"]
-    assert 0 <= qdq["weight_dequantize"] <= qdq["dequantize"]
-
-    for entry in islands["islands"]:
-        assert entry["nodes"] == sorted(entry["nodes"])
-        assert entry["size"] == len(entry["nodes"]) > 0
-        assert entry["op_types"] == sorted(entry["op_types"])
-        assert len(entry["op_types"]) == entry["size"]
-    firsts = [entry["nodes"][0] for entry in islands["islands"]]
-    assert firsts == sorted(firsts)
-    # boundary lists the same islands in the same order.
-    assert [e["nodes"] for e in boundary["per_island"]] == [e["nodes"] for e in islands["islands"]]
-
+    """The laws every model obeys, whatever its origin, and diff(m, m) all zero."""
+    assert_laws(answers)
     same = answers["diff"]
     assert same["op_delta"] == {}
     assert all(same[key] == 0 for key in DELTA_KEYS)
@@ -158,53 +121,13 @@ def test_corpus_file_answers_and_invariants(path):
 @pytest.mark.parametrize("command", SINGLE_MODEL_COMMANDS)
 @pytest.mark.parametrize("path", corpus_params(sample_paths(SUBPROCESS_SAMPLE)))
 def test_corpus_sample_as_a_process(path, command, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, GRAPHSCAN, command, str(path)],
-        cwd=tmp_path,
-        capture_output=True,
-        timeout=120,
-    )
-    report = f"exit {proc.returncode}\nstdout: {proc.stdout[:500]!r}\nstderr: {proc.stderr!r}"
-    assert proc.returncode == 0, report
-    assert proc.stderr == b"", report
-    text = proc.stdout.decode("utf-8")
-    assert text.endswith("\n") and text.count("\n") == 1, report
-    answer = json.loads(text)
+    answer = json_answer(run_graphscan([command, path], cwd=tmp_path))
     assert_spec_shape(command, answer)
     assert answer == getattr(graphscan, command)(str(path))
 
 
 # --------------------------------------------------------------------------
 # 3. A sample quantized by onnxruntime: the QDQ laws on foreign graphs
-
-
-def input_shape(value_info):
-    """Concrete shape of a graph input: symbolic or unknown dimensions become 1."""
-    dims = value_info.type.tensor_type.shape.dim
-    return [dim.dim_value if dim.HasField("dim_value") and dim.dim_value > 0 else 1 for dim in dims]
-
-
-def calibration_reader(model, seed=0):
-    """A new, seeded CalibrationDataReader of random float inputs (a consumed reader is empty)."""
-    from onnxruntime.quantization import CalibrationDataReader
-
-    initializers = {init.name for init in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in initializers]
-
-    class RandomReader(CalibrationDataReader):
-        def __init__(self):
-            rng = np.random.default_rng(seed)
-            self._batches = iter(
-                [
-                    {i.name: rng.standard_normal(input_shape(i)).astype(np.float32) for i in inputs}
-                    for _ in range(CALIBRATION_BATCHES)
-                ]
-            )
-
-        def get_next(self):
-            return next(self._batches, None)
-
-    return RandomReader()
 
 
 def brief(exc):
@@ -241,7 +164,9 @@ def quantized(tmp_path_factory):
                     quantize_static(
                         str(path),
                         str(target),
-                        calibration_reader(model),
+                        gen_models.calibration_reader(
+                            gen_models.input_shapes(model, batch=1), 0, CALIBRATION_BATCHES
+                        ),
                         quant_format=QuantFormat.QDQ,
                     )
                     built[path] = (target, None)
@@ -260,6 +185,9 @@ def test_quantized_corpus_invariants(path, quantized):
         pytest.skip(reason)
     answers = answers_of(target)
     assert_invariants(answers)
+    expected = reference_of(target)
+    for command in SINGLE_MODEL_COMMANDS:
+        assert answers[command] == {"model": str(target), **expected[command]}, command
     qdq = answers["qdq"]
     # onnxruntime wraps every quantized activation in one Q->DQ pair and stores
     # weights already quantized: the DQs that are not weights are the round trips.
@@ -269,9 +197,7 @@ def test_quantized_corpus_invariants(path, quantized):
     forward = graphscan.diff(str(path), str(target))
     backward = graphscan.diff(str(target), str(path))
     assert_spec_shape("diff", forward)
-    assert backward["op_delta"] == {op: -d for op, d in forward["op_delta"].items()}
-    for key in DELTA_KEYS:
-        assert backward[key] == -forward[key], key
+    assert backward == negated(forward)
     assert forward["quantize_delta"] == qdq["quantize"] - before["qdq"]["quantize"]
     assert forward["dequantize_delta"] == qdq["dequantize"] - before["qdq"]["dequantize"]
     assert forward["float_delta"] == answers["islands"]["float"] - before["islands"]["float"]

@@ -17,7 +17,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import graphscan
-from conftest import CANONICAL, QDQ_VARIANTS, VARIANTS
+from conftest import DEFAULT_LAB, QDQ_VARIANTS, VARIANTS
 from helpers import chain_model, error_line, run_graphscan
 
 WRAPPED, FLOAT = graphscan.COLOURS["wrapped"][0], graphscan.COLOURS["float"][0]
@@ -104,7 +104,7 @@ needs_graphviz = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphvi
 
 @pytest.fixture(scope="module")
 def canonical(build_case):
-    return build_case(CANONICAL)
+    return build_case(DEFAULT_LAB)
 
 
 def test_matmul_only_picture_derived_by_hand(canonical):

@@ -1,10 +1,5 @@
 """graphscan.py fuse: MatMul+Add -> Gemm on any model, with one test per skip reason."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import onnx
 import pytest
@@ -13,8 +8,8 @@ from onnx import TensorProto, helper, numpy_helper
 import gen_models
 import graphscan
 from conftest import run_onnx
+from tests.helpers import json_answer, run_graphscan
 
-GRAPHSCAN = str(Path(__file__).resolve().parent.parent / "graphscan.py")
 RNG = np.random.default_rng(7)
 
 
@@ -176,7 +171,7 @@ SKIP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("reason, nodes, inputs, initializers, outputs", SKIP_CASES)
+@pytest.mark.parametrize(("reason", "nodes", "inputs", "initializers", "outputs"), SKIP_CASES)
 def test_illegal_pattern_is_skipped_with_its_reason(
     tmp_path, reason, nodes, inputs, initializers, outputs
 ):
@@ -188,7 +183,7 @@ def test_illegal_pattern_is_skipped_with_its_reason(
 
 
 @pytest.mark.parametrize(
-    "c_shape, a_shape",
+    ("c_shape", "a_shape"),
     [
         pytest.param([4], ["N", 3], id="c-vector-symbolic-batch"),
         pytest.param([1, 4], [2, 3], id="c-row"),
@@ -254,20 +249,14 @@ def test_wrong_fusion_is_caught_and_nothing_written(tmp_path, monkeypatch, capsy
 def test_fuse_by_subprocess(tmp_path):
     source = tmp_path / "fp32.onnx"
     onnx.save(gen_models.build_mlp(3, 8, seed=0), source)
-    done = subprocess.run(
-        [sys.executable, GRAPHSCAN, "fuse", "fp32.onnx", "gemm.onnx"],
-        cwd=tmp_path, capture_output=True, text=True,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stderr == ""
-    answer = json.loads(done.stdout)
+    answer = json_answer(run_graphscan(["fuse", "fp32.onnx", "gemm.onnx"], cwd=tmp_path))
     assert (answer["model"], answer["output"]) == ("fp32.onnx", "gemm.onnx")
     assert len(answer["fused"]) == 3
     onnx.checker.check_model(onnx.load(tmp_path / "gemm.onnx"), full_check=True)
 
 
 @pytest.mark.parametrize(
-    "argv, code",
+    ("argv", "code"),
     [
         pytest.param(["fuse", "missing.onnx", "out.onnx"], graphscan.EXIT_NO_FILE, id="missing-input"),
         pytest.param(["fuse", "fp32.onnx", "no/such/dir/out.onnx"], graphscan.EXIT_NO_FILE, id="output-folder-missing"),

@@ -2,7 +2,6 @@
 
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -11,9 +10,10 @@ import pytest
 import gen_models
 import graphscan
 from conftest import run_onnx
+from tests.helpers import ROOT, SINGLE_MODEL_COMMANDS
+from tests.reference import reference_diff, reference_of
 
-OPS = Path(__file__).resolve().parent.parent / "ops"
-STRUCTURAL = ["nodes", "qdq", "islands", "boundary"]
+OPS = ROOT / "ops"
 
 
 def read_json(folder, name):
@@ -22,7 +22,9 @@ def read_json(folder, name):
 
 def answers_by_name(folder, model):
     """graphscan's four answers for one model, with the path as the file name."""
-    return {c: {**getattr(graphscan, c)(str(folder / model)), "model": model} for c in STRUCTURAL}
+    return {
+        c: {**getattr(graphscan, c)(str(folder / model)), "model": model} for c in SINGLE_MODEL_COMMANDS
+    }
 
 
 def folder_bytes(folder):
@@ -38,7 +40,7 @@ def fresh_ops(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=["committed", 3, 4, 6], ids=lambda n: f"{n}-layers" if n != "committed" else n)
-def lab(request, tmp_path_factory):
+def generated_lab(request, tmp_path_factory):
     """The committed ops/, and whole labs built for other layer counts, as graders will."""
     if request.param == "committed":
         return gen_models.DEFAULT_LAYERS, OPS
@@ -62,46 +64,55 @@ def test_committed_report_equals_regeneration(fresh_ops):
 
 @pytest.mark.parametrize("model", [f"{m}.onnx" for m in gen_models.MODELS])
 def test_committed_models_count_like_regeneration(fresh_ops, model):
-    assert answers_by_name(fresh_ops, model) == answers_by_name(OPS, model)
+    # Counted by the brute-force reference, which shares no code with graphscan ...
+    committed = reference_of(OPS / model)
+    assert reference_of(fresh_ops / model) == committed
+    # ... and graphscan agrees with it on the committed file.
+    assert answers_by_name(OPS, model) == {
+        c: {"model": model, **committed[c]} for c in SINGLE_MODEL_COMMANDS
+    }
 
 
-def test_scope_json_agrees_with_graphscan_on_committed_models():
+def test_scope_json_agrees_with_the_reference_on_committed_models():
     scope = read_json(OPS, "scope.json")
     assert list(scope) == ["excluded_node", "models", "diff_matmul_only", "diff_excluded"]
     assert list(scope["models"]) == ["full", "matmul_only", "excluded"]
     for variant, entry in scope["models"].items():
-        path = str(OPS / f"{variant}.onnx")
-        q, i, b = graphscan.qdq(path), graphscan.islands(path), graphscan.boundary(path)
+        counts = reference_of(OPS / f"{variant}.onnx")
         assert entry == {
-            "quantize": q["quantize"],
-            "dequantize": q["dequantize"],
-            "round_trips": q["round_trips"],
-            "island_count": i["island_count"],
-            "float": i["float"],
-            "crossings": b["crossings"],
+            "quantize": counts["qdq"]["quantize"],
+            "dequantize": counts["qdq"]["dequantize"],
+            "round_trips": counts["qdq"]["round_trips"],
+            "island_count": counts["islands"]["island_count"],
+            "float": counts["islands"]["float"],
+            "crossings": counts["boundary"]["crossings"],
         }
+    full = reference_of(OPS / "full.onnx")
     for variant in ["matmul_only", "excluded"]:
-        expected = graphscan.diff(str(OPS / "full.onnx"), str(OPS / f"{variant}.onnx"))
-        assert scope[f"diff_{variant}"] == {**expected, "a": "full.onnx", "b": f"{variant}.onnx"}
+        expected = reference_diff(full, reference_of(OPS / f"{variant}.onnx"))
+        assert scope[f"diff_{variant}"] == {"a": "full.onnx", "b": f"{variant}.onnx", **expected}
     excluded = onnx.load(OPS / "excluded.onnx").graph.node
     assert scope["excluded_node"] in {n.name for n in excluded}
 
 
-def test_fuse_json_agrees_with_graphscan_on_committed_models():
+def test_fuse_json_agrees_with_the_reference_and_onnxruntime():
     fuse = read_json(OPS, "fuse.json")
     assert list(fuse) == ["before", "after", "removed_quantize", "removed_round_trips", "max_abs_error"]
     for key, variant in [("before", "full"), ("after", "gemm_full")]:
-        path = str(OPS / f"{variant}.onnx")
-        q = graphscan.qdq(path)
+        counts = reference_of(OPS / f"{variant}.onnx")
         assert fuse[key] == {
-            "op_types": graphscan.nodes(path)["op_types"],
-            "quantize": q["quantize"],
-            "dequantize": q["dequantize"],
-            "round_trips": q["round_trips"],
+            "op_types": counts["nodes"]["op_types"],
+            "quantize": counts["qdq"]["quantize"],
+            "dequantize": counts["qdq"]["dequantize"],
+            "round_trips": counts["qdq"]["round_trips"],
         }
     assert fuse["removed_quantize"] == fuse["before"]["quantize"] - fuse["after"]["quantize"]
     assert fuse["removed_round_trips"] == fuse["before"]["round_trips"] - fuse["after"]["round_trips"]
-    assert isinstance(fuse["max_abs_error"], float)
+    # fuse's verification input: seed 0, the symbolic batch set to 2.
+    dim = onnx.load(OPS / "fp32.onnx").graph.input[0].type.tensor_type.shape.dim[1].dim_value
+    x = np.random.default_rng(graphscan.FUSE_SEED).standard_normal((2, dim)).astype(np.float32)
+    (expected,), (actual,) = run_onnx(OPS / "fp32.onnx", {"x": x}), run_onnx(OPS / "gemm.onnx", {"x": x})
+    assert fuse["max_abs_error"] == pytest.approx(float(np.max(np.abs(expected - actual))), abs=1e-9)
 
 
 def test_committed_gemm_passes_checker_and_matches_fp32():
@@ -116,18 +127,18 @@ def test_committed_gemm_passes_checker_and_matches_fp32():
     assert read_json(OPS, "fuse.json")["max_abs_error"] <= 1e-5
 
 
-def test_lab_fusion_removes_one_round_trip_per_layer(lab):
-    layers, out = lab
+def test_lab_fusion_removes_one_round_trip_per_layer(generated_lab):
+    layers, out = generated_lab
     fuse = read_json(out, "fuse.json")
     assert fuse["removed_round_trips"] == layers
     assert fuse["after"]["op_types"]["Gemm"] == layers
     assert "MatMul" not in fuse["after"]["op_types"]
-    gemm_full = graphscan.islands(str(out / "gemm_full.onnx"))
+    gemm_full = reference_of(out / "gemm_full.onnx")["islands"]
     assert gemm_full["float"] == 0 and gemm_full["island_count"] == 0
 
 
-def test_lab_scope_narrowing_on_any_layer_count(lab):
-    layers, out = lab
+def test_lab_scope_narrowing_on_any_layer_count(generated_lab):
+    layers, out = generated_lab
     scope = read_json(out, "scope.json")
     assert scope["excluded_node"] == f"fc{(layers + 1) // 2}_matmul"
     assert scope["models"]["matmul_only"]["island_count"] == layers
@@ -146,7 +157,7 @@ REPORT_SECTIONS = [
 def report_sections(text):
     """``{heading: body}`` of the report's ## sections, in order."""
     parts = re.split(r"^(## .*)$", text, flags=re.M)
-    return dict(zip(parts[1::2], parts[2::2]))
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
 def assert_four_sections(text):
@@ -158,12 +169,12 @@ def test_committed_report_has_exactly_the_four_sections():
     assert_four_sections((OPS / "ops_report.md").read_text(encoding="utf-8"))
 
 
-def test_report_has_exactly_the_four_sections(lab):
-    assert_four_sections((lab[1] / "ops_report.md").read_text(encoding="utf-8"))
+def test_report_has_exactly_the_four_sections(generated_lab):
+    assert_four_sections((generated_lab[1] / "ops_report.md").read_text(encoding="utf-8"))
 
 
-def test_report_quotes_the_json_numbers(lab):
-    layers, out = lab
+def test_report_quotes_the_json_numbers(generated_lab):
+    layers, out = generated_lab
     scope, fuse = read_json(out, "scope.json"), read_json(out, "fuse.json")
     sections = report_sections((out / "ops_report.md").read_text(encoding="utf-8"))
     scope_text = sections[REPORT_SECTIONS[2]]
@@ -181,22 +192,23 @@ def test_report_quotes_the_json_numbers(lab):
     assert "시간은 재지 않았다" in fuse_text
 
 
-def test_report_islands_match_graphscan(lab):
-    _, out = lab
+def test_report_islands_match_the_reference(generated_lab):
+    _, out = generated_lab
     islands_text = report_sections((out / "ops_report.md").read_text(encoding="utf-8"))[REPORT_SECTIONS[1]]
     for variant in ["matmul_only", "excluded"]:
-        answer = graphscan.boundary(str(out / f"{variant}.onnx"))
+        answer = reference_of(out / f"{variant}.onnx")["boundary"]
+        assert answer["per_island"], variant
         for entry in answer["per_island"]:
             line = f"{', '.join(entry['nodes'])} "
             assert line in islands_text
             assert f"들어오는 DQ {entry['in_dequantize']}, 나가는 Q {entry['out_quantize']}" in islands_text
 
 
-def test_report_mermaid_tells_int8_from_float(lab):
-    layers, out = lab
+def test_report_mermaid_tells_int8_from_float(generated_lab):
+    layers, out = generated_lab
     text = (out / "ops_report.md").read_text(encoding="utf-8")
     (block,) = re.findall(r"```mermaid\n(.*?)```", text, flags=re.S)
-    islands = graphscan.islands(str(out / "matmul_only.onnx"))
+    islands = reference_of(out / "matmul_only.onnx")["islands"]
     float_names = {n for island in islands["islands"] for n in island["nodes"]}
     for layer in range(1, layers + 1):
         for name in gen_models.layer_names(layer):
@@ -206,7 +218,7 @@ def test_report_mermaid_tells_int8_from_float(lab):
 
 
 @pytest.mark.parametrize(
-    "argv, message",
+    ("argv", "message"),
     [
         pytest.param(["--layers", "2"], "--layers must be at least 3", id="too-few-layers"),
         pytest.param(["--exclude", "fc9_matmul"], "is not a node", id="unknown-exclude"),

@@ -9,40 +9,33 @@ order that is not topological; initializers of many dtypes with their payload in
 raw_data or a missing external file. Every graph is read both whole and through the big-file
 skimmer (SKIM_THRESHOLD forced to 0).
 
-The reference below shares no code with graphscan.py: plain loops over ``graph.node``, a BFS for
-islands, sets of node indices for the boundary. It is slow on purpose and easy to check by eye
-against SPEC.md's "Shared definitions".
+The reference (tests/reference.py) shares no code with graphscan.py: plain loops over
+``graph.node``, a BFS for islands, sets of node indices for the boundary.
 
 Profiles: ``default`` (100 examples, derandomized so CI is deterministic) and ``thorough``
 (5000): ``pytest tests/test_properties.py -p no:xdist --hypothesis-profile thorough
---hypothesis-show-statistics``. The hypothesis plugin loads ``--hypothesis-profile`` in
-``pytest_configure``, before test modules are imported, and fails on a name it does not know, so
-conftest.py must register these profiles too. Registering them again here keeps this module
-runnable alone and, since re-registering the active profile only reloads it, never overrides
-the profile chosen on the command line.
+--hypothesis-show-statistics``. Both are registered in conftest.py, not here: the hypothesis
+plugin loads ``--hypothesis-profile`` in ``pytest_configure``, before test modules are
+imported, and fails on a name it does not know.
 """
 
 import contextlib
-import io
 import itertools
 import json
 import shutil
-from collections import Counter, deque
 from dataclasses import dataclass
 from unittest import mock
 
 import onnx
 import pytest
-from hypothesis import event, given
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
 import graphscan
+from tests.helpers import DELTA_KEYS, SINGLE_MODEL_COMMANDS, laws_broken, negated, run_main
+from tests.reference import DQ, Q, reference, reference_diff
 
-# Profiles (default: fast and derandomized for CI; thorough: 5000 examples) are
-# registered in conftest.py: the plugin loads --hypothesis-profile before test modules.
-
-Q, DQ = "QuantizeLinear", "DequantizeLinear"
 CUSTOM_DOMAIN = "com.example.graphscan"
 OPSETS = [
     helper.make_opsetid("", 21),
@@ -313,159 +306,11 @@ def graphs(draw):
     return Graph(tuple(nodes[i] for i in order), tuple(inputs), tuple(outputs), tuple(initializers))
 
 
-# --- the reference -----------------------------------------------------------------------------
-
-
-def reference(model):
-    """Every SPEC.md answer of ``model``, computed the slow, obvious way."""
-    graph = model.graph
-    nodes = list(graph.node)
-    names = [n.name if n.name != "" else f"{n.op_type}_{i}" for i, n in enumerate(nodes)]
-    op_types = [n.op_type for n in nodes]
-    is_q = [op == Q for op in op_types]
-    is_dq = [op == DQ for op in op_types]
-    initializer_names = {init.name for init in graph.initializer}
-
-    producer = {}  # tensor -> node index
-    consumers = {}  # tensor -> set of node indices
-    for i, n in enumerate(nodes):
-        for t in n.output:
-            if t != "":
-                assert t not in producer, "the generator never produces a tensor twice"
-                producer[t] = i
-        for t in n.input:
-            if t != "":
-                consumers.setdefault(t, set()).add(i)
-
-    compute = [i for i in range(len(nodes)) if not is_q[i] and not is_dq[i]]
-    wrapped = set()
-    for i in compute:
-        inputs_ok = True
-        for t in nodes[i].input:
-            if t != "" and not (t in producer and is_dq[producer[t]]):
-                inputs_ok = False
-        outputs_ok = True
-        for t in nodes[i].output:
-            if t == "":
-                continue
-            users = consumers.get(t, set())
-            if len(users) == 0 or not all(is_q[c] for c in users):
-                outputs_ok = False
-        if inputs_ok and outputs_ok:
-            wrapped.add(i)
-    floats = [i for i in compute if i not in wrapped]
-
-    # Undirected edges between float nodes through a tensor one produces and the other reads.
-    neighbours = {i: set() for i in floats}
-    for t, p in producer.items():
-        if p in neighbours:
-            for c in consumers.get(t, set()):
-                if c in neighbours:
-                    neighbours[p].add(c)
-                    neighbours[c].add(p)
-    components, seen = [], set()
-    for start in floats:
-        if start in seen:
-            continue
-        seen.add(start)
-        queue, members = deque([start]), []
-        while queue:
-            i = queue.popleft()
-            members.append(i)
-            for j in neighbours[i]:
-                if j not in seen:
-                    seen.add(j)
-                    queue.append(j)
-        components.append(members)
-
-    islands, per_island = [], []
-    for members in components:
-        island_names = sorted(names[i] for i in members)
-        islands.append({
-            "nodes": island_names,
-            "size": len(members),
-            "op_types": sorted(op_types[i] for i in members),
-        })
-        in_dq, out_q = set(), set()
-        for i in members:
-            for t in nodes[i].input:
-                if t != "" and t in producer and is_dq[producer[t]]:
-                    in_dq.add(producer[t])
-            for t in nodes[i].output:
-                if t != "":
-                    for c in consumers.get(t, set()):
-                        if is_q[c]:
-                            out_q.add(c)
-        per_island.append({"nodes": island_names, "in_dequantize": len(in_dq),
-                           "out_quantize": len(out_q)})
-    order = sorted(range(len(islands)), key=lambda k: islands[k]["nodes"][0])
-    islands = [islands[k] for k in order]
-    per_island = [per_island[k] for k in order]
-
-    round_trips = 0
-    for i in range(len(nodes)):
-        if is_q[i]:
-            users = set()
-            for t in nodes[i].output:
-                if t != "":
-                    users |= consumers.get(t, set())
-            if len(users) > 0 and all(is_dq[c] for c in users):
-                round_trips += 1
-    weight_dequantize = 0
-    for i in range(len(nodes)):
-        if is_dq[i] and len(nodes[i].input) > 0 and nodes[i].input[0] in initializer_names:
-            weight_dequantize += 1
-
-    return {
-        "nodes": {
-            "nodes": len(nodes),
-            "op_types": dict(Counter(op_types)),
-            "initializers": dict(Counter(
-                TensorProto.DataType.Name(init.data_type) for init in graph.initializer
-            )),
-        },
-        "qdq": {
-            "quantize": sum(is_q),
-            "dequantize": sum(is_dq),
-            "round_trips": round_trips,
-            "weight_dequantize": weight_dequantize,
-        },
-        "islands": {
-            "compute": len(compute),
-            "wrapped": len(wrapped),
-            "float": len(floats),
-            "island_count": len(islands),
-            "islands": islands,
-        },
-        "boundary": {
-            "island_count": len(islands),
-            "crossings": sum(e["in_dequantize"] + e["out_quantize"] for e in per_island),
-            "per_island": per_island,
-        },
-    }
-
-
-def reference_diff(a, b):
-    """diff's numbers from two reference answers (b minus a)."""
-    ops_a, ops_b = a["nodes"]["op_types"], b["nodes"]["op_types"]
-    op_delta = {}
-    for op in set(ops_a) | set(ops_b):
-        if ops_b.get(op, 0) != ops_a.get(op, 0):
-            op_delta[op] = ops_b.get(op, 0) - ops_a.get(op, 0)
-    return {
-        "op_delta": op_delta,
-        "quantize_delta": b["qdq"]["quantize"] - a["qdq"]["quantize"],
-        "dequantize_delta": b["qdq"]["dequantize"] - a["qdq"]["dequantize"],
-        "round_trip_delta": b["qdq"]["round_trips"] - a["qdq"]["round_trips"],
-        "island_delta": b["islands"]["island_count"] - a["islands"]["island_count"],
-        "float_delta": b["islands"]["float"] - a["islands"]["float"],
-    }
-
-
 # --- comparing --------------------------------------------------------------------------------
 
 
-def canonical(entry):
+def as_key(entry):
+    """An island entry as one sortable string."""
     return json.dumps(entry, sort_keys=True)
 
 
@@ -476,25 +321,7 @@ def assert_same_island_lists(actual, expected):
     if len(set(firsts)) == len(firsts):
         assert actual == expected
     else:
-        assert sorted(map(canonical, actual)) == sorted(map(canonical, expected))
-
-
-COUNT_DELTAS = ["quantize_delta", "dequantize_delta", "round_trip_delta", "island_delta",
-                "float_delta"]
-
-
-def negated(answer):
-    """A diff answer with a/b swapped and every delta negated."""
-    swapped = {key: -value for key, value in answer.items() if key in COUNT_DELTAS}
-    swapped["op_delta"] = {op: -d for op, d in answer["op_delta"].items()}
-    return {"a": answer["b"], "b": answer["a"], **swapped}
-
-
-def run_cli(argv):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = graphscan.main(argv)
-    return code, out.getvalue()
+        assert sorted(map(as_key, actual)) == sorted(map(as_key, expected))
 
 
 @pytest.fixture(scope="session")
@@ -517,7 +344,7 @@ def save_graphs(tmp_path_factory):
         folder.mkdir()
         previous.append(folder)
         saved = []
-        for name, graph in zip("ab", graphs):
+        for name, graph in zip("ab", graphs, strict=False):  # one or two graphs
             path = folder / f"{name}.onnx"
             path.write_bytes(to_model(graph).SerializeToString())
             saved.append((str(path), onnx.load(path, load_external_data=False)))
@@ -573,27 +400,8 @@ def test_every_answer_matches_the_reference(save_graphs, how, graph):
 @given(graph=graphs())
 def test_invariants_hold(save_graphs, graph):
     [(path, _)] = save_graphs(graph)
-    census, counts = graphscan.nodes(path), graphscan.qdq(path)
-    islands, boundary = graphscan.islands(path), graphscan.boundary(path)
-
-    assert census["nodes"] == sum(census["op_types"].values())
-    assert counts["quantize"] == census["op_types"].get(Q, 0)
-    assert counts["dequantize"] == census["op_types"].get(DQ, 0)
-    assert 0 <= counts["round_trips"] <= counts["quantize"]
-    assert 0 <= counts["weight_dequantize"] <= counts["dequantize"]
-
-    assert islands["compute"] == census["nodes"] - counts["quantize"] - counts["dequantize"]
-    assert islands["wrapped"] + islands["float"] == islands["compute"]
-    assert sum(entry["size"] for entry in islands["islands"]) == islands["float"]
-    assert islands["island_count"] == len(islands["islands"]) == boundary["island_count"]
-    for entry in islands["islands"]:
-        assert entry["size"] == len(entry["nodes"]) == len(entry["op_types"])
-        assert entry["nodes"] == sorted(entry["nodes"])
-        assert entry["op_types"] == sorted(entry["op_types"])
-    assert [e["nodes"] for e in boundary["per_island"]] == [e["nodes"] for e in islands["islands"]]
-    assert boundary["crossings"] == sum(
-        e["in_dequantize"] + e["out_quantize"] for e in boundary["per_island"]
-    )
+    answers = {command: getattr(graphscan, command)(path) for command in SINGLE_MODEL_COMMANDS}
+    assert laws_broken(answers) == []
 
 
 @given(a=graphs(), b=graphs())
@@ -606,13 +414,16 @@ def test_diff_matches_the_reference_and_is_antisymmetric(save_graphs, a, b):
     }
     assert graphscan.diff(path_b, path_a) == negated(forward)
     same = graphscan.diff(path_a, path_a)
-    assert same == {"a": path_a, "b": path_a, "op_delta": {}, **{key: 0 for key in COUNT_DELTAS}}
+    assert same == {"a": path_a, "b": path_a, "op_delta": {}, **dict.fromkeys(DELTA_KEYS, 0)}
 
 
-@given(graph=graphs(), command=st.sampled_from(["nodes", "qdq", "islands", "boundary"]))
-def test_cli_prints_the_library_answer(save_graphs, graph, command):
+# capsys is function-scoped, but run_main reads it empty before and after each run,
+# so nothing leaks from one example to the next.
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(graph=graphs(), command=st.sampled_from(SINGLE_MODEL_COMMANDS))
+def test_cli_prints_the_library_answer(save_graphs, capsys, graph, command):
     [(path, _)] = save_graphs(graph)
-    code, stdout = run_cli([command, path])
-    assert code == 0
+    code, stdout, stderr = run_main(capsys, [command, path])
+    assert (code, stderr) == (0, "")
     assert stdout.endswith("\n") and stdout.count("\n") == 1
     assert json.loads(stdout) == getattr(graphscan, command)(path)

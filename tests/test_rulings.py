@@ -228,7 +228,7 @@ def test_dq_shared_across_islands_counts_once_per_island(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "compute, outputs, expected",
+    ("compute", "outputs", "expected"),
     [
         pytest.param(
             node("Split", ["xf"], ["o0", "o1"], "n", num_outputs=2),
@@ -275,7 +275,7 @@ def test_node_with_an_unconsumed_output_is_not_wrapped(tmp_path, compute, output
 
 
 @pytest.mark.parametrize(
-    "extra_nodes, inputs, initializers, wrapped",
+    ("extra_nodes", "inputs", "initializers", "wrapped"),
     [
         pytest.param([], ["xq"], [tensor("w")], False, id="float-initializer-weight"),
         pytest.param([], ["xq", "w"], [], False, id="graph-input-weight"),
@@ -356,7 +356,7 @@ def test_output_feeding_q_and_a_float_node_is_float_and_joins_its_island(tmp_pat
 
 
 @pytest.mark.parametrize(
-    "dq_domain, q_domain",
+    ("dq_domain", "q_domain"),
     [
         pytest.param("", "", id="onnx-domain"),
         pytest.param("com.microsoft", "com.microsoft", id="com-microsoft-domain"),
@@ -401,7 +401,7 @@ def test_qdq_in_any_domain_count_as_qdq(tmp_path, dq_domain, q_domain):
 
 
 @pytest.mark.parametrize(
-    "compute_nodes, initializers",
+    ("compute_nodes", "initializers"),
     [
         pytest.param(
             [

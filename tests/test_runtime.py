@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
-from conftest import CANONICAL
+from conftest import DEFAULT_LAB
 from helpers import error_line, json_answer, run_graphscan
 
 x86_only = pytest.mark.skipif(
@@ -42,7 +42,7 @@ def by_node(answer):
 
 @pytest.fixture(scope="module")
 def lab(build_case):
-    return build_case(CANONICAL)
+    return build_case(DEFAULT_LAB)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def lab_gemm(lab, tmp_path_factory):
     gemm = folder / "gemm.onnx"
     graphscan.fuse(str(lab["fp32"]), str(gemm))
     gemm_full = folder / "gemm_full.onnx"
-    gen_models.quantize_qdq(gemm, gemm_full, CANONICAL.seed)
+    gen_models.quantize_qdq(gemm, gemm_full, DEFAULT_LAB.seed)
     return gemm_full
 
 
@@ -65,7 +65,7 @@ def test_full_matmuls_run_int8_and_adds_stay_float_for_mixed_types(lab):
     answer = graphscan.runtime(str(lab["full"]))
     assert list(answer) == ANSWER_KEYS
     rows = by_node(answer)
-    layers = CANONICAL.layers
+    layers = DEFAULT_LAB.layers
     for k in range(1, layers + 1):
         matmul, add = rows[f"fc{k}_matmul"], rows[f"fc{k}_add"]
         assert list(matmul) == NODE_KEYS
@@ -93,7 +93,7 @@ def test_gemm_full_runs_three_qgemm(lab_gemm):
 @x86_only
 def test_matmul_only_relus_are_absorbed_into_the_next_quantize(lab):
     rows = by_node(graphscan.runtime(str(lab["matmul_only"])))
-    layers = CANONICAL.layers
+    layers = DEFAULT_LAB.layers
     for k in range(1, layers):
         # Relu -> Q with zero point at qmin: onnxruntime drops the Relu (the
         # Q's clamp does the same), so it runs inside that QuantizeLinear.
@@ -375,7 +375,7 @@ def test_time_without_round_trips_costs_nothing(lab):
 
 def test_time_says_when_symbolic_dims_were_defaulted(lab):
     time = graphscan.runtime(str(lab["full"]), time=True, runs=1)["time"]
-    assert time["inputs"] == {"x": [1, CANONICAL.dim]} and time["defaulted"] == ["x"]
+    assert time["inputs"] == {"x": [1, DEFAULT_LAB.dim]} and time["defaulted"] == ["x"]
 
 
 def test_round_trips_removed_from_the_optimized_graph_only():

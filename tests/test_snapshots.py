@@ -1,4 +1,4 @@
-"""Pinned answers of all five commands on the canonical lab models.
+"""Pinned answers of all five commands on the default lab models.
 
 The snapshots under __snapshots__/ are what a reviewer reads: a change in
 graphscan's counting or in onnxruntime's quantizer shows up as a JSON diff.
@@ -9,9 +9,8 @@ import pytest
 from syrupy.extensions.json import JSONSnapshotExtension
 
 import graphscan
-from conftest import CANONICAL, VARIANTS
-
-SINGLE_MODEL_COMMANDS = ["nodes", "qdq", "islands", "boundary"]
+from conftest import DEFAULT_LAB, VARIANTS
+from tests.helpers import SINGLE_MODEL_COMMANDS
 
 
 @pytest.fixture
@@ -20,9 +19,9 @@ def snapshot_json(snapshot):
 
 
 @pytest.fixture(scope="module")
-def canonical(build_case):
-    """The lab's default models (gen_models.py defaults), built once."""
-    return build_case(CANONICAL)
+def default_lab(build_case):
+    """The lab's default models (gen_models.py defaults) as ``{variant: Path}``, built once."""
+    return build_case(DEFAULT_LAB)
 
 
 def with_file_names(answer, paths):
@@ -36,12 +35,12 @@ def with_file_names(answer, paths):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("command", SINGLE_MODEL_COMMANDS)
-def test_command_snapshot(canonical, snapshot_json, command, variant):
-    answer = getattr(graphscan, command)(str(canonical[variant]))
-    assert with_file_names(answer, canonical) == snapshot_json
+def test_command_snapshot(default_lab, snapshot_json, command, variant):
+    answer = getattr(graphscan, command)(str(default_lab[variant]))
+    assert with_file_names(answer, default_lab) == snapshot_json
 
 
 @pytest.mark.parametrize("b", ["matmul_only", "excluded", "dynamic"])
-def test_diff_snapshot(canonical, snapshot_json, b):
-    answer = graphscan.diff(str(canonical["full"]), str(canonical[b]))
-    assert with_file_names(answer, canonical) == snapshot_json
+def test_diff_snapshot(default_lab, snapshot_json, b):
+    answer = graphscan.diff(str(default_lab["full"]), str(default_lab[b]))
+    assert with_file_names(answer, default_lab) == snapshot_json

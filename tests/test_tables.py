@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 import graphscan
-from conftest import CANONICAL
+from conftest import DEFAULT_LAB
 from helpers import chain_model, error_line, run_graphscan
 
 COUNTING = ["nodes", "qdq", "islands", "boundary"]
@@ -23,7 +23,7 @@ COUNTING = ["nodes", "qdq", "islands", "boundary"]
 @pytest.fixture(scope="module")
 def canonical(build_case):
     """The lab's default models; tables show paths as given, so tests run from their folder."""
-    return build_case(CANONICAL)
+    return build_case(DEFAULT_LAB)
 
 
 @pytest.fixture

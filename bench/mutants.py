@@ -1,0 +1,196 @@
+"""The mutation campaign: does the suite notice when graphscan.py is wrong?
+
+    python bench/mutants.py [--area AREA ...] [--id ID ...] [--whole-suite] [--json FILE]
+
+Reads the curated single-edit mutants of bench/mutants.toml. The repository is
+copied once into a temporary folder (tracked and untracked files, no caches);
+for each mutant its one edit is applied to that copy's graphscan.py, the tests
+of its area run (``pytest -x -q -n 2``; ``--whole-suite`` runs every test), and
+graphscan.py is restored. A mutant is
+
+  killed      the tests fail (or time out);
+  survived    the tests pass: a hole in the suite, or an equivalent mutant not yet marked;
+  equivalent  marked with its reason in the list; listed, not run;
+  stale       its original snippet is no longer in graphscan.py (update the list);
+  ambiguous   its snippet occurs more than once (make it longer).
+
+The per-area kill ratio is killed / (killed + survived). Exit 0 when nothing
+survived and nothing is stale or ambiguous, 1 otherwise. Not a test: slow (one
+pytest run per mutant), run by hand, never under CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MUTANTS = Path(__file__).resolve().parent / "mutants.toml"
+TARGET = "graphscan.py"
+TIMEOUT = 600  # seconds per mutant; a hang (e.g. reading a FIFO) counts as killed
+
+# The test files that speak for each area. Chosen for speed (one pytest run per mutant on a
+# shared machine): in-process files first, test_cli for what only a process shows (usage, a FIFO).
+AREA_TESTS = {
+    "counting": [
+        "tests/test_rulings.py",
+        "tests/test_properties.py",
+        "tests/test_invariants.py",
+        "tests/test_snapshots.py",
+        "tests/test_unknown_dtypes.py",
+    ],
+    "loading": [
+        "tests/test_holes_loading.py",
+        "tests/test_cli.py",
+        "tests/test_big_models.py",
+        "tests/test_non_utf8.py",
+        "tests/test_unknown_dtypes.py",
+        "tests/test_properties.py",
+        "tests/test_fuse.py",
+        "tests/test_holes_fuse.py",
+    ],
+    "fuse": [
+        "tests/test_fuse.py",
+        "tests/test_holes_fuse.py",
+        "tests/test_gen_models.py",
+    ],
+    "trace": [
+        "tests/test_trace.py",
+        "tests/test_holes_trace.py",
+        "tests/test_control_flow.py",
+        "tests/test_big_models.py",
+    ],
+    # "runtime", "impact", "check": the lead adds their test files with their mutants.
+}
+IGNORED = shutil.ignore_patterns(
+    ".git", ".venv*", "__pycache__", ".pytest_cache", ".hypothesis", "*.pyc", ".benchmarks"
+)
+
+
+def load_mutants(path: Path = MUTANTS) -> list[dict]:
+    with open(path, "rb") as f:
+        mutants = tomllib.load(f)["mutant"]
+    seen = set()
+    for mutant in mutants:
+        missing = {"id", "area", "what", "original", "replacement"} - set(mutant)
+        if missing:
+            raise SystemExit(f"mutants.toml: {mutant.get('id', '?')} lacks {sorted(missing)}")
+        if mutant["id"] in seen:
+            raise SystemExit(f"mutants.toml: id {mutant['id']} used twice")
+        seen.add(mutant["id"])
+    return mutants
+
+
+def classify_source(mutant: dict, source: str) -> str | None:
+    """'stale' or 'ambiguous' when the edit cannot be applied, else None."""
+    count = source.count(mutant["original"])
+    if count == 0:
+        return "stale"
+    if count > 1:
+        return "ambiguous"
+    return None
+
+
+def run_tests(copy: Path, files: list[str], timeout: int) -> tuple[bool, str]:
+    """``(passed, last line)`` of pytest on ``files`` (all tests when empty) in ``copy``."""
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "2", "-p", "no:cacheprovider", *files]
+    try:
+        done = subprocess.run(command, cwd=copy, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"timeout after {timeout} s"
+    lines = done.stdout.strip().splitlines() or ["(no output)"]
+    return done.returncode == 0, lines[-1]
+
+
+def run_campaign(mutants: list[dict], whole_suite: bool, timeout: int, log=print) -> list[dict]:
+    results = []
+    with tempfile.TemporaryDirectory(prefix="graphscan_mutants_") as tmp:
+        copy = Path(tmp) / "repo"
+        shutil.copytree(REPO_ROOT, copy, ignore=IGNORED)
+        target = copy / TARGET
+        pristine = target.read_text(encoding="utf-8")
+        passed, line = run_tests(
+            copy, [] if whole_suite else sorted({f for v in AREA_TESTS.values() for f in v}), timeout
+        )
+        if not passed:
+            raise SystemExit(f"the suite fails on the unmutated copy: {line}")
+        for mutant in mutants:
+            result = {key: mutant[key] for key in ("id", "area", "what")}
+            status = classify_source(mutant, pristine)
+            if status is None and "equivalent" in mutant:
+                status = "equivalent"
+                result["reason"] = mutant["equivalent"]
+            if status is None:
+                target.write_text(pristine.replace(mutant["original"], mutant["replacement"]), encoding="utf-8")
+                start = time.perf_counter()
+                try:
+                    files = [] if whole_suite else AREA_TESTS.get(mutant["area"], [])
+                    passed, line = run_tests(copy, files, timeout)
+                finally:
+                    target.write_text(pristine, encoding="utf-8")
+                status = "survived" if passed else "killed"
+                result.update(seconds=round(time.perf_counter() - start, 1), pytest=line)
+            result["status"] = status
+            log(f"{mutant['id']:5s} {mutant['area']:9s} {status:10s} {mutant['what']}")
+            results.append(result)
+    return results
+
+
+def summary(results: list[dict]) -> dict:
+    """Per area: killed, survived, equivalent, stale, ambiguous, and the kill ratio."""
+    areas = {}
+    for result in results:
+        counts = areas.setdefault(
+            result["area"], {"killed": 0, "survived": 0, "equivalent": 0, "stale": 0, "ambiguous": 0}
+        )
+        counts[result["status"]] += 1
+    for counts in areas.values():
+        run = counts["killed"] + counts["survived"]
+        counts["ratio"] = counts["killed"] / run if run else None
+    return areas
+
+
+def format_table(areas: dict, results: list[dict]) -> str:
+    lines = [f"{'area':10s}{'killed':>8s}{'run':>6s}{'ratio':>8s}{'equiv.':>8s}{'stale':>7s}"]
+    for area, c in areas.items():
+        run = c["killed"] + c["survived"]
+        ratio = "-" if c["ratio"] is None else f"{c['ratio']:.0%}"
+        lines.append(f"{area:10s}{c['killed']:>8d}{run:>6d}{ratio:>8s}{c['equivalent']:>8d}{c['stale']:>7d}")
+    for result in results:
+        if result["status"] in ("survived", "stale", "ambiguous"):
+            lines.append(f"  {result['status']}: {result['id']} ({result['area']}) {result['what']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--area", action="append", help="only mutants of this area (repeatable)")
+    parser.add_argument("--id", action="append", help="only this mutant (repeatable)")
+    parser.add_argument("--whole-suite", action="store_true", help="run every test for each mutant")
+    parser.add_argument("--timeout", type=int, default=TIMEOUT, help="seconds per mutant")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write every result as JSON")
+    args = parser.parse_args(argv)
+
+    mutants = load_mutants()
+    if args.area:
+        mutants = [m for m in mutants if m["area"] in args.area]
+    if args.id:
+        mutants = [m for m in mutants if m["id"] in args.id]
+    results = run_campaign(mutants, args.whole_suite, args.timeout)
+    areas = summary(results)
+    print(format_table(areas, results))
+    if args.json:
+        args.json.write_text(json.dumps({"areas": areas, "mutants": results}, indent=2) + "\n")
+    bad = {"survived", "stale", "ambiguous"}
+    return 1 if any(r["status"] in bad for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
