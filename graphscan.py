@@ -1058,17 +1058,41 @@ def fuse(path, output):
 # --------------------------------------------------------------------------
 # trace: the operator where a quantized model's error is born
 #
-# Two onnxruntime sessions in all: the float model once, and the quantized
-# model once with every operator's single-op model appended to its graph, fed
-# from the float references. No session per operator.
+# One onnxruntime session in all: graphscan's combined model holds the
+# quantized model, the float model (its tensors renamed under FLOAT_PREFIX),
+# every operator's single-op model reading the float references, and the
+# statistics of every row. Its nodes are ordered so the two models advance
+# together and each row is measured as soon as its tensors exist; onnxruntime
+# frees a tensor after its last reader, so peak memory does not grow with the
+# number of operators. No session per operator.
 
 TRACE_TOLERANCE = 1e-2
 TRACE_SYMBOLIC_DIM_SIZE = 1
+# A comparison whose tensors have at most TRACE_FETCH_ELEMENTS elements each is
+# fetched and measured in numpy (np.linalg.norm, as trace always did), while
+# the fetched bytes stay under TRACE_FETCH_BUDGET; every other one is reduced to
+# scalars inside the graph, in float64. The maxima and counts are exact either
+# way; a sum of squares may differ from numpy's in the last digit.
+TRACE_FETCH_ELEMENTS = 2**16
+TRACE_FETCH_BUDGET = 16 * 2**20
 QDQ_SUFFIX = re.compile(
     r"_(?:QuantizeLinear_Input|QuantizeLinear_Output|DequantizeLinear_Output)(?:_\d+)?$"
 )
 ROW_PREFIX = "graphscan.row{}/"  # tensors of row k's single-op model inside the combined graph
-FLOAT_PREFIX = "graphscan.float/"  # float references fed into the combined graph
+FLOAT_PREFIX = "graphscan.float/"  # the float model's tensors inside the combined graph
+STATS_PREFIX = "graphscan.stats/"  # the statistics graphscan adds
+ROW_NODE = re.compile(r"graphscan\.row(\d+)/")
+# How onnxruntime and numpy say that an allocation failed.
+OUT_OF_MEMORY = re.compile(r"bad_alloc|bad allocation|failed to allocate|out of memory|cannot allocate", re.I)
+# Representable range of each integer type a QuantizeLinear can produce.
+Q_RANGES = {
+    onnx.TensorProto.INT8: (-128, 127),
+    onnx.TensorProto.UINT8: (0, 255),
+    onnx.TensorProto.INT16: (-32768, 32767),
+    onnx.TensorProto.UINT16: (0, 65535),
+    onnx.TensorProto.INT4: (-8, 7),
+    onnx.TensorProto.UINT4: (0, 15),
+}
 
 
 def value_names(graph):
@@ -1076,6 +1100,106 @@ def value_names(graph):
     names = {info.name for info in value_inputs(graph)}
     names.update(t for node in graph.node for t in node.output if t)
     return names
+
+
+def inferred_types(model, feeds):
+    """``{tensor: TypeProto}`` from onnx shape inference with the graph inputs set
+    to the shapes fed. Big initializers enter as typed inputs, so their payloads
+    are never copied; a model inference cannot handle gives what it declares."""
+    graph = model.graph
+    shell = onnx.ModelProto(ir_version=model.ir_version)
+    shell.opset_import.extend(model.opset_import)
+    shell.functions.extend(model.functions)
+    body = shell.graph
+    body.node.extend(graph.node)
+    initializers = {init.name for init in graph.initializer}
+    for info in graph.input:
+        if info.name in initializers:
+            continue
+        copy = body.input.add()
+        copy.CopyFrom(info)
+        array = feeds.get(info.name)
+        if copy.type.HasField("tensor_type") and hasattr(array, "shape"):
+            copy.type.tensor_type.shape.Clear()
+            copy.type.tensor_type.shape.SetInParent()
+            for size in array.shape:
+                copy.type.tensor_type.shape.dim.add().dim_value = size
+    for init in graph.initializer:
+        if math.prod(init.dims) <= 64:  # small: shape inputs whose values inference reads
+            body.initializer.append(init)
+        else:
+            body.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    body.output.extend(graph.output)
+    body.value_info.extend(graph.value_info)
+    try:
+        body = onnx.shape_inference.infer_shapes(shell, strict_mode=False, data_prop=True).graph
+    except Exception:
+        pass  # what the model declares is all there is
+    infos = itertools.chain(body.input, body.value_info, body.output)
+    return {info.name: info.type for info in infos if info.type.WhichOneof("value")}
+
+
+def tensor_dims(type_proto):
+    """A tensor type's dims (None where unknown), or None without a shape."""
+    if type_proto is None or type_proto.WhichOneof("value") != "tensor_type":
+        return None
+    tensor_type = type_proto.tensor_type
+    if not tensor_type.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None for d in tensor_type.shape.dim]
+
+
+def shapes_agree(first, second):
+    """True when two types' shapes are known and equal, False when known to differ, else None."""
+    a, b = tensor_dims(first), tensor_dims(second)
+    if a is None or b is None:
+        return None
+    if len(a) != len(b) or any(x is not None and y is not None and x != y for x, y in zip(a, b)):
+        return False
+    return True if None not in a and None not in b else None
+
+
+NOT_TENSOR_KINDS = {
+    "sequence_type": "a sequence",
+    "optional_type": "an optional",
+    "map_type": "a map",
+    "sparse_tensor_type": "a sparse tensor",
+    "opaque_type": "an opaque value",
+}
+
+
+def type_problem(type_proto):
+    """Why a tensor of this type cannot be compared (None: it can, or its type is unknown)."""
+    if type_proto is None:
+        return None
+    kind = type_proto.WhichOneof("value")
+    if kind is None:
+        return None
+    if kind != "tensor_type":
+        return NOT_TENSOR_KINDS.get(kind, kind)
+    if type_proto.tensor_type.elem_type == onnx.TensorProto.STRING:
+        return "a string tensor"
+    return None
+
+
+def comparable_dtype(type_proto):
+    """Whether a tensor of this type is measured (numbers; unknown types are tried)."""
+    if type_proto is None or not type_proto.tensor_type.elem_type:
+        return type_problem(type_proto) is None
+    elem_type = type_proto.tensor_type.elem_type
+    return elem_type not in (onnx.TensorProto.STRING, onnx.TensorProto.BOOL)
+
+
+def tensor_bytes(type_proto):
+    """Bytes of a tensor whose type and dims are all known, else None."""
+    dims = tensor_dims(type_proto)
+    if dims is None or None in dims or not type_proto.tensor_type.elem_type:
+        return None
+    try:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(type_proto.tensor_type.elem_type).itemsize
+    except (KeyError, ValueError, TypeError):
+        return None
+    return math.prod(dims), math.prod(dims) * itemsize
 
 
 class ReferenceMatcher:
@@ -1086,8 +1210,9 @@ class ReferenceMatcher:
     quantized models, or a model with itself, then gives zeros where equal).
     """
 
-    def __init__(self, float_graph):
+    def __init__(self, float_graph, types=None):
         self.graph = float_graph
+        self.types = types or {}
         self.index = GraphIndex(float_graph)
         self.tensors = value_names(float_graph)
         self.by_node = {}
@@ -1096,18 +1221,36 @@ class ReferenceMatcher:
                 if tensor:
                     self.by_node[(self.index.names[i], k)] = tensor
 
-    def reference(self, tensor, producer_name=None, output_index=None):
-        """Same name without ORT's QDQ suffixes, else the same node's same output."""
+    def reference(self, tensor, producer_name=None, output_index=None, want=None):
+        """Same name without ORT's QDQ suffixes, else the same node's same output.
+
+        A candidate whose shape is known to differ from ``want`` (the quantized
+        tensor's type) is passed over: a name reused with another meaning.
+        """
         stripped = QDQ_SUFFIX.sub("", tensor)
-        if stripped not in self.tensors:
-            stripped = self.by_node.get((producer_name, output_index))
-        if stripped is None:
-            return None
-        return output_chain(self.index, self.graph, stripped)[1]
+        candidates = [stripped] if stripped in self.tensors else []
+        candidates.append(self.by_node.get((producer_name, output_index)))
+        for candidate in candidates:
+            if candidate is not None and shapes_agree(self.types.get(candidate), want) is not False:
+                return output_chain(self.index, self.graph, candidate)[1]
+        return None
 
 
 def has_subgraph(node):
     return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+
+
+def subgraphs(node):
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            yield attribute.g
+        elif attribute.type == onnx.AttributeProto.GRAPHS:
+            yield from attribute.graphs
+
+
+def first_output(node):
+    """The first output a node writes ("" when it writes none): optional ones may be left out."""
+    return next((t for t in node.output if t), "")
 
 
 class OpModel:
@@ -1122,7 +1265,7 @@ class OpModel:
     is the quantized model's own, so the combined graph reuses it.
     """
 
-    def __init__(self, index, graph, i, matcher, initializer_protos):
+    def __init__(self, index, graph, i, matcher, initializer_protos, types):
         self.index, self.graph, self.row = index, graph, i
         chain, self.weight_nodes = [], set()
         for tensor in index.inputs[i]:
@@ -1130,7 +1273,7 @@ class OpModel:
             if links and source in index.initializers:
                 self.weight_nodes.update(links)
             chain += [j for j in links if j not in chain]
-        out_chain, self.output = output_chain(index, graph, graph.node[i].output[0])
+        out_chain, self.output = output_chain(index, graph, first_output(graph.node[i]))
         self.nodes = chain + [i] + out_chain
         produced = {t for j in self.nodes for t in index.outputs[j]}
         self.initializers, self.feeds = [], {}
@@ -1141,7 +1284,7 @@ class OpModel:
                 if tensor in index.initializers:
                     self.initializers.append(tensor)
                 else:
-                    self.feeds[tensor] = tensor_reference(index, matcher, tensor)
+                    self.feeds[tensor] = tensor_reference(index, matcher, tensor, types)
         self.output_scale = output_scale(graph, out_chain, initializer_protos)
 
     def node_protos(self, rename=None, name_prefix="", skip=()):
@@ -1188,70 +1331,51 @@ def output_chain(index, graph, tensor):
     return [], tensor
 
 
+def scalar_initializer(initializer_protos, name):
+    """``(value, data_type)`` of a one-element initializer, else None."""
+    init = initializer_protos.get(name)
+    if init is None:
+        return None
+    values = onnx.numpy_helper.to_array(init)
+    return (values.reshape(-1)[0], init.data_type) if values.size == 1 else None
+
+
 def output_scale(graph, out_chain, initializer_protos):
     """The output Q's scale as a float, when it is a scalar initializer."""
     if not out_chain:
         return None
-    init = initializer_protos.get(graph.node[out_chain[0]].input[1])
-    if init is None:
+    scale = scalar_initializer(initializer_protos, graph.node[out_chain[0]].input[1])
+    return None if scale is None else float(scale[0])
+
+
+def clip_range(graph, q_node, initializer_protos):
+    """``(lo, hi)``: what a per-tensor Q represents, ``(qmin - zp) * s`` to
+    ``(qmax - zp) * s``; None for a per-channel or non-integer Q."""
+    node = graph.node[q_node]
+    scale = scalar_initializer(initializer_protos, node.input[1])
+    if scale is None:
         return None
-    values = onnx.numpy_helper.to_array(init)
-    return float(values.reshape(-1)[0]) if values.size == 1 else None
+    if len(node.input) > 2 and node.input[2]:
+        zero_point = scalar_initializer(initializer_protos, node.input[2])
+        if zero_point is None:
+            return None
+        zero, data_type = int(zero_point[0]), zero_point[1]
+    else:
+        declared = [a.i for a in node.attribute if a.name == "output_dtype" and a.i]
+        zero, data_type = 0, (declared[0] if declared else onnx.TensorProto.UINT8)
+    if data_type not in Q_RANGES:
+        return None
+    qmin, qmax = Q_RANGES[data_type]
+    s = float(scale[0])
+    return (qmin - zero) * s, (qmax - zero) * s
 
 
-def tensor_reference(index, matcher, tensor):
+def tensor_reference(index, matcher, tensor, types=None):
+    want = (types or {}).get(tensor)
     producer = index.producer_of(tensor)
     if producer is None:
-        return matcher.reference(tensor)
-    return matcher.reference(tensor, index.names[producer], index.outputs[producer].index(tensor))
-
-
-def run_with_outputs(model, feeds, outputs, path, extra_inputs=(), copy=True):
-    """Run ``model`` exposing ``outputs`` (tensor names); returns ``{name: array}``.
-
-    ``copy=False`` lets a caller's private model be changed in place.
-    """
-    exposed = model
-    if copy:
-        exposed = onnx.ModelProto()
-        exposed.CopyFrom(model)
-    graph_outputs = {o.name for o in exposed.graph.output}
-    exposed.graph.input.extend(extra_inputs)
-    exposed.graph.output.extend(
-        onnx.ValueInfoProto(name=t) for t in outputs if t not in graph_outputs
-    )
-    names = [o.name for o in exposed.graph.output]
-    return dict(zip(names, run_model(exposed, feeds, path)))
-
-
-def combined_model(quant_model, op_models, float_values):
-    """The quantized model with every single-op model appended, and their feeds."""
-    combined = onnx.ModelProto()
-    combined.CopyFrom(quant_model)
-    feeds, extra_inputs, outputs = {}, [], {}
-    for k, op in enumerate(op_models):
-        if op is None:
-            continue
-        prefix = ROW_PREFIX.format(k)
-        fed = {}
-        for tensor, reference in op.feeds.items():
-            if reference is None:
-                fed[tensor] = tensor  # the quantized model's own value
-                continue
-            fed[tensor] = FLOAT_PREFIX + reference
-            if fed[tensor] not in feeds:
-                feeds[fed[tensor]] = float_values[reference]
-                extra_inputs.append(value_info_of(fed[tensor], float_values[reference]))
-        # Initializers and dequantized weights are the quantized model's own tensors.
-        keep = set(op.initializers)
-        keep.update(t for j in op.weight_nodes for t in op.index.outputs[j])
-
-        def rename(tensor, prefix=prefix, fed=fed, keep=keep):
-            return fed.get(tensor) or (tensor if tensor in keep else prefix + tensor)
-
-        combined.graph.node.extend(op.node_protos(rename, prefix, skip=op.weight_nodes))
-        outputs[k] = rename(op.output)
-    return combined, feeds, extra_inputs, outputs
+        return matcher.reference(tensor, want=want)
+    return matcher.reference(tensor, index.names[producer], index.outputs[producer].index(tensor), want)
 
 
 def value_info_of(name, array):
@@ -1263,7 +1387,9 @@ def error_stats(reference, value):
     """(max |ref - value|, SQNR in dB) or Nones when they cannot be compared."""
     import numpy as np
 
-    if reference is None or value is None or reference.shape != value.shape:
+    if not (isinstance(reference, np.ndarray) and isinstance(value, np.ndarray)):
+        return None, None
+    if reference.shape != value.shape:
         return None, None
     if not (np.issubdtype(reference.dtype, np.number) and np.issubdtype(value.dtype, np.number)):
         return None, None
@@ -1272,13 +1398,340 @@ def error_stats(reference, value):
     noise = float(np.linalg.norm(difference))
     signal = float(np.linalg.norm(ref))
     max_abs = float(np.max(np.abs(difference), initial=0.0))
-    sqnr = 20.0 * math.log10(signal / noise) if noise > 0 and signal > 0 else None
-    return max_abs, sqnr
+    return max_abs, sqnr_db(signal, noise)
+
+
+def sqnr_db(signal, noise):
+    return 20.0 * math.log10(signal / noise) if noise > 0 and signal > 0 else None
+
+
+# --------------------------------------------------------------------------
+# trace: graphscan's combined model
+
+
+def rename_graph(graph, rename, node_prefix):
+    """Rename every tensor of ``graph`` and of its subgraphs in place."""
+    for node in graph.node:
+        if node.name:
+            node.name = node_prefix + node.name
+        node.input[:] = [rename(t) if t else t for t in node.input]
+        node.output[:] = [rename(t) if t else t for t in node.output]
+        for body in subgraphs(node):
+            rename_graph(body, rename, node_prefix)
+    for info in itertools.chain(graph.input, graph.output, graph.value_info):
+        info.name = rename(info.name)
+    for init in graph.initializer:
+        init.name = rename(init.name)
+    for sparse in graph.sparse_initializer:
+        sparse.values.name = rename(sparse.values.name)
+
+
+def node_reads(node):
+    """Every tensor name ``node`` reads, its subgraphs' outer-scope reads included."""
+    names = [t for t in node.input if t]
+    for body in subgraphs(node):
+        for inner in body.node:
+            names.extend(node_reads(inner))
+    return names
+
+
+def schedule(entries):
+    """``entries`` (rank, node) in an order that runs each node after its inputs,
+    the ready node of lowest rank first (ties: as listed). onnxruntime's
+    PRIORITY_BASED order then runs them exactly so."""
+    import heapq
+
+    producers = {t: k for k, (_, node) in enumerate(entries) for t in node.output if t}
+    waiting, readers = [0] * len(entries), [[] for _ in entries]
+    for k, (_, node) in enumerate(entries):
+        needed = {producers[t] for t in node_reads(node) if t in producers} - {k}
+        waiting[k] = len(needed)
+        for producer in needed:
+            readers[producer].append(k)
+    ready = [(rank, k) for k, (rank, _) in enumerate(entries) if not waiting[k]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, k = heapq.heappop(ready)
+        order.append(k)
+        for reader in readers[k]:
+            waiting[reader] -= 1
+            if not waiting[reader]:
+                heapq.heappush(ready, (entries[reader][0], reader))
+    placed = set(order)
+    order += [k for k in range(len(entries)) if k not in placed]  # a cycle: onnxruntime says so
+    return [entries[k][1] for k in order]
+
+
+class Comparison:
+    """max |reference - value| (and, with ``signal``, the SQNR) of two tensors of
+    the combined model: fetched and measured in numpy, or reduced in the graph."""
+
+    def __init__(self, reference, value, signal=False):
+        self.reference, self.value, self.signal = reference, value, signal
+        self.scalars = None  # names of the in-graph results when reduced
+
+    def result(self, values):
+        """``(max_abs, sqnr_db)`` from the session's results ``values``."""
+        if self.scalars is None:
+            return error_stats(values.get(self.reference), values.get(self.value))
+        if "shapes" in self.scalars:
+            first, second = (values[n] for n in self.scalars["shapes"])
+            if list(first) != list(second):
+                return None, None
+        noise_squared = float(values[self.scalars["noise"]])
+        if math.isnan(noise_squared):
+            return math.nan, None  # numpy's max keeps a NaN; ReduceMax need not
+        largest = float(values[self.scalars["max"]])
+        max_abs = largest if largest > 0 else 0.0  # an empty tensor: numpy's initial=0.0
+        if not self.signal:
+            return max_abs, None
+        return max_abs, sqnr_db(math.sqrt(float(values[self.scalars["signal"]])), math.sqrt(noise_squared))
+
+
+class ClipCount:
+    """Fraction of a tensor's values outside ``[lo, hi]``: counted in numpy or in the graph."""
+
+    def __init__(self, tensor, lo, hi):
+        self.tensor, self.lo, self.hi = tensor, lo, hi
+        self.scalars = None
+
+    def result(self, values):
+        import numpy as np
+
+        if self.scalars is None:
+            array = values.get(self.tensor)
+            if not isinstance(array, np.ndarray) or not np.issubdtype(array.dtype, np.number):
+                return None
+            wide = array.astype(np.float64)
+            count, size = int(np.count_nonzero((wide < self.lo) | (wide > self.hi))), array.size
+        else:
+            count, size = (int(values[n]) for n in self.scalars)
+        return count / size if size else None
+
+
+class CombinedModel:
+    """Builds graphscan's combined model and says what to fetch from it.
+
+    Quantized nodes keep their names; the float model's tensors and nodes are
+    renamed under FLOAT_PREFIX (the fed inputs are shared); row k's single-op
+    model lives under ``ROW_PREFIX.format(k)``; statistics under STATS_PREFIX.
+    """
+
+    def __init__(self, float_model, quant_model, feeds, float_types, quant_types):
+        self.float_model, self.quant_model, self.feeds = float_model, quant_model, feeds
+        self.entries = []  # (rank, node) before scheduling
+        self.initializers = []
+        self.fetch = []
+        self.fetch_rank = {}  # fetched float tensor -> lowest rank of a row that fetches it
+        self.sparse_initializers = []
+        self.budget = TRACE_FETCH_BUDGET
+        self.count = 0
+        self.types = dict(quant_types)
+        self.types.update((self.float_name(t), info) for t, info in float_types.items())
+        for rank, node in enumerate(quant_model.graph.node):
+            self.entries.append((rank, node))
+        self.end = len(quant_model.graph.node)
+
+    def float_name(self, tensor):
+        return tensor if tensor in self.feeds else FLOAT_PREFIX + tensor
+
+    def fetched(self, rank, names):
+        for name in names:
+            if name not in self.fetch and name not in self.feeds:
+                self.fetch.append(name)
+            self.fetch_rank[name] = min(rank, self.fetch_rank.get(name, rank))
+
+    def fits(self, names):
+        """Whether ``names`` can be fetched: each small and of known size, all
+        within what is left of the budget (then charged to it)."""
+        new = list(dict.fromkeys(n for n in names if n not in self.fetch and n not in self.feeds))
+        sizes = [tensor_bytes(self.types.get(n)) for n in new]
+        if any(size is None or size[0] > TRACE_FETCH_ELEMENTS for size in sizes):
+            return False
+        cost = sum(size[1] for size in sizes)
+        if cost > self.budget:
+            return False
+        self.budget -= cost
+        return True
+
+    def add_node(self, rank, op_type, inputs, **attributes):
+        self.count += 1
+        output = f"{STATS_PREFIX}{op_type}_{self.count}"
+        self.entries.append((rank, onnx.helper.make_node(op_type, inputs, [output], name=output, **attributes)))
+        return output
+
+    def add_constant(self, array):
+        import numpy as np
+
+        self.count += 1
+        name = f"{STATS_PREFIX}constant_{self.count}"
+        self.initializers.append(onnx.numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def as_double(self, rank, tensor):
+        return self.add_node(rank, "Cast", [tensor], to=onnx.TensorProto.DOUBLE)
+
+    def compare(self, rank, reference, value, signal=False, fetch=False):
+        """A Comparison of two tensors (fetched when ``fetch``, else reduced in
+        the graph), or None when their types rule it out."""
+        first, second = self.types.get(reference), self.types.get(value)
+        if not (comparable_dtype(first) and comparable_dtype(second)) or shapes_agree(first, second) is False:
+            return None
+        comparison = Comparison(reference, value, signal)
+        if fetch:
+            self.fetched(rank, [reference, value])
+            return comparison
+        scalars = {}
+        ref, val = self.as_double(rank, reference), self.as_double(rank, value)
+        if shapes_agree(first, second) is None:
+            # Shapes only known at run time: compare flat prefixes of one
+            # length (each cut to the other's size), so the Sub always runs,
+            # and fetch both shapes.
+            flat, one, start = self.add_constant([-1]), self.add_constant([1]), self.add_constant([0])
+            ref, val = self.add_node(rank, "Reshape", [ref, flat]), self.add_node(rank, "Reshape", [val, flat])
+            ref_size = self.add_node(rank, "Reshape", [self.add_node(rank, "Size", [ref]), one])
+            val_size = self.add_node(rank, "Reshape", [self.add_node(rank, "Size", [val]), one])
+            ref, val = self.add_node(rank, "Slice", [ref, start, val_size]), self.add_node(rank, "Slice", [val, start, ref_size])
+            scalars["shapes"] = [self.add_node(rank, "Shape", [reference]), self.add_node(rank, "Shape", [value])]
+        difference = self.add_node(rank, "Sub", [ref, val])
+        scalars["max"] = self.add_node(rank, "ReduceMax", [self.add_node(rank, "Abs", [difference])], keepdims=0)
+        scalars["noise"] = self.add_node(rank, "ReduceSumSquare", [difference], keepdims=0)
+        if signal:
+            scalars["signal"] = self.add_node(rank, "ReduceSumSquare", [ref], keepdims=0)
+        comparison.scalars = scalars
+        self.fetched(rank, [n for group in scalars.values() for n in ([group] if isinstance(group, str) else group)])
+        return comparison
+
+    def clip_count(self, rank, tensor, lo, hi, fetch):
+        """A ClipCount of ``tensor``; counted in numpy when ``fetch`` (its row is fetched)."""
+        count = ClipCount(tensor, lo, hi)
+        if not comparable_dtype(self.types.get(tensor)):
+            return None
+        if fetch:
+            self.fetched(rank, [tensor])
+            return count
+        wide = self.as_double(rank, tensor)
+        outside = self.add_node(
+            rank, "Or",
+            [self.add_node(rank, "Less", [wide, self.add_constant(lo)]),
+             self.add_node(rank, "Greater", [wide, self.add_constant(hi)])],
+        )
+        total = self.add_node(rank, "ReduceSum", [self.add_node(rank, "Cast", [outside], to=onnx.TensorProto.INT64)], keepdims=0)
+        count.scalars = [total, self.add_node(rank, "Size", [tensor])]
+        self.fetched(rank, count.scalars)
+        return count
+
+    def add_float_model(self):
+        """The float graph, renamed, each node ranked by the first row that needs it;
+        nodes no row needs are left out."""
+        graph = onnx.GraphProto()
+        graph.CopyFrom(self.float_model.graph)
+        rename_graph(graph, self.float_name, FLOAT_PREFIX)
+        wanted = {}  # float tensor -> lowest rank of a reader
+        for rank, node in self.entries:
+            for tensor in node_reads(node):
+                if tensor.startswith(FLOAT_PREFIX):
+                    wanted[tensor] = min(rank, wanted.get(tensor, rank))
+        for name, rank in self.fetch_rank.items():
+            if name.startswith(FLOAT_PREFIX):
+                wanted[name] = min(rank, wanted.get(name, rank))
+        ranked = []
+        for node in reversed(graph.node):
+            ranks = [wanted[t] for t in node.output if t in wanted]
+            if not ranks:
+                continue
+            rank = min(ranks)
+            for tensor in node_reads(node):
+                wanted[tensor] = min(rank, wanted.get(tensor, rank))
+            ranked.append((rank, node))
+        self.entries.extend(reversed(ranked))
+        self.initializers.extend(graph.initializer)
+        self.sparse_initializers = list(graph.sparse_initializer)
+
+    def model(self):
+        """The combined ModelProto, nodes scheduled, outputs the fetched names."""
+        combined = onnx.ModelProto()
+        combined.CopyFrom(self.quant_model)
+        graph = combined.graph
+        del graph.node[:]
+        graph.node.extend(schedule(self.entries))
+        graph.initializer.extend(self.initializers)
+        graph.sparse_initializer.extend(self.sparse_initializers)
+        del graph.output[:]
+        graph.output.extend(onnx.ValueInfoProto(name=t) for t in self.fetch)
+        quant_opsets = {o.domain or "ai.onnx": o.version for o in combined.opset_import}
+        for opset in self.float_model.opset_import:
+            domain = opset.domain or "ai.onnx"
+            if domain not in quant_opsets:
+                combined.opset_import.append(opset)
+        known = {(f.domain, f.name) for f in combined.functions}
+        combined.functions.extend(f for f in self.float_model.functions if (f.domain, f.name) not in known)
+        combined.ir_version = max(combined.ir_version, self.float_model.ir_version)
+        return combined
+
+
+def float_in_quant_opset(float_model, quant_model, a, b):
+    """The float model at the quantized model's default opset, so both run in one session."""
+    def default_opset(model):
+        return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+
+    wanted, have = default_opset(quant_model), default_opset(float_model)
+    if wanted is None or have is None or wanted == have:
+        return float_model
+    try:
+        return onnx.version_converter.convert_version(float_model, wanted)
+    except Exception as exc:
+        raise GraphscanError(
+            f"{a}: opset {have} cannot join {b}'s opset {wanted} in graphscan's combined model "
+            f"({one_line(exc)})",
+            EXIT_RUNTIME,
+        )
+
+
+def run_combined(model, feeds, fetch, a, b, rows):
+    """Run graphscan's combined model once; ``{fetched name: value}``.
+
+    A failure is blamed on the model it comes from: the float model, the
+    quantized one, or graphscan's own single-op model of a row's node.
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.execution_order = ort.ExecutionOrder.PRIORITY_BASED  # the order schedule() chose
+    options.log_severity_level = 4  # errors are reported in our one line, not ORT's log
+    run_options = ort.RunOptions()
+    run_options.log_severity_level = 4
+    combined = f"graphscan's combined model of {a} and {b}"
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return dict(zip(fetch, session.run(fetch, feeds, run_options)))
+    except MemoryError as exc:
+        raise GraphscanError(f"{combined}: out of memory ({one_line(exc)})", EXIT_RUNTIME)
+    except Exception as exc:
+        text = str(exc)
+        if OUT_OF_MEMORY.search(text):
+            raise GraphscanError(f"{combined}: out of memory ({one_line(exc)})", EXIT_RUNTIME)
+        node = re.search(r"Name:'([^']*)'|[Nn]ode \(([^)]*)\)", text)
+        node = (node.group(1) or node.group(2) or "") if node else ""
+        row = ROW_NODE.match(node)
+        if row:
+            name = rows[int(row.group(1))].name
+            message = f"{b}: graphscan's own single-op model for node {name!r} does not run in onnxruntime"
+        elif node.startswith(FLOAT_PREFIX):
+            message = f"{a}: model does not run in onnxruntime"
+        elif node.startswith(STATS_PREFIX):
+            message = f"{combined} does not run in onnxruntime"
+        else:
+            message = f"{b}: model does not run in onnxruntime"
+        raise GraphscanError(f"{message} ({one_line(exc)})", EXIT_RUNTIME)
 
 
 REASON_ABSORBED = "its output is compared with a quantized node of another type (absorbed)"
 REASON_NO_TWIN = "no quantized node of the same name and op_type"
 REASON_SUBGRAPH = "has a subgraph (If/Loop/Scan): only its outputs are compared, it is not isolated"
+REASON_NOT_TENSOR = "its output is {}: not compared"
 
 
 def unmatched_float_nodes(float_index, quant_index, rows):
@@ -1311,8 +1764,30 @@ def unmatched_float_nodes(float_index, quant_index, rows):
     return unmatched
 
 
-def file_safe(name):
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+# --------------------------------------------------------------------------
+# trace: --save
+
+
+def file_stems(names):
+    """A file stem per name, all different even on a case-insensitive file system.
+
+    A name made only of ``[A-Za-z0-9._-]`` is its own stem; any other gets its
+    unsafe characters turned into ``_`` and a hash of the name appended.
+    """
+    import hashlib
+
+    stems, taken = [], set()
+    for name in names:
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:120]
+        if safe != name or safe.strip(".") == "":
+            safe = f"{safe}-{hashlib.sha1(name.encode('utf-8', 'surrogatepass')).hexdigest()[:10]}"
+        stem, n = safe, 1
+        while stem.casefold() in taken:
+            n += 1
+            stem = f"{safe}-{n}"
+        taken.add(stem.casefold())
+        stems.append(stem)
+    return stems
 
 
 def standalone_model(quant_model, op, input_arrays, output_array):
@@ -1322,7 +1797,7 @@ def standalone_model(quant_model, op, input_arrays, output_array):
     model = onnx.helper.make_model(
         onnx.helper.make_graph(
             op.node_protos(),
-            file_safe(op.index.names[op.row]),
+            op.index.names[op.row],
             [value_info_of(name, input_arrays[name]) for name in op.feeds],
             [value_info_of(op.output, output_array)],
             initializers,
@@ -1333,122 +1808,204 @@ def standalone_model(quant_model, op, input_arrays, output_array):
     return model
 
 
-def save_op_models(folder, quant_model, rows, op_models, arrays_by_row):
-    """Write ``<node>.onnx`` and ``<node>.npz`` for every row that has a single-op model."""
+def npz_bytes(inputs, reference):
+    """The ``--save`` .npz: arrays under generated keys (``input0``, ...,
+    ``reference``) and ``names.json`` mapping each key back to its tensor name,
+    so any tensor name round-trips."""
     import io
+    import zipfile
 
     import numpy as np
 
+    keys = {f"input{k}": name for k, name in enumerate(inputs)}
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        for key, name in keys.items():
+            with archive.open(f"{key}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asarray(inputs[name]), allow_pickle=False)
+        with archive.open("reference.npy", "w", force_zip64=True) as member:
+            np.lib.format.write_array(member, np.asarray(reference), allow_pickle=False)
+        names = {"inputs": {name: key for key, name in keys.items()}, "reference": "reference"}
+        archive.writestr("names.json", json.dumps(names, ensure_ascii=False))
+    return buffer.getvalue()
+
+
+def save_op_models(folder, quant_model, rows, op_models, arrays_by_row):
+    """Write ``<stem>.onnx`` and ``<stem>.npz`` for every row that has a single-op
+    model, and ``index.json`` mapping each row's node to its stem."""
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:
         raise GraphscanError(f"{folder}: cannot create ({exc.strerror or exc})", EXIT_NO_FILE)
-    used = set()
-    for row, op, saved in zip(rows, op_models, arrays_by_row):
-        if op is None or saved is None:
-            continue
-        arrays, output_array = saved
-        stem = file_safe(row["node"])
-        if stem in used:  # two names that differ only in unsafe characters
-            stem = f"{stem}_{op.row}"
-        used.add(stem)
-        model = standalone_model(quant_model, op, arrays, output_array)
+    saved = [(row, op, arrays) for row, op, arrays in zip(rows, op_models, arrays_by_row) if op and arrays]
+    stems = file_stems([row["node"] for row, _, _ in saved])
+    for stem, (row, op, (arrays, reference, isolated)) in zip(stems, saved):
+        model = standalone_model(quant_model, op, arrays, isolated)
         write_atomically(model.SerializeToString(), os.path.join(folder, stem + ".onnx"))
-        buffer = io.BytesIO()
-        np.savez(buffer, **arrays)
-        write_atomically(buffer.getvalue(), os.path.join(folder, stem + ".npz"))
+        write_atomically(npz_bytes(arrays, reference), os.path.join(folder, stem + ".npz"))
+    index = {row["node"]: stem for stem, (row, _, _) in zip(stems, saved)}
+    write_atomically(json.dumps(index, ensure_ascii=False).encode("utf-8"), os.path.join(folder, "index.json"))
 
 
-def plan_rows(quant_model, quant_index, matcher):
-    """Per compute node of the quantized model: its index, float reference and
-    single-op model (None where it has no reference or has a subgraph)."""
+# --------------------------------------------------------------------------
+# trace: the rows
+
+
+class TraceRow:
+    """One compute node of the quantized model: its float reference, single-op
+    model (None where it has no reference or has a subgraph), the tensor it
+    writes and what the next op sees, and why it is not compared, if so."""
+
+    def __init__(self, index, graph, i, matcher, initializer_protos, types):
+        node = graph.node[i]
+        self.i, self.name = i, index.names[i]
+        self.output = first_output(node)
+        self.problem = type_problem(types.get(self.output)) if self.output else None
+        self.reference = self.op = None
+        self.out_chain, self.seen = output_chain(index, graph, self.output) if self.output else ([], "")
+        if self.output and not self.problem:
+            self.reference = tensor_reference(index, matcher, self.output, types)
+        if self.reference is not None and not has_subgraph(node):
+            self.op = OpModel(index, graph, i, matcher, initializer_protos, types)
+        self.clip = clip_range(graph, self.out_chain[0], initializer_protos) if self.out_chain else None
+
+
+def plan_rows(quant_model, quant_index, matcher, types):
+    """A TraceRow per compute node of the quantized model, in graph order."""
     graph = quant_model.graph
     initializer_protos = {init.name: init for init in graph.initializer}
-    rows = []
-    for i in quant_index.compute_nodes:
-        first_output = graph.node[i].output[0] if graph.node[i].output else ""
-        reference = tensor_reference(quant_index, matcher, first_output) if first_output else None
-        op = None
-        if reference is not None and not has_subgraph(graph.node[i]):
-            op = OpModel(quant_index, graph, i, matcher, initializer_protos)
-        rows.append((i, reference, op))
-    return rows
+    return [TraceRow(quant_index, graph, i, matcher, initializer_protos, types) for i in quant_index.compute_nodes]
 
 
-def row_answer(index, i, reference, op, ref_value, isolated, seen):
+def output_pairs(float_model, quant_model, a, b):
+    """``[(float output, quantized output)]``: by name, else by position (exit 7 when neither fits)."""
+    first = [o.name for o in float_model.graph.output]
+    second = [o.name for o in quant_model.graph.output]
+    if set(first) <= set(second):
+        return [(name, name) for name in first]
+    if len(first) == len(second):
+        return list(zip(first, second))
+    raise GraphscanError(
+        f"{a} and {b}: the models' outputs differ ({', '.join(first)} vs {', '.join(second)})", EXIT_INPUTS
+    )
+
+
+def row_answer(index, row, isolated, propagated, clipped):
     """One ``ops`` row of the trace answer."""
-    isolated_max, _ = error_stats(ref_value, isolated)
-    propagated_max, sqnr = error_stats(ref_value, seen)
-    scale = op.output_scale if op else None
+    isolated_max, _ = isolated
+    propagated_max, sqnr = propagated
+    scale = row.op.output_scale if row.op else None
     return {
-        "node": index.names[i],
-        "op_type": index.op_types[i],
-        "wrapped": index.wrapped[i],
-        "reference": reference,
+        "node": index.names[row.i],
+        "op_type": index.op_types[row.i],
+        "wrapped": index.wrapped[row.i],
+        "reference": row.reference,
         "isolated_max_abs": isolated_max,
         "propagated_max_abs": propagated_max,
         "isolated_lsb": isolated_max / scale if isolated_max is not None and scale else None,
         "sqnr_db": sqnr,
+        "clipped": clipped,
     }
 
 
-def trace(a, b, inputs=None, seed=0, tolerance=TRACE_TOLERANCE, save=None):
+def trace(a, b, inputs=None, seed=0, tolerance=TRACE_TOLERANCE, save=None, shape=None):
     """Per operator of ``b`` (quantized): isolated and propagated error against ``a`` (float)."""
     float_model, quant_model = load_with_weights(a), load_with_weights(b)
     check_same_inputs(float_model, quant_model, a, b)
-    feeds = model_samples(float_model, [inputs] if inputs else None, None, seed, TRACE_SYMBOLIC_DIM_SIZE)[0][0]
-    quant_index = GraphIndex(quant_model.graph)
-    matcher = ReferenceMatcher(float_model.graph)
-    plan = plan_rows(quant_model, quant_index, matcher)
-    op_models = [op for _, _, op in plan]
-    output_names = [o.name for o in float_model.graph.output]
-
-    # Session 1: the float model, exposing every reference a row needs.
-    wanted_float = {ref for _, ref, _ in plan if ref} | set(output_names)
-    for op in filter(None, op_models):
-        wanted_float.update(ref for ref in op.feeds.values() if ref)
-    float_values = {
-        **feeds,
-        **run_with_outputs(float_model, feeds, sorted(wanted_float - set(feeds)), a),
-    }
-
-    # Session 2: the quantized model with every single-op model appended.
-    combined, row_feeds, extra_inputs, row_outputs = combined_model(quant_model, op_models, float_values)
-    seen = {
-        i: output_chain(quant_index, quant_model.graph, quant_model.graph.node[i].output[0])[1]
-        for i, _, _ in plan
-        if quant_model.graph.node[i].output
-    }
-    own_values = {t for op in filter(None, op_models) for t, ref in op.feeds.items() if ref is None}
-    wanted_quant = set(seen.values()) | set(row_outputs.values()) | own_values | set(output_names)
-    quant_values = run_with_outputs(
-        combined, {**feeds, **row_feeds}, sorted(wanted_quant), b, extra_inputs, copy=False
+    samples, defaulted = model_samples(
+        float_model, [inputs] if inputs else None, parse_shapes(shape), seed, TRACE_SYMBOLIC_DIM_SIZE
     )
-    quant_values.update(feeds)
+    feeds = samples[0]
+    pairs = output_pairs(float_model, quant_model, a, b)
+    float_types, quant_types = inferred_types(float_model, feeds), inferred_types(quant_model, feeds)
+    quant_index = GraphIndex(quant_model.graph)
+    matcher = ReferenceMatcher(float_model.graph, float_types)
+    plan = plan_rows(quant_model, quant_index, matcher, quant_types)
+
+    combined = CombinedModel(
+        float_in_quant_opset(float_model, quant_model, a, b), quant_model, feeds, float_types, quant_types
+    )
+    measured = []
+    for k, row in enumerate(plan):
+        rank = row.i
+        reference = combined.float_name(row.reference) if row.reference is not None else None
+        isolated = propagated = clip = None
+        op_output = None
+        if row.op is not None:
+            prefix = ROW_PREFIX.format(k)
+            fed = {t: (combined.float_name(r) if r is not None else t) for t, r in row.op.feeds.items()}
+            # Initializers and dequantized weights are the quantized model's own tensors.
+            keep = set(row.op.initializers)
+            keep.update(t for j in row.op.weight_nodes for t in quant_index.outputs[j])
+
+            def rename(tensor, prefix=prefix, fed=fed, keep=keep):
+                return fed.get(tensor) or (tensor if tensor in keep else prefix + tensor)
+
+            combined.entries.extend((rank, n) for n in row.op.node_protos(rename, prefix, skip=row.op.weight_nodes))
+            op_output = rename(row.op.output)
+            combined.types.setdefault(op_output, quant_types.get(row.op.output))
+        # A row's tensors are all fetched (--save fetches every row) or all reduced.
+        needed = [reference, op_output, row.seen] if reference is not None else []
+        needed += [row.output] if row.clip is not None else []
+        fetch = (save is not None and row.op is not None) or combined.fits([n for n in needed if n])
+        if reference is not None:
+            if op_output is not None:
+                isolated = combined.compare(rank, reference, op_output, fetch=fetch)
+            if row.seen:
+                propagated = combined.compare(rank, reference, row.seen, signal=True, fetch=fetch)
+        if row.clip is not None:
+            clip = combined.clip_count(rank, row.output, *row.clip, fetch=fetch)
+        if save is not None and row.op is not None:
+            combined.fetched(rank, fed.values())
+        measured.append((isolated, propagated, clip, op_output))
+    output_comparisons = {}
+    for f, q in pairs:
+        reference = combined.float_name(f)
+        output_comparisons[f] = combined.compare(combined.end, reference, q, fetch=combined.fits([reference, q]))
+    combined.add_float_model()
+    model = combined.model()
+    try:
+        values = run_combined(model, feeds, combined.fetch, a, b, plan)
+    finally:
+        del model
+    values.update(feeds)
 
     rows, saved = [], []
-    for k, (i, reference, op) in enumerate(plan):
-        ref_value = float_values.get(reference) if reference else None
-        isolated = quant_values.get(row_outputs[k]) if op else None
-        rows.append(row_answer(quant_index, i, reference, op, ref_value, isolated, quant_values.get(seen.get(i))))
+    for row, (isolated, propagated, clip, op_output) in zip(plan, measured):
+        nothing = (None, None)
+        rows.append(
+            row_answer(
+                quant_index, row,
+                isolated.result(values) if isolated else nothing,
+                propagated.result(values) if propagated else nothing,
+                clip.result(values) if clip else None,
+            )
+        )
         arrays = None
-        if isolated is not None and ref_value is not None:
-            arrays = {t: (float_values[r] if r else quant_values[t]) for t, r in op.feeds.items()}
-            arrays = ({**arrays, "reference": ref_value}, isolated)
+        if save is not None and isolated is not None and rows[-1]["isolated_max_abs"] is not None:
+            inputs_of_op = {
+                t: values[combined.float_name(r) if r is not None else t] for t, r in row.op.feeds.items()
+            }
+            arrays = (inputs_of_op, values[combined.float_name(row.reference)], values[op_output])
         saved.append(arrays)
     if save is not None:
-        save_op_models(save, quant_model, rows, op_models, saved)
+        save_op_models(save, quant_model, rows, [row.op for row in plan], saved)
     return {
         "a": a,
         "b": b,
         "inputs": {name: list(array.shape) for name, array in feeds.items()},
+        "defaulted": defaulted,
         "ops": rows,
         "outputs": {
-            name: error_stats(float_values[name], quant_values.get(name))[0] for name in output_names
+            f: (comparison.result(values)[0] if comparison else None) for f, comparison in output_comparisons.items()
         },
         "worst_isolated": worst_isolated(rows),
         "first_over": first_over(rows, tolerance),
-        "unmatched": unmatched_float_nodes(matcher.index, quant_index, rows),
+        "unmatched": unmatched_float_nodes(matcher.index, quant_index, rows) + [
+            {"node": row.name, "op_type": quant_index.op_types[row.i], "reason": REASON_NOT_TENSOR.format(row.problem)}
+            for row in plan
+            if row.problem
+        ],
     }
 
 
@@ -1475,6 +2032,8 @@ TRACE_OPTIONS = [
     ("--seed", {"type": int, "default": 0, "help": "seed of the random inputs (default: 0)"}),
     ("--tolerance", {"type": float, "default": TRACE_TOLERANCE, "help": "first_over threshold"}),
     ("--save", {"metavar": "DIR", "help": "write each op's single-op model and inputs here"}),
+    ("--shape", {"action": "append", "metavar": "NAME=D0,D1,...",
+                 "help": "shape of a generated input (repeatable; symbolic dims default to 1)"}),
 ]
 
 # name: (function, positional paths, help, options)

@@ -157,6 +157,6 @@ def test_trace_compares_outputs_and_lists_subgraph_nodes(pair, tmp_path):
         (name, graphscan.REASON_SUBGRAPH) for name in ["choose", "repeat", "running_sum"]
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "relu.npz", "relu.onnx", "squash.npz", "squash.onnx",
+        "index.json", "relu.npz", "relu.onnx", "squash.npz", "squash.onnx",
     ]
     assert answer["outputs"]["y"] == rows["squash"]["propagated_max_abs"]
