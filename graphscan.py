@@ -1075,6 +1075,8 @@ TRACE_SYMBOLIC_DIM_SIZE = 1
 # way; a sum of squares may differ from numpy's in the last digit.
 TRACE_FETCH_ELEMENTS = 2**16
 TRACE_FETCH_BUDGET = 16 * 2**20
+# A tensor reduced in the graph is cut into flat slices of this many elements.
+TRACE_CHUNK_ELEMENTS = 2**19
 QDQ_SUFFIX = re.compile(
     r"_(?:QuantizeLinear_Input|QuantizeLinear_Output|DequantizeLinear_Output)(?:_\d+)?$"
 )
@@ -1582,43 +1584,84 @@ class CombinedModel:
         if fetch:
             self.fetched(rank, [reference, value])
             return comparison
-        scalars = {}
-        ref, val = self.as_double(rank, reference), self.as_double(rank, value)
-        if shapes_agree(first, second) is None:
+        scalars, agree = {}, shapes_agree(first, second)
+        if agree is None:
             # Shapes only known at run time: compare flat prefixes of one
             # length (each cut to the other's size), so the Sub always runs,
             # and fetch both shapes.
             flat, one, start = self.add_constant([-1]), self.add_constant([1]), self.add_constant([0])
-            ref, val = self.add_node(rank, "Reshape", [ref, flat]), self.add_node(rank, "Reshape", [val, flat])
+            ref, val = self.add_node(rank, "Reshape", [reference, flat]), self.add_node(rank, "Reshape", [value, flat])
             ref_size = self.add_node(rank, "Reshape", [self.add_node(rank, "Size", [ref]), one])
             val_size = self.add_node(rank, "Reshape", [self.add_node(rank, "Size", [val]), one])
-            ref, val = self.add_node(rank, "Slice", [ref, start, val_size]), self.add_node(rank, "Slice", [val, start, ref_size])
+            pieces = [(self.add_node(rank, "Slice", [ref, start, val_size]), self.add_node(rank, "Slice", [val, start, ref_size]))]
             scalars["shapes"] = [self.add_node(rank, "Shape", [reference]), self.add_node(rank, "Shape", [value])]
-        difference = self.add_node(rank, "Sub", [ref, val])
-        scalars["max"] = self.add_node(rank, "ReduceMax", [self.add_node(rank, "Abs", [difference])], keepdims=0)
-        scalars["noise"] = self.add_node(rank, "ReduceSumSquare", [difference], keepdims=0)
+        else:
+            pieces = self.chunks(rank, [reference, value], math.prod(tensor_dims(first)))
+        maxima, noises, signals = [], [], []
+        for ref_piece, val_piece in pieces:
+            ref, val = self.as_double(rank, ref_piece), self.as_double(rank, val_piece)
+            difference = self.add_node(rank, "Sub", [ref, val])
+            maxima.append(self.add_node(rank, "ReduceMax", [self.add_node(rank, "Abs", [difference])], keepdims=0))
+            noises.append(self.add_node(rank, "ReduceSumSquare", [difference], keepdims=0))
+            if signal:
+                signals.append(self.add_node(rank, "ReduceSumSquare", [ref], keepdims=0))
+        scalars["max"] = self.combine(rank, "Max", maxima)
+        scalars["noise"] = self.combine(rank, "Sum", noises)
         if signal:
-            scalars["signal"] = self.add_node(rank, "ReduceSumSquare", [ref], keepdims=0)
+            scalars["signal"] = self.combine(rank, "Sum", signals)
         comparison.scalars = scalars
         self.fetched(rank, [n for group in scalars.values() for n in ([group] if isinstance(group, str) else group)])
         return comparison
 
+    def chunks(self, rank, tensors, elements):
+        """Yield ``tensors`` (of ``elements`` values each) as tuples of flat slices
+        of at most TRACE_CHUNK_ELEMENTS, each slice's nodes made as it is asked
+        for, so each slice is measured and freed before the next is cut.
+
+        The flat views are shaped by the last tensor's Size: the others (the
+        float reference) then wait for it instead of being converted early.
+        """
+        size = self.add_node(rank, "Reshape", [self.add_node(rank, "Size", [tensors[-1]]), self.add_constant([1])])
+        flats = [self.add_node(rank, "Reshape", [t, size]) for t in tensors]
+        if elements <= TRACE_CHUNK_ELEMENTS:
+            yield tuple(flats)
+            return
+        for begin in range(0, elements, TRACE_CHUNK_ELEMENTS):
+            starts, ends = self.add_constant([begin]), self.add_constant([begin + TRACE_CHUNK_ELEMENTS])
+            yield tuple(self.add_node(rank, "Slice", [t, starts, ends]) for t in flats)
+
+    def combine(self, rank, op_type, scalars):
+        return scalars[0] if len(scalars) == 1 else self.add_node(rank, op_type, scalars)
+
     def clip_count(self, rank, tensor, lo, hi, fetch):
         """A ClipCount of ``tensor``; counted in numpy when ``fetch`` (its row is fetched)."""
+        import numpy as np
+
         count = ClipCount(tensor, lo, hi)
-        if not comparable_dtype(self.types.get(tensor)):
+        type_proto = self.types.get(tensor)
+        if not comparable_dtype(type_proto):
             return None
         if fetch:
             self.fetched(rank, [tensor])
             return count
-        wide = self.as_double(rank, tensor)
+        if type_proto is not None and type_proto.tensor_type.elem_type == onnx.TensorProto.FLOAT:
+            # For a float32 t, t < lo exactly when t < the least float32 >= lo
+            # (and t > hi when t > the largest float32 <= hi): no float64 copy.
+            low, high = np.float32(lo), np.float32(hi)
+            low = np.nextafter(low, np.float32(np.inf)) if low < lo else low
+            high = np.nextafter(high, np.float32(-np.inf)) if high > hi else high
+            values, bounds = tensor, (np.float32(low), np.float32(high))
+        else:
+            values, bounds = self.as_double(rank, tensor), (np.float64(lo), np.float64(hi))
         outside = self.add_node(
             rank, "Or",
-            [self.add_node(rank, "Less", [wide, self.add_constant(lo)]),
-             self.add_node(rank, "Greater", [wide, self.add_constant(hi)])],
+            [self.add_node(rank, "Less", [values, self.add_constant(bounds[0])]),
+             self.add_node(rank, "Greater", [values, self.add_constant(bounds[1])])],
         )
-        total = self.add_node(rank, "ReduceSum", [self.add_node(rank, "Cast", [outside], to=onnx.TensorProto.INT64)], keepdims=0)
-        count.scalars = [total, self.add_node(rank, "Size", [tensor])]
+        elements = tensor_bytes(type_proto)
+        wide = elements is None or elements[0] >= 2**31
+        flags = self.add_node(rank, "Cast", [outside], to=onnx.TensorProto.INT64 if wide else onnx.TensorProto.INT32)
+        count.scalars = [self.add_node(rank, "ReduceSum", [flags], keepdims=0), self.add_node(rank, "Size", [tensor])]
         self.fetched(rank, count.scalars)
         return count
 
@@ -1648,6 +1691,12 @@ class CombinedModel:
         self.entries.extend(reversed(ranked))
         self.initializers.extend(graph.initializer)
         self.sparse_initializers = list(graph.sparse_initializer)
+
+    def serialized(self):
+        """The combined model's bytes; what built it is let go, for the run's sake."""
+        data = self.model().SerializeToString()
+        self.entries = self.initializers = self.sparse_initializers = None
+        return data
 
     def model(self):
         """The combined ModelProto, nodes scheduled, outputs the fetched names."""
@@ -1689,8 +1738,9 @@ def float_in_quant_opset(float_model, quant_model, a, b):
         )
 
 
-def run_combined(model, feeds, fetch, a, b, rows):
-    """Run graphscan's combined model once; ``{fetched name: value}``.
+def run_combined(serialized, feeds, fetch, a, b, rows):
+    """Run graphscan's combined model (``serialized()`` gives its bytes) once;
+    ``{fetched name: value}``.
 
     A failure is blamed on the model it comes from: the float model, the
     quantized one, or graphscan's own single-op model of a row's node.
@@ -1700,12 +1750,17 @@ def run_combined(model, feeds, fetch, a, b, rows):
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.execution_order = ort.ExecutionOrder.PRIORITY_BASED  # the order schedule() chose
+    # Else onnxruntime gives each DQ read by our statistics a copy of its own,
+    # appended after every other node, which would run last and hold memory.
+    options.add_session_config_entry("session.disable_quant_qdq", "1")
     options.log_severity_level = 4  # errors are reported in our one line, not ORT's log
     run_options = ort.RunOptions()
     run_options.log_severity_level = 4
     combined = f"graphscan's combined model of {a} and {b}"
     try:
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        data = serialized()
+        session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+        del data  # the session has its own copy; the run needs the memory
         return dict(zip(fetch, session.run(fetch, feeds, run_options)))
     except MemoryError as exc:
         raise GraphscanError(f"{combined}: out of memory ({one_line(exc)})", EXIT_RUNTIME)
@@ -1963,11 +2018,7 @@ def trace(a, b, inputs=None, seed=0, tolerance=TRACE_TOLERANCE, save=None, shape
         reference = combined.float_name(f)
         output_comparisons[f] = combined.compare(combined.end, reference, q, fetch=combined.fits([reference, q]))
     combined.add_float_model()
-    model = combined.model()
-    try:
-        values = run_combined(model, feeds, combined.fetch, a, b, plan)
-    finally:
-        del model
+    values = run_combined(combined.serialized, feeds, combined.fetch, a, b, plan)
     values.update(feeds)
 
     rows, saved = [], []
