@@ -1077,6 +1077,8 @@ TRACE_FETCH_ELEMENTS = 2**16
 TRACE_FETCH_BUDGET = 16 * 2**20
 # A tensor reduced in the graph is cut into flat slices of this many elements.
 TRACE_CHUNK_ELEMENTS = 2**19
+# graphscan's combined model runs in sessions of at most this many nodes.
+TRACE_SEGMENT_NODES = 5000
 QDQ_SUFFIX = re.compile(
     r"_(?:QuantizeLinear_Input|QuantizeLinear_Output|DequantizeLinear_Output)(?:_\d+)?$"
 )
@@ -1438,31 +1440,35 @@ def node_reads(node):
 
 
 def schedule(entries):
-    """``entries`` (rank, node) in an order that runs each node after its inputs,
-    the ready node of lowest rank first (ties: as listed). onnxruntime's
-    PRIORITY_BASED order then runs them exactly so."""
+    """``entries`` (rank, graph, k) for node ``graph.node[k]``, in an order that
+    runs each node after its inputs, the ready node of lowest rank first (ties:
+    as listed). onnxruntime's PRIORITY_BASED order then runs them exactly so."""
     import heapq
 
-    producers = {t: k for k, (_, node) in enumerate(entries) for t in node.output if t}
+    producers = {}
+    for e, (_, graph, k) in enumerate(entries):
+        for t in graph.node[k].output:
+            if t:
+                producers[t] = e
     waiting, readers = [0] * len(entries), [[] for _ in entries]
-    for k, (_, node) in enumerate(entries):
-        needed = {producers[t] for t in node_reads(node) if t in producers} - {k}
-        waiting[k] = len(needed)
+    for e, (_, graph, k) in enumerate(entries):
+        needed = {producers[t] for t in node_reads(graph.node[k]) if t in producers} - {e}
+        waiting[e] = len(needed)
         for producer in needed:
-            readers[producer].append(k)
-    ready = [(rank, k) for k, (rank, _) in enumerate(entries) if not waiting[k]]
+            readers[producer].append(e)
+    ready = [(rank, e) for e, (rank, _, _) in enumerate(entries) if not waiting[e]]
     heapq.heapify(ready)
     order = []
     while ready:
-        _, k = heapq.heappop(ready)
-        order.append(k)
-        for reader in readers[k]:
+        _, e = heapq.heappop(ready)
+        order.append(e)
+        for reader in readers[e]:
             waiting[reader] -= 1
             if not waiting[reader]:
                 heapq.heappush(ready, (entries[reader][0], reader))
     placed = set(order)
-    order += [k for k in range(len(entries)) if k not in placed]  # a cycle: onnxruntime says so
-    return [entries[k][1] for k in order]
+    order += [e for e in range(len(entries)) if e not in placed]  # a cycle: onnxruntime says so
+    return [entries[e][1:] for e in order]
 
 
 class Comparison:
@@ -1508,7 +1514,7 @@ class ClipCount:
             wide = array.astype(np.float64)
             count, size = int(np.count_nonzero((wide < self.lo) | (wide > self.hi))), array.size
         else:
-            count, size = (int(values[n]) for n in self.scalars)
+            count, size = (int(values[n]) if isinstance(n, str) else n for n in self.scalars)
         return count / size if size else None
 
 
@@ -1522,17 +1528,17 @@ class CombinedModel:
 
     def __init__(self, float_model, quant_model, feeds, float_types, quant_types):
         self.float_model, self.quant_model, self.feeds = float_model, quant_model, feeds
-        self.entries = []  # (rank, node) before scheduling
-        self.initializers = []
-        self.fetch = []
+        # Nodes are kept inside GraphProtos (the models' own, graphscan's pool),
+        # never as one Python object each: 100,000 rows cost megabytes.
+        self.pool = onnx.GraphProto()
+        self.float_graph = None
+        self.entries = [(rank, quant_model.graph, rank) for rank in range(len(quant_model.graph.node))]
+        self.fetch, self.fetch_set = [], set()
         self.fetch_rank = {}  # fetched float tensor -> lowest rank of a row that fetches it
-        self.sparse_initializers = []
         self.budget = TRACE_FETCH_BUDGET
         self.count = 0
         self.types = dict(quant_types)
         self.types.update((self.float_name(t), info) for t, info in float_types.items())
-        for rank, node in enumerate(quant_model.graph.node):
-            self.entries.append((rank, node))
         self.end = len(quant_model.graph.node)
 
     def float_name(self, tensor):
@@ -1540,14 +1546,15 @@ class CombinedModel:
 
     def fetched(self, rank, names):
         for name in names:
-            if name not in self.fetch and name not in self.feeds:
+            if name not in self.fetch_set and name not in self.feeds:
                 self.fetch.append(name)
+                self.fetch_set.add(name)
             self.fetch_rank[name] = min(rank, self.fetch_rank.get(name, rank))
 
     def fits(self, names):
         """Whether ``names`` can be fetched: each small and of known size, all
         within what is left of the budget (then charged to it)."""
-        new = list(dict.fromkeys(n for n in names if n not in self.fetch and n not in self.feeds))
+        new = list(dict.fromkeys(n for n in names if n not in self.fetch_set and n not in self.feeds))
         sizes = [tensor_bytes(self.types.get(n)) for n in new]
         if any(size is None or size[0] > TRACE_FETCH_ELEMENTS for size in sizes):
             return False
@@ -1560,15 +1567,20 @@ class CombinedModel:
     def add_node(self, rank, op_type, inputs, **attributes):
         self.count += 1
         output = f"{STATS_PREFIX}{op_type}_{self.count}"
-        self.entries.append((rank, onnx.helper.make_node(op_type, inputs, [output], name=output, **attributes)))
+        self.add_nodes(rank, [onnx.helper.make_node(op_type, inputs, [output], name=output, **attributes)])
         return output
+
+    def add_nodes(self, rank, nodes):
+        for node in nodes:
+            self.pool.node.append(node)
+            self.entries.append((rank, self.pool, len(self.pool.node) - 1))
 
     def add_constant(self, array):
         import numpy as np
 
         self.count += 1
         name = f"{STATS_PREFIX}constant_{self.count}"
-        self.initializers.append(onnx.numpy_helper.from_array(np.asarray(array), name))
+        self.pool.initializer.append(onnx.numpy_helper.from_array(np.asarray(array), name))
         return name
 
     def as_double(self, rank, tensor):
@@ -1616,16 +1628,12 @@ class CombinedModel:
     def chunks(self, rank, tensors, elements):
         """Yield ``tensors`` (of ``elements`` values each) as tuples of flat slices
         of at most TRACE_CHUNK_ELEMENTS, each slice's nodes made as it is asked
-        for, so each slice is measured and freed before the next is cut.
-
-        The flat views are shaped by the last tensor's Size: the others (the
-        float reference) then wait for it instead of being converted early.
-        """
-        size = self.add_node(rank, "Reshape", [self.add_node(rank, "Size", [tensors[-1]]), self.add_constant([1])])
-        flats = [self.add_node(rank, "Reshape", [t, size]) for t in tensors]
+        for, so each slice is measured and freed before the next is cut."""
         if elements <= TRACE_CHUNK_ELEMENTS:
-            yield tuple(flats)
+            yield tuple(tensors)
             return
+        flat = self.add_constant([-1])
+        flats = [self.add_node(rank, "Reshape", [t, flat]) for t in tensors]
         for begin in range(0, elements, TRACE_CHUNK_ELEMENTS):
             starts, ends = self.add_constant([begin]), self.add_constant([begin + TRACE_CHUNK_ELEMENTS])
             yield tuple(self.add_node(rank, "Slice", [t, starts, ends]) for t in flats)
@@ -1661,8 +1669,9 @@ class CombinedModel:
         elements = tensor_bytes(type_proto)
         wide = elements is None or elements[0] >= 2**31
         flags = self.add_node(rank, "Cast", [outside], to=onnx.TensorProto.INT64 if wide else onnx.TensorProto.INT32)
-        count.scalars = [self.add_node(rank, "ReduceSum", [flags], keepdims=0), self.add_node(rank, "Size", [tensor])]
-        self.fetched(rank, count.scalars)
+        total = self.add_node(rank, "ReduceSum", [flags], keepdims=0)
+        count.scalars = [total, elements[0] if elements else self.add_node(rank, "Size", [tensor])]
+        self.fetched(rank, [n for n in count.scalars if isinstance(n, str)])
         return count
 
     def add_float_model(self):
@@ -1672,52 +1681,56 @@ class CombinedModel:
         graph.CopyFrom(self.float_model.graph)
         rename_graph(graph, self.float_name, FLOAT_PREFIX)
         wanted = {}  # float tensor -> lowest rank of a reader
-        for rank, node in self.entries:
-            for tensor in node_reads(node):
+        for rank, source, k in self.entries:
+            if source is not self.pool:
+                continue  # only graphscan's own nodes read float tensors
+            for tensor in node_reads(source.node[k]):
                 if tensor.startswith(FLOAT_PREFIX):
                     wanted[tensor] = min(rank, wanted.get(tensor, rank))
         for name, rank in self.fetch_rank.items():
             if name.startswith(FLOAT_PREFIX):
                 wanted[name] = min(rank, wanted.get(name, rank))
         ranked = []
-        for node in reversed(graph.node):
+        for k in range(len(graph.node) - 1, -1, -1):
+            node = graph.node[k]
             ranks = [wanted[t] for t in node.output if t in wanted]
             if not ranks:
                 continue
             rank = min(ranks)
             for tensor in node_reads(node):
                 wanted[tensor] = min(rank, wanted.get(tensor, rank))
-            ranked.append((rank, node))
+            ranked.append((rank, graph, k))
         self.entries.extend(reversed(ranked))
-        self.initializers.extend(graph.initializer)
-        self.sparse_initializers = list(graph.sparse_initializer)
+        self.float_graph = graph
 
-    def serialized(self):
-        """The combined model's bytes; what built it is let go, for the run's sake."""
-        data = self.model().SerializeToString()
-        self.entries = self.initializers = self.sparse_initializers = None
-        return data
+    def header(self):
+        """An empty ModelProto with what every segment shares: IR, opsets, functions."""
+        model = onnx.ModelProto()
+        for field in ("ir_version", "producer_name", "producer_version", "domain", "model_version"):
+            setattr(model, field, getattr(self.quant_model, field))
+        model.ir_version = max(model.ir_version, self.float_model.ir_version)
+        model.opset_import.extend(self.quant_model.opset_import)
+        quant_opsets = {o.domain or "ai.onnx" for o in model.opset_import}
+        model.opset_import.extend(o for o in self.float_model.opset_import if (o.domain or "ai.onnx") not in quant_opsets)
+        model.functions.extend(self.quant_model.functions)
+        known = {(f.domain, f.name) for f in model.functions}
+        model.functions.extend(f for f in self.float_model.functions if (f.domain, f.name) not in known)
+        return model
 
-    def model(self):
-        """The combined ModelProto, nodes scheduled, outputs the fetched names."""
-        combined = onnx.ModelProto()
-        combined.CopyFrom(self.quant_model)
-        graph = combined.graph
-        del graph.node[:]
-        graph.node.extend(schedule(self.entries))
-        graph.initializer.extend(self.initializers)
-        graph.sparse_initializer.extend(self.sparse_initializers)
-        del graph.output[:]
-        graph.output.extend(onnx.ValueInfoProto(name=t) for t in self.fetch)
-        quant_opsets = {o.domain or "ai.onnx": o.version for o in combined.opset_import}
-        for opset in self.float_model.opset_import:
-            domain = opset.domain or "ai.onnx"
-            if domain not in quant_opsets:
-                combined.opset_import.append(opset)
-        known = {(f.domain, f.name) for f in combined.functions}
-        combined.functions.extend(f for f in self.float_model.functions if (f.domain, f.name) not in known)
-        combined.ir_version = max(combined.ir_version, self.float_model.ir_version)
-        return combined
+    def segments(self):
+        """The scheduled nodes cut into runs of at most TRACE_SEGMENT_NODES."""
+        order = schedule(self.entries)
+        self.entries = None
+        return [order[k:k + TRACE_SEGMENT_NODES] for k in range(0, len(order), TRACE_SEGMENT_NODES)]
+
+    def initializer_protos(self):
+        """``{name: TensorProto}`` of every initializer a node may read."""
+        protos = {}
+        for graph in (self.quant_model.graph, self.float_graph, self.pool):
+            if graph is not None:
+                protos.update((init.name, init) for init in graph.initializer)
+                protos.update((sparse.values.name, sparse) for sparse in graph.sparse_initializer)
+        return protos
 
 
 def float_in_quant_opset(float_model, quant_model, a, b):
@@ -1738,30 +1751,131 @@ def float_in_quant_opset(float_model, quant_model, a, b):
         )
 
 
-def run_combined(serialized, feeds, fetch, a, b, rows):
-    """Run graphscan's combined model (``serialized()`` gives its bytes) once;
-    ``{fetched name: value}``.
+SHARED_ARENA = []  # [True] once this process registered onnxruntime's shared CPU arena, [False] if it cannot
 
-    A failure is blamed on the model it comes from: the float model, the
-    quantized one, or graphscan's own single-op model of a row's node.
-    """
+
+def shared_arena():
+    """Whether every segment's session can allocate from one onnxruntime CPU arena
+    that grows only by what is asked. Separate arenas would each keep their own
+    high-water mark (and glibc the pages they free), so memory would grow with
+    the number of segments. Registered once per process."""
+    import onnxruntime as ort
+
+    if not SHARED_ARENA:
+        try:
+            memory = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            ort.create_and_register_allocator(memory, ort.OrtArenaCfg(0, 1, -1, -1))  # 1: kSameAsRequested
+            SHARED_ARENA.append(True)
+        except Exception:
+            SHARED_ARENA.append(False)
+    return SHARED_ARENA[0]
+
+
+def session_options():
+    """onnxruntime options for graphscan's combined model: the graph as written, run in our order."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    if shared_arena():
+        options.add_session_config_entry("session.use_env_allocators", "1")
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.execution_order = ort.ExecutionOrder.PRIORITY_BASED  # the order schedule() chose
     # Else onnxruntime gives each DQ read by our statistics a copy of its own,
     # appended after every other node, which would run last and hold memory.
     options.add_session_config_entry("session.disable_quant_qdq", "1")
     options.log_severity_level = 4  # errors are reported in our one line, not ORT's log
-    run_options = ort.RunOptions()
+    return options
+
+
+def declared_input(name, value):
+    """A graph input typed from the value an earlier segment gave it."""
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            return onnx.helper.make_tensor_value_info(name, onnx.TensorProto.STRING, list(value.shape))
+        return value_info_of(name, value)
+    if isinstance(value, list):
+        elem_type = onnx.helper.np_dtype_to_tensor_dtype(value[0].dtype) if value else onnx.TensorProto.FLOAT
+        return onnx.helper.make_tensor_sequence_value_info(name, elem_type, None)
+    raise GraphscanError(f"tensor {name!r} cannot be passed between graphscan's sessions", EXIT_RUNTIME)
+
+
+def run_combined(combined, feeds, a, b, rows):
+    """Run graphscan's combined model; ``{fetched name: value}``.
+
+    The scheduled nodes run in segments of at most TRACE_SEGMENT_NODES, one
+    session each, the tensors a later segment reads handed over: the session
+    size, like the tensors, stays bounded however many operators there are.
+    A failure is blamed on the model it comes from: the float model, the
+    quantized one, or graphscan's own single-op model of a row's node.
+    """
+    import onnxruntime as ort
+
+    segments = combined.segments()
+    initializers = combined.initializer_protos()
+    fetch = combined.fetch_set
+    last_reader, constants = {}, {}
+    for s, segment in enumerate(segments):
+        for graph, k in segment:
+            node = graph.node[k]
+            for tensor in node_reads(node):
+                last_reader[tensor] = s
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.output) == 1:
+                constants[node.output[0]] = node
+    # A Constant is copied into each segment that reads it, never handed over:
+    # onnxruntime makes it an initializer (a MatMul then prepacks it), so a fed
+    # copy would change the arithmetic.
+    last_reader = {t: s for t, s in last_reader.items() if t not in constants}
+    live, results = dict(feeds), {}
+    options, run_options = session_options(), ort.RunOptions()
     run_options.log_severity_level = 4
+    for s, segment in enumerate(segments):
+        model = combined.header()
+        graph = model.graph
+        graph.name = f"graphscan_segment_{s}"
+        graph.node.extend(graph_.node[k] for graph_, k in segment)
+        produced, reads = set(), {}
+        for node in graph.node:
+            reads.update(dict.fromkeys(node_reads(node)))
+            produced.update(t for t in node.output if t)
+        copied = [t for t in reads if t in constants and t not in produced]
+        graph.node.extend(constants[t] for t in copied)
+        produced.update(copied)
+        inputs = [t for t in reads if t in live and t not in produced]
+        graph.input.extend(declared_input(t, live[t]) for t in inputs)
+        for tensor in reads:
+            proto = initializers.get(tensor)
+            if proto is None or tensor in produced or tensor in live:
+                continue
+            (graph.sparse_initializer if isinstance(proto, onnx.SparseTensorProto) else graph.initializer).append(proto)
+        outputs = [t for t in dict.fromkeys(t for node in graph.node for t in node.output if t)
+                   if t in fetch or last_reader.get(t, -1) > s]
+        if not outputs:
+            continue
+        graph.output.extend(onnx.ValueInfoProto(name=t) for t in outputs)
+        values = run_segment(model, {t: live[t] for t in inputs}, outputs, options, run_options, a, b, rows)
+        del model, graph
+        for tensor, value in zip(outputs, values):
+            if tensor in fetch:
+                results[tensor] = value
+            if last_reader.get(tensor, -1) > s:
+                live[tensor] = value
+        for tensor in [t for t in live if last_reader.get(t, -1) <= s]:
+            del live[tensor]
+    return results
+
+
+def run_segment(model, feeds, outputs, options, run_options, a, b, rows):
+    """One session of graphscan's combined model; blames failures as run_combined says."""
+    import onnxruntime as ort
+
     combined = f"graphscan's combined model of {a} and {b}"
     try:
-        data = serialized()
+        data = model.SerializeToString()
         session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
         del data  # the session has its own copy; the run needs the memory
-        return dict(zip(fetch, session.run(fetch, feeds, run_options)))
+        return session.run(outputs, feeds, run_options)
     except MemoryError as exc:
         raise GraphscanError(f"{combined}: out of memory ({one_line(exc)})", EXIT_RUNTIME)
     except Exception as exc:
@@ -1996,7 +2110,7 @@ def trace(a, b, inputs=None, seed=0, tolerance=TRACE_TOLERANCE, save=None, shape
             def rename(tensor, prefix=prefix, fed=fed, keep=keep):
                 return fed.get(tensor) or (tensor if tensor in keep else prefix + tensor)
 
-            combined.entries.extend((rank, n) for n in row.op.node_protos(rename, prefix, skip=row.op.weight_nodes))
+            combined.add_nodes(rank, row.op.node_protos(rename, prefix, skip=row.op.weight_nodes))
             op_output = rename(row.op.output)
             combined.types.setdefault(op_output, quant_types.get(row.op.output))
         # A row's tensors are all fetched (--save fetches every row) or all reduced.
@@ -2007,7 +2121,9 @@ def trace(a, b, inputs=None, seed=0, tolerance=TRACE_TOLERANCE, save=None, shape
             if op_output is not None:
                 isolated = combined.compare(rank, reference, op_output, fetch=fetch)
             if row.seen:
-                propagated = combined.compare(rank, reference, row.seen, signal=True, fetch=fetch)
+                # Ranked after what makes the value, so the reference waits for it.
+                seen_rank = max(rank, quant_index.producer.get(row.seen, rank))
+                propagated = combined.compare(seen_rank, reference, row.seen, signal=True, fetch=fetch)
         if row.clip is not None:
             clip = combined.clip_count(rank, row.output, *row.clip, fetch=fetch)
         if save is not None and row.op is not None:
@@ -2018,7 +2134,7 @@ def trace(a, b, inputs=None, seed=0, tolerance=TRACE_TOLERANCE, save=None, shape
         reference = combined.float_name(f)
         output_comparisons[f] = combined.compare(combined.end, reference, q, fetch=combined.fits([reference, q]))
     combined.add_float_model()
-    values = run_combined(combined.serialized, feeds, combined.fetch, a, b, plan)
+    values = run_combined(combined, feeds, a, b, plan)
     values.update(feeds)
 
     rows, saved = [], []
