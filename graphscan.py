@@ -1335,13 +1335,24 @@ def output_chain(index, graph, tensor):
     return [], tensor
 
 
+class InitializerTable(dict):
+    """Initializers by name; each one-element value is read once (every Q and DQ asks)."""
+
+    def __init__(self, graph):
+        super().__init__((init.name, init) for init in graph.initializer)
+        self.scalars = {}
+
+    def scalar(self, name):
+        if name not in self.scalars:
+            init = self.get(name)
+            values = None if init is None or math.prod(init.dims) != 1 else onnx.numpy_helper.to_array(init)
+            self.scalars[name] = None if values is None else (values.reshape(-1)[0], init.data_type)
+        return self.scalars[name]
+
+
 def scalar_initializer(initializer_protos, name):
     """``(value, data_type)`` of a one-element initializer, else None."""
-    init = initializer_protos.get(name)
-    if init is None:
-        return None
-    values = onnx.numpy_helper.to_array(init)
-    return (values.reshape(-1)[0], init.data_type) if values.size == 1 else None
+    return initializer_protos.scalar(name)
 
 
 def output_scale(graph, out_chain, initializer_protos):
@@ -1433,6 +1444,8 @@ def rename_graph(graph, rename, node_prefix):
 def node_reads(node):
     """Every tensor name ``node`` reads, its subgraphs' outer-scope reads included."""
     names = [t for t in node.input if t]
+    if not len(node.attribute):
+        return names
     for body in subgraphs(node):
         for inner in body.node:
             names.extend(node_reads(inner))
@@ -1440,19 +1453,22 @@ def node_reads(node):
 
 
 def schedule(entries):
-    """``entries`` (rank, graph, k) for node ``graph.node[k]``, in an order that
-    runs each node after its inputs, the ready node of lowest rank first (ties:
-    as listed). onnxruntime's PRIORITY_BASED order then runs them exactly so."""
+    """``entries`` (rank, graph, k) for node ``graph.node[k]``, as ``(graph, k, reads, writes)``
+    in an order that runs each node after its inputs, the ready node of lowest
+    rank first (ties: as listed). onnxruntime's PRIORITY_BASED order then runs
+    them exactly so."""
     import heapq
 
-    producers = {}
+    producers, reads, writes = {}, [], []
     for e, (_, graph, k) in enumerate(entries):
-        for t in graph.node[k].output:
-            if t:
-                producers[t] = e
+        node = graph.node[k]
+        reads.append(node_reads(node))
+        writes.append([t for t in node.output if t])
+        for t in writes[-1]:
+            producers[t] = e
     waiting, readers = [0] * len(entries), [[] for _ in entries]
-    for e, (_, graph, k) in enumerate(entries):
-        needed = {producers[t] for t in node_reads(graph.node[k]) if t in producers} - {e}
+    for e in range(len(entries)):
+        needed = {producers[t] for t in reads[e] if t in producers} - {e}
         waiting[e] = len(needed)
         for producer in needed:
             readers[producer].append(e)
@@ -1468,7 +1484,7 @@ def schedule(entries):
                 heapq.heappush(ready, (entries[reader][0], reader))
     placed = set(order)
     order += [e for e in range(len(entries)) if e not in placed]  # a cycle: onnxruntime says so
-    return [entries[e][1:] for e in order]
+    return [(entries[e][1], entries[e][2], reads[e], writes[e]) for e in order]
 
 
 class Comparison:
@@ -1817,12 +1833,11 @@ def run_combined(combined, feeds, a, b, rows):
     fetch = combined.fetch_set
     last_reader, constants = {}, {}
     for s, segment in enumerate(segments):
-        for graph, k in segment:
-            node = graph.node[k]
-            for tensor in node_reads(node):
+        for graph, k, reads, writes in segment:
+            for tensor in reads:
                 last_reader[tensor] = s
-            if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.output) == 1:
-                constants[node.output[0]] = node
+            if not reads and len(writes) == 1 and graph.node[k].op_type == "Constant":
+                constants[writes[0]] = graph.node[k]
     # A Constant is copied into each segment that reads it, never handed over:
     # onnxruntime makes it an initializer (a MatMul then prepacks it), so a fed
     # copy would change the arithmetic.
@@ -1834,11 +1849,10 @@ def run_combined(combined, feeds, a, b, rows):
         model = combined.header()
         graph = model.graph
         graph.name = f"graphscan_segment_{s}"
-        graph.node.extend(graph_.node[k] for graph_, k in segment)
-        produced, reads = set(), {}
-        for node in graph.node:
-            reads.update(dict.fromkeys(node_reads(node)))
-            produced.update(t for t in node.output if t)
+        graph.node.extend(source.node[k] for source, k, _, _ in segment)
+        reads = dict.fromkeys(itertools.chain.from_iterable(r for _, _, r, _ in segment))
+        written = list(itertools.chain.from_iterable(w for _, _, _, w in segment))
+        produced = set(written)
         copied = [t for t in reads if t in constants and t not in produced]
         graph.node.extend(constants[t] for t in copied)
         produced.update(copied)
@@ -1849,8 +1863,7 @@ def run_combined(combined, feeds, a, b, rows):
             if proto is None or tensor in produced or tensor in live:
                 continue
             (graph.sparse_initializer if isinstance(proto, onnx.SparseTensorProto) else graph.initializer).append(proto)
-        outputs = [t for t in dict.fromkeys(t for node in graph.node for t in node.output if t)
-                   if t in fetch or last_reader.get(t, -1) > s]
+        outputs = [t for t in written if t in fetch or last_reader.get(t, -1) > s]
         if not outputs:
             continue
         graph.output.extend(onnx.ValueInfoProto(name=t) for t in outputs)
@@ -2042,7 +2055,7 @@ class TraceRow:
 def plan_rows(quant_model, quant_index, matcher, types):
     """A TraceRow per compute node of the quantized model, in graph order."""
     graph = quant_model.graph
-    initializer_protos = {init.name: init for init in graph.initializer}
+    initializer_protos = InitializerTable(graph)
     return [TraceRow(quant_index, graph, i, matcher, initializer_protos, types) for i in quant_index.compute_nodes]
 
 
