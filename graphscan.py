@@ -2092,6 +2092,13 @@ def row_answer(index, row, isolated, propagated, clipped):
 
 def trace(a, b, inputs=None, seed=0, tolerance=TRACE_TOLERANCE, save=None, shape=None):
     """Per operator of ``b`` (quantized): isolated and propagated error against ``a`` (float)."""
+    try:
+        return trace_models(a, b, inputs, seed, tolerance, save, shape)
+    except MemoryError as exc:
+        raise GraphscanError(f"graphscan's combined model of {a} and {b}: out of memory ({one_line(exc)})", EXIT_RUNTIME)
+
+
+def trace_models(a, b, inputs, seed, tolerance, save, shape):
     float_model, quant_model = load_with_weights(a), load_with_weights(b)
     check_same_inputs(float_model, quant_model, a, b)
     samples, defaulted = model_samples(

@@ -56,3 +56,13 @@ def error_line(proc, code):
     assert len(lines) == 1, describe(proc)
     assert lines[0].startswith("graphscan: "), describe(proc)
     return lines[0]
+
+
+def load_bench_script(name):
+    """A script of bench/ loaded as a module (bench/ is a folder of scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
