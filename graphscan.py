@@ -1150,7 +1150,8 @@ def tensor_dims(type_proto):
     tensor_type = type_proto.tensor_type
     if not tensor_type.HasField("shape"):
         return None
-    return [d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None for d in tensor_type.shape.dim]
+    # A dim_param leaves dim_value 0: a size-0 dimension counts as unknown too.
+    return [d.dim_value if d.dim_value > 0 else None for d in tensor_type.shape.dim]
 
 
 def shapes_agree(first, second):
@@ -1197,13 +1198,19 @@ def comparable_dtype(type_proto):
 def tensor_bytes(type_proto):
     """Bytes of a tensor whose type and dims are all known, else None."""
     dims = tensor_dims(type_proto)
-    if dims is None or None in dims or not type_proto.tensor_type.elem_type:
+    if dims is None or None in dims:
         return None
+    itemsize = item_size(type_proto.tensor_type.elem_type)
+    return None if itemsize is None else (math.prod(dims), math.prod(dims) * itemsize)
+
+
+@functools.lru_cache(maxsize=None)
+def item_size(elem_type):
+    """Bytes per element of an ONNX tensor type, None when unknown."""
     try:
-        itemsize = onnx.helper.tensor_dtype_to_np_dtype(type_proto.tensor_type.elem_type).itemsize
+        return onnx.helper.tensor_dtype_to_np_dtype(elem_type).itemsize if elem_type else None
     except (KeyError, ValueError, TypeError):
         return None
-    return math.prod(dims), math.prod(dims) * itemsize
 
 
 class ReferenceMatcher:
@@ -1269,7 +1276,7 @@ class OpModel:
     is the quantized model's own, so the combined graph reuses it.
     """
 
-    def __init__(self, index, graph, i, matcher, initializer_protos, types):
+    def __init__(self, index, graph, i, matcher, initializer_protos, types, out_chain):
         self.index, self.graph, self.row = index, graph, i
         chain, self.weight_nodes = [], set()
         for tensor in index.inputs[i]:
@@ -1277,7 +1284,7 @@ class OpModel:
             if links and source in index.initializers:
                 self.weight_nodes.update(links)
             chain += [j for j in links if j not in chain]
-        out_chain, self.output = output_chain(index, graph, first_output(graph.node[i]))
+        out_chain, self.output = out_chain
         self.nodes = chain + [i] + out_chain
         produced = {t for j in self.nodes for t in index.outputs[j]}
         self.initializers, self.feeds = [], {}
@@ -1453,16 +1460,16 @@ def node_reads(node):
 
 
 def schedule(entries):
-    """``entries`` (rank, graph, k) for node ``graph.node[k]``, as ``(graph, k, reads, writes)``
+    """``entries`` (rank, graph, k, reads or None) for node ``graph.node[k]``, as ``(graph, k, reads, writes)``
     in an order that runs each node after its inputs, the ready node of lowest
     rank first (ties: as listed). onnxruntime's PRIORITY_BASED order then runs
     them exactly so."""
     import heapq
 
     producers, reads, writes = {}, [], []
-    for e, (_, graph, k) in enumerate(entries):
+    for e, (_, graph, k, known) in enumerate(entries):
         node = graph.node[k]
-        reads.append(node_reads(node))
+        reads.append(node_reads(node) if known is None else known)
         writes.append([t for t in node.output if t])
         for t in writes[-1]:
             producers[t] = e
@@ -1472,7 +1479,7 @@ def schedule(entries):
         waiting[e] = len(needed)
         for producer in needed:
             readers[producer].append(e)
-    ready = [(rank, e) for e, (rank, _, _) in enumerate(entries) if not waiting[e]]
+    ready = [(entry[0], e) for e, entry in enumerate(entries) if not waiting[e]]
     heapq.heapify(ready)
     order = []
     while ready:
@@ -1548,7 +1555,7 @@ class CombinedModel:
         # never as one Python object each: 100,000 rows cost megabytes.
         self.pool = onnx.GraphProto()
         self.float_graph = None
-        self.entries = [(rank, quant_model.graph, rank) for rank in range(len(quant_model.graph.node))]
+        self.entries = [(rank, quant_model.graph, rank, None) for rank in range(len(quant_model.graph.node))]
         self.fetch, self.fetch_set = [], set()
         self.fetch_rank = {}  # fetched float tensor -> lowest rank of a row that fetches it
         self.budget = TRACE_FETCH_BUDGET
@@ -1589,7 +1596,7 @@ class CombinedModel:
     def add_nodes(self, rank, nodes):
         for node in nodes:
             self.pool.node.append(node)
-            self.entries.append((rank, self.pool, len(self.pool.node) - 1))
+            self.entries.append((rank, self.pool, len(self.pool.node) - 1, node_reads(node)))
 
     def add_constant(self, array):
         import numpy as np
@@ -1697,10 +1704,10 @@ class CombinedModel:
         graph.CopyFrom(self.float_model.graph)
         rename_graph(graph, self.float_name, FLOAT_PREFIX)
         wanted = {}  # float tensor -> lowest rank of a reader
-        for rank, source, k in self.entries:
+        for rank, source, _, reads in self.entries:
             if source is not self.pool:
                 continue  # only graphscan's own nodes read float tensors
-            for tensor in node_reads(source.node[k]):
+            for tensor in reads:
                 if tensor.startswith(FLOAT_PREFIX):
                     wanted[tensor] = min(rank, wanted.get(tensor, rank))
         for name, rank in self.fetch_rank.items():
@@ -1713,9 +1720,10 @@ class CombinedModel:
             if not ranks:
                 continue
             rank = min(ranks)
-            for tensor in node_reads(node):
+            reads = node_reads(node)
+            for tensor in reads:
                 wanted[tensor] = min(rank, wanted.get(tensor, rank))
-            ranked.append((rank, graph, k))
+            ranked.append((rank, graph, k, reads))
         self.entries.extend(reversed(ranked))
         self.float_graph = graph
 
@@ -1849,7 +1857,7 @@ def run_combined(combined, feeds, a, b, rows):
         model = combined.header()
         graph = model.graph
         graph.name = f"graphscan_segment_{s}"
-        graph.node.extend(source.node[k] for source, k, _, _ in segment)
+        graph.node.extend([source.node[k] for source, k, _, _ in segment])
         reads = dict.fromkeys(itertools.chain.from_iterable(r for _, _, r, _ in segment))
         written = list(itertools.chain.from_iterable(w for _, _, _, w in segment))
         produced = set(written)
@@ -2048,7 +2056,7 @@ class TraceRow:
         if self.output and not self.problem:
             self.reference = tensor_reference(index, matcher, self.output, types)
         if self.reference is not None and not has_subgraph(node):
-            self.op = OpModel(index, graph, i, matcher, initializer_protos, types)
+            self.op = OpModel(index, graph, i, matcher, initializer_protos, types, (self.out_chain, self.seen))
         self.clip = clip_range(graph, self.out_chain[0], initializer_protos) if self.out_chain else None
 
 
