@@ -235,6 +235,37 @@ def test_a_sequence_input_is_an_input_error(tmp_path):
     assert "'s'" in line
 
 
+def string_input_pair(tmp_path):
+    """A string input s, Cast to float and added to x; the sum quantized in the second model."""
+    def build(quantized):
+        nodes = [
+            helper.make_node("Cast", ["s"], ["f"], name="cast", to=TensorProto.FLOAT),
+            helper.make_node("Add", ["f", "x"], ["a"], name="add"),
+        ]
+        read, inits = "a", []
+        if quantized:
+            read, inits = quantize_tensor(nodes, "a")
+        nodes.append(helper.make_node("Relu", [read], ["y"], name="relu"))
+        inputs = [helper.make_tensor_value_info("s", TensorProto.STRING, [3]), floats("x", [3])]
+        return model_of(nodes, inputs, [floats("y", [3])], inits)
+
+    return save(build(False), tmp_path / "float.onnx"), save(build(True), tmp_path / "quant.onnx")
+
+
+def test_a_string_input_is_given_with_inputs_and_traced(tmp_path):
+    float_path, quant_path = string_input_pair(tmp_path)
+    # It cannot be generated: exit 7, which says to give it with --inputs ...
+    line = error_line(run_graphscan(["trace", float_path, quant_path]), graphscan.EXIT_INPUTS)
+    assert "--inputs" in line
+    # ... and a unicode array given that way is taken.
+    feeds = {"s": np.array(["1.5", "-2", "0.25"]), "x": np.array([0.1, 0.2, 0.3], np.float32)}
+    np.savez(tmp_path / "in.npz", **feeds)
+    answer = json_answer(run_graphscan(["trace", float_path, quant_path, "--inputs", tmp_path / "in.npz"]))
+    a = intermediate(float_path, feeds, ["a"])["a"].astype(np.float64)
+    seen = intermediate(quant_path, feeds, ["a_DequantizeLinear_Output"])["a_DequantizeLinear_Output"]
+    assert rows_by_node(answer)["add"]["propagated_max_abs"] == float(np.max(np.abs(a - seen)))
+
+
 # --------------------------------------------------------------------------
 # Item 8: --save names
 
