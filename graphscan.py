@@ -1699,6 +1699,43 @@ class CombinedModel:
         self.fetched(rank, [n for n in count.scalars if isinstance(n, str)])
         return count
 
+    def add_row(self, k, row, quant_index, save):
+        """Row ``k``'s single-op model and measurements: ``(isolated, propagated,
+        clip, single-op output)``, each None where it does not apply. A row's
+        tensors are all fetched (``save`` fetches every row) or all reduced."""
+        rank = row.i
+        reference = self.float_name(row.reference) if row.reference is not None else None
+        isolated = propagated = clip = op_output = None
+        fed = {}
+        if row.op is not None:
+            prefix = ROW_PREFIX.format(k)
+            fed = {t: (self.float_name(r) if r is not None else t) for t, r in row.op.feeds.items()}
+            # Initializers and dequantized weights are the quantized model's own tensors.
+            keep = set(row.op.initializers)
+            keep.update(t for j in row.op.weight_nodes for t in quant_index.outputs[j])
+
+            def rename(tensor):
+                return fed.get(tensor) or (tensor if tensor in keep else prefix + tensor)
+
+            self.add_nodes(rank, row.op.node_protos(rename, prefix, skip=row.op.weight_nodes))
+            op_output = rename(row.op.output)
+            self.types.setdefault(op_output, self.types.get(row.op.output))
+        needed = [reference, op_output, row.seen] if reference is not None else []
+        needed += [row.output] if row.clip is not None else []
+        fetch = (save and row.op is not None) or self.fits([n for n in needed if n])
+        if reference is not None:
+            if op_output is not None:
+                isolated = self.compare(rank, reference, op_output, fetch=fetch)
+            if row.seen:
+                # Ranked after what makes the value, so the reference waits for it.
+                seen_rank = max(rank, quant_index.producer.get(row.seen, rank))
+                propagated = self.compare(seen_rank, reference, row.seen, signal=True, fetch=fetch)
+        if row.clip is not None:
+            clip = self.clip_count(rank, row.output, *row.clip, fetch=fetch)
+        if save and row.op is not None:
+            self.fetched(rank, fed.values())
+        return isolated, propagated, clip, op_output
+
     def add_float_model(self):
         """The float graph, renamed, each node ranked by the first row that needs it;
         nodes no row needs are left out."""
@@ -2109,6 +2146,7 @@ def trace(a, b, inputs=None, seed=0, tolerance=TRACE_TOLERANCE, save=None, shape
 
 
 def trace_models(a, b, inputs, seed, tolerance, save, shape):
+    """``trace``'s work: plan the rows, run graphscan's combined model, answer."""
     float_model, quant_model = load_with_weights(a), load_with_weights(b)
     check_same_inputs(float_model, quant_model, a, b)
     samples, defaulted = model_samples(
@@ -2124,41 +2162,7 @@ def trace_models(a, b, inputs, seed, tolerance, save, shape):
     combined = CombinedModel(
         float_in_quant_opset(float_model, quant_model, a, b), quant_model, feeds, float_types, quant_types
     )
-    measured = []
-    for k, row in enumerate(plan):
-        rank = row.i
-        reference = combined.float_name(row.reference) if row.reference is not None else None
-        isolated = propagated = clip = None
-        op_output = None
-        if row.op is not None:
-            prefix = ROW_PREFIX.format(k)
-            fed = {t: (combined.float_name(r) if r is not None else t) for t, r in row.op.feeds.items()}
-            # Initializers and dequantized weights are the quantized model's own tensors.
-            keep = set(row.op.initializers)
-            keep.update(t for j in row.op.weight_nodes for t in quant_index.outputs[j])
-
-            def rename(tensor, prefix=prefix, fed=fed, keep=keep):
-                return fed.get(tensor) or (tensor if tensor in keep else prefix + tensor)
-
-            combined.add_nodes(rank, row.op.node_protos(rename, prefix, skip=row.op.weight_nodes))
-            op_output = rename(row.op.output)
-            combined.types.setdefault(op_output, quant_types.get(row.op.output))
-        # A row's tensors are all fetched (--save fetches every row) or all reduced.
-        needed = [reference, op_output, row.seen] if reference is not None else []
-        needed += [row.output] if row.clip is not None else []
-        fetch = (save is not None and row.op is not None) or combined.fits([n for n in needed if n])
-        if reference is not None:
-            if op_output is not None:
-                isolated = combined.compare(rank, reference, op_output, fetch=fetch)
-            if row.seen:
-                # Ranked after what makes the value, so the reference waits for it.
-                seen_rank = max(rank, quant_index.producer.get(row.seen, rank))
-                propagated = combined.compare(seen_rank, reference, row.seen, signal=True, fetch=fetch)
-        if row.clip is not None:
-            clip = combined.clip_count(rank, row.output, *row.clip, fetch=fetch)
-        if save is not None and row.op is not None:
-            combined.fetched(rank, fed.values())
-        measured.append((isolated, propagated, clip, op_output))
+    measured = [combined.add_row(k, row, quant_index, save is not None) for k, row in enumerate(plan)]
     output_comparisons = {}
     for f, q in pairs:
         reference = combined.float_name(f)
