@@ -1926,6 +1926,14 @@ def run_combined(combined, feeds, a, b, rows):
     return results
 
 
+class SingleOpModelError(GraphscanError):
+    """graphscan's own single-op model of row ``row`` does not run (``reason``: onnxruntime's line)."""
+
+    def __init__(self, message, row, reason):
+        super().__init__(message, EXIT_RUNTIME)
+        self.row, self.reason = row, reason
+
+
 def run_segment(model, feeds, outputs, options, run_options, a, b, rows):
     """One session of graphscan's combined model; blames failures as run_combined says."""
     import onnxruntime as ort
@@ -1946,9 +1954,10 @@ def run_segment(model, feeds, outputs, options, run_options, a, b, rows):
         node = (node.group(1) or node.group(2) or "") if node else ""
         row = ROW_NODE.match(node)
         if row:
-            name = rows[int(row.group(1))].name
-            message = f"{b}: graphscan's own single-op model for node {name!r} does not run in onnxruntime"
-        elif node.startswith(FLOAT_PREFIX):
+            k = int(row.group(1))
+            message = f"{b}: graphscan's own single-op model for node {rows[k].name!r} does not run in onnxruntime"
+            raise SingleOpModelError(f"{message} ({one_line(exc)})", k, one_line(exc))
+        if node.startswith(FLOAT_PREFIX):
             message = f"{a}: model does not run in onnxruntime"
         elif node.startswith(STATS_PREFIX):
             message = f"{combined} does not run in onnxruntime"
@@ -1961,6 +1970,10 @@ REASON_ABSORBED = "its output is compared with a quantized node of another type 
 REASON_NO_TWIN = "no quantized node of the same name and op_type"
 REASON_SUBGRAPH = "has a subgraph (If/Loop/Scan): only its outputs are compared, it is not isolated"
 REASON_NOT_TENSOR = "its output is {}: not compared"
+REASON_SINGLE_OP = "graphscan's own single-op model of this node does not run in onnxruntime ({}): not isolated"
+# Single-op models that fail (a reference whose shape inference could not check
+# it) are dropped, the run repeated, at most this many times.
+TRACE_RETRIES = 8
 
 
 def unmatched_float_nodes(float_index, quant_index, rows):
@@ -2159,16 +2172,24 @@ def trace_models(a, b, inputs, seed, tolerance, save, shape):
     matcher = ReferenceMatcher(float_model.graph, float_types)
     plan = plan_rows(quant_model, quant_index, matcher, quant_types)
 
-    combined = CombinedModel(
-        float_in_quant_opset(float_model, quant_model, a, b), quant_model, feeds, float_types, quant_types
-    )
-    measured = [combined.add_row(k, row, quant_index, save is not None) for k, row in enumerate(plan)]
-    output_comparisons = {}
-    for f, q in pairs:
-        reference = combined.float_name(f)
-        output_comparisons[f] = combined.compare(combined.end, reference, q, fetch=combined.fits([reference, q]))
-    combined.add_float_model()
-    values = run_combined(combined, feeds, a, b, plan)
+    float_for_session = float_in_quant_opset(float_model, quant_model, a, b)
+    failed = {}  # row index -> onnxruntime's reason its single-op model failed
+    while True:
+        combined = CombinedModel(float_for_session, quant_model, feeds, float_types, quant_types)
+        measured = [combined.add_row(k, row, quant_index, save is not None) for k, row in enumerate(plan)]
+        output_comparisons = {}
+        for f, q in pairs:
+            reference = combined.float_name(f)
+            output_comparisons[f] = combined.compare(combined.end, reference, q, fetch=combined.fits([reference, q]))
+        combined.add_float_model()
+        try:
+            values = run_combined(combined, feeds, a, b, plan)
+            break
+        except SingleOpModelError as failure:
+            if failure.row in failed or len(failed) >= TRACE_RETRIES:
+                raise
+            failed[failure.row] = failure.reason
+            plan[failure.row].op = None  # traced without it: its isolated error is null
     values.update(feeds)
 
     rows, saved = [], []
@@ -2206,6 +2227,9 @@ def trace_models(a, b, inputs, seed, tolerance, save, shape):
             {"node": row.name, "op_type": quant_index.op_types[row.i], "reason": REASON_NOT_TENSOR.format(row.problem)}
             for row in plan
             if row.problem
+        ] + [
+            {"node": plan[k].name, "op_type": quant_index.op_types[plan[k].i], "reason": REASON_SINGLE_OP.format(reason)}
+            for k, reason in sorted(failed.items())
         ],
     }
 
