@@ -1060,13 +1060,13 @@ def fuse(path, output):
 # --------------------------------------------------------------------------
 # trace: the operator where a quantized model's error is born
 #
-# One onnxruntime session in all: graphscan's combined model holds the
-# quantized model, the float model (its tensors renamed under FLOAT_PREFIX),
-# every operator's single-op model reading the float references, and the
-# statistics of every row. Its nodes are ordered so the two models advance
-# together and each row is measured as soon as its tensors exist; onnxruntime
-# frees a tensor after its last reader, so peak memory does not grow with the
-# number of operators. No session per operator.
+# graphscan's combined model holds the quantized model, the float model (its
+# tensors renamed under FLOAT_PREFIX), every operator's single-op model reading
+# the float references, and the statistics of every row. Its nodes are ordered
+# so the two models advance together and each row is measured as soon as its
+# tensors exist; onnxruntime frees a tensor after its last reader. It runs in
+# sessions of at most TRACE_SEGMENT_NODES nodes, so neither the tensors held nor
+# the sessions grow with the number of operators. No session per operator.
 
 TRACE_TOLERANCE = 1e-2
 TRACE_SYMBOLIC_DIM_SIZE = 1
