@@ -1561,6 +1561,7 @@ class CombinedModel:
         self.fetch, self.fetch_set = [], set()
         self.fetch_rank = {}  # fetched float tensor -> lowest rank of a row that fetches it
         self.budget = TRACE_FETCH_BUDGET
+        self.reduced = False  # whether any measurement is reduced in the graph
         self.count = 0
         self.types = dict(quant_types)
         self.types.update((self.float_name(t), info) for t, info in float_types.items())
@@ -1647,6 +1648,7 @@ class CombinedModel:
         if signal:
             scalars["signal"] = self.combine(rank, "Sum", signals)
         comparison.scalars = scalars
+        self.reduced = True
         self.fetched(rank, [n for group in scalars.values() for n in ([group] if isinstance(group, str) else group)])
         return comparison
 
@@ -1696,6 +1698,7 @@ class CombinedModel:
         flags = self.add_node(rank, "Cast", [outside], to=onnx.TensorProto.INT64 if wide else onnx.TensorProto.INT32)
         total = self.add_node(rank, "ReduceSum", [flags], keepdims=0)
         count.scalars = [total, elements[0] if elements else self.add_node(rank, "Size", [tensor])]
+        self.reduced = True
         self.fetched(rank, [n for n in count.scalars if isinstance(n, str)])
         return count
 
@@ -1778,6 +1781,25 @@ class CombinedModel:
         model.functions.extend(self.quant_model.functions)
         known = {(f.domain, f.name) for f in model.functions}
         model.functions.extend(f for f in self.float_model.functions if (f.domain, f.name) not in known)
+        return model
+
+    def unscheduled(self):
+        """When every row is fetched (each tensor small, all within the budget)
+        and the nodes fit one segment, order cannot matter to memory: the whole
+        combined model as built, copied in bulk, no schedule to pay for."""
+        if self.reduced or len(self.entries) > TRACE_SEGMENT_NODES:
+            return None
+        model = self.header()
+        graph = model.graph
+        graph.name = "graphscan_combined"
+        graph.node.extend(self.quant_model.graph.node)
+        graph.node.extend(self.pool.node)
+        graph.node.extend([source.node[k] for _, source, k, _ in self.entries if source is self.float_graph])
+        for source in (self.quant_model.graph, self.float_graph, self.pool):
+            graph.initializer.extend(source.initializer)
+            graph.sparse_initializer.extend(source.sparse_initializer)
+        graph.input.extend(declared_input(name, value) for name, value in self.feeds.items())
+        graph.output.extend(onnx.ValueInfoProto(name=t) for t in self.fetch)
         return model
 
     def segments(self):
@@ -1875,6 +1897,12 @@ def run_combined(combined, feeds, a, b, rows):
     """
     import onnxruntime as ort
 
+    options, run_options = session_options(), ort.RunOptions()
+    run_options.log_severity_level = 4
+    whole = combined.unscheduled()
+    if whole is not None:
+        values = run_segment(whole, combined.feeds, combined.fetch, options, run_options, a, b, rows)
+        return dict(zip(combined.fetch, values))
     segments = combined.segments()
     initializers = combined.initializer_protos()
     fetch = combined.fetch_set
@@ -1890,8 +1918,6 @@ def run_combined(combined, feeds, a, b, rows):
     # copy would change the arithmetic.
     last_reader = {t: s for t, s in last_reader.items() if t not in constants}
     live, results = dict(feeds), {}
-    options, run_options = session_options(), ort.RunOptions()
-    run_options.log_severity_level = 4
     for s, segment in enumerate(segments):
         model = combined.header()
         graph = model.graph

@@ -20,10 +20,12 @@ from helpers import GRAPHSCAN, error_line, load_bench_script, run_graphscan
 
 LAB = Case(4, ("N",), "fc2_matmul", dim=16)
 
-# The ways a row can be measured: fetched into numpy (small tensors), reduced in
-# the graph, and reduced in slices of 50 values by sessions of 150 nodes.
+# The ways a row can be measured: fetched into numpy (small tensors) by one session
+# or by sessions of 150 nodes, reduced in the graph, and reduced in slices of 50
+# values by sessions of 150 nodes.
 PATHS = [
     pytest.param({}, id="fetched"),
+    pytest.param({"TRACE_SEGMENT_NODES": 150}, id="fetched-segmented"),
     pytest.param({"TRACE_FETCH_ELEMENTS": 0}, id="reduced-in-graph"),
     pytest.param(
         {"TRACE_FETCH_ELEMENTS": 0, "TRACE_CHUNK_ELEMENTS": 50, "TRACE_SEGMENT_NODES": 150},
