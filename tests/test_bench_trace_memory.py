@@ -11,6 +11,7 @@ import pytest
 
 from helpers import load_bench_script
 
+
 @pytest.mark.bench
 def test_a_2500_op_chain_stays_within_three_times_both_models(tmp_path):
     bench = load_bench_script("bench_trace_memory")
