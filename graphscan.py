@@ -944,10 +944,9 @@ def check_array_fits(path, spec, dtype, shape):
     """Exit 7 unless an array of ``dtype`` and ``shape`` can feed ``spec``."""
     import numpy as np
 
-    # A STRING input (object in numpy) is given as a fixed-width text array:
-    # .npz cannot hold object arrays without pickles, which are refused.
-    is_text = spec.dtype is not None and np.dtype(spec.dtype).hasobject and np.dtype(dtype).kind == "U"
-    if spec.dtype is None or (np.dtype(dtype).newbyteorder("=") != np.dtype(spec.dtype) and not is_text):
+    # A string input takes a unicode or bytes array (onnxruntime converts it).
+    is_text = spec.type_text == "STRING" and np.dtype(dtype).kind in "US"
+    if not is_text and (spec.dtype is None or np.dtype(dtype).newbyteorder("=") != np.dtype(spec.dtype)):
         raise GraphscanError(
             f"{shown(path)}: array {spec.name!r} is {np.dtype(dtype).name} {list(shape)}, the model wants {spec.describe()}",
             EXIT_INPUTS,
@@ -1367,17 +1366,45 @@ def np_size(value):
 # --------------------------------------------------------------------------
 # trace: the operator where a quantized model's error is born
 #
-# Two onnxruntime sessions in all: the float model once, and the quantized
-# model once with every operator's single-op model appended to its graph, fed
-# from the float references. No session per operator.
+# graphscan's combined model holds the quantized model, the float model (its
+# tensors renamed under FLOAT_PREFIX), every operator's single-op model reading
+# the float references, and the statistics of every row. Its nodes are ordered
+# so the two models advance together and each row is measured as soon as its
+# tensors exist; onnxruntime frees a tensor after its last reader. It runs in
+# sessions of at most TRACE_SEGMENT_NODES nodes, so neither the tensors held nor
+# the sessions grow with the number of operators. No session per operator.
 
 TRACE_TOLERANCE = 1e-2
 TRACE_SYMBOLIC_DIM_SIZE = 1
+# A comparison whose tensors have at most TRACE_FETCH_ELEMENTS elements each is
+# fetched and measured in numpy (np.linalg.norm, as trace always did), while
+# the fetched bytes stay under TRACE_FETCH_BUDGET; every other one is reduced to
+# scalars inside the graph, in float64. The maxima and counts are exact either
+# way; a sum of squares may differ from numpy's in the last digit.
+TRACE_FETCH_ELEMENTS = 2**16
+TRACE_FETCH_BUDGET = 16 * 2**20
+# A tensor reduced in the graph is cut into flat slices of this many elements.
+TRACE_CHUNK_ELEMENTS = 2**19
+# graphscan's combined model runs in sessions of at most this many nodes.
+TRACE_SEGMENT_NODES = 5000
 QDQ_SUFFIX = re.compile(
     r"_(?:QuantizeLinear_Input|QuantizeLinear_Output|DequantizeLinear_Output)(?:_\d+)?$"
 )
 ROW_PREFIX = "graphscan.row{}/"  # tensors of row k's single-op model inside the combined graph
-FLOAT_PREFIX = "graphscan.float/"  # float references fed into the combined graph
+FLOAT_PREFIX = "graphscan.float/"  # the float model's tensors inside the combined graph
+STATS_PREFIX = "graphscan.stats/"  # the statistics graphscan adds
+ROW_NODE = re.compile(r"graphscan\.row(\d+)/")
+# How onnxruntime and numpy say that an allocation failed.
+OUT_OF_MEMORY = re.compile(r"bad_alloc|bad allocation|failed to allocate|out of memory|cannot allocate", re.I)
+# Representable range of each integer type a QuantizeLinear can produce.
+Q_RANGES = {
+    onnx.TensorProto.INT8: (-128, 127),
+    onnx.TensorProto.UINT8: (0, 255),
+    onnx.TensorProto.INT16: (-32768, 32767),
+    onnx.TensorProto.UINT16: (0, 65535),
+    onnx.TensorProto.INT4: (-8, 7),
+    onnx.TensorProto.UINT4: (0, 15),
+}
 
 
 def value_names(graph):
@@ -1385,6 +1412,113 @@ def value_names(graph):
     names = {info.name for info in value_inputs(graph)}
     names.update(t for node in graph.node for t in node.output if t)
     return names
+
+
+def inferred_types(model, feeds):
+    """``{tensor: TypeProto}`` from onnx shape inference with the graph inputs set
+    to the shapes fed. Big initializers enter as typed inputs, so their payloads
+    are never copied; a model inference cannot handle gives what it declares."""
+    graph = model.graph
+    shell = onnx.ModelProto(ir_version=model.ir_version)
+    shell.opset_import.extend(model.opset_import)
+    shell.functions.extend(model.functions)
+    body = shell.graph
+    body.node.extend(graph.node)
+    initializers = {init.name for init in graph.initializer}
+    for info in graph.input:
+        if info.name in initializers:
+            continue
+        copy = body.input.add()
+        copy.CopyFrom(info)
+        array = feeds.get(info.name)
+        if copy.type.HasField("tensor_type") and hasattr(array, "shape"):
+            copy.type.tensor_type.shape.Clear()
+            copy.type.tensor_type.shape.SetInParent()
+            for size in array.shape:
+                copy.type.tensor_type.shape.dim.add().dim_value = size
+    for init in graph.initializer:
+        if math.prod(init.dims) <= 64:  # small: shape inputs whose values inference reads
+            body.initializer.append(init)
+        else:
+            body.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    body.output.extend(graph.output)
+    body.value_info.extend(graph.value_info)
+    try:
+        body = onnx.shape_inference.infer_shapes(shell, strict_mode=False, data_prop=True).graph
+    except Exception:
+        pass  # what the model declares is all there is
+    infos = itertools.chain(body.input, body.value_info, body.output)
+    return {info.name: info.type for info in infos if info.type.WhichOneof("value")}
+
+
+def tensor_dims(type_proto):
+    """A tensor type's dims (None where unknown), or None without a shape."""
+    if type_proto is None or type_proto.WhichOneof("value") != "tensor_type":
+        return None
+    tensor_type = type_proto.tensor_type
+    if not tensor_type.HasField("shape"):
+        return None
+    # A dim_param leaves dim_value 0: a size-0 dimension counts as unknown too.
+    return [d.dim_value if d.dim_value > 0 else None for d in tensor_type.shape.dim]
+
+
+def shapes_agree(first, second):
+    """True when two types' shapes are known and equal, False when known to differ, else None."""
+    a, b = tensor_dims(first), tensor_dims(second)
+    if a is None or b is None:
+        return None
+    if len(a) != len(b) or any(x is not None and y is not None and x != y for x, y in zip(a, b)):
+        return False
+    return True if None not in a and None not in b else None
+
+
+NOT_TENSOR_KINDS = {
+    "sequence_type": "a sequence",
+    "optional_type": "an optional",
+    "map_type": "a map",
+    "sparse_tensor_type": "a sparse tensor",
+    "opaque_type": "an opaque value",
+}
+
+
+def type_problem(type_proto):
+    """Why a tensor of this type cannot be compared (None: it can, or its type is unknown)."""
+    if type_proto is None:
+        return None
+    kind = type_proto.WhichOneof("value")
+    if kind is None:
+        return None
+    if kind != "tensor_type":
+        return NOT_TENSOR_KINDS.get(kind, kind)
+    if type_proto.tensor_type.elem_type == onnx.TensorProto.STRING:
+        return "a string tensor"
+    return None
+
+
+def comparable_dtype(type_proto):
+    """Whether a tensor of this type is measured (numbers; unknown types are tried)."""
+    if type_proto is None or not type_proto.tensor_type.elem_type:
+        return type_problem(type_proto) is None
+    elem_type = type_proto.tensor_type.elem_type
+    return elem_type not in (onnx.TensorProto.STRING, onnx.TensorProto.BOOL)
+
+
+def tensor_bytes(type_proto):
+    """Bytes of a tensor whose type and dims are all known, else None."""
+    dims = tensor_dims(type_proto)
+    if dims is None or None in dims:
+        return None
+    itemsize = item_size(type_proto.tensor_type.elem_type)
+    return None if itemsize is None else (math.prod(dims), math.prod(dims) * itemsize)
+
+
+@functools.lru_cache(maxsize=None)
+def item_size(elem_type):
+    """Bytes per element of an ONNX tensor type, None when unknown."""
+    try:
+        return onnx.helper.tensor_dtype_to_np_dtype(elem_type).itemsize if elem_type else None
+    except (KeyError, ValueError, TypeError):
+        return None
 
 
 class ReferenceMatcher:
@@ -1395,8 +1529,9 @@ class ReferenceMatcher:
     quantized models, or a model with itself, then gives zeros where equal).
     """
 
-    def __init__(self, float_graph):
+    def __init__(self, float_graph, types=None):
         self.graph = float_graph
+        self.types = types or {}
         self.index = GraphIndex(float_graph)
         self.tensors = value_names(float_graph)
         self.by_node = {}
@@ -1405,18 +1540,36 @@ class ReferenceMatcher:
                 if tensor:
                     self.by_node[(self.index.names[i], k)] = tensor
 
-    def reference(self, tensor, producer_name=None, output_index=None):
-        """Same name without ORT's QDQ suffixes, else the same node's same output."""
+    def reference(self, tensor, producer_name=None, output_index=None, want=None):
+        """Same name without ORT's QDQ suffixes, else the same node's same output.
+
+        A candidate whose shape is known to differ from ``want`` (the quantized
+        tensor's type) is passed over: a name reused with another meaning.
+        """
         stripped = QDQ_SUFFIX.sub("", tensor)
-        if stripped not in self.tensors:
-            stripped = self.by_node.get((producer_name, output_index))
-        if stripped is None:
-            return None
-        return output_chain(self.index, self.graph, stripped)[1]
+        candidates = [stripped] if stripped in self.tensors else []
+        candidates.append(self.by_node.get((producer_name, output_index)))
+        for candidate in candidates:
+            if candidate is not None and shapes_agree(self.types.get(candidate), want) is not False:
+                return output_chain(self.index, self.graph, candidate)[1]
+        return None
 
 
 def has_subgraph(node):
     return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+
+
+def subgraphs(node):
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            yield attribute.g
+        elif attribute.type == onnx.AttributeProto.GRAPHS:
+            yield from attribute.graphs
+
+
+def first_output(node):
+    """The first output a node writes ("" when it writes none): optional ones may be left out."""
+    return next((t for t in node.output if t), "")
 
 
 class OpModel:
@@ -1431,7 +1584,7 @@ class OpModel:
     is the quantized model's own, so the combined graph reuses it.
     """
 
-    def __init__(self, index, graph, i, matcher, initializer_protos):
+    def __init__(self, index, graph, i, matcher, initializer_protos, types, out_chain):
         self.index, self.graph, self.row = index, graph, i
         chain, self.weight_nodes = [], set()
         for tensor in index.inputs[i]:
@@ -1439,7 +1592,7 @@ class OpModel:
             if links and source in index.initializers:
                 self.weight_nodes.update(links)
             chain += [j for j in links if j not in chain]
-        out_chain, self.output = output_chain(index, graph, graph.node[i].output[0])
+        out_chain, self.output = out_chain
         self.nodes = chain + [i] + out_chain
         produced = {t for j in self.nodes for t in index.outputs[j]}
         self.initializers, self.feeds = [], {}
@@ -1450,7 +1603,7 @@ class OpModel:
                 if tensor in index.initializers:
                     self.initializers.append(tensor)
                 else:
-                    self.feeds[tensor] = tensor_reference(index, matcher, tensor)
+                    self.feeds[tensor] = tensor_reference(index, matcher, tensor, types)
         self.output_scale = output_scale(graph, out_chain, initializer_protos)
 
     def node_protos(self, rename=None, name_prefix="", skip=()):
@@ -1497,70 +1650,62 @@ def output_chain(index, graph, tensor):
     return [], tensor
 
 
+class InitializerTable(dict):
+    """Initializers by name; each one-element value is read once (every Q and DQ asks)."""
+
+    def __init__(self, graph):
+        super().__init__((init.name, init) for init in graph.initializer)
+        self.scalars = {}
+
+    def scalar(self, name):
+        if name not in self.scalars:
+            init = self.get(name)
+            values = None if init is None or math.prod(init.dims) != 1 else onnx.numpy_helper.to_array(init)
+            self.scalars[name] = None if values is None else (values.reshape(-1)[0], init.data_type)
+        return self.scalars[name]
+
+
+def scalar_initializer(initializer_protos, name):
+    """``(value, data_type)`` of a one-element initializer, else None."""
+    return initializer_protos.scalar(name)
+
+
 def output_scale(graph, out_chain, initializer_protos):
     """The output Q's scale as a float, when it is a scalar initializer."""
     if not out_chain:
         return None
-    init = initializer_protos.get(graph.node[out_chain[0]].input[1])
-    if init is None:
+    scale = scalar_initializer(initializer_protos, graph.node[out_chain[0]].input[1])
+    return None if scale is None else float(scale[0])
+
+
+def clip_range(graph, q_node, initializer_protos):
+    """``(lo, hi)``: what a per-tensor Q represents, ``(qmin - zp) * s`` to
+    ``(qmax - zp) * s``; None for a per-channel or non-integer Q."""
+    node = graph.node[q_node]
+    scale = scalar_initializer(initializer_protos, node.input[1])
+    if scale is None:
         return None
-    values = onnx.numpy_helper.to_array(init)
-    return float(values.reshape(-1)[0]) if values.size == 1 else None
+    if len(node.input) > 2 and node.input[2]:
+        zero_point = scalar_initializer(initializer_protos, node.input[2])
+        if zero_point is None:
+            return None
+        zero, data_type = int(zero_point[0]), zero_point[1]
+    else:
+        declared = [a.i for a in node.attribute if a.name == "output_dtype" and a.i]
+        zero, data_type = 0, (declared[0] if declared else onnx.TensorProto.UINT8)
+    if data_type not in Q_RANGES:
+        return None
+    qmin, qmax = Q_RANGES[data_type]
+    s = float(scale[0])
+    return (qmin - zero) * s, (qmax - zero) * s
 
 
-def tensor_reference(index, matcher, tensor):
+def tensor_reference(index, matcher, tensor, types=None):
+    want = (types or {}).get(tensor)
     producer = index.producer_of(tensor)
     if producer is None:
-        return matcher.reference(tensor)
-    return matcher.reference(tensor, index.names[producer], index.outputs[producer].index(tensor))
-
-
-def run_with_outputs(model, feeds, outputs, path, extra_inputs=(), copy=True):
-    """Run ``model`` exposing ``outputs`` (tensor names); returns ``{name: array}``.
-
-    ``copy=False`` lets a caller's private model be changed in place.
-    """
-    exposed = model
-    if copy:
-        exposed = onnx.ModelProto()
-        exposed.CopyFrom(model)
-    graph_outputs = {o.name for o in exposed.graph.output}
-    exposed.graph.input.extend(extra_inputs)
-    exposed.graph.output.extend(
-        onnx.ValueInfoProto(name=t) for t in outputs if t not in graph_outputs
-    )
-    names = [o.name for o in exposed.graph.output]
-    return dict(zip(names, run_model(exposed, feeds, path)))
-
-
-def combined_model(quant_model, op_models, float_values):
-    """The quantized model with every single-op model appended, and their feeds."""
-    combined = onnx.ModelProto()
-    combined.CopyFrom(quant_model)
-    feeds, extra_inputs, outputs = {}, [], {}
-    for k, op in enumerate(op_models):
-        if op is None:
-            continue
-        prefix = ROW_PREFIX.format(k)
-        fed = {}
-        for tensor, reference in op.feeds.items():
-            if reference is None:
-                fed[tensor] = tensor  # the quantized model's own value
-                continue
-            fed[tensor] = FLOAT_PREFIX + reference
-            if fed[tensor] not in feeds:
-                feeds[fed[tensor]] = float_values[reference]
-                extra_inputs.append(value_info_of(fed[tensor], float_values[reference]))
-        # Initializers and dequantized weights are the quantized model's own tensors.
-        keep = set(op.initializers)
-        keep.update(t for j in op.weight_nodes for t in op.index.outputs[j])
-
-        def rename(tensor, prefix=prefix, fed=fed, keep=keep):
-            return fed.get(tensor) or (tensor if tensor in keep else prefix + tensor)
-
-        combined.graph.node.extend(op.node_protos(rename, prefix, skip=op.weight_nodes))
-        outputs[k] = rename(op.output)
-    return combined, feeds, extra_inputs, outputs
+        return matcher.reference(tensor, want=want)
+    return matcher.reference(tensor, index.names[producer], index.outputs[producer].index(tensor), want)
 
 
 def value_info_of(name, array):
@@ -1572,7 +1717,9 @@ def error_stats(reference, value):
     """(max |ref - value|, SQNR in dB) or Nones when they cannot be compared."""
     import numpy as np
 
-    if reference is None or value is None or reference.shape != value.shape:
+    if not (isinstance(reference, np.ndarray) and isinstance(value, np.ndarray)):
+        return None, None
+    if reference.shape != value.shape:
         return None, None
     if not (np.issubdtype(reference.dtype, np.number) and np.issubdtype(value.dtype, np.number)):
         return None, None
@@ -1581,13 +1728,586 @@ def error_stats(reference, value):
     noise = float(np.linalg.norm(difference))
     signal = float(np.linalg.norm(ref))
     max_abs = float(np.max(np.abs(difference), initial=0.0))
-    sqnr = 20.0 * math.log10(signal / noise) if noise > 0 and signal > 0 else None
-    return max_abs, sqnr
+    return max_abs, sqnr_db(signal, noise)
+
+
+def sqnr_db(signal, noise):
+    return 20.0 * math.log10(signal / noise) if noise > 0 and signal > 0 else None
+
+
+# --------------------------------------------------------------------------
+# trace: graphscan's combined model
+
+
+def rename_graph(graph, rename, node_prefix):
+    """Rename every tensor of ``graph`` and of its subgraphs in place."""
+    for node in graph.node:
+        if node.name:
+            node.name = node_prefix + node.name
+        node.input[:] = [rename(t) if t else t for t in node.input]
+        node.output[:] = [rename(t) if t else t for t in node.output]
+        for body in subgraphs(node):
+            rename_graph(body, rename, node_prefix)
+    for info in itertools.chain(graph.input, graph.output, graph.value_info):
+        info.name = rename(info.name)
+    for init in graph.initializer:
+        init.name = rename(init.name)
+    for sparse in graph.sparse_initializer:
+        sparse.values.name = rename(sparse.values.name)
+
+
+def node_reads(node):
+    """Every tensor name ``node`` reads, its subgraphs' outer-scope reads included."""
+    names = [t for t in node.input if t]
+    if not len(node.attribute):
+        return names
+    for body in subgraphs(node):
+        for inner in body.node:
+            names.extend(node_reads(inner))
+    return names
+
+
+def schedule(entries):
+    """``entries`` (rank, graph, k, reads or None) for node ``graph.node[k]``, as ``(graph, k, reads, writes)``
+    in an order that runs each node after its inputs, the ready node of lowest
+    rank first (ties: as listed). onnxruntime's PRIORITY_BASED order then runs
+    them exactly so."""
+    import heapq
+
+    producers, reads, writes = {}, [], []
+    for e, (_, graph, k, known) in enumerate(entries):
+        node = graph.node[k]
+        reads.append(node_reads(node) if known is None else known)
+        writes.append([t for t in node.output if t])
+        for t in writes[-1]:
+            producers[t] = e
+    waiting, readers = [0] * len(entries), [[] for _ in entries]
+    for e in range(len(entries)):
+        needed = {producers[t] for t in reads[e] if t in producers} - {e}
+        waiting[e] = len(needed)
+        for producer in needed:
+            readers[producer].append(e)
+    ready = [(entry[0], e) for e, entry in enumerate(entries) if not waiting[e]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, e = heapq.heappop(ready)
+        order.append(e)
+        for reader in readers[e]:
+            waiting[reader] -= 1
+            if not waiting[reader]:
+                heapq.heappush(ready, (entries[reader][0], reader))
+    placed = set(order)
+    order += [e for e in range(len(entries)) if e not in placed]  # a cycle: onnxruntime says so
+    return [(entries[e][1], entries[e][2], reads[e], writes[e]) for e in order]
+
+
+class Comparison:
+    """max |reference - value| (and, with ``signal``, the SQNR) of two tensors of
+    the combined model: fetched and measured in numpy, or reduced in the graph."""
+
+    def __init__(self, reference, value, signal=False):
+        self.reference, self.value, self.signal = reference, value, signal
+        self.scalars = None  # names of the in-graph results when reduced
+
+    def result(self, values):
+        """``(max_abs, sqnr_db)`` from the session's results ``values``."""
+        if self.scalars is None:
+            return error_stats(values.get(self.reference), values.get(self.value))
+        if "shapes" in self.scalars:
+            first, second = (values[n] for n in self.scalars["shapes"])
+            if list(first) != list(second):
+                return None, None
+        noise_squared = float(values[self.scalars["noise"]])
+        if math.isnan(noise_squared):
+            return math.nan, None  # numpy's max keeps a NaN; ReduceMax need not
+        largest = float(values[self.scalars["max"]])
+        max_abs = largest if largest > 0 else 0.0  # an empty tensor: numpy's initial=0.0
+        if not self.signal:
+            return max_abs, None
+        return max_abs, sqnr_db(math.sqrt(float(values[self.scalars["signal"]])), math.sqrt(noise_squared))
+
+
+class ClipCount:
+    """Fraction of a tensor's values outside ``[lo, hi]``: counted in numpy or in the graph."""
+
+    def __init__(self, tensor, lo, hi):
+        self.tensor, self.lo, self.hi = tensor, lo, hi
+        self.scalars = None
+
+    def result(self, values):
+        import numpy as np
+
+        if self.scalars is None:
+            array = values.get(self.tensor)
+            if not isinstance(array, np.ndarray) or not np.issubdtype(array.dtype, np.number):
+                return None
+            wide = array.astype(np.float64)
+            count, size = int(np.count_nonzero((wide < self.lo) | (wide > self.hi))), array.size
+        else:
+            count, size = (int(values[n]) if isinstance(n, str) else n for n in self.scalars)
+        return count / size if size else None
+
+
+class CombinedModel:
+    """Builds graphscan's combined model and says what to fetch from it.
+
+    Quantized nodes keep their names; the float model's tensors and nodes are
+    renamed under FLOAT_PREFIX (the fed inputs are shared); row k's single-op
+    model lives under ``ROW_PREFIX.format(k)``; statistics under STATS_PREFIX.
+    """
+
+    def __init__(self, float_model, quant_model, feeds, float_types, quant_types):
+        self.float_model, self.quant_model, self.feeds = float_model, quant_model, feeds
+        # Nodes are kept inside GraphProtos (the models' own, graphscan's pool),
+        # never as one Python object each: 100,000 rows cost megabytes.
+        self.pool = onnx.GraphProto()
+        self.float_graph = None
+        self.entries = [(rank, quant_model.graph, rank, None) for rank in range(len(quant_model.graph.node))]
+        self.fetch, self.fetch_set = [], set()
+        self.fetch_rank = {}  # fetched float tensor -> lowest rank of a row that fetches it
+        self.budget = TRACE_FETCH_BUDGET
+        self.reduced = False  # whether any measurement is reduced in the graph
+        self.count = 0
+        self.types = dict(quant_types)
+        self.types.update((self.float_name(t), info) for t, info in float_types.items())
+        self.end = len(quant_model.graph.node)
+
+    def float_name(self, tensor):
+        return tensor if tensor in self.feeds else FLOAT_PREFIX + tensor
+
+    def fetched(self, rank, names):
+        for name in names:
+            if name not in self.fetch_set and name not in self.feeds:
+                self.fetch.append(name)
+                self.fetch_set.add(name)
+            self.fetch_rank[name] = min(rank, self.fetch_rank.get(name, rank))
+
+    def fits(self, names):
+        """Whether ``names`` can be fetched: each small and of known size, all
+        within what is left of the budget (then charged to it)."""
+        new = list(dict.fromkeys(n for n in names if n not in self.fetch_set and n not in self.feeds))
+        sizes = [tensor_bytes(self.types.get(n)) for n in new]
+        if any(size is None or size[0] > TRACE_FETCH_ELEMENTS for size in sizes):
+            return False
+        cost = sum(size[1] for size in sizes)
+        if cost > self.budget:
+            return False
+        self.budget -= cost
+        return True
+
+    def add_node(self, rank, op_type, inputs, **attributes):
+        self.count += 1
+        output = f"{STATS_PREFIX}{op_type}_{self.count}"
+        self.add_nodes(rank, [onnx.helper.make_node(op_type, inputs, [output], name=output, **attributes)])
+        return output
+
+    def add_nodes(self, rank, nodes):
+        for node in nodes:
+            self.pool.node.append(node)
+            self.entries.append((rank, self.pool, len(self.pool.node) - 1, node_reads(node)))
+
+    def add_constant(self, array):
+        import numpy as np
+
+        self.count += 1
+        name = f"{STATS_PREFIX}constant_{self.count}"
+        self.pool.initializer.append(onnx.numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def as_double(self, rank, tensor):
+        return self.add_node(rank, "Cast", [tensor], to=onnx.TensorProto.DOUBLE)
+
+    def compare(self, rank, reference, value, signal=False, fetch=False):
+        """A Comparison of two tensors (fetched when ``fetch``, else reduced in
+        the graph), or None when their types rule it out."""
+        first, second = self.types.get(reference), self.types.get(value)
+        if not (comparable_dtype(first) and comparable_dtype(second)) or shapes_agree(first, second) is False:
+            return None
+        comparison = Comparison(reference, value, signal)
+        if fetch:
+            self.fetched(rank, [reference, value])
+            return comparison
+        scalars, agree = {}, shapes_agree(first, second)
+        if agree is None:
+            # Shapes only known at run time: compare flat prefixes of one
+            # length (each cut to the other's size), so the Sub always runs,
+            # and fetch both shapes.
+            flat, one, start = self.add_constant([-1]), self.add_constant([1]), self.add_constant([0])
+            ref, val = self.add_node(rank, "Reshape", [reference, flat]), self.add_node(rank, "Reshape", [value, flat])
+            ref_size = self.add_node(rank, "Reshape", [self.add_node(rank, "Size", [ref]), one])
+            val_size = self.add_node(rank, "Reshape", [self.add_node(rank, "Size", [val]), one])
+            pieces = [(self.add_node(rank, "Slice", [ref, start, val_size]), self.add_node(rank, "Slice", [val, start, ref_size]))]
+            scalars["shapes"] = [self.add_node(rank, "Shape", [reference]), self.add_node(rank, "Shape", [value])]
+        else:
+            pieces = self.chunks(rank, [reference, value], math.prod(tensor_dims(first)))
+        maxima, noises, signals = [], [], []
+        for ref_piece, val_piece in pieces:
+            ref, val = self.as_double(rank, ref_piece), self.as_double(rank, val_piece)
+            difference = self.add_node(rank, "Sub", [ref, val])
+            maxima.append(self.add_node(rank, "ReduceMax", [self.add_node(rank, "Abs", [difference])], keepdims=0))
+            noises.append(self.add_node(rank, "ReduceSumSquare", [difference], keepdims=0))
+            if signal:
+                signals.append(self.add_node(rank, "ReduceSumSquare", [ref], keepdims=0))
+        scalars["max"] = self.combine(rank, "Max", maxima)
+        scalars["noise"] = self.combine(rank, "Sum", noises)
+        if signal:
+            scalars["signal"] = self.combine(rank, "Sum", signals)
+        comparison.scalars = scalars
+        self.reduced = True
+        self.fetched(rank, [n for group in scalars.values() for n in ([group] if isinstance(group, str) else group)])
+        return comparison
+
+    def chunks(self, rank, tensors, elements):
+        """Yield ``tensors`` (of ``elements`` values each) as tuples of flat slices
+        of at most TRACE_CHUNK_ELEMENTS, each slice's nodes made as it is asked
+        for, so each slice is measured and freed before the next is cut."""
+        if elements <= TRACE_CHUNK_ELEMENTS:
+            yield tuple(tensors)
+            return
+        flat = self.add_constant([-1])
+        flats = [self.add_node(rank, "Reshape", [t, flat]) for t in tensors]
+        for begin in range(0, elements, TRACE_CHUNK_ELEMENTS):
+            starts, ends = self.add_constant([begin]), self.add_constant([begin + TRACE_CHUNK_ELEMENTS])
+            yield tuple(self.add_node(rank, "Slice", [t, starts, ends]) for t in flats)
+
+    def combine(self, rank, op_type, scalars):
+        return scalars[0] if len(scalars) == 1 else self.add_node(rank, op_type, scalars)
+
+    def clip_count(self, rank, tensor, lo, hi, fetch):
+        """A ClipCount of ``tensor``; counted in numpy when ``fetch`` (its row is fetched)."""
+        import numpy as np
+
+        count = ClipCount(tensor, lo, hi)
+        type_proto = self.types.get(tensor)
+        if not comparable_dtype(type_proto):
+            return None
+        if fetch:
+            self.fetched(rank, [tensor])
+            return count
+        if type_proto is not None and type_proto.tensor_type.elem_type == onnx.TensorProto.FLOAT:
+            # For a float32 t, t < lo exactly when t < the least float32 >= lo
+            # (and t > hi when t > the largest float32 <= hi): no float64 copy.
+            low, high = np.float32(lo), np.float32(hi)
+            low = np.nextafter(low, np.float32(np.inf)) if low < lo else low
+            high = np.nextafter(high, np.float32(-np.inf)) if high > hi else high
+            values, bounds = tensor, (np.float32(low), np.float32(high))
+        else:
+            values, bounds = self.as_double(rank, tensor), (np.float64(lo), np.float64(hi))
+        outside = self.add_node(
+            rank, "Or",
+            [self.add_node(rank, "Less", [values, self.add_constant(bounds[0])]),
+             self.add_node(rank, "Greater", [values, self.add_constant(bounds[1])])],
+        )
+        elements = tensor_bytes(type_proto)
+        wide = elements is None or elements[0] >= 2**31
+        flags = self.add_node(rank, "Cast", [outside], to=onnx.TensorProto.INT64 if wide else onnx.TensorProto.INT32)
+        total = self.add_node(rank, "ReduceSum", [flags], keepdims=0)
+        count.scalars = [total, elements[0] if elements else self.add_node(rank, "Size", [tensor])]
+        self.reduced = True
+        self.fetched(rank, [n for n in count.scalars if isinstance(n, str)])
+        return count
+
+    def add_row(self, k, row, quant_index, save):
+        """Row ``k``'s single-op model and measurements: ``(isolated, propagated,
+        clip, single-op output)``, each None where it does not apply. A row's
+        tensors are all fetched (``save`` fetches every row) or all reduced."""
+        rank = row.i
+        reference = self.float_name(row.reference) if row.reference is not None else None
+        isolated = propagated = clip = op_output = None
+        fed = {}
+        if row.op is not None:
+            prefix = ROW_PREFIX.format(k)
+            fed = {t: (self.float_name(r) if r is not None else t) for t, r in row.op.feeds.items()}
+            # Initializers and dequantized weights are the quantized model's own tensors.
+            keep = set(row.op.initializers)
+            keep.update(t for j in row.op.weight_nodes for t in quant_index.outputs[j])
+
+            def rename(tensor):
+                return fed.get(tensor) or (tensor if tensor in keep else prefix + tensor)
+
+            self.add_nodes(rank, row.op.node_protos(rename, prefix, skip=row.op.weight_nodes))
+            op_output = rename(row.op.output)
+            self.types.setdefault(op_output, self.types.get(row.op.output))
+        needed = [reference, op_output, row.seen] if reference is not None else []
+        needed += [row.output] if row.clip is not None else []
+        fetch = (save and row.op is not None) or self.fits([n for n in needed if n])
+        if reference is not None:
+            if op_output is not None:
+                isolated = self.compare(rank, reference, op_output, fetch=fetch)
+            if row.seen:
+                # Ranked after what makes the value, so the reference waits for it.
+                seen_rank = max(rank, quant_index.producer.get(row.seen, rank))
+                propagated = self.compare(seen_rank, reference, row.seen, signal=True, fetch=fetch)
+        if row.clip is not None:
+            clip = self.clip_count(rank, row.output, *row.clip, fetch=fetch)
+        if save and row.op is not None:
+            self.fetched(rank, fed.values())
+        return isolated, propagated, clip, op_output
+
+    def add_float_model(self):
+        """The float graph, renamed, each node ranked by the first row that needs it;
+        nodes no row needs are left out."""
+        graph = onnx.GraphProto()
+        graph.CopyFrom(self.float_model.graph)
+        rename_graph(graph, self.float_name, FLOAT_PREFIX)
+        wanted = {}  # float tensor -> lowest rank of a reader
+        for rank, source, _, reads in self.entries:
+            if source is not self.pool:
+                continue  # only graphscan's own nodes read float tensors
+            for tensor in reads:
+                if tensor.startswith(FLOAT_PREFIX):
+                    wanted[tensor] = min(rank, wanted.get(tensor, rank))
+        for name, rank in self.fetch_rank.items():
+            if name.startswith(FLOAT_PREFIX):
+                wanted[name] = min(rank, wanted.get(name, rank))
+        ranked = []
+        for k in range(len(graph.node) - 1, -1, -1):
+            node = graph.node[k]
+            ranks = [wanted[t] for t in node.output if t in wanted]
+            if not ranks:
+                continue
+            rank = min(ranks)
+            reads = node_reads(node)
+            for tensor in reads:
+                wanted[tensor] = min(rank, wanted.get(tensor, rank))
+            ranked.append((rank, graph, k, reads))
+        self.entries.extend(reversed(ranked))
+        self.float_graph = graph
+
+    def header(self):
+        """An empty ModelProto with what every segment shares: IR, opsets, functions."""
+        model = onnx.ModelProto()
+        for field in ("ir_version", "producer_name", "producer_version", "domain", "model_version"):
+            setattr(model, field, getattr(self.quant_model, field))
+        model.ir_version = max(model.ir_version, self.float_model.ir_version)
+        model.opset_import.extend(self.quant_model.opset_import)
+        quant_opsets = {o.domain or "ai.onnx" for o in model.opset_import}
+        model.opset_import.extend(o for o in self.float_model.opset_import if (o.domain or "ai.onnx") not in quant_opsets)
+        model.functions.extend(self.quant_model.functions)
+        known = {(f.domain, f.name) for f in model.functions}
+        model.functions.extend(f for f in self.float_model.functions if (f.domain, f.name) not in known)
+        return model
+
+    def unscheduled(self):
+        """When every row is fetched (each tensor small, all within the budget)
+        and the nodes fit one segment, order cannot matter to memory: the whole
+        combined model as built, copied in bulk, no schedule to pay for."""
+        if self.reduced or len(self.entries) > TRACE_SEGMENT_NODES:
+            return None
+        model = self.header()
+        graph = model.graph
+        graph.name = "graphscan_combined"
+        graph.node.extend(self.quant_model.graph.node)
+        graph.node.extend(self.pool.node)
+        graph.node.extend([source.node[k] for _, source, k, _ in self.entries if source is self.float_graph])
+        for source in (self.quant_model.graph, self.float_graph, self.pool):
+            graph.initializer.extend(source.initializer)
+            graph.sparse_initializer.extend(source.sparse_initializer)
+        graph.input.extend(declared_input(name, value) for name, value in self.feeds.items())
+        graph.output.extend(onnx.ValueInfoProto(name=t) for t in self.fetch)
+        return model
+
+    def segments(self):
+        """The scheduled nodes cut into runs of at most TRACE_SEGMENT_NODES."""
+        order = schedule(self.entries)
+        self.entries = None
+        return [order[k:k + TRACE_SEGMENT_NODES] for k in range(0, len(order), TRACE_SEGMENT_NODES)]
+
+    def initializer_protos(self):
+        """``{name: TensorProto}`` of every initializer a node may read."""
+        protos = {}
+        for graph in (self.quant_model.graph, self.float_graph, self.pool):
+            if graph is not None:
+                protos.update((init.name, init) for init in graph.initializer)
+                protos.update((sparse.values.name, sparse) for sparse in graph.sparse_initializer)
+        return protos
+
+
+def float_in_quant_opset(float_model, quant_model, a, b):
+    """The float model at the quantized model's default opset, so both run in one session."""
+    def default_opset(model):
+        return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+
+    wanted, have = default_opset(quant_model), default_opset(float_model)
+    if wanted is None or have is None or wanted == have:
+        return float_model
+    try:
+        return onnx.version_converter.convert_version(float_model, wanted)
+    except Exception as exc:
+        raise GraphscanError(
+            f"{a}: opset {have} cannot join {b}'s opset {wanted} in graphscan's combined model "
+            f"({one_line(exc)})",
+            EXIT_RUNTIME,
+        )
+
+
+SHARED_ARENA = []  # [True] once this process registered onnxruntime's shared CPU arena, [False] if it cannot
+
+
+def shared_arena():
+    """Whether every segment's session can allocate from one onnxruntime CPU arena
+    that grows only by what is asked. Separate arenas would each keep their own
+    high-water mark (and glibc the pages they free), so memory would grow with
+    the number of segments. Registered once per process."""
+    import onnxruntime as ort
+
+    if not SHARED_ARENA:
+        try:
+            memory = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            ort.create_and_register_allocator(memory, ort.OrtArenaCfg(0, 1, -1, -1))  # 1: kSameAsRequested
+            SHARED_ARENA.append(True)
+        except Exception:
+            SHARED_ARENA.append(False)
+    return SHARED_ARENA[0]
+
+
+def session_options():
+    """onnxruntime options for graphscan's combined model: the graph as written, run in our order."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if shared_arena():
+        options.add_session_config_entry("session.use_env_allocators", "1")
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.execution_order = ort.ExecutionOrder.PRIORITY_BASED  # the order schedule() chose
+    # Else onnxruntime gives each DQ read by our statistics a copy of its own,
+    # appended after every other node, which would run last and hold memory.
+    options.add_session_config_entry("session.disable_quant_qdq", "1")
+    options.log_severity_level = 4  # errors are reported in our one line, not ORT's log
+    return options
+
+
+def declared_input(name, value):
+    """A graph input typed from the value an earlier segment gave it."""
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            return onnx.helper.make_tensor_value_info(name, onnx.TensorProto.STRING, list(value.shape))
+        return value_info_of(name, value)
+    if isinstance(value, list):
+        elem_type = onnx.helper.np_dtype_to_tensor_dtype(value[0].dtype) if value else onnx.TensorProto.FLOAT
+        return onnx.helper.make_tensor_sequence_value_info(name, elem_type, None)
+    raise GraphscanError(f"tensor {name!r} cannot be passed between graphscan's sessions", EXIT_RUNTIME)
+
+
+def run_combined(combined, feeds, a, b, rows):
+    """Run graphscan's combined model; ``{fetched name: value}``.
+
+    The scheduled nodes run in segments of at most TRACE_SEGMENT_NODES, one
+    session each, the tensors a later segment reads handed over: the session
+    size, like the tensors, stays bounded however many operators there are.
+    A failure is blamed on the model it comes from: the float model, the
+    quantized one, or graphscan's own single-op model of a row's node.
+    """
+    import onnxruntime as ort
+
+    options, run_options = session_options(), ort.RunOptions()
+    run_options.log_severity_level = 4
+    whole = combined.unscheduled()
+    if whole is not None:
+        values = run_segment(whole, combined.feeds, combined.fetch, options, run_options, a, b, rows)
+        return dict(zip(combined.fetch, values))
+    segments = combined.segments()
+    initializers = combined.initializer_protos()
+    fetch = combined.fetch_set
+    last_reader, constants = {}, {}
+    for s, segment in enumerate(segments):
+        for graph, k, reads, writes in segment:
+            for tensor in reads:
+                last_reader[tensor] = s
+            if not reads and len(writes) == 1 and graph.node[k].op_type == "Constant":
+                constants[writes[0]] = graph.node[k]
+    # A Constant is copied into each segment that reads it, never handed over:
+    # onnxruntime makes it an initializer (a MatMul then prepacks it), so a fed
+    # copy would change the arithmetic.
+    last_reader = {t: s for t, s in last_reader.items() if t not in constants}
+    live, results = dict(feeds), {}
+    for s, segment in enumerate(segments):
+        model = combined.header()
+        graph = model.graph
+        graph.name = f"graphscan_segment_{s}"
+        graph.node.extend([source.node[k] for source, k, _, _ in segment])
+        reads = dict.fromkeys(itertools.chain.from_iterable(r for _, _, r, _ in segment))
+        written = list(itertools.chain.from_iterable(w for _, _, _, w in segment))
+        produced = set(written)
+        copied = [t for t in reads if t in constants and t not in produced]
+        graph.node.extend(constants[t] for t in copied)
+        produced.update(copied)
+        inputs = [t for t in reads if t in live and t not in produced]
+        graph.input.extend(declared_input(t, live[t]) for t in inputs)
+        for tensor in reads:
+            proto = initializers.get(tensor)
+            if proto is None or tensor in produced or tensor in live:
+                continue
+            (graph.sparse_initializer if isinstance(proto, onnx.SparseTensorProto) else graph.initializer).append(proto)
+        outputs = [t for t in written if t in fetch or last_reader.get(t, -1) > s]
+        if not outputs:
+            continue
+        graph.output.extend(onnx.ValueInfoProto(name=t) for t in outputs)
+        values = run_segment(model, {t: live[t] for t in inputs}, outputs, options, run_options, a, b, rows)
+        del model, graph
+        for tensor, value in zip(outputs, values):
+            if tensor in fetch:
+                results[tensor] = value
+            if last_reader.get(tensor, -1) > s:
+                live[tensor] = value
+        for tensor in [t for t in live if last_reader.get(t, -1) <= s]:
+            del live[tensor]
+    return results
+
+
+class SingleOpModelError(GraphscanError):
+    """graphscan's own single-op model of row ``row`` does not run (``reason``: onnxruntime's line)."""
+
+    def __init__(self, message, row, reason):
+        super().__init__(message, EXIT_RUNTIME)
+        self.row, self.reason = row, reason
+
+
+def run_segment(model, feeds, outputs, options, run_options, a, b, rows):
+    """One session of graphscan's combined model; blames failures as run_combined says."""
+    import onnxruntime as ort
+
+    combined = f"graphscan's combined model of {shown(a)} and {shown(b)}"
+    try:
+        data = model.SerializeToString()
+        session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+        del data  # the session has its own copy; the run needs the memory
+        if not outputs:  # nothing to compare (the session was still built and checked)
+            return []
+        return session.run(outputs, feeds, run_options)
+    except MemoryError as exc:
+        raise GraphscanError(f"{combined}: out of memory ({one_line(exc)})", EXIT_RUNTIME)
+    except Exception as exc:
+        text = str(exc)
+        if OUT_OF_MEMORY.search(text):
+            raise GraphscanError(f"{combined}: out of memory ({one_line(exc)})", EXIT_RUNTIME)
+        node = re.search(r"Name:'([^']*)'|[Nn]ode \(([^)]*)\)", text)
+        node = (node.group(1) or node.group(2) or "") if node else ""
+        row = ROW_NODE.match(node)
+        if row:
+            k = int(row.group(1))
+            message = f"{shown(b)}: graphscan's own single-op model for node {rows[k].name!r} does not run in onnxruntime"
+            raise SingleOpModelError(f"{message} ({one_line(exc)})", k, one_line(exc))
+        if node.startswith(FLOAT_PREFIX):
+            message = f"{shown(a)}: model does not run in onnxruntime"
+        elif node.startswith(STATS_PREFIX):
+            message = f"{combined} does not run in onnxruntime"
+        else:
+            message = f"{shown(b)}: model does not run in onnxruntime"
+        raise GraphscanError(f"{message} ({one_line(exc)})", EXIT_RUNTIME)
 
 
 REASON_ABSORBED = "its output is compared with a quantized node of another type (absorbed)"
 REASON_NO_TWIN = "no quantized node of the same name and op_type"
 REASON_SUBGRAPH = "has a subgraph (If/Loop/Scan): only its outputs are compared, it is not isolated"
+REASON_NOT_TENSOR = "its output is {}: not compared"
+REASON_SINGLE_OP = "graphscan's own single-op model of this node does not run in onnxruntime ({}): not isolated"
+# Single-op models that fail (a reference whose shape inference could not check
+# it) are dropped, the run repeated, at most this many times.
+TRACE_RETRIES = 8
 
 
 def unmatched_float_nodes(float_index, quant_index, rows):
@@ -1620,8 +2340,30 @@ def unmatched_float_nodes(float_index, quant_index, rows):
     return unmatched
 
 
-def file_safe(name):
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+# --------------------------------------------------------------------------
+# trace: --save
+
+
+def file_stems(names):
+    """A file stem per name, all different even on a case-insensitive file system.
+
+    A name made only of ``[A-Za-z0-9._-]`` is its own stem; any other gets its
+    unsafe characters turned into ``_`` and a hash of the name appended.
+    """
+    import hashlib
+
+    stems, taken = [], set()
+    for name in names:
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:120]
+        if safe != name or safe.strip(".") == "":
+            safe = f"{safe}-{hashlib.sha1(name.encode('utf-8', 'surrogatepass')).hexdigest()[:10]}"
+        stem, n = safe, 1
+        while stem.casefold() in taken:
+            n += 1
+            stem = f"{safe}-{n}"
+        taken.add(stem.casefold())
+        stems.append(stem)
+    return stems
 
 
 def standalone_model(quant_model, op, input_arrays, output_array):
@@ -1631,7 +2373,7 @@ def standalone_model(quant_model, op, input_arrays, output_array):
     model = onnx.helper.make_model(
         onnx.helper.make_graph(
             op.node_protos(),
-            file_safe(op.index.names[op.row]),
+            op.index.names[op.row],
             [value_info_of(name, input_arrays[name]) for name in op.feeds],
             [value_info_of(op.output, output_array)],
             initializers,
@@ -1642,122 +2384,187 @@ def standalone_model(quant_model, op, input_arrays, output_array):
     return model
 
 
-def save_op_models(folder, quant_model, rows, op_models, arrays_by_row):
-    """Write ``<node>.onnx`` and ``<node>.npz`` for every row that has a single-op model."""
+def npz_bytes(inputs, reference):
+    """The ``--save`` .npz: arrays under generated keys (``input0``, ...,
+    ``reference``) and ``names.json`` mapping each key back to its tensor name,
+    so any tensor name round-trips."""
     import io
+    import zipfile
 
     import numpy as np
 
+    keys = {f"input{k}": name for k, name in enumerate(inputs)}
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        for key, name in keys.items():
+            with archive.open(f"{key}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asarray(inputs[name]), allow_pickle=False)
+        with archive.open("reference.npy", "w", force_zip64=True) as member:
+            np.lib.format.write_array(member, np.asarray(reference), allow_pickle=False)
+        names = {"inputs": {name: key for key, name in keys.items()}, "reference": "reference"}
+        archive.writestr("names.json", json.dumps(names, ensure_ascii=False))
+    return buffer.getvalue()
+
+
+def save_op_models(folder, quant_model, rows, op_models, arrays_by_row):
+    """Write ``<stem>.onnx`` and ``<stem>.npz`` for every row that has a single-op
+    model, and ``index.json`` mapping each row's node to its stem."""
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:
         raise GraphscanError(f"{shown(folder)}: cannot create ({exc.strerror or exc})", EXIT_NO_FILE)
-    used = set()
-    for row, op, saved in zip(rows, op_models, arrays_by_row):
-        if op is None or saved is None:
-            continue
-        arrays, output_array = saved
-        stem = file_safe(row["node"])
-        if stem in used:  # two names that differ only in unsafe characters
-            stem = f"{stem}_{op.row}"
-        used.add(stem)
-        model = standalone_model(quant_model, op, arrays, output_array)
+    saved = [(row, op, arrays) for row, op, arrays in zip(rows, op_models, arrays_by_row) if op and arrays]
+    stems = file_stems([row["node"] for row, _, _ in saved])
+    for stem, (row, op, (arrays, reference, isolated)) in zip(stems, saved):
+        model = standalone_model(quant_model, op, arrays, isolated)
         write_atomically(model.SerializeToString(), os.path.join(folder, stem + ".onnx"))
-        buffer = io.BytesIO()
-        np.savez(buffer, **arrays)
-        write_atomically(buffer.getvalue(), os.path.join(folder, stem + ".npz"))
+        write_atomically(npz_bytes(arrays, reference), os.path.join(folder, stem + ".npz"))
+    index = {row["node"]: stem for stem, (row, _, _) in zip(stems, saved)}
+    write_atomically(json.dumps(index, ensure_ascii=False).encode("utf-8"), os.path.join(folder, "index.json"))
 
 
-def plan_rows(quant_model, quant_index, matcher):
-    """Per compute node of the quantized model: its index, float reference and
-    single-op model (None where it has no reference or has a subgraph)."""
+# --------------------------------------------------------------------------
+# trace: the rows
+
+
+class TraceRow:
+    """One compute node of the quantized model: its float reference, single-op
+    model (None where it has no reference or has a subgraph), the tensor it
+    writes and what the next op sees, and why it is not compared, if so."""
+
+    def __init__(self, index, graph, i, matcher, initializer_protos, types):
+        node = graph.node[i]
+        self.i, self.name = i, index.names[i]
+        self.output = first_output(node)
+        self.problem = type_problem(types.get(self.output)) if self.output else None
+        self.reference = self.op = None
+        self.out_chain, self.seen = output_chain(index, graph, self.output) if self.output else ([], "")
+        if self.output and not self.problem:
+            self.reference = tensor_reference(index, matcher, self.output, types)
+        if self.reference is not None and not has_subgraph(node):
+            self.op = OpModel(index, graph, i, matcher, initializer_protos, types, (self.out_chain, self.seen))
+        self.clip = clip_range(graph, self.out_chain[0], initializer_protos) if self.out_chain else None
+
+
+def plan_rows(quant_model, quant_index, matcher, types):
+    """A TraceRow per compute node of the quantized model, in graph order."""
     graph = quant_model.graph
-    initializer_protos = {init.name: init for init in graph.initializer}
-    rows = []
-    for i in quant_index.compute_nodes:
-        first_output = graph.node[i].output[0] if graph.node[i].output else ""
-        reference = tensor_reference(quant_index, matcher, first_output) if first_output else None
-        op = None
-        if reference is not None and not has_subgraph(graph.node[i]):
-            op = OpModel(quant_index, graph, i, matcher, initializer_protos)
-        rows.append((i, reference, op))
-    return rows
+    initializer_protos = InitializerTable(graph)
+    return [TraceRow(quant_index, graph, i, matcher, initializer_protos, types) for i in quant_index.compute_nodes]
 
 
-def row_answer(index, i, reference, op, ref_value, isolated, seen):
+def output_pairs(float_model, quant_model, a, b):
+    """``[(float output, quantized output)]``: by name, else by position (exit 7 when neither fits)."""
+    first = [o.name for o in float_model.graph.output]
+    second = [o.name for o in quant_model.graph.output]
+    if set(first) <= set(second):
+        return [(name, name) for name in first]
+    if len(first) == len(second):
+        return list(zip(first, second))
+    raise GraphscanError(
+        f"{a} and {b}: the models' outputs differ ({', '.join(first)} vs {', '.join(second)})", EXIT_INPUTS
+    )
+
+
+def row_answer(index, row, isolated, propagated, clipped):
     """One ``ops`` row of the trace answer."""
-    isolated_max, _ = error_stats(ref_value, isolated)
-    propagated_max, sqnr = error_stats(ref_value, seen)
-    scale = op.output_scale if op else None
+    isolated_max, _ = isolated
+    propagated_max, sqnr = propagated
+    scale = row.op.output_scale if row.op else None
     return {
-        "node": index.names[i],
-        "op_type": index.op_types[i],
-        "wrapped": index.wrapped[i],
-        "reference": reference,
+        "node": index.names[row.i],
+        "op_type": index.op_types[row.i],
+        "wrapped": index.wrapped[row.i],
+        "reference": row.reference,
         "isolated_max_abs": isolated_max,
         "propagated_max_abs": propagated_max,
         "isolated_lsb": isolated_max / scale if isolated_max is not None and scale else None,
         "sqnr_db": sqnr,
+        "clipped": clipped,
     }
 
 
-def trace(a, b, inputs=None, seed=0, tolerance=TRACE_TOLERANCE, save=None):
+def trace(a, b, inputs=None, seed=0, tolerance=TRACE_TOLERANCE, save=None, shape=None):
     """Per operator of ``b`` (quantized): isolated and propagated error against ``a`` (float)."""
+    try:
+        return trace_models(a, b, inputs, seed, tolerance, save, shape)
+    except MemoryError as exc:
+        raise GraphscanError(f"graphscan's combined model of {a} and {b}: out of memory ({one_line(exc)})", EXIT_RUNTIME)
+
+
+def trace_models(a, b, inputs, seed, tolerance, save, shape):
+    """``trace``'s work: plan the rows, run graphscan's combined model, answer."""
     float_model, quant_model = load_with_weights(a), load_with_weights(b)
     check_same_inputs(float_model, quant_model, a, b)
-    feeds = model_samples(float_model, [inputs] if inputs else None, None, seed, TRACE_SYMBOLIC_DIM_SIZE)[0][0]
-    quant_index = GraphIndex(quant_model.graph)
-    matcher = ReferenceMatcher(float_model.graph)
-    plan = plan_rows(quant_model, quant_index, matcher)
-    op_models = [op for _, _, op in plan]
-    output_names = [o.name for o in float_model.graph.output]
-
-    # Session 1: the float model, exposing every reference a row needs.
-    wanted_float = {ref for _, ref, _ in plan if ref} | set(output_names)
-    for op in filter(None, op_models):
-        wanted_float.update(ref for ref in op.feeds.values() if ref)
-    float_values = {
-        **feeds,
-        **run_with_outputs(float_model, feeds, sorted(wanted_float - set(feeds)), a),
-    }
-
-    # Session 2: the quantized model with every single-op model appended.
-    combined, row_feeds, extra_inputs, row_outputs = combined_model(quant_model, op_models, float_values)
-    seen = {
-        i: output_chain(quant_index, quant_model.graph, quant_model.graph.node[i].output[0])[1]
-        for i, _, _ in plan
-        if quant_model.graph.node[i].output
-    }
-    own_values = {t for op in filter(None, op_models) for t, ref in op.feeds.items() if ref is None}
-    wanted_quant = set(seen.values()) | set(row_outputs.values()) | own_values | set(output_names)
-    quant_values = run_with_outputs(
-        combined, {**feeds, **row_feeds}, sorted(wanted_quant), b, extra_inputs, copy=False
+    samples, defaulted = model_samples(
+        float_model, [inputs] if inputs else None, parse_shapes(shape), seed, TRACE_SYMBOLIC_DIM_SIZE
     )
-    quant_values.update(feeds)
+    feeds = samples[0]
+    pairs = output_pairs(float_model, quant_model, a, b)
+    float_types, quant_types = inferred_types(float_model, feeds), inferred_types(quant_model, feeds)
+    quant_index = GraphIndex(quant_model.graph)
+    matcher = ReferenceMatcher(float_model.graph, float_types)
+    plan = plan_rows(quant_model, quant_index, matcher, quant_types)
+
+    float_for_session = float_in_quant_opset(float_model, quant_model, a, b)
+    failed = {}  # row index -> onnxruntime's reason its single-op model failed
+    while True:
+        combined = CombinedModel(float_for_session, quant_model, feeds, float_types, quant_types)
+        measured = [combined.add_row(k, row, quant_index, save is not None) for k, row in enumerate(plan)]
+        output_comparisons = {}
+        for f, q in pairs:
+            reference = combined.float_name(f)
+            output_comparisons[f] = combined.compare(combined.end, reference, q, fetch=combined.fits([reference, q]))
+        combined.add_float_model()
+        try:
+            values = run_combined(combined, feeds, a, b, plan)
+            break
+        except SingleOpModelError as failure:
+            if failure.row in failed or len(failed) >= TRACE_RETRIES:
+                raise
+            failed[failure.row] = failure.reason
+            plan[failure.row].op = None  # traced without it: its isolated error is null
+    values.update(feeds)
 
     rows, saved = [], []
-    for k, (i, reference, op) in enumerate(plan):
-        ref_value = float_values.get(reference) if reference else None
-        isolated = quant_values.get(row_outputs[k]) if op else None
-        rows.append(row_answer(quant_index, i, reference, op, ref_value, isolated, quant_values.get(seen.get(i))))
+    for row, (isolated, propagated, clip, op_output) in zip(plan, measured):
+        nothing = (None, None)
+        rows.append(
+            row_answer(
+                quant_index, row,
+                isolated.result(values) if isolated else nothing,
+                propagated.result(values) if propagated else nothing,
+                clip.result(values) if clip else None,
+            )
+        )
         arrays = None
-        if isolated is not None and ref_value is not None:
-            arrays = {t: (float_values[r] if r else quant_values[t]) for t, r in op.feeds.items()}
-            arrays = ({**arrays, "reference": ref_value}, isolated)
+        if save is not None and isolated is not None and rows[-1]["isolated_max_abs"] is not None:
+            inputs_of_op = {
+                t: values[combined.float_name(r) if r is not None else t] for t, r in row.op.feeds.items()
+            }
+            arrays = (inputs_of_op, values[combined.float_name(row.reference)], values[op_output])
         saved.append(arrays)
     if save is not None:
-        save_op_models(save, quant_model, rows, op_models, saved)
+        save_op_models(save, quant_model, rows, [row.op for row in plan], saved)
     return {
         "a": a,
         "b": b,
         "inputs": {name: list(array.shape) for name, array in feeds.items()},
+        "defaulted": defaulted,
         "ops": rows,
         "outputs": {
-            name: error_stats(float_values[name], quant_values.get(name))[0] for name in output_names
+            f: (comparison.result(values)[0] if comparison else None) for f, comparison in output_comparisons.items()
         },
         "worst_isolated": worst_isolated(rows),
         "first_over": first_over(rows, tolerance),
-        "unmatched": unmatched_float_nodes(matcher.index, quant_index, rows),
+        "unmatched": unmatched_float_nodes(matcher.index, quant_index, rows) + [
+            {"node": row.name, "op_type": quant_index.op_types[row.i], "reason": REASON_NOT_TENSOR.format(row.problem)}
+            for row in plan
+            if row.problem
+        ] + [
+            {"node": plan[k].name, "op_type": quant_index.op_types[plan[k].i], "reason": REASON_SINGLE_OP.format(reason)}
+            for k, reason in sorted(failed.items())
+        ],
     }
 
 
@@ -3157,6 +3964,8 @@ TRACE_OPTIONS = [
     SEED_OPTION,
     ("--tolerance", {"type": finite_non_negative, "default": TRACE_TOLERANCE, "help": "first_over threshold"}),
     ("--save", {"metavar": "DIR", "help": "write each op's single-op model and inputs here"}),
+    ("--shape", {"action": "append", "metavar": "NAME=D0,D1,...",
+                 "help": "shape of a generated input (repeatable; symbolic dims default to 1)"}),
 ]
 
 RUNTIME_OPTIONS = [

@@ -1,6 +1,6 @@
 """Time graphscan's trace against onnxruntime's own qdq_loss_debug flow on one CNN.
 
-    python bench/bench_trace.py [--blocks N] [--runs R] [--json FILE]
+    python bench/bench_trace.py [--blocks N] [--runs R] [--json FILE] [--before OLD_GRAPHSCAN.py]
 
 Builds a residual CNN with gen_models.build_cnn (at least MIN_COMPUTE compute nodes at the
 default size), quantizes it with onnxruntime's quantize_static (QDQ) and writes one seeded
@@ -12,8 +12,12 @@ a user pays for: interpreter start, imports, model loading and the work itself.
              modify_model_output_intermediate_tensors (both models, augmented models saved),
              collect_activations (both), create_activation_matching, compute_activation_error.
 
-Each side runs once untimed (page cache warm, output checked), then RUNS times, the two sides
-interleaved so drift hits both; the median wall time counts. trace must take no more than
+  before:    with --before, the same trace command run by an older graphscan.py (e.g.
+             ``git show main:graphscan.py > /tmp/old.py``), so a change is timed against
+             what it replaces in the same interleaved run.
+
+Each side runs once untimed (page cache warm, output checked), then RUNS times, the sides
+interleaved so drift hits all; the median wall time counts. trace must take no more than
 the ORT flow (ratio <= BOUND). Exit 0 when it does, 1 when it does not, 3 when a run fails.
 
 Peak memory is ru_maxrss of each child as reported by bench/measure.py, a small wrapper
@@ -162,23 +166,28 @@ def check_answer(name: str, stdout_path: Path) -> int:
         raise BenchError(f"{name}: stdout is not JSON ({exc})") from None
     if not isinstance(answer, dict):
         raise BenchError(f"{name}: stdout JSON is not an object")
-    entries = answer.get("ops") if name == "trace" else answer
+    entries = answer.get("ops") if name in ("trace", "before") else answer
     if not entries:
         raise BenchError(f"{name}: the answer has no per-operator entries")
     return len(entries)
 
 
 def time_sides(commands: dict, runs: int, workdir: Path) -> dict:
+    sides = [name for name in SIDES + ["before"] if name in commands]
+    return _time_sides(commands, sides, runs, workdir)
+
+
+def _time_sides(commands: dict, sides: list, runs: int, workdir: Path) -> dict:
     """Per side: median seconds and peak RSS of ``runs`` runs after one checked warm-up.
 
     The sides alternate which goes first each round, so neither always runs on a cache the
     other just warmed or on a machine the other just heated.
     """
     entries = {name: check_answer(name, measure(name, commands[name], workdir)["stdout"])
-               for name in SIDES}
-    samples = {name: [] for name in SIDES}
+               for name in sides}
+    samples = {name: [] for name in sides}
     for round_index in range(runs):
-        order = SIDES if round_index % 2 == 0 else SIDES[::-1]
+        order = sides if round_index % 2 == 0 else sides[::-1]
         for name in order:
             samples[name].append(measure(name, commands[name], workdir))
     return {
@@ -188,11 +197,11 @@ def time_sides(commands: dict, runs: int, workdir: Path) -> dict:
             "peak_rss": max(s["peak_rss"] for s in samples[name]),
             "entries": entries[name],
         }
-        for name in SIDES
+        for name in sides
     }
 
 
-def run_benchmark(blocks: int, runs: int, workdir: Path) -> dict:
+def run_benchmark(blocks: int, runs: int, workdir: Path, before: Path | None = None) -> dict:
     """Build the pair into workdir, time both sides; return the results."""
     if not GRAPHSCAN.is_file():
         raise BenchError(f"{GRAPHSCAN}: not found")
@@ -204,6 +213,8 @@ def run_benchmark(blocks: int, runs: int, workdir: Path) -> dict:
         "ort_flow": [sys.executable, str(THIS_FILE), "--ort-flow", paths["float"],
                      paths["quant"], paths["inputs"], str(workdir)],
     }
+    if before is not None:
+        commands["before"] = [sys.executable, str(before), *commands["trace"][2:]]
     sides = time_sides(commands, runs, workdir)
     return {
         "blocks": blocks,
@@ -213,6 +224,7 @@ def run_benchmark(blocks: int, runs: int, workdir: Path) -> dict:
         "runs": runs,
         "bound": BOUND,
         "ratio": sides["trace"]["seconds"] / sides["ort_flow"]["seconds"],
+        "ratio_to_before": sides["trace"]["seconds"] / sides["before"]["seconds"] if "before" in sides else None,
         "sides": sides,
         # Which graphscan.py was timed: it changes between runs, and there may be no commit.
         "graphscan_sha256": hashlib.sha256(GRAPHSCAN.read_bytes()).hexdigest()[:12],
@@ -236,7 +248,7 @@ def format_table(report: dict) -> str:
         ),
         f"{'side':<10}{'seconds':>9}{'peak RSS MB':>13}{'entries':>9}",
     ]
-    for name in SIDES:
+    for name in report["sides"]:
         side = report["sides"][name]
         lines.append(
             f"{name:<10}{side['seconds']:>9.3f}{side['peak_rss'] / 2**20:>13.1f}"
@@ -244,6 +256,8 @@ def format_table(report: dict) -> str:
         )
     flag = "  OVER" if report["ratio"] > report["bound"] else ""
     lines.append(f"ratio trace / ort_flow: {report['ratio']:.3f} (bound {report['bound']:.1f}){flag}")
+    if report["ratio_to_before"] is not None:
+        lines.append(f"ratio trace / before: {report['ratio_to_before']:.3f}")
     return "\n".join(lines)
 
 
@@ -258,13 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=DEFAULT_BLOCKS, help="build_cnn blocks")
     parser.add_argument("--runs", type=int, default=DEFAULT_RUNS, help="timed runs per side")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--before", type=Path, metavar="GRAPHSCAN", help="an older graphscan.py to time too")
     args = parser.parse_args(argv)
     if args.blocks < 1 or args.runs < 1:
         parser.error("--blocks and --runs must be positive")
 
     try:
         with tempfile.TemporaryDirectory(prefix="graphscan_bench_trace_") as tmp:
-            report = run_benchmark(args.blocks, args.runs, Path(tmp))
+            report = run_benchmark(args.blocks, args.runs, Path(tmp), args.before)
     except BenchError as exc:
         print(f"bench_trace: {exc}", file=sys.stderr)
         return 3

@@ -243,3 +243,26 @@ def contract_violation(command, paths, code, out, err):
             return f"error line does not name {paths[-1]}: {shown}"
         return None
     return f"exit code outside the contract: {shown}"
+
+
+def load_bench_script(name):
+    """A script of bench/ loaded as a module (bench/ is a folder of scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def saved_arrays(path):
+    """A trace --save .npz read as README says: names.json maps tensor names to keys.
+
+    Returns ``(feeds by tensor name, the float reference)``.
+    """
+    import numpy as np
+
+    with np.load(path) as arrays:
+        names = json.loads(arrays["names.json"])
+        feeds = {name: arrays[key] for name, key in names["inputs"].items()}
+        return feeds, arrays[names["reference"]]

@@ -17,7 +17,7 @@ import pytest
 
 import graphscan
 from conftest import DEFAULT_LAB, run_onnx
-from helpers import GRAPHSCAN, describe, error_line, json_answer, run_graphscan, strict_loads
+from tests.helpers import GRAPHSCAN, describe, error_line, json_answer, run_graphscan, strict_loads
 
 # matmul_only of the canonical 3-layer lab: each layer's Add and Relu stay
 # float (the MatMul alone is wrapped), one island per layer. Each island has

@@ -163,7 +163,7 @@ def test_trace_compares_outputs_and_lists_subgraph_nodes(pair, tmp_path):
         (name, graphscan.REASON_SUBGRAPH) for name in ["choose", "repeat", "running_sum"]
     ]
     assert sorted(p.name for p in saved.iterdir()) == [
-        "relu.npz", "relu.onnx", "squash.npz", "squash.onnx",
+        "index.json", "relu.npz", "relu.onnx", "squash.npz", "squash.onnx",
     ]
     # The final error, from onnxruntime run directly on both models.
     (expected,), (actual,) = run_onnx(pair["float"], feeds), run_onnx(pair["quant"], feeds)

@@ -9,7 +9,7 @@ import re
 import pytest
 
 import graphscan
-from helpers import ROOT
+from tests.helpers import ROOT
 
 SPEC = (ROOT / "docs" / "SPEC.md").read_text(encoding="utf-8")
 README = (ROOT / "README.md").read_text(encoding="utf-8")

@@ -18,7 +18,7 @@ from onnx import helper, numpy_helper
 
 import graphscan
 from conftest import DEFAULT_LAB, QDQ_VARIANTS, VARIANTS
-from helpers import chain_model, error_line, run_graphscan
+from tests.helpers import chain_model, error_line, run_graphscan
 
 WRAPPED, FLOAT = graphscan.COLOURS["wrapped"][0], graphscan.COLOURS["float"][0]
 ATTRIBUTE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 import conftest
 import gen_models
 import graphscan
-from helpers import error_line, json_answer, run_graphscan, strict_loads
+from tests.helpers import error_line, json_answer, run_graphscan, strict_loads
 
 NAN = float("nan")
 

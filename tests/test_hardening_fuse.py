@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 import gen_models
 import graphscan
 from conftest import run_onnx
-from helpers import error_line, json_answer, run_graphscan
+from tests.helpers import error_line, json_answer, run_graphscan
 
 RNG = np.random.default_rng(10)
 tensor = helper.make_tensor_value_info

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 import gen_models
 import graphscan
 from conftest import Case, run_onnx
-from tests.helpers import error_line, json_answer, run_graphscan
+from tests.helpers import error_line, json_answer, run_graphscan, saved_arrays
 
 # The lab case test_trace.py uses: the session-scoped build is shared.
 LAB = Case(4, ("N",), "fc2_matmul", dim=16)
@@ -254,11 +254,7 @@ def test_unmatched_reason_says_why(tmp_path, quant_nodes, reason_word):
 SAVE_NAMES = [
     pytest.param(["a/b", "a:b", "a_b"], id="three-names-one-safe-form"),
     # The second unsafe name would fall back to "a_b_2": a node already has that name.
-    pytest.param(
-        ["a_b_2", "a/b", "a:b"],
-        id="fallback-stem-is-another-name",
-        marks=pytest.mark.xfail(strict=True, reason="fixed by the tracemem branch"),
-    ),
+    pytest.param(["a_b_2", "a/b", "a:b"], id="fallback-stem-is-another-name"),
 ]
 
 
@@ -282,9 +278,7 @@ def test_saved_files_never_overwrite_each_other(tmp_path, names):
         model = onnx.load(model_path)
         for node in model.graph.node:
             owners.setdefault(node.name, []).append(model_path)
-        with np.load(model_path.with_suffix(".npz")) as arrays:
-            feeds = {k: arrays[k] for k in arrays.files if k != "reference"}
-            reference = arrays["reference"]
+        feeds, reference = saved_arrays(model_path.with_suffix(".npz"))
         (out,) = run_onnx(model_path, feeds)
         np.testing.assert_array_equal(out, reference)
     for row in answer["ops"]:

@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 import gen_models
 import graphscan
 from conftest import DEFAULT_LAB
-from helpers import error_line, json_answer, run_graphscan
+from tests.helpers import error_line, json_answer, run_graphscan
 
 x86_only = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64"),

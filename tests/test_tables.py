@@ -15,7 +15,7 @@ import pytest
 
 import graphscan
 from conftest import DEFAULT_LAB
-from helpers import chain_model, error_line, run_graphscan
+from tests.helpers import chain_model, error_line, run_graphscan
 
 COUNTING = ["nodes", "qdq", "islands", "boundary"]
 

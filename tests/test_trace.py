@@ -5,6 +5,7 @@ injected and must be found, the faulty op's isolated error is recomputed in
 plain numpy, and the final error is compared with onnxruntime run directly.
 """
 
+import json
 import numpy as np
 import onnx
 import pytest
@@ -13,15 +14,15 @@ from onnx import numpy_helper
 import gen_models
 import graphscan
 from conftest import Case, run_onnx
-from tests.helpers import json_answer, run_graphscan
+from tests.helpers import json_answer, run_graphscan, saved_arrays
 
 LAB = Case(4, ("N",), "fc2_matmul", dim=16)
 FAULTY = "fc2_matmul"
 ROW_KEYS = [
     "node", "op_type", "wrapped", "reference", "isolated_max_abs",
-    "propagated_max_abs", "isolated_lsb", "sqnr_db",
+    "propagated_max_abs", "isolated_lsb", "sqnr_db", "clipped",
 ]
-ANSWER_KEYS = ["a", "b", "inputs", "ops", "outputs", "worst_isolated", "first_over", "unmatched"]
+ANSWER_KEYS = ["a", "b", "inputs", "defaulted", "ops", "outputs", "worst_isolated", "first_over", "unmatched"]
 
 
 def initializers_of(model):
@@ -171,15 +172,16 @@ def test_final_output_equals_direct_onnxruntime(faulty_trace, lab, faulty, x):
 
 def test_saved_single_op_model_reruns_to_its_row(faulty_trace):
     answer, folder = faulty_trace
+    index = json.loads((folder / "index.json").read_text())
     saved = sorted(p.name for p in folder.iterdir())
-    stems = [r["node"] for r in answer["ops"] if r["isolated_max_abs"] is not None]
-    assert saved == sorted([f"{s}.onnx" for s in stems] + [f"{s}.npz" for s in stems])
+    nodes = [r["node"] for r in answer["ops"] if r["isolated_max_abs"] is not None]
+    assert list(index) == nodes
+    stems = index.values()
+    assert saved == sorted([f"{s}.onnx" for s in stems] + [f"{s}.npz" for s in stems] + ["index.json"])
     for row in answer["ops"]:
-        model_path = folder / f"{row['node']}.onnx"
+        model_path = folder / f"{index[row['node']]}.onnx"
         onnx.checker.check_model(onnx.load(model_path))
-        with np.load(folder / f"{row['node']}.npz") as arrays:
-            feeds = {k: arrays[k] for k in arrays.files if k != "reference"}
-            reference = arrays["reference"]
+        feeds, reference = saved_arrays(folder / f"{index[row['node']]}.npz")
         (out,) = run_onnx(model_path, feeds)
         error = float(np.max(np.abs(reference.astype(np.float64) - out)))
         assert error == pytest.approx(row["isolated_max_abs"], rel=1e-6, abs=1e-9), row["node"]
@@ -254,8 +256,11 @@ def test_unsafe_node_names_are_saved_file_safe(tmp_path):
     onnx.save(model, tmp_path / "fp32.onnx")
     answer = graphscan.trace(*[str(tmp_path / "fp32.onnx")] * 2, save=str(tmp_path / "saved"))
     assert "blocks.0/fc 1:matmul" in [r["node"] for r in answer["ops"]]
-    assert (tmp_path / "saved" / "blocks.0_fc_1_matmul.onnx").exists()
-    assert (tmp_path / "saved" / "blocks.0_fc_1_matmul.npz").exists()
+    index = json.loads((tmp_path / "saved" / "index.json").read_text())
+    stem = index["blocks.0/fc 1:matmul"]
+    assert stem.startswith("blocks.0_fc_1_matmul-")  # unsafe characters out, a hash of the name in
+    assert (tmp_path / "saved" / f"{stem}.onnx").exists()
+    assert (tmp_path / "saved" / f"{stem}.npz").exists()
 
 
 def test_trace_by_subprocess(lab, inputs_npz, tmp_path):
