@@ -67,7 +67,9 @@ AREA_TESTS = {
         "tests/test_control_flow.py",
         "tests/test_big_models.py",
     ],
-    # "runtime", "impact", "check": the lead adds their test files with their mutants.
+    "runtime": ["tests/test_runtime.py", "tests/test_check.py"],
+    "check": ["tests/test_check.py"],
+    # "impact": added with its mutants.
 }
 IGNORED = shutil.ignore_patterns(
     ".git", ".venv*", "__pycache__", ".pytest_cache", ".hypothesis", "*.pyc", ".benchmarks"

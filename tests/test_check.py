@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 import graphscan
@@ -171,3 +172,15 @@ def test_readme_ci_example_runs_and_can_fail(lab, tmp_path):
     broken = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True)
     assert broken.returncode == 1 and "2 failed" in broken.stdout, broken.stdout
     assert '"name": "max_islands", "value": 3, "limit": 2, "ok": false' in broken.stdout
+
+
+def test_min_int8_counts_int8_data_and_leaves_absorbed_nodes_out(tmp_path):
+    """The hand-built graph of tests/test_runtime.py runs one int8 kernel (Conv),
+    one int8_data kernel (Reshape) and one float kernel (HardSigmoid); its Relu,
+    Identity and Constant are absorbed: (1 + 1) / 3 of the kernels run int8."""
+    from tests.test_runtime import every_class_model
+
+    path = tmp_path / "every_class.onnx"
+    onnx.save(every_class_model(), path)
+    (value, limit, ok), = budget_rows(graphscan.check(str(path), min_int8=0.6)).values()
+    assert value == pytest.approx(2 / 3) and ok is True

@@ -103,6 +103,9 @@ def test_matmul_only_relus_are_absorbed_into_the_next_quantize(lab):
         assert rows[f"fc{k}_add"]["class"] == "float" and rows[f"fc{k}_add"]["reason"] is None  # not wrapped
     # The last Relu feeds the graph output, no Q to fold into.
     assert rows[f"fc{layers}_relu"]["class"] == "float"
+    # The float Adds are not wrapped (SPEC), so they are not "wrapped but float".
+    answer = graphscan.runtime(str(lab["matmul_only"]))
+    assert answer["wrapped_but_float"] == 0 and answer["float_but_int8"] == 0
 
 
 def test_level_basic_fuses_nothing_and_says_why(lab):
@@ -145,7 +148,8 @@ def every_class_model(named=True):
       QLinearConv then takes in: it runs inside the QLinearConv (absorbed);
     - Reshape between a DQ and a Q of one scale: Q/DQ dropped, it moves uint8 (int8_data);
     - HardSigmoid: no QDQ fusion on the CPU provider (float, no_kernel);
-    - Identity: removed; the DQ before it now writes the graph output (absorbed there).
+    - Identity: removed; the DQ before it now writes the graph output (absorbed there);
+    - the Constant giving Reshape its shape: folded into an initializer (absorbed, no kernel).
     """
     rng = np.random.default_rng(0)
     weight = rng.integers(-20, 20, (4, 2, 3, 3)).astype(np.int8)
@@ -155,7 +159,6 @@ def every_class_model(named=True):
         numpy_helper.from_array(np.zeros(4, np.int8), "w_zp"),
         numpy_helper.from_array(np.arange(4, dtype=np.int32), "b_q"), f32("b_s", 0.001),
         numpy_helper.from_array(np.zeros(4, np.int32), "b_zp"),
-        numpy_helper.from_array(np.array([1, 4, 16], np.int64), "shape"),
     ]
     def n(op, ins, outs, name, **attrs):
         return helper.make_node(op, ins, outs, name=name if named else "", **attrs)
@@ -168,6 +171,8 @@ def every_class_model(named=True):
         n("Relu", ["c"], ["r"], "relu"),
         n("QuantizeLinear", ["r", "s", "zp"], ["r_q"], "r_Q"),
         n("DequantizeLinear", ["r_q", "s", "zp"], ["r_dq"], "r_DQ"),
+        n("Constant", [], ["shape"], "shape_const",
+          value=numpy_helper.from_array(np.array([1, 4, 16], np.int64))),
         n("Reshape", ["r_dq", "shape"], ["h"], "reshape"),
         n("QuantizeLinear", ["h", "s", "zp"], ["h_q"], "h_Q"),
         n("DequantizeLinear", ["h_q", "s", "zp"], ["h_dq"], "h_DQ"),
@@ -188,6 +193,7 @@ def every_class_model(named=True):
 
 
 EVERY_CLASS = {
+    "shape_const": ("absorbed", None),
     "conv": ("int8", "QLinearConv"),
     "relu": ("absorbed", "QLinearConv"),
     "reshape": ("int8_data", "Reshape"),
@@ -207,7 +213,8 @@ def test_every_class_occurs_in_a_hand_built_graph(tmp_path):
         "code": "no_kernel", "detail": "CPUExecutionProvider has no QDQ fusion for HardSigmoid",
     }
     assert rows["identity"]["runs_in"] == "g_DQ" and rows["relu"]["runs_in"] == "conv"
-    assert answer["classes"] == {"int8": 1, "int8_data": 1, "float": 1, "absorbed": 2}
+    assert answer["classes"] == {"int8": 1, "int8_data": 1, "float": 1, "absorbed": 3}
+    assert rows["shape_const"]["runs_in"] is None and answer["unmapped"] == []
     # SPEC's wrapped rule: Conv feeds a Relu (not a Q), the Relu reads the
     # Conv, the Reshape reads its shape initializer, the Identity feeds the
     # graph output. Only the HardSigmoid is wrapped, yet the Conv runs int8.
@@ -215,13 +222,51 @@ def test_every_class_occurs_in_a_hand_built_graph(tmp_path):
     assert answer["float_but_int8"] == 1 and answer["wrapped_but_float"] == 1
 
 
+def shared_int8_conv_model():
+    """An int8 Conv whose input Q and output Q each feed two DQs.
+
+    onnxruntime's uint8 rewrite needs a Q that feeds exactly one DQ, so here
+    every activation stays int8, and its Conv fusion takes int8 activations
+    only when session.qdqisint8allowed is set.
+    """
+    rng = np.random.default_rng(1)
+    s8 = lambda name, value: numpy_helper.from_array(np.array(value, dtype=np.int8), name)  # noqa: E731
+    inits = [
+        f32("s", 0.05), s8("zp", 0), s8("w_q", rng.integers(-20, 20, (2, 2, 3, 3))), f32("w_s", 0.02),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["x_q"], name="x_Q"),
+        helper.make_node("DequantizeLinear", ["x_q", "s", "zp"], ["x_dq"], name="x_DQ"),
+        helper.make_node("DequantizeLinear", ["x_q", "s", "zp"], ["x_copy"], name="x_DQ2"),
+        helper.make_node("DequantizeLinear", ["w_q", "w_s", "zp"], ["w"], name="w_DQ"),
+        helper.make_node("Conv", ["x_dq", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("QuantizeLinear", ["c", "s", "zp"], ["c_q"], name="c_Q"),
+        helper.make_node("DequantizeLinear", ["c_q", "s", "zp"], ["y"], name="c_DQ"),
+        helper.make_node("DequantizeLinear", ["c_q", "s", "zp"], ["y2"], name="c_DQ2"),
+    ]
+    value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 2, 4, 4])  # noqa: E731
+    graph = helper.make_graph(nodes, "shared", [value("x")], [value("y"), value("y2"), value("x_copy")], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_int8_activations_need_int8_allowed(tmp_path):
+    path = tmp_path / "shared.onnx"
+    onnx.save(shared_int8_conv_model(), path)
+    (conv,) = graphscan.runtime(str(path))["nodes"]
+    assert (conv["class"], conv["wrapped"]) == ("float", True)
+    assert conv["reason"]["code"] == "int8_activations"
+    assert conv["reason"]["detail"].startswith("inputs int8; weights int8; outputs int8")
+    (conv,) = graphscan.runtime(str(path), int8_allowed=True)["nodes"]
+    assert (conv["class"], conv["kernel"], conv["reason"]) == ("int8", "QLinearConv", None)
+
+
 def test_unnamed_nodes_get_spec_names_and_the_same_classes(tmp_path):
     path = tmp_path / "unnamed.onnx"
     onnx.save(every_class_model(named=False), path)
     answer = graphscan.runtime(str(path))
     # SPEC naming: <op_type>_<position in graph.node>.
-    spec_names = {"conv": "Conv_4", "relu": "Relu_5", "reshape": "Reshape_8",
-                  "hardsigmoid": "HardSigmoid_11", "identity": "Identity_14"}
+    spec_names = {"conv": "Conv_4", "relu": "Relu_5", "shape_const": "Constant_8", "reshape": "Reshape_9",
+                  "hardsigmoid": "HardSigmoid_12", "identity": "Identity_15"}
     assert {r["node"]: (r["class"], r["kernel"]) for r in answer["nodes"]} == {
         spec_names[name]: expected for name, expected in EVERY_CLASS.items()
     }
@@ -241,6 +286,39 @@ def test_nodes_are_found_by_tensors_when_every_optimized_name_is_gone(tmp_path):
     )
     assert unmapped == []
     assert {r["node"]: (r["class"], r["kernel"]) for r in rows} == EVERY_CLASS
+
+
+def test_dynamic_model_fuses_into_dynamic_quantize_matmul(lab):
+    """quantize_dynamic's MatMulInteger chain (DynamicQuantizeLinear, MatMulInteger,
+    Cast, two Muls, the bias Add) becomes one DynamicQuantizeMatMul per layer:
+    the MatMulInteger runs it (found by name), the rest were fused into it,
+    the Cast and the scale Mul found only through their neighbours."""
+    answer = graphscan.runtime(str(lab["dynamic"]))
+    for row in answer["nodes"]:
+        if row["op_type"] == "Relu":
+            assert (row["class"], row["kernel"]) == ("float", "Relu")
+        elif row["op_type"] == "MatMulInteger":
+            assert (row["class"], row["kernel"], row["runs_in"]) == ("int8", "DynamicQuantizeMatMul", row["node"])
+        else:
+            assert (row["class"], row["kernel"]) == ("absorbed", "DynamicQuantizeMatMul"), row
+    layers = DEFAULT_LAB.layers
+    assert answer["classes"] == {"int8": layers, "int8_data": 0, "float": layers, "absorbed": answer["compute"] - 2 * layers}
+    assert answer["float_but_int8"] == layers  # nothing is wrapped in a dynamic model
+
+
+def test_the_node_found_by_name_runs_the_kernel_not_a_removed_one_before_it(tmp_path):
+    """x -> Identity -> Relu -> y: onnxruntime removes the Identity, so the Relu
+    reads x. The Identity is found through its input (the Relu reads it now),
+    but the Relu, found by name, runs the kernel; the Identity was absorbed."""
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["t"], name="id"), helper.make_node("Relu", ["t"], ["y"], name="relu")],
+        "g", [helper.make_tensor_value_info("x", 1, [4])], [helper.make_tensor_value_info("y", 1, [4])],
+    )
+    path = tmp_path / "identity.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    rows = by_node(graphscan.runtime(str(path)))
+    assert (rows["relu"]["class"], rows["relu"]["runs_in"]) == ("float", "relu")
+    assert (rows["id"]["class"], rows["id"]["runs_in"]) == ("absorbed", "relu")
 
 
 def test_duplicate_and_colliding_names_are_made_unique():
@@ -264,7 +342,9 @@ def profiled_kernels(model, level="extended"):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.graph_optimization_level = getattr(
+        ort.GraphOptimizationLevel, {"extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}[level]
+    )
     options.enable_profiling = True
     options.log_severity_level = 3
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -299,10 +379,11 @@ def cnn(request, tmp_path_factory):
     return request.param, quant, model
 
 
-def test_static_classes_agree_with_the_profiler_on_every_node(cnn):
+@pytest.mark.parametrize("level", ["extended", "all"])
+def test_static_classes_agree_with_the_profiler_on_every_node(cnn, level):
     _, path, model = cnn
-    answer = graphscan.runtime(str(path))
-    kernels = profiled_kernels(model)
+    answer = graphscan.runtime(str(path), level=level)
+    kernels = profiled_kernels(model, level)
     ran = 0
     for row in answer["nodes"]:
         if row["class"] == "absorbed":
@@ -316,6 +397,21 @@ def test_static_classes_agree_with_the_profiler_on_every_node(cnn):
         ran += 1
     assert ran > 10
     assert answer["classes"]["int8"] > 0 and answer["unmapped"] == []
+
+
+@x86_only
+def test_mixed_types_lists_weights_apart(cnn):
+    """With int8 activations, a Conv whose input Q is shared stays int8 while
+    its output Q (one reader) becomes uint8: mixed. The weight and bias types
+    (int8, int32) are listed apart and not compared."""
+    kind, path, _ = cnn
+    reasons = [r["reason"] for r in graphscan.runtime(str(path))["nodes"] if r["op_type"] == "Conv" and r["reason"]]
+    if kind == "uint8":
+        assert reasons == []
+        return
+    assert reasons and all(
+        r == {"code": "mixed_types", "detail": "inputs int8; weights int8, int32; outputs uint8"} for r in reasons
+    )
 
 
 def test_uint8_activations_run_more_int8_kernels_than_the_defaults(tmp_path):
