@@ -2625,6 +2625,9 @@ QDQ_FUSIONS = {
 # Ops whose fused kernel takes int8 weights beside uint8 activations: the
 # weight operand does not count when operand types are compared.
 WEIGHT_OPERANDS = {"Conv": {1, 2}, "MatMul": {1}, "Gemm": {1, 2}}
+# Fusions that take int8 activations only with session.qdqisint8allowed=1
+# (onnxruntime's ConvSelector and MatMulSelector; QGemm takes them always).
+INT8_GATED_FUSIONS = {"Conv", "MatMul"}
 # Layout nodes onnxruntime inserts between a kernel and the tensor it makes.
 LAYOUT_KERNELS = {"ReorderOutput", "ReorderInput"}
 ORT_NAME_SUFFIX = re.compile(r"(?:_token_\d+|_nchwc|/[A-Za-z0-9]*Fusion/?|/duplicated)$")
@@ -2963,7 +2966,7 @@ def float_reason(op_type, optimized, j, level, provider, int8_allowed):
                 f"DequantizeLinear or not every output goes only to QuantizeLinear ({detail})"}
     if len(set(inputs + outputs)) > 1:
         return {"code": REASON_MIXED, "detail": detail}
-    if op_type in WEIGHT_OPERANDS and set(inputs) == {"int8"} and not int8_allowed:
+    if op_type in INT8_GATED_FUSIONS and set(inputs) == {"int8"} and not int8_allowed:
         return {"code": REASON_INT8, "detail": f"{detail}; int8 activations need session.qdqisint8allowed=1 (--int8-allowed)"}
     return {"code": REASON_OTHER, "detail": f"{detail}; the fusion's other conditions failed"}
 

@@ -260,6 +260,19 @@ def test_int8_activations_need_int8_allowed(tmp_path):
     assert (conv["class"], conv["kernel"], conv["reason"]) == ("int8", "QLinearConv", None)
 
 
+def test_int8_activations_is_not_the_reason_when_they_were_allowed():
+    """The same unfused all-int8 Conv, judged as if --int8-allowed had been
+    set: the fusion would have accepted int8, so something else stopped it."""
+    named, _ = graphscan.session_names(shared_int8_conv_model())
+    optimized = graphscan.optimized_model(named.SerializeToString(), "m", "extended", "CPUExecutionProvider", False)
+    graph = graphscan.OptimizedGraph(optimized.graph)
+    conv = graph.by_name["conv"]
+    assert graph.op_type(conv) == "Conv"
+    assert graphscan.float_reason("Conv", graph, conv, "extended", "CPUExecutionProvider", False)["code"] == "int8_activations"
+    reason = graphscan.float_reason("Conv", graph, conv, "extended", "CPUExecutionProvider", True)
+    assert reason["code"] == "other" and "other conditions" in reason["detail"]
+
+
 def test_unnamed_nodes_get_spec_names_and_the_same_classes(tmp_path):
     path = tmp_path / "unnamed.onnx"
     onnx.save(every_class_model(named=False), path)
