@@ -10,6 +10,7 @@ is what keeps the lab's Adds float; those expectations are x86 facts.
 """
 
 import json
+import os
 import platform
 
 import numpy as np
@@ -549,3 +550,18 @@ def test_errors_are_one_line_with_the_documented_code(lab, tmp_path):
     for argv, code, message in cases:
         line = error_line(run_graphscan(argv, cwd=tmp_path), code)
         assert message in line, (argv, line)
+
+
+def test_temporary_folders_are_removed_on_success_and_failure(lab, tmp_path):
+    """The optimized graph and the profile go to temporary folders under TMPDIR:
+    none may be left behind, whether the command answered or failed."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    json_answer(run_graphscan(["runtime", lab["full"], "--time", "--runs", "1"], cwd=tmp_path, env=env))
+    custom = gen_models.build_mlp(3, 8, seed=0)
+    custom.graph.node[1].op_type, custom.graph.node[1].domain = "Mystery", "example.custom"
+    custom.opset_import.append(onnx.helper.make_opsetid("example.custom", 1))
+    onnx.save(custom, tmp_path / "custom.onnx")
+    error_line(run_graphscan(["runtime", tmp_path / "custom.onnx"], cwd=tmp_path, env=env), 5)
+    assert list(scratch.iterdir()) == []
