@@ -53,7 +53,8 @@ def built_cnn(workdir: Path) -> tuple[Path, Path]:
 
     fp32, quant = workdir / "cnn.onnx", workdir / "cnn_qdq.onnx"
     onnx.save(gen_models.build_cnn(DEFAULT_BLOCKS, channels=8, size=32, seed=0), fp32)
-    gen_models.quantize_qdq(fp32, quant, seed=0)
+    with gen_models.quiet_quantizer():
+        gen_models.quantize_qdq(fp32, quant, seed=0)
     return fp32, quant
 
 
