@@ -1468,6 +1468,579 @@ def first_over(rows, tolerance):
 
 
 # --------------------------------------------------------------------------
+# impact: which operator's quantization costs the output, and what to exclude
+#
+# One derived model answers every "what if X stayed float" question: the
+# quantized model with a boolean switch input per site and, on exactly the
+# edges a variant changes, Where(switch, alternative, DQ(Q(t))). One session
+# of it runs once per variant and sample; no session per variant.
+
+IMPACT_SYMBOLIC_DIM_SIZE = 1
+ACTIVATIONS = ("Relu", "Clip", "LeakyRelu")  # what the quantizer folds into a Q
+DQ_OUTPUT_SUFFIX = re.compile(r"_DequantizeLinear_Output(?:_\d+)?$")
+SWITCH = "graphscan.switch/{}/{}"  # kind (op, float, round), row number
+QUANT_RANGE = {  # (qmin, qmax) by the Q's integer type
+    onnx.TensorProto.INT8: (-128, 127),
+    onnx.TensorProto.UINT8: (0, 255),
+    onnx.TensorProto.INT16: (-32768, 32767),
+    onnx.TensorProto.UINT16: (0, 65535),
+    onnx.TensorProto.INT4: (-8, 7),
+    onnx.TensorProto.UINT4: (0, 15),
+}
+
+
+def constant_arrays(graph):
+    """``{tensor: numpy array}`` for initializers and Constant nodes with a ``value``."""
+    from onnx import numpy_helper
+
+    arrays = {init.name: init for init in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output:
+            for attribute in node.attribute:
+                if attribute.name == "value":
+                    arrays[node.output[0]] = attribute.t
+    return {name: LazyArray(proto, numpy_helper) for name, proto in arrays.items()}
+
+
+class LazyArray:
+    """A TensorProto turned into numpy only when asked (most are never read)."""
+
+    def __init__(self, proto, numpy_helper):
+        self.proto, self._helper = proto, numpy_helper
+
+    @functools.cached_property
+    def array(self):
+        return self._helper.to_array(self.proto)
+
+
+def quant_range(graph, q_node, constants):
+    """``(lo, hi, elem_type)``: the float range a Q can represent, or None when
+    its scale or zero point is not a scalar constant."""
+    import numpy as np
+
+    scale = constants.get(q_node.input[1]) if len(q_node.input) > 1 else None
+    if scale is None or scale.array.size != 1:
+        return None
+    zero = constants.get(q_node.input[2]) if len(q_node.input) > 2 and q_node.input[2] else None
+    if zero is not None:
+        if zero.array.size != 1:
+            return None
+        qtype, zp = zero.proto.data_type, float(zero.array.reshape(-1)[0])
+    else:
+        attrs = {a.name: a.i for a in q_node.attribute if a.type == onnx.AttributeProto.INT}
+        qtype, zp = attrs.get("output_dtype") or onnx.TensorProto.UINT8, 0.0
+    if qtype not in QUANT_RANGE:
+        return None
+    qmin, qmax = QUANT_RANGE[qtype]
+    s = float(np.float64(scale.array.reshape(-1)[0]))
+    return (qmin - zp) * s, (qmax - zp) * s, scale.proto.data_type
+
+
+def float_activation(float_index, float_constants, quant_index, tensor):
+    """The Relu/Clip/LeakyRelu the quantizer absorbed into the Q of ``tensor``.
+
+    Returns the float model's node (None when nothing was absorbed): its
+    producer of the name (without ORT's QDQ suffix when the float model has
+    no tensor of that name, as for a renamed graph output) is an activation
+    while the quantized model's producer is another op type.
+    """
+    float_producer = float_index.producer_of(tensor)
+    if float_producer is None:
+        float_producer = float_index.producer_of(QDQ_SUFFIX.sub("", tensor))
+    quant_producer = quant_index.producer_of(tensor)
+    if float_producer is None or quant_producer is None:
+        return None
+    op_type = float_index.op_types[float_producer]
+    if op_type not in ACTIVATIONS or quant_index.op_types[quant_producer] == op_type:
+        return None
+    return float_index.graph.node[float_producer]
+
+
+def activation_bounds(node, float_constants):
+    """``(lo, hi)`` such that Clip(t, lo, hi) is ``node`` (Relu or Clip); None otherwise."""
+    if node.op_type == "Relu":
+        return 0.0, math.inf
+    if node.op_type != "Clip":
+        return None
+    bounds = [-math.inf, math.inf]
+    for a in node.attribute:  # opset < 11
+        if a.name in ("min", "max"):
+            bounds[a.name == "max"] = a.f
+    for k, name in enumerate(node.input[1:3]):
+        if name:
+            value = float_constants.get(name)
+            if value is None or value.array.size != 1:
+                return None
+            bounds[k] = float(value.array.reshape(-1)[0])
+    return tuple(bounds)
+
+
+class ImpactPlan:
+    """The sites of ``impact``: every DQ(Q(t)) pair, every weight DQ with a
+    float twin, the op rows and the tensor rows, all as quantized-graph indices.
+
+    ``op_rows``: ``[(node, [(input position, ("pair", dq) | ("weight", name))])]``.
+    ``tensor_rows``: ``[(t, [(q, dq)], first Q's range or None, absorbed node or None)]``.
+    """
+
+    def __init__(self, float_model, quant_model):
+        graph, fgraph = quant_model.graph, float_model.graph
+        self.index = index = GraphIndex(graph)
+        self.float_index = GraphIndex(fgraph)
+        self.constants = constant_arrays(graph)
+        self.float_constants = constant_arrays(fgraph)
+        float_inits = {init.name: init for init in fgraph.initializer}
+        quant_inits = {init.name: init for init in graph.initializer}
+        self.pair_of = {}  # dq -> (q, t)
+        for dq in index.dq_nodes:
+            q = index.producer_of(graph.node[dq].input[0])
+            if q is not None and index.is_q[q]:
+                self.pair_of[dq] = (q, graph.node[q].input[0])
+        self.weight_of = {}  # dq -> float initializer name
+        for dq in index.dq_nodes:
+            source = graph.node[dq].input[0]
+            twin = float_inits.get(DQ_OUTPUT_SUFFIX.sub("", graph.node[dq].output[0]))
+            if source in quant_inits and twin is not None and list(twin.dims) == list(quant_inits[source].dims):
+                self.weight_of[dq] = twin.name
+        self.op_rows = []
+        for i in index.compute_nodes:
+            edges = []
+            for pos, tensor in enumerate(graph.node[i].input):
+                dq = index.producer_of(tensor) if tensor else None
+                if dq in self.pair_of:
+                    edges.append((pos, ("pair", dq)))
+                elif dq in self.weight_of:
+                    edges.append((pos, ("weight", self.weight_of[dq])))
+            if edges:
+                self.op_rows.append((i, edges))
+        rows = {}
+        for dq, (q, t) in sorted(self.pair_of.items(), key=lambda item: item[1][0]):
+            producer = index.producer_of(t)
+            if t in quant_inits or (producer is not None and index.op_types[producer] == "Constant"):
+                continue  # a weight, not an activation
+            rows.setdefault(t, []).append((q, dq))
+        self.tensor_rows = []
+        for t, pairs in rows.items():
+            q_range = quant_range(graph, graph.node[pairs[0][0]], self.constants)
+            self.tensor_rows.append((t, pairs, q_range, self.absorbed(t)))
+
+    def absorbed(self, tensor):
+        return float_activation(self.float_index, self.float_constants, self.index, tensor)
+
+
+class SwitchedModelBuilder:
+    """Builds the derived model: DQ outputs renamed, Where on each changed edge."""
+
+    def __init__(self, plan, quant_model):
+        self.plan = plan
+        self.model = onnx.ModelProto()
+        self.model.CopyFrom(quant_model)
+        self.graph = self.model.graph
+        self.nodes = []  # new nodes, appended after the graph (ORT sorts topologically)
+        self.switches = []
+        self.cache = {}
+
+    def switch(self, kind, k):
+        name = SWITCH.format(kind, k)
+        self.switches.append(name)
+        self.graph.input.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.BOOL, []))
+        return name
+
+    def constant(self, name, value, elem_type):
+        import numpy as np
+
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
+        self.graph.initializer.append(onnx.numpy_helper.from_array(np.array(value, dtype=dtype), name))
+        return name
+
+    def node(self, op_type, inputs, output, **attributes):
+        self.nodes.append(onnx.helper.make_node(op_type, inputs, [output], name=output, **attributes))
+        return output
+
+    def either(self, a, b):
+        """A scalar bool that is ``a or b`` (either may be None)."""
+        if a is None or b is None:
+            return a or b
+        key = ("or", a, b)
+        if key not in self.cache:
+            self.cache[key] = self.node("Or", [a, b], f"graphscan.or/{a}|{b}")
+        return self.cache[key]
+
+    def where(self, condition, alternative, raw, output=None):
+        key = ("where", condition, alternative, raw)
+        if output is None and key in self.cache:
+            return self.cache[key]
+        output = output or f"graphscan.where/{condition}/{raw}"
+        self.cache[key] = self.node("Where", [condition, alternative, raw], output)
+        return output
+
+
+def float_value(builder, plan, t, absorbed):
+    """float(t) as a tensor of the derived model: t, or the absorbed activation on t."""
+    if absorbed is None:
+        return t
+    name = f"graphscan.float/{t}"
+    if ("float", t) not in builder.cache:
+        node = onnx.NodeProto()
+        node.CopyFrom(absorbed)
+        node.name = name
+        inputs = [t]
+        for k, extra in enumerate(absorbed.input[1:], start=1):
+            if extra and extra in plan.float_constants:
+                extra = builder.constant(f"graphscan.float/{t}/{k}", plan.float_constants[extra].array, plan.float_constants[extra].proto.data_type)
+            inputs.append(extra)
+        node.input[:] = inputs
+        node.output[:] = [name]
+        builder.nodes.append(node)
+        builder.cache[("float", t)] = name
+    return name
+
+
+def tensor_alternative(builder, plan, t, q_range, absorbed, float_switch, round_switch):
+    """The value readers of DQ(Q(t)) take when a switch is on: float(t), or
+    Clip(t, lo, hi) while the rounding switch is on."""
+    if q_range is None or round_switch is None:
+        return float_value(builder, plan, t, absorbed)
+    lo, hi, elem_type = q_range
+    bounds = (-math.inf, math.inf) if absorbed is None else activation_bounds(absorbed, plan.float_constants)
+    prefix = f"graphscan.range/{t}"
+    lo_name = builder.constant(prefix + "/lo", lo, elem_type)
+    hi_name = builder.constant(prefix + "/hi", hi, elem_type)
+    if bounds is None:  # LeakyRelu (or a Clip with computed bounds): its own node
+        clipped = builder.node("Clip", [t, lo_name, hi_name], f"graphscan.round/{t}")
+        return builder.where(round_switch, clipped, float_value(builder, plan, t, absorbed), f"graphscan.alt/{t}")
+    float_lo = builder.constant(prefix + "/float_lo", bounds[0], elem_type)
+    float_hi = builder.constant(prefix + "/float_hi", bounds[1], elem_type)
+    low = builder.where(round_switch, lo_name, float_lo, prefix + "/lo_used")
+    high = builder.where(round_switch, hi_name, float_hi, prefix + "/hi_used")
+    # Clip(t, -inf, inf) is t and Clip(t, 0, inf) is Relu(t), exactly.
+    return builder.node("Clip", [t, low, high], f"graphscan.alt/{t}")
+
+
+def switched_model(plan, quant_model, float_model):
+    """The derived model and its switches: ``(model, op_switches, tensor_switches)``.
+
+    ``op_switches[k]`` un-quantizes op row k; ``tensor_switches[m]`` is
+    ``(float switch, rounding switch or None)`` for tensor row m.
+    """
+    builder = SwitchedModelBuilder(plan, quant_model)
+    graph, index = builder.graph, plan.index
+    float_inits = {init.name: init for init in float_model.graph.initializer}
+    tensor_switches, per_pair = [], {}
+    for m, (t, pairs, q_range, absorbed) in enumerate(plan.tensor_rows):
+        float_switch = builder.switch("float", m)
+        round_switch = builder.switch("round", m) if q_range is not None else None
+        any_switch = builder.either(float_switch, round_switch)
+        alternative = tensor_alternative(builder, plan, t, q_range, absorbed, float_switch, round_switch)
+        for _, dq in pairs:
+            per_pair[dq] = (any_switch, alternative)
+        tensor_switches.append((float_switch, round_switch))
+    # Pairs read by an op row, not a tensor row (weights kept as Constant -> Q -> DQ).
+    for _, edges in plan.op_rows:
+        for _, (kind, source) in edges:
+            if kind == "pair" and source not in per_pair:
+                q, t = plan.pair_of[source]
+                per_pair[source] = (None, float_value(builder, plan, t, plan.absorbed(t)))
+    raw = {}
+    for dq, (any_switch, _) in per_pair.items():
+        output = graph.node[dq].output[0]
+        raw[dq] = f"graphscan.dq/{output}"
+        graph.node[dq].output[0] = raw[dq]
+    op_switches = []
+    op_edges = {i: dict(edges) for i, edges in plan.op_rows}
+    for k, (i, _) in enumerate(plan.op_rows):
+        op_switches.append(builder.switch("op", k))
+    op_switch_of = {i: op_switches[k] for k, (i, _) in enumerate(plan.op_rows)}
+    graph_outputs = {o.name for o in graph.output}
+    for dq, (any_switch, alternative) in per_pair.items():
+        output = quant_model.graph.node[dq].output[0]
+        for reader in index.consumers_of(output):
+            node = graph.node[reader]
+            for pos, tensor in enumerate(node.input):
+                if tensor != output:
+                    continue
+                op_switch = op_switch_of.get(reader) if pos in op_edges.get(reader, {}) else None
+                condition = builder.either(op_switch, any_switch)
+                node.input[pos] = raw[dq] if condition is None else builder.where(condition, alternative, raw[dq])
+        if output in graph_outputs:
+            if any_switch is None:
+                builder.node("Identity", [raw[dq]], output)
+            else:
+                builder.where(any_switch, alternative, raw[dq], output)
+    for k, (i, edges) in enumerate(plan.op_rows):
+        node = graph.node[i]
+        for pos, (kind, source) in edges:
+            if kind == "weight":
+                weight = f"graphscan.weight/{source}"
+                if ("weight", source) not in builder.cache:
+                    copy = onnx.TensorProto()
+                    copy.CopyFrom(float_inits[source])
+                    copy.name = weight
+                    graph.initializer.append(copy)
+                    builder.cache[("weight", source)] = weight
+                node.input[pos] = builder.where(op_switches[k], weight, node.input[pos])
+    graph.node.extend(builder.nodes)
+    return builder.model, op_switches, tensor_switches
+
+
+def impact_session(model, path, message):
+    """An onnxruntime session with graph optimizations off; exit 5 with ``message`` if it cannot be built."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 4
+    try:
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        raise GraphscanError(f"{path}: {message} ({one_line(exc)})", EXIT_RUNTIME)
+
+
+class SwitchedRunner:
+    """Runs the derived model once per (variant, sample), switches bound once.
+
+    A variant is the set of switch names that are on; every other switch is off.
+    """
+
+    def __init__(self, model, switches, samples, outputs, path):
+        import numpy as np
+        import onnxruntime as ort
+
+        self.path = path
+        self.message = f"graphscan's derived model of {path} does not run in onnxruntime"
+        self.session = impact_session(model, path, f"graphscan's derived model of {path} cannot be built")
+        self.outputs = outputs
+        self.on = ort.OrtValue.ortvalue_from_numpy(np.array(True))
+        self.off = ort.OrtValue.ortvalue_from_numpy(np.array(False))
+        self.bindings = []
+        for feeds in samples:
+            binding = self.session.io_binding()
+            for name, array in feeds.items():
+                binding.bind_cpu_input(name, array)
+            for name in switches:
+                binding.bind_ortvalue_input(name, self.off)
+            self.bindings.append(binding)
+
+    def run(self, variant=(), extra_outputs=()):
+        """Per sample, the graph outputs (then ``extra_outputs``) with ``variant`` on."""
+        results = []
+        for binding in self.bindings:
+            for name in variant:
+                binding.bind_ortvalue_input(name, self.on)
+            binding.clear_binding_outputs()
+            for name in list(self.outputs) + list(extra_outputs):
+                binding.bind_output(name)
+            try:
+                self.session.run_with_iobinding(binding)
+            except Exception as exc:
+                raise GraphscanError(f"{self.path}: {self.message} ({one_line(exc)})", EXIT_RUNTIME)
+            finally:
+                for name in variant:
+                    binding.bind_ortvalue_input(name, self.off)
+            results.append(binding.copy_outputs_to_cpu())
+        return results
+
+
+class OutputNoise:
+    """Output SQNR against the float model's outputs, summed over samples and outputs."""
+
+    def __init__(self, float_outputs):
+        import numpy as np
+
+        self.reference = [[np.asarray(o, dtype=np.float64) for o in sample] for sample in float_outputs]
+        self.signal = sum(float(np.vdot(o, o)) for sample in self.reference for o in sample)
+
+    def measure(self, quant_outputs):
+        """``(sqnr_db, exact)``: ``20*log10(||f|| / ||f - q||)`` over everything
+        (None when undefined) and whether q equals f exactly."""
+        import numpy as np
+
+        noise = 0.0
+        for reference, sample in zip(self.reference, quant_outputs):
+            for f, q in zip(reference, sample):
+                if f.shape != np.shape(q):
+                    raise GraphscanError(
+                        f"an output is {list(np.shape(q))} in the quantized model and {list(f.shape)} "
+                        "in the float model",
+                        EXIT_INPUTS,
+                    )
+                difference = f - np.asarray(q, dtype=np.float64)
+                noise += float(np.vdot(difference, difference))
+        return decibels(self.signal, noise), noise == 0.0
+
+
+def decibels(signal, noise):
+    """``10*log10(signal / noise)`` of two energies; None when it is not a finite number."""
+    if not (noise > 0 and signal > 0 and math.isfinite(signal) and math.isfinite(noise)):
+        return None
+    return 10.0 * math.log10(signal / noise)
+
+
+def gain(sqnr, baseline):
+    return sqnr - baseline if sqnr is not None and baseline is not None else None
+
+
+def ranked(rows, exact, baseline_exact):
+    """Row order: larger gain first, graph order among equals. A variant whose
+    output equals the float model's (sqnr null) while the baseline does not
+    counts as the largest gain; rows without a gain come last."""
+
+    def key(k):
+        if exact[k] and not baseline_exact:
+            return (0, 0.0, k)
+        if rows[k]["gain_db"] is None:
+            return (2, 0.0, k)
+        return (1, -rows[k]["gain_db"], k)
+
+    return sorted(range(len(rows)), key=key)
+
+
+def clipped_fraction(values, q_range):
+    """Fraction of ``values`` (one array per sample) outside the Q's [lo, hi]."""
+    import numpy as np
+
+    if q_range is None:
+        return None
+    lo, hi, _ = q_range
+    total = outside = 0
+    for value in values:
+        value = np.asarray(value, dtype=np.float64)
+        total += value.size
+        outside += int(np.count_nonzero((value < lo) | (value > hi)))
+    return outside / total if total else None
+
+
+def paired_outputs(float_model, quant_model, a, b):
+    """The quantized model's output names, in the float model's output order."""
+    float_names = [o.name for o in float_model.graph.output]
+    quant_names = [o.name for o in quant_model.graph.output]
+    if sorted(float_names) == sorted(quant_names):
+        return float_names
+    if len(float_names) == len(quant_names):
+        return quant_names
+    raise GraphscanError(
+        f"{a} and {b}: the models' outputs differ ({len(float_names)} vs {len(quant_names)})", EXIT_INPUTS
+    )
+
+
+def inputs_answer(samples):
+    """``{input: shape}``; a list of shapes, one per sample, when the samples differ."""
+    answer = {}
+    for name in samples[0]:
+        shapes = [list(sample[name].shape) for sample in samples]
+        answer[name] = shapes[0] if all(s == shapes[0] for s in shapes) else shapes
+    return answer
+
+
+def exclusion(measure, candidates, baseline, target, max_exclude):
+    """``{"target_sqnr_db", "nodes", "sqnr_db", "reached"}``: ``candidates``
+    (``(node, switch)`` in rank order) are added one at a time and the combined
+    model measured after each addition, until the target or ``max_exclude``."""
+    nodes, switches = [], []
+    sqnr, exact = baseline
+
+    def met():
+        return exact or (sqnr is not None and sqnr >= target)
+
+    for name, switch in candidates:
+        if met() or (max_exclude is not None and len(nodes) >= max_exclude):
+            break
+        nodes.append(name)
+        switches.append(switch)
+        sqnr, exact = measure(switches)
+    return {"target_sqnr_db": target, "nodes": nodes, "sqnr_db": sqnr, "reached": met()}
+
+
+def impact(a, b, inputs=None, seed=0, shape=None, target_sqnr=None, max_exclude=None, top=None):
+    """Per operator and per activation tensor of ``b`` (quantized): the output
+    SQNR against ``a`` (float) if it stayed float; optionally what to exclude."""
+    if max_exclude is not None and target_sqnr is None:
+        raise GraphscanError("usage: --max-exclude needs --target-sqnr", EXIT_USAGE)
+    float_model, quant_model = load_with_weights(a), load_with_weights(b)
+    check_same_inputs(float_model, quant_model, a, b)
+    samples, defaulted = model_samples(float_model, inputs, parse_shapes(shape), seed, IMPACT_SYMBOLIC_DIM_SIZE)
+    output_names = paired_outputs(float_model, quant_model, a, b)
+
+    float_session = impact_session(float_model, a, "model does not run in onnxruntime")
+    float_names = [o.name for o in float_model.graph.output]
+    float_outputs = []
+    for feeds in samples:
+        try:
+            float_outputs.append(float_session.run(float_names, feeds))
+        except Exception as exc:
+            raise GraphscanError(f"{a}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME)
+    del float_session
+    noise = OutputNoise(float_outputs)
+
+    plan = ImpactPlan(float_model, quant_model)
+    derived, op_switches, tensor_switches = switched_model(plan, quant_model, float_model)
+    all_switches = op_switches + [s for pair in tensor_switches for s in pair if s]
+    # The tensors whose clipped fraction is reported, read in the baseline run.
+    probes = [t for t, _, q_range, _ in plan.tensor_rows if q_range is not None and t not in samples[0]]
+    exposed = {o.name for o in derived.graph.output}
+    derived.graph.output.extend(onnx.ValueInfoProto(name=t) for t in probes if t not in exposed)
+    runner = SwitchedRunner(derived, all_switches, samples, output_names, b)
+
+    first = runner.run(extra_outputs=probes)
+    n_out = len(output_names)
+    baseline = noise.measure([sample[:n_out] for sample in first])
+    probe_values = {t: [sample[n_out + k] for sample in first] for k, t in enumerate(probes)}
+    probe_values.update({t: [sample[t] for sample in samples] for t in samples[0]})
+    del first
+
+    def measure(variant):
+        return noise.measure(runner.run(variant))
+
+    index = plan.index
+    op_rows, op_exact = [], []
+    for (i, _), switch in zip(plan.op_rows, op_switches):
+        sqnr, exact = measure([switch])
+        op_rows.append(
+            {"node": index.names[i], "op_type": index.op_types[i], "sqnr_db": sqnr, "gain_db": gain(sqnr, baseline[0])}
+        )
+        op_exact.append(exact)
+    tensor_rows, tensor_exact = [], []
+    for (t, pairs, q_range, _), (float_switch, round_switch) in zip(plan.tensor_rows, tensor_switches):
+        sqnr, exact = measure([float_switch])
+        rounding = measure([round_switch])[0] if round_switch else None
+        producer = index.producer_of(t)
+        readers = sorted({r for _, dq in pairs for r in index.consumers_of(index.outputs[dq][0])})
+        tensor_rows.append(
+            {
+                "tensor": t,
+                "producer": index.names[producer] if producer is not None else None,
+                "consumers": [index.names[r] for r in readers],
+                "sqnr_db": sqnr,
+                "gain_db": gain(sqnr, baseline[0]),
+                "rounding_sqnr_db": rounding,
+                "rounding_gain_db": gain(rounding, baseline[0]),
+                "clipped": clipped_fraction(probe_values.get(t, ()), q_range) if q_range else None,
+            }
+        )
+        tensor_exact.append(exact)
+    op_order = ranked(op_rows, op_exact, baseline[1])
+    tensor_order = ranked(tensor_rows, tensor_exact, baseline[1])
+    answer = {
+        "a": a,
+        "b": b,
+        "inputs": inputs_answer(samples),
+        "defaulted": defaulted,
+        "samples": len(samples),
+        "output_sqnr_db": baseline[0],
+        "ops": [op_rows[k] for k in op_order][:top],
+        "tensors": [tensor_rows[k] for k in tensor_order][:top],
+    }
+    if target_sqnr is not None:
+        candidates = [
+            (op_rows[k]["node"], op_switches[k])
+            for k in op_order
+            if (op_exact[k] and not baseline[1]) or (op_rows[k]["gain_db"] or 0.0) > 0
+        ]
+        answer["exclude"] = exclusion(measure, candidates, baseline, target_sqnr, max_exclude)
+    return answer
+
+
+# --------------------------------------------------------------------------
 # Command line
 
 TRACE_OPTIONS = [
@@ -1475,6 +2048,37 @@ TRACE_OPTIONS = [
     ("--seed", {"type": int, "default": 0, "help": "seed of the random inputs (default: 0)"}),
     ("--tolerance", {"type": float, "default": TRACE_TOLERANCE, "help": "first_over threshold"}),
     ("--save", {"metavar": "DIR", "help": "write each op's single-op model and inputs here"}),
+]
+
+def non_negative_int(text):
+    """argparse type: an integer >= 0 (anything else is a usage error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def finite_float(text):
+    """argparse type: a finite number (NaN and infinities are usage errors)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+IMPACT_OPTIONS = [
+    ("--inputs", {"metavar": "FILE.npz", "action": "append", "help": "one sample: one array per graph input, by name (repeatable)"}),
+    ("--seed", {"type": int, "default": 0, "help": "seed of the random sample without --inputs (default: 0)"}),
+    ("--shape", {"metavar": "NAME=D0,D1,...", "action": "append", "help": "shape of a random input (repeatable)"}),
+    ("--target-sqnr", {"metavar": "DB", "type": finite_float, "help": "find the nodes to exclude to reach this output SQNR"}),
+    ("--max-exclude", {"metavar": "N", "type": non_negative_int, "help": "at most N excluded nodes (with --target-sqnr)"}),
+    ("--top", {"metavar": "N", "type": non_negative_int, "help": "list only the first N ops and tensors (all are measured)"}),
 ]
 
 # name: (function, positional paths, help, options)
@@ -1486,6 +2090,7 @@ COMMANDS = {
     "diff": (diff, ["a", "b"], "b minus a for the counts above", []),
     "fuse": (fuse, ["model", "output"], "fuse MatMul+Add into Gemm, verified, into output", []),
     "trace": (trace, ["a", "b"], "per-op isolated and propagated error of b (quantized) vs a (float)", TRACE_OPTIONS),
+    "impact": (impact, ["a", "b"], "output SQNR gained by keeping each op or tensor of b (quantized) float", IMPACT_OPTIONS),
 }
 
 
@@ -1525,7 +2130,8 @@ def run(argv):
             f"usage: a command is required ({', '.join(COMMANDS)})", EXIT_USAGE
         )
     function, paths, _, options = COMMANDS[args.command]
-    keywords = {flag.lstrip("-"): getattr(args, flag.lstrip("-")) for flag, _ in options}
+    dests = [flag.lstrip("-").replace("-", "_") for flag, _ in options]
+    keywords = {dest: getattr(args, dest) for dest in dests}
     return function(*(getattr(args, p) for p in paths), **keywords)
 
 
