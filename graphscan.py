@@ -1783,6 +1783,155 @@ def switched_model(plan, quant_model, float_model):
     return builder.model, op_switches, tensor_switches
 
 
+# Each variant changes the graph from one site on; everything before that site
+# is the baseline. The derived model's data-dependent nodes are cut into
+# segments, each but the last inside an If: then-branch = the segment's outputs
+# as cached from the baseline run (fed inputs), else-branch = the segment
+# itself. A variant starting in segment j sets skip 0..j-1: only the rest runs.
+IMPACT_SEGMENTS = 16
+SKIP = "graphscan.skip/{}"
+CACHE = "graphscan.cache/{}"
+SEGMENT = "graphscan.segment{}/{}"
+
+
+def topological_nodes(graph):
+    """The graph's nodes in an order where every producer comes first; each
+    node stays where it was unless a node it reads from comes later."""
+    producer = {t: k for k, node in enumerate(graph.node) for t in node.output if t}
+    emitted, order = [False] * len(graph.node), []
+    for root in range(len(graph.node)):
+        stack = [(root, False)]
+        while stack:
+            k, ready = stack.pop()
+            if emitted[k]:
+                continue
+            if ready:
+                emitted[k] = True
+                order.append(k)
+                continue
+            stack.append((k, True))
+            for t in reversed(graph.node[k].input):
+                j = producer.get(t)
+                if j is not None and not emitted[j] and j != k:
+                    stack.append((j, False))
+    return [graph.node[k] for k in order]
+
+
+class Segments:
+    """The cut of a derived model: which segment each data-dependent node is in."""
+
+    def __init__(self, nodes, data_inputs, count):
+        dependent_tensors = set(data_inputs)
+        self.independent, self.dependent = [], []
+        for node in nodes:
+            if any(t in dependent_tensors for t in node.input):
+                dependent_tensors.update(t for t in node.output if t)
+                self.dependent.append(node)
+            else:
+                self.independent.append(node)
+        count = max(1, min(count, len(self.dependent)))
+        size = len(self.dependent) / count
+        self.chunks = [self.dependent[round(j * size) : round((j + 1) * size)] for j in range(count)]
+        self.made_in = {t: j for j, chunk in enumerate(self.chunks) for node in chunk for t in node.output if t}
+
+    def leaving(self, j, graph_outputs):
+        """Tensors segment j makes that later segments or the graph outputs read."""
+        wanted = set(graph_outputs)
+        for later in self.chunks[j + 1 :]:
+            for node in later:
+                wanted.update(node.input)
+        return [t for node in self.chunks[j] for t in node.output if t and t in wanted]
+
+    def first_segment(self, switch, consumers):
+        """The earliest segment with a data-dependent node that ``switch`` reaches."""
+        reached, stack, first = set(), [switch], len(self.chunks) - 1
+        while stack:
+            for node in consumers.get(stack.pop(), ()):
+                for t in node.output:
+                    if t in self.made_in:
+                        first = min(first, self.made_in[t])
+                    elif t and t not in reached:
+                        reached.add(t)
+                        stack.append(t)
+        return first
+
+
+def renamed_segment(chunk, j):
+    """Copies of ``chunk``'s nodes with the tensors it makes prefixed (an If
+    branch may not define a name of the outer graph)."""
+    made = {t for node in chunk for t in node.output if t}
+    prefix = lambda t: SEGMENT.format(j, t) if t in made else t  # noqa: E731
+    copies = []
+    for node in chunk:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.input[:] = [prefix(t) for t in node.input]
+        copy.output[:] = [prefix(t) for t in node.output]
+        copies.append(copy)
+    return copies, prefix
+
+
+def segmented_model(model, data_inputs, switches, count=IMPACT_SEGMENTS):
+    """``(model, skips, caches, first_segment)``: ``model`` with its segments in Ifs.
+
+    ``caches``: ``[(cache input, tensor)]`` to feed from the baseline run;
+    ``first_segment``: ``{switch: segment}``. The model is returned as it was
+    (no skips) when it has fewer than two segments or a leaving tensor's type
+    is unknown.
+    """
+    graph = model.graph
+    nodes = topological_nodes(graph)
+    segments = Segments(nodes, data_inputs, count)
+    if len(segments.chunks) < 2:
+        return model, [], [], {}
+    graph_outputs = [o.name for o in graph.output]
+    leaving = [segments.leaving(j, graph_outputs) for j in range(len(segments.chunks) - 1)]
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:
+        return model, [], [], {}
+    types = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
+    types.update({v.name: v.type.tensor_type.elem_type for v in inferred.graph.output if v.type.tensor_type.elem_type})
+    if not all(types.get(t) for out in leaving for t in out):
+        return model, [], [], {}
+    consumers = {}
+    for node in nodes:
+        for t in node.input:
+            consumers.setdefault(t, []).append(node)
+    first_segment = {s: segments.first_segment(s, consumers) for s in switches}
+
+    segmented = onnx.ModelProto()
+    segmented.CopyFrom(model)
+    del segmented.graph.node[:]
+    segmented.graph.node.extend(segments.independent)
+    skips, caches = [], []
+    for j, out in enumerate(leaving):
+        skips.append(SKIP.format(j))
+        segmented.graph.input.append(onnx.helper.make_tensor_value_info(skips[-1], onnx.TensorProto.BOOL, []))
+        cached = []
+        for t in out:
+            caches.append((CACHE.format(t), t))
+            segmented.graph.input.append(onnx.helper.make_tensor_value_info(caches[-1][0], types[t], None))
+            cached.append(onnx.helper.make_node("Identity", [caches[-1][0]], [f"graphscan.cached{j}/{t}"]))
+        body, prefix = renamed_segment(segments.chunks[j], j)
+        then_branch = onnx.helper.make_graph(
+            cached, f"graphscan.cached{j}", [],
+            [onnx.helper.make_tensor_value_info(f"graphscan.cached{j}/{t}", types[t], None) for t in out],
+        )
+        else_branch = onnx.helper.make_graph(
+            body, f"graphscan.segment{j}", [],
+            [onnx.helper.make_tensor_value_info(prefix(t), types[t], None) for t in out],
+        )
+        segmented.graph.node.append(
+            onnx.helper.make_node(
+                "If", [skips[-1]], out, name=f"graphscan.segment{j}",
+                then_branch=then_branch, else_branch=else_branch,
+            )
+        )
+    segmented.graph.node.extend(segments.chunks[-1])
+    return segmented, skips, caches, first_segment
+
+
 def impact_session(model, path, message):
     """An onnxruntime session with graph optimizations off; exit 5 with ``message`` if it cannot be built."""
     import onnxruntime as ort
@@ -1797,45 +1946,62 @@ def impact_session(model, path, message):
 
 
 class SwitchedRunner:
-    """Runs the derived model once per (variant, sample), switches bound once.
+    """Runs the derived model once per (variant, sample), inputs bound once.
 
-    A variant is the set of switch names that are on; every other switch is off.
+    A variant is the set of switch names that are on; every other switch is
+    off. ``skips[:j]`` on replays segments 0..j-1 from their cached outputs.
     """
 
-    def __init__(self, model, switches, samples, outputs, path):
+    def __init__(self, model, switches, samples, outputs, path, skips=()):
         import numpy as np
         import onnxruntime as ort
 
         self.path = path
         self.message = f"graphscan's derived model of {path} does not run in onnxruntime"
         self.session = impact_session(model, path, f"graphscan's derived model of {path} cannot be built")
-        self.outputs = outputs
+        self.outputs, self.skips = list(outputs), list(skips)
         self.on = ort.OrtValue.ortvalue_from_numpy(np.array(True))
         self.off = ort.OrtValue.ortvalue_from_numpy(np.array(False))
+        empty = {}
+        for info in model.graph.input:
+            if info.name.startswith(CACHE.format("")):
+                dtype = onnx.helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type)
+                empty[info.name] = ort.OrtValue.ortvalue_from_numpy(np.zeros((0,), dtype))
         self.bindings = []
         for feeds in samples:
             binding = self.session.io_binding()
             for name, array in feeds.items():
                 binding.bind_cpu_input(name, array)
-            for name in switches:
+            for name in list(switches) + self.skips:
                 binding.bind_ortvalue_input(name, self.off)
+            for name, value in empty.items():  # never read while its skip is off
+                binding.bind_ortvalue_input(name, value)
             self.bindings.append(binding)
 
-    def run(self, variant=(), extra_outputs=()):
-        """Per sample, the graph outputs (then ``extra_outputs``) with ``variant`` on."""
+    def cache(self, values):
+        """Bind ``values`` (per sample, ``{cache input: array}``) for the skipped segments."""
+        self.cached = values
+        for binding, sample in zip(self.bindings, values):
+            for name, array in sample.items():
+                binding.bind_cpu_input(name, array)
+
+    def run(self, variant=(), extra_outputs=(), skip=0):
+        """Per sample, the graph outputs (then ``extra_outputs``) with ``variant``
+        on and the first ``skip`` segments replayed from the cache."""
+        on = list(variant) + self.skips[:skip]
         results = []
         for binding in self.bindings:
-            for name in variant:
+            for name in on:
                 binding.bind_ortvalue_input(name, self.on)
             binding.clear_binding_outputs()
-            for name in list(self.outputs) + list(extra_outputs):
+            for name in self.outputs + list(extra_outputs):
                 binding.bind_output(name)
             try:
                 self.session.run_with_iobinding(binding)
             except Exception as exc:
                 raise GraphscanError(f"{self.path}: {self.message} ({one_line(exc)})", EXIT_RUNTIME)
             finally:
-                for name in variant:
+                for name in on:
                     binding.bind_ortvalue_input(name, self.off)
             results.append(binding.copy_outputs_to_cpu())
         return results
@@ -1979,17 +2145,25 @@ def impact(a, b, inputs=None, seed=0, shape=None, target_sqnr=None, max_exclude=
     probes = [t for t, _, q_range, _ in plan.tensor_rows if q_range is not None and t not in samples[0]]
     exposed = {o.name for o in derived.graph.output}
     derived.graph.output.extend(onnx.ValueInfoProto(name=t) for t in probes if t not in exposed)
-    runner = SwitchedRunner(derived, all_switches, samples, output_names, b)
+    derived, skips, caches, first_segment = segmented_model(derived, list(samples[0]), all_switches)
+    exposed = {o.name for o in derived.graph.output}
+    derived.graph.output.extend(onnx.ValueInfoProto(name=t) for _, t in caches if t not in exposed)
+    runner = SwitchedRunner(derived, all_switches, samples, output_names, b, skips)
 
-    first = runner.run(extra_outputs=probes)
+    fetched = [t for t in dict.fromkeys(probes + [t for _, t in caches]) if t not in output_names]
+    first = runner.run(extra_outputs=fetched)
     n_out = len(output_names)
     baseline = noise.measure([sample[:n_out] for sample in first])
-    probe_values = {t: [sample[n_out + k] for sample in first] for k, t in enumerate(probes)}
-    probe_values.update({t: [sample[t] for sample in samples] for t in samples[0]})
+    values = [dict(zip(output_names + fetched, sample)) for sample in first]
     del first
+    probe_values = {t: [sample[t] for sample in values] for t in probes}
+    probe_values.update({t: [sample[t] for sample in samples] for t in samples[0]})
+    runner.cache([{c: sample[t] for c, t in caches} for sample in values])
+    del values
 
     def measure(variant):
-        return noise.measure(runner.run(variant))
+        skip = min((first_segment.get(s, 0) for s in variant), default=0)
+        return noise.measure(runner.run(variant, skip=skip))
 
     index = plan.index
     op_rows, op_exact = [], []
