@@ -1717,6 +1717,17 @@ def tensor_alternative(builder, plan, t, q_range, absorbed, float_switch, round_
     return builder.node("Clip", [t, low, high], f"graphscan.alt/{t}")
 
 
+def subgraph_reads(graph):
+    """Every tensor name a node inside an If/Loop/Scan body reads (any depth)."""
+    names = set()
+    for node in graph.node:
+        for attribute in node.attribute:
+            for body in list(attribute.graphs) + ([attribute.g] if attribute.HasField("g") else []):
+                names.update(t for inner in body.node for t in inner.input)
+                names |= subgraph_reads(body)
+    return names
+
+
 def switched_model(plan, quant_model, float_model):
     """The derived model and its switches: ``(model, op_switches, tensor_switches)``.
 
@@ -1751,7 +1762,9 @@ def switched_model(plan, quant_model, float_model):
     for k, (i, _) in enumerate(plan.op_rows):
         op_switches.append(builder.switch("op", k))
     op_switch_of = {i: op_switches[k] for k, (i, _) in enumerate(plan.op_rows)}
-    graph_outputs = {o.name for o in graph.output}
+    # Graph outputs and names If/Loop/Scan bodies read from outside keep the
+    # DQ's name, now given to the switched value.
+    kept_names = {o.name for o in graph.output} | subgraph_reads(graph)
     for dq, (any_switch, alternative) in per_pair.items():
         output = quant_model.graph.node[dq].output[0]
         for reader in index.consumers_of(output):
@@ -1762,7 +1775,7 @@ def switched_model(plan, quant_model, float_model):
                 op_switch = op_switch_of.get(reader) if pos in op_edges.get(reader, {}) else None
                 condition = builder.either(op_switch, any_switch)
                 node.input[pos] = raw[dq] if condition is None else builder.where(condition, alternative, raw[dq])
-        if output in graph_outputs:
+        if output in kept_names:
             if any_switch is None:
                 builder.node("Identity", [raw[dq]], output)
             else:
@@ -1880,6 +1893,8 @@ def segmented_model(model, data_inputs, switches, count=IMPACT_SEGMENTS):
     is unknown.
     """
     graph = model.graph
+    if any(has_subgraph(node) for node in graph.node):
+        return model, [], [], {}  # a body's outer reads are edges the cut cannot see
     nodes = topological_nodes(graph)
     segments = Segments(nodes, data_inputs, count)
     if len(segments.chunks) < 2:
@@ -2135,7 +2150,6 @@ def impact(a, b, inputs=None, seed=0, shape=None, target_sqnr=None, max_exclude=
             float_outputs.append(float_session.run(float_names, feeds))
         except Exception as exc:
             raise GraphscanError(f"{a}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME)
-    del float_session
     noise = OutputNoise(float_outputs)
 
     plan = ImpactPlan(float_model, quant_model)

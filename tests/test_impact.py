@@ -304,3 +304,25 @@ def test_broken_derived_model_is_named_as_graphscans(lab, monkeypatch):
         graphscan.impact(str(lab["fp32"]), str(lab["full"]))
     assert caught.value.exit_code == graphscan.EXIT_RUNTIME
     assert f"graphscan's derived model of {lab['full']}" in str(caught.value)
+
+
+def test_if_branches_reading_a_dequantized_tensor(tmp_path):
+    """The If branches read r's DQ output from outside: keeping r float must reach
+    them too. Reference: that DQ replaced by Relu's output, one session."""
+    from test_control_flow import control_flow_model
+
+    a, b = tmp_path / "float.onnx", tmp_path / "quant.onnx"
+    onnx.save(control_flow_model(False), a)
+    onnx.save(control_flow_model(True), b)
+    sample = {"x": np.linspace(-1, 1, 4, dtype=np.float32)[None], "cond": np.array(True)}
+    np.savez(tmp_path / "s.npz", **sample)
+    answer = graphscan.impact(str(a), str(b), inputs=[str(tmp_path / "s.npz")])
+    assert [r["node"] for r in answer["ops"]] == ["relu"]
+    rows = {r["tensor"]: r for r in answer["tensors"]}
+    assert sorted(rows) == ["r", "x"]
+    quant = onnx.load(b)
+    for node in quant.graph.node:
+        if node.name == "r_dequantize":
+            node.CopyFrom(helper.make_node("Identity", ["r"], ["r_dq"], name="r_dequantize"))
+    expected = reference.sqnr(reference.run(onnx.load(a), [sample]), reference.run(quant, [sample]))
+    assert close(rows["r"]["sqnr_db"], expected), (rows["r"], expected)
