@@ -1476,9 +1476,9 @@ def first_over(rows, tolerance):
 # of it runs once per variant and sample; no session per variant.
 
 IMPACT_SYMBOLIC_DIM_SIZE = 1
+IMPACT_PREFIX = "graphscan."  # every node and tensor the derived model adds
 ACTIVATIONS = ("Relu", "Clip", "LeakyRelu")  # what the quantizer folds into a Q
 DQ_OUTPUT_SUFFIX = re.compile(r"_DequantizeLinear_Output(?:_\d+)?$")
-SWITCH = "graphscan.switch/{}/{}"  # kind (op, float, round), row number
 QUANT_RANGE = {  # (qmin, qmax) by the Q's integer type
     onnx.TensorProto.INT8: (-128, 127),
     onnx.TensorProto.UINT8: (0, 255),
@@ -1629,7 +1629,13 @@ class ImpactPlan:
 
 
 class SwitchedModelBuilder:
-    """Builds the derived model: DQ outputs renamed, Where on each changed edge."""
+    """Builds the derived model: DQ outputs renamed, Where on each changed edge.
+
+    Every Where reads its own boolean graph input, and the bounds of each
+    Clip are scalar graph inputs: a variant is a few inputs set on the host,
+    with no Or or scalar nodes running for every variant. ``defaults`` holds
+    each added input's value while no variant is on.
+    """
 
     def __init__(self, plan, quant_model):
         self.plan = plan
@@ -1637,13 +1643,14 @@ class SwitchedModelBuilder:
         self.model.CopyFrom(quant_model)
         self.graph = self.model.graph
         self.nodes = []  # new nodes, appended after the graph (ORT sorts topologically)
-        self.switches = []
+        self.defaults = {}
         self.cache = {}
 
-    def switch(self, kind, k):
-        name = SWITCH.format(kind, k)
-        self.switches.append(name)
-        self.graph.input.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.BOOL, []))
+    def scalar_input(self, name, value, elem_type):
+        import numpy as np
+
+        self.graph.input.append(onnx.helper.make_tensor_value_info(name, elem_type, []))
+        self.defaults[name] = np.array(value, dtype=onnx.helper.tensor_dtype_to_np_dtype(elem_type))
         return name
 
     def constant(self, name, value, elem_type):
@@ -1654,25 +1661,18 @@ class SwitchedModelBuilder:
         return name
 
     def node(self, op_type, inputs, output, **attributes):
-        self.nodes.append(onnx.helper.make_node(op_type, inputs, [output], name=output, **attributes))
+        name = output if output.startswith(IMPACT_PREFIX) else f"{IMPACT_PREFIX}keep/{output}"
+        self.nodes.append(onnx.helper.make_node(op_type, inputs, [output], name=name, **attributes))
         return output
 
-    def either(self, a, b):
-        """A scalar bool that is ``a or b`` (either may be None)."""
-        if a is None or b is None:
-            return a or b
-        key = ("or", a, b)
+    def where(self, alternative, raw, output=None):
+        """``Where(on, alternative, raw)`` with a new condition input; returns (output, condition)."""
+        key = ("where", alternative, raw, output)
         if key not in self.cache:
-            self.cache[key] = self.node("Or", [a, b], f"graphscan.or/{a}|{b}")
+            condition = self.scalar_input(f"{IMPACT_PREFIX}on/{len(self.defaults)}", False, onnx.TensorProto.BOOL)
+            output = output or f"{IMPACT_PREFIX}where/{condition}"
+            self.cache[key] = (self.node("Where", [condition, alternative, raw], output), condition)
         return self.cache[key]
-
-    def where(self, condition, alternative, raw, output=None):
-        key = ("where", condition, alternative, raw)
-        if output is None and key in self.cache:
-            return self.cache[key]
-        output = output or f"graphscan.where/{condition}/{raw}"
-        self.cache[key] = self.node("Where", [condition, alternative, raw], output)
-        return output
 
 
 def float_value(builder, plan, t, absorbed):
@@ -1687,7 +1687,8 @@ def float_value(builder, plan, t, absorbed):
         inputs = [t]
         for k, extra in enumerate(absorbed.input[1:], start=1):
             if extra and extra in plan.float_constants:
-                extra = builder.constant(f"graphscan.float/{t}/{k}", plan.float_constants[extra].array, plan.float_constants[extra].proto.data_type)
+                value = plan.float_constants[extra]
+                extra = builder.constant(f"graphscan.float/{t}/{k}", value.array, value.proto.data_type)
             inputs.append(extra)
         node.input[:] = inputs
         node.output[:] = [name]
@@ -1696,25 +1697,30 @@ def float_value(builder, plan, t, absorbed):
     return name
 
 
-def tensor_alternative(builder, plan, t, q_range, absorbed, float_switch, round_switch):
-    """The value readers of DQ(Q(t)) take when a switch is on: float(t), or
-    Clip(t, lo, hi) while the rounding switch is on."""
-    if q_range is None or round_switch is None:
-        return float_value(builder, plan, t, absorbed)
+def tensor_alternative(builder, plan, t, q_range, absorbed):
+    """``(value, rounding settings)``: what readers of DQ(Q(t)) take when their
+    Where is on: float(t), or Clip(t, lo, hi) with the settings applied (None
+    when the Q's range is unknown)."""
+    if q_range is None:
+        return float_value(builder, plan, t, absorbed), None
     lo, hi, elem_type = q_range
     bounds = (-math.inf, math.inf) if absorbed is None else activation_bounds(absorbed, plan.float_constants)
     prefix = f"graphscan.range/{t}"
-    lo_name = builder.constant(prefix + "/lo", lo, elem_type)
-    hi_name = builder.constant(prefix + "/hi", hi, elem_type)
     if bounds is None:  # LeakyRelu (or a Clip with computed bounds): its own node
+        lo_name = builder.constant(prefix + "/lo", lo, elem_type)
+        hi_name = builder.constant(prefix + "/hi", hi, elem_type)
         clipped = builder.node("Clip", [t, lo_name, hi_name], f"graphscan.round/{t}")
-        return builder.where(round_switch, clipped, float_value(builder, plan, t, absorbed), f"graphscan.alt/{t}")
-    float_lo = builder.constant(prefix + "/float_lo", bounds[0], elem_type)
-    float_hi = builder.constant(prefix + "/float_hi", bounds[1], elem_type)
-    low = builder.where(round_switch, lo_name, float_lo, prefix + "/lo_used")
-    high = builder.where(round_switch, hi_name, float_hi, prefix + "/hi_used")
-    # Clip(t, -inf, inf) is t and Clip(t, 0, inf) is Relu(t), exactly.
-    return builder.node("Clip", [t, low, high], f"graphscan.alt/{t}")
+        alternative, condition = builder.where(clipped, float_value(builder, plan, t, absorbed), f"graphscan.alt/{t}")
+        return alternative, {condition: True}
+    # Clip(t, -inf, inf) is t and Clip(t, 0, inf) is Relu(t), exactly; the
+    # rounding variant binds the Q's range instead.
+    low = builder.scalar_input(prefix + "/lo", bounds[0], elem_type)
+    high = builder.scalar_input(prefix + "/hi", bounds[1], elem_type)
+    dtype = builder.defaults[low].dtype
+    import numpy as np
+
+    rounding = {low: np.array(lo, dtype), high: np.array(hi, dtype)}
+    return builder.node("Clip", [t, low, high], f"graphscan.alt/{t}"), rounding
 
 
 def subgraph_reads(graph):
@@ -1729,57 +1735,55 @@ def subgraph_reads(graph):
 
 
 def switched_model(plan, quant_model, float_model):
-    """The derived model and its switches: ``(model, op_switches, tensor_switches)``.
+    """The derived model and its variants: ``(model, defaults, op_variants, tensor_variants)``.
 
-    ``op_switches[k]`` un-quantizes op row k; ``tensor_switches[m]`` is
-    ``(float switch, rounding switch or None)`` for tensor row m.
+    A variant is ``{input name: value}`` to bind instead of ``defaults``.
+    ``op_variants[k]`` un-quantizes op row k; ``tensor_variants[m]`` is
+    ``(float(t) variant, rounding-only variant or None)`` for tensor row m.
     """
     builder = SwitchedModelBuilder(plan, quant_model)
     graph, index = builder.graph, plan.index
     float_inits = {init.name: init for init in float_model.graph.initializer}
-    tensor_switches, per_pair = [], {}
+    alternatives, rounding = {}, {}  # per dq: float(t) (or its Clip), per tensor row: settings
+    row_of = {}
     for m, (t, pairs, q_range, absorbed) in enumerate(plan.tensor_rows):
-        float_switch = builder.switch("float", m)
-        round_switch = builder.switch("round", m) if q_range is not None else None
-        any_switch = builder.either(float_switch, round_switch)
-        alternative = tensor_alternative(builder, plan, t, q_range, absorbed, float_switch, round_switch)
+        alternative, rounding[m] = tensor_alternative(builder, plan, t, q_range, absorbed)
         for _, dq in pairs:
-            per_pair[dq] = (any_switch, alternative)
-        tensor_switches.append((float_switch, round_switch))
-    # Pairs read by an op row, not a tensor row (weights kept as Constant -> Q -> DQ).
-    for _, edges in plan.op_rows:
+            alternatives[dq], row_of[dq] = alternative, m
+    for _, edges in plan.op_rows:  # pairs only ops read: weights kept as Constant -> Q -> DQ
         for _, (kind, source) in edges:
-            if kind == "pair" and source not in per_pair:
-                q, t = plan.pair_of[source]
-                per_pair[source] = (None, float_value(builder, plan, t, plan.absorbed(t)))
+            if kind == "pair" and source not in alternatives:
+                t = plan.pair_of[source][1]
+                alternatives[source] = float_value(builder, plan, t, plan.absorbed(t))
     raw = {}
-    for dq, (any_switch, _) in per_pair.items():
-        output = graph.node[dq].output[0]
-        raw[dq] = f"graphscan.dq/{output}"
+    for dq in alternatives:
+        raw[dq] = f"graphscan.dq/{graph.node[dq].output[0]}"
         graph.node[dq].output[0] = raw[dq]
-    op_switches = []
-    op_edges = {i: dict(edges) for i, edges in plan.op_rows}
-    for k, (i, _) in enumerate(plan.op_rows):
-        op_switches.append(builder.switch("op", k))
-    op_switch_of = {i: op_switches[k] for k, (i, _) in enumerate(plan.op_rows)}
+    op_rows = {i: k for k, (i, _) in enumerate(plan.op_rows)}
+    op_variants = [{} for _ in plan.op_rows]
+    tensor_on = [{} for _ in plan.tensor_rows]
     # Graph outputs and names If/Loop/Scan bodies read from outside keep the
     # DQ's name, now given to the switched value.
     kept_names = {o.name for o in graph.output} | subgraph_reads(graph)
-    for dq, (any_switch, alternative) in per_pair.items():
+    for dq, alternative in alternatives.items():
         output = quant_model.graph.node[dq].output[0]
+        m = row_of.get(dq)
         for reader in index.consumers_of(output):
+            if m is None and reader not in op_rows:
+                continue  # nobody would switch it
             node = graph.node[reader]
-            for pos, tensor in enumerate(node.input):
-                if tensor != output:
-                    continue
-                op_switch = op_switch_of.get(reader) if pos in op_edges.get(reader, {}) else None
-                condition = builder.either(op_switch, any_switch)
-                node.input[pos] = raw[dq] if condition is None else builder.where(condition, alternative, raw[dq])
+            value, condition = builder.where(alternative, raw[dq], f"graphscan.where/{reader}/{output}")
+            node.input[:] = [value if t == output else t for t in node.input]
+            if reader in op_rows:
+                op_variants[op_rows[reader]][condition] = True
+            if m is not None:
+                tensor_on[m][condition] = True
         if output in kept_names:
-            if any_switch is None:
+            if m is None:
                 builder.node("Identity", [raw[dq]], output)
             else:
-                builder.where(any_switch, alternative, raw[dq], output)
+                _, condition = builder.where(alternative, raw[dq], output)
+                tensor_on[m][condition] = True
     for k, (i, edges) in enumerate(plan.op_rows):
         node = graph.node[i]
         for pos, (kind, source) in edges:
@@ -1791,20 +1795,28 @@ def switched_model(plan, quant_model, float_model):
                     copy.name = weight
                     graph.initializer.append(copy)
                     builder.cache[("weight", source)] = weight
-                node.input[pos] = builder.where(op_switches[k], weight, node.input[pos])
+                value, condition = builder.where(weight, node.input[pos], f"graphscan.where/{i}/{pos}")
+                node.input[pos] = value
+                op_variants[k][condition] = True
     graph.node.extend(builder.nodes)
-    return builder.model, op_switches, tensor_switches
+    tensor_variants = [
+        (on, None if rounding[m] is None else {**on, **rounding[m]}) for m, on in enumerate(tensor_on)
+    ]
+    return builder.model, builder.defaults, op_variants, tensor_variants
 
 
-# Each variant changes the graph from one site on; everything before that site
-# is the baseline. The derived model's data-dependent nodes are cut into
-# segments, each but the last inside an If: then-branch = the segment's outputs
-# as cached from the baseline run (fed inputs), else-branch = the segment
-# itself. A variant starting in segment j sets skip 0..j-1: only the rest runs.
+# A variant changes the graph only from its sites on, and only along their
+# cone. The derived model's data-dependent nodes are cut into segments, each
+# an If with three versions: its outputs as cached from the baseline run, the
+# segment as the quantized model has it ("plain": no switch machinery), and
+# the segment with its switches ("switched"). A variant computes the segments
+# its cone touches, with switches only where its own Where/Clip nodes are,
+# and replays every other segment from the cache.
 IMPACT_SEGMENTS = 16
-SKIP = "graphscan.skip/{}"
+SKIP = "graphscan.skip/{}"  # segment j replays its cached outputs
+SWITCHED = "graphscan.switched/{}"  # segment j runs with its switch machinery
 CACHE = "graphscan.cache/{}"
-SEGMENT = "graphscan.segment{}/{}"
+SEGMENT = "graphscan.{}{}/{}"  # version, segment, tensor
 
 
 def topological_nodes(graph):
@@ -1831,21 +1843,29 @@ def topological_nodes(graph):
 
 
 class Segments:
-    """The cut of a derived model: which segment each data-dependent node is in."""
+    """The cut of a derived model into segments of data-dependent nodes, and
+    which segments each switch needs computed and switched."""
 
-    def __init__(self, nodes, data_inputs, count):
+    def __init__(self, nodes, data_inputs, machinery, count):
         dependent_tensors = set(data_inputs)
-        self.independent, self.dependent = [], []
+        self.independent, dependent = [], []
         for node in nodes:
-            if any(t in dependent_tensors for t in node.input):
+            # Machinery runs only in a switched segment, even a weight's Where.
+            if node.name in machinery or any(t in dependent_tensors for t in node.input):
                 dependent_tensors.update(t for t in node.output if t)
-                self.dependent.append(node)
+                dependent.append(node)
             else:
                 self.independent.append(node)
-        count = max(1, min(count, len(self.dependent)))
-        size = len(self.dependent) / count
-        self.chunks = [self.dependent[round(j * size) : round((j + 1) * size)] for j in range(count)]
-        self.made_in = {t: j for j, chunk in enumerate(self.chunks) for node in chunk for t in node.output if t}
+        self.machinery = machinery  # names of the nodes graphscan added
+        count = max(1, min(count, len(dependent)))
+        size = len(dependent) / count
+        self.chunks = [dependent[round(j * size) : round((j + 1) * size)] for j in range(count)]
+        self.segment_of = {id(node): j for j, chunk in enumerate(self.chunks) for node in chunk}
+        self.made_by = {t: node for node in nodes for t in node.output if t}
+        self.consumers = {}
+        for node in nodes:
+            for t in node.input:
+                self.consumers.setdefault(t, []).append(node)
 
     def leaving(self, j, graph_outputs):
         """Tensors segment j makes that later segments or the graph outputs read."""
@@ -1855,96 +1875,164 @@ class Segments:
                 wanted.update(node.input)
         return [t for node in self.chunks[j] for t in node.output if t and t in wanted]
 
-    def first_segment(self, switch, consumers):
-        """The earliest segment with a data-dependent node that ``switch`` reaches."""
-        reached, stack, first = set(), [switch], len(self.chunks) - 1
-        while stack:
-            for node in consumers.get(stack.pop(), ()):
+    def needs(self, names):
+        """``(computed, switched)`` segment sets for a variant setting the inputs ``names``."""
+        active, seeds, stack, seen = [], [], list(names), set(names)
+        while stack:  # forward through independent nodes and switch machinery
+            for node in self.consumers.get(stack.pop(), ()):
+                dependent = id(node) in self.segment_of
+                if dependent and node.name not in self.machinery:
+                    seeds.append(node)
+                    continue
+                if dependent:
+                    active.append(node)
                 for t in node.output:
-                    if t in self.made_in:
-                        first = min(first, self.made_in[t])
-                    elif t and t not in reached:
-                        reached.add(t)
+                    if t and t not in seen:
+                        seen.add(t)
                         stack.append(t)
-        return first
+        # The machinery feeding active nodes (e.g. the Clip computing float(t)).
+        feeding, stack = list(active), list(active)
+        while stack:
+            for t in stack.pop().input:
+                node = self.made_by.get(t)
+                if node is not None and node.name in self.machinery and id(node) in self.segment_of and node not in feeding:
+                    feeding.append(node)
+                    stack.append(node)
+        switched = {self.segment_of[id(n)] for n in feeding}
+        cone, stack, seen = set(switched), seeds + active, set()
+        while stack:  # every node whose value the variant may change
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            cone.add(self.segment_of[id(node)])
+            for t in node.output:
+                stack.extend(self.consumers.get(t, ()))
+        return cone, switched
 
 
-def renamed_segment(chunk, j):
-    """Copies of ``chunk``'s nodes with the tensors it makes prefixed (an If
-    branch may not define a name of the outer graph)."""
+def segment_versions(segments, j, leaving):
+    """The switched and plain node lists of segment j; both make ``leaving``
+    under their own prefixed names (a branch may not define an outer name)."""
+    chunk = segments.chunks[j]
     made = {t for node in chunk for t in node.output if t}
-    prefix = lambda t: SEGMENT.format(j, t) if t in made else t  # noqa: E731
-    copies = []
-    for node in chunk:
-        copy = onnx.NodeProto()
-        copy.CopyFrom(node)
-        copy.input[:] = [prefix(t) for t in node.input]
-        copy.output[:] = [prefix(t) for t in node.output]
-        copies.append(copy)
-    return copies, prefix
+    versions = []
+    for version in ("switched", "plain"):
+        prefix = lambda t, v=version: SEGMENT.format(v, j, t) if t in made else t  # noqa: E731
+        dropped = {}
+        if version == "plain":  # each switch-off machinery output is a copy of one input
+            for node in chunk:
+                if node.name in segments.machinery:
+                    source = node.input[2] if node.op_type == "Where" else node.input[0]
+                    for t in node.output:
+                        dropped[t] = dropped.get(source, source)
+        nodes = []
+        for node in chunk:
+            if version == "plain" and node.name in segments.machinery:
+                continue
+            copy = onnx.NodeProto()
+            copy.CopyFrom(node)
+            copy.input[:] = [prefix(dropped.get(t, t)) for t in node.input]
+            copy.output[:] = [prefix(t) for t in node.output]
+            nodes.append(copy)
+        outputs = []
+        for t in leaving:
+            if t in dropped:
+                nodes.append(onnx.helper.make_node("Identity", [prefix(dropped[t])], [prefix(t) + "/copy"]))
+                outputs.append(prefix(t) + "/copy")
+            else:
+                outputs.append(prefix(t))
+        versions.append((nodes, outputs))
+    return versions
 
 
-def segmented_model(model, data_inputs, switches, count=IMPACT_SEGMENTS):
-    """``(model, skips, caches, first_segment)``: ``model`` with its segments in Ifs.
+def segmented_model(model, data_inputs, machinery, count=IMPACT_SEGMENTS):
+    """``(model, caches, segments)``: ``model`` with its segments in Ifs.
 
     ``caches``: ``[(cache input, tensor)]`` to feed from the baseline run;
-    ``first_segment``: ``{switch: segment}``. The model is returned as it was
-    (no skips) when it has fewer than two segments or a leaving tensor's type
-    is unknown.
+    ``segments`` answers which flags a variant needs (``segment_flags``).
+    The model is returned as it was (``segments`` None) when it has If/Loop/Scan
+    nodes (their bodies' outer reads are edges the cut cannot see), fewer than
+    two segments, or a leaving tensor whose type shape inference does not give.
     """
+    import numpy as np
+
     graph = model.graph
     if any(has_subgraph(node) for node in graph.node):
-        return model, [], [], {}  # a body's outer reads are edges the cut cannot see
+        return model, [], None
     nodes = topological_nodes(graph)
-    segments = Segments(nodes, data_inputs, count)
+    segments = Segments(nodes, data_inputs, machinery, count)
     if len(segments.chunks) < 2:
-        return model, [], [], {}
+        return model, [], None
     graph_outputs = [o.name for o in graph.output]
-    leaving = [segments.leaving(j, graph_outputs) for j in range(len(segments.chunks) - 1)]
+    leaving = [segments.leaving(j, graph_outputs) for j in range(len(segments.chunks))]
     try:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     except Exception:
-        return model, [], [], {}
+        return model, [], None
     types = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
-    types.update({v.name: v.type.tensor_type.elem_type for v in inferred.graph.output if v.type.tensor_type.elem_type})
+    for v in list(inferred.graph.output) + list(inferred.graph.input):
+        if v.type.tensor_type.elem_type:
+            types[v.name] = v.type.tensor_type.elem_type
     if not all(types.get(t) for out in leaving for t in out):
-        return model, [], [], {}
-    consumers = {}
-    for node in nodes:
-        for t in node.input:
-            consumers.setdefault(t, []).append(node)
-    first_segment = {s: segments.first_segment(s, consumers) for s in switches}
+        return model, [], None
 
     segmented = onnx.ModelProto()
     segmented.CopyFrom(model)
     del segmented.graph.node[:]
     segmented.graph.node.extend(segments.independent)
-    skips, caches = [], []
+    last = len(segments.chunks) - 1
+    caches = []
+    defaults = segments.flag_defaults = {}
+
+    def flag(name):
+        segmented.graph.input.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.BOOL, []))
+        defaults[name] = np.array(False)
+        return name
+
+    def branch(name, nodes, outputs, out):
+        return onnx.helper.make_graph(
+            nodes, name, [], [onnx.helper.make_tensor_value_info(o, types[t], None) for o, t in zip(outputs, out)]
+        )
+
     for j, out in enumerate(leaving):
-        skips.append(SKIP.format(j))
-        segmented.graph.input.append(onnx.helper.make_tensor_value_info(skips[-1], onnx.TensorProto.BOOL, []))
+        (switched, switched_out), (plain, plain_out) = segment_versions(segments, j, out)
+        choose = onnx.helper.make_node(
+            "If", [flag(SWITCHED.format(j))], out if j == last else [SEGMENT.format("run", j, t) for t in out],
+            name=f"graphscan.run{j}",
+            then_branch=branch(f"graphscan.switched{j}", switched, switched_out, out),
+            else_branch=branch(f"graphscan.plain{j}", plain, plain_out, out),
+        )
+        if j == last:  # the outputs: always computed
+            segmented.graph.node.append(choose)
+            continue
         cached = []
         for t in out:
             caches.append((CACHE.format(t), t))
             segmented.graph.input.append(onnx.helper.make_tensor_value_info(caches[-1][0], types[t], None))
-            cached.append(onnx.helper.make_node("Identity", [caches[-1][0]], [f"graphscan.cached{j}/{t}"]))
-        body, prefix = renamed_segment(segments.chunks[j], j)
-        then_branch = onnx.helper.make_graph(
-            cached, f"graphscan.cached{j}", [],
-            [onnx.helper.make_tensor_value_info(f"graphscan.cached{j}/{t}", types[t], None) for t in out],
-        )
-        else_branch = onnx.helper.make_graph(
-            body, f"graphscan.segment{j}", [],
-            [onnx.helper.make_tensor_value_info(prefix(t), types[t], None) for t in out],
-        )
+            cached.append(onnx.helper.make_node("Identity", [caches[-1][0]], [SEGMENT.format("cached", j, t)]))
         segmented.graph.node.append(
             onnx.helper.make_node(
-                "If", [skips[-1]], out, name=f"graphscan.segment{j}",
-                then_branch=then_branch, else_branch=else_branch,
+                "If", [flag(SKIP.format(j))], out, name=f"graphscan.segment{j}",
+                then_branch=branch(f"graphscan.cached{j}", cached, [SEGMENT.format("cached", j, t) for t in out], out),
+                else_branch=onnx.helper.make_graph(
+                    [choose], f"graphscan.computed{j}", [],
+                    [onnx.helper.make_tensor_value_info(SEGMENT.format("run", j, t), types[t], None) for t in out],
+                ),
             )
         )
-    segmented.graph.node.extend(segments.chunks[-1])
-    return segmented, skips, caches, first_segment
+    return segmented, caches, segments
+
+
+def segment_flags(segments, variant):
+    """The segment flags to turn on with ``variant``: skip every segment outside
+    its cone, switch on the segments where its own machinery is."""
+    if segments is None:
+        return {}
+    cone, switched = segments.needs(list(variant))
+    flags = {SKIP.format(j): True for j in range(len(segments.chunks) - 1) if j not in cone}
+    flags.update({SWITCHED.format(j): True for j in switched})
+    return flags
 
 
 def impact_session(model, path, message):
@@ -1963,51 +2051,49 @@ def impact_session(model, path, message):
 class SwitchedRunner:
     """Runs the derived model once per (variant, sample), inputs bound once.
 
-    A variant is the set of switch names that are on; every other switch is
-    off. ``skips[:j]`` on replays segments 0..j-1 from their cached outputs.
+    ``defaults`` are the added scalar inputs' values while no variant is on;
+    ``run(settings)`` binds ``settings`` instead for one run of every sample.
     """
 
-    def __init__(self, model, switches, samples, outputs, path, skips=()):
+    def __init__(self, model, defaults, samples, outputs, path):
         import numpy as np
         import onnxruntime as ort
 
         self.path = path
         self.message = f"graphscan's derived model of {path} does not run in onnxruntime"
         self.session = impact_session(model, path, f"graphscan's derived model of {path} cannot be built")
-        self.outputs, self.skips = list(outputs), list(skips)
-        self.on = ort.OrtValue.ortvalue_from_numpy(np.array(True))
-        self.off = ort.OrtValue.ortvalue_from_numpy(np.array(False))
+        self.outputs = list(outputs)
+        self.value = ort.OrtValue.ortvalue_from_numpy
+        self.defaults = {name: self.value(array) for name, array in defaults.items()}
+        self.true = self.value(np.array(True))
         empty = {}
         for info in model.graph.input:
             if info.name.startswith(CACHE.format("")):
                 dtype = onnx.helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type)
-                empty[info.name] = ort.OrtValue.ortvalue_from_numpy(np.zeros((0,), dtype))
+                empty[info.name] = self.value(np.zeros((0,), dtype))
         self.bindings = []
         for feeds in samples:
             binding = self.session.io_binding()
             for name, array in feeds.items():
                 binding.bind_cpu_input(name, array)
-            for name in list(switches) + self.skips:
-                binding.bind_ortvalue_input(name, self.off)
-            for name, value in empty.items():  # never read while its skip is off
+            for name, value in {**self.defaults, **empty}.items():  # caches: filled by cache()
                 binding.bind_ortvalue_input(name, value)
             self.bindings.append(binding)
 
     def cache(self, values):
-        """Bind ``values`` (per sample, ``{cache input: array}``) for the skipped segments."""
+        """Bind ``values`` (per sample, ``{cache input: array}``) for the replayed segments."""
         self.cached = values
         for binding, sample in zip(self.bindings, values):
             for name, array in sample.items():
                 binding.bind_cpu_input(name, array)
 
-    def run(self, variant=(), extra_outputs=(), skip=0):
-        """Per sample, the graph outputs (then ``extra_outputs``) with ``variant``
-        on and the first ``skip`` segments replayed from the cache."""
-        on = list(variant) + self.skips[:skip]
+    def run(self, settings=None, extra_outputs=()):
+        """Per sample, the graph outputs (then ``extra_outputs``) with ``settings`` bound."""
+        settings = {name: self.true if value is True else self.value(value) for name, value in (settings or {}).items()}
         results = []
         for binding in self.bindings:
-            for name in on:
-                binding.bind_ortvalue_input(name, self.on)
+            for name, value in settings.items():
+                binding.bind_ortvalue_input(name, value)
             binding.clear_binding_outputs()
             for name in self.outputs + list(extra_outputs):
                 binding.bind_output(name)
@@ -2016,8 +2102,8 @@ class SwitchedRunner:
             except Exception as exc:
                 raise GraphscanError(f"{self.path}: {self.message} ({one_line(exc)})", EXIT_RUNTIME)
             finally:
-                for name in on:
-                    binding.bind_ortvalue_input(name, self.off)
+                for name in settings:
+                    binding.bind_ortvalue_input(name, self.defaults[name])
             results.append(binding.copy_outputs_to_cpu())
         return results
 
@@ -2115,20 +2201,20 @@ def inputs_answer(samples):
 
 def exclusion(measure, candidates, baseline, target, max_exclude):
     """``{"target_sqnr_db", "nodes", "sqnr_db", "reached"}``: ``candidates``
-    (``(node, switch)`` in rank order) are added one at a time and the combined
+    (``(node, variant)`` in rank order) are added one at a time and the combined
     model measured after each addition, until the target or ``max_exclude``."""
-    nodes, switches = [], []
+    nodes, combined = [], {}
     sqnr, exact = baseline
 
     def met():
         return exact or (sqnr is not None and sqnr >= target)
 
-    for name, switch in candidates:
+    for name, variant in candidates:
         if met() or (max_exclude is not None and len(nodes) >= max_exclude):
             break
         nodes.append(name)
-        switches.append(switch)
-        sqnr, exact = measure(switches)
+        combined.update(variant)
+        sqnr, exact = measure(dict(combined))
     return {"target_sqnr_db": target, "nodes": nodes, "sqnr_db": sqnr, "reached": met()}
 
 
@@ -2153,16 +2239,18 @@ def impact(a, b, inputs=None, seed=0, shape=None, target_sqnr=None, max_exclude=
     noise = OutputNoise(float_outputs)
 
     plan = ImpactPlan(float_model, quant_model)
-    derived, op_switches, tensor_switches = switched_model(plan, quant_model, float_model)
-    all_switches = op_switches + [s for pair in tensor_switches for s in pair if s]
+    derived, defaults, op_variants, tensor_variants = switched_model(plan, quant_model, float_model)
     # The tensors whose clipped fraction is reported, read in the baseline run.
     probes = [t for t, _, q_range, _ in plan.tensor_rows if q_range is not None and t not in samples[0]]
     exposed = {o.name for o in derived.graph.output}
     derived.graph.output.extend(onnx.ValueInfoProto(name=t) for t in probes if t not in exposed)
-    derived, skips, caches, first_segment = segmented_model(derived, list(samples[0]), all_switches)
+    machinery = {node.name for node in derived.graph.node if node.name.startswith(IMPACT_PREFIX)}
+    derived, caches, segments = segmented_model(derived, list(samples[0]), machinery)
+    if segments is not None:
+        defaults.update(segments.flag_defaults)
     exposed = {o.name for o in derived.graph.output}
     derived.graph.output.extend(onnx.ValueInfoProto(name=t) for _, t in caches if t not in exposed)
-    runner = SwitchedRunner(derived, all_switches, samples, output_names, b, skips)
+    runner = SwitchedRunner(derived, defaults, samples, output_names, b)
 
     fetched = [t for t in dict.fromkeys(probes + [t for _, t in caches]) if t not in output_names]
     first = runner.run(extra_outputs=fetched)
@@ -2176,21 +2264,20 @@ def impact(a, b, inputs=None, seed=0, shape=None, target_sqnr=None, max_exclude=
     del values
 
     def measure(variant):
-        skip = min((first_segment.get(s, 0) for s in variant), default=0)
-        return noise.measure(runner.run(variant, skip=skip))
+        return noise.measure(runner.run({**variant, **segment_flags(segments, variant)}))
 
     index = plan.index
     op_rows, op_exact = [], []
-    for (i, _), switch in zip(plan.op_rows, op_switches):
-        sqnr, exact = measure([switch])
+    for (i, _), variant in zip(plan.op_rows, op_variants):
+        sqnr, exact = measure(variant)
         op_rows.append(
             {"node": index.names[i], "op_type": index.op_types[i], "sqnr_db": sqnr, "gain_db": gain(sqnr, baseline[0])}
         )
         op_exact.append(exact)
     tensor_rows, tensor_exact = [], []
-    for (t, pairs, q_range, _), (float_switch, round_switch) in zip(plan.tensor_rows, tensor_switches):
-        sqnr, exact = measure([float_switch])
-        rounding = measure([round_switch])[0] if round_switch else None
+    for (t, pairs, q_range, _), (kept, rounded) in zip(plan.tensor_rows, tensor_variants):
+        sqnr, exact = measure(kept)
+        rounding = measure(rounded)[0] if rounded is not None else None
         producer = index.producer_of(t)
         readers = sorted({r for _, dq in pairs for r in index.consumers_of(index.outputs[dq][0])})
         tensor_rows.append(
@@ -2220,7 +2307,7 @@ def impact(a, b, inputs=None, seed=0, shape=None, target_sqnr=None, max_exclude=
     }
     if target_sqnr is not None:
         candidates = [
-            (op_rows[k]["node"], op_switches[k])
+            (op_rows[k]["node"], op_variants[k])
             for k in op_order
             if (op_exact[k] and not baseline[1]) or (op_rows[k]["gain_db"] or 0.0) > 0
         ]

@@ -295,9 +295,9 @@ def test_broken_derived_model_is_named_as_graphscans(lab, monkeypatch):
     real = graphscan.switched_model
 
     def broken(plan, quant_model, float_model):
-        model, ops, tensors = real(plan, quant_model, float_model)
+        model, *rest = real(plan, quant_model, float_model)
         model.graph.node[0].op_type = "NoSuchOperator"
-        return model, ops, tensors
+        return (model, *rest)
 
     monkeypatch.setattr(graphscan, "switched_model", broken)
     with pytest.raises(graphscan.GraphscanError) as caught:
