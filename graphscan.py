@@ -1471,9 +1471,9 @@ def first_over(rows, tolerance):
 # impact: which operator's quantization costs the output, and what to exclude
 #
 # One derived model answers every "what if X stayed float" question: the
-# quantized model with a boolean switch input per site and, on exactly the
-# edges a variant changes, Where(switch, alternative, DQ(Q(t))). One session
-# of it runs once per variant and sample; no session per variant.
+# quantized model with Where(on, alternative, DQ(Q(t))) on exactly the edges a
+# variant changes, each Where with its own boolean input. One session of it
+# runs once per variant and sample; no session per variant.
 
 IMPACT_SYMBOLIC_DIM_SIZE = 1
 IMPACT_PREFIX = "graphscan."  # every node and tensor the derived model adds
@@ -1490,30 +1490,28 @@ QUANT_RANGE = {  # (qmin, qmax) by the Q's integer type
 
 
 def constant_arrays(graph):
-    """``{tensor: numpy array}`` for initializers and Constant nodes with a ``value``."""
-    from onnx import numpy_helper
-
+    """``{tensor: LazyArray}`` for initializers and Constant nodes with a ``value``."""
     arrays = {init.name: init for init in graph.initializer}
     for node in graph.node:
         if node.op_type == "Constant" and node.output:
             for attribute in node.attribute:
                 if attribute.name == "value":
                     arrays[node.output[0]] = attribute.t
-    return {name: LazyArray(proto, numpy_helper) for name, proto in arrays.items()}
+    return {name: LazyArray(proto) for name, proto in arrays.items()}
 
 
 class LazyArray:
     """A TensorProto turned into numpy only when asked (most are never read)."""
 
-    def __init__(self, proto, numpy_helper):
-        self.proto, self._helper = proto, numpy_helper
+    def __init__(self, proto):
+        self.proto = proto
 
     @functools.cached_property
     def array(self):
-        return self._helper.to_array(self.proto)
+        return onnx.numpy_helper.to_array(self.proto)
 
 
-def quant_range(graph, q_node, constants):
+def quant_range(q_node, constants):
     """``(lo, hi, elem_type)``: the float range a Q can represent, or None when
     its scale or zero point is not a scalar constant."""
     import numpy as np
@@ -1536,7 +1534,7 @@ def quant_range(graph, q_node, constants):
     return (qmin - zp) * s, (qmax - zp) * s, scale.proto.data_type
 
 
-def float_activation(float_index, float_constants, quant_index, tensor):
+def float_activation(float_index, quant_index, tensor):
     """The Relu/Clip/LeakyRelu the quantizer absorbed into the Q of ``tensor``.
 
     Returns the float model's node (None when nothing was absorbed): its
@@ -1600,7 +1598,13 @@ class ImpactPlan:
         for dq in index.dq_nodes:
             source = graph.node[dq].input[0]
             twin = float_inits.get(DQ_OUTPUT_SUFFIX.sub("", graph.node[dq].output[0]))
-            if source in quant_inits and twin is not None and list(twin.dims) == list(quant_inits[source].dims):
+            scale = self.constants.get(graph.node[dq].input[1]) if len(graph.node[dq].input) > 1 else None
+            if (
+                source in quant_inits
+                and twin is not None
+                and list(twin.dims) == list(quant_inits[source].dims)
+                and (scale is None or scale.proto.data_type == twin.data_type)  # Where needs one type
+            ):
                 self.weight_of[dq] = twin.name
         self.op_rows = []
         for i in index.compute_nodes:
@@ -1621,11 +1625,11 @@ class ImpactPlan:
             rows.setdefault(t, []).append((q, dq))
         self.tensor_rows = []
         for t, pairs in rows.items():
-            q_range = quant_range(graph, graph.node[pairs[0][0]], self.constants)
+            q_range = quant_range(graph.node[pairs[0][0]], self.constants)
             self.tensor_rows.append((t, pairs, q_range, self.absorbed(t)))
 
     def absorbed(self, tensor):
-        return float_activation(self.float_index, self.float_constants, self.index, tensor)
+        return float_activation(self.float_index, self.index, tensor)
 
 
 class SwitchedModelBuilder:
