@@ -25,6 +25,22 @@ QRANGE = {
 }
 
 
+_MEMO = {}
+
+
+def memo(function):
+    """Cache a per-model table on the model object's identity (the originals
+    stay alive for the whole run; edited copies are never passed here)."""
+
+    def cached(model):
+        key = (function.__name__, id(model))
+        if key not in _MEMO:
+            _MEMO[key] = (model, function(model))
+        return _MEMO[key][1]
+
+    return cached
+
+
 def node_names(model):
     return [n.name or f"{n.op_type}_{i}" for i, n in enumerate(model.graph.node)]
 
@@ -33,8 +49,12 @@ def producers(model):
     return {t: n for n in model.graph.node for t in n.output}
 
 
+original_producers = memo(producers)  # only for the models as loaded, never their edited copies
+
+
+@memo
 def constants(model):
-    """Initializers and Constant-node values, as numpy arrays."""
+    """Initializers and Constant-node values, as numpy arrays (models as loaded only)."""
     values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
     for n in model.graph.node:
         if n.op_type == "Constant":
@@ -66,7 +86,7 @@ def is_activation_tensor(model, t):
 def absorbed(float_model, quant_model, t):
     """The float model's Relu/Clip/LeakyRelu producing t (by name, or the name
     without ORT's suffix), when the quantized model's producer of t differs."""
-    float_made, quant_made = producers(float_model), producers(quant_model)
+    float_made, quant_made = original_producers(float_model), original_producers(quant_model)
     node = float_made.get(t) or float_made.get(ORT_SUFFIX.sub("", t))
     if node is None or t not in quant_made or node.op_type not in ACTIVATIONS:
         return None
@@ -88,7 +108,7 @@ def activation_nodes(float_model, node, t, out, tag):
     return [new], inits
 
 
-def quant_bounds(model, q):
+def quant_bounds(model, q):  # model: the original quantized model
     values = constants(model)
     scale = float(values[q.input[1]].reshape(-1)[0])
     if len(q.input) > 2 and q.input[2]:
@@ -149,8 +169,8 @@ def replace_dequantize(float_model, quant_model, t, rounding):
             continue
         out = dq.output[0]
         if rounding:
-            lo, hi = quant_bounds(model, q)
-            dtype = numpy_helper.to_array([i for i in model.graph.initializer if i.name == q.input[1]][0]).dtype
+            lo, hi = quant_bounds(quant_model, q)
+            dtype = constants(quant_model)[q.input[1]].dtype
             lo_name, hi_name = f"ref.lo.{out}", f"ref.hi.{out}"
             model.graph.initializer.extend(
                 [numpy_helper.from_array(np.array(lo, dtype), lo_name), numpy_helper.from_array(np.array(hi, dtype), hi_name)]
@@ -199,9 +219,10 @@ def reference_impact(float_model, quant_model, samples):
     """``{"baseline", "ops": {node: sqnr}, "tensors": {t: (sqnr, rounding sqnr, clipped)}}``."""
     reference = float_outputs(float_model, quant_model, samples)
     answer = {"baseline": sqnr(reference, run(quant_model, samples)), "ops": {}, "tensors": {}}
+    dequantized = {n.output[0] for n in quant_model.graph.node if n.op_type == "DequantizeLinear"}
     for node, name in zip(quant_model.graph.node, node_names(quant_model)):
-        if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
-            continue
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear") or dequantized.isdisjoint(node.input):
+            continue  # nothing it reads could change
         edited = unquantize_ops(float_model, quant_model, [name])
         if edited != quant_model:  # an op row: at least one input was changed
             answer["ops"][name] = sqnr(reference, run(edited, samples))

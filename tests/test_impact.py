@@ -326,3 +326,28 @@ def test_if_branches_reading_a_dequantized_tensor(tmp_path):
             node.CopyFrom(helper.make_node("Identity", ["r"], ["r_dq"], name="r_dequantize"))
     expected = reference.sqnr(reference.run(onnx.load(a), [sample]), reference.run(quant, [sample]))
     assert close(rows["r"]["sqnr_db"], expected), (rows["r"], expected)
+
+
+def test_derived_model_is_deterministic_and_prefixed(cnn):
+    """Derived names come from the graph, never from the time: two builds are
+    byte-identical, and every added node, input and initializer is graphscan's."""
+    a, b, _ = cnn
+    float_model, quant_model = onnx.load(a), onnx.load(b)
+
+    def build():
+        plan = graphscan.ImpactPlan(float_model, quant_model)
+        model, _, _, _ = graphscan.switched_model(plan, quant_model, float_model)
+        machinery = {n.name for n in model.graph.node if n.name.startswith("graphscan.")}
+        segmented, _, segments = graphscan.segmented_model(model, ["x"], machinery)
+        assert segments is not None and len(segments.chunks) == graphscan.IMPACT_SEGMENTS
+        return model, segmented
+
+    (first, first_segmented), (second, second_segmented) = build(), build()
+    assert first.SerializeToString() == second.SerializeToString()
+    assert first_segmented.SerializeToString() == second_segmented.SerializeToString()
+    original = {n.name for n in quant_model.graph.node}
+    assert all(n.name in original or n.name.startswith("graphscan.") for n in first.graph.node)
+    added_inputs = {i.name for i in first.graph.input} - {i.name for i in quant_model.graph.input}
+    assert added_inputs and all(name.startswith("graphscan.") for name in added_inputs)
+    added_inits = {i.name for i in first.graph.initializer} - {i.name for i in quant_model.graph.initializer}
+    assert all(name.startswith("graphscan.") for name in added_inits)
