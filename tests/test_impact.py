@@ -351,3 +351,10 @@ def test_derived_model_is_deterministic_and_prefixed(cnn):
     assert added_inputs and all(name.startswith("graphscan.") for name in added_inputs)
     added_inits = {i.name for i in first.graph.initializer} - {i.name for i in quant_model.graph.initializer}
     assert all(name.startswith("graphscan.") for name in added_inits)
+
+
+def test_a_model_against_itself_is_exact(lab, mlp_samples):
+    """No quantization, no noise: every SQNR is null, whatever segment a node runs in."""
+    answer = graphscan.impact(str(lab["fp32"]), str(lab["fp32"]), inputs=[str(p) for p in mlp_samples])
+    assert answer["output_sqnr_db"] is None
+    assert answer["ops"] == [] and answer["tensors"] == []
