@@ -2227,6 +2227,57 @@ def exclusion(measure, candidates, baseline, target, max_exclude):
     return {"target_sqnr_db": target, "nodes": nodes, "sqnr_db": sqnr, "reached": met()}
 
 
+def float_outputs(float_model, samples, path):
+    """The float model's outputs (graph order) per sample, one session."""
+    session = impact_session(float_model, path, "model does not run in onnxruntime")
+    names = [o.name for o in float_model.graph.output]
+    outputs = []
+    for feeds in samples:
+        try:
+            outputs.append(session.run(names, feeds))
+        except Exception as exc:
+            raise GraphscanError(f"{path}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME)
+    return outputs
+
+
+class ImpactRun:
+    """The derived model of ``quant_model`` in one session, ready to measure variants.
+
+    ``baseline``: ``(sqnr_db, exact)`` of the quantized model as it is;
+    ``probe_values``: per tensor row with a known range, its values per sample;
+    ``measure(variant)``: ``(sqnr_db, exact)`` with ``variant`` on.
+    """
+
+    def __init__(self, float_model, quant_model, samples, output_names, noise, path):
+        self.noise = noise
+        self.plan = plan = ImpactPlan(float_model, quant_model)
+        derived, defaults, self.op_variants, self.tensor_variants = switched_model(plan, quant_model, float_model)
+        # The tensors whose clipped fraction is reported, read in the baseline run.
+        probes = [t for t, _, q_range, _ in plan.tensor_rows if q_range is not None and t not in samples[0]]
+        exposed = {o.name for o in derived.graph.output}
+        derived.graph.output.extend(onnx.ValueInfoProto(name=t) for t in probes if t not in exposed)
+        machinery = {node.name for node in derived.graph.node if node.name.startswith(IMPACT_PREFIX)}
+        derived, caches, self.segments = segmented_model(derived, list(samples[0]), machinery)
+        if self.segments is not None:
+            defaults.update(self.segments.flag_defaults)
+        exposed = {o.name for o in derived.graph.output}
+        derived.graph.output.extend(onnx.ValueInfoProto(name=t) for _, t in caches if t not in exposed)
+        self.runner = SwitchedRunner(derived, defaults, samples, output_names, path)
+
+        fetched = [t for t in dict.fromkeys(probes + [t for _, t in caches]) if t not in output_names]
+        first = self.runner.run(extra_outputs=fetched)
+        n_out = len(output_names)
+        self.baseline = noise.measure([sample[:n_out] for sample in first])
+        values = [dict(zip(output_names + fetched, sample)) for sample in first]
+        del first
+        self.probe_values = {t: [sample[t] for sample in values] for t in probes}
+        self.probe_values.update({t: [sample[t] for sample in samples] for t in samples[0]})
+        self.runner.cache([{c: sample[t] for c, t in caches} for sample in values])
+
+    def measure(self, variant):
+        return self.noise.measure(self.runner.run({**variant, **segment_flags(self.segments, variant)}))
+
+
 def impact(a, b, inputs=None, seed=0, shape=None, target_sqnr=None, max_exclude=None, top=None):
     """Per operator and per activation tensor of ``b`` (quantized): the output
     SQNR against ``a`` (float) if it stayed float; optionally what to exclude."""
@@ -2237,43 +2288,10 @@ def impact(a, b, inputs=None, seed=0, shape=None, target_sqnr=None, max_exclude=
     samples, defaulted = model_samples(float_model, inputs, parse_shapes(shape), seed, IMPACT_SYMBOLIC_DIM_SIZE)
     output_names = paired_outputs(float_model, quant_model, a, b)
 
-    float_session = impact_session(float_model, a, "model does not run in onnxruntime")
-    float_names = [o.name for o in float_model.graph.output]
-    float_outputs = []
-    for feeds in samples:
-        try:
-            float_outputs.append(float_session.run(float_names, feeds))
-        except Exception as exc:
-            raise GraphscanError(f"{a}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME)
-    noise = OutputNoise(float_outputs)
-
-    plan = ImpactPlan(float_model, quant_model)
-    derived, defaults, op_variants, tensor_variants = switched_model(plan, quant_model, float_model)
-    # The tensors whose clipped fraction is reported, read in the baseline run.
-    probes = [t for t, _, q_range, _ in plan.tensor_rows if q_range is not None and t not in samples[0]]
-    exposed = {o.name for o in derived.graph.output}
-    derived.graph.output.extend(onnx.ValueInfoProto(name=t) for t in probes if t not in exposed)
-    machinery = {node.name for node in derived.graph.node if node.name.startswith(IMPACT_PREFIX)}
-    derived, caches, segments = segmented_model(derived, list(samples[0]), machinery)
-    if segments is not None:
-        defaults.update(segments.flag_defaults)
-    exposed = {o.name for o in derived.graph.output}
-    derived.graph.output.extend(onnx.ValueInfoProto(name=t) for _, t in caches if t not in exposed)
-    runner = SwitchedRunner(derived, defaults, samples, output_names, b)
-
-    fetched = [t for t in dict.fromkeys(probes + [t for _, t in caches]) if t not in output_names]
-    first = runner.run(extra_outputs=fetched)
-    n_out = len(output_names)
-    baseline = noise.measure([sample[:n_out] for sample in first])
-    values = [dict(zip(output_names + fetched, sample)) for sample in first]
-    del first
-    probe_values = {t: [sample[t] for sample in values] for t in probes}
-    probe_values.update({t: [sample[t] for sample in samples] for t in samples[0]})
-    runner.cache([{c: sample[t] for c, t in caches} for sample in values])
-    del values
-
-    def measure(variant):
-        return noise.measure(runner.run({**variant, **segment_flags(segments, variant)}))
+    noise = OutputNoise(float_outputs(float_model, samples, a))
+    run = ImpactRun(float_model, quant_model, samples, output_names, noise, b)
+    plan, baseline, measure = run.plan, run.baseline, run.measure
+    op_variants, tensor_variants, probe_values = run.op_variants, run.tensor_variants, run.probe_values
 
     index = plan.index
     op_rows, op_exact = [], []
