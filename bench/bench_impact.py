@@ -13,6 +13,13 @@ dark strokes, ImageNet-normalized as PP-OCR does) are written as .npz files; the
 run once each (each takes minutes on a 300-node CNN). The script prints both wall
 times, the ratio, the largest row difference between the two answers, and the top
 5 ops. Not run by CI. Exit 0 when the ratio is at most BOUND, 1 otherwise.
+
+    python bench/bench_impact.py [FLOAT QUANT] --interleaved N
+
+measures instead, in one process, every k-th variant (about N of them) both ways,
+alternating one graphscan measurement and one brute-force variant (edit, session,
+SAMPLES runs) so that the load of a shared machine hits both alike; it prints the
+per-variant seconds of each and their ratio, plus each side's fixed cost.
 """
 
 from __future__ import annotations
@@ -95,6 +102,57 @@ def largest_difference(answer, reference):
     return worst
 
 
+def interleaved(float_path, quant_path, sample_paths, count):
+    """Per-variant seconds of graphscan and of the brute force, measured alternately."""
+    import numpy as np
+    import onnx
+
+    sys.path.insert(0, str(REPO_ROOT))
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
+    import graphscan
+    import impact_reference as ref
+
+    samples = [dict(np.load(p)) for p in sample_paths]
+    start = time.perf_counter()
+    float_model, quant_model = onnx.load(float_path), onnx.load(quant_path)
+    names = [o.name for o in quant_model.graph.output]
+    noise = graphscan.OutputNoise(graphscan.float_outputs(float_model, samples, float_path))
+    run = graphscan.ImpactRun(float_model, quant_model, samples, names, noise, quant_path)
+    setup = time.perf_counter() - start
+    start = time.perf_counter()
+    reference = ref.float_outputs(float_model, quant_model, samples)
+    ref.sqnr(reference, ref.run(quant_model, samples))
+    brute_setup = time.perf_counter() - start
+
+    index = run.plan.index
+    variants = [(v, lambda i=i: ref.unquantize_ops(float_model, quant_model, [index.names[i]]))
+                for (i, _), v in zip(run.plan.op_rows, run.op_variants)]
+    for (t, _, _, _), (kept, rounded) in zip(run.plan.tensor_rows, run.tensor_variants):
+        variants.append((kept, lambda t=t: ref.replace_dequantize(float_model, quant_model, t, False)))
+        if rounded is not None:
+            variants.append((rounded, lambda t=t: ref.replace_dequantize(float_model, quant_model, t, True)))
+    picked = variants[:: max(1, len(variants) // count)]
+    ours = theirs = worst = 0.0
+    for variant, edit in picked:
+        start = time.perf_counter()
+        mine = run.measure(variant)[0]
+        ours += time.perf_counter() - start
+        start = time.perf_counter()
+        brute = ref.sqnr(reference, ref.run(edit(), samples))
+        theirs += time.perf_counter() - start
+        if mine is not None and brute is not None:
+            worst = max(worst, abs(mine - brute))
+    n = len(picked)
+    print(f"{len(variants)} variants, {n} measured both ways, alternating, {len(samples)} samples")
+    print(f"graphscan: setup {setup:.2f} s, {ours / n:.4f} s per variant")
+    print(f"brute force: setup {brute_setup:.2f} s, {theirs / n:.4f} s per variant")
+    total_ours = setup + ours / n * len(variants)
+    total_theirs = brute_setup + theirs / n * len(variants)
+    print(f"per-variant ratio {ours / theirs:.3f}; projected totals {total_ours:.0f} s vs {total_theirs:.0f} s, "
+          f"ratio {total_ours / total_theirs:.3f}; largest difference {worst:.4f} dB")
+    return 0 if total_ours / total_theirs <= BOUND else 1
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("float", nargs="?", default="/work/models/det.onnx")
@@ -102,6 +160,7 @@ def main(argv=None):
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--size", type=int, default=320)
     parser.add_argument("--work", default="/work/models/impact")
+    parser.add_argument("--interleaved", type=int, metavar="N")
     parser.add_argument("--brute", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.brute is not None:
@@ -110,6 +169,8 @@ def main(argv=None):
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     samples = write_samples(work, args.samples, args.size)
+    if args.interleaved:
+        return interleaved(args.float, args.quant, samples, args.interleaved)
     command = [sys.executable, GRAPHSCAN, "impact", args.float, args.quant]
     for path in samples:
         command += ["--inputs", path]
