@@ -1970,8 +1970,16 @@ def segmented_model(model, data_inputs, machinery, count=IMPACT_SEGMENTS):
         return model, [], None
     graph_outputs = [o.name for o in graph.output]
     leaving = [segments.leaving(j, graph_outputs) for j in range(len(segments.chunks))]
+    # Inference reads nodes in list order, and outputs added by name only (the
+    # probes) would hide their inferred type.
+    typed = onnx.ModelProto()
+    typed.CopyFrom(model)
+    del typed.graph.node[:]
+    typed.graph.node.extend(nodes)
+    del typed.graph.output[:]
+    typed.graph.output.extend(o for o in graph.output if o.type.tensor_type.elem_type)
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(typed, strict_mode=False)
     except Exception:
         return model, [], None
     types = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}

@@ -158,14 +158,25 @@ def assert_equals_brute_force(a, b, sample_paths):
 
 
 @pytest.mark.parametrize("model", ["lab-mlp", "faulty-mlp", "cnn", "two-outputs"])
-def test_every_row_equals_the_brute_force(model, lab, faulty, mlp_samples, cnn, branches):
+def test_every_row_equals_the_brute_force(model, lab, faulty, mlp_samples, cnn, branches, monkeypatch):
     a, b, samples = {
         "lab-mlp": (lab["fp32"], lab["full"], mlp_samples),
         "faulty-mlp": (lab["fp32"], faulty, mlp_samples),
         "cnn": cnn,
         "two-outputs": branches,
     }[model]
+    runs = []
+    real = graphscan.ImpactRun.__init__
+
+    def spy(self, *args):
+        real(self, *args)
+        runs.append(self)
+
+    monkeypatch.setattr(graphscan.ImpactRun, "__init__", spy)
     answer, _ = assert_equals_brute_force(a, b, samples)
+    # The rows were measured through the segments (cached / plain / switched), not a fallback.
+    (run,) = runs
+    assert run.segments is not None and len(run.segments.chunks) > 1
     assert answer["samples"] == len(samples)
     gains = [r["gain_db"] for r in answer["ops"]]
     assert gains == sorted(gains, reverse=True)
