@@ -2248,6 +2248,26 @@ def float_outputs(float_model, samples, path):
     return outputs
 
 
+def tensor_values(model, samples, tensors, path):
+    """``{tensor: [value per sample]}`` of ``model``'s own ``tensors``, one session."""
+    if not tensors:
+        return {}
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    del exposed.graph.output[:]
+    exposed.graph.output.extend(onnx.ValueInfoProto(name=t) for t in tensors)
+    session = impact_session(exposed, path, "model does not run in onnxruntime")
+    values = {t: [] for t in tensors}
+    for feeds in samples:
+        try:
+            outputs = session.run(list(tensors), feeds)
+        except Exception as exc:
+            raise GraphscanError(f"{path}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME)
+        for t, value in zip(tensors, outputs):
+            values[t].append(value)
+    return values
+
+
 class ImpactRun:
     """The derived model of ``quant_model`` in one session, ready to measure variants.
 
@@ -2260,10 +2280,6 @@ class ImpactRun:
         self.noise = noise
         self.plan = plan = ImpactPlan(float_model, quant_model)
         derived, defaults, self.op_variants, self.tensor_variants = switched_model(plan, quant_model, float_model)
-        # The tensors whose clipped fraction is reported, read in the baseline run.
-        probes = [t for t, _, q_range, _ in plan.tensor_rows if q_range is not None and t not in samples[0]]
-        exposed = {o.name for o in derived.graph.output}
-        derived.graph.output.extend(onnx.ValueInfoProto(name=t) for t in probes if t not in exposed)
         machinery = {node.name for node in derived.graph.node if node.name.startswith(IMPACT_PREFIX)}
         derived, caches, self.segments = segmented_model(derived, list(samples[0]), machinery)
         if self.segments is not None:
@@ -2272,15 +2288,20 @@ class ImpactRun:
         derived.graph.output.extend(onnx.ValueInfoProto(name=t) for _, t in caches if t not in exposed)
         self.runner = SwitchedRunner(derived, defaults, samples, output_names, path)
 
-        fetched = [t for t in dict.fromkeys(probes + [t for _, t in caches]) if t not in output_names]
+        fetched = [t for t in dict.fromkeys(t for _, t in caches) if t not in output_names]
         first = self.runner.run(extra_outputs=fetched)
         n_out = len(output_names)
         self.baseline = noise.measure([sample[:n_out] for sample in first])
         values = [dict(zip(output_names + fetched, sample)) for sample in first]
         del first
-        self.probe_values = {t: [sample[t] for sample in values] for t in probes}
-        self.probe_values.update({t: [sample[t] for sample in samples] for t in samples[0]})
         self.runner.cache([{c: sample[t] for c, t in caches} for sample in values])
+        del values
+        # The tensors whose clipped fraction is reported, from the quantized model
+        # itself: as graph outputs of the derived model they would all cross
+        # segments and be copied on every replay.
+        probes = [t for t, _, q_range, _ in plan.tensor_rows if q_range is not None and t not in samples[0]]
+        self.probe_values = tensor_values(quant_model, samples, probes, path)
+        self.probe_values.update({t: [sample[t] for sample in samples] for t in samples[0]})
 
     def measure(self, variant):
         return self.noise.measure(self.runner.run({**variant, **segment_flags(self.segments, variant)}))
