@@ -369,3 +369,69 @@ def test_a_model_against_itself_is_exact(lab, mlp_samples):
     answer = graphscan.impact(str(lab["fp32"]), str(lab["fp32"]), inputs=[str(p) for p in mlp_samples])
     assert answer["output_sqnr_db"] is None
     assert answer["ops"] == [] and answer["tensors"] == []
+
+
+def absorbed_pair():
+    """A float model with a LeakyRelu and a Clip(0, 6), and a hand-written QDQ twin
+    whose MatMuls write the activations' names, as a quantizer that folded them
+    into the following Q would (onnxruntime's folds only Relu and Clip)."""
+    rng = np.random.default_rng(4)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w1"),
+        numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w2"),
+        numpy_helper.from_array(np.array(0.0, np.float32), "low"),
+        numpy_helper.from_array(np.array(6.0, np.float32), "high"),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4, 8]) for n in ["leaky", "clipped"]]
+    float_nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["m1"], name="mm1"),
+        helper.make_node("LeakyRelu", ["m1"], ["leaky"], name="leaky_relu", alpha=0.2),
+        helper.make_node("MatMul", ["x", "w2"], ["m2"], name="mm2"),
+        helper.make_node("Clip", ["m2", "low", "high"], ["clipped"], name="clip"),
+    ]
+    qparams = [
+        numpy_helper.from_array(np.array(0.05, np.float32), "sx"),
+        numpy_helper.from_array(np.array(0.04, np.float32), "sa"),
+        numpy_helper.from_array(np.array(-100, np.int8), "za"),
+        numpy_helper.from_array(np.array(0.03, np.float32), "sc"),
+        numpy_helper.from_array(np.array(-128, np.int8), "zc"),
+        numpy_helper.from_array(np.array(0, np.int8), "z0"),
+    ]
+
+    def qdq(tensor, scale, zero, out):
+        return [
+            helper.make_node("QuantizeLinear", [tensor, scale, zero], [f"{tensor}_q"], name=f"{tensor}_quantize"),
+            helper.make_node("DequantizeLinear", [f"{tensor}_q", scale, zero], [out], name=f"{tensor}_dequantize"),
+        ]
+
+    quant_nodes = qdq("x", "sx", "z0", "x_dq") + [
+        helper.make_node("MatMul", ["x_dq", "w1"], ["leaky_QuantizeLinear_Input"], name="mm1"),
+        helper.make_node("MatMul", ["x_dq", "w2"], ["m2_folded"], name="mm2"),
+        helper.make_node("Identity", ["m2_folded"], ["clipped_pre"], name="rename"),
+    ] + qdq("leaky_QuantizeLinear_Input", "sa", "za", "leaky") + [
+        helper.make_node("Relu", ["clipped_pre"], ["clipped_QuantizeLinear_Input"], name="not_a_clip"),
+    ] + qdq("clipped_QuantizeLinear_Input", "sc", "zc", "clipped")
+    opset = [helper.make_opsetid("", gen_models.OPSET)]
+    float_model = helper.make_model(helper.make_graph(float_nodes, "f", [x], outputs, inits), opset_imports=opset)
+    quant_model = helper.make_model(
+        helper.make_graph(quant_nodes, "q", [x], outputs, inits + qparams), opset_imports=opset
+    )
+    return float_model, quant_model
+
+
+def test_absorbed_leaky_relu_and_clip_equal_the_brute_force(tmp_path):
+    """float(t) re-applies a LeakyRelu (its own node) and a Clip (its bounds); the
+    names end in _QuantizeLinear_Input, so the float producer is found without it."""
+    float_model, quant_model = absorbed_pair()
+    a, b = tmp_path / "float.onnx", tmp_path / "quant.onnx"
+    onnx.save(float_model, a)
+    onnx.save(quant_model, b)
+    assert reference.absorbed(float_model, quant_model, "leaky_QuantizeLinear_Input").op_type == "LeakyRelu"
+    assert reference.absorbed(float_model, quant_model, "clipped_QuantizeLinear_Input").op_type == "Clip"
+    samples = write_samples(tmp_path, {"x": (4, 8)}, 2, seed=12)
+    answer, brute = assert_equals_brute_force(a, b, samples)
+    rows = {r["tensor"]: r for r in answer["tensors"]}
+    # Re-applied, the activations make the outputs float up to x's own rounding.
+    assert rows["leaky_QuantizeLinear_Input"]["sqnr_db"] > answer["output_sqnr_db"]
+    assert rows["clipped_QuantizeLinear_Input"]["sqnr_db"] > answer["output_sqnr_db"]
