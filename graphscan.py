@@ -2047,7 +2047,7 @@ def segment_flags(segments, variant):
     return flags
 
 
-def impact_session(model, path, message):
+def impact_session(model, path, message, threads=0):
     """An onnxruntime session with graph optimizations off; exit 5 with ``message`` if it cannot be built."""
     import onnxruntime as ort
 
@@ -2058,6 +2058,7 @@ def impact_session(model, path, message):
     # node computes the same bits wherever the segments put it (and the float
     # model too, so a model compared with itself gives exactly null).
     options.add_session_config_entry("session.disable_prepacking", "1")
+    options.intra_op_num_threads = threads
     options.log_severity_level = 4
     try:
         return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -2078,7 +2079,13 @@ class SwitchedRunner:
 
         self.path = path
         self.message = f"graphscan's derived model of {path} does not run in onnxruntime"
-        self.session = impact_session(model, path, f"graphscan's derived model of {path} cannot be built")
+        import concurrent.futures
+
+        threads = min(len(samples), os.cpu_count() or 1)
+        self.session = impact_session(
+            model, path, f"graphscan's derived model of {path} cannot be built", 1 if threads > 1 else 0
+        )
+        self.pool = concurrent.futures.ThreadPoolExecutor(threads)
         self.outputs = list(outputs)
         self.value = ort.OrtValue.ortvalue_from_numpy
         self.defaults = {name: self.value(array) for name, array in defaults.items()}
@@ -2105,10 +2112,14 @@ class SwitchedRunner:
                 binding.bind_cpu_input(name, array)
 
     def run(self, settings=None, extra_outputs=()):
-        """Per sample, the graph outputs (then ``extra_outputs``) with ``settings`` bound."""
+        """Per sample, the graph outputs (then ``extra_outputs``) with ``settings`` bound.
+
+        Samples run concurrently, each single-threaded: small kernels scale
+        better across samples than across the threads of one kernel.
+        """
         settings = {name: self.true if value is True else self.value(value) for name, value in (settings or {}).items()}
-        results = []
-        for binding in self.bindings:
+
+        def one(binding):
             for name, value in settings.items():
                 binding.bind_ortvalue_input(name, value)
             binding.clear_binding_outputs()
@@ -2121,8 +2132,9 @@ class SwitchedRunner:
             finally:
                 for name in settings:
                     binding.bind_ortvalue_input(name, self.defaults[name])
-            results.append(binding.copy_outputs_to_cpu())
-        return results
+            return binding.copy_outputs_to_cpu()
+
+        return list(self.pool.map(one, self.bindings))
 
 
 class OutputNoise:
