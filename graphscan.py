@@ -3616,7 +3616,7 @@ def input_fields(inputs):
     return pairs
 
 
-def ranked(rows, key):
+def largest_first(rows, key):
     """Rows with a value for ``key``, largest first (ties keep their order)."""
     return sorted((r for r in rows if r.get(key) is not None), key=lambda r: -r[key])
 
@@ -3646,14 +3646,13 @@ def trace_table(answer, top):
         body = [section("ops in graph order", columns, rows(answer["ops"]), cut_first=["op_type"])]
     else:
         body = [
-            section("ops by isolated error", columns, rows(ranked(answer["ops"], "isolated_max_abs")), top, ["op_type"]),
-            section("ops by propagated error", columns, rows(ranked(answer["ops"], "propagated_max_abs")), top, ["op_type"]),
+            section("ops by isolated error", columns, rows(largest_first(answer["ops"], "isolated_max_abs")), top, ["op_type"]),
+            section("ops by propagated error", columns, rows(largest_first(answer["ops"], "propagated_max_abs")), top, ["op_type"]),
         ]
     unmatched = [[u["node"], u["op_type"], u["reason"]] for u in answer["unmatched"]]
     return page(head, *body, section("unmatched float nodes", ["node", "op_type", "reason"], unmatched, top))
 
 
-RUNTIME_CLASSES = ["int8", "int8_data", "float", "absorbed"]
 
 
 def node_us(answer, node):
@@ -3934,12 +3933,926 @@ def dot(path, runtime_colours=False, collapse=False):
     lines.append("}")
     return "\n".join(lines) + "\n"
 
+# impact: which operator's quantization costs the output, and what to exclude
+#
+# One derived model answers every "what if X stayed float" question: the
+# quantized model with Where(on, alternative, DQ(Q(t))) on exactly the edges a
+# variant changes, each Where with its own boolean input. One session of it
+# runs once per variant and sample; no session per variant.
+
+IMPACT_SYMBOLIC_DIM_SIZE = 1
+IMPACT_PREFIX = "graphscan."  # every node and tensor the derived model adds
+ACTIVATIONS = ("Relu", "Clip", "LeakyRelu")  # what the quantizer folds into a Q
+DQ_OUTPUT_SUFFIX = re.compile(r"_DequantizeLinear_Output(?:_\d+)?$")
+QUANT_RANGE = {  # (qmin, qmax) by the Q's integer type
+    onnx.TensorProto.INT8: (-128, 127),
+    onnx.TensorProto.UINT8: (0, 255),
+    onnx.TensorProto.INT16: (-32768, 32767),
+    onnx.TensorProto.UINT16: (0, 65535),
+    onnx.TensorProto.INT4: (-8, 7),
+    onnx.TensorProto.UINT4: (0, 15),
+}
+
+
+def constant_arrays(graph):
+    """``{tensor: LazyArray}`` for initializers and Constant nodes with a ``value``."""
+    arrays = {init.name: init for init in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output:
+            for attribute in node.attribute:
+                if attribute.name == "value":
+                    arrays[node.output[0]] = attribute.t
+    return {name: LazyArray(proto) for name, proto in arrays.items()}
+
+
+class LazyArray:
+    """A TensorProto turned into numpy only when asked (most are never read)."""
+
+    def __init__(self, proto):
+        self.proto = proto
+
+    @functools.cached_property
+    def array(self):
+        return onnx.numpy_helper.to_array(self.proto)
+
+
+def quant_range(q_node, constants):
+    """``(lo, hi, elem_type)``: the float range a Q can represent, or None when
+    its scale or zero point is not a scalar constant."""
+    import numpy as np
+
+    scale = constants.get(q_node.input[1]) if len(q_node.input) > 1 else None
+    if scale is None or scale.array.size != 1:
+        return None
+    zero = constants.get(q_node.input[2]) if len(q_node.input) > 2 and q_node.input[2] else None
+    if zero is not None:
+        if zero.array.size != 1:
+            return None
+        qtype, zp = zero.proto.data_type, float(zero.array.reshape(-1)[0])
+    else:
+        attrs = {a.name: a.i for a in q_node.attribute if a.type == onnx.AttributeProto.INT}
+        qtype, zp = attrs.get("output_dtype") or onnx.TensorProto.UINT8, 0.0
+    if qtype not in QUANT_RANGE:
+        return None
+    qmin, qmax = QUANT_RANGE[qtype]
+    s = float(np.float64(scale.array.reshape(-1)[0]))
+    return (qmin - zp) * s, (qmax - zp) * s, scale.proto.data_type
+
+
+def float_activation(float_index, quant_index, tensor):
+    """The Relu/Clip/LeakyRelu the quantizer absorbed into the Q of ``tensor``.
+
+    Returns the float model's node (None when nothing was absorbed): its
+    producer of the name (without ORT's QDQ suffix when the float model has
+    no tensor of that name, as for a renamed graph output) is an activation
+    while the quantized model's producer is another op type.
+    """
+    float_producer = float_index.producer_of(tensor)
+    if float_producer is None:
+        float_producer = float_index.producer_of(QDQ_SUFFIX.sub("", tensor))
+    quant_producer = quant_index.producer_of(tensor)
+    if float_producer is None or quant_producer is None:
+        return None
+    op_type = float_index.op_types[float_producer]
+    if op_type not in ACTIVATIONS or quant_index.op_types[quant_producer] == op_type:
+        return None
+    return float_index.graph.node[float_producer]
+
+
+def activation_bounds(node, float_constants):
+    """``(lo, hi)`` such that Clip(t, lo, hi) is ``node`` (Relu or Clip); None otherwise."""
+    if node.op_type == "Relu":
+        return 0.0, math.inf
+    if node.op_type != "Clip":
+        return None
+    bounds = [-math.inf, math.inf]
+    for a in node.attribute:  # opset < 11
+        if a.name in ("min", "max"):
+            bounds[a.name == "max"] = a.f
+    for k, name in enumerate(node.input[1:3]):
+        if name:
+            value = float_constants.get(name)
+            if value is None or value.array.size != 1:
+                return None
+            bounds[k] = float(value.array.reshape(-1)[0])
+    return tuple(bounds)
+
+
+class ImpactPlan:
+    """The sites of ``impact``: every DQ(Q(t)) pair, every weight DQ with a
+    float twin, the op rows and the tensor rows, all as quantized-graph indices.
+
+    ``op_rows``: ``[(node, [(input position, ("pair", dq) | ("weight", name))])]``.
+    ``tensor_rows``: ``[(t, [(q, dq)], first Q's range or None, absorbed node or None)]``.
+    """
+
+    def __init__(self, float_model, quant_model):
+        graph, fgraph = quant_model.graph, float_model.graph
+        self.index = index = GraphIndex(graph)
+        self.float_index = GraphIndex(fgraph)
+        self.constants = constant_arrays(graph)
+        self.float_constants = constant_arrays(fgraph)
+        float_inits = {init.name: init for init in fgraph.initializer}
+        quant_inits = {init.name: init for init in graph.initializer}
+        self.pair_of = {}  # dq -> (q, t)
+        for dq in index.dq_nodes:
+            q = index.producer_of(graph.node[dq].input[0])
+            if q is not None and index.is_q[q]:
+                self.pair_of[dq] = (q, graph.node[q].input[0])
+        self.weight_of = {}  # dq -> float initializer name
+        for dq in index.dq_nodes:
+            source = graph.node[dq].input[0]
+            twin = float_inits.get(DQ_OUTPUT_SUFFIX.sub("", graph.node[dq].output[0]))
+            scale = self.constants.get(graph.node[dq].input[1]) if len(graph.node[dq].input) > 1 else None
+            if (
+                source in quant_inits
+                and twin is not None
+                and list(twin.dims) == list(quant_inits[source].dims)
+                and (scale is None or scale.proto.data_type == twin.data_type)  # Where needs one type
+            ):
+                self.weight_of[dq] = twin.name
+        self.op_rows = []
+        for i in index.compute_nodes:
+            edges = []
+            for pos, tensor in enumerate(graph.node[i].input):
+                dq = index.producer_of(tensor) if tensor else None
+                if dq in self.pair_of:
+                    edges.append((pos, ("pair", dq)))
+                elif dq in self.weight_of:
+                    edges.append((pos, ("weight", self.weight_of[dq])))
+            if edges:
+                self.op_rows.append((i, edges))
+        rows = {}
+        for dq, (q, t) in sorted(self.pair_of.items(), key=lambda item: item[1][0]):
+            producer = index.producer_of(t)
+            if t in quant_inits or (producer is not None and index.op_types[producer] == "Constant"):
+                continue  # a weight, not an activation
+            rows.setdefault(t, []).append((q, dq))
+        self.tensor_rows = []
+        for t, pairs in rows.items():
+            q_range = quant_range(graph.node[pairs[0][0]], self.constants)
+            self.tensor_rows.append((t, pairs, q_range, self.absorbed(t)))
+
+    def absorbed(self, tensor):
+        return float_activation(self.float_index, self.index, tensor)
+
+
+class SwitchedModelBuilder:
+    """Builds the derived model: DQ outputs renamed, Where on each changed edge.
+
+    Every Where reads its own boolean graph input, and the bounds of each
+    Clip are scalar graph inputs: a variant is a few inputs set on the host,
+    with no Or or scalar nodes running for every variant. ``defaults`` holds
+    each added input's value while no variant is on.
+    """
+
+    def __init__(self, plan, quant_model):
+        self.plan = plan
+        self.model = onnx.ModelProto()
+        self.model.CopyFrom(quant_model)
+        self.graph = self.model.graph
+        self.nodes = []  # new nodes, appended after the graph (ORT sorts topologically)
+        self.defaults = {}
+        self.cache = {}
+
+    def scalar_input(self, name, value, elem_type):
+        import numpy as np
+
+        self.graph.input.append(onnx.helper.make_tensor_value_info(name, elem_type, []))
+        self.defaults[name] = np.array(value, dtype=onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+        return name
+
+    def constant(self, name, value, elem_type):
+        import numpy as np
+
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
+        self.graph.initializer.append(onnx.numpy_helper.from_array(np.array(value, dtype=dtype), name))
+        return name
+
+    def node(self, op_type, inputs, output, **attributes):
+        name = output if output.startswith(IMPACT_PREFIX) else f"{IMPACT_PREFIX}keep/{output}"
+        self.nodes.append(onnx.helper.make_node(op_type, inputs, [output], name=name, **attributes))
+        return output
+
+    def where(self, alternative, raw, output=None):
+        """``Where(on, alternative, raw)`` with a new condition input; returns (output, condition)."""
+        key = ("where", alternative, raw, output)
+        if key not in self.cache:
+            condition = self.scalar_input(f"{IMPACT_PREFIX}on/{len(self.defaults)}", False, onnx.TensorProto.BOOL)
+            output = output or f"{IMPACT_PREFIX}where/{condition}"
+            self.cache[key] = (self.node("Where", [condition, alternative, raw], output), condition)
+        return self.cache[key]
+
+
+def float_value(builder, plan, t, absorbed):
+    """float(t) as a tensor of the derived model: t, or the absorbed activation on t."""
+    if absorbed is None:
+        return t
+    name = f"graphscan.float/{t}"
+    if ("float", t) not in builder.cache:
+        node = onnx.NodeProto()
+        node.CopyFrom(absorbed)
+        node.name = name
+        inputs = [t]
+        for k, extra in enumerate(absorbed.input[1:], start=1):
+            if extra and extra in plan.float_constants:
+                value = plan.float_constants[extra]
+                extra = builder.constant(f"graphscan.float/{t}/{k}", value.array, value.proto.data_type)
+            inputs.append(extra)
+        node.input[:] = inputs
+        node.output[:] = [name]
+        builder.nodes.append(node)
+        builder.cache[("float", t)] = name
+    return name
+
+
+def tensor_alternative(builder, plan, t, q_range, absorbed):
+    """``(value, rounding settings)``: what readers of DQ(Q(t)) take when their
+    Where is on: float(t), or Clip(t, lo, hi) with the settings applied (None
+    when the Q's range is unknown)."""
+    if q_range is None:
+        return float_value(builder, plan, t, absorbed), None
+    lo, hi, elem_type = q_range
+    bounds = (-math.inf, math.inf) if absorbed is None else activation_bounds(absorbed, plan.float_constants)
+    prefix = f"graphscan.range/{t}"
+    if bounds is None:  # LeakyRelu (or a Clip with computed bounds): its own node
+        lo_name = builder.constant(prefix + "/lo", lo, elem_type)
+        hi_name = builder.constant(prefix + "/hi", hi, elem_type)
+        clipped = builder.node("Clip", [t, lo_name, hi_name], f"graphscan.round/{t}")
+        alternative, condition = builder.where(clipped, float_value(builder, plan, t, absorbed), f"graphscan.alt/{t}")
+        return alternative, {condition: True}
+    # Clip(t, -inf, inf) is t and Clip(t, 0, inf) is Relu(t), exactly; the
+    # rounding variant binds the Q's range instead.
+    low = builder.scalar_input(prefix + "/lo", bounds[0], elem_type)
+    high = builder.scalar_input(prefix + "/hi", bounds[1], elem_type)
+    dtype = builder.defaults[low].dtype
+    import numpy as np
+
+    rounding = {low: np.array(lo, dtype), high: np.array(hi, dtype)}
+    return builder.node("Clip", [t, low, high], f"graphscan.alt/{t}"), rounding
+
+
+def subgraph_reads(graph):
+    """Every tensor name a node inside an If/Loop/Scan body reads (any depth)."""
+    names = set()
+    for node in graph.node:
+        for attribute in node.attribute:
+            for body in list(attribute.graphs) + ([attribute.g] if attribute.HasField("g") else []):
+                names.update(t for inner in body.node for t in inner.input)
+                names |= subgraph_reads(body)
+    return names
+
+
+def switched_model(plan, quant_model, float_model):
+    """The derived model and its variants: ``(model, defaults, op_variants, tensor_variants)``.
+
+    A variant is ``{input name: value}`` to bind instead of ``defaults``.
+    ``op_variants[k]`` un-quantizes op row k; ``tensor_variants[m]`` is
+    ``(float(t) variant, rounding-only variant or None)`` for tensor row m.
+    """
+    builder = SwitchedModelBuilder(plan, quant_model)
+    graph, index = builder.graph, plan.index
+    float_inits = {init.name: init for init in float_model.graph.initializer}
+    alternatives, rounding = {}, {}  # per dq: float(t) (or its Clip), per tensor row: settings
+    row_of = {}
+    for m, (t, pairs, q_range, absorbed) in enumerate(plan.tensor_rows):
+        alternative, rounding[m] = tensor_alternative(builder, plan, t, q_range, absorbed)
+        for _, dq in pairs:
+            alternatives[dq], row_of[dq] = alternative, m
+    for _, edges in plan.op_rows:  # pairs only ops read: weights kept as Constant -> Q -> DQ
+        for _, (kind, source) in edges:
+            if kind == "pair" and source not in alternatives:
+                t = plan.pair_of[source][1]
+                alternatives[source] = float_value(builder, plan, t, plan.absorbed(t))
+    raw = {}
+    for dq in alternatives:
+        raw[dq] = f"graphscan.dq/{graph.node[dq].output[0]}"
+        graph.node[dq].output[0] = raw[dq]
+    op_rows = {i: k for k, (i, _) in enumerate(plan.op_rows)}
+    op_variants = [{} for _ in plan.op_rows]
+    tensor_on = [{} for _ in plan.tensor_rows]
+    # Graph outputs and names If/Loop/Scan bodies read from outside keep the
+    # DQ's name, now given to the switched value.
+    kept_names = {o.name for o in graph.output} | subgraph_reads(graph)
+    for dq, alternative in alternatives.items():
+        output = quant_model.graph.node[dq].output[0]
+        m = row_of.get(dq)
+        for reader in index.consumers_of(output):
+            if m is None and reader not in op_rows:
+                continue  # nobody would switch it
+            node = graph.node[reader]
+            value, condition = builder.where(alternative, raw[dq], f"graphscan.where/{reader}/{output}")
+            node.input[:] = [value if t == output else t for t in node.input]
+            if reader in op_rows:
+                op_variants[op_rows[reader]][condition] = True
+            if m is not None:
+                tensor_on[m][condition] = True
+        if output in kept_names:
+            if m is None:
+                builder.node("Identity", [raw[dq]], output)
+            else:
+                _, condition = builder.where(alternative, raw[dq], output)
+                tensor_on[m][condition] = True
+    for k, (i, edges) in enumerate(plan.op_rows):
+        node = graph.node[i]
+        for pos, (kind, source) in edges:
+            if kind == "weight":
+                weight = f"graphscan.weight/{source}"
+                if ("weight", source) not in builder.cache:
+                    copy = onnx.TensorProto()
+                    copy.CopyFrom(float_inits[source])
+                    copy.name = weight
+                    graph.initializer.append(copy)
+                    builder.cache[("weight", source)] = weight
+                value, condition = builder.where(weight, node.input[pos], f"graphscan.where/{i}/{pos}")
+                node.input[pos] = value
+                op_variants[k][condition] = True
+    graph.node.extend(builder.nodes)
+    tensor_variants = [
+        (on, None if rounding[m] is None else {**on, **rounding[m]}) for m, on in enumerate(tensor_on)
+    ]
+    return builder.model, builder.defaults, op_variants, tensor_variants
+
+
+# A variant changes the graph only from its sites on, and only along their
+# cone. The derived model's data-dependent nodes are cut into segments, each
+# an If with three versions: its outputs as cached from the baseline run, the
+# segment as the quantized model has it ("plain": no switch machinery), and
+# the segment with its switches ("switched"). A variant computes the segments
+# its cone touches, with switches only where its own Where/Clip nodes are,
+# and replays every other segment from the cache.
+IMPACT_SEGMENTS = 16
+SKIP = "graphscan.skip/{}"  # segment j replays its cached outputs
+SWITCHED = "graphscan.switched/{}"  # segment j runs with its switch machinery
+CACHE = "graphscan.cache/{}"
+SEGMENT = "graphscan.{}{}/{}"  # version, segment, tensor
+
+
+def topological_nodes(graph):
+    """The graph's nodes in an order where every producer comes first; each
+    node stays where it was unless a node it reads from comes later."""
+    producer = {t: k for k, node in enumerate(graph.node) for t in node.output if t}
+    emitted, order = [False] * len(graph.node), []
+    for root in range(len(graph.node)):
+        stack = [(root, False)]
+        while stack:
+            k, ready = stack.pop()
+            if emitted[k]:
+                continue
+            if ready:
+                emitted[k] = True
+                order.append(k)
+                continue
+            stack.append((k, True))
+            for t in reversed(graph.node[k].input):
+                j = producer.get(t)
+                if j is not None and not emitted[j] and j != k:
+                    stack.append((j, False))
+    return [graph.node[k] for k in order]
+
+
+class Segments:
+    """The cut of a derived model into segments of data-dependent nodes, and
+    which segments each switch needs computed and switched."""
+
+    def __init__(self, nodes, data_inputs, machinery, count):
+        dependent_tensors = set(data_inputs)
+        self.independent, dependent = [], []
+        for node in nodes:
+            # Machinery runs only in a switched segment, even a weight's Where.
+            if node.name in machinery or any(t in dependent_tensors for t in node.input):
+                dependent_tensors.update(t for t in node.output if t)
+                dependent.append(node)
+            else:
+                self.independent.append(node)
+        self.machinery = machinery  # names of the nodes graphscan added
+        count = max(1, min(count, len(dependent)))
+        size = len(dependent) / count
+        self.chunks = [dependent[round(j * size) : round((j + 1) * size)] for j in range(count)]
+        self.segment_of = {id(node): j for j, chunk in enumerate(self.chunks) for node in chunk}
+        self.made_by = {t: node for node in nodes for t in node.output if t}
+        self.consumers = {}
+        for node in nodes:
+            for t in node.input:
+                self.consumers.setdefault(t, []).append(node)
+
+    def leaving(self, j, graph_outputs):
+        """Tensors segment j makes that later segments or the graph outputs read."""
+        wanted = set(graph_outputs)
+        for later in self.chunks[j + 1 :]:
+            for node in later:
+                wanted.update(node.input)
+        return [t for node in self.chunks[j] for t in node.output if t and t in wanted]
+
+    def needs(self, names):
+        """``(computed, switched)`` segment sets for a variant setting the inputs ``names``."""
+        active, seeds, stack, seen = [], [], list(names), set(names)
+        while stack:  # forward through independent nodes and switch machinery
+            for node in self.consumers.get(stack.pop(), ()):
+                dependent = id(node) in self.segment_of
+                if dependent and node.name not in self.machinery:
+                    seeds.append(node)
+                    continue
+                if dependent:
+                    active.append(node)
+                for t in node.output:
+                    if t and t not in seen:
+                        seen.add(t)
+                        stack.append(t)
+        # The machinery feeding active nodes (e.g. the Clip computing float(t)).
+        feeding, stack = list(active), list(active)
+        while stack:
+            for t in stack.pop().input:
+                node = self.made_by.get(t)
+                if node is not None and node.name in self.machinery and id(node) in self.segment_of and node not in feeding:
+                    feeding.append(node)
+                    stack.append(node)
+        switched = {self.segment_of[id(n)] for n in feeding}
+        cone, stack, seen = set(switched), seeds + active, set()
+        while stack:  # every node whose value the variant may change
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            cone.add(self.segment_of[id(node)])
+            for t in node.output:
+                stack.extend(self.consumers.get(t, ()))
+        return cone, switched
+
+
+def segment_versions(segments, j, leaving):
+    """The switched and plain node lists of segment j; both make ``leaving``
+    under their own prefixed names (a branch may not define an outer name)."""
+    chunk = segments.chunks[j]
+    made = {t for node in chunk for t in node.output if t}
+    versions = []
+    for version in ("switched", "plain"):
+        prefix = lambda t, v=version: SEGMENT.format(v, j, t) if t in made else t  # noqa: E731
+        dropped = {}
+        if version == "plain":  # each switch-off machinery output is a copy of one input
+            for node in chunk:
+                if node.name in segments.machinery:
+                    source = node.input[2] if node.op_type == "Where" else node.input[0]
+                    for t in node.output:
+                        dropped[t] = dropped.get(source, source)
+        nodes = []
+        for node in chunk:
+            if version == "plain" and node.name in segments.machinery:
+                continue
+            copy = onnx.NodeProto()
+            copy.CopyFrom(node)
+            copy.input[:] = [prefix(dropped.get(t, t)) for t in node.input]
+            copy.output[:] = [prefix(t) for t in node.output]
+            nodes.append(copy)
+        outputs = []
+        for t in leaving:
+            if t in dropped:
+                nodes.append(onnx.helper.make_node("Identity", [prefix(dropped[t])], [prefix(t) + "/copy"]))
+                outputs.append(prefix(t) + "/copy")
+            else:
+                outputs.append(prefix(t))
+        versions.append((nodes, outputs))
+    return versions
+
+
+def segmented_model(model, data_inputs, machinery, count=IMPACT_SEGMENTS):
+    """``(model, caches, segments)``: ``model`` with its segments in Ifs.
+
+    ``caches``: ``[(cache input, tensor)]`` to feed from the baseline run;
+    ``segments`` answers which flags a variant needs (``segment_flags``).
+    The model is returned as it was (``segments`` None) when it has If/Loop/Scan
+    nodes (their bodies' outer reads are edges the cut cannot see), fewer than
+    two segments, or a leaving tensor whose type shape inference does not give.
+    """
+    import numpy as np
+
+    graph = model.graph
+    if any(has_subgraph(node) for node in graph.node):
+        return model, [], None
+    nodes = topological_nodes(graph)
+    segments = Segments(nodes, data_inputs, machinery, count)
+    if len(segments.chunks) < 2:
+        return model, [], None
+    graph_outputs = [o.name for o in graph.output]
+    leaving = [segments.leaving(j, graph_outputs) for j in range(len(segments.chunks))]
+    # Inference reads nodes in list order, and outputs added by name only (the
+    # probes) would hide their inferred type.
+    typed = onnx.ModelProto()
+    typed.CopyFrom(model)
+    del typed.graph.node[:]
+    typed.graph.node.extend(nodes)
+    del typed.graph.output[:]
+    typed.graph.output.extend(o for o in graph.output if o.type.tensor_type.elem_type)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(typed, strict_mode=False)
+    except Exception:
+        return model, [], None
+    types = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
+    for v in list(inferred.graph.output) + list(inferred.graph.input):
+        if v.type.tensor_type.elem_type:
+            types[v.name] = v.type.tensor_type.elem_type
+    if not all(types.get(t) for out in leaving for t in out):
+        return model, [], None
+
+    segmented = onnx.ModelProto()
+    segmented.CopyFrom(model)
+    del segmented.graph.node[:]
+    segmented.graph.node.extend(segments.independent)
+    last = len(segments.chunks) - 1
+    caches = []
+    defaults = segments.flag_defaults = {}
+
+    def flag(name):
+        segmented.graph.input.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.BOOL, []))
+        defaults[name] = np.array(False)
+        return name
+
+    def branch(name, nodes, outputs, out):
+        return onnx.helper.make_graph(
+            nodes, name, [], [onnx.helper.make_tensor_value_info(o, types[t], None) for o, t in zip(outputs, out)]
+        )
+
+    for j, out in enumerate(leaving):
+        (switched, switched_out), (plain, plain_out) = segment_versions(segments, j, out)
+        choose = onnx.helper.make_node(
+            "If", [flag(SWITCHED.format(j))], out if j == last else [SEGMENT.format("run", j, t) for t in out],
+            name=f"graphscan.run{j}",
+            then_branch=branch(f"graphscan.switched{j}", switched, switched_out, out),
+            else_branch=branch(f"graphscan.plain{j}", plain, plain_out, out),
+        )
+        if j == last:  # the outputs: always computed
+            segmented.graph.node.append(choose)
+            continue
+        cached = []
+        for t in out:
+            caches.append((CACHE.format(t), t))
+            segmented.graph.input.append(onnx.helper.make_tensor_value_info(caches[-1][0], types[t], None))
+            cached.append(onnx.helper.make_node("Identity", [caches[-1][0]], [SEGMENT.format("cached", j, t)]))
+        segmented.graph.node.append(
+            onnx.helper.make_node(
+                "If", [flag(SKIP.format(j))], out, name=f"graphscan.segment{j}",
+                then_branch=branch(f"graphscan.cached{j}", cached, [SEGMENT.format("cached", j, t) for t in out], out),
+                else_branch=onnx.helper.make_graph(
+                    [choose], f"graphscan.computed{j}", [],
+                    [onnx.helper.make_tensor_value_info(SEGMENT.format("run", j, t), types[t], None) for t in out],
+                ),
+            )
+        )
+    return segmented, caches, segments
+
+
+def segment_flags(segments, variant):
+    """The segment flags to turn on with ``variant``: skip every segment outside
+    its cone, switch on the segments where its own machinery is."""
+    if segments is None:
+        return {}
+    cone, switched = segments.needs(list(variant))
+    flags = {SKIP.format(j): True for j in range(len(segments.chunks) - 1) if j not in cone}
+    flags.update({SWITCHED.format(j): True for j in switched})
+    return flags
+
+
+def impact_session(model, path, message, threads=0):
+    """An onnxruntime session with graph optimizations off; exit 5 with ``message`` if it cannot be built."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    # onnxruntime pre-packs constant weights in the main graph but not inside an
+    # If branch, and the two sum in different orders: without pre-packing, a
+    # node computes the same bits wherever the segments put it (and the float
+    # model too, so a model compared with itself gives exactly null).
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 4
+    try:
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        raise GraphscanError(f"{path}: {message} ({one_line(exc)})", EXIT_RUNTIME)
+
+
+class SwitchedRunner:
+    """Runs the derived model once per (variant, sample), inputs bound once.
+
+    ``defaults`` are the added scalar inputs' values while no variant is on;
+    ``run(settings)`` binds ``settings`` instead for one run of every sample.
+    """
+
+    def __init__(self, model, defaults, samples, outputs, path):
+        import numpy as np
+        import onnxruntime as ort
+
+        self.path = path
+        self.message = f"graphscan's derived model of {path} does not run in onnxruntime"
+        import concurrent.futures
+
+        threads = min(len(samples), os.cpu_count() or 1)
+        self.session = impact_session(
+            model, path, f"graphscan's derived model of {path} cannot be built", 1 if threads > 1 else 0
+        )
+        self.pool = concurrent.futures.ThreadPoolExecutor(threads)
+        self.outputs = list(outputs)
+        self.value = ort.OrtValue.ortvalue_from_numpy
+        self.defaults = {name: self.value(array) for name, array in defaults.items()}
+        self.true = self.value(np.array(True))
+        empty = {}
+        for info in model.graph.input:
+            if info.name.startswith(CACHE.format("")):
+                dtype = onnx.helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type)
+                empty[info.name] = self.value(np.zeros((0,), dtype))
+        self.bindings = []
+        for feeds in samples:
+            binding = self.session.io_binding()
+            for name, array in feeds.items():
+                binding.bind_cpu_input(name, array)
+            for name, value in {**self.defaults, **empty}.items():  # caches: filled by cache()
+                binding.bind_ortvalue_input(name, value)
+            self.bindings.append(binding)
+
+    def cache(self, values):
+        """Bind ``values`` (per sample, ``{cache input: array}``) for the replayed segments."""
+        self.cached = values
+        for binding, sample in zip(self.bindings, values):
+            for name, array in sample.items():
+                binding.bind_cpu_input(name, array)
+
+    def run(self, settings=None, extra_outputs=()):
+        """Per sample, the graph outputs (then ``extra_outputs``) with ``settings`` bound.
+
+        Samples run concurrently, each single-threaded: small kernels scale
+        better across samples than across the threads of one kernel.
+        """
+        settings = {name: self.true if value is True else self.value(value) for name, value in (settings or {}).items()}
+
+        def one(binding):
+            for name, value in settings.items():
+                binding.bind_ortvalue_input(name, value)
+            binding.clear_binding_outputs()
+            for name in self.outputs + list(extra_outputs):
+                binding.bind_output(name)
+            try:
+                self.session.run_with_iobinding(binding)
+            except Exception as exc:
+                raise GraphscanError(f"{self.path}: {self.message} ({one_line(exc)})", EXIT_RUNTIME)
+            finally:
+                for name in settings:
+                    binding.bind_ortvalue_input(name, self.defaults[name])
+            return binding.copy_outputs_to_cpu()
+
+        return list(self.pool.map(one, self.bindings))
+
+
+class OutputNoise:
+    """Output SQNR against the float model's outputs, summed over samples and outputs."""
+
+    def __init__(self, float_outputs):
+        import numpy as np
+
+        self.reference = [[np.asarray(o, dtype=np.float64) for o in sample] for sample in float_outputs]
+        self.signal = sum(float(np.vdot(o, o)) for sample in self.reference for o in sample)
+
+    def measure(self, quant_outputs):
+        """``(sqnr_db, exact)``: ``20*log10(||f|| / ||f - q||)`` over everything
+        (None when undefined) and whether q equals f exactly."""
+        import numpy as np
+
+        noise = 0.0
+        for reference, sample in zip(self.reference, quant_outputs):
+            for f, q in zip(reference, sample):
+                if f.shape != np.shape(q):
+                    raise GraphscanError(
+                        f"an output is {list(np.shape(q))} in the quantized model and {list(f.shape)} "
+                        "in the float model",
+                        EXIT_INPUTS,
+                    )
+                difference = f - np.asarray(q, dtype=np.float64)
+                noise += float(np.vdot(difference, difference))
+        return decibels(self.signal, noise), noise == 0.0
+
+
+def decibels(signal, noise):
+    """``10*log10(signal / noise)`` of two energies; None when it is not a finite number."""
+    if not (noise > 0 and signal > 0 and math.isfinite(signal) and math.isfinite(noise)):
+        return None
+    return 10.0 * math.log10(signal / noise)
+
+
+def gain(sqnr, baseline):
+    return sqnr - baseline if sqnr is not None and baseline is not None else None
+
+
+def ranked(rows, exact, baseline_exact):
+    """Row order: larger gain first, graph order among equals. A variant whose
+    output equals the float model's (sqnr null) while the baseline does not
+    counts as the largest gain; rows without a gain come last."""
+
+    def key(k):
+        if exact[k] and not baseline_exact:
+            return (0, 0.0, k)
+        if rows[k]["gain_db"] is None:
+            return (2, 0.0, k)
+        return (1, -rows[k]["gain_db"], k)
+
+    return sorted(range(len(rows)), key=key)
+
+
+def clipped_fraction(values, q_range):
+    """Fraction of ``values`` (one array per sample) outside the Q's [lo, hi]."""
+    import numpy as np
+
+    if q_range is None:
+        return None
+    lo, hi, _ = q_range
+    total = outside = 0
+    for value in values:
+        value = np.asarray(value, dtype=np.float64)
+        total += value.size
+        outside += int(np.count_nonzero((value < lo) | (value > hi)))
+    return outside / total if total else None
+
+
+def paired_outputs(float_model, quant_model, a, b):
+    """The quantized model's output names, in the float model's output order."""
+    float_names = [o.name for o in float_model.graph.output]
+    quant_names = [o.name for o in quant_model.graph.output]
+    if sorted(float_names) == sorted(quant_names):
+        return float_names
+    if len(float_names) == len(quant_names):
+        return quant_names
+    raise GraphscanError(
+        f"{a} and {b}: the models' outputs differ ({len(float_names)} vs {len(quant_names)})", EXIT_INPUTS
+    )
+
+
+def inputs_answer(samples):
+    """``{input: shape}``; a list of shapes, one per sample, when the samples differ."""
+    answer = {}
+    for name in samples[0]:
+        shapes = [list(sample[name].shape) for sample in samples]
+        answer[name] = shapes[0] if all(s == shapes[0] for s in shapes) else shapes
+    return answer
+
+
+def exclusion(measure, candidates, baseline, target, max_exclude):
+    """``{"target_sqnr_db", "nodes", "sqnr_db", "reached"}``: ``candidates``
+    (``(node, variant)`` in rank order) are added one at a time and the combined
+    model measured after each addition, until the target or ``max_exclude``."""
+    nodes, combined = [], {}
+    sqnr, exact = baseline
+
+    def met():
+        return exact or (sqnr is not None and sqnr >= target)
+
+    for name, variant in candidates:
+        if met() or (max_exclude is not None and len(nodes) >= max_exclude):
+            break
+        nodes.append(name)
+        combined.update(variant)
+        sqnr, exact = measure(dict(combined))
+    return {"target_sqnr_db": target, "nodes": nodes, "sqnr_db": sqnr, "reached": met()}
+
+
+def float_outputs(float_model, samples, path):
+    """The float model's outputs (graph order) per sample, one session."""
+    session = impact_session(float_model, path, "model does not run in onnxruntime")
+    names = [o.name for o in float_model.graph.output]
+    outputs = []
+    for feeds in samples:
+        try:
+            outputs.append(session.run(names, feeds))
+        except Exception as exc:
+            raise GraphscanError(f"{path}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME)
+    return outputs
+
+
+def tensor_values(model, samples, tensors, path):
+    """``{tensor: [value per sample]}`` of ``model``'s own ``tensors``, one session."""
+    if not tensors:
+        return {}
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    del exposed.graph.output[:]
+    exposed.graph.output.extend(onnx.ValueInfoProto(name=t) for t in tensors)
+    session = impact_session(exposed, path, "model does not run in onnxruntime")
+    values = {t: [] for t in tensors}
+    for feeds in samples:
+        try:
+            outputs = session.run(list(tensors), feeds)
+        except Exception as exc:
+            raise GraphscanError(f"{path}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME)
+        for t, value in zip(tensors, outputs):
+            values[t].append(value)
+    return values
+
+
+class ImpactRun:
+    """The derived model of ``quant_model`` in one session, ready to measure variants.
+
+    ``baseline``: ``(sqnr_db, exact)`` of the quantized model as it is;
+    ``probe_values``: per tensor row with a known range, its values per sample;
+    ``measure(variant)``: ``(sqnr_db, exact)`` with ``variant`` on.
+    """
+
+    def __init__(self, float_model, quant_model, samples, output_names, noise, path):
+        self.noise = noise
+        self.plan = plan = ImpactPlan(float_model, quant_model)
+        derived, defaults, self.op_variants, self.tensor_variants = switched_model(plan, quant_model, float_model)
+        machinery = {node.name for node in derived.graph.node if node.name.startswith(IMPACT_PREFIX)}
+        derived, caches, self.segments = segmented_model(derived, list(samples[0]), machinery)
+        if self.segments is not None:
+            defaults.update(self.segments.flag_defaults)
+        exposed = {o.name for o in derived.graph.output}
+        derived.graph.output.extend(onnx.ValueInfoProto(name=t) for _, t in caches if t not in exposed)
+        self.runner = SwitchedRunner(derived, defaults, samples, output_names, path)
+
+        fetched = [t for t in dict.fromkeys(t for _, t in caches) if t not in output_names]
+        first = self.runner.run(extra_outputs=fetched)
+        n_out = len(output_names)
+        self.baseline = noise.measure([sample[:n_out] for sample in first])
+        values = [dict(zip(output_names + fetched, sample)) for sample in first]
+        del first
+        self.runner.cache([{c: sample[t] for c, t in caches} for sample in values])
+        del values
+        # The tensors whose clipped fraction is reported, from the quantized model
+        # itself: as graph outputs of the derived model they would all cross
+        # segments and be copied on every replay.
+        probes = [t for t, _, q_range, _ in plan.tensor_rows if q_range is not None and t not in samples[0]]
+        self.probe_values = tensor_values(quant_model, samples, probes, path)
+        self.probe_values.update({t: [sample[t] for sample in samples] for t in samples[0]})
+
+    def measure(self, variant):
+        return self.noise.measure(self.runner.run({**variant, **segment_flags(self.segments, variant)}))
+
+
+def impact(a, b, inputs=None, seed=0, shape=None, target_sqnr=None, max_exclude=None, top=None):
+    """Per operator and per activation tensor of ``b`` (quantized): the output
+    SQNR against ``a`` (float) if it stayed float; optionally what to exclude."""
+    if max_exclude is not None and target_sqnr is None:
+        raise GraphscanError("usage: --max-exclude needs --target-sqnr", EXIT_USAGE)
+    float_model, quant_model = load_with_weights(a), load_with_weights(b)
+    check_same_inputs(float_model, quant_model, a, b)
+    samples, defaulted = model_samples(float_model, inputs, parse_shapes(shape), seed, IMPACT_SYMBOLIC_DIM_SIZE)
+    output_names = paired_outputs(float_model, quant_model, a, b)
+
+    noise = OutputNoise(float_outputs(float_model, samples, a))
+    run = ImpactRun(float_model, quant_model, samples, output_names, noise, b)
+    plan, baseline, measure = run.plan, run.baseline, run.measure
+    op_variants, tensor_variants, probe_values = run.op_variants, run.tensor_variants, run.probe_values
+
+    index = plan.index
+    op_rows, op_exact = [], []
+    for (i, _), variant in zip(plan.op_rows, op_variants):
+        sqnr, exact = measure(variant)
+        op_rows.append(
+            {"node": index.names[i], "op_type": index.op_types[i], "sqnr_db": sqnr, "gain_db": gain(sqnr, baseline[0])}
+        )
+        op_exact.append(exact)
+    tensor_rows, tensor_exact = [], []
+    for (t, pairs, q_range, _), (kept, rounded) in zip(plan.tensor_rows, tensor_variants):
+        sqnr, exact = measure(kept)
+        rounding = measure(rounded)[0] if rounded is not None else None
+        producer = index.producer_of(t)
+        readers = sorted({r for _, dq in pairs for r in index.consumers_of(index.outputs[dq][0])})
+        tensor_rows.append(
+            {
+                "tensor": t,
+                "producer": index.names[producer] if producer is not None else None,
+                "consumers": [index.names[r] for r in readers],
+                "sqnr_db": sqnr,
+                "gain_db": gain(sqnr, baseline[0]),
+                "rounding_sqnr_db": rounding,
+                "rounding_gain_db": gain(rounding, baseline[0]),
+                "clipped": clipped_fraction(probe_values.get(t, ()), q_range) if q_range else None,
+            }
+        )
+        tensor_exact.append(exact)
+    op_order = ranked(op_rows, op_exact, baseline[1])
+    tensor_order = ranked(tensor_rows, tensor_exact, baseline[1])
+    answer = {
+        "a": a,
+        "b": b,
+        "inputs": inputs_answer(samples),
+        "defaulted": defaulted,
+        "samples": len(samples),
+        "output_sqnr_db": baseline[0],
+        "ops": [op_rows[k] for k in op_order][:top],
+        "tensors": [tensor_rows[k] for k in tensor_order][:top],
+    }
+    if target_sqnr is not None:
+        candidates = [
+            (op_rows[k]["node"], op_variants[k])
+            for k in op_order
+            if (op_exact[k] and not baseline[1]) or (op_rows[k]["gain_db"] or 0.0) > 0
+        ]
+        answer["exclude"] = exclusion(measure, candidates, baseline, target_sqnr, max_exclude)
+    return answer
+
 
 # --------------------------------------------------------------------------
 # Command line
 
 def non_negative_int(text):
-    """argparse type of ``--seed``: numpy seeds are integers >= 0 (exit 2 otherwise)."""
+    """argparse type of ``--seed``, ``--top``, ``--max-exclude``: an integer >= 0 (exit 2 otherwise)."""
     try:
         value = int(text)
     except ValueError:
@@ -4017,6 +4930,26 @@ FUSE_OPTIONS = [
     SEED_OPTION,
 ]
 
+def finite_float(text):
+    """argparse type: a finite number (NaN and infinities are usage errors)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+IMPACT_OPTIONS = [
+    ("--inputs", {"metavar": "FILE.npz", "action": "append", "help": "one sample: one array per graph input, by name (repeatable)"}),
+    ("--seed", {"type": int, "default": 0, "help": "seed of the random sample without --inputs (default: 0)"}),
+    ("--shape", {"metavar": "NAME=D0,D1,...", "action": "append", "help": "shape of a random input (repeatable)"}),
+    ("--target-sqnr", {"metavar": "DB", "type": finite_float, "help": "find the nodes to exclude to reach this output SQNR"}),
+    ("--max-exclude", {"metavar": "N", "type": non_negative_int, "help": "at most N excluded nodes (with --target-sqnr)"}),
+    ("--top", {"metavar": "N", "type": non_negative_int, "help": "list only the first N ops and tensors (all are measured)"}),
+]
+
 # name: (function, positional paths, help, options)
 COMMANDS = {
     "nodes": (nodes, ["model"], "op census and initializer dtypes", []),
@@ -4029,6 +4962,7 @@ COMMANDS = {
     "runtime": (runtime, ["model"], "what onnxruntime really runs per node: int8, int8_data, float, absorbed", RUNTIME_OPTIONS),
     "check": (check, ["model"], "a CI gate: exit 8 when a budget (float nodes, islands, crossings, int8 share, SQNR) is broken", CHECK_OPTIONS),
     "dot": (dot, ["model"], "Graphviz DOT picture of the island map (DOT text, not JSON)", DOT_OPTIONS),
+    "impact": (impact, ["a", "b"], "output SQNR gained by keeping each op or tensor of b (quantized) float", IMPACT_OPTIONS),
 }
 
 
@@ -4048,17 +4982,6 @@ class OneLineParser(argparse.ArgumentParser):
 
 FORMATS = ["json", "table"]
 TEXT_COMMANDS = {"dot"}  # answer text for people instead of a JSON object
-
-
-def row_count(text):
-    """``--top N``: a non-negative integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
 
 
 def option_dest(flag, settings):
@@ -4090,7 +5013,7 @@ def build_parser():
         output.add_argument("--format", choices=FORMATS, default="json", help="json (default) or table")
         if "--top" not in (flag for flag, _ in options):  # a command's own --top also limits its JSON
             output.add_argument(
-                "--top", type=row_count, metavar="N", help="table: only the N largest rows of each long list"
+                "--top", type=non_negative_int, metavar="N", help="table: only the N largest rows of each long list"
             )
     return parser
 
