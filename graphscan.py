@@ -3295,39 +3295,22 @@ def budget_limit(name, value, where):
     return int(value) if name.startswith("max_") else float(value)
 
 
-def output_sqnr_db(reference, values):
-    """``20*log10(||f|| / ||f - q||)`` over all outputs flattened to float64.
-
-    ``inf`` when the outputs are equal (NaNs in the same places included),
-    ``nan`` when a non-finite value makes it undefined, ``-inf`` when f is all
-    zeros and q is not. The JSON boundary shows all three as null.
-    """
-    import numpy as np
-
-    f = np.concatenate([np.asarray(r, dtype=np.float64).reshape(-1) for r in reference])
-    q = np.concatenate([np.asarray(v, dtype=np.float64).reshape(-1) for v in values])
-    if f.shape == q.shape and np.array_equal(f, q, equal_nan=True):
-        return math.inf
-    if f.shape != q.shape or not (np.isfinite(f).all() and np.isfinite(q).all()):
-        return math.nan
-    signal, noise = float(np.linalg.norm(f)), float(np.linalg.norm(f - q))
-    return 20.0 * math.log10(signal / noise) if signal > 0 else -math.inf
-
-
 def measured_sqnr(float_path, quant_path, inputs, shape, seed):
-    """Output SQNR of the quantized model against the float one over all samples."""
+    """The quantized model's output SQNR against the float one, as ``impact``
+    measures its baseline: ``inf`` when the outputs are equal, ``nan`` when the
+    SQNR is undefined (NaN or Inf in the outputs, all-zero float outputs)."""
     float_model, quant_model = load_with_weights(float_path), load_with_weights(quant_path)
     check_same_inputs(float_model, quant_model, float_path, quant_path)
+    if len(float_model.graph.output) != len(quant_model.graph.output):
+        raise GraphscanError(
+            f"{shown(float_path)} and {shown(quant_path)}: the models' outputs differ in number", EXIT_INPUTS
+        )
     samples, _ = model_samples(float_model, inputs, parse_shapes(shape), seed, 1)
-    reference, values = [], []
-    for feeds in samples:
-        expected = run_model(float_model, feeds, float_path)
-        actual = run_model(quant_model, feeds, quant_path)
-        if len(expected) != len(actual):
-            raise GraphscanError(f"{shown(float_path)} and {shown(quant_path)}: the models' outputs differ", EXIT_INPUTS)
-        reference += expected
-        values += actual
-    return output_sqnr_db(reference, values)
+    noise = OutputNoise(float_outputs(float_model, samples, float_path))
+    sqnr, exact = noise.measure(float_outputs(quant_model, samples, quant_path))
+    if exact:
+        return math.inf
+    return math.nan if sqnr is None else sqnr
 
 
 def budget_values(path, names, float_path, inputs, shape, seed):

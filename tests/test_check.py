@@ -84,14 +84,15 @@ def test_identical_outputs_hold_any_sqnr_and_show_null(lab):
     assert budget_rows(answer) == {"min_sqnr": (None, 1000.0, True)}
 
 
-def test_output_sqnr_edge_cases():
-    one = [np.array([1.0, 2.0])]
-    assert graphscan.output_sqnr_db(one, one) == math.inf
-    assert graphscan.output_sqnr_db([np.array([np.nan, 1.0])], [np.array([np.nan, 1.0])]) == math.inf
-    assert math.isnan(graphscan.output_sqnr_db([np.array([np.nan, 1.0])], [np.array([0.0, 1.0])]))
-    assert graphscan.output_sqnr_db([np.zeros(2)], [np.ones(2)]) == -math.inf
-    # ||f|| = 5, ||f - q|| = 0.5: 20 log10(10) = 20 dB.
-    assert graphscan.output_sqnr_db([np.array([3.0, 4.0])], [np.array([3.3, 3.6])]) == pytest.approx(20.0)
+def test_an_undefined_sqnr_shows_null_and_does_not_hold(lab, tmp_path):
+    """A float model whose outputs are all zeros gives an SQNR of -infinity
+    against anything else: undefined, shown as null, and the gate is closed."""
+    zero = onnx.load(lab["fp32"])
+    for init in zero.graph.initializer:
+        init.CopyFrom(onnx.numpy_helper.from_array(np.zeros_like(onnx.numpy_helper.to_array(init)), init.name))
+    onnx.save(zero, tmp_path / "zero.onnx")
+    answer = graphscan.check(str(lab["full"]), float=str(tmp_path / "zero.onnx"), min_sqnr=-1000)
+    assert budget_rows(answer) == {"min_sqnr": (None, -1000.0, False)}
 
 
 def test_budget_file_gives_the_same_answer_and_options_override_it(lab, tmp_path):
