@@ -3588,14 +3588,12 @@ def fuse_table(answer, top):
     )
 
 
-def input_fields(inputs):
-    """``inputs`` of a trace/impact answer as header pairs: shapes, and any defaulted list."""
-    pairs = []
-    for name, value in inputs.items():
-        if name == "defaulted" and not all(isinstance(d, int) for d in value):
-            pairs.append(("defaulted", ", ".join(value) or "none"))
-        else:
-            pairs.append((f"input {name}", "x".join(map(str, value))))
+def input_fields(inputs, defaulted=None):
+    """``inputs`` of a trace/impact answer as header pairs: the shapes, then the
+    inputs whose symbolic dimensions were set to 1 because nothing said otherwise."""
+    pairs = [(f"input {name}", "x".join(map(str, shape))) for name, shape in inputs.items()]
+    if defaulted:
+        pairs.append(("defaulted to 1", ", ".join(defaulted)))
     return pairs
 
 
@@ -3621,7 +3619,7 @@ def trace_table(answer, top):
 
     head = format_fields(
         [("a", answer["a"]), ("b", answer["b"])]
-        + input_fields(answer["inputs"])
+        + input_fields(answer["inputs"], answer.get("defaulted"))
         + [(f"output {name} max_abs", error) for name, error in answer["outputs"].items()]
         + [headline("worst_isolated"), headline("first_over"), ("ops", len(answer["ops"]))]
     )
@@ -3682,7 +3680,7 @@ def impact_table(answer, top):
     """Ops and tensors in the answer's order (largest gain first), and the exclusion found."""
     head = format_fields(
         [("a", answer["a"]), ("b", answer["b"])]
-        + input_fields(answer["inputs"])
+        + input_fields(answer["inputs"], answer.get("defaulted"))
         + [("samples", answer["samples"]), ("output_sqnr_db", answer["output_sqnr_db"])]
     )
     ops = [[r["node"], r["op_type"], r["sqnr_db"], r["gain_db"]] for r in answer["ops"]]

@@ -235,7 +235,8 @@ LONG = "backbone/stage3/" + "residual_block" * 5 + "/conv2/Conv"
 TRACE_ANSWER = {
     "a": "float.onnx",
     "b": "quant.onnx",
-    "inputs": {"x": [1, 3, 1, 1], "defaulted": ["x"]},
+    "inputs": {"x": [1, 3, 1, 1]},
+    "defaulted": ["x"],
     "ops": [
         {"node": "conv1", "op_type": "Conv", "wrapped": True, "reference": "c1", "isolated_max_abs": 0.01,
          "propagated_max_abs": 0.01, "isolated_lsb": 0.5, "sqnr_db": 40.0, "clipped": 0.0},
