@@ -413,3 +413,37 @@ def test_outputs_of_different_shapes_are_not_compared(tmp_path):
     (row,) = answer["ops"]
     assert (row["isolated_max_abs"], row["propagated_max_abs"], row["sqnr_db"]) == (None, None, None)
     assert answer["outputs"] == {"y": None}
+
+
+def test_values_at_the_ends_of_the_q_range_are_not_clipped(tmp_path):
+    """T23: a Relu's zeros sit exactly on a uint8 Q's lower end (zero point 0, so
+    ``(0 - 0) * s = 0``): representable, not clipped. With s = 4/255 the range is
+    [0, 4]; clipped is the fraction of Relu outputs above 4, counted in numpy."""
+    scale = np.float32(4 / 255)
+    qparams = [numpy_helper.from_array(np.array(scale), "s"), numpy_helper.from_array(np.array(0, np.uint8), "z")]
+    a = save(
+        tmp_path / "a.onnx",
+        [helper.make_node("Relu", ["x"], ["t"], name="r"), helper.make_node("Sigmoid", ["t"], ["y"], name="g")],
+        {"x": [1, 1000]},
+        {"y": [1, 1000]},
+    )
+    b = save(
+        tmp_path / "b.onnx",
+        [
+            helper.make_node("Relu", ["x"], ["t"], name="r"),
+            helper.make_node("QuantizeLinear", ["t", "s", "z"], ["t_q"], name="q"),
+            helper.make_node("DequantizeLinear", ["t_q", "s", "z"], ["t_dq"], name="dq"),
+            helper.make_node("Sigmoid", ["t_dq"], ["y"], name="g"),
+        ],
+        {"x": [1, 1000]},
+        {"y": [1, 1000]},
+        qparams,
+    )
+    x = np.random.default_rng(7).standard_normal((1, 1000)).astype(np.float32) * 3
+    x[0, :10] = 4.5  # some values above the range
+    np.savez(tmp_path / "x.npz", x=x)
+    rows = {r["node"]: r for r in graphscan.trace(a, b, inputs=str(tmp_path / "x.npz"))["ops"]}
+    relu = np.maximum(x, 0).astype(np.float64)
+    assert np.mean(relu == 0) > 0.4  # the lower end is really hit
+    assert rows["r"]["clipped"] == np.count_nonzero(relu > 255 * float(scale)) / relu.size
+    assert rows["r"]["clipped"] > 0
