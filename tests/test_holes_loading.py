@@ -302,3 +302,18 @@ def test_a_bug_is_exit_1_in_one_line(tmp_path, monkeypatch, capsys):
     code, out, err = run_main(capsys, ["nodes", path])
     assert (code, out) == (graphscan.EXIT_INTERNAL, "")
     assert err.startswith("graphscan: internal error: KeyError") and err.count("\n") == 1
+
+
+def test_file_whose_first_field_is_not_a_model_field_is_refused(tmp_path, capsys):
+    """L31: field 13 is not one of ModelProto's. protobuf skips it as an unknown
+    field and parses the valid model behind it; graphscan refuses the file from
+    its first bytes, as it refuses text or random bytes."""
+    data = key(13, 0) + varint(1) + qdq_model().SerializeToString()
+    parsed = onnx.ModelProto()
+    parsed.ParseFromString(data)
+    assert parsed.graph.node and parsed.opset_import  # a full parse alone would accept it
+    path = tmp_path / "odd_start.onnx"
+    path.write_bytes(data)
+    code, out, err = run_main(capsys, ["nodes", path])
+    assert (code, out) == (graphscan.EXIT_NOT_ONNX, "")
+    assert "does not start with a ModelProto field" in err
