@@ -48,6 +48,7 @@ AREA_TESTS = {
     ],
     "loading": [
         "tests/test_holes_loading.py",
+        "tests/test_hardening_cli.py",
         "tests/test_cli.py",
         "tests/test_big_models.py",
         "tests/test_non_utf8.py",
@@ -59,11 +60,14 @@ AREA_TESTS = {
     "fuse": [
         "tests/test_fuse.py",
         "tests/test_holes_fuse.py",
+        "tests/test_hardening_fuse.py",
         "tests/test_gen_models.py",
     ],
     "trace": [
         "tests/test_trace.py",
         "tests/test_holes_trace.py",
+        "tests/test_trace_robust.py",
+        "tests/test_trace_memory.py",
         "tests/test_control_flow.py",
         "tests/test_big_models.py",
     ],

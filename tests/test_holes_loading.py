@@ -302,3 +302,43 @@ def test_a_bug_is_exit_1_in_one_line(tmp_path, monkeypatch, capsys):
     code, out, err = run_main(capsys, ["nodes", path])
     assert (code, out) == (graphscan.EXIT_INTERNAL, "")
     assert err.startswith("graphscan: internal error: KeyError") and err.count("\n") == 1
+
+
+def test_file_whose_first_field_is_not_a_model_field_is_refused(tmp_path, capsys):
+    """L31: field 13 is not one of ModelProto's. protobuf skips it as an unknown
+    field and parses the valid model behind it; graphscan refuses the file from
+    its first bytes, as it refuses text or random bytes."""
+    data = key(13, 0) + varint(1) + qdq_model().SerializeToString()
+    parsed = onnx.ModelProto()
+    parsed.ParseFromString(data)
+    assert parsed.graph.node and parsed.opset_import  # a full parse alone would accept it
+    path = tmp_path / "odd_start.onnx"
+    path.write_bytes(data)
+    code, out, err = run_main(capsys, ["nodes", path])
+    assert (code, out) == (graphscan.EXIT_NOT_ONNX, "")
+    assert "does not start with a ModelProto field" in err
+
+
+def test_name_running_past_a_big_initializer_is_refused_by_the_skim(tmp_path, capsys):
+    """L11: an initializer above FileBytes.WINDOW (1 MiB) is skimmed straight from
+    the file, not as its own slice of bytes, so only the message bound stops its
+    last field (a name claiming 21 bytes, 1 present) from reading into the next
+    initializer. protobuf's full parse refuses the file; the skim must too."""
+    model = qdq_model()
+    raw = np.ones(300_000, np.float32).tobytes()  # 1.2 MB
+    big = key(1, 0) + varint(300_000) + key(2, 0) + varint(TensorProto.FLOAT) + length_delimited(9, raw)
+    big += key(8, 2) + varint(21) + b"b"
+    graph = onnx.GraphProto()
+    graph.CopyFrom(model.graph)
+    others = [t.SerializeToString() for t in graph.initializer]
+    del graph.initializer[:]
+    graph_data = graph.SerializeToString() + length_delimited(5, big) + b"".join(length_delimited(5, t) for t in others)
+    head = onnx.ModelProto()
+    head.CopyFrom(model)
+    head.ClearField("graph")
+    path = tmp_path / "m.onnx"
+    path.write_bytes(head.SerializeToString() + length_delimited(7, graph_data))
+    for threshold in [0, 1 << 40]:  # skimmed, then parsed whole
+        with mock.patch.object(graphscan, "SKIM_THRESHOLD", threshold):
+            code, out, err = run_main(capsys, ["nodes", path])
+        assert (code, out) == (graphscan.EXIT_NOT_ONNX, ""), (threshold, err)

@@ -413,3 +413,74 @@ def test_outputs_of_different_shapes_are_not_compared(tmp_path):
     (row,) = answer["ops"]
     assert (row["isolated_max_abs"], row["propagated_max_abs"], row["sqnr_db"]) == (None, None, None)
     assert answer["outputs"] == {"y": None}
+
+
+def test_values_at_the_ends_of_the_q_range_are_not_clipped(tmp_path):
+    """T23: a Relu's zeros sit exactly on a uint8 Q's lower end (zero point 0, so
+    ``(0 - 0) * s = 0``): representable, not clipped. With s = 4/255 the range is
+    [0, 4]; clipped is the fraction of Relu outputs above 4, counted in numpy."""
+    scale = np.float32(4 / 255)
+    qparams = [numpy_helper.from_array(np.array(scale), "s"), numpy_helper.from_array(np.array(0, np.uint8), "z")]
+    a = save(
+        tmp_path / "a.onnx",
+        [helper.make_node("Relu", ["x"], ["t"], name="r"), helper.make_node("Sigmoid", ["t"], ["y"], name="g")],
+        {"x": [1, 1000]},
+        {"y": [1, 1000]},
+    )
+    b = save(
+        tmp_path / "b.onnx",
+        [
+            helper.make_node("Relu", ["x"], ["t"], name="r"),
+            helper.make_node("QuantizeLinear", ["t", "s", "z"], ["t_q"], name="q"),
+            helper.make_node("DequantizeLinear", ["t_q", "s", "z"], ["t_dq"], name="dq"),
+            helper.make_node("Sigmoid", ["t_dq"], ["y"], name="g"),
+        ],
+        {"x": [1, 1000]},
+        {"y": [1, 1000]},
+        qparams,
+    )
+    x = np.random.default_rng(7).standard_normal((1, 1000)).astype(np.float32) * 3
+    x[0, :10] = 4.5  # some values above the range
+    np.savez(tmp_path / "x.npz", x=x)
+    rows = {r["node"]: r for r in graphscan.trace(a, b, inputs=str(tmp_path / "x.npz"))["ops"]}
+    relu = np.maximum(x, 0).astype(np.float64)
+    assert np.mean(relu == 0) > 0.4  # the lower end is really hit
+    assert rows["r"]["clipped"] == np.count_nonzero(relu > 255 * float(scale)) / relu.size
+    assert rows["r"]["clipped"] > 0
+
+
+def test_save_stems_differ_in_more_than_case():
+    """T10, T27: safe names are their own stems, but "relu" after "Relu" would
+    overwrite it on a case-insensitive file system: it gets the next free suffix."""
+    assert graphscan.file_stems(["Relu", "relu", "RELU", "b"]) == ["Relu", "relu-2", "RELU-3", "b"]
+
+
+def test_outputs_whose_shapes_differ_only_at_run_time_are_not_compared(tmp_path):
+    """T22: the Reshape's target comes from an input, so shape inference cannot
+    tell [1, 6] from [6, 1]; numpy would broadcast them to [6, 6]. Null, not a number."""
+    shp = helper.make_tensor_value_info("shp", TensorProto.INT64, [2])
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [6])
+
+    def model(path, nodes, inits=()):
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+        graph = helper.make_graph(nodes, "g", [x, shp], [y], list(inits))
+        onnx.save(helper.make_model(graph, opset_imports=OPSET), path)
+        return str(path)
+
+    a = model(tmp_path / "a.onnx", [helper.make_node("Reshape", ["x", "shp"], ["y"], name="r")])
+    b = model(
+        tmp_path / "b.onnx",
+        [
+            helper.make_node("Gather", ["shp", "order"], ["shp2"], name="g"),
+            helper.make_node("Reshape", ["x", "shp2"], ["y"], name="r"),
+        ],
+        [numpy_helper.from_array(np.array([1, 0], np.int64), "order")],
+    )
+    np.savez(tmp_path / "in.npz", x=np.arange(6, dtype=np.float32), shp=np.array([1, 6], np.int64))
+    # Measured in the graph, and (with --save, which fetches the row) in numpy.
+    for save in [None, str(tmp_path / "saved")]:
+        answer = graphscan.trace(a, b, inputs=str(tmp_path / "in.npz"), save=save)
+        rows = {r["node"]: r for r in answer["ops"]}
+        assert rows["r"]["reference"] == "y"
+        assert (rows["r"]["isolated_max_abs"], rows["r"]["propagated_max_abs"]) == (None, None), save
+        assert answer["outputs"] == {"y": None}
