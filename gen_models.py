@@ -49,15 +49,9 @@ def build_mlp(layers, dim, seed, input_shape=("N",)):
         weight, bias = f"fc{layer}_weight", f"fc{layer}_bias"
         scale = 1.0 / np.sqrt(dim)  # keeps activations O(1) through the stack
         initializers.append(
-            numpy_helper.from_array(
-                (rng.standard_normal((dim, dim)) * scale).astype(np.float32), weight
-            )
+            numpy_helper.from_array((rng.standard_normal((dim, dim)) * scale).astype(np.float32), weight)
         )
-        initializers.append(
-            numpy_helper.from_array(
-                (rng.standard_normal(dim) * 0.1).astype(np.float32), bias
-            )
-        )
+        initializers.append(numpy_helper.from_array((rng.standard_normal(dim) * 0.1).astype(np.float32), bias))
         output = "y" if layer == layers else f"fc{layer}_out"
         nodes += [
             helper.make_node("MatMul", [previous, weight], [f"fc{layer}_mm"], name=matmul),
@@ -213,8 +207,11 @@ def quantize_qdq(source, target, seed, **scope):
 
     shapes = input_shapes(onnx.load(str(source)))
     quantize_static(
-        str(source), str(target), calibration_reader(shapes, seed),
-        quant_format=QuantFormat.QDQ, **scope,
+        str(source),
+        str(target),
+        calibration_reader(shapes, seed),
+        quant_format=QuantFormat.QDQ,
+        **scope,
     )
 
 
@@ -249,10 +246,7 @@ FUSE_KEYS = ["op_types", "quantize", "dequantize", "round_trips"]
 def measure(path):
     """Every graphscan answer about one model, keyed by command."""
     path = str(path)
-    return {
-        command: getattr(graphscan, command)(path)
-        for command in ("nodes", "qdq", "islands", "boundary")
-    }
+    return {command: getattr(graphscan, command)(path) for command in ("nodes", "qdq", "islands", "boundary")}
 
 
 def scope_entry(answers):

@@ -13,6 +13,7 @@ Only the standard library and onnx are imported at start.
 """
 
 import argparse
+import contextlib
 import functools
 import gc
 import itertools
@@ -338,9 +339,7 @@ def parse_model(data, path):
     # Protobuf parses an empty file, or one cut at a field boundary, as a
     # (partial) message: a model must at least carry a graph and an opset.
     if not data or not model.HasField("graph") or not model.opset_import:
-        raise GraphscanError(
-            f"{shown(path)}: not an ONNX model (no graph or opset_import)", EXIT_NOT_ONNX
-        )
+        raise GraphscanError(f"{shown(path)}: not an ONNX model (no graph or opset_import)", EXIT_NOT_ONNX)
     return model
 
 
@@ -407,9 +406,7 @@ class GraphIndex:
         self.is_dq = [op == DEQUANTIZE for op in op_types]
         self.q_nodes = [i for i, q in enumerate(self.is_q) if q]
         self.dq_nodes = [i for i, dq in enumerate(self.is_dq) if dq]
-        self.compute_nodes = [
-            i for i, (q, dq) in enumerate(zip(self.is_q, self.is_dq)) if not (q or dq)
-        ]
+        self.compute_nodes = [i for i, (q, dq) in enumerate(zip(self.is_q, self.is_dq)) if not (q or dq)]
 
     def __len__(self):
         return len(self.op_types)
@@ -593,9 +590,7 @@ def count_round_trips(index):
     read_by_dq_only = index.read_by_dq - read_by_non_dq
     outputs = index.outputs
     return sum(
-        1
-        for i in index.q_nodes
-        if not read_by_dq_only.isdisjoint(outputs[i]) and read_by_non_dq.isdisjoint(outputs[i])
+        1 for i in index.q_nodes if not read_by_dq_only.isdisjoint(outputs[i]) and read_by_non_dq.isdisjoint(outputs[i])
     )
 
 
@@ -777,18 +772,17 @@ class InputSpec:
             if tensor_type.HasField("shape"):
                 # Some exporters write -1 for "any size": symbolic, like dim_param.
                 self.dims = [
-                    d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
-                    for d in tensor_type.shape.dim
+                    d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in tensor_type.shape.dim
                 ]
-        self.type_text = dtype_name(tensor_type.elem_type) if self.kind == "tensor_type" else str(self.kind or "untyped")
+        self.type_text = (
+            dtype_name(tensor_type.elem_type) if self.kind == "tensor_type" else str(self.kind or "untyped")
+        )
 
     @property
     def numeric(self):
         import numpy as np
 
-        return self.dtype is not None and (
-            np.issubdtype(self.dtype, np.number) or np.issubdtype(self.dtype, np.bool_)
-        )
+        return self.dtype is not None and (np.issubdtype(self.dtype, np.number) or np.issubdtype(self.dtype, np.bool_))
 
     def describe(self):
         dims = "?" if self.dims is None else "[" + ", ".join("?" if d is None else str(d) for d in self.dims) + "]"
@@ -815,9 +809,7 @@ def parse_shapes(values):
         except ValueError:
             parsed = None
         if not sep or not name or parsed is None or any(d < 0 for d in parsed):
-            raise GraphscanError(
-                f"--shape {text!r}: expected NAME=D0,D1,... with non-negative integers", EXIT_INPUTS
-            )
+            raise GraphscanError(f"--shape {text!r}: expected NAME=D0,D1,... with non-negative integers", EXIT_INPUTS)
         if name in shapes:
             raise GraphscanError(f"--shape: {name!r} given twice", EXIT_INPUTS)
         shapes[name] = parsed
@@ -828,14 +820,14 @@ def resolve_shape(spec, shapes, default_size):
     """The concrete shape to generate for ``spec``, and whether a default was used."""
     if spec.name in shapes:
         wanted = shapes[spec.name]
-        if spec.dims is not None:
-            if len(wanted) != len(spec.dims) or any(
-                d is not None and d != w for d, w in zip(spec.dims, wanted)
-            ):
-                raise GraphscanError(
-                    f"--shape {spec.name}={','.join(map(str, wanted))}: the model declares {spec.describe()}",
-                    EXIT_INPUTS,
-                )
+        fits = spec.dims is None or (
+            len(wanted) == len(spec.dims) and all(d is None or d == w for d, w in zip(spec.dims, wanted))
+        )
+        if not fits:
+            raise GraphscanError(
+                f"--shape {spec.name}={','.join(map(str, wanted))}: the model declares {spec.describe()}",
+                EXIT_INPUTS,
+            )
         return list(wanted), False
     if spec.dims is None:
         raise GraphscanError(
@@ -882,8 +874,6 @@ def read_npz_inputs(path, specs):
     its declared dtype and shape before its data is read; other members are
     never read."""
     import zipfile
-
-    import numpy as np
 
     check_readable(path)
     try:
@@ -948,7 +938,8 @@ def check_array_fits(path, spec, dtype, shape):
     is_text = spec.type_text == "STRING" and np.dtype(dtype).kind in "US"
     if not is_text and (spec.dtype is None or np.dtype(dtype).newbyteorder("=") != np.dtype(spec.dtype)):
         raise GraphscanError(
-            f"{shown(path)}: array {spec.name!r} is {np.dtype(dtype).name} {list(shape)}, the model wants {spec.describe()}",
+            f"{shown(path)}: array {spec.name!r} is {np.dtype(dtype).name} {list(shape)}, "
+            f"the model wants {spec.describe()}",
             EXIT_INPUTS,
         )
     if spec.dims is not None and (
@@ -986,7 +977,8 @@ def check_same_inputs(float_model, quant_model, a, b):
     specs = [{s.name: s for s in input_specs(m)} for m in (float_model, quant_model)]
     if sorted(specs[0]) != sorted(specs[1]):
         raise GraphscanError(
-            f"{shown(a)} and {shown(b)}: the models' inputs differ ({', '.join(sorted(specs[0]))} vs {', '.join(sorted(specs[1]))})",
+            f"{shown(a)} and {shown(b)}: the models' inputs differ "
+            f"({', '.join(sorted(specs[0]))} vs {', '.join(sorted(specs[1]))})",
             EXIT_INPUTS,
         )
     for name, first in specs[0].items():
@@ -997,7 +989,8 @@ def check_same_inputs(float_model, quant_model, a, b):
         )
         if first.type_text != second.type_text or not dims_agree:
             raise GraphscanError(
-                f"{shown(a)} and {shown(b)}: input {name!r} is {first.describe()} in one and {second.describe()} in the other",
+                f"{shown(a)} and {shown(b)}: input {name!r} is {first.describe()} in one "
+                f"and {second.describe()} in the other",
                 EXIT_INPUTS,
             )
 
@@ -1028,10 +1021,7 @@ def static_shapes(model):
     for info in list(graph.input) + list(graph.value_info) + list(graph.output):
         tensor_type = info.type.tensor_type
         if tensor_type.HasField("shape"):
-            shapes[info.name] = [
-                d.dim_value if d.HasField("dim_value") else None
-                for d in tensor_type.shape.dim
-            ]
+            shapes[info.name] = [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
     for init in graph.initializer:
         shapes[init.name] = list(init.dims)
     return shapes
@@ -1041,10 +1031,7 @@ def broadcasts_to(c_shape, m, n):
     """Whether C of ``c_shape`` unidirectionally broadcasts to (m, n); m may be unknown."""
     if len(c_shape) > 2:
         return False
-    for dim, target in zip(reversed(c_shape), (n, m)):
-        if dim != 1 and (target is None or dim != target):
-            return False
-    return True
+    return all(dim == 1 or (target is not None and dim == target) for dim, target in zip(reversed(c_shape), (n, m)))
 
 
 def gemm_plan(index, model, shapes, initializer_types, graph_outputs, matmul):
@@ -1052,11 +1039,7 @@ def gemm_plan(index, model, shapes, initializer_types, graph_outputs, matmul):
     node = model.graph.node[matmul]
     product = node.output[0]
     consumers = index.consumers_of(product)
-    if (
-        len(consumers) != 1
-        or index.op_types[consumers[0]] != "Add"
-        or product in graph_outputs
-    ):
+    if len(consumers) != 1 or index.op_types[consumers[0]] != "Add" or product in graph_outputs:
         return None, None, SKIP_OUTPUT_SHARED
     add = consumers[0]
     others = [t for t in model.graph.node[add].input if t != product]
@@ -1135,14 +1118,10 @@ def run_model(model, feeds, path):
     run_options = ort.RunOptions()
     run_options.log_severity_level = 4
     try:
-        session = ort.InferenceSession(
-            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-        )
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         return session.run(None, feeds, run_options)
     except Exception as exc:
-        raise GraphscanError(
-            f"{shown(path)}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME
-        )
+        raise GraphscanError(f"{shown(path)}: model does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME)
 
 
 def compare_outputs(expected, actual):
@@ -1251,10 +1230,8 @@ def write_atomically(data, path):
         raise GraphscanError(f"{shown(path)}: cannot write ({exc.strerror or exc})", EXIT_NO_FILE)
     finally:  # also on KeyboardInterrupt
         if temporary is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(temporary)
-            except OSError:
-                pass
     fsync_folder(folder)
 
 
@@ -1279,9 +1256,7 @@ def load_with_weights(path):
 
     if any(external_data_helper.uses_external_data(t) for t in model.graph.initializer):
         try:
-            external_data_helper.load_external_data_for_model(
-                model, os.path.dirname(os.path.abspath(path))
-            )
+            external_data_helper.load_external_data_for_model(model, os.path.dirname(os.path.abspath(path)))
         except Exception as exc:
             raise GraphscanError(f"{shown(path)}: cannot load external data ({one_line(exc)})", EXIT_NOT_ONNX)
     return model
@@ -1387,9 +1362,7 @@ TRACE_FETCH_BUDGET = 16 * 2**20
 TRACE_CHUNK_ELEMENTS = 2**19
 # graphscan's combined model runs in sessions of at most this many nodes.
 TRACE_SEGMENT_NODES = 5000
-QDQ_SUFFIX = re.compile(
-    r"_(?:QuantizeLinear_Input|QuantizeLinear_Output|DequantizeLinear_Output)(?:_\d+)?$"
-)
+QDQ_SUFFIX = re.compile(r"_(?:QuantizeLinear_Input|QuantizeLinear_Output|DequantizeLinear_Output)(?:_\d+)?$")
 ROW_PREFIX = "graphscan.row{}/"  # tensors of row k's single-op model inside the combined graph
 FLOAT_PREFIX = "graphscan.float/"  # the float model's tensors inside the combined graph
 STATS_PREFIX = "graphscan.stats/"  # the statistics graphscan adds
@@ -1443,10 +1416,8 @@ def inferred_types(model, feeds):
             body.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
     body.output.extend(graph.output)
     body.value_info.extend(graph.value_info)
-    try:
+    with contextlib.suppress(Exception):  # else what the model declares is all there is
         body = onnx.shape_inference.infer_shapes(shell, strict_mode=False, data_prop=True).graph
-    except Exception:
-        pass  # what the model declares is all there is
     infos = itertools.chain(body.input, body.value_info, body.output)
     return {info.name: info.type for info in infos if info.type.WhichOneof("value")}
 
@@ -1512,7 +1483,7 @@ def tensor_bytes(type_proto):
     return None if itemsize is None else (math.prod(dims), math.prod(dims) * itemsize)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def item_size(elem_type):
     """Bytes per element of an ONNX tensor type, None when unknown."""
     try:
@@ -1937,7 +1908,12 @@ class CombinedModel:
             ref, val = self.add_node(rank, "Reshape", [reference, flat]), self.add_node(rank, "Reshape", [value, flat])
             ref_size = self.add_node(rank, "Reshape", [self.add_node(rank, "Size", [ref]), one])
             val_size = self.add_node(rank, "Reshape", [self.add_node(rank, "Size", [val]), one])
-            pieces = [(self.add_node(rank, "Slice", [ref, start, val_size]), self.add_node(rank, "Slice", [val, start, ref_size]))]
+            pieces = [
+                (
+                    self.add_node(rank, "Slice", [ref, start, val_size]),
+                    self.add_node(rank, "Slice", [val, start, ref_size]),
+                )
+            ]
             scalars["shapes"] = [self.add_node(rank, "Shape", [reference]), self.add_node(rank, "Shape", [value])]
         else:
             pieces = self.chunks(rank, [reference, value], math.prod(tensor_dims(first)))
@@ -1995,9 +1971,12 @@ class CombinedModel:
         else:
             values, bounds = self.as_double(rank, tensor), (np.float64(lo), np.float64(hi))
         outside = self.add_node(
-            rank, "Or",
-            [self.add_node(rank, "Less", [values, self.add_constant(bounds[0])]),
-             self.add_node(rank, "Greater", [values, self.add_constant(bounds[1])])],
+            rank,
+            "Or",
+            [
+                self.add_node(rank, "Less", [values, self.add_constant(bounds[0])]),
+                self.add_node(rank, "Greater", [values, self.add_constant(bounds[1])]),
+            ],
         )
         elements = tensor_bytes(type_proto)
         wide = elements is None or elements[0] >= 2**31
@@ -2083,7 +2062,9 @@ class CombinedModel:
         model.ir_version = max(model.ir_version, self.float_model.ir_version)
         model.opset_import.extend(self.quant_model.opset_import)
         quant_opsets = {o.domain or "ai.onnx" for o in model.opset_import}
-        model.opset_import.extend(o for o in self.float_model.opset_import if (o.domain or "ai.onnx") not in quant_opsets)
+        model.opset_import.extend(
+            o for o in self.float_model.opset_import if (o.domain or "ai.onnx") not in quant_opsets
+        )
         model.functions.extend(self.quant_model.functions)
         known = {(f.domain, f.name) for f in model.functions}
         model.functions.extend(f for f in self.float_model.functions if (f.domain, f.name) not in known)
@@ -2112,7 +2093,7 @@ class CombinedModel:
         """The scheduled nodes cut into runs of at most TRACE_SEGMENT_NODES."""
         order = schedule(self.entries)
         self.entries = None
-        return [order[k:k + TRACE_SEGMENT_NODES] for k in range(0, len(order), TRACE_SEGMENT_NODES)]
+        return [order[k : k + TRACE_SEGMENT_NODES] for k in range(0, len(order), TRACE_SEGMENT_NODES)]
 
     def initializer_protos(self):
         """``{name: TensorProto}`` of every initializer a node may read."""
@@ -2126,6 +2107,7 @@ class CombinedModel:
 
 def float_in_quant_opset(float_model, quant_model, a, b):
     """The float model at the quantized model's default opset, so both run in one session."""
+
     def default_opset(model):
         return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
 
@@ -2136,8 +2118,7 @@ def float_in_quant_opset(float_model, quant_model, a, b):
         return onnx.version_converter.convert_version(float_model, wanted)
     except Exception as exc:
         raise GraphscanError(
-            f"{a}: opset {have} cannot join {b}'s opset {wanted} in graphscan's combined model "
-            f"({one_line(exc)})",
+            f"{a}: opset {have} cannot join {b}'s opset {wanted} in graphscan's combined model ({one_line(exc)})",
             EXIT_RUNTIME,
         )
 
@@ -2289,7 +2270,9 @@ def run_segment(model, feeds, outputs, options, run_options, a, b, rows):
         row = ROW_NODE.match(node)
         if row:
             k = int(row.group(1))
-            message = f"{shown(b)}: graphscan's own single-op model for node {rows[k].name!r} does not run in onnxruntime"
+            message = (
+                f"{shown(b)}: graphscan's own single-op model for node {rows[k].name!r} does not run in onnxruntime"
+            )
             raise SingleOpModelError(f"{message} ({one_line(exc)})", k, one_line(exc))
         if node.startswith(FLOAT_PREFIX):
             message = f"{shown(a)}: model does not run in onnxruntime"
@@ -2415,7 +2398,7 @@ def save_op_models(folder, quant_model, rows, op_models, arrays_by_row):
         raise GraphscanError(f"{shown(folder)}: cannot create ({exc.strerror or exc})", EXIT_NO_FILE)
     saved = [(row, op, arrays) for row, op, arrays in zip(rows, op_models, arrays_by_row) if op and arrays]
     stems = file_stems([row["node"] for row, _, _ in saved])
-    for stem, (row, op, (arrays, reference, isolated)) in zip(stems, saved):
+    for stem, (_row, op, (arrays, reference, isolated)) in zip(stems, saved):
         model = standalone_model(quant_model, op, arrays, isolated)
         write_atomically(model.SerializeToString(), os.path.join(folder, stem + ".onnx"))
         write_atomically(npz_bytes(arrays, reference), os.path.join(folder, stem + ".npz"))
@@ -2489,7 +2472,9 @@ def trace(a, b, inputs=None, seed=0, tolerance=TRACE_TOLERANCE, save=None, shape
     try:
         return trace_models(a, b, inputs, seed, tolerance, save, shape)
     except MemoryError as exc:
-        raise GraphscanError(f"graphscan's combined model of {a} and {b}: out of memory ({one_line(exc)})", EXIT_RUNTIME)
+        raise GraphscanError(
+            f"graphscan's combined model of {a} and {b}: out of memory ({one_line(exc)})", EXIT_RUNTIME
+        )
 
 
 def trace_models(a, b, inputs, seed, tolerance, save, shape):
@@ -2531,7 +2516,8 @@ def trace_models(a, b, inputs, seed, tolerance, save, shape):
         nothing = (None, None)
         rows.append(
             row_answer(
-                quant_index, row,
+                quant_index,
+                row,
                 isolated.result(values) if isolated else nothing,
                 propagated.result(values) if propagated else nothing,
                 clip.result(values) if clip else None,
@@ -2539,9 +2525,7 @@ def trace_models(a, b, inputs, seed, tolerance, save, shape):
         )
         arrays = None
         if save is not None and isolated is not None and rows[-1]["isolated_max_abs"] is not None:
-            inputs_of_op = {
-                t: values[combined.float_name(r) if r is not None else t] for t, r in row.op.feeds.items()
-            }
+            inputs_of_op = {t: values[combined.float_name(r) if r is not None else t] for t, r in row.op.feeds.items()}
             arrays = (inputs_of_op, values[combined.float_name(row.reference)], values[op_output])
         saved.append(arrays)
     if save is not None:
@@ -2557,12 +2541,18 @@ def trace_models(a, b, inputs, seed, tolerance, save, shape):
         },
         "worst_isolated": worst_isolated(rows),
         "first_over": first_over(rows, tolerance),
-        "unmatched": unmatched_float_nodes(matcher.index, quant_index, rows) + [
+        "unmatched": unmatched_float_nodes(matcher.index, quant_index, rows)
+        + [
             {"node": row.name, "op_type": quant_index.op_types[row.i], "reason": REASON_NOT_TENSOR.format(row.problem)}
             for row in plan
             if row.problem
-        ] + [
-            {"node": plan[k].name, "op_type": quant_index.op_types[plan[k].i], "reason": REASON_SINGLE_OP.format(reason)}
+        ]
+        + [
+            {
+                "node": plan[k].name,
+                "op_type": quant_index.op_types[plan[k].i],
+                "reason": REASON_SINGLE_OP.format(reason),
+            }
             for k, reason in sorted(failed.items())
         ],
     }
@@ -2602,18 +2592,30 @@ TIME_CLASSES = ["int8", "int8_data", "float", "quantize", "dequantize"]
 PER_NODE_PROVIDERS = {"CPUExecutionProvider", "CUDAExecutionProvider", "DmlExecutionProvider", "ROCMExecutionProvider"}
 # Kernels that compute on integers.
 INT8_KERNELS = {
-    "QGemm", "MatMulInteger", "ConvInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul",
-    "QAttention", "QEmbedLayerNormalization", "DynamicQuantizeLSTM", "MatMulNBits",
+    "QGemm",
+    "MatMulInteger",
+    "ConvInteger",
+    "MatMulIntegerToFloat",
+    "DynamicQuantizeMatMul",
+    "QAttention",
+    "QEmbedLayerNormalization",
+    "DynamicQuantizeLSTM",
+    "MatMulNBits",
 }
 QUANTIZE_KERNELS = {QUANTIZE, "DynamicQuantizeLinear"}
 # Integer element types that quantized data is stored in.
 QUANTIZED_TYPES = {
-    onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16,
-    onnx.TensorProto.UINT16, onnx.TensorProto.INT4, onnx.TensorProto.UINT4,
+    onnx.TensorProto.INT8,
+    onnx.TensorProto.UINT8,
+    onnx.TensorProto.INT16,
+    onnx.TensorProto.UINT16,
+    onnx.TensorProto.INT4,
+    onnx.TensorProto.UINT4,
 }
 # onnxruntime's CPU QDQ fusions (qdq_selector_action_transformer.cc, 1.32):
 # op types whose DQ -> op -> Q group can become an integer kernel or drop its
 # Q/DQ. Any other wrapped op type keeps a float kernel on this provider.
+# fmt: off
 QDQ_FUSIONS = {
     "CPUExecutionProvider": {
         "AveragePool", "LeakyRelu", "GlobalAveragePool", "Sigmoid", "Softmax",  # QLinear unary
@@ -2622,6 +2624,7 @@ QDQ_FUSIONS = {
         "GatherElements", "Reshape", "Slice", "Squeeze", "Tile", "Transpose", "Unsqueeze", "ArgMax",
     },
 }
+# fmt: on
 # Ops whose fused kernel takes int8 weights beside uint8 activations: the
 # weight operand does not count when operand types are compared.
 WEIGHT_OPERANDS = {"Conv": {1, 2}, "MatMul": {1}, "Gemm": {1, 2}}
@@ -2689,9 +2692,7 @@ def check_provider(provider):
 
     available = ort.get_available_providers()
     if provider not in available:
-        raise GraphscanError(
-            f"usage: provider {provider} is not available here ({', '.join(available)})", EXIT_USAGE
-        )
+        raise GraphscanError(f"usage: provider {provider} is not available here ({', '.join(available)})", EXIT_USAGE)
     if provider not in PER_NODE_PROVIDERS:
         raise GraphscanError(
             f"usage: provider {provider} compiles subgraphs into its own kernels, so its graph "
@@ -2779,7 +2780,11 @@ def tensor_types(graph):
 def derived_output_type(node, types):
     op = node.op_type
     if op == QUANTIZE:
-        return types.get(node.input[2], onnx.TensorProto.UINT8) if len(node.input) > 2 and node.input[2] else onnx.TensorProto.UINT8
+        return (
+            types.get(node.input[2], onnx.TensorProto.UINT8)
+            if len(node.input) > 2 and node.input[2]
+            else onnx.TensorProto.UINT8
+        )
     if op == DEQUANTIZE:
         return types.get(node.input[1], onnx.TensorProto.FLOAT) if len(node.input) > 1 else onnx.TensorProto.FLOAT
     if op == "DynamicQuantizeLinear":
@@ -2795,7 +2800,7 @@ def derived_output_type(node, types):
 def kernel_class(optimized, j):
     """int8 / int8_data / float for a kernel of the optimized graph (Q and DQ excluded)."""
     op = optimized.op_type(j)
-    if op in INT8_KERNELS or op.startswith("QLinear") or op.startswith("NhwcQLinear"):
+    if op in INT8_KERNELS or op.startswith(("QLinear", "NhwcQLinear")):
         return "int8"
     if op not in QUANTIZE_KERNELS:
         first = next((t for t in optimized.graph.node[j].input if t), None)
@@ -2854,8 +2859,7 @@ def find_in_optimized(index, names, optimized, i):
         return readers.pop(), "signature"
     op_type = index.op_types[i]
     neighbours = {
-        j for tensor in index.inputs[i] for j in optimized.index.consumers_of(tensor)
-        if optimized.op_type(j) == op_type
+        j for tensor in index.inputs[i] for j in optimized.index.consumers_of(tensor) if optimized.op_type(j) == op_type
     }
     if len(neighbours) == 1:
         return neighbours.pop(), "neighbours"
@@ -2867,8 +2871,7 @@ def tensors_gone(index, optimized, i):
     folded into constants (initializers)."""
     live = optimized.index
     return all(
-        t in live.initializers or (live.producer_of(t) is None and not live.consumers_of(t))
-        for t in index.outputs[i]
+        t in live.initializers or (live.producer_of(t) is None and not live.consumers_of(t)) for t in index.outputs[i]
     )
 
 
@@ -2915,7 +2918,11 @@ def map_to_kernels(index, names, optimized):
             if tensors_gone(index, optimized, i):
                 mapping[i] = (None, True, None)  # removed: folded or an Identity
             else:
-                mapping[i] = (None, False, "not found in the optimized graph by name, tensor, Q/DQ signature or neighbours")
+                mapping[i] = (
+                    None,
+                    False,
+                    "not found in the optimized graph by name, tensor, Q/DQ signature or neighbours",
+                )
         else:
             mapping[i] = (j, runner.get(j) != i, None)
     return mapping
@@ -2944,7 +2951,9 @@ def operand_types(optimized, j, op_type):
         readers = live.consumers_of(tensor)
         if not readers or not all(live.is_q[r] for r in readers):
             complete = False
-        outputs += [dtype_name(optimized.element_type(graph.node[r].output[0])).lower() for r in readers if live.is_q[r]]
+        outputs += [
+            dtype_name(optimized.element_type(graph.node[r].output[0])).lower() for r in readers if live.is_q[r]
+        ]
     return inputs, weights, outputs, complete
 
 
@@ -2962,12 +2971,18 @@ def float_reason(op_type, optimized, j, level, provider, int8_allowed):
         detail += f"; weights {', '.join(weights)}"
     detail += f"; outputs {', '.join(outputs) or '-'}"
     if not complete:
-        return {"code": REASON_OTHER, "detail": "in the optimized graph not every input comes from a "
-                f"DequantizeLinear or not every output goes only to QuantizeLinear ({detail})"}
+        return {
+            "code": REASON_OTHER,
+            "detail": "in the optimized graph not every input comes from a "
+            f"DequantizeLinear or not every output goes only to QuantizeLinear ({detail})",
+        }
     if len(set(inputs + outputs)) > 1:
         return {"code": REASON_MIXED, "detail": detail}
     if op_type in INT8_GATED_FUSIONS and set(inputs) == {"int8"} and not int8_allowed:
-        return {"code": REASON_INT8, "detail": f"{detail}; int8 activations need session.qdqisint8allowed=1 (--int8-allowed)"}
+        return {
+            "code": REASON_INT8,
+            "detail": f"{detail}; int8 activations need session.qdqisint8allowed=1 (--int8-allowed)",
+        }
     return {"code": REASON_OTHER, "detail": f"{detail}; the fusion's other conditions failed"}
 
 
@@ -2991,15 +3006,17 @@ def classify_nodes(index, names, optimized, level, provider, int8_allowed):
             kind = kernel_class(optimized, j)
             if kind == "float" and wrapped:
                 reason = float_reason(index.op_types[i], optimized, j, level, provider, int8_allowed)
-        rows.append({
-            "node": index.name(i),
-            "op_type": index.op_types[i],
-            "wrapped": wrapped,
-            "class": kind,
-            "kernel": kernel,
-            "runs_in": runs_in,
-            "reason": reason,
-        })
+        rows.append(
+            {
+                "node": index.name(i),
+                "op_type": index.op_types[i],
+                "wrapped": wrapped,
+                "class": kind,
+                "kernel": kernel,
+                "runs_in": runs_in,
+                "reason": reason,
+            }
+        )
     return rows, unmapped
 
 
@@ -3034,8 +3051,16 @@ def runtime_environment(level, provider, int8_allowed):
     }
 
 
-def runtime(path, level="extended", provider="CPUExecutionProvider", int8_allowed=False, time=False,
-            inputs=None, shape=None, runs=RUNTIME_DEFAULT_RUNS):
+def runtime(
+    path,
+    level="extended",
+    provider="CPUExecutionProvider",
+    int8_allowed=False,
+    time=False,
+    inputs=None,
+    shape=None,
+    runs=RUNTIME_DEFAULT_RUNS,
+):
     """Per compute node: the kernel onnxruntime runs for it and its class."""
     if level not in RUNTIME_LEVELS:
         raise GraphscanError(f"usage: --level must be one of {', '.join(RUNTIME_LEVELS)}", EXIT_USAGE)
@@ -3059,8 +3084,19 @@ def runtime(path, level="extended", provider="CPUExecutionProvider", int8_allowe
     }
     if time:
         samples, defaulted = model_samples(named, [inputs] if inputs else None, shapes, 0, 1)
-        answer["time"] = runtime_time(named_bytes, optimized_proto, path, rows, optimized, samples[0],
-                                      defaulted, level, provider, int8_allowed, runs)
+        answer["time"] = runtime_time(
+            named_bytes,
+            optimized_proto,
+            path,
+            rows,
+            optimized,
+            samples[0],
+            defaulted,
+            level,
+            provider,
+            int8_allowed,
+            runs,
+        )
     return answer
 
 
@@ -3110,12 +3146,14 @@ def profiler_floor(provider, runs):
     float: work that takes no time, so what the profiler reports is its floor.
     """
     import numpy as np
-
     import onnxruntime as ort
 
-    nodes = [onnx.helper.make_node("Identity", [f"t{k}"], [f"t{k + 1}"], name=f"n{k}") for k in range(PROFILE_FLOOR_NODES)]
+    nodes = [
+        onnx.helper.make_node("Identity", [f"t{k}"], [f"t{k + 1}"], name=f"n{k}") for k in range(PROFILE_FLOOR_NODES)
+    ]
     graph = onnx.helper.make_graph(
-        nodes, "floor",
+        nodes,
+        "floor",
         [onnx.helper.make_tensor_value_info("t0", onnx.TensorProto.FLOAT, [1])],
         [onnx.helper.make_tensor_value_info(f"t{PROFILE_FLOOR_NODES}", onnx.TensorProto.FLOAT, [1])],
     )
@@ -3124,8 +3162,14 @@ def profiler_floor(provider, runs):
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = 1
     options.log_severity_level = 3
-    events = profiled_runs(model.SerializeToString(), "graphscan's profiler-floor model", options, provider,
-                           {"t0": np.zeros(1, np.float32)}, max(1, min(runs, 5)))
+    events = profiled_runs(
+        model.SerializeToString(),
+        "graphscan's profiler-floor model",
+        options,
+        provider,
+        {"t0": np.zeros(1, np.float32)},
+        max(1, min(runs, 5)),
+    )
     return float(np.median([duration for _, _, _, duration in events])) if events else 0.0
 
 
@@ -3184,8 +3228,9 @@ def interleaved_wall_times(sessions, feeds, runs):
     return [statistics.median(t) for t in times]
 
 
-def runtime_time(named_bytes, optimized_proto, path, rows, optimized, feeds, defaulted, level, provider,
-                 int8_allowed, runs):
+def runtime_time(
+    named_bytes, optimized_proto, path, rows, optimized, feeds, defaulted, level, provider, int8_allowed, runs
+):
     """The ``time`` object of ``runtime --time``."""
     floor = profiler_floor(provider, runs)
     options = runtime_session_options(level, int8_allowed, threads=1)
@@ -3213,9 +3258,12 @@ def runtime_time(named_bytes, optimized_proto, path, rows, optimized, feeds, def
     frozen = runtime_session_options("basic", False, threads=1)
     frozen.graph_optimization_level = type(frozen.graph_optimization_level).ORT_DISABLE_ALL
     sessions = [
-        build_session(optimized_proto.SerializeToString(), f"{shown(path)} (as optimized by onnxruntime)", frozen, provider),
-        build_session(ablated.SerializeToString(), f"graphscan's copy of {shown(path)} without Q/DQ round trips",
-                      frozen, provider),
+        build_session(
+            optimized_proto.SerializeToString(), f"{shown(path)} (as optimized by onnxruntime)", frozen, provider
+        ),
+        build_session(
+            ablated.SerializeToString(), f"graphscan's copy of {shown(path)} without Q/DQ round trips", frozen, provider
+        ),
     ]
     try:
         model_s, ablated_s = interleaved_wall_times(sessions, feeds, runs)
@@ -3339,18 +3387,35 @@ def budget_holds(name, value, limit):
     return value >= limit  # an SQNR of inf (equal outputs) holds, nan does not
 
 
-def check(path, float=None, budget=None, max_float=None, max_islands=None, max_crossings=None,
-          min_int8=None, min_sqnr=None, inputs=None, shape=None, seed=0):
+def check(
+    path,
+    float=None,
+    budget=None,
+    max_float=None,
+    max_islands=None,
+    max_crossings=None,
+    min_int8=None,
+    min_sqnr=None,
+    inputs=None,
+    shape=None,
+    seed=0,
+):
     """Measure each budget given (options override the --budget file) and say which hold."""
     limits = read_budget_file(budget) if budget is not None else {}
-    given = {"max_float": max_float, "max_islands": max_islands, "max_crossings": max_crossings,
-             "min_int8": min_int8, "min_sqnr": min_sqnr}
+    given = {
+        "max_float": max_float,
+        "max_islands": max_islands,
+        "max_crossings": max_crossings,
+        "min_int8": min_int8,
+        "min_sqnr": min_sqnr,
+    }
     for name, value in given.items():
         if value is not None:
             limits[name] = budget_limit(name, value, f"--{name.replace('_', '-')}")
     if not limits:
         raise GraphscanError(
-            f"usage: check needs at least one budget (--budget FILE or --{' / --'.join(n.replace('_', '-') for n in BUDGETS)})",
+            "usage: check needs at least one budget (--budget FILE or "
+            f"--{' / --'.join(n.replace('_', '-') for n in BUDGETS)})",
             EXIT_USAGE,
         )
     check_readable(path)
@@ -3366,6 +3431,7 @@ def check(path, float=None, budget=None, max_float=None, max_islands=None, max_c
         for name in names
     ]
     return {"model": path, "float": float, "budgets": budgets, "ok": all(b["ok"] for b in budgets)}
+
 
 # --format table: aligned plain text for people
 #
@@ -3389,7 +3455,7 @@ def middle_cut(text, width):
         return text[:width]
     keep = width - len(CUT)
     head = (keep + 1) // 2
-    return text[:head] + CUT + text[len(text) - (keep - head):]
+    return text[:head] + CUT + text[len(text) - (keep - head) :]
 
 
 def cell(value):
@@ -3543,10 +3609,16 @@ def islands_table(answer, top):
         for row in shown
     ]
     return page(
-        format_fields([("model", answer["model"])] + [(key, answer[key]) for key in ("compute", "wrapped", "float", "island_count")]),
+        format_fields(
+            [("model", answer["model"])]
+            + [(key, answer[key]) for key in ("compute", "wrapped", "float", "island_count")]
+        ),
         section(
             "float islands, largest first (# = position in the JSON list + 1)",
-            ["#", "size", "op_types", "first", "last"], rows, top, cut_first=["op_types"],
+            ["#", "size", "op_types", "first", "last"],
+            rows,
+            top,
+            cut_first=["op_types"],
         ),
         *listing,
     )
@@ -3559,7 +3631,9 @@ def boundary_table(answer, top):
     members = [island["nodes"] for island in per_island]
     rows = island_rows(members, positions, lambda k: [per_island[k]["in_dequantize"], per_island[k]["out_quantize"]])
     return page(
-        format_fields([("model", answer["model"]), ("island_count", answer["island_count"]), ("crossings", answer["crossings"])]),
+        format_fields(
+            [("model", answer["model"]), ("island_count", answer["island_count"]), ("crossings", answer["crossings"])]
+        ),
         section("crossings per island, largest first", ["#", "size", "DQ in", "Q out", "first", "last"], rows, top),
     )
 
@@ -3580,8 +3654,13 @@ def fuse_table(answer, top):
     skipped = [[s["node"], s["reason"]] for s in answer["skipped"]]
     return page(
         format_fields(
-            [("model", answer["model"]), ("output", answer["output"]), ("fused", len(fused)),
-             ("skipped", len(skipped)), ("max_abs_error", answer["max_abs_error"])]
+            [
+                ("model", answer["model"]),
+                ("output", answer["output"]),
+                ("fused", len(fused)),
+                ("skipped", len(skipped)),
+                ("max_abs_error", answer["max_abs_error"]),
+            ]
         ),
         section("fused", ["matmul", "add", "gemm"], fused, top),
         section("skipped", ["matmul", "reason"], skipped, top),
@@ -3627,13 +3706,23 @@ def trace_table(answer, top):
         body = [section("ops in graph order", columns, rows(answer["ops"]), cut_first=["op_type"])]
     else:
         body = [
-            section("ops by isolated error", columns, rows(largest_first(answer["ops"], "isolated_max_abs")), top, ["op_type"]),
-            section("ops by propagated error", columns, rows(largest_first(answer["ops"], "propagated_max_abs")), top, ["op_type"]),
+            section(
+                "ops by isolated error",
+                columns,
+                rows(largest_first(answer["ops"], "isolated_max_abs")),
+                top,
+                ["op_type"],
+            ),
+            section(
+                "ops by propagated error",
+                columns,
+                rows(largest_first(answer["ops"], "propagated_max_abs")),
+                top,
+                ["op_type"],
+            ),
         ]
     unmatched = [[u["node"], u["op_type"], u["reason"]] for u in answer["unmatched"]]
     return page(head, *body, section("unmatched float nodes", ["node", "op_type", "reason"], unmatched, top))
-
-
 
 
 def node_us(answer, node):
@@ -3645,9 +3734,16 @@ def runtime_table(answer, top):
     """Classes by op type and nodes in graph order (slowest first with ``top`` and ``--time``)."""
     env = answer["environment"]
     head = format_fields(
-        [("model", answer["model"]), ("onnxruntime", env.get("onnxruntime")), ("provider", env.get("provider")),
-         ("level", env.get("level")), ("machine", env.get("machine")), ("int8_allowed", env.get("int8_allowed")),
-         ("compute", answer["compute"]), ("wrapped", answer["wrapped"])]
+        [
+            ("model", answer["model"]),
+            ("onnxruntime", env.get("onnxruntime")),
+            ("provider", env.get("provider")),
+            ("level", env.get("level")),
+            ("machine", env.get("machine")),
+            ("int8_allowed", env.get("int8_allowed")),
+            ("compute", answer["compute"]),
+            ("wrapped", answer["wrapped"]),
+        ]
         + [(name, answer["classes"].get(name, 0)) for name in RUNTIME_CLASSES]
         + [("wrapped_but_float", answer["wrapped_but_float"]), ("float_but_int8", answer["float_but_int8"])]
     )
@@ -3665,7 +3761,11 @@ def runtime_table(answer, top):
         for n in nodes_list
     ]
     node_titles = ["node", "op_type", "wrapped", "class", "kernel", "reason"] + (["us"] if timed else [])
-    blocks = [head, section("by op_type", ["op_type"] + RUNTIME_CLASSES, op_rows), section(title, node_titles, node_rows, top, ["op_type"])]
+    blocks = [
+        head,
+        section("by op_type", ["op_type"] + RUNTIME_CLASSES, op_rows),
+        section(title, node_titles, node_rows, top, ["op_type"]),
+    ]
     if timed:
         time = answer["time"]
         numbers = [[key, time[key]] for key in ("runs", "profiler_floor_us", "round_trip_cost")]
@@ -3690,7 +3790,12 @@ def impact_table(answer, top):
     blocks = [
         head,
         section("ops by output gain when kept float", ["node", "op_type", "sqnr_db", "gain_db"], ops, top),
-        section("tensors by output gain when kept float", ["tensor", "producer", "gain_db", "rounding", "clipped"], tensors, top),
+        section(
+            "tensors by output gain when kept float",
+            ["tensor", "producer", "gain_db", "rounding", "clipped"],
+            tensors,
+            top,
+        ),
     ]
     exclude = answer.get("exclude")
     if exclude is not None:
@@ -3913,6 +4018,7 @@ def dot(path, runtime_colours=False, collapse=False):
             lines.append(f"  {key[0]} -> {key[1]}" + (f" {dot_attributes(label=label)};" if label else ";"))
     lines.append("}")
     return "\n".join(lines) + "\n"
+
 
 # impact: which operator's quantization costs the output, and what to exclude
 #
@@ -4249,9 +4355,7 @@ def switched_model(plan, quant_model, float_model):
                 node.input[pos] = value
                 op_variants[k][condition] = True
     graph.node.extend(builder.nodes)
-    tensor_variants = [
-        (on, None if rounding[m] is None else {**on, **rounding[m]}) for m, on in enumerate(tensor_on)
-    ]
+    tensor_variants = [(on, None if rounding[m] is None else {**on, **rounding[m]}) for m, on in enumerate(tensor_on)]
     return builder.model, builder.defaults, op_variants, tensor_variants
 
 
@@ -4345,7 +4449,12 @@ class Segments:
         while stack:
             for t in stack.pop().input:
                 node = self.made_by.get(t)
-                if node is not None and node.name in self.machinery and id(node) in self.segment_of and node not in feeding:
+                if (
+                    node is not None
+                    and node.name in self.machinery
+                    and id(node) in self.segment_of
+                    and node not in feeding
+                ):
                     feeding.append(node)
                     stack.append(node)
         switched = {self.segment_of[id(n)] for n in feeding}
@@ -4456,7 +4565,9 @@ def segmented_model(model, data_inputs, machinery, count=IMPACT_SEGMENTS):
     for j, out in enumerate(leaving):
         (switched, switched_out), (plain, plain_out) = segment_versions(segments, j, out)
         choose = onnx.helper.make_node(
-            "If", [flag(SWITCHED.format(j))], out if j == last else [SEGMENT.format("run", j, t) for t in out],
+            "If",
+            [flag(SWITCHED.format(j))],
+            out if j == last else [SEGMENT.format("run", j, t) for t in out],
             name=f"graphscan.run{j}",
             then_branch=branch(f"graphscan.switched{j}", switched, switched_out, out),
             else_branch=branch(f"graphscan.plain{j}", plain, plain_out, out),
@@ -4471,10 +4582,15 @@ def segmented_model(model, data_inputs, machinery, count=IMPACT_SEGMENTS):
             cached.append(onnx.helper.make_node("Identity", [caches[-1][0]], [SEGMENT.format("cached", j, t)]))
         segmented.graph.node.append(
             onnx.helper.make_node(
-                "If", [flag(SKIP.format(j))], out, name=f"graphscan.segment{j}",
+                "If",
+                [flag(SKIP.format(j))],
+                out,
+                name=f"graphscan.segment{j}",
                 then_branch=branch(f"graphscan.cached{j}", cached, [SEGMENT.format("cached", j, t) for t in out], out),
                 else_branch=onnx.helper.make_graph(
-                    [choose], f"graphscan.computed{j}", [],
+                    [choose],
+                    f"graphscan.computed{j}",
+                    [],
                     [onnx.helper.make_tensor_value_info(SEGMENT.format("run", j, t), types[t], None) for t in out],
                 ),
             )
@@ -4832,6 +4948,7 @@ def impact(a, b, inputs=None, seed=0, shape=None, target_sqnr=None, max_exclude=
 # --------------------------------------------------------------------------
 # Command line
 
+
 def non_negative_int(text):
     """argparse type of ``--seed``, ``--top``, ``--max-exclude``: an integer >= 0 (exit 2 otherwise)."""
     try:
@@ -4861,18 +4978,40 @@ TRACE_OPTIONS = [
     SEED_OPTION,
     ("--tolerance", {"type": finite_non_negative, "default": TRACE_TOLERANCE, "help": "first_over threshold"}),
     ("--save", {"metavar": "DIR", "help": "write each op's single-op model and inputs here"}),
-    ("--shape", {"action": "append", "metavar": "NAME=D0,D1,...",
-                 "help": "shape of a generated input (repeatable; symbolic dims default to 1)"}),
+    (
+        "--shape",
+        {
+            "action": "append",
+            "metavar": "NAME=D0,D1,...",
+            "help": "shape of a generated input (repeatable; symbolic dims default to 1)",
+        },
+    ),
 ]
 
 RUNTIME_OPTIONS = [
-    ("--level", {"choices": list(RUNTIME_LEVELS), "default": "extended", "help": "onnxruntime graph optimization level (default: extended)"}),
+    (
+        "--level",
+        {
+            "choices": list(RUNTIME_LEVELS),
+            "default": "extended",
+            "help": "onnxruntime graph optimization level (default: extended)",
+        },
+    ),
     ("--provider", {"default": "CPUExecutionProvider", "help": "execution provider (default: CPUExecutionProvider)"}),
     ("--int8-allowed", {"action": "store_true", "help": "set session.qdqisint8allowed=1"}),
-    ("--time", {"action": "store_true", "help": "profile kernel time per class and measure the Q/DQ round trips' cost"}),
+    (
+        "--time",
+        {"action": "store_true", "help": "profile kernel time per class and measure the Q/DQ round trips' cost"},
+    ),
     ("--inputs", {"metavar": "FILE.npz", "help": "--time: one array per graph input, by name"}),
-    ("--shape", {"metavar": "NAME=D0,D1,...", "action": "append", "help": "--time: shape of a graph input (repeatable)"}),
-    ("--runs", {"type": int, "default": RUNTIME_DEFAULT_RUNS, "help": f"--time: timed runs (default: {RUNTIME_DEFAULT_RUNS})"}),
+    (
+        "--shape",
+        {"metavar": "NAME=D0,D1,...", "action": "append", "help": "--time: shape of a graph input (repeatable)"},
+    ),
+    (
+        "--runs",
+        {"type": int, "default": RUNTIME_DEFAULT_RUNS, "help": f"--time: timed runs (default: {RUNTIME_DEFAULT_RUNS})"},
+    ),
 ]
 
 CHECK_OPTIONS = [
@@ -4881,7 +5020,10 @@ CHECK_OPTIONS = [
     ("--max-float", {"type": int, "metavar": "N", "help": "at most N float compute nodes"}),
     ("--max-islands", {"type": int, "metavar": "N", "help": "at most N float islands"}),
     ("--max-crossings", {"type": int, "metavar": "N", "help": "at most N boundary crossings"}),
-    ("--min-int8", {"type": float, "metavar": "FRACTION", "help": "at least this fraction of kernels run int8 (runtime)"}),
+    (
+        "--min-int8",
+        {"type": float, "metavar": "FRACTION", "help": "at least this fraction of kernels run int8 (runtime)"},
+    ),
     ("--min-sqnr", {"type": float, "metavar": "DB", "help": "output SQNR against --float of at least DB"}),
     ("--inputs", {"metavar": "FILE.npz", "action": "append", "help": "--min-sqnr: one sample per file (repeatable)"}),
     ("--shape", {"metavar": "NAME=D0,D1,...", "action": "append", "help": "--min-sqnr: shape of a graph input"}),
@@ -4892,10 +5034,22 @@ CHECK_OPTIONS = [
 ANSWER_EXIT_CODES = {"check": lambda answer: EXIT_OK if answer["ok"] else EXIT_BUDGET}
 
 DOT_OPTIONS = [
-    ("--runtime", {"action": "store_true", "dest": "runtime_colours",
-                   "help": "colour nodes by what onnxruntime runs (int8, int8_data, float, absorbed), from the runtime command"}),
-    ("--collapse", {"action": "store_true",
-                    "help": f"draw each connected group of wrapped nodes as one box (for over {COLLAPSE_HINT} compute nodes)"}),
+    (
+        "--runtime",
+        {
+            "action": "store_true",
+            "dest": "runtime_colours",
+            "help": "colour nodes by what onnxruntime runs (int8, int8_data, float, absorbed), "
+            "from the runtime command",
+        },
+    ),
+    (
+        "--collapse",
+        {
+            "action": "store_true",
+            "help": f"draw each connected group of wrapped nodes as one box (for over {COLLAPSE_HINT} compute nodes)",
+        },
+    ),
 ]
 
 FUSE_OPTIONS = [
@@ -4911,6 +5065,7 @@ FUSE_OPTIONS = [
     SEED_OPTION,
 ]
 
+
 def finite_float(text):
     """argparse type: a finite number (NaN and infinities are usage errors)."""
     try:
@@ -4923,12 +5078,28 @@ def finite_float(text):
 
 
 IMPACT_OPTIONS = [
-    ("--inputs", {"metavar": "FILE.npz", "action": "append", "help": "one sample: one array per graph input, by name (repeatable)"}),
+    (
+        "--inputs",
+        {
+            "metavar": "FILE.npz",
+            "action": "append",
+            "help": "one sample: one array per graph input, by name (repeatable)",
+        },
+    ),
     ("--seed", {"type": int, "default": 0, "help": "seed of the random sample without --inputs (default: 0)"}),
     ("--shape", {"metavar": "NAME=D0,D1,...", "action": "append", "help": "shape of a random input (repeatable)"}),
-    ("--target-sqnr", {"metavar": "DB", "type": finite_float, "help": "find the nodes to exclude to reach this output SQNR"}),
-    ("--max-exclude", {"metavar": "N", "type": non_negative_int, "help": "at most N excluded nodes (with --target-sqnr)"}),
-    ("--top", {"metavar": "N", "type": non_negative_int, "help": "list only the first N ops and tensors (all are measured)"}),
+    (
+        "--target-sqnr",
+        {"metavar": "DB", "type": finite_float, "help": "find the nodes to exclude to reach this output SQNR"},
+    ),
+    (
+        "--max-exclude",
+        {"metavar": "N", "type": non_negative_int, "help": "at most N excluded nodes (with --target-sqnr)"},
+    ),
+    (
+        "--top",
+        {"metavar": "N", "type": non_negative_int, "help": "list only the first N ops and tensors (all are measured)"},
+    ),
 ]
 
 # name: (function, positional paths, help, options)
@@ -4940,10 +5111,25 @@ COMMANDS = {
     "diff": (diff, ["a", "b"], "b minus a for the counts above", []),
     "fuse": (fuse, ["model", "output"], "fuse MatMul+Add into Gemm, verified, into output", FUSE_OPTIONS),
     "trace": (trace, ["a", "b"], "per-op isolated and propagated error of b (quantized) vs a (float)", TRACE_OPTIONS),
-    "runtime": (runtime, ["model"], "what onnxruntime really runs per node: int8, int8_data, float, absorbed", RUNTIME_OPTIONS),
-    "check": (check, ["model"], "a CI gate: exit 8 when a budget (float nodes, islands, crossings, int8 share, SQNR) is broken", CHECK_OPTIONS),
+    "runtime": (
+        runtime,
+        ["model"],
+        "what onnxruntime really runs per node: int8, int8_data, float, absorbed",
+        RUNTIME_OPTIONS,
+    ),
+    "check": (
+        check,
+        ["model"],
+        "a CI gate: exit 8 when a budget (float nodes, islands, crossings, int8 share, SQNR) is broken",
+        CHECK_OPTIONS,
+    ),
     "dot": (dot, ["model"], "Graphviz DOT picture of the island map (DOT text, not JSON)", DOT_OPTIONS),
-    "impact": (impact, ["a", "b"], "output SQNR gained by keeping each op or tensor of b (quantized) float", IMPACT_OPTIONS),
+    "impact": (
+        impact,
+        ["a", "b"],
+        "output SQNR gained by keeping each op or tensor of b (quantized) float",
+        IMPACT_OPTIONS,
+    ),
 }
 
 
@@ -5008,9 +5194,7 @@ def run(argv):
     """
     args = build_parser().parse_args(argv)
     if args.command is None:
-        raise GraphscanError(
-            f"usage: a command is required ({', '.join(COMMANDS)})", EXIT_USAGE
-        )
+        raise GraphscanError(f"usage: a command is required ({', '.join(COMMANDS)})", EXIT_USAGE)
     function, paths, _, options = COMMANDS[args.command]
     fmt, top = getattr(args, "format", "json"), getattr(args, "top", None)
     if fmt == "json" and top is not None and "--top" not in (flag for flag, _ in options):

@@ -214,10 +214,10 @@ def section_scope(scope, paths, layers):
         )
     lines += [
         "",
-        f"- `op_types_to_quantize=[\"MatMul\"]` (full → matmul_only): {diff_text(scope['diff_matmul_only'])}. "
+        f'- `op_types_to_quantize=["MatMul"]` (full → matmul_only): {diff_text(scope["diff_matmul_only"])}. '
         f"MatMul 이 아닌 연산자는 통째로 섬이 되어, 층 {layers} 개에 섬 "
         f"{models['matmul_only']['island_count']} 개, 경계 {models['matmul_only']['crossings']} 개가 생겼다.",
-        f"- `nodes_to_exclude=[\"{excluded}\"]` (full → excluded): {diff_text(scope['diff_excluded'])}. "
+        f'- `nodes_to_exclude=["{excluded}"]` (full → excluded): {diff_text(scope["diff_excluded"])}. '
         f"{excluded} 는 float 로 남고, DequantizeLinear 없이 직접 읽는 초기값은 {kept_text} 이다.",
         "- 두 방법은 그래프에 남기는 흔적이 다르다: 종류로 좁히면 그 종류가 아닌 연산자가 층마다 섬이 되고, "
         "이름으로 빼면 그 노드 주변만 섬이 되며 그 가중치가 float 초기값으로 남는다.",

@@ -67,9 +67,7 @@ class _GraphBuilder:
     def node(self, op_type, inputs, outputs, name, **attrs):
         # Decided by the name, not by a draw, so the twin (fewer nodes) unnames the same ones.
         unnamed = zlib.crc32(name.encode()) % 1000 < UNNAMED_SHARE * 1000
-        self.nodes.append(
-            helper.make_node(op_type, inputs, outputs, name="" if unnamed else name, **attrs)
-        )
+        self.nodes.append(helper.make_node(op_type, inputs, outputs, name="" if unnamed else name, **attrs))
         return outputs[0]
 
     def init(self, name, array):
@@ -90,15 +88,11 @@ class _GraphBuilder:
         q = self.init(f"{name}_quantized", values)
         scale = self.init(f"{name}_scale", np.array(0.01, dtype=np.float32))
         zero = self.init(f"{name}_zero_point", np.array(0, dtype=np.int8))
-        return self.node(
-            "DequantizeLinear", [q, scale, zero], [f"{name}_dq"], f"{name}_DequantizeLinear"
-        )
+        return self.node("DequantizeLinear", [q, scale, zero], [f"{name}_dq"], f"{name}_DequantizeLinear")
 
     def quantize(self, tensor, qparams):
         scale, zero = qparams
-        return self.node(
-            "QuantizeLinear", [tensor, scale, zero], [f"{tensor}_q"], f"{tensor}_QuantizeLinear"
-        )
+        return self.node("QuantizeLinear", [tensor, scale, zero], [f"{tensor}_q"], f"{tensor}_QuantizeLinear")
 
     def dequantize(self, tensor_q, qparams, suffix="dq"):
         scale, zero = qparams
@@ -126,9 +120,7 @@ def _linear_block(g, p, x_q, in_qp, quantized):
     if quantized:
         bias_q = g.init(f"{p}/fc.bias_quantized", bias_values)
         bias_scale = g.init(f"{p}/fc.bias_scale", np.array(0.0002, dtype=np.float32))
-        bias = g.node(
-            "DequantizeLinear", [bias_q, bias_scale], [f"{p}/fc.bias_dq"], f"{p}/fc.bias_DQ"
-        )
+        bias = g.node("DequantizeLinear", [bias_q, bias_scale], [f"{p}/fc.bias_dq"], f"{p}/fc.bias_DQ")
     else:
         bias = g.init(f"{p}/fc.bias", bias_values.astype(np.float32) * 0.0002)
     mm = g.node("MatMul", [x, w], [f"{p}/fc/MatMul_out"], f"{p}/fc/MatMul")
@@ -152,13 +144,11 @@ def _branch_block(g, p, x_q, in_qp, shape):
     """
     qp = g.activation_qparams(p)
     x = g.dequantize(x_q, in_qp)  # shared by both MatMuls
-    left = g.node("MatMul", [x, g.weight(f"{p}/left.weight", True)], [f"{p}/left_out"],
-                  f"{p}/left/MatMul")
+    left = g.node("MatMul", [x, g.weight(f"{p}/left.weight", True)], [f"{p}/left_out"], f"{p}/left/MatMul")
     left_q = g.quantize(left, qp)
     left_a = g.dequantize(left_q, qp, "dq_a")  # one Q, two DQs: still a round trip
     left_b = g.dequantize(left_q, qp, "dq_b")
-    right = g.node("MatMul", [x, g.weight(f"{p}/right.weight", True)], [f"{p}/right_out"],
-                   f"{p}/right/MatMul")
+    right = g.node("MatMul", [x, g.weight(f"{p}/right.weight", True)], [f"{p}/right_out"], f"{p}/right/MatMul")
     right = g.round_trip(right, qp)
     joined = g.node("Add", [left_a, right], [f"{p}/join_out"], f"{p}/join/Add")
     joined = g.round_trip(joined, qp)
@@ -237,9 +227,7 @@ def build_qdq_graph(n_blocks: int, seed: int = 0, float_every: int = 0) -> onnx.
         [helper.make_tensor_value_info(current, TensorProto.FLOAT, [1, WIDTH])],
         initializer=g.initializers,
     )
-    return helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="bench_commands"
-    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="bench_commands")
 
 
 def build_for_nodes(n_nodes: int, seed: int = 0) -> tuple[onnx.ModelProto, onnx.ModelProto]:
@@ -340,12 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=DEFAULT_NODES, help="minimum node count")
     parser.add_argument("--runs", type=int, default=DEFAULT_RUNS, help="timed runs per command")
-    parser.add_argument(
-        "--keep", type=Path, metavar="DIR", help="write the models here and keep them"
-    )
-    parser.add_argument(
-        "--json", type=Path, metavar="FILE", help="also write the results as JSON"
-    )
+    parser.add_argument("--keep", type=Path, metavar="DIR", help="write the models here and keep them")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
     if args.nodes < 1 or args.runs < 1:
         parser.error("--nodes and --runs must be positive")

@@ -109,8 +109,9 @@ def interleaved(float_path, quant_path, sample_paths, count):
 
     sys.path.insert(0, str(REPO_ROOT))
     sys.path.insert(0, str(REPO_ROOT / "tests"))
-    import graphscan
     import impact_reference as ref
+
+    import graphscan
 
     samples = [dict(np.load(p)) for p in sample_paths]
     start = time.perf_counter()
@@ -125,9 +126,11 @@ def interleaved(float_path, quant_path, sample_paths, count):
     brute_setup = time.perf_counter() - start
 
     index = run.plan.index
-    variants = [(v, lambda i=i: ref.unquantize_ops(float_model, quant_model, [index.names[i]]))
-                for (i, _), v in zip(run.plan.op_rows, run.op_variants)]
-    for (t, _, _, _), (kept, rounded) in zip(run.plan.tensor_rows, run.tensor_variants):
+    variants = [
+        (v, lambda i=i: ref.unquantize_ops(float_model, quant_model, [index.names[i]]))
+        for (i, _), v in zip(run.plan.op_rows, run.op_variants, strict=True)
+    ]
+    for (t, _, _, _), (kept, rounded) in zip(run.plan.tensor_rows, run.tensor_variants, strict=True):
         variants.append((kept, lambda t=t: ref.replace_dequantize(float_model, quant_model, t, False)))
         if rounded is not None:
             variants.append((rounded, lambda t=t: ref.replace_dequantize(float_model, quant_model, t, True)))
@@ -148,8 +151,10 @@ def interleaved(float_path, quant_path, sample_paths, count):
     print(f"brute force: setup {brute_setup:.2f} s, {theirs / n:.4f} s per variant")
     total_ours = setup + ours / n * len(variants)
     total_theirs = brute_setup + theirs / n * len(variants)
-    print(f"per-variant ratio {ours / theirs:.3f}; projected totals {total_ours:.0f} s vs {total_theirs:.0f} s, "
-          f"ratio {total_ours / total_theirs:.3f}; largest difference {worst:.4f} dB")
+    print(
+        f"per-variant ratio {ours / theirs:.3f}; projected totals {total_ours:.0f} s vs {total_theirs:.0f} s, "
+        f"ratio {total_ours / total_theirs:.3f}; largest difference {worst:.4f} dB"
+    )
     return 0 if total_ours / total_theirs <= BOUND else 1
 
 

@@ -105,7 +105,8 @@ def model_speed(paths: dict, shape: list[int], runs: int) -> dict:
                 times[name].append(time.perf_counter() - start)
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         result["default threads" if threads == 0 else "1 thread"] = {
-            "ms": ms, "vs_float": {name: ms[name] / ms["float"] for name in ms},
+            "ms": ms,
+            "vs_float": {name: ms[name] / ms["float"] for name in ms},
         }
     return result
 
@@ -121,8 +122,11 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         fp32, quant = (args.float, args.quant) if args.quant else built_cnn(Path(folder))
-        report = {"model": str(args.quant or "built ~300-node CNN"), "runs": args.runs,
-                  "command": command_cost(quant, args.runs)}
+        report = {
+            "model": str(args.quant or "built ~300-node CNN"),
+            "runs": args.runs,
+            "command": command_cost(quant, args.runs),
+        }
         if fp32:
             paths = {"float": fp32, "quant": quant}
             if args.u8:

@@ -183,8 +183,7 @@ def _time_sides(commands: dict, sides: list, runs: int, workdir: Path) -> dict:
     The sides alternate which goes first each round, so neither always runs on a cache the
     other just warmed or on a machine the other just heated.
     """
-    entries = {name: check_answer(name, measure(name, commands[name], workdir)["stdout"])
-               for name in sides}
+    entries = {name: check_answer(name, measure(name, commands[name], workdir)["stdout"]) for name in sides}
     samples = {name: [] for name in sides}
     for round_index in range(runs):
         order = sides if round_index % 2 == 0 else sides[::-1]
@@ -208,10 +207,16 @@ def run_benchmark(blocks: int, runs: int, workdir: Path, before: Path | None = N
     pair = build_pair(blocks, workdir)
     paths = pair["paths"]
     commands = {
-        "trace": [sys.executable, str(GRAPHSCAN), "trace", paths["float"], paths["quant"],
-                  "--inputs", paths["inputs"]],
-        "ort_flow": [sys.executable, str(THIS_FILE), "--ort-flow", paths["float"],
-                     paths["quant"], paths["inputs"], str(workdir)],
+        "trace": [sys.executable, str(GRAPHSCAN), "trace", paths["float"], paths["quant"], "--inputs", paths["inputs"]],
+        "ort_flow": [
+            sys.executable,
+            str(THIS_FILE),
+            "--ort-flow",
+            paths["float"],
+            paths["quant"],
+            paths["inputs"],
+            str(workdir),
+        ],
     }
     if before is not None:
         commands["before"] = [sys.executable, str(before), *commands["trace"][2:]]
@@ -250,10 +255,7 @@ def format_table(report: dict) -> str:
     ]
     for name in report["sides"]:
         side = report["sides"][name]
-        lines.append(
-            f"{name:<10}{side['seconds']:>9.3f}{side['peak_rss'] / 2**20:>13.1f}"
-            f"{side['entries']:>9}"
-        )
+        lines.append(f"{name:<10}{side['seconds']:>9.3f}{side['peak_rss'] / 2**20:>13.1f}{side['entries']:>9}")
     flag = "  OVER" if report["ratio"] > report["bound"] else ""
     lines.append(f"ratio trace / ort_flow: {report['ratio']:.3f} (bound {report['bound']:.1f}){flag}")
     if report["ratio_to_before"] is not None:

@@ -51,17 +51,24 @@ def chain_models(ops: int, width: int):
     kinds = [("Add", 0.5), ("Mul", 0.9), ("Sub", 0.25)]
 
     def build(quantized):
-        nodes, inits = [], [
-            numpy_helper.from_array(np.array(SCALE, np.float32), "scale"),
-            numpy_helper.from_array(np.array(0, np.int8), "zero"),
-        ]
+        nodes, inits = (
+            [],
+            [
+                numpy_helper.from_array(np.array(SCALE, np.float32), "scale"),
+                numpy_helper.from_array(np.array(0, np.int8), "zero"),
+            ],
+        )
 
         def qdq(tensor):
             if not quantized:
                 return tensor
             q, dq = f"{tensor}_QuantizeLinear_Output", f"{tensor}_DequantizeLinear_Output"
-            nodes.append(helper.make_node("QuantizeLinear", [tensor, "scale", "zero"], [q], name=f"{tensor}_QuantizeLinear"))
-            nodes.append(helper.make_node("DequantizeLinear", [q, "scale", "zero"], [dq], name=f"{tensor}_DequantizeLinear"))
+            nodes.append(
+                helper.make_node("QuantizeLinear", [tensor, "scale", "zero"], [q], name=f"{tensor}_QuantizeLinear")
+            )
+            nodes.append(
+                helper.make_node("DequantizeLinear", [q, "scale", "zero"], [dq], name=f"{tensor}_DequantizeLinear")
+            )
             return dq
 
         current = qdq("x")
@@ -73,7 +80,8 @@ def chain_models(ops: int, width: int):
             nodes.append(helper.make_node(op_type, [current, constant], [out], name=f"op{k}"))
             current = qdq(out) if k < ops - 1 else out
         graph = helper.make_graph(
-            nodes, "chain",
+            nodes,
+            "chain",
             [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, width])],
             [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, width])],
             inits,
@@ -106,14 +114,23 @@ def run_measured(argv: list[str]) -> int:
     done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * RSS_UNIT
-    print(json.dumps({"seconds": seconds, "peak_rss": peak, "exit": done.returncode,
-                      "stderr": done.stderr.strip().splitlines()[-1:] }))
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "peak_rss": peak,
+                "exit": done.returncode,
+                "stderr": done.stderr.strip().splitlines()[-1:],
+            }
+        )
+    )
     return 0
 
 
 def measure(command: list[str]) -> dict:
-    done = subprocess.run([sys.executable, str(THIS_FILE), "--measure", *command],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, str(THIS_FILE), "--measure", *command], capture_output=True, text=True, check=True
+    )
     result = json.loads(done.stdout)
     if result["exit"] != 0:
         raise RuntimeError(f"{' '.join(command)}: exit {result['exit']}: {result['stderr']}")
@@ -157,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     print(f"{'pair':<36}{'both once MB':>14}{'trace MB':>10}{'ratio':>7}{'trace s':>9}")
     for name, r in results.items():
-        print(f"{name:<36}{r['baseline']['peak_rss'] / 2**20:>14.1f}{r['trace']['peak_rss'] / 2**20:>10.1f}"
-              f"{r['ratio']:>7.2f}{r['trace']['seconds']:>9.2f}")
+        print(
+            f"{name:<36}{r['baseline']['peak_rss'] / 2**20:>14.1f}{r['trace']['peak_rss'] / 2**20:>10.1f}"
+            f"{r['ratio']:>7.2f}{r['trace']['seconds']:>9.2f}"
+        )
     return 0 if all(r["ratio"] <= BOUND for r in results.values()) else 1
 
 

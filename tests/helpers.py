@@ -101,8 +101,14 @@ SPEC_KEYS = {
     "islands": ["model", "compute", "wrapped", "float", "island_count", "islands"],
     "boundary": ["model", "island_count", "crossings", "per_island"],
     "diff": [
-        "a", "b", "op_delta", "quantize_delta", "dequantize_delta",
-        "round_trip_delta", "island_delta", "float_delta",
+        "a",
+        "b",
+        "op_delta",
+        "quantize_delta",
+        "dequantize_delta",
+        "round_trip_delta",
+        "island_delta",
+        "float_delta",
     ],
 }
 ISLAND_KEYS = ["nodes", "size", "op_types"]
@@ -144,8 +150,7 @@ def laws_broken(answers):
     firsts = [e["nodes"][0] for e in islands["islands"]]
     checks = {
         "nodes == sum(op_types)": nodes["nodes"] == sum(nodes["op_types"].values()),
-        "nodes == compute + Q + DQ": nodes["nodes"]
-        == islands["compute"] + qdq["quantize"] + qdq["dequantize"],
+        "nodes == compute + Q + DQ": nodes["nodes"] == islands["compute"] + qdq["quantize"] + qdq["dequantize"],
         "Q and DQ counted in the census": (qdq["quantize"], qdq["dequantize"])
         == (nodes["op_types"].get("QuantizeLinear", 0), nodes["op_types"].get("DequantizeLinear", 0)),
         "0 <= round_trips <= quantize": 0 <= qdq["round_trips"] <= qdq["quantize"],

@@ -135,7 +135,7 @@ def unquantize_ops(float_model, quant_model, names):
     made_by = producers(model)
     pair_by_output = {dq.output[0]: (q, t) for q, dq, t in qdq_pairs(model)}
     wanted = set(names)
-    for node, name in zip(list(model.graph.node), node_names(model)):
+    for node, name in zip(list(model.graph.node), node_names(model), strict=True):
         if name not in wanted:
             continue
         for pos, tensor in enumerate(node.input):
@@ -173,7 +173,10 @@ def replace_dequantize(float_model, quant_model, t, rounding):
             dtype = constants(quant_model)[q.input[1]].dtype
             lo_name, hi_name = f"ref.lo.{out}", f"ref.hi.{out}"
             model.graph.initializer.extend(
-                [numpy_helper.from_array(np.array(lo, dtype), lo_name), numpy_helper.from_array(np.array(hi, dtype), hi_name)]
+                [
+                    numpy_helper.from_array(np.array(lo, dtype), lo_name),
+                    numpy_helper.from_array(np.array(hi, dtype), hi_name),
+                ]
             )
             new = [helper.make_node("Clip", [t, lo_name, hi_name], [out], name=f"ref.clip.{out}")]
         else:
@@ -220,7 +223,7 @@ def reference_impact(float_model, quant_model, samples):
     reference = float_outputs(float_model, quant_model, samples)
     answer = {"baseline": sqnr(reference, run(quant_model, samples)), "ops": {}, "tensors": {}}
     dequantized = {n.output[0] for n in quant_model.graph.node if n.op_type == "DequantizeLinear"}
-    for node, name in zip(quant_model.graph.node, node_names(quant_model)):
+    for node, name in zip(quant_model.graph.node, node_names(quant_model), strict=True):
         if node.op_type in ("QuantizeLinear", "DequantizeLinear") or dequantized.isdisjoint(node.input):
             continue  # nothing it reads could change
         edited = unquantize_ops(float_model, quant_model, [name])

@@ -79,11 +79,13 @@ def reference(model):
     islands, per_island = [], []
     for members in components:
         island_names = sorted(names[i] for i in members)
-        islands.append({
-            "nodes": island_names,
-            "size": len(members),
-            "op_types": sorted(op_types[i] for i in members),
-        })
+        islands.append(
+            {
+                "nodes": island_names,
+                "size": len(members),
+                "op_types": sorted(op_types[i] for i in members),
+            }
+        )
         in_dq, out_q = set(), set()
         for i in members:
             for t in nodes[i].input:
@@ -94,8 +96,7 @@ def reference(model):
                     for c in consumers.get(t, set()):
                         if is_q[c]:
                             out_q.add(c)
-        per_island.append({"nodes": island_names, "in_dequantize": len(in_dq),
-                           "out_quantize": len(out_q)})
+        per_island.append({"nodes": island_names, "in_dequantize": len(in_dq), "out_quantize": len(out_q)})
     order = sorted(range(len(islands)), key=lambda k: islands[k]["nodes"][0])
     islands = [islands[k] for k in order]
     per_island = [per_island[k] for k in order]
@@ -118,9 +119,7 @@ def reference(model):
         "nodes": {
             "nodes": len(nodes),
             "op_types": dict(Counter(op_types)),
-            "initializers": dict(Counter(
-                TensorProto.DataType.Name(init.data_type) for init in graph.initializer
-            )),
+            "initializers": dict(Counter(TensorProto.DataType.Name(init.data_type) for init in graph.initializer)),
         },
         "qdq": {
             "quantize": sum(is_q),

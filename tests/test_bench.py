@@ -26,9 +26,5 @@ def test_every_command_within_twice_load_time(tmp_path):
     report = bench.run_benchmark(bench.DEFAULT_NODES, bench.DEFAULT_RUNS, tmp_path)
 
     assert report["nodes"] >= bench.DEFAULT_NODES
-    over = {
-        row["command"]: round(row["ratio"], 2)
-        for row in report["results"]
-        if row["ratio"] > bench.BOUND
-    }
+    over = {row["command"]: round(row["ratio"], 2) for row in report["results"] if row["ratio"] > bench.BOUND}
     assert not over, f"over {bench.BOUND}x the load floor:\n{bench.format_table(report)}"

@@ -21,4 +21,3 @@ def test_a_2500_op_chain_stays_within_three_times_both_models(tmp_path):
     onnx.save(quant_model, paths[1])
     result = bench.measure_pair(*paths, "x=1,65536")
     assert result["ratio"] <= bench.BOUND, result
-

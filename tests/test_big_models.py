@@ -45,9 +45,7 @@ def write_big_model(path, tensor_bytes, tensors):
         header = TensorProto(name=f"big_{k}", data_type=TensorProto.FLOAT, dims=[tensor_bytes // 4])
         header = header.SerializeToString()
         payloads.append((header + field(9, tensor_bytes), tensor_bytes))  # 9 = raw_data
-    graph_length = len(graph_head) + sum(
-        len(field(5, len(h) + n)) + len(h) + n for h, n in payloads
-    )
+    graph_length = len(graph_head) + sum(len(field(5, len(h) + n)) + len(h) + n for h, n in payloads)
     model.ClearField("graph")
     chunk = bytes(64 * MiB)
     with open(path, "wb") as f:

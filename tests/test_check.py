@@ -24,8 +24,11 @@ from tests.helpers import GRAPHSCAN, describe, error_line, json_answer, run_grap
 # float (the MatMul alone is wrapped), one island per layer. Each island has
 # one DQ in (the MatMul's output) and one Q out (the next MatMul's input),
 # except the last, which only reaches the graph output: 2 + 2 + 1 crossings.
-MATMUL_ONLY = {"max_float": 2 * DEFAULT_LAB.layers, "max_islands": DEFAULT_LAB.layers,
-               "max_crossings": 2 * DEFAULT_LAB.layers - 1}
+MATMUL_ONLY = {
+    "max_float": 2 * DEFAULT_LAB.layers,
+    "max_islands": DEFAULT_LAB.layers,
+    "max_crossings": 2 * DEFAULT_LAB.layers - 1,
+}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +76,7 @@ def test_min_sqnr_matches_onnxruntime_run_directly(lab, tmp_path):
     expected = 20 * math.log10(np.linalg.norm(f) / np.linalg.norm(f - q))
     inputs = [str(tmp_path / "s0.npz"), str(tmp_path / "s1.npz")]
     answer = graphscan.check(str(lab["full"]), float=str(lab["fp32"]), min_sqnr=expected - 0.01, inputs=inputs)
-    (value, limit, ok), = budget_rows(answer).values()
+    ((value, _limit, ok),) = budget_rows(answer).values()
     assert value == pytest.approx(expected, abs=1e-9) and ok is True
     broken = graphscan.check(str(lab["full"]), float=str(lab["fp32"]), min_sqnr=expected + 0.01, inputs=inputs)
     assert broken["ok"] is False and broken["float"] == str(lab["fp32"])
@@ -116,8 +119,9 @@ def test_process_exit_8_prints_the_same_json(lab, tmp_path):
     answer = strict_loads(broken.stdout.decode())
     assert answer["ok"] is False and answer["budgets"][0]["value"] == MATMUL_ONLY["max_islands"]
     held = json_answer(run_graphscan(["check", path, "--max-islands", str(MATMUL_ONLY["max_islands"])], cwd=tmp_path))
-    assert held["budgets"] == [{"name": "max_islands", "value": MATMUL_ONLY["max_islands"],
-                                "limit": MATMUL_ONLY["max_islands"], "ok": True}]
+    assert held["budgets"] == [
+        {"name": "max_islands", "value": MATMUL_ONLY["max_islands"], "limit": MATMUL_ONLY["max_islands"], "ok": True}
+    ]
 
 
 def test_usage_errors(lab, tmp_path):
@@ -183,5 +187,5 @@ def test_min_int8_counts_int8_data_and_leaves_absorbed_nodes_out(tmp_path):
 
     path = tmp_path / "every_class.onnx"
     onnx.save(every_class_model(), path)
-    (value, limit, ok), = budget_rows(graphscan.check(str(path), min_int8=0.6)).values()
+    ((value, _limit, ok),) = budget_rows(graphscan.check(str(path), min_int8=0.6)).values()
     assert value == pytest.approx(2 / 3) and ok is True

@@ -116,12 +116,9 @@ def test_diff_subprocess_is_antisymmetric(lab_paths, workdir):
 
 
 ECHO_CASES = [
-    pytest.param(command, ["./sub/../sub/m.onnx"], id=f"{command}-dot-dot")
-    for command in SINGLE_MODEL_COMMANDS
+    pytest.param(command, ["./sub/../sub/m.onnx"], id=f"{command}-dot-dot") for command in SINGLE_MODEL_COMMANDS
 ] + [
-    pytest.param(
-        "diff", ["./sub/../sub/m.onnx", "sub//other.onnx"], id="diff-dot-dot-and-double-slash"
-    ),
+    pytest.param("diff", ["./sub/../sub/m.onnx", "sub//other.onnx"], id="diff-dot-dot-and-double-slash"),
 ]
 
 
@@ -176,9 +173,7 @@ def test_usage_error_exits_2(lab_paths, workdir, args, named):
 NO_FILE_CASES = [
     pytest.param(["nodes", "missing.onnx"], "missing.onnx", id="nodes-missing"),
     pytest.param(["qdq", "a_folder"], "a_folder", id="qdq-directory"),
-    pytest.param(
-        ["islands", "no/such/dir/m.onnx"], "no/such/dir/m.onnx", id="islands-missing-folder"
-    ),
+    pytest.param(["islands", "no/such/dir/m.onnx"], "no/such/dir/m.onnx", id="islands-missing-folder"),
     pytest.param(["boundary", "a_folder"], "a_folder", id="boundary-directory"),
     pytest.param(["diff", "good.onnx", "missing.onnx"], "missing.onnx", id="diff-missing-second"),
     pytest.param(["diff", "missing.onnx", "good.onnx"], "missing.onnx", id="diff-missing-first"),
@@ -213,9 +208,7 @@ NOT_ONNX_CASES = [
     pytest.param(["qdq", "empty.onnx"], "empty.onnx", id="qdq-empty"),
     pytest.param(["islands", "truncated.onnx"], "truncated.onnx", id="islands-truncated"),
     pytest.param(["boundary", "notes.txt"], "notes.txt", id="boundary-text"),
-    pytest.param(
-        ["diff", "good.onnx", "truncated.onnx"], "truncated.onnx", id="diff-truncated-second"
-    ),
+    pytest.param(["diff", "good.onnx", "truncated.onnx"], "truncated.onnx", id="diff-truncated-second"),
     pytest.param(["diff", "noise.bin", "good.onnx"], "noise.bin", id="diff-random-bytes-first"),
 ]
 
@@ -231,9 +224,7 @@ def test_not_an_onnx_model_exits_4(bad_inputs, args, bad_path):
 # 6. --help
 
 
-HELP_CASES = [pytest.param([], id="top-level")] + [
-    pytest.param([command], id=command) for command in COMMANDS
-]
+HELP_CASES = [pytest.param([], id="top-level")] + [pytest.param([command], id=command) for command in COMMANDS]
 
 
 @pytest.mark.parametrize("prefix", HELP_CASES)
@@ -264,10 +255,7 @@ def test_help_prints_usage_and_exits_0(workdir, prefix):
 def test_same_command_gives_identical_bytes(lab_paths, workdir, command, variants):
     """Two runs under different string-hash seeds: no set or dict order leaks out."""
     args = [command, *(lab_paths[v] for v in variants)]
-    first, second = (
-        run_graphscan(args, workdir, env={**os.environ, "PYTHONHASHSEED": seed})
-        for seed in ["1", "2"]
-    )
+    first, second = (run_graphscan(args, workdir, env={**os.environ, "PYTHONHASHSEED": seed}) for seed in ["1", "2"])
 
     json_answer(first)
     assert first.stdout == second.stdout
@@ -330,14 +318,10 @@ def test_main_success_prints_the_library_answer(lab_paths, capsys):
         pytest.param(["qdq", "missing.onnx"], 3, "missing.onnx", id="missing"),
         pytest.param(["islands", "a_folder"], 3, "a_folder", id="directory"),
         pytest.param(["boundary", "empty.onnx"], 4, "empty.onnx", id="empty"),
-        pytest.param(
-            ["diff", "good.onnx", "truncated.onnx"], 4, "truncated.onnx", id="diff-truncated"
-        ),
+        pytest.param(["diff", "good.onnx", "truncated.onnx"], 4, "truncated.onnx", id="diff-truncated"),
     ],
 )
-def test_main_error_returns_code_and_one_line(
-    bad_inputs, monkeypatch, capsys, argv, exit_code, named
-):
+def test_main_error_returns_code_and_one_line(bad_inputs, monkeypatch, capsys, argv, exit_code, named):
     monkeypatch.chdir(bad_inputs)
     assert graphscan.main(argv) == exit_code
     out, err = capsys.readouterr()

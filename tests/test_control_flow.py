@@ -16,7 +16,9 @@ def constant_branch(op_type, outer, name):
     constant = numpy_helper.from_array(np.full(4, 0.5, np.float32), f"{name}_c")
     return helper.make_graph(
         [helper.make_node(op_type, [outer, constant.name], [f"{name}_out"], name=f"{name}_node")],
-        name, [], [helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, FLOAT4)],
+        name,
+        [],
+        [helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, FLOAT4)],
         [constant],
     )
 
@@ -89,25 +91,34 @@ def control_flow_model(quantized):
         nodes += chain
     nodes += [
         helper.make_node(
-            "If", ["cond"], ["chosen"], name="choose",
+            "If",
+            ["cond"],
+            ["chosen"],
+            name="choose",
             then_branch=constant_branch("Add", branch_input, "then"),
             else_branch=constant_branch("Sub", branch_input, "else"),
         ),
         helper.make_node("Loop", ["trips", "", "chosen"], ["looped"], name="repeat", body=loop_body()),
         helper.make_node(
-            "Scan", ["zeros", "looped"], ["total", "rows"], name="running_sum",
-            body=scan_body(), num_scan_inputs=1,
+            "Scan",
+            ["zeros", "looped"],
+            ["total", "rows"],
+            name="running_sum",
+            body=scan_body(),
+            num_scan_inputs=1,
         ),  # "total" is an unused output
         helper.make_node("Sigmoid", ["rows"], ["y"], name="squash"),
     ]
     graph = helper.make_graph(
-        nodes, "control_flow",
+        nodes,
+        "control_flow",
         [
             helper.make_tensor_value_info("x", TensorProto.FLOAT, FLOAT4),
             helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
         ],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, FLOAT4)],
-        qparams + [
+        qparams
+        + [
             numpy_helper.from_array(np.array(3, np.int64), "trips"),
             numpy_helper.from_array(np.zeros(4, np.float32), "zeros"),
         ],
@@ -131,15 +142,23 @@ def test_only_the_top_level_is_counted(pair):
     census = graphscan.nodes(pair["quant"])
     assert census["nodes"] == 9  # 4 Q/DQ + Relu, If, Loop, Scan, Sigmoid; bodies not counted
     assert census["op_types"] == {
-        "DequantizeLinear": 2, "If": 1, "Loop": 1, "QuantizeLinear": 2,
-        "Relu": 1, "Scan": 1, "Sigmoid": 1,
+        "DequantizeLinear": 2,
+        "If": 1,
+        "Loop": 1,
+        "QuantizeLinear": 2,
+        "Relu": 1,
+        "Scan": 1,
+        "Sigmoid": 1,
     }
     # Relu: DQ in, only Q out -> wrapped. If reads the graph input cond -> float;
     # If, Loop, Scan, Sigmoid chain directly -> one island (Scan's unused output
     # alone would already make it float).
     assert graphscan.islands(pair["quant"])["islands"] == [
-        {"nodes": ["choose", "repeat", "running_sum", "squash"], "size": 4,
-         "op_types": ["If", "Loop", "Scan", "Sigmoid"]},
+        {
+            "nodes": ["choose", "repeat", "running_sum", "squash"],
+            "size": 4,
+            "op_types": ["If", "Loop", "Scan", "Sigmoid"],
+        },
     ]
     boundary = graphscan.boundary(pair["quant"])
     # The If branches read r_dq from inside their bodies: not a top-level edge.
@@ -163,7 +182,11 @@ def test_trace_compares_outputs_and_lists_subgraph_nodes(pair, tmp_path):
         (name, graphscan.REASON_SUBGRAPH) for name in ["choose", "repeat", "running_sum"]
     ]
     assert sorted(p.name for p in saved.iterdir()) == [
-        "index.json", "relu.npz", "relu.onnx", "squash.npz", "squash.onnx",
+        "index.json",
+        "relu.npz",
+        "relu.onnx",
+        "squash.npz",
+        "squash.onnx",
     ]
     # The final error, from onnxruntime run directly on both models.
     (expected,), (actual,) = run_onnx(pair["float"], feeds), run_onnx(pair["quant"], feeds)

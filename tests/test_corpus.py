@@ -151,11 +151,7 @@ def quantized(tmp_path_factory):
 
             model = onnx.load(str(path))
             initializers = {init.name for init in model.graph.initializer}
-            kinds = {
-                i.type.tensor_type.elem_type
-                for i in model.graph.input
-                if i.name not in initializers
-            }
+            kinds = {i.type.tensor_type.elem_type for i in model.graph.input if i.name not in initializers}
             if kinds - {onnx.TensorProto.FLOAT}:
                 built[path] = (None, f"non-float graph inputs {sorted(kinds)}")
             else:
@@ -164,9 +160,7 @@ def quantized(tmp_path_factory):
                     quantize_static(
                         str(path),
                         str(target),
-                        gen_models.calibration_reader(
-                            gen_models.input_shapes(model, batch=1), 0, CALIBRATION_BATCHES
-                        ),
+                        gen_models.calibration_reader(gen_models.input_shapes(model, batch=1), 0, CALIBRATION_BATCHES),
                         quant_format=QuantFormat.QDQ,
                     )
                     built[path] = (target, None)
@@ -201,6 +195,4 @@ def test_quantized_corpus_invariants(path, quantized):
     assert forward["quantize_delta"] == qdq["quantize"] - before["qdq"]["quantize"]
     assert forward["dequantize_delta"] == qdq["dequantize"] - before["qdq"]["dequantize"]
     assert forward["float_delta"] == answers["islands"]["float"] - before["islands"]["float"]
-    assert forward["island_delta"] == (
-        answers["islands"]["island_count"] - before["islands"]["island_count"]
-    )
+    assert forward["island_delta"] == (answers["islands"]["island_count"] - before["islands"]["island_count"])

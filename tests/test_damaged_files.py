@@ -118,8 +118,12 @@ def qdq_odd():
         helper.make_node("ReduceSum", ["c_dq"], ["cond_f"], keepdims=0),
         helper.make_node("Cast", ["cond_f"], ["cond"], to=TensorProto.BOOL),
         helper.make_node(
-            "If", ["cond"], ["branch", ""], then_branch=branch("then", "Relu"),
-            else_branch=branch("else", "Neg"), name="pick",
+            "If",
+            ["cond"],
+            ["branch", ""],
+            then_branch=branch("then", "Relu"),
+            else_branch=branch("else", "Neg"),
+            name="pick",
         ),
         helper.make_node("MatMul", ["w", "w"], ["ww"], name="square"),
         helper.make_node("Identity", ["ww"], ["z"]),
@@ -218,9 +222,7 @@ def write_mutation(originals, folder, source, kind, seed):
 
 
 @pytest.mark.parametrize(("source", "kind", "seed"), mutation_params(range(MUTATIONS)))
-def test_mutated_model_answers_or_refuses(
-    originals, tmp_path, capsys, monkeypatch, source, kind, seed
-):
+def test_mutated_model_answers_or_refuses(originals, tmp_path, capsys, monkeypatch, source, kind, seed):
     """Every command on the damaged file keeps the contract; parsed answers keep the laws.
 
     The run is repeated with the big-file skim forced on (SKIM_THRESHOLD = 1): it
@@ -261,9 +263,7 @@ def test_mutated_model_answers_or_refuses(
 
 # Mutation 10j + (j mod 10): one in ten, and (unlike 0, 10, 20...) every source.
 SUBPROCESS_NUMBERS = [
-    n
-    for j in range(MUTATIONS // SUBPROCESS_EVERY + 1)
-    if (n := SUBPROCESS_EVERY * j + j % 10) < MUTATIONS
+    n for j in range(MUTATIONS // SUBPROCESS_EVERY + 1) if (n := SUBPROCESS_EVERY * j + j % 10) < MUTATIONS
 ]
 
 
@@ -282,5 +282,3 @@ def test_mutated_model_as_a_process(originals, tmp_path, source, kind, seed):
     code, out, err = process_result(run_graphscan([command, *paths], cwd=tmp_path))
     problem = contract_violation(command, paths, code, out, err)
     assert problem is None, f"{command} {path} ({source}, {description}): {problem}"
-
-

@@ -35,9 +35,7 @@ def many_islands_model(segments, seed):
             helper.make_node("QuantizeLinear", [tensor, "s"], [f"q{k}"]),
             helper.make_node("DequantizeLinear", [f"q{k}", "s"], [f"d{k}"]),
             helper.make_node("Relu", [f"d{k}"], [f"r{k}"], name=named()),
-            helper.make_node(
-                ["Mul", "Add", "Sub"][k % 3], [f"r{k}", f"d{k}"], [f"m{k}"], name=named()
-            ),
+            helper.make_node(["Mul", "Add", "Sub"][k % 3], [f"r{k}", f"d{k}"], [f"m{k}"], name=named()),
             helper.make_node("Sigmoid", [f"m{k}"], [f"g{k}"], name=named()),
         ]
         if k % 4 == 0:  # an int8-wrapped node between two pairs

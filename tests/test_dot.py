@@ -82,7 +82,7 @@ def assert_structure(path, text):
     islands = graphscan.islands(path)["islands"]
     per_island = graphscan.boundary(path)["per_island"]
     assert len(clusters) == len(islands)
-    for number, (island, crossing) in enumerate(zip(islands, per_island), 1):
+    for number, (island, crossing) in enumerate(zip(islands, per_island, strict=True), 1):
         cluster = clusters[f"cluster_island_{number}"]
         assert sorted(nodes[ident]["tooltip"] for ident in cluster["nodes"]) == island["nodes"]
         crossings = crossing["in_dequantize"] + crossing["out_quantize"]
@@ -154,8 +154,13 @@ def test_collapse_draws_a_wrapped_chain_as_one_box(tmp_path):
     assert nodes["box0"]["tooltip"] == "a\nb\nc"
     assert nodes["box0"]["label"].startswith("3 wrapped nodes: Relu 3\na\n")
     ident = {attrs["tooltip"]: i for i, attrs in nodes.items() if i.startswith("n")}
-    assert edges == [("in0", "box0", "Q→DQ"), ("box0", ident["d"], "Q→DQ"), (ident["d"], ident["e"], ""), (ident["e"], "out0", "")]
-    assert list(clusters.values())[0]["label"] == "island 1: 2 nodes, 1 crossings (1 DQ in, 0 Q out)"
+    assert edges == [
+        ("in0", "box0", "Q→DQ"),
+        ("box0", ident["d"], "Q→DQ"),
+        (ident["d"], ident["e"], ""),
+        (ident["e"], "out0", ""),
+    ]
+    assert next(iter(clusters.values()))["label"] == "island 1: 2 nodes, 1 crossings (1 DQ in, 0 Q out)"
 
 
 def test_constants_that_only_set_a_q_scale_are_one_box(tmp_path):
@@ -201,8 +206,15 @@ def fake_runtime(classes):
 
 
 def test_runtime_colours_follow_the_runtime_classes(canonical, monkeypatch):
-    classes = {"fc1_matmul": "int8", "fc2_matmul": "int8", "fc3_matmul": "float", "fc1_add": "float",
-               "fc1_relu": "absorbed", "fc2_add": "int8_data", "fc3_relu": "int4"}  # int4, missing: unknown
+    classes = {
+        "fc1_matmul": "int8",
+        "fc2_matmul": "int8",
+        "fc3_matmul": "float",
+        "fc1_add": "float",
+        "fc1_relu": "absorbed",
+        "fc2_add": "int8_data",
+        "fc3_relu": "int4",
+    }  # int4, missing: unknown
     monkeypatch.setattr(graphscan, "runtime", fake_runtime(classes), raising=False)
     path = str(canonical["matmul_only"])
     nodes, _, _ = assert_structure(path, graphscan.dot(path, runtime_colours=True))

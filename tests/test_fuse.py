@@ -47,8 +47,7 @@ def test_lab_model_fuses_every_layer(tmp_path):
     answer = graphscan.fuse(str(source), str(tmp_path / "gemm.onnx"))
     assert list(answer) == ["model", "output", "fused", "skipped", "max_abs_error"]
     assert answer["fused"] == [
-        {"matmul": f"fc{i}_matmul", "add": f"fc{i}_add", "gemm": f"fc{i}_matmul_gemm"}
-        for i in range(1, 5)
+        {"matmul": f"fc{i}_matmul", "add": f"fc{i}_add", "gemm": f"fc{i}_matmul_gemm"} for i in range(1, 5)
     ]
     assert answer["skipped"] == []
     assert answer["max_abs_error"] <= 1e-5
@@ -77,9 +76,7 @@ def test_three_d_input_is_refused(tmp_path):
     onnx.save(gen_models.build_mlp(3, 8, seed=0, input_shape=("N", 5)), source)
     answer = graphscan.fuse(str(source), str(tmp_path / "out.onnx"))
     assert answer["fused"] == []
-    assert answer["skipped"] == [
-        {"node": f"fc{i}_matmul", "reason": graphscan.SKIP_A_NOT_RANK_2} for i in (1, 2, 3)
-    ]
+    assert answer["skipped"] == [{"node": f"fc{i}_matmul", "reason": graphscan.SKIP_A_NOT_RANK_2} for i in (1, 2, 3)]
     assert graphscan.nodes(str(tmp_path / "out.onnx"))["op_types"]["MatMul"] == 3
 
 
@@ -172,9 +169,7 @@ SKIP_CASES = [
 
 
 @pytest.mark.parametrize(("reason", "nodes", "inputs", "initializers", "outputs"), SKIP_CASES)
-def test_illegal_pattern_is_skipped_with_its_reason(
-    tmp_path, reason, nodes, inputs, initializers, outputs
-):
+def test_illegal_pattern_is_skipped_with_its_reason(tmp_path, reason, nodes, inputs, initializers, outputs):
     source = save_graph(tmp_path / "m.onnx", nodes, inputs, outputs, initializers)
     answer = graphscan.fuse(source, str(tmp_path / "out.onnx"))
     assert answer["fused"] == []
@@ -213,7 +208,10 @@ def test_matmul_add_with_c_first_is_fused(tmp_path):
         helper.make_node("Add", ["C", "mm"], ["y"], name="add_node"),
     ]
     source = save_graph(
-        tmp_path / "m.onnx", nodes, {"a": [2, 3]}, {"y": [2, 4]},
+        tmp_path / "m.onnx",
+        nodes,
+        {"a": [2, 3]},
+        {"y": [2, 4]},
         [initializer("B", [3, 4]), initializer("C", [4])],
     )
     answer = graphscan.fuse(source, str(tmp_path / "out.onnx"))
@@ -279,7 +277,8 @@ def test_model_that_does_not_run_is_reported(tmp_path, capsys):
     # Valid protobuf and shape-inferable, but the custom op has no kernel.
     nodes = [helper.make_node("Mystery", ["a"], ["y"], name="m", domain="example.custom")]
     graph = helper.make_graph(
-        nodes, "g",
+        nodes,
+        "g",
         [helper.make_tensor_value_info("a", TensorProto.FLOAT, [2])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
     )

@@ -22,9 +22,7 @@ def read_json(folder, name):
 
 def answers_by_name(folder, model):
     """graphscan's four answers for one model, with the path as the file name."""
-    return {
-        c: {**getattr(graphscan, c)(str(folder / model)), "model": model} for c in SINGLE_MODEL_COMMANDS
-    }
+    return {c: {**getattr(graphscan, c)(str(folder / model)), "model": model} for c in SINGLE_MODEL_COMMANDS}
 
 
 def folder_bytes(folder):
@@ -68,9 +66,7 @@ def test_committed_models_count_like_regeneration(fresh_ops, model):
     committed = reference_of(OPS / model)
     assert reference_of(fresh_ops / model) == committed
     # ... and graphscan agrees with it on the committed file.
-    assert answers_by_name(OPS, model) == {
-        c: {"model": model, **committed[c]} for c in SINGLE_MODEL_COMMANDS
-    }
+    assert answers_by_name(OPS, model) == {c: {"model": model, **committed[c]} for c in SINGLE_MODEL_COMMANDS}
 
 
 def test_scope_json_agrees_with_the_reference_on_committed_models():

@@ -58,7 +58,9 @@ def nan_model(path):
 def test_strict_json_turns_every_non_finite_float_into_null():
     answer = {"a": [NAN, float("inf"), -float("inf"), 1.5], "b": {"c": NAN, "d": [{"e": float("-inf")}]}, "f": "NaN"}
     assert strict_loads(graphscan.strict_json(answer)) == {
-        "a": [None, None, None, 1.5], "b": {"c": None, "d": [{"e": None}]}, "f": "NaN"
+        "a": [None, None, None, 1.5],
+        "b": {"c": None, "d": [{"e": None}]},
+        "f": "NaN",
     }
 
 
@@ -96,7 +98,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 @pytest.mark.parametrize(
-    "command, event, argument",
+    ("command", "event", "argument"),
     [
         pytest.param("nodes", "import", "onnx", id="nodes-while-importing-onnx"),
         pytest.param("nodes", "open", "{model}", id="nodes-while-loading"),
@@ -125,12 +127,16 @@ REWIRE_STDOUT = {
 
 
 STDOUT_CASES = [
-    *(pytest.param(command, how, id=f"{command.lstrip('-')}-{how}") for command in ["islands", "--help"] for how in REWIRE_STDOUT),
+    *(
+        pytest.param(command, how, id=f"{command.lstrip('-')}-{how}")
+        for command in ["islands", "--help"]
+        for how in REWIRE_STDOUT
+    ),
     pytest.param("fuse", "closed", id="fuse-closed"),  # refused before the output is written
 ]
 
 
-@pytest.mark.parametrize("command, how", STDOUT_CASES)
+@pytest.mark.parametrize(("command", "how"), STDOUT_CASES)
 def test_stdout_that_cannot_be_written_is_one_line_exit_3(tmp_path, lab, how, command):
     rewire = f"import os, sys; {REWIRE_STDOUT[how]}; os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
     args = {
@@ -159,9 +165,21 @@ def newline_cases(tmp_path, lab):
     return {
         "missing-model": (["nodes", tmp_path / "no\nsuch.onnx"], 3, tmp_path / "no\nsuch.onnx"),
         "not-onnx": (["qdq", junk], 4, junk),
-        "fuse-output-folder": (["fuse", lab["fp32"], tmp_path / "no\ndir" / "o.onnx"], 3, tmp_path / "no\ndir" / "o.onnx"),
-        "trace-inputs": (["trace", lab["fp32"], lab["full"], "--inputs", tmp_path / "in\r.npz"], 7, tmp_path / "in\r.npz"),
-        "fuse-inputs": (["fuse", lab["fp32"], tmp_path / "o.onnx", "--inputs", tmp_path / "in\n.npz"], 7, tmp_path / "in\n.npz"),
+        "fuse-output-folder": (
+            ["fuse", lab["fp32"], tmp_path / "no\ndir" / "o.onnx"],
+            3,
+            tmp_path / "no\ndir" / "o.onnx",
+        ),
+        "trace-inputs": (
+            ["trace", lab["fp32"], lab["full"], "--inputs", tmp_path / "in\r.npz"],
+            7,
+            tmp_path / "in\r.npz",
+        ),
+        "fuse-inputs": (
+            ["fuse", lab["fp32"], tmp_path / "o.onnx", "--inputs", tmp_path / "in\n.npz"],
+            7,
+            tmp_path / "in\n.npz",
+        ),
     }
 
 
@@ -180,7 +198,7 @@ def test_shown_leaves_ordinary_paths_alone():
 
 
 @pytest.mark.parametrize(
-    "error, expected",
+    ("error", "expected"),
     [
         pytest.param(RuntimeError("first\nsecond"), "graphscan: internal error: RuntimeError: first", id="internal"),
         pytest.param(graphscan.GraphscanError("a\nb\u2028c", 3), "graphscan: a\\nb\\u2028c", id="user-error"),
@@ -196,7 +214,7 @@ def test_error_messages_with_line_breaks_stay_one_line(monkeypatch, capsys, erro
 
 
 @pytest.mark.parametrize(
-    "error, code, expected",
+    ("error", "code", "expected"),
     [
         pytest.param(RuntimeError("first\nsecond"), 1, "gen_models: error: RuntimeError: first", id="internal"),
         pytest.param(KeyboardInterrupt(), 130, "gen_models: interrupted", id="sigint"),
@@ -208,7 +226,7 @@ def test_gen_models_errors_are_one_line(tmp_path, monkeypatch, capsys, error, co
 
     monkeypatch.setattr(gen_models, "build_lab", failing)
     assert gen_models.main(["--out", str(tmp_path / "ops")]) == code
-    out, err = capsys.readouterr()
+    _out, err = capsys.readouterr()
     assert err.splitlines() == [expected]
     assert os.listdir(tmp_path / "ops") == []  # the staging folder is gone
 
@@ -227,7 +245,7 @@ BAD_OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("command, option, value", BAD_OPTIONS)
+@pytest.mark.parametrize(("command", "option", "value"), BAD_OPTIONS)
 def test_bad_option_values_are_usage_errors(tmp_path, lab, capsys, command, option, value):
     paths = [lab["fp32"], lab["full"]] if command == "trace" else [lab["fp32"], tmp_path / "o.onnx"]
     code, out, err = main_result(capsys, [command, *paths, f"{option}={value}"])
@@ -333,13 +351,13 @@ def test_gib_of_junk_is_refused_from_its_first_bytes(tmp_path, head, command):
     path.write_bytes(head)
     os.truncate(path, 1024**3)  # sparse: 1 GiB of zeros after the head, no disk used
     started = time.perf_counter()
+    refuse = {
+        "nodes": lambda: graphscan.nodes(str(path)),
+        "fuse": lambda: graphscan.fuse(str(path), str(tmp_path / "o.onnx")),
+    }
     with pytest.raises(graphscan.GraphscanError) as caught:
-        if command == "nodes":
-            graphscan.nodes(str(path))
-        else:
-            graphscan.fuse(str(path), str(tmp_path / "o.onnx"))
+        refuse[command]()
     elapsed = time.perf_counter() - started
     assert caught.value.exit_code == graphscan.EXIT_NOT_ONNX
     assert elapsed < 0.5, f"{elapsed:.2f} s to refuse"
     assert not (tmp_path / "o.onnx").exists()
-

@@ -235,8 +235,11 @@ def test_partly_nan_outputs_compare_nan_places_then_finite_values(tmp_path):
     """Sqrt after the Gemm: NaN wherever MatMul+Add is negative, in both models."""
     nodes = matmul_add(out="pre") + [helper.make_node("Sqrt", ["pre"], ["y"], name="sqrt")]
     source = save_model(
-        tmp_path / "m.onnx", nodes, [tensor("a", TensorProto.FLOAT, [6, 3])],
-        [tensor("y", TensorProto.FLOAT, [6, 4])], weights(),
+        tmp_path / "m.onnx",
+        nodes,
+        [tensor("a", TensorProto.FLOAT, [6, 3])],
+        [tensor("y", TensorProto.FLOAT, [6, 4])],
+        weights(),
     )
     a = RNG.standard_normal((6, 3)).astype(np.float32)
     np.savez(tmp_path / "a.npz", a=a)
@@ -252,7 +255,9 @@ def test_model_whose_float_outputs_are_all_nan_is_not_written(tmp_path, capsys):
     """Nothing finite to compare: fuse refuses to call that verified (README, fuse)."""
     nodes = matmul_add(out="pre") + [helper.make_node("Mul", ["pre", "nan"], ["y"], name="mul")]
     source = save_model(
-        tmp_path / "m.onnx", nodes, [tensor("a", TensorProto.FLOAT, [2, 3])],
+        tmp_path / "m.onnx",
+        nodes,
+        [tensor("a", TensorProto.FLOAT, [2, 3])],
         [tensor("y", TensorProto.FLOAT, [2, 4])],
         weights() + [numpy_helper.from_array(np.array([np.nan], np.float32), "nan")],
     )
@@ -266,7 +271,7 @@ NAN, INF = float("nan"), float("inf")
 
 
 @pytest.mark.parametrize(
-    "expected, actual, error, problem",
+    ("expected", "actual", "error", "problem"),
     [
         pytest.param([[1.0, NAN]], [[1.5, NAN]], 0.5, None, id="nan-same-place"),
         pytest.param([[NAN, 1.0]], [[1.0, NAN]], None, "NaN or infinity", id="nan-moved"),
@@ -292,8 +297,11 @@ def test_inf_weight_gives_strict_json(tmp_path):
     c_values = numpy_helper.to_array(c).copy()
     c_values[0] = np.inf
     source = save_model(
-        tmp_path / "m.onnx", matmul_add(), [tensor("a", TensorProto.FLOAT, [2, 3])],
-        [tensor("y", TensorProto.FLOAT, [2, 4])], [b, numpy_helper.from_array(c_values, "C")],
+        tmp_path / "m.onnx",
+        matmul_add(),
+        [tensor("a", TensorProto.FLOAT, [2, 3])],
+        [tensor("y", TensorProto.FLOAT, [2, 4])],
+        [b, numpy_helper.from_array(c_values, "C")],
     )
     answer = json_answer(run_graphscan(["fuse", source, tmp_path / "out.onnx"]))
     assert answer["fused"] == [{"matmul": "mm_node", "add": "add_node", "gemm": "mm_node_gemm"}]
@@ -305,7 +313,7 @@ def test_inf_weight_gives_strict_json(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "dtype, fused",
+    ("dtype", "fused"),
     [
         pytest.param(np.float32, True, id="float"),
         pytest.param(np.float16, True, id="float16"),
@@ -316,8 +324,10 @@ def test_inf_weight_gives_strict_json(tmp_path):
 )
 def test_only_types_onnxruntime_gemm_runs_are_fused(tmp_path, dtype, fused):
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    init = [numpy_helper.from_array(np.arange(12).reshape(3, 4).astype(dtype), "B"),
-            numpy_helper.from_array(np.arange(4).astype(dtype), "C")]
+    init = [
+        numpy_helper.from_array(np.arange(12).reshape(3, 4).astype(dtype), "B"),
+        numpy_helper.from_array(np.arange(4).astype(dtype), "C"),
+    ]
     source = save_model(
         tmp_path / "m.onnx", matmul_add(), [tensor("a", elem, [2, 3])], [tensor("y", elem, [2, 4])], init
     )
@@ -368,8 +378,13 @@ def opset_1(tmp_path):
 def test_invalid_original_is_exit_4_not_a_fusion_failure(tmp_path, capsys, broken):
     nodes, inputs, init, opset = broken(tmp_path)
     source = save_model(
-        tmp_path / "m.onnx", nodes, inputs, [tensor("y", TensorProto.FLOAT, [2, 4])], init,
-        opset=opset, check=False,
+        tmp_path / "m.onnx",
+        nodes,
+        inputs,
+        [tensor("y", TensorProto.FLOAT, [2, 4])],
+        init,
+        opset=opset,
+        check=False,
     )
     code, out, err = fuse_main(capsys, source, tmp_path / "out.onnx")
     assert (code, out, len(err)) == (graphscan.EXIT_NOT_ONNX, "", 1)
@@ -383,7 +398,9 @@ def batch_one_model(tmp_path):
     with N = 1, so fuse's default of 2 for symbolic dimensions cannot verify it."""
     nodes = matmul_add(out="pre") + [helper.make_node("Reshape", ["pre", "shape"], ["y"], name="reshape")]
     return save_model(
-        tmp_path / "m.onnx", nodes, [tensor("a", TensorProto.FLOAT, ["N", 3])],
+        tmp_path / "m.onnx",
+        nodes,
+        [tensor("a", TensorProto.FLOAT, ["N", 3])],
         [tensor("y", TensorProto.FLOAT, [1, 4])],
         weights() + [numpy_helper.from_array(np.array([1, 4], np.int64), "shape")],
     )
@@ -415,8 +432,11 @@ def test_fuse_inputs_are_the_verification_sample(tmp_path, batch_one_model):
 
 def test_minus_one_declared_dimension_is_symbolic_in_fuse(tmp_path):
     source = save_model(
-        tmp_path / "m.onnx", matmul_add(), [tensor("a", TensorProto.FLOAT, [-1, 3])],
-        [tensor("y", TensorProto.FLOAT, [-1, 4])], weights(),
+        tmp_path / "m.onnx",
+        matmul_add(),
+        [tensor("a", TensorProto.FLOAT, [-1, 3])],
+        [tensor("y", TensorProto.FLOAT, [-1, 4])],
+        weights(),
     )
     answer = json_answer(run_graphscan(["fuse", source, tmp_path / "out.onnx"]))
     assert [f["gemm"] for f in answer["fused"]] == ["mm_node_gemm"]
@@ -485,7 +505,10 @@ def optional_input():
 def test_inputs_that_are_not_tensors_are_exit_7(tmp_path, capsys, build):
     front, graph_input = build()
     source = save_model(
-        tmp_path / "m.onnx", front + matmul_add(), [graph_input], [tensor("y", TensorProto.FLOAT, [2, 4])],
+        tmp_path / "m.onnx",
+        front + matmul_add(),
+        [graph_input],
+        [tensor("y", TensorProto.FLOAT, [2, 4])],
         weights() + [numpy_helper.from_array(np.array(0, np.int64), "zero")],
     )
     code, out, err = fuse_main(capsys, source, tmp_path / "out.onnx")
@@ -502,7 +525,9 @@ def test_string_input_is_exit_7_without_inputs_and_runs_with_them(tmp_path, caps
         *matmul_add(),
     ]
     source = save_model(
-        tmp_path / "m.onnx", nodes, [tensor("t", TensorProto.STRING, [1, 3])],
+        tmp_path / "m.onnx",
+        nodes,
+        [tensor("t", TensorProto.STRING, [1, 3])],
         [tensor("y", TensorProto.FLOAT, [1, 4])],
         weights(b_shape=(2, 4)) + [numpy_helper.from_array(np.array([1, 2], np.int64), "row")],
     )
@@ -517,10 +542,13 @@ def test_string_input_is_exit_7_without_inputs_and_runs_with_them(tmp_path, caps
 @pytest.mark.parametrize("untyped", ["a", "y"], ids=["untyped-input", "untyped-output"])
 def test_untyped_input_or_output_is_a_clear_exit_4(tmp_path, capsys, untyped):
     """onnx's checker requires a type on graph inputs and outputs: the original is refused."""
+
     def info(name, shape):
         return helper.make_empty_tensor_value_info(name) if name == untyped else tensor(name, TensorProto.FLOAT, shape)
 
-    source = save_model(tmp_path / "m.onnx", matmul_add(), [info("a", [2, 3])], [info("y", [2, 4])], weights(), check=False)
+    source = save_model(
+        tmp_path / "m.onnx", matmul_add(), [info("a", [2, 3])], [info("y", [2, 4])], weights(), check=False
+    )
     code, out, err = fuse_main(capsys, source, tmp_path / "out.onnx")
     assert (code, out, len(err)) == (graphscan.EXIT_NOT_ONNX, "", 1)
     assert "not a valid ONNX model" in err[0] and "type" in err[0]

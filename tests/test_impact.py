@@ -9,16 +9,16 @@ branch is scaled by 1e-3 before it reaches the output.
 
 import math
 
+import impact_reference as reference
 import numpy as np
 import onnx
 import pytest
+from helpers import error_line, json_answer, run_graphscan
 from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
-import impact_reference as reference
 from conftest import Case
-from helpers import error_line, json_answer, run_graphscan
 
 LAB = Case(4, ("N",), "fc2_matmul", dim=16)
 FAULTY = "fc2_matmul"
@@ -26,8 +26,14 @@ TOLERANCE_DB = 0.05  # issue 9: graphscan equals the brute force within 0.05 dB 
 ANSWER_KEYS = ["a", "b", "inputs", "defaulted", "samples", "output_sqnr_db", "ops", "tensors"]
 OP_KEYS = ["node", "op_type", "sqnr_db", "gain_db"]
 TENSOR_KEYS = [
-    "tensor", "producer", "consumers", "sqnr_db", "gain_db",
-    "rounding_sqnr_db", "rounding_gain_db", "clipped",
+    "tensor",
+    "producer",
+    "consumers",
+    "sqnr_db",
+    "gain_db",
+    "rounding_sqnr_db",
+    "rounding_gain_db",
+    "clipped",
 ]
 
 
@@ -82,8 +88,10 @@ def branches_model():
         nodes,
         "branches",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape),
-         helper.make_tensor_value_info("z", TensorProto.FLOAT, shape)],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, shape),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, shape),
+        ],
         inits,
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", gen_models.OPSET)])
@@ -232,7 +240,9 @@ def test_exclusion_equals_an_independent_run(lab, faulty, mlp_samples):
     exclude = answer["exclude"]
     assert exclude["reached"] is True and exclude["nodes"][0] == FAULTY, exclude
     assert exclude["sqnr_db"] >= target
-    independent = reference.sqnr(expected_float, reference.run(reference.unquantize_ops(a, b, exclude["nodes"]), samples))
+    independent = reference.sqnr(
+        expected_float, reference.run(reference.unquantize_ops(a, b, exclude["nodes"]), samples)
+    )
     assert close(exclude["sqnr_db"], independent), (exclude, independent)
 
     impossible = graphscan.impact(str(lab["fp32"]), str(faulty), inputs=paths, target_sqnr=300.0)["exclude"]
@@ -278,7 +288,7 @@ def test_default_shape_is_reported(lab, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "options, code",
+    ("options", "code"),
     [
         pytest.param(["--top", "-1"], 2, id="negative-top"),
         pytest.param(["--target-sqnr", "nan"], 2, id="nan-target"),
@@ -405,13 +415,19 @@ def absorbed_pair():
             helper.make_node("DequantizeLinear", [f"{tensor}_q", scale, zero], [out], name=f"{tensor}_dequantize"),
         ]
 
-    quant_nodes = qdq("x", "sx", "z0", "x_dq") + [
-        helper.make_node("MatMul", ["x_dq", "w1"], ["leaky_QuantizeLinear_Input"], name="mm1"),
-        helper.make_node("MatMul", ["x_dq", "w2"], ["m2_folded"], name="mm2"),
-        helper.make_node("Identity", ["m2_folded"], ["clipped_pre"], name="rename"),
-    ] + qdq("leaky_QuantizeLinear_Input", "sa", "za", "leaky") + [
-        helper.make_node("Relu", ["clipped_pre"], ["clipped_QuantizeLinear_Input"], name="not_a_clip"),
-    ] + qdq("clipped_QuantizeLinear_Input", "sc", "zc", "clipped")
+    quant_nodes = (
+        qdq("x", "sx", "z0", "x_dq")
+        + [
+            helper.make_node("MatMul", ["x_dq", "w1"], ["leaky_QuantizeLinear_Input"], name="mm1"),
+            helper.make_node("MatMul", ["x_dq", "w2"], ["m2_folded"], name="mm2"),
+            helper.make_node("Identity", ["m2_folded"], ["clipped_pre"], name="rename"),
+        ]
+        + qdq("leaky_QuantizeLinear_Input", "sa", "za", "leaky")
+        + [
+            helper.make_node("Relu", ["clipped_pre"], ["clipped_QuantizeLinear_Input"], name="not_a_clip"),
+        ]
+        + qdq("clipped_QuantizeLinear_Input", "sc", "zc", "clipped")
+    )
     opset = [helper.make_opsetid("", gen_models.OPSET)]
     float_model = helper.make_model(helper.make_graph(float_nodes, "f", [x], outputs, inits), opset_imports=opset)
     quant_model = helper.make_model(
@@ -430,7 +446,7 @@ def test_absorbed_leaky_relu_and_clip_equal_the_brute_force(tmp_path):
     assert reference.absorbed(float_model, quant_model, "leaky_QuantizeLinear_Input").op_type == "LeakyRelu"
     assert reference.absorbed(float_model, quant_model, "clipped_QuantizeLinear_Input").op_type == "Clip"
     samples = write_samples(tmp_path, {"x": (4, 8)}, 2, seed=12)
-    answer, brute = assert_equals_brute_force(a, b, samples)
+    answer, _brute = assert_equals_brute_force(a, b, samples)
     rows = {r["tensor"]: r for r in answer["tensors"]}
     # Re-applied, the activations make the outputs float up to x's own rounding.
     assert rows["leaky_QuantizeLinear_Input"]["sqnr_db"] > answer["output_sqnr_db"]

@@ -57,9 +57,7 @@ def test_full_wraps_every_compute_node(variants):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_diff_with_itself_is_zero(variants, variant):
     path = str(variants[variant])
-    assert graphscan.diff(path, path) == {
-        "a": path, "b": path, "op_delta": {}, **dict.fromkeys(DELTA_KEYS, 0)
-    }
+    assert graphscan.diff(path, path) == {"a": path, "b": path, "op_delta": {}, **dict.fromkeys(DELTA_KEYS, 0)}
 
 
 @pytest.mark.parametrize(

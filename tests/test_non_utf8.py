@@ -62,9 +62,7 @@ def utf8_model():
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
         inits,
     )
-    return helper.make_model(
-        graph, opset_imports=OPSET + [helper.make_opsetid("DOMAINMK", 1)]
-    )
+    return helper.make_model(graph, opset_imports=OPSET + [helper.make_opsetid("DOMAINMK", 1)])
 
 
 def lone_node_model():
@@ -120,5 +118,3 @@ def test_lone_non_utf8_name_as_a_process(tmp_path, command):
     code, out, err = process_result(run_graphscan([command, path], cwd=tmp_path))
     problem = contract_violation(command, [str(path)], code, out, err)
     assert problem is None, f"{command}: {problem}"
-
-

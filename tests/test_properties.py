@@ -43,9 +43,24 @@ OPSETS = [
     helper.make_opsetid(CUSTOM_DOMAIN, 1),
 ]
 # Initializer dtypes beyond the fixed scale / zero point; names as TensorProto spells them.
-EXTRA_DTYPES = ["FLOAT", "INT8", "UINT8", "INT16", "INT32", "INT64", "UINT32", "UINT64",
-                "FLOAT16", "BFLOAT16", "DOUBLE", "BOOL", "INT4", "UINT4", "FLOAT8E4M3FN",
-                "STRING"]
+EXTRA_DTYPES = [
+    "FLOAT",
+    "INT8",
+    "UINT8",
+    "INT16",
+    "INT32",
+    "INT64",
+    "UINT32",
+    "UINT64",
+    "FLOAT16",
+    "BFLOAT16",
+    "DOUBLE",
+    "BOOL",
+    "INT4",
+    "UINT4",
+    "FLOAT8E4M3FN",
+    "STRING",
+]
 # Where an initializer's payload lives: the typed repeated field of its dtype (float_data,
 # int32_data, int64_data, ...), raw_data, or an external file that does not exist (structural
 # commands must never open it). Big files are parsed without these payloads.
@@ -101,8 +116,7 @@ def initializer(name, dtype, storage="typed", size=1):
     if storage == "external":
         tensor = TensorProto(name=name, data_type=data_type, dims=[size])
         tensor.data_location = TensorProto.EXTERNAL
-        for key, value in [("location", "missing_weights.bin"), ("offset", "0"),
-                           ("length", str(8 * size))]:
+        for key, value in [("location", "missing_weights.bin"), ("offset", "0"), ("length", str(8 * size))]:
             tensor.external_data.add(key=key, value=value)
         return tensor
     if storage == "raw" and dtype != "STRING":
@@ -124,9 +138,7 @@ def branch(tag, captures, prefix):
         ]
     else:
         body = [helper.make_node("Constant", [], [out], value=initializer(f"{prefix}c", "INT8"))]
-    return helper.make_graph(
-        body, local, [], [helper.make_tensor_value_info(out, TensorProto.INT8, None)]
-    )
+    return helper.make_graph(body, local, [], [helper.make_tensor_value_info(out, TensorProto.INT8, None)])
 
 
 def to_model(graph):
@@ -143,8 +155,12 @@ def to_model(graph):
             attrs["else_branch"] = branch("else", node.captures[::-1], prefix)
         protos.append(
             helper.make_node(
-                node.op_type, list(node.inputs), list(node.outputs), name=node.name,
-                domain=node.domain, **attrs,
+                node.op_type,
+                list(node.inputs),
+                list(node.outputs),
+                name=node.name,
+                domain=node.domain,
+                **attrs,
             )
         )
     proto = helper.make_graph(
@@ -175,10 +191,12 @@ def node_names(draw):
 def graphs(draw):
     """A random QDQ graph (see the module docstring for everything it may contain)."""
     inputs = [f"x{k}" for k in range(draw(st.integers(1, 2)))]
-    extra = draw(st.lists(
-        st.tuples(st.sampled_from(EXTRA_DTYPES), st.sampled_from(STORAGES), st.integers(0, 4)),
-        max_size=4,
-    ))
+    extra = draw(
+        st.lists(
+            st.tuples(st.sampled_from(EXTRA_DTYPES), st.sampled_from(STORAGES), st.integers(0, 4)),
+            max_size=4,
+        )
+    )
     initializers = [("s", "FLOAT", "typed", 1), ("zp", "INT8", "typed", 1)]
     initializers += [(f"w{k}", *spec) for k, spec in enumerate(extra)]
     weights = [init[0] for init in initializers[2:] if init[1] in WEIGHT_DTYPES]
@@ -210,9 +228,7 @@ def graphs(draw):
         return outs
 
     def compute_input(previous):
-        source = draw(st.sampled_from(
-            ["recent", "dq", "q", "compute", "float-initializer", "repeat", "ghost"]
-        ))
+        source = draw(st.sampled_from(["recent", "dq", "q", "compute", "float-initializer", "repeat", "ghost"]))
         if source == "recent":
             return any_tensor()
         if source in ("dq", "q", "compute") and produced[source]:
@@ -226,9 +242,7 @@ def graphs(draw):
         return any_tensor()
 
     def compute(ins=None):
-        op_type, domain, required, optional, outs, optional_outs = draw(
-            st.sampled_from(COMPUTE_OPS)
-        )
+        op_type, domain, required, optional, outs, optional_outs = draw(st.sampled_from(COMPUTE_OPS))
         if ins is None:
             ins = []
             for _ in range(required):
@@ -268,9 +282,7 @@ def graphs(draw):
         return add(DQ, [x, *qdq_params()], [fresh()], "dq", domain)[0]
 
     for _ in range(draw(st.integers(0, 12))):
-        step = draw(st.sampled_from(
-            ["compute", "dq", "q", "pair", "wrapped", "diamond", "constant", "if"]
-        ))
+        step = draw(st.sampled_from(["compute", "dq", "q", "pair", "wrapped", "diamond", "constant", "if"]))
         if step == "compute":
             compute()
         elif step == "dq":
@@ -386,7 +398,8 @@ def test_every_answer_matches_the_reference(save_graphs, how, graph):
 
     assert set(islands) == {"model", "compute", "wrapped", "float", "island_count", "islands"}
     assert {k: v for k, v in islands.items() if k != "islands"} == {
-        "model": path, **{k: v for k, v in expected["islands"].items() if k != "islands"}
+        "model": path,
+        **{k: v for k, v in expected["islands"].items() if k != "islands"},
     }
     assert_same_island_lists(islands["islands"], expected["islands"]["islands"])
 
@@ -409,9 +422,7 @@ def test_diff_matches_the_reference_and_is_antisymmetric(save_graphs, a, b):
     (path_a, model_a), (path_b, model_b) = save_graphs(a, b)
 
     forward = graphscan.diff(path_a, path_b)
-    assert forward == {
-        "a": path_a, "b": path_b, **reference_diff(reference(model_a), reference(model_b))
-    }
+    assert forward == {"a": path_a, "b": path_b, **reference_diff(reference(model_a), reference(model_b))}
     assert graphscan.diff(path_b, path_a) == negated(forward)
     same = graphscan.diff(path_a, path_a)
     assert same == {"a": path_a, "b": path_a, "op_delta": {}, **dict.fromkeys(DELTA_KEYS, 0)}

@@ -289,9 +289,7 @@ def test_node_with_an_unconsumed_output_is_not_wrapped(tmp_path, compute, output
         ),
     ],
 )
-def test_node_reading_an_initializer_or_graph_input_is_float(
-    tmp_path, extra_nodes, inputs, initializers, wrapped
-):
+def test_node_reading_an_initializer_or_graph_input_is_float(tmp_path, extra_nodes, inputs, initializers, wrapped):
     path = save(
         tmp_path,
         [
@@ -412,9 +410,7 @@ def test_qdq_in_any_domain_count_as_qdq(tmp_path, dq_domain, q_domain):
             id="resize-empty-roi-dq-empty-zero-point",
         ),
         pytest.param([node("Clip", ["xf", "", ""], ["r"], "n")], [], id="clip-empty-min-and-max"),
-        pytest.param(
-            [node("Dropout", ["xf"], ["r", ""], "n")], [], id="dropout-empty-mask-output"
-        ),
+        pytest.param([node("Dropout", ["xf"], ["r", ""], "n")], [], id="dropout-empty-mask-output"),
     ],
 )
 def test_absent_optional_inputs_and_outputs_are_ignored(tmp_path, compute_nodes, initializers):
@@ -590,9 +586,7 @@ def test_diamond_of_float_nodes_is_one_island(tmp_path):
         "model": path,
         "island_count": 1,
         "crossings": 2,
-        "per_island": [
-            {"nodes": ["join", "left", "right", "top"], "in_dequantize": 1, "out_quantize": 1}
-        ],
+        "per_island": [{"nodes": ["join", "left", "right", "top"], "in_dequantize": 1, "out_quantize": 1}],
     }
 
 

@@ -28,13 +28,31 @@ x86_only = pytest.mark.skipif(
     reason="onnxruntime's int8 -> uint8 Q/DQ rewrite, which these answers rest on, happens on x86 only",
 )
 ANSWER_KEYS = [
-    "model", "environment", "compute", "wrapped", "classes", "wrapped_but_float",
-    "float_but_int8", "by_op_type", "nodes", "unmapped",
+    "model",
+    "environment",
+    "compute",
+    "wrapped",
+    "classes",
+    "wrapped_but_float",
+    "float_but_int8",
+    "by_op_type",
+    "nodes",
+    "unmapped",
 ]
 NODE_KEYS = ["node", "op_type", "wrapped", "class", "kernel", "runs_in", "reason"]
-INT8_OPS = {"QLinearConv", "QLinearMatMul", "QLinearAdd", "QLinearMul", "QLinearConcat",
-            "QLinearGlobalAveragePool", "QLinearSigmoid", "QGemm", "QLinearAveragePool",
-            "MatMulIntegerToFloat", "DynamicQuantizeMatMul"}
+INT8_OPS = {
+    "QLinearConv",
+    "QLinearMatMul",
+    "QLinearAdd",
+    "QLinearMul",
+    "QLinearConcat",
+    "QLinearGlobalAveragePool",
+    "QLinearSigmoid",
+    "QGemm",
+    "QLinearAveragePool",
+    "MatMulIntegerToFloat",
+    "DynamicQuantizeMatMul",
+}
 
 
 def by_node(answer):
@@ -99,8 +117,11 @@ def test_matmul_only_relus_are_absorbed_into_the_next_quantize(lab):
         # Relu -> Q with zero point at qmin: onnxruntime drops the Relu (the
         # Q's clamp does the same), so it runs inside that QuantizeLinear.
         relu = rows[f"fc{k}_relu"]
-        assert (relu["class"], relu["kernel"], relu["runs_in"]) == ("absorbed", "QuantizeLinear", f"fc{k + 1}_matmul_input_QuantizeLinear") or (
-            relu["class"], relu["kernel"]) == ("absorbed", "QuantizeLinear"), relu
+        assert (relu["class"], relu["kernel"], relu["runs_in"]) == (
+            "absorbed",
+            "QuantizeLinear",
+            f"fc{k + 1}_matmul_input_QuantizeLinear",
+        ) or (relu["class"], relu["kernel"]) == ("absorbed", "QuantizeLinear"), relu
         assert rows[f"fc{k}_add"]["class"] == "float" and rows[f"fc{k}_add"]["reason"] is None  # not wrapped
     # The last Relu feeds the graph output, no Q to fold into.
     assert rows[f"fc{layers}_relu"]["class"] == "float"
@@ -155,14 +176,19 @@ def every_class_model(named=True):
     rng = np.random.default_rng(0)
     weight = rng.integers(-20, 20, (4, 2, 3, 3)).astype(np.int8)
     inits = [
-        f32("s", 0.05), u8("zp", 0),
-        numpy_helper.from_array(weight, "w_q"), f32("w_s", 0.02),
+        f32("s", 0.05),
+        u8("zp", 0),
+        numpy_helper.from_array(weight, "w_q"),
+        f32("w_s", 0.02),
         numpy_helper.from_array(np.zeros(4, np.int8), "w_zp"),
-        numpy_helper.from_array(np.arange(4, dtype=np.int32), "b_q"), f32("b_s", 0.001),
+        numpy_helper.from_array(np.arange(4, dtype=np.int32), "b_q"),
+        f32("b_s", 0.001),
         numpy_helper.from_array(np.zeros(4, np.int32), "b_zp"),
     ]
+
     def n(op, ins, outs, name, **attrs):
         return helper.make_node(op, ins, outs, name=name if named else "", **attrs)
+
     nodes = [
         n("QuantizeLinear", ["x", "s", "zp"], ["x_q"], "x_Q"),
         n("DequantizeLinear", ["x_q", "s", "zp"], ["x_dq"], "x_DQ"),
@@ -172,8 +198,7 @@ def every_class_model(named=True):
         n("Relu", ["c"], ["r"], "relu"),
         n("QuantizeLinear", ["r", "s", "zp"], ["r_q"], "r_Q"),
         n("DequantizeLinear", ["r_q", "s", "zp"], ["r_dq"], "r_DQ"),
-        n("Constant", [], ["shape"], "shape_const",
-          value=numpy_helper.from_array(np.array([1, 4, 16], np.int64))),
+        n("Constant", [], ["shape"], "shape_const", value=numpy_helper.from_array(np.array([1, 4, 16], np.int64))),
         n("Reshape", ["r_dq", "shape"], ["h"], "reshape"),
         n("QuantizeLinear", ["h", "s", "zp"], ["h_q"], "h_Q"),
         n("DequantizeLinear", ["h_q", "s", "zp"], ["h_dq"], "h_DQ"),
@@ -183,7 +208,8 @@ def every_class_model(named=True):
         n("Identity", ["g_dq"], ["y"], "identity"),
     ]
     graph = helper.make_graph(
-        nodes, "every_class",
+        nodes,
+        "every_class",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 16])],
         inits,
@@ -211,7 +237,8 @@ def test_every_class_occurs_in_a_hand_built_graph(tmp_path):
     assert found == EVERY_CLASS
     rows = by_node(answer)
     assert rows["hardsigmoid"]["reason"] == {
-        "code": "no_kernel", "detail": "CPUExecutionProvider has no QDQ fusion for HardSigmoid",
+        "code": "no_kernel",
+        "detail": "CPUExecutionProvider has no QDQ fusion for HardSigmoid",
     }
     assert rows["identity"]["runs_in"] == "g_DQ" and rows["relu"]["runs_in"] == "conv"
     assert answer["classes"] == {"int8": 1, "int8_data": 1, "float": 1, "absorbed": 3}
@@ -233,7 +260,10 @@ def shared_int8_conv_model():
     rng = np.random.default_rng(1)
     s8 = lambda name, value: numpy_helper.from_array(np.array(value, dtype=np.int8), name)  # noqa: E731
     inits = [
-        f32("s", 0.05), s8("zp", 0), s8("w_q", rng.integers(-20, 20, (2, 2, 3, 3))), f32("w_s", 0.02),
+        f32("s", 0.05),
+        s8("zp", 0),
+        s8("w_q", rng.integers(-20, 20, (2, 2, 3, 3))),
+        f32("w_s", 0.02),
     ]
     nodes = [
         helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["x_q"], name="x_Q"),
@@ -269,7 +299,10 @@ def test_int8_activations_is_not_the_reason_when_they_were_allowed():
     graph = graphscan.OptimizedGraph(optimized.graph)
     conv = graph.by_name["conv"]
     assert graph.op_type(conv) == "Conv"
-    assert graphscan.float_reason("Conv", graph, conv, "extended", "CPUExecutionProvider", False)["code"] == "int8_activations"
+    assert (
+        graphscan.float_reason("Conv", graph, conv, "extended", "CPUExecutionProvider", False)["code"]
+        == "int8_activations"
+    )
     reason = graphscan.float_reason("Conv", graph, conv, "extended", "CPUExecutionProvider", True)
     assert reason["code"] == "other" and "other conditions" in reason["detail"]
 
@@ -279,8 +312,14 @@ def test_unnamed_nodes_get_spec_names_and_the_same_classes(tmp_path):
     onnx.save(every_class_model(named=False), path)
     answer = graphscan.runtime(str(path))
     # SPEC naming: <op_type>_<position in graph.node>.
-    spec_names = {"conv": "Conv_4", "relu": "Relu_5", "shape_const": "Constant_8", "reshape": "Reshape_9",
-                  "hardsigmoid": "HardSigmoid_12", "identity": "Identity_15"}
+    spec_names = {
+        "conv": "Conv_4",
+        "relu": "Relu_5",
+        "shape_const": "Constant_8",
+        "reshape": "Reshape_9",
+        "hardsigmoid": "HardSigmoid_12",
+        "identity": "Identity_15",
+    }
     assert {r["node"]: (r["class"], r["kernel"]) for r in answer["nodes"]} == {
         spec_names[name]: expected for name, expected in EVERY_CLASS.items()
     }
@@ -295,8 +334,12 @@ def test_nodes_are_found_by_tensors_when_every_optimized_name_is_gone(tmp_path):
     for node in optimized.graph.node:
         node.name = ""
     rows, unmapped = graphscan.classify_nodes(
-        graphscan.GraphIndex(named.graph), names, graphscan.OptimizedGraph(optimized.graph),
-        "extended", "CPUExecutionProvider", False,
+        graphscan.GraphIndex(named.graph),
+        names,
+        graphscan.OptimizedGraph(optimized.graph),
+        "extended",
+        "CPUExecutionProvider",
+        False,
     )
     assert unmapped == []
     assert {r["node"]: (r["class"], r["kernel"]) for r in rows} == EVERY_CLASS
@@ -316,7 +359,12 @@ def test_dynamic_model_fuses_into_dynamic_quantize_matmul(lab):
         else:
             assert (row["class"], row["kernel"]) == ("absorbed", "DynamicQuantizeMatMul"), row
     layers = DEFAULT_LAB.layers
-    assert answer["classes"] == {"int8": layers, "int8_data": 0, "float": layers, "absorbed": answer["compute"] - 2 * layers}
+    assert answer["classes"] == {
+        "int8": layers,
+        "int8_data": 0,
+        "float": layers,
+        "absorbed": answer["compute"] - 2 * layers,
+    }
     assert answer["float_but_int8"] == layers  # nothing is wrapped in a dynamic model
 
 
@@ -326,7 +374,9 @@ def test_the_node_found_by_name_runs_the_kernel_not_a_removed_one_before_it(tmp_
     but the Relu, found by name, runs the kernel; the Identity was absorbed."""
     graph = helper.make_graph(
         [helper.make_node("Identity", ["x"], ["t"], name="id"), helper.make_node("Relu", ["t"], ["y"], name="relu")],
-        "g", [helper.make_tensor_value_info("x", 1, [4])], [helper.make_tensor_value_info("y", 1, [4])],
+        "g",
+        [helper.make_tensor_value_info("x", 1, [4])],
+        [helper.make_tensor_value_info("y", 1, [4])],
     )
     path = tmp_path / "identity.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
@@ -340,8 +390,9 @@ def test_duplicate_and_colliding_names_are_made_unique():
     b = helper.make_node("Relu", ["a"], ["b"], name="same")
     c = helper.make_node("Relu", ["b"], ["c"])  # SPEC name Relu_2 ...
     d = helper.make_node("Relu", ["c"], ["y"], name="Relu_2")  # ... already taken
-    graph = helper.make_graph([a, b, c, d], "g", [helper.make_tensor_value_info("x", 1, [1])],
-                              [helper.make_tensor_value_info("y", 1, [1])])
+    graph = helper.make_graph(
+        [a, b, c, d], "g", [helper.make_tensor_value_info("x", 1, [1])], [helper.make_tensor_value_info("y", 1, [1])]
+    )
     named, names = graphscan.session_names(helper.make_model(graph))
     assert names == ["same", "same~1", "Relu_2~2", "Relu_2"]
     assert [n.name for n in named.graph.node] == names
@@ -406,8 +457,7 @@ def test_static_classes_agree_with_the_profiler_on_every_node(cnn, level, tmp_pa
             continue
         op_name, first_type = kernels[row["runs_in"]]
         assert op_name == row["kernel"], row
-        expected = ("int8" if op_name in INT8_OPS
-                    else "int8_data" if first_type in ("uint8", "int8") else "float")
+        expected = "int8" if op_name in INT8_OPS else "int8_data" if first_type in ("uint8", "int8") else "float"
         assert row["class"] == expected, (row, op_name, first_type)
         ran += 1
     assert ran > 10
@@ -505,7 +555,10 @@ def test_round_trips_removed_from_the_optimized_graph_only():
         helper.make_node("DequantizeLinear", ["c_q", "s", "zp"], ["y"], name="dq3"),
     ]
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", 1, [4])], [helper.make_tensor_value_info("y", 1, [4])],
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", 1, [4])],
+        [helper.make_tensor_value_info("y", 1, [4])],
         [f32("s", 0.1), u8("zp", 128), numpy_helper.from_array(np.ones(4, np.uint8), "w_q")],
     )
     ablated, removed = graphscan.without_round_trips(helper.make_model(graph))

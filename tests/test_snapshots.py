@@ -27,10 +27,7 @@ def default_lab(build_case):
 def with_file_names(answer, paths):
     """Replace tmp paths echoed in ``model``/``a``/``b`` by the file names."""
     names = {str(path): path.name for path in paths.values()}
-    return {
-        key: names.get(value, value) if key in ("model", "a", "b") else value
-        for key, value in answer.items()
-    }
+    return {key: names.get(value, value) if key in ("model", "a", "b") else value for key, value in answer.items()}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

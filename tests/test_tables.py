@@ -164,7 +164,7 @@ def test_long_names_are_cut_in_the_middle_to_80_columns(tmp_path, capsys):
     text = printed(capsys, ["islands", path, "--format", "table"])
     listed = island_listing(text, 1)
     assert len(listed) == 2
-    for cut, name in zip(listed, [first, last]):
+    for cut, name in zip(listed, [first, last], strict=False):
         head, tail = cut.split("...")
         assert name.startswith(head) and name.endswith(tail) and len(head) > 10 and len(tail) > 10
 
@@ -238,14 +238,48 @@ TRACE_ANSWER = {
     "inputs": {"x": [1, 3, 1, 1]},
     "defaulted": ["x"],
     "ops": [
-        {"node": "conv1", "op_type": "Conv", "wrapped": True, "reference": "c1", "isolated_max_abs": 0.01,
-         "propagated_max_abs": 0.01, "isolated_lsb": 0.5, "sqnr_db": 40.0, "clipped": 0.0},
-        {"node": LONG, "op_type": "Conv", "wrapped": True, "reference": "c2", "isolated_max_abs": 0.5,
-         "propagated_max_abs": 0.6, "isolated_lsb": 3.25, "sqnr_db": 12.5, "clipped": 0.125},
-        {"node": "add", "op_type": "Add", "wrapped": False, "reference": "a", "isolated_max_abs": 0.02,
-         "propagated_max_abs": 0.9, "isolated_lsb": None, "sqnr_db": None},
-        {"node": "MatMulInteger_4", "op_type": "MatMulInteger", "wrapped": False, "reference": None,
-         "isolated_max_abs": None, "propagated_max_abs": None, "isolated_lsb": None, "sqnr_db": None},
+        {
+            "node": "conv1",
+            "op_type": "Conv",
+            "wrapped": True,
+            "reference": "c1",
+            "isolated_max_abs": 0.01,
+            "propagated_max_abs": 0.01,
+            "isolated_lsb": 0.5,
+            "sqnr_db": 40.0,
+            "clipped": 0.0,
+        },
+        {
+            "node": LONG,
+            "op_type": "Conv",
+            "wrapped": True,
+            "reference": "c2",
+            "isolated_max_abs": 0.5,
+            "propagated_max_abs": 0.6,
+            "isolated_lsb": 3.25,
+            "sqnr_db": 12.5,
+            "clipped": 0.125,
+        },
+        {
+            "node": "add",
+            "op_type": "Add",
+            "wrapped": False,
+            "reference": "a",
+            "isolated_max_abs": 0.02,
+            "propagated_max_abs": 0.9,
+            "isolated_lsb": None,
+            "sqnr_db": None,
+        },
+        {
+            "node": "MatMulInteger_4",
+            "op_type": "MatMulInteger",
+            "wrapped": False,
+            "reference": None,
+            "isolated_max_abs": None,
+            "propagated_max_abs": None,
+            "isolated_lsb": None,
+            "sqnr_db": None,
+        },
     ],
     "outputs": {"y": 0.9},
     "worst_isolated": {"node": LONG, "max_abs": 0.5},
@@ -256,26 +290,64 @@ TRACE_ANSWER = {
 # The shape of a real `runtime --time` answer (tests/test_runtime.py pins the values).
 RUNTIME_ANSWER = {
     "model": "det_qdq.onnx",
-    "environment": {"onnxruntime": "1.32.0", "provider": "CPUExecutionProvider", "level": "extended",
-                    "machine": "x86_64", "int8_allowed": False},
-    "compute": 4, "wrapped": 3,
+    "environment": {
+        "onnxruntime": "1.32.0",
+        "provider": "CPUExecutionProvider",
+        "level": "extended",
+        "machine": "x86_64",
+        "int8_allowed": False,
+    },
+    "compute": 4,
+    "wrapped": 3,
     "classes": {"int8": 1, "int8_data": 1, "float": 1, "absorbed": 1},
-    "wrapped_but_float": 1, "float_but_int8": 0,
+    "wrapped_but_float": 1,
+    "float_but_int8": 0,
     "by_op_type": {"Add": {"float": 1}, "Conv": {"int8": 1}, "MaxPool": {"int8_data": 1}, "Relu": {"absorbed": 1}},
     "nodes": [
-        {"node": "conv", "op_type": "Conv", "wrapped": True, "class": "int8", "kernel": "QLinearConv",
-         "runs_in": "conv", "reason": None},
-        {"node": "relu", "op_type": "Relu", "wrapped": False, "class": "absorbed", "kernel": "QLinearConv",
-         "runs_in": "conv", "reason": None},
-        {"node": LONG, "op_type": "Add", "wrapped": True, "class": "float", "kernel": "Add", "runs_in": LONG,
-         "reason": {"code": "mixed_types", "detail": "inputs uint8, int8; outputs uint8"}},
-        {"node": "pool", "op_type": "MaxPool", "wrapped": True, "class": "int8_data", "kernel": "MaxPool",
-         "runs_in": "pool", "reason": None},
+        {
+            "node": "conv",
+            "op_type": "Conv",
+            "wrapped": True,
+            "class": "int8",
+            "kernel": "QLinearConv",
+            "runs_in": "conv",
+            "reason": None,
+        },
+        {
+            "node": "relu",
+            "op_type": "Relu",
+            "wrapped": False,
+            "class": "absorbed",
+            "kernel": "QLinearConv",
+            "runs_in": "conv",
+            "reason": None,
+        },
+        {
+            "node": LONG,
+            "op_type": "Add",
+            "wrapped": True,
+            "class": "float",
+            "kernel": "Add",
+            "runs_in": LONG,
+            "reason": {"code": "mixed_types", "detail": "inputs uint8, int8; outputs uint8"},
+        },
+        {
+            "node": "pool",
+            "op_type": "MaxPool",
+            "wrapped": True,
+            "class": "int8_data",
+            "kernel": "MaxPool",
+            "runs_in": "pool",
+            "reason": None,
+        },
     ],
     "unmapped": [],
     "time": {
         "method": "onnxruntime profiler, one thread, per-event floor subtracted",
-        "inputs": {"x": [1, 3, 320, 320]}, "defaulted": [], "runs": 20, "profiler_floor_us": 2.0,
+        "inputs": {"x": [1, 3, 320, 320]},
+        "defaulted": [],
+        "runs": 20,
+        "profiler_floor_us": 2.0,
         "shares": {"int8": 0.25, "int8_data": 0.05, "float": 0.5, "quantize": 0.1, "dequantize": 0.1},
         "nodes": {"conv": 120.5, LONG: 300.25, "pool": 8.0},
         "wall_ms": {"model": 40.5, "without_round_trips": 28.0},
@@ -284,15 +356,27 @@ RUNTIME_ANSWER = {
 }
 
 IMPACT_ANSWER = {
-    "a": "float.onnx", "b": "quant.onnx", "inputs": {"x": [1, 16]}, "samples": 2, "output_sqnr_db": 2.7,
+    "a": "float.onnx",
+    "b": "quant.onnx",
+    "inputs": {"x": [1, 16]},
+    "samples": 2,
+    "output_sqnr_db": 2.7,
     "ops": [
         {"node": "fc2_matmul", "op_type": "MatMul", "sqnr_db": 30.5, "gain_db": 27.8},
         {"node": LONG, "op_type": "Conv", "sqnr_db": 3.0, "gain_db": 0.3},
         {"node": "fc1_add", "op_type": "Add", "sqnr_db": 2.7, "gain_db": 0.0},
     ],
     "tensors": [
-        {"tensor": "fc2_mm", "producer": "fc2_matmul", "consumers": ["fc2_add"], "sqnr_db": 25.0,
-         "gain_db": 22.3, "rounding_sqnr_db": 4.0, "rounding_gain_db": 1.3, "clipped": 0.25},
+        {
+            "tensor": "fc2_mm",
+            "producer": "fc2_matmul",
+            "consumers": ["fc2_add"],
+            "sqnr_db": 25.0,
+            "gain_db": 22.3,
+            "rounding_sqnr_db": 4.0,
+            "rounding_gain_db": 1.3,
+            "clipped": 0.25,
+        },
     ],
     "exclude": {"target_sqnr_db": 20.0, "nodes": ["fc2_matmul"], "sqnr_db": 30.5, "reached": True},
 }
@@ -358,5 +442,15 @@ def test_generic_table_shows_every_budget():
 
 def test_runtime_time_block_lists_every_share():
     rows = first_column(graphscan.render_table("runtime", RUNTIME_ANSWER), "time")
-    assert rows == ["runs", "profiler_floor_us", "round_trip_cost", "wall_ms", "wall_ms",
-                    "share", "share", "share", "share", "share"]
+    assert rows == [
+        "runs",
+        "profiler_floor_us",
+        "round_trip_cost",
+        "wall_ms",
+        "wall_ms",
+        "share",
+        "share",
+        "share",
+        "share",
+        "share",
+    ]

@@ -6,6 +6,7 @@ plain numpy, and the final error is compared with onnxruntime run directly.
 """
 
 import json
+
 import numpy as np
 import onnx
 import pytest
@@ -19,8 +20,15 @@ from tests.helpers import json_answer, run_graphscan, saved_arrays
 LAB = Case(4, ("N",), "fc2_matmul", dim=16)
 FAULTY = "fc2_matmul"
 ROW_KEYS = [
-    "node", "op_type", "wrapped", "reference", "isolated_max_abs",
-    "propagated_max_abs", "isolated_lsb", "sqnr_db", "clipped",
+    "node",
+    "op_type",
+    "wrapped",
+    "reference",
+    "isolated_max_abs",
+    "propagated_max_abs",
+    "isolated_lsb",
+    "sqnr_db",
+    "clipped",
 ]
 ANSWER_KEYS = ["a", "b", "inputs", "defaulted", "ops", "outputs", "worst_isolated", "first_over", "unmatched"]
 
@@ -118,7 +126,7 @@ def test_errors_before_the_fault_are_unchanged_by_it(faulty_trace, lab, inputs_n
     before = names.index(FAULTY)
     assert answer["ops"][:before] == clean["ops"][:before]
     # Isolation: ops after the fault get perfect inputs, so their isolated error stays.
-    for row, clean_row in zip(answer["ops"][before + 1:], clean["ops"][before + 1:], strict=True):
+    for row, clean_row in zip(answer["ops"][before + 1 :], clean["ops"][before + 1 :], strict=True):
         assert row["isolated_max_abs"] == pytest.approx(clean_row["isolated_max_abs"], rel=1e-6)
         assert row["propagated_max_abs"] >= clean_row["propagated_max_abs"] * 0.5
 
@@ -244,9 +252,7 @@ def test_dynamic_model_runs_with_unmatched_rows(lab):
     assert rows["fc1_matmul_quant"]["reference"] is None  # MatMulInteger has no float twin
     assert rows["fc1_matmul_quant"]["isolated_max_abs"] is None
     assert rows["fc1_add"]["reference"] == "fc1_sum"
-    assert {u["node"] for u in answer["unmatched"]} == {
-        f"fc{i}_matmul" for i in range(1, LAB.layers + 1)
-    }
+    assert {u["node"] for u in answer["unmatched"]} == {f"fc{i}_matmul" for i in range(1, LAB.layers + 1)}
 
 
 def test_unsafe_node_names_are_saved_file_safe(tmp_path):
@@ -264,10 +270,12 @@ def test_unsafe_node_names_are_saved_file_safe(tmp_path):
 
 
 def test_trace_by_subprocess(lab, inputs_npz, tmp_path):
-    answer = json_answer(run_graphscan(
-        ["trace", lab["fp32"], lab["full"], "--inputs", inputs_npz, "--tolerance", "0.03"],
-        cwd=tmp_path,
-    ))
+    answer = json_answer(
+        run_graphscan(
+            ["trace", lab["fp32"], lab["full"], "--inputs", inputs_npz, "--tolerance", "0.03"],
+            cwd=tmp_path,
+        )
+    )
     assert list(answer) == ANSWER_KEYS
     # The first row over 0.03, measured in-process on the same input.
     expected = graphscan.trace(str(lab["fp32"]), str(lab["full"]), inputs=str(inputs_npz), tolerance=0.03)

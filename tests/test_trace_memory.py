@@ -45,7 +45,7 @@ def all_tensors(path, feeds):
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return {**feeds, **dict(zip(names, session.run(names, feeds)))}
+    return {**feeds, **dict(zip(names, session.run(names, feeds), strict=True))}
 
 
 def seen_and_range(model, node_name):
@@ -110,7 +110,7 @@ def test_reduced_isolated_errors_equal_the_fetched_ones(cnn, settings, monkeypat
     for name, value in settings.items():
         monkeypatch.setattr(graphscan, name, value)
     reduced = graphscan.trace(str(cnn["float"]), str(cnn["quant"]), inputs=str(cnn["npz"]))
-    for a, b in zip(fetched["ops"], reduced["ops"]):
+    for a, b in zip(fetched["ops"], reduced["ops"], strict=True):
         assert a["isolated_max_abs"] == b["isolated_max_abs"], a["node"]  # a max is exact either way
         assert a["isolated_lsb"] == b["isolated_lsb"], a["node"]
 
@@ -148,8 +148,11 @@ def tile_chain(width):
         helper.make_node("Relu", ["big"], ["y"], name="relu"),
     ]
     graph = helper.make_graph(
-        nodes, "tile", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16 * width])], [repeats],
+        nodes,
+        "tile",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16 * width])],
+        [repeats],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 

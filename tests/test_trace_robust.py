@@ -60,7 +60,7 @@ def intermediate(path, feeds, names):
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return dict(zip(names, session.run(names, feeds)))
+    return dict(zip(names, session.run(names, feeds), strict=True))
 
 
 def rows_by_node(answer):
@@ -88,6 +88,7 @@ def reused_names_pair(tmp_path):
     """A float model and a "pre-processed" one whose nodes and tensors keep their
     names but Unsqueeze/Squeeze another axis: t and r are [1, 1, 4] in one and
     [1, 4, 1] in the other."""
+
     def build(axis, quantized):
         inits = [numpy_helper.from_array(np.array([axis], np.int64), "axis")]
         nodes = [
@@ -148,6 +149,7 @@ def test_a_failing_single_op_model_is_dropped_and_named_as_graphscans_own(tmp_pa
 
 def not_tensor_pair(tmp_path, make_tail, output):
     """x -> Relu -> tail, the Relu's output quantized in the second model."""
+
     def build(quantized):
         nodes, inits = [helper.make_node("Relu", ["x"], ["r"], name="relu")], []
         read = "r"
@@ -163,17 +165,25 @@ NOT_TENSORS = [
     pytest.param(
         lambda r: [helper.make_node("SequenceConstruct", [r, r], ["out"], name="tail")],
         helper.make_tensor_sequence_value_info("out", TensorProto.FLOAT, None),
-        "SequenceConstruct", "a sequence", id="sequence",
+        "SequenceConstruct",
+        "a sequence",
+        id="sequence",
     ),
     pytest.param(
         lambda r: [helper.make_node("Optional", [r], ["out"], name="tail")],
-        helper.make_value_info("out", helper.make_optional_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, [1, 4]))),
-        "Optional", "an optional", id="optional",
+        helper.make_value_info(
+            "out", helper.make_optional_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, [1, 4]))
+        ),
+        "Optional",
+        "an optional",
+        id="optional",
     ),
     pytest.param(
         lambda r: [helper.make_node("Cast", [r], ["out"], name="tail", to=TensorProto.STRING)],
         helper.make_tensor_value_info("out", TensorProto.STRING, [1, 4]),
-        "Cast", "a string tensor", id="string",
+        "Cast",
+        "a string tensor",
+        id="string",
     ),
 ]
 
@@ -238,7 +248,9 @@ def test_a_sequence_input_is_an_input_error(tmp_path):
     seq = helper.make_tensor_sequence_value_info("s", TensorProto.FLOAT, [1, 4])
     model = model_of(
         [helper.make_node("SequenceAt", ["s", "i"], ["y"], name="at")],
-        [seq], [floats("y", [1, 4])], [numpy_helper.from_array(np.array(0, np.int64), "i")],
+        [seq],
+        [floats("y", [1, 4])],
+        [numpy_helper.from_array(np.array(0, np.int64), "i")],
     )
     path = save(model, tmp_path / "seq.onnx")
     line = error_line(run_graphscan(["trace", path, path]), graphscan.EXIT_INPUTS)
@@ -247,6 +259,7 @@ def test_a_sequence_input_is_an_input_error(tmp_path):
 
 def string_input_pair(tmp_path):
     """A string input s, Cast to float and added to x; the sum quantized in the second model."""
+
     def build(quantized):
         nodes = [
             helper.make_node("Cast", ["s"], ["f"], name="cast", to=TensorProto.FLOAT),
@@ -284,6 +297,7 @@ def awkward_names_pair(tmp_path):
     """Nodes named a/b, a:b and a_b (one stem if only unsafe characters were
     replaced) whose tensors are named file, allow_pickle and reference (words
     np.savez and trace's old .npz format treat as their own)."""
+
     def build(quantized):
         nodes, inits, read = [], [], "x"
         for node, tensor in [("a/b", "file"), ("a:b", "allow_pickle"), ("a_b", "reference")]:
@@ -331,6 +345,7 @@ def feeds_of(folder, stem):
 
 def sigmoid_pair(tmp_path, scale, zero_type):
     """x -> Sigmoid -> Relu; the Sigmoid's output Q has ``scale`` and a zero point of 0."""
+
     def build(quantized):
         nodes = [helper.make_node("Sigmoid", ["x"], ["s"], name="sig")]
         inits, read = [], "s"
@@ -379,7 +394,17 @@ def test_shape_and_defaulted(lab, tmp_path, options, inputs, defaulted):
     answer = json_answer(run_graphscan(["trace", lab["fp32"], lab["full"], *options]))
     assert answer["inputs"] == inputs
     assert answer["defaulted"] == defaulted
-    assert list(answer) == ["a", "b", "inputs", "defaulted", "ops", "outputs", "worst_isolated", "first_over", "unmatched"]
+    assert list(answer) == [
+        "a",
+        "b",
+        "inputs",
+        "defaulted",
+        "ops",
+        "outputs",
+        "worst_isolated",
+        "first_over",
+        "unmatched",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -37,9 +37,7 @@ def unknown_types_model():
     leaky = helper.make_node("LeakyRelu", ["w"], ["y"], name="leaky")
     leaky.attribute.append(unknown_enum_attribute())
     nodes = [helper.make_node("DequantizeLinear", ["w99", "s"], ["w"], name="w_dq"), leaky]
-    graph = helper.make_graph(
-        nodes, "g", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])], inits
-    )
+    graph = helper.make_graph(nodes, "g", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])], inits)
     return helper.make_model(graph, opset_imports=OPSET)
 
 
@@ -94,5 +92,3 @@ def test_unknown_data_type_as_a_process(unknown_types_file, tmp_path):
     code, out, err = process_result(run_graphscan(["nodes", unknown_types_file], cwd=tmp_path))
     assert contract_violation("nodes", [unknown_types_file], code, out, err) is None
     assert json.loads(out)["initializers"] == EXPECTED_UNKNOWN_TYPES["nodes"]["initializers"]
-
-
