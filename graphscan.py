@@ -4962,11 +4962,8 @@ def non_negative_int(text):
 
 def finite_non_negative(text):
     """argparse type of ``--tolerance``: a finite number >= 0 (NaN would never be exceeded)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}")
-    if not (math.isfinite(value) and value >= 0):
+    value = finite_float(text)
+    if value < 0:
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
 
@@ -5071,7 +5068,7 @@ def finite_float(text):
     try:
         value = float(text)
     except ValueError:
-        value = math.nan
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}")
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value

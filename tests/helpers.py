@@ -271,3 +271,21 @@ def saved_arrays(path):
         names = json.loads(arrays["names.json"])
         feeds = {name: arrays[key] for name, key in names["inputs"].items()}
         return feeds, arrays[names["reference"]]
+
+
+def with_external_weights(path, location, length):
+    """The lab MLP whose first weight claims ``length`` bytes at ``location``."""
+    import onnx
+    from onnx import TensorProto
+
+    import gen_models
+
+    model = gen_models.build_mlp(3, 8, seed=0)
+    weight = model.graph.initializer[0]
+    weight.ClearField("raw_data")
+    weight.data_location = TensorProto.EXTERNAL
+    for key, value in [("location", location), ("offset", "0"), ("length", str(length))]:
+        entry = weight.external_data.add()
+        entry.key, entry.value = key, value
+    onnx.save(model, path)
+    return path

@@ -8,14 +8,13 @@ import json
 import subprocess
 import sys
 
-import onnx
 import pytest
 from onnx import TensorProto
 
 import gen_models
 import graphscan
 from bench.measure import measured
-from tests.helpers import GRAPHSCAN, ROOT, SINGLE_MODEL_COMMANDS, strict_loads
+from tests.helpers import GRAPHSCAN, ROOT, SINGLE_MODEL_COMMANDS, strict_loads, with_external_weights
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -54,19 +53,6 @@ def write_big_model(path, tensor_bytes, tensors):
             f.write(field(5, len(header) + n) + header)
             for start in range(0, n, len(chunk)):
                 f.write(chunk[: min(len(chunk), n - start)])
-    return path
-
-
-def with_external_weights(path, location, length):
-    """The lab MLP whose first weight claims ``length`` bytes at ``location``."""
-    model = gen_models.build_mlp(3, 8, seed=0)
-    weight = model.graph.initializer[0]
-    weight.ClearField("raw_data")
-    weight.data_location = TensorProto.EXTERNAL
-    for key, value in [("location", location), ("offset", "0"), ("length", str(length))]:
-        entry = weight.external_data.add()
-        entry.key, entry.value = key, value
-    onnx.save(model, path)
     return path
 
 

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 import gen_models
 import graphscan
 from conftest import Case, run_onnx
-from tests.helpers import error_line, json_answer, run_graphscan, saved_arrays
+from tests.helpers import error_line, json_answer, run_graphscan, saved_arrays, with_external_weights
 
 # The lab case test_trace.py uses: the session-scoped build is shared.
 LAB = Case(4, ("N",), "fc2_matmul", dim=16)
@@ -287,19 +287,6 @@ def test_saved_files_never_overwrite_each_other(tmp_path, names):
 
 # --------------------------------------------------------------------------
 # External data
-
-
-def with_external_weights(path, location, length):
-    """The lab MLP whose first weight claims ``length`` bytes at ``location``."""
-    model = gen_models.build_mlp(3, 8, seed=0)
-    weight = model.graph.initializer[0]
-    weight.ClearField("raw_data")
-    weight.data_location = TensorProto.EXTERNAL
-    for key, value in [("location", location), ("offset", "0"), ("length", str(length))]:
-        entry = weight.external_data.add()
-        entry.key, entry.value = key, value
-    onnx.save(model, path)
-    return path
 
 
 @pytest.mark.parametrize("side", ["float", "quantized"])
