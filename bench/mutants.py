@@ -73,7 +73,7 @@ AREA_TESTS = {
     ],
     "runtime": ["tests/test_runtime.py", "tests/test_check.py"],
     "check": ["tests/test_check.py"],
-    # "impact": added with its mutants.
+    "impact": ["tests/test_impact.py"],
 }
 IGNORED = shutil.ignore_patterns(
     ".git", ".venv*", "__pycache__", ".pytest_cache", ".hypothesis", "*.pyc", ".benchmarks"

@@ -9,16 +9,16 @@ branch is scaled by 1e-3 before it reaches the output.
 
 import math
 
-import impact_reference as reference
 import numpy as np
 import onnx
 import pytest
-from helpers import error_line, json_answer, run_graphscan
 from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
 from conftest import Case
+from tests import impact_reference as reference
+from tests.helpers import error_line, json_answer, run_graphscan
 
 LAB = Case(4, ("N",), "fc2_matmul", dim=16)
 FAULTY = "fc2_matmul"
@@ -451,3 +451,90 @@ def test_absorbed_leaky_relu_and_clip_equal_the_brute_force(tmp_path):
     # Re-applied, the activations make the outputs float up to x's own rounding.
     assert rows["leaky_QuantizeLinear_Input"]["sqnr_db"] > answer["output_sqnr_db"]
     assert rows["clipped_QuantizeLinear_Input"]["sqnr_db"] > answer["output_sqnr_db"]
+
+
+def grid_chain_model():
+    """x -> Q -> DQ -> Relu -> Q -> DQ -> Neg -> Q -> DQ -> Mul(0.3) -> Q -> DQ -> y, and its float twin.
+
+    int8, scale 0.5, zero point 0. Fed with x on the 0.5 grid, every Q -> DQ
+    before the Mul is exact, so keeping any operator float changes nothing:
+    all three rows gain exactly 0 dB. Only the last Q (0.3 x off the grid)
+    makes noise, and an operator's own output Q -> DQ stays when it is
+    un-quantized. Equal gains must keep graph order.
+    """
+    inits = [
+        numpy_helper.from_array(np.array(0.5, np.float32), "s"),
+        numpy_helper.from_array(np.array(0, np.int8), "zp"),
+        numpy_helper.from_array(np.array(0.3, np.float32), "k"),
+    ]
+    chain = [("Relu", "relu", "a"), ("Neg", "neg", "b"), ("Mul", "mul", "c")]
+    quant_nodes, float_nodes, tensor = [], [], "x"
+    for k, (op, name, out) in enumerate(chain):
+        quant_nodes += [
+            helper.make_node("QuantizeLinear", [tensor, "s", "zp"], [f"{tensor}_q"], name=f"q{k}"),
+            helper.make_node("DequantizeLinear", [f"{tensor}_q", "s", "zp"], [f"{tensor}_dq"], name=f"dq{k}"),
+        ]
+        operands = [f"{tensor}_dq", "k"] if op == "Mul" else [f"{tensor}_dq"]
+        quant_nodes.append(helper.make_node(op, operands, [out], name=name))
+        float_nodes.append(helper.make_node(op, [tensor, "k"] if op == "Mul" else [tensor], [out], name=name))
+        tensor = out
+    quant_nodes += [
+        helper.make_node("QuantizeLinear", ["c", "s", "zp"], ["c_q"], name="q3"),
+        helper.make_node("DequantizeLinear", ["c_q", "s", "zp"], ["y"], name="dq3"),
+    ]
+    float_nodes.append(helper.make_node("Identity", ["c"], ["y"], name="out"))
+    value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 8])  # noqa: E731
+
+    def model(nodes, initializers):
+        graph = helper.make_graph(nodes, "chain", [value("x")], [value("y")], initializers)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    return model(float_nodes, inits[2:]), model(quant_nodes, inits)
+
+
+def test_equal_gains_keep_graph_order(tmp_path):
+    float_model, quant_model = grid_chain_model()
+    onnx.save(float_model, tmp_path / "f.onnx")
+    onnx.save(quant_model, tmp_path / "q.onnx")
+    np.savez(tmp_path / "x.npz", x=np.array([[-2.0, -1.5, -0.5, 0.0, 0.5, 1.0, 2.5, 3.0]], np.float32))
+    answer = graphscan.impact(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), inputs=[str(tmp_path / "x.npz")])
+    assert answer["output_sqnr_db"] is not None  # the last Q makes noise
+    assert [(r["node"], r["gain_db"]) for r in answer["ops"]] == [("relu", 0.0), ("neg", 0.0), ("mul", 0.0)]
+
+
+def test_outputs_named_differently_are_paired_by_position(tmp_path):
+    """Float outputs z = Relu(x), a = Neg(x); the quantized model names them q
+    and p. Paired by position (z-q, a-p), the SQNR is the one numpy gives."""
+    inits = [
+        numpy_helper.from_array(np.array(0.25, np.float32), "s"),
+        numpy_helper.from_array(np.array(0, np.int8), "zp"),
+    ]
+    value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 8])  # noqa: E731
+    float_graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["z"], name="relu"), helper.make_node("Neg", ["x"], ["a"], name="neg")],
+        "f",
+        [value("x")],
+        [value("z"), value("a")],
+    )
+    quant_graph = helper.make_graph(
+        [
+            helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["x_q"], name="xq"),
+            helper.make_node("DequantizeLinear", ["x_q", "s", "zp"], ["x_dq"], name="xdq"),
+            helper.make_node("Relu", ["x_dq"], ["q"], name="relu"),
+            helper.make_node("Neg", ["x_dq"], ["p"], name="neg"),
+        ],
+        "q",
+        [value("x")],
+        [value("q"), value("p")],
+        inits,
+    )
+    for graph, name in [(float_graph, "f.onnx"), (quant_graph, "q.onnx")]:
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / name)
+    x = np.array([[-1.1, -0.6, -0.1, 0.2, 0.35, 0.9, 1.3, 2.05]], np.float32)
+    np.savez(tmp_path / "x.npz", x=x)
+    answer = graphscan.impact(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), inputs=[str(tmp_path / "x.npz")])
+    dq = np.clip(np.round(x / 0.25), -128, 127) * 0.25
+    f = np.concatenate([np.maximum(x, 0), -x], axis=None).astype(np.float64)
+    q = np.concatenate([np.maximum(dq, 0), -dq], axis=None).astype(np.float64)
+    expected = 20 * math.log10(np.linalg.norm(f) / np.linalg.norm(f - q))
+    assert answer["output_sqnr_db"] == pytest.approx(expected, abs=1e-6)
