@@ -2604,14 +2604,7 @@ INT8_KERNELS = {
 }
 QUANTIZE_KERNELS = {QUANTIZE, "DynamicQuantizeLinear"}
 # Integer element types that quantized data is stored in.
-QUANTIZED_TYPES = {
-    onnx.TensorProto.INT8,
-    onnx.TensorProto.UINT8,
-    onnx.TensorProto.INT16,
-    onnx.TensorProto.UINT16,
-    onnx.TensorProto.INT4,
-    onnx.TensorProto.UINT4,
-}
+QUANTIZED_TYPES = set(Q_RANGES)
 # onnxruntime's CPU QDQ fusions (qdq_selector_action_transformer.cc, 1.32):
 # op types whose DQ -> op -> Q group can become an integer kernel or drop its
 # Q/DQ. Any other wrapped op type keeps a float kernel on this provider.
@@ -4031,14 +4024,6 @@ IMPACT_SYMBOLIC_DIM_SIZE = 1
 IMPACT_PREFIX = "graphscan."  # every node and tensor the derived model adds
 ACTIVATIONS = ("Relu", "Clip", "LeakyRelu")  # what the quantizer folds into a Q
 DQ_OUTPUT_SUFFIX = re.compile(r"_DequantizeLinear_Output(?:_\d+)?$")
-QUANT_RANGE = {  # (qmin, qmax) by the Q's integer type
-    onnx.TensorProto.INT8: (-128, 127),
-    onnx.TensorProto.UINT8: (0, 255),
-    onnx.TensorProto.INT16: (-32768, 32767),
-    onnx.TensorProto.UINT16: (0, 65535),
-    onnx.TensorProto.INT4: (-8, 7),
-    onnx.TensorProto.UINT4: (0, 15),
-}
 
 
 def constant_arrays(graph):
@@ -4079,9 +4064,9 @@ def quant_range(q_node, constants):
     else:
         attrs = {a.name: a.i for a in q_node.attribute if a.type == onnx.AttributeProto.INT}
         qtype, zp = attrs.get("output_dtype") or onnx.TensorProto.UINT8, 0.0
-    if qtype not in QUANT_RANGE:
+    if qtype not in Q_RANGES:
         return None
-    qmin, qmax = QUANT_RANGE[qtype]
+    qmin, qmax = Q_RANGES[qtype]
     s = float(np.float64(scale.array.reshape(-1)[0]))
     return (qmin - zp) * s, (qmax - zp) * s, scale.proto.data_type
 
