@@ -289,3 +289,32 @@ def with_external_weights(path, location, length):
         entry.key, entry.value = key, value
     onnx.save(model, path)
     return path
+
+
+def varint(value):
+    """A protobuf varint, written here so the tests do not lean on graphscan's encoder."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def fuse_with_transposed_b(monkeypatch):
+    """Make graphscan's fusion wrong on purpose (every Gemm gets transB=1), so a test
+    can show the verification catches a fusion that gives other numbers."""
+    from onnx import helper
+
+    import graphscan
+
+    honest = graphscan.fuse_matmul_add
+
+    def transposing(model):
+        fused, done, skipped = honest(model)
+        for node in fused.graph.node:
+            if node.op_type == "Gemm":
+                node.attribute.append(helper.make_attribute("transB", 1))
+        return fused, done, skipped
+
+    monkeypatch.setattr(graphscan, "fuse_matmul_add", transposing)

@@ -14,19 +14,10 @@ from onnx import TensorProto
 import gen_models
 import graphscan
 from bench.measure import measured
-from tests.helpers import GRAPHSCAN, ROOT, SINGLE_MODEL_COMMANDS, strict_loads, with_external_weights
+from tests.helpers import GRAPHSCAN, ROOT, SINGLE_MODEL_COMMANDS, strict_loads, varint, with_external_weights
 
 MiB = 1 << 20
 GiB = 1 << 30
-
-
-def varint(value):
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def field(number, length):

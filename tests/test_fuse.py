@@ -8,7 +8,7 @@ from onnx import TensorProto, helper, numpy_helper
 import gen_models
 import graphscan
 from conftest import run_onnx
-from tests.helpers import json_answer, run_graphscan
+from tests.helpers import fuse_with_transposed_b, json_answer, run_graphscan
 
 RNG = np.random.default_rng(7)
 
@@ -224,16 +224,7 @@ def test_wrong_fusion_is_caught_and_nothing_written(tmp_path, monkeypatch, capsy
     """The verification must be able to fail: a transposed B gives other numbers."""
     source = tmp_path / "fp32.onnx"
     onnx.save(gen_models.build_mlp(3, 8, seed=0), source)
-    honest = graphscan.fuse_matmul_add
-
-    def transposing(model):
-        fused, done, skipped = honest(model)
-        for node in fused.graph.node:
-            if node.op_type == "Gemm":
-                node.attribute.append(helper.make_attribute("transB", 1))
-        return fused, done, skipped
-
-    monkeypatch.setattr(graphscan, "fuse_matmul_add", transposing)
+    fuse_with_transposed_b(monkeypatch)
     target = tmp_path / "gemm.onnx"
     code = graphscan.main(["fuse", str(source), str(target)])
     out, err = capsys.readouterr()

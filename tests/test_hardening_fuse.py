@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 import gen_models
 import graphscan
 from conftest import run_onnx
-from tests.helpers import error_line, json_answer, run_graphscan
+from tests.helpers import error_line, fuse_with_transposed_b, json_answer, run_graphscan
 
 RNG = np.random.default_rng(10)
 tensor = helper.make_tensor_value_info
@@ -215,16 +215,7 @@ def nan_first_output_model(tmp_path):
 def test_wrong_gemm_is_caught_when_the_first_output_is_nan(tmp_path, monkeypatch, capsys):
     """The issue's reproduction: max() kept the NaN and NaN > tolerance is False."""
     source = nan_first_output_model(tmp_path)
-    honest = graphscan.fuse_matmul_add
-
-    def transposing(model):
-        fused, done, skipped = honest(model)
-        for node in fused.graph.node:
-            if node.op_type == "Gemm":
-                node.attribute.append(helper.make_attribute("transB", 1))
-        return fused, done, skipped
-
-    monkeypatch.setattr(graphscan, "fuse_matmul_add", transposing)
+    fuse_with_transposed_b(monkeypatch)
     code, out, err = fuse_main(capsys, source, tmp_path / "out.onnx")
     assert (code, out, len(err)) == (graphscan.EXIT_MISMATCH, "", 1)
     assert "differs from the original" in err[0]

@@ -22,19 +22,11 @@ from tests.helpers import (
     run_graphscan,
     run_main,
     strict_loads,
+    varint,
 )
 from tests.reference import reference
 
 OPSET = [helper.make_opsetid("", 13)]
-
-
-def varint(value):
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def key(number, wire):
