@@ -24,6 +24,7 @@ import re
 import signal
 import stat
 import sys
+import time
 from collections import Counter
 
 EXIT_INTERRUPTED = 130  # SIGINT, as shells report it (128 + 2)
@@ -4264,17 +4265,6 @@ def tensor_alternative(builder, plan, t, q_range, absorbed):
     return builder.node("Clip", [t, low, high], f"graphscan.alt/{t}"), rounding
 
 
-def subgraph_reads(graph):
-    """Every tensor name a node inside an If/Loop/Scan body reads (any depth)."""
-    names = set()
-    for node in graph.node:
-        for attribute in node.attribute:
-            for body in list(attribute.graphs) + ([attribute.g] if attribute.HasField("g") else []):
-                names.update(t for inner in body.node for t in inner.input)
-                names |= subgraph_reads(body)
-    return names
-
-
 def switched_model(plan, quant_model, float_model):
     """The derived model and its variants: ``(model, defaults, op_variants, tensor_variants)``.
 
@@ -4305,7 +4295,7 @@ def switched_model(plan, quant_model, float_model):
     tensor_on = [{} for _ in plan.tensor_rows]
     # Graph outputs and names If/Loop/Scan bodies read from outside keep the
     # DQ's name, now given to the switched value.
-    kept_names = {o.name for o in graph.output} | subgraph_reads(graph)
+    kept_names = {o.name for o in graph.output}.union(*(body_reads(node) for node in graph.node))
     for dq, alternative in alternatives.items():
         output = quant_model.graph.node[dq].output[0]
         m = row_of.get(dq)
@@ -4345,25 +4335,50 @@ def switched_model(plan, quant_model, float_model):
 
 
 # A variant changes the graph only from its sites on, and only along their
-# cone. The derived model's data-dependent nodes are cut into segments, each
-# an If with three versions: its outputs as cached from the baseline run, the
-# segment as the quantized model has it ("plain": no switch machinery), and
-# the segment with its switches ("switched"). A variant computes the segments
-# its cone touches, with switches only where its own Where/Clip nodes are,
-# and replays every other segment from the cache.
+# cone. The derived model's data-dependent nodes are cut into segments of
+# about equal work, and each segment is its own session in two versions:
+# "plain" (the quantized model's nodes, no switch machinery) and "switched"
+# (with the Where and Clip nodes of its sites). The baseline run keeps every
+# value that crosses a segment boundary as an OrtValue; a variant runs only
+# the segments of its cone, switched only where its own sites are, and reads
+# every other value from the baseline's without a copy. Nodes that read no
+# data (weight DQs, Constants) run once, before everything.
 IMPACT_SEGMENTS = 16
-SKIP = "graphscan.skip/{}"  # segment j replays its cached outputs
-SWITCHED = "graphscan.switched/{}"  # segment j runs with its switch machinery
-CACHE = "graphscan.cache/{}"
-SEGMENT = "graphscan.{}{}/{}"  # version, segment, tensor
+SWITCH_GROUPS = 8
+PLAIN, FULL = "plain", "switched"  # segment versions besides the groups 0 .. SWITCH_GROUPS - 1
+ORT_TENSOR_TYPES = {onnx.TensorProto.DataType.Name(t).lower(): t for t in onnx.TensorProto.DataType.values()}
 
 
-def topological_nodes(graph):
-    """The graph's nodes in an order where every producer comes first; each
-    node stays where it was unless a node it reads from comes later."""
-    producer = {t: k for k, node in enumerate(graph.node) for t in node.output if t}
-    emitted, order = [False] * len(graph.node), []
-    for root in range(len(graph.node)):
+class Unsegmentable(Exception):
+    """A value crosses a segment boundary that a segment's inputs cannot declare (not a tensor)."""
+
+
+def body_reads(node):
+    """Every name the If/Loop/Scan bodies of ``node`` read or output (any depth)."""
+    names = set()
+    for body in subgraphs(node):
+        names.update(t for inner in body.node for t in inner.input)
+        names.update(o.name for o in body.output)
+        for inner in body.node:
+            names |= body_reads(inner)
+    return names
+
+
+def outer_reads(node, defined):
+    """The names ``node`` reads from its graph: its inputs, then the names from ``defined`` its bodies read."""
+    names = [t for t in node.input if t]
+    if has_subgraph(node):
+        names += sorted(body_reads(node) & defined)
+    return names
+
+
+def topological_nodes(nodes, reads):
+    """``nodes`` in an order where every producer comes first; each node stays
+    where it was unless a node it reads from comes later. ``reads(node)``: the
+    names it reads, bodies included."""
+    producer = {t: k for k, node in enumerate(nodes) for t in node.output if t}
+    emitted, order = [False] * len(nodes), []
+    for root in range(len(nodes)):
         stack = [(root, False)]
         while stack:
             k, ready = stack.pop()
@@ -4374,50 +4389,171 @@ def topological_nodes(graph):
                 order.append(k)
                 continue
             stack.append((k, True))
-            for t in reversed(graph.node[k].input):
+            for t in reversed(reads(nodes[k])):
                 j = producer.get(t)
                 if j is not None and not emitted[j] and j != k:
                     stack.append((j, False))
-    return [graph.node[k] for k in order]
+    return [nodes[k] for k in order]
 
 
-class Segments:
-    """The cut of a derived model into segments of data-dependent nodes, and
-    which segments each switch needs computed and switched."""
+def known_shapes(model, nodes, sample):
+    """``{tensor: dims}`` for every tensor whose shape inference gives in full,
+    with the graph inputs shaped as in ``sample``."""
+    import numpy as np
 
-    def __init__(self, nodes, data_inputs, machinery, count):
-        dependent_tensors = set(data_inputs)
-        self.independent, dependent = [], []
+    typed = onnx.ModelProto()
+    typed.CopyFrom(model)
+    del typed.graph.node[:]
+    typed.graph.node.extend(nodes)
+    for info in typed.graph.input:
+        if info.name in sample and info.type.HasField("tensor_type"):
+            shape = info.type.tensor_type.shape
+            del shape.dim[:]
+            for size in np.shape(sample[info.name]):
+                shape.dim.add().dim_value = size
+    with contextlib.suppress(Exception):  # else: the shapes the model already declares
+        typed = onnx.shape_inference.infer_shapes(typed, strict_mode=False)
+    shapes = {init.name: list(init.dims) for init in model.graph.initializer}
+    for info in [*typed.graph.input, *typed.graph.value_info, *typed.graph.output]:
+        tensor = info.type.tensor_type
+        if tensor.HasField("shape") and all(d.HasField("dim_value") for d in tensor.shape.dim):
+            shapes[info.name] = [d.dim_value for d in tensor.shape.dim]
+    return shapes
+
+
+def node_work(node, shapes):
+    """A node's rough work: its output elements, times the length of the sums
+    behind each for Conv, ConvTranspose, MatMul and Gemm; None when unknown."""
+    outputs = [shapes.get(t) for t in node.output if t]
+    if not outputs or None in outputs:
+        return None
+    elements = sum(math.prod(dims) for dims in outputs)
+    read = [shapes.get(t) if t else None for t in node.input]
+    if node.op_type in ("Conv", "ConvTranspose", "MatMul", "Gemm") and (len(read) < 2 or None in read[:2]):
+        return None
+    if node.op_type == "Conv":
+        return elements * math.prod(read[1][1:])
+    if node.op_type == "ConvTranspose":  # each input element feeds M/group x kernel outputs
+        return math.prod(read[0]) * math.prod(read[1][1:])
+    if node.op_type == "MatMul":
+        return elements * (read[0][-1] if read[0] else 1)
+    if node.op_type == "Gemm":
+        trans = any(a.name == "transA" and a.i for a in node.attribute)
+        return elements * (read[0][0 if trans else -1] if read[0] else 1)
+    return elements
+
+
+def equal_work_chunks(nodes, works, count):
+    """``nodes`` (in order) cut into at most ``count`` runs of about equal work;
+    a node of unknown work counts as the median node."""
+    import statistics
+
+    known = [w for w in works if w is not None]
+    fill = statistics.median(known) if known else 1
+    works = [max(1, fill if w is None else w) for w in works]
+    total, done, cut, starts = sum(works), 0, 1, [0]
+    for i, work in enumerate(works):
+        while cut < count and done >= total * cut / count:
+            if i > starts[-1]:
+                starts.append(i)
+            cut += 1
+        done += work
+    return [nodes[a:b] for a, b in zip(starts, [*starts[1:], len(nodes)])]
+
+
+class SegmentPlan:
+    """The cut of a derived model into segments of data-dependent nodes; which
+    segments a variant needs, in which version; each version's model.
+
+    ``constant_nodes`` read no data and run once. ``selections`` are the
+    weights' Wheres, ``(output, condition, on, off)``: both choices are
+    constants, so the runner binds one instead of running a node. A segment's
+    machinery is split in SWITCH_GROUPS groups by the position of the node it
+    feeds: version g of a segment has only group g's machinery, version FULL
+    all of it, PLAIN none. With ``count`` 1 the one segment is the whole model.
+    """
+
+    def __init__(self, model, data_inputs, switches, machinery, count, sample):
+        graph = self.graph = model.graph
+        self.machinery = machinery  # names of the nodes graphscan added
+        self.initializers = {init.name: init for init in graph.initializer if init.name not in data_inputs}
+        defined = {t for node in graph.node for t in node.output if t}
+        defined |= {i.name for i in graph.input} | set(self.initializers)
+        nodes = list(graph.node)  # one wrapper per node: ids below name them
+        self.reads = {id(node): outer_reads(node, defined) for node in nodes}
+        nodes = topological_nodes(nodes, lambda node: self.reads[id(node)])
+        data_tensors = set(data_inputs)
+        self.constant_nodes, self.selections, dependent = [], [], []
         for node in nodes:
-            # Machinery runs only in a switched segment, even a weight's Where.
-            if node.name in machinery or any(t in dependent_tensors for t in node.input):
-                dependent_tensors.update(t for t in node.output if t)
+            reads_data = not data_tensors.isdisjoint(self.reads[id(node)])
+            selection = node.op_type == "Where" and node.name in machinery and node.input[0] in switches
+            if count > 1 and selection and not reads_data:  # a weight's Where
+                self.selections.append((node.output[0], *node.input))
+                continue
+            # Other machinery runs only in a switched segment.
+            if count == 1 or node.name in machinery or reads_data:
+                data_tensors.update(t for t in node.output if t)
                 dependent.append(node)
             else:
-                self.independent.append(node)
-        self.machinery = machinery  # names of the nodes graphscan added
-        count = max(1, min(count, len(dependent)))
-        size = len(dependent) / count
-        self.chunks = [dependent[round(j * size) : round((j + 1) * size)] for j in range(count)]
+                self.constant_nodes.append(node)
+        if count == 1 or not dependent:
+            self.chunks = [dependent]
+        else:
+            shapes = known_shapes(model, nodes, sample)
+            self.chunks = equal_work_chunks(dependent, [node_work(n, shapes) for n in dependent], count)
         self.segment_of = {id(node): j for j, chunk in enumerate(self.chunks) for node in chunk}
         self.made_by = {t: node for node in nodes for t in node.output if t}
         self.consumers = {}
         for node in nodes:
-            for t in node.input:
+            for t in self.reads[id(node)]:
                 self.consumers.setdefault(t, []).append(node)
+        graph_outputs = [o.name for o in graph.output]
+        wanted = set(graph_outputs) | {t for selection in self.selections for t in selection[2:]}
+        self.leaving = [[] for _ in self.chunks]
+        for j in reversed(range(len(self.chunks))):
+            made = [t for node in self.chunks[j] for t in node.output if t]
+            self.leaving[j] = [t for t in made if t in wanted]
+            wanted.update(t for node in self.chunks[j] for t in self.reads[id(node)])
+        # by now, wanted: every name a segment or a selection reads, and the outputs
+        self.constant_outputs = [t for node in self.constant_nodes for t in node.output if t in wanted]
+        self.groups = self.switch_groups(graph_outputs)
+        self.downstream = {}  # id(node) -> bit mask of the segments its value reaches
+        for node in reversed(dependent):
+            mask = 1 << self.segment_of[id(node)]
+            for t in node.output:
+                for reader in self.consumers.get(t, ()):
+                    mask |= self.downstream.get(id(reader), 0)
+            self.downstream[id(node)] = mask
+        self.template = onnx.ModelProto()
+        self.template.CopyFrom(model)
+        self.template.ClearField("graph")
 
-    def leaving(self, j, graph_outputs):
-        """Tensors segment j makes that later segments or the graph outputs read."""
-        wanted = set(graph_outputs)
-        for later in self.chunks[j + 1 :]:
-            for node in later:
-                wanted.update(node.input)
-        return [t for node in self.chunks[j] for t in node.output if t and t in wanted]
+    def switch_groups(self, graph_outputs):
+        """``{id(machinery node): groups}``: the groups of the nodes of its own
+        segment it feeds; every group when a later segment, a body or the graph
+        outputs read it."""
+        groups, every = {}, frozenset(range(SWITCH_GROUPS))
+        for chunk in self.chunks:
+            readers = [node for node in chunk if node.name not in self.machinery]
+            own = {id(node): k * SWITCH_GROUPS // len(readers) for k, node in enumerate(readers)}
+            for node in reversed(chunk):
+                if node.name not in self.machinery:
+                    continue
+                fed = set()
+                for t in node.output:
+                    for reader in self.consumers.get(t, ()):
+                        fed.update([own[id(reader)]] if id(reader) in own else groups.get(id(reader), every))
+                    if t in graph_outputs:
+                        fed = every
+                groups[id(node)] = frozenset(fed) or every
+        return groups
 
     def needs(self, names):
-        """``(computed, switched)`` segment sets for a variant setting the inputs ``names``."""
+        """``{segment: version}`` a variant setting the inputs ``names`` runs,
+        in order: the segments of its cone, each PLAIN or switched as little as
+        its own machinery needs."""
         active, seeds, stack, seen = [], [], list(names), set(names)
-        while stack:  # forward through independent nodes and switch machinery
+        while stack:  # forward through constant nodes, selections and switch machinery
             for node in self.consumers.get(stack.pop(), ()):
                 dependent = id(node) in self.segment_of
                 if dependent and node.name not in self.machinery:
@@ -4430,168 +4566,81 @@ class Segments:
                         seen.add(t)
                         stack.append(t)
         # The machinery feeding active nodes (e.g. the Clip computing float(t)).
-        feeding, stack = list(active), list(active)
+        feeding, stack = {id(n): n for n in active}, list(active)
         while stack:
-            for t in stack.pop().input:
+            for t in self.reads[id(stack.pop())]:
                 node = self.made_by.get(t)
-                if (
-                    node is not None
-                    and node.name in self.machinery
-                    and id(node) in self.segment_of
-                    and node not in feeding
-                ):
-                    feeding.append(node)
+                machine = node is not None and node.name in self.machinery and id(node) in self.segment_of
+                if machine and id(node) not in feeding:
+                    feeding[id(node)] = node
                     stack.append(node)
-        switched = {self.segment_of[id(n)] for n in feeding}
-        cone, stack, seen = set(switched), seeds + active, set()
-        while stack:  # every node whose value the variant may change
-            node = stack.pop()
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            cone.add(self.segment_of[id(node)])
-            for t in node.output:
-                stack.extend(self.consumers.get(t, ()))
-        return cone, switched
+        versions = {}
+        for node in feeding.values():
+            j = self.segment_of[id(node)]
+            versions[j] = versions.get(j, self.groups[id(node)]) & self.groups[id(node)]
+        versions = {j: min(common) if common else FULL for j, common in versions.items()}
+        cone = 0
+        for node in seeds + active:
+            cone |= self.downstream[id(node)]
+        for j in range(len(self.chunks)):
+            if cone >> j & 1:
+                versions.setdefault(j, PLAIN)
+        return dict(sorted(versions.items()))
 
-
-def segment_versions(segments, j, leaving):
-    """The switched and plain node lists of segment j; both make ``leaving``
-    under their own prefixed names (a branch may not define an outer name)."""
-    chunk = segments.chunks[j]
-    made = {t for node in chunk for t in node.output if t}
-    versions = []
-    for version in ("switched", "plain"):
-        prefix = lambda t, v=version: SEGMENT.format(v, j, t) if t in made else t  # noqa: E731
+    def segment_model(self, j, version, types):
+        """``(model, inputs, outputs, aliases)`` of segment j (``j`` None: the
+        constant nodes) in ``version``. ``types``: ``{name: ORT type}`` of every
+        value it may read. Machinery a version leaves out passes one input on:
+        its output is an ``alias`` ``(name, source)`` for the runner, or an
+        Identity where a body reads it."""
+        chunk = self.constant_nodes if j is None else self.chunks[j]
+        leaving = self.constant_outputs if j is None else self.leaving[j]
         dropped = {}
-        if version == "plain":  # each switch-off machinery output is a copy of one input
-            for node in chunk:
-                if node.name in segments.machinery:
-                    source = node.input[2] if node.op_type == "Where" else node.input[0]
-                    for t in node.output:
-                        dropped[t] = dropped.get(source, source)
-        nodes = []
         for node in chunk:
-            if version == "plain" and node.name in segments.machinery:
+            if node.name in self.machinery and not (version == FULL or version in self.groups[id(node)]):
+                source = node.input[2] if node.op_type == "Where" else node.input[0]
+                for t in node.output:
+                    dropped[t] = dropped.get(source, source)
+        nodes, reads = [], []
+        for node in chunk:
+            if any(t in dropped for t in node.output):
                 continue
             copy = onnx.NodeProto()
             copy.CopyFrom(node)
-            copy.input[:] = [prefix(dropped.get(t, t)) for t in node.input]
-            copy.output[:] = [prefix(t) for t in node.output]
+            copy.input[:] = [dropped.get(t, t) for t in node.input]
             nodes.append(copy)
-        outputs = []
+            reads += [dropped.get(t, t) for t in node.input if t]
+            reads += self.reads[id(node)][len([t for t in node.input if t]) :]  # read by its bodies
+        for t in dict.fromkeys(t for t in reads if t in dropped):  # a body reads a dropped name
+            nodes.append(onnx.helper.make_node("Identity", [dropped[t]], [t], name=f"{IMPACT_PREFIX}body/{t}"))
+            reads.append(dropped[t])
+        made = {t for node in nodes for t in node.output if t}
+        outputs, aliases = [], []
         for t in leaving:
-            if t in dropped:
-                nodes.append(onnx.helper.make_node("Identity", [prefix(dropped[t])], [prefix(t) + "/copy"]))
-                outputs.append(prefix(t) + "/copy")
-            else:
-                outputs.append(prefix(t))
-        versions.append((nodes, outputs))
-    return versions
-
-
-def segmented_model(model, data_inputs, machinery, count=IMPACT_SEGMENTS):
-    """``(model, caches, segments)``: ``model`` with its segments in Ifs.
-
-    ``caches``: ``[(cache input, tensor)]`` to feed from the baseline run;
-    ``segments`` answers which flags a variant needs (``segment_flags``).
-    The model is returned as it was (``segments`` None) when it has If/Loop/Scan
-    nodes (their bodies' outer reads are edges the cut cannot see), fewer than
-    two segments, or a leaving tensor whose type shape inference does not give.
-    """
-    import numpy as np
-
-    graph = model.graph
-    if any(has_subgraph(node) for node in graph.node):
-        return model, [], None
-    nodes = topological_nodes(graph)
-    segments = Segments(nodes, data_inputs, machinery, count)
-    if len(segments.chunks) < 2:
-        return model, [], None
-    graph_outputs = [o.name for o in graph.output]
-    leaving = [segments.leaving(j, graph_outputs) for j in range(len(segments.chunks))]
-    # Inference reads nodes in list order, and outputs added by name only (the
-    # probes) would hide their inferred type.
-    typed = onnx.ModelProto()
-    typed.CopyFrom(model)
-    del typed.graph.node[:]
-    typed.graph.node.extend(nodes)
-    del typed.graph.output[:]
-    typed.graph.output.extend(o for o in graph.output if o.type.tensor_type.elem_type)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(typed, strict_mode=False)
-    except Exception:
-        return model, [], None
-    types = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
-    for v in list(inferred.graph.output) + list(inferred.graph.input):
-        if v.type.tensor_type.elem_type:
-            types[v.name] = v.type.tensor_type.elem_type
-    if not all(types.get(t) for out in leaving for t in out):
-        return model, [], None
-
-    segmented = onnx.ModelProto()
-    segmented.CopyFrom(model)
-    del segmented.graph.node[:]
-    segmented.graph.node.extend(segments.independent)
-    last = len(segments.chunks) - 1
-    caches = []
-    defaults = segments.flag_defaults = {}
-
-    def flag(name):
-        segmented.graph.input.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.BOOL, []))
-        defaults[name] = np.array(False)
-        return name
-
-    def branch(name, nodes, outputs, out):
-        return onnx.helper.make_graph(
-            nodes, name, [], [onnx.helper.make_tensor_value_info(o, types[t], None) for o, t in zip(outputs, out)]
-        )
-
-    for j, out in enumerate(leaving):
-        (switched, switched_out), (plain, plain_out) = segment_versions(segments, j, out)
-        choose = onnx.helper.make_node(
-            "If",
-            [flag(SWITCHED.format(j))],
-            out if j == last else [SEGMENT.format("run", j, t) for t in out],
-            name=f"graphscan.run{j}",
-            then_branch=branch(f"graphscan.switched{j}", switched, switched_out, out),
-            else_branch=branch(f"graphscan.plain{j}", plain, plain_out, out),
-        )
-        if j == last:  # the outputs: always computed
-            segmented.graph.node.append(choose)
-            continue
-        cached = []
-        for t in out:
-            caches.append((CACHE.format(t), t))
-            segmented.graph.input.append(onnx.helper.make_tensor_value_info(caches[-1][0], types[t], None))
-            cached.append(onnx.helper.make_node("Identity", [caches[-1][0]], [SEGMENT.format("cached", j, t)]))
-        segmented.graph.node.append(
-            onnx.helper.make_node(
-                "If",
-                [flag(SKIP.format(j))],
-                out,
-                name=f"graphscan.segment{j}",
-                then_branch=branch(f"graphscan.cached{j}", cached, [SEGMENT.format("cached", j, t) for t in out], out),
-                else_branch=onnx.helper.make_graph(
-                    [choose],
-                    f"graphscan.computed{j}",
-                    [],
-                    [onnx.helper.make_tensor_value_info(SEGMENT.format("run", j, t), types[t], None) for t in out],
-                ),
+            source = dropped.get(t, t)
+            if source in made and source not in outputs:
+                outputs.append(source)
+            if source != t:
+                aliases.append((t, source))
+        inputs = [t for t in dict.fromkeys(reads) if t not in made and t not in self.initializers]
+        infos = []
+        for t in inputs:
+            kind = types.get(t, "")
+            if not (kind.startswith("tensor(") and kind[7:-1] in ORT_TENSOR_TYPES):
+                raise Unsegmentable(t)
+            infos.append(onnx.helper.make_tensor_value_info(t, ORT_TENSOR_TYPES[kind[7:-1]], None))
+        model = onnx.ModelProto()
+        model.CopyFrom(self.template)
+        model.graph.CopyFrom(
+            onnx.helper.make_graph(
+                nodes,
+                f"graphscan.segment/{'constants' if j is None else j}/{version}",
+                infos,
+                [onnx.ValueInfoProto(name=t) for t in outputs],
+                [self.initializers[t] for t in dict.fromkeys(reads) if t in self.initializers],
             )
         )
-    return segmented, caches, segments
-
-
-def segment_flags(segments, variant):
-    """The segment flags to turn on with ``variant``: skip every segment outside
-    its cone, switch on the segments where its own machinery is."""
-    if segments is None:
-        return {}
-    cone, switched = segments.needs(list(variant))
-    flags = {SKIP.format(j): True for j in range(len(segments.chunks) - 1) if j not in cone}
-    flags.update({SWITCHED.format(j): True for j in switched})
-    return flags
+        return model, inputs, outputs, aliases
 
 
 def impact_session(model, path, message, threads=0):
@@ -4600,10 +4649,10 @@ def impact_session(model, path, message, threads=0):
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    # onnxruntime pre-packs constant weights in the main graph but not inside an
-    # If branch, and the two sum in different orders: without pre-packing, a
-    # node computes the same bits wherever the segments put it (and the float
-    # model too, so a model compared with itself gives exactly null).
+    # onnxruntime pre-packs constant weights but not weights computed by a
+    # node or read from an input, and the two sum in different orders: without
+    # pre-packing, a node computes the same bits whatever segment it runs in
+    # (and the float model too, so a model compared with itself gives exactly null).
     options.add_session_config_entry("session.disable_prepacking", "1")
     options.intra_op_num_threads = threads
     options.log_severity_level = 4
@@ -4613,75 +4662,105 @@ def impact_session(model, path, message, threads=0):
         raise GraphscanError(f"{path}: {message} ({one_line(exc)})", EXIT_RUNTIME)
 
 
-class SwitchedRunner:
-    """Runs the derived model once per (variant, sample), inputs bound once.
+class SegmentRunner:
+    """Runs the derived model as its chain of segment sessions, per sample.
 
-    ``defaults`` are the added scalar inputs' values while no variant is on;
-    ``run(settings)`` binds ``settings`` instead for one run of every sample.
+    ``baseline``: per sample, ``{name: OrtValue}`` of every value that crosses
+    a segment boundary with no variant on; ``run(settings)``: the graph outputs
+    per sample with ``settings`` bound instead of the defaults.
     """
 
-    def __init__(self, model, defaults, samples, outputs, path):
+    def __init__(self, plan, defaults, samples, outputs, path):
+        import concurrent.futures
+        import threading
+
         import numpy as np
         import onnxruntime as ort
 
-        self.path = path
-        self.message = f"graphscan's derived model of {path} does not run in onnxruntime"
-        import concurrent.futures
-
-        threads = min(len(samples), os.cpu_count() or 1)
-        self.session = impact_session(
-            model, path, f"graphscan's derived model of {path} cannot be built", 1 if threads > 1 else 0
-        )
-        self.pool = concurrent.futures.ThreadPoolExecutor(threads)
-        self.outputs = list(outputs)
+        self.plan, self.path, self.outputs = plan, path, list(outputs)
+        self.message = f"graphscan's derived model of {path}"
         self.value = ort.OrtValue.ortvalue_from_numpy
-        self.defaults = {name: self.value(array) for name, array in defaults.items()}
         self.true = self.value(np.array(True))
-        empty = {}
-        for info in model.graph.input:
-            if info.name.startswith(CACHE.format("")):
-                dtype = onnx.helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type)
-                empty[info.name] = self.value(np.zeros((0,), dtype))
-        self.bindings = []
-        for feeds in samples:
-            binding = self.session.io_binding()
-            for name, array in feeds.items():
-                binding.bind_cpu_input(name, array)
-            for name, value in {**self.defaults, **empty}.items():  # caches: filled by cache()
-                binding.bind_ortvalue_input(name, value)
-            self.bindings.append(binding)
+        threads = min(len(samples), os.cpu_count() or 1)
+        self.threads = 1 if threads > 1 else 0  # samples run side by side instead
+        self.pool = concurrent.futures.ThreadPoolExecutor(threads)
+        self.sessions, self.lock = {}, threading.Lock()
+        self.seconds = {}  # (segment, version) -> seconds of its last build, of its last run
+        shared = {name: self.value(array) for name, array in defaults.items()}
+        for _, _, on, off in plan.selections:
+            for name in (on, off):
+                if name in plan.initializers:
+                    shared[name] = self.value(onnx.numpy_helper.to_array(plan.initializers[name]))
+        if plan.constant_nodes:
+            shared.update(self.step(None, PLAIN, shared))
+        self.constants = shared
+        shared = {**shared, **{output: shared[off] for output, _, _, off in plan.selections}}
+        initial = [{**{n: self.value(np.ascontiguousarray(a)) for n, a in s.items()}, **shared} for s in samples]
+        every = dict.fromkeys(range(len(plan.chunks)), PLAIN)
+        self.baseline = list(self.pool.map(lambda values: self.chain(values, every), initial))
 
-    def cache(self, values):
-        """Bind ``values`` (per sample, ``{cache input: array}``) for the replayed segments."""
-        self.cached = values
-        for binding, sample in zip(self.bindings, values):
-            for name, array in sample.items():
-                binding.bind_cpu_input(name, array)
+    def session(self, j, version, values):
+        """The session of segment j (None: the constant nodes) in ``version``, built on first use."""
+        with self.lock:
+            if (j, version) not in self.sessions:
+                types = {name: value.data_type() for name, value in values.items()}
+                start = time.perf_counter()
+                model, inputs, outputs, aliases = self.plan.segment_model(j, version, types)
+                session = outputs and impact_session(model, self.path, f"{self.message} cannot be built", self.threads)
+                self.sessions[j, version] = (session, inputs, outputs, aliases)
+                self.seconds["build", j, version] = time.perf_counter() - start
+            return self.sessions[j, version]
 
-    def run(self, settings=None, extra_outputs=()):
-        """Per sample, the graph outputs (then ``extra_outputs``) with ``settings`` bound.
+    def version(self, j, wanted):
+        """The version of segment j to run for a variant that ``wanted`` it: a
+        group's only once the full version is known to cost more per run (all
+        samples, twice) than building the group's. Results are the same either
+        way; only the time differs."""
+        if wanted in (PLAIN, FULL) or (j, wanted) in self.sessions:
+            return wanted
+        full, plain = self.seconds.get(("run", j, FULL)), self.seconds.get(("run", j, PLAIN))
+        if full is None or plain is None:
+            return FULL
+        return wanted if 2 * (full - plain) * len(self.baseline) > self.seconds["build", j, FULL] else FULL
 
-        Samples run concurrently, each single-threaded: small kernels scale
-        better across samples than across the threads of one kernel.
-        """
-        settings = {name: self.true if value is True else self.value(value) for name, value in (settings or {}).items()}
+    def step(self, j, version, values):
+        """``{name: OrtValue}`` that segment j makes (aliases included) from ``values``."""
+        session, inputs, outputs, aliases = self.session(j, version, values)
+        start = time.perf_counter()
+        try:
+            results = session.run_with_ort_values(outputs, {t: values[t] for t in inputs}) if outputs else []
+        except Exception as exc:
+            raise GraphscanError(
+                f"{self.path}: {self.message} does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME
+            )
+        self.seconds["run", j, version] = time.perf_counter() - start
+        made = dict(zip(outputs, results))
+        for t, source in aliases:
+            made[t] = made[source] if source in made else values[source]
+        return made
 
-        def one(binding):
-            for name, value in settings.items():
-                binding.bind_ortvalue_input(name, value)
-            binding.clear_binding_outputs()
-            for name in self.outputs + list(extra_outputs):
-                binding.bind_output(name)
-            try:
-                self.session.run_with_iobinding(binding)
-            except Exception as exc:
-                raise GraphscanError(f"{self.path}: {self.message} ({one_line(exc)})", EXIT_RUNTIME)
-            finally:
-                for name in settings:
-                    binding.bind_ortvalue_input(name, self.defaults[name])
-            return binding.copy_outputs_to_cpu()
+    def chain(self, values, versions):
+        values = dict(values)
+        for j, version in versions.items():
+            values.update(self.step(j, version, values))
+        return values
 
-        return list(self.pool.map(one, self.bindings))
+    def run(self, settings=None):
+        """Per sample, the graph outputs (numpy) with ``settings`` bound."""
+        settings = settings or {}
+        versions = {j: self.version(j, wanted) for j, wanted in self.plan.needs(list(settings)).items()}
+        bound = {name: self.true if value is True else self.value(value) for name, value in settings.items()}
+        for output, condition, on, _ in self.plan.selections:
+            if settings.get(condition) is True:
+                bound[output] = self.constants[on]
+
+        def one(baseline):
+            values = self.chain({**baseline, **bound}, versions)
+            return [values[name].numpy() for name in self.outputs]
+
+        if len(self.baseline) == 1:
+            return [one(self.baseline[0])]
+        return list(self.pool.map(one, self.baseline))
 
 
 class OutputNoise:
@@ -4827,43 +4906,85 @@ def tensor_values(model, samples, tensors, path):
     return values
 
 
+def segment_runner(model, defaults, machinery, samples, outputs, path):
+    """A SegmentRunner of the derived ``model``, cut in IMPACT_SEGMENTS, or in
+    one segment when a value crossing a cut is not a tensor."""
+    for count in (IMPACT_SEGMENTS, 1):
+        plan = SegmentPlan(model, list(samples[0]), set(defaults), machinery, count, samples[0])
+        try:
+            return SegmentRunner(plan, defaults, samples, outputs, path)
+        except Unsegmentable:
+            if count == 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def variant_key(variant):
+    """A hashable ``variant``: equal keys set the same inputs to the same values."""
+    return tuple(
+        sorted((name, True if value is True else (value.dtype.str, value.tobytes())) for name, value in variant.items())
+    )
+
+
+def same_clip(values, kept, rounded):
+    """Whether ``Clip(t, *kept)`` and ``Clip(t, *rounded)`` (bounds: numpy
+    scalars of t's type) are equal bit for bit for every value of t: t is
+    finite and, on each side, the two bounds are the same number or no value
+    of t reaches either."""
+    import numpy as np
+
+    (kept_lo, kept_hi), (lo, hi) = kept, rounded
+    same_lo, same_hi = kept_lo.tobytes() == lo.tobytes(), kept_hi.tobytes() == hi.tobytes()
+    for value in values:
+        value = np.asarray(value)
+        if value.dtype != lo.dtype or not np.all(np.isfinite(value)):
+            return False
+        if value.size and not (
+            (same_lo or value.min() > max(kept_lo, lo)) and (same_hi or value.max() < min(kept_hi, hi))
+        ):
+            return False
+    return True
+
+
 class ImpactRun:
-    """The derived model of ``quant_model`` in one session, ready to measure variants.
+    """The derived model of ``quant_model`` as segment sessions, ready to measure variants.
 
     ``baseline``: ``(sqnr_db, exact)`` of the quantized model as it is;
     ``probe_values``: per tensor row with a known range, its values per sample;
-    ``measure(variant)``: ``(sqnr_db, exact)`` with ``variant`` on.
+    ``measure(variant)``: ``(sqnr_db, exact)`` with ``variant`` on, run once per distinct variant.
     """
 
     def __init__(self, float_model, quant_model, samples, output_names, noise, path):
         self.noise = noise
         self.plan = plan = ImpactPlan(float_model, quant_model)
-        derived, defaults, self.op_variants, self.tensor_variants = switched_model(plan, quant_model, float_model)
+        derived, self.defaults, self.op_variants, self.tensor_variants = switched_model(plan, quant_model, float_model)
         machinery = {node.name for node in derived.graph.node if node.name.startswith(IMPACT_PREFIX)}
-        derived, caches, self.segments = segmented_model(derived, list(samples[0]), machinery)
-        if self.segments is not None:
-            defaults.update(self.segments.flag_defaults)
-        exposed = {o.name for o in derived.graph.output}
-        derived.graph.output.extend(onnx.ValueInfoProto(name=t) for _, t in caches if t not in exposed)
-        self.runner = SwitchedRunner(derived, defaults, samples, output_names, path)
-
-        fetched = [t for t in dict.fromkeys(t for _, t in caches) if t not in output_names]
-        first = self.runner.run(extra_outputs=fetched)
-        n_out = len(output_names)
-        self.baseline = noise.measure([sample[:n_out] for sample in first])
-        values = [dict(zip(output_names + fetched, sample)) for sample in first]
-        del first
-        self.runner.cache([{c: sample[t] for c, t in caches} for sample in values])
-        del values
-        # The tensors whose clipped fraction is reported, from the quantized model
-        # itself: as graph outputs of the derived model they would all cross
-        # segments and be copied on every replay.
+        self.runner = segment_runner(derived, self.defaults, machinery, samples, output_names, path)
+        del derived
+        self.measured = {}
+        self.baseline = self.measure({})
         probes = [t for t, _, q_range, _ in plan.tensor_rows if q_range is not None and t not in samples[0]]
         self.probe_values = tensor_values(quant_model, samples, probes, path)
         self.probe_values.update({t: [sample[t] for sample in samples] for t in samples[0]})
 
     def measure(self, variant):
-        return self.noise.measure(self.runner.run({**variant, **segment_flags(self.segments, variant)}))
+        key = variant_key(variant)
+        if key not in self.measured:
+            self.measured[key] = self.noise.measure(self.runner.run(variant))
+        return self.measured[key]
+
+    def rounding_variant(self, m):
+        """Tensor row m's rounding-only variant, or its float(t) variant when the
+        two are the same run: t's values never reach the Clip bounds that differ."""
+        kept, rounded = self.tensor_variants[m]
+        if rounded is None:
+            return None
+        changed = [(name, value) for name, value in rounded.items() if name not in kept]
+        if len(changed) != 2 or any(value is True for _, value in changed):
+            return rounded  # a Clip node of its own (after LeakyRelu): not a bound change
+        (low, lo), (high, hi) = changed
+        values = self.probe_values.get(self.plan.tensor_rows[m][0], ())
+        return kept if same_clip(values, (self.defaults[low], self.defaults[high]), (lo, hi)) else rounded
 
 
 def impact(a, b, inputs=None, seed=0, shape=None, target_sqnr=None, max_exclude=None, top=None):
@@ -4890,8 +5011,9 @@ def impact(a, b, inputs=None, seed=0, shape=None, target_sqnr=None, max_exclude=
         )
         op_exact.append(exact)
     tensor_rows, tensor_exact = [], []
-    for (t, pairs, q_range, _), (kept, rounded) in zip(plan.tensor_rows, tensor_variants):
+    for m, ((t, pairs, q_range, _), (kept, _)) in enumerate(zip(plan.tensor_rows, tensor_variants)):
         sqnr, exact = measure(kept)
+        rounded = run.rounding_variant(m)
         rounding = measure(rounded)[0] if rounded is not None else None
         producer = index.producer_of(t)
         readers = sorted({r for _, dq in pairs for r in index.consumers_of(index.outputs[dq][0])})

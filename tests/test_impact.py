@@ -165,8 +165,17 @@ def assert_equals_brute_force(a, b, sample_paths):
     return answer, brute
 
 
+# Which version of a switched segment runs is the runner's choice by timing;
+# each choice is forced here, and the answers must be the same.
+VERSION_POLICIES = {
+    "group-versions": lambda self, j, wanted: wanted,
+    "full-versions": lambda self, j, wanted: graphscan.PLAIN if wanted == graphscan.PLAIN else graphscan.FULL,
+}
+
+
+@pytest.mark.parametrize("policy", sorted(VERSION_POLICIES))
 @pytest.mark.parametrize("model", ["lab-mlp", "faulty-mlp", "cnn", "two-outputs"])
-def test_every_row_equals_the_brute_force(model, lab, faulty, mlp_samples, cnn, branches, monkeypatch):
+def test_every_row_equals_the_brute_force(model, policy, lab, faulty, mlp_samples, cnn, branches, monkeypatch):
     a, b, samples = {
         "lab-mlp": (lab["fp32"], lab["full"], mlp_samples),
         "faulty-mlp": (lab["fp32"], faulty, mlp_samples),
@@ -181,13 +190,37 @@ def test_every_row_equals_the_brute_force(model, lab, faulty, mlp_samples, cnn, 
         runs.append(self)
 
     monkeypatch.setattr(graphscan.ImpactRun, "__init__", spy)
+    monkeypatch.setattr(graphscan.SegmentRunner, "version", VERSION_POLICIES[policy])
     answer, _ = assert_equals_brute_force(a, b, samples)
-    # The rows were measured through the segments (cached / plain / switched), not a fallback.
+    # The rows were measured through the chain of segment sessions, in the
+    # versions the policy picks, not through the one-segment fallback.
     (run,) = runs
-    assert run.segments is not None and len(run.segments.chunks) > 1
+    assert len(run.runner.plan.chunks) > 1
+    assert run.runner.plan.selections  # the weights' Wheres are bindings
+    versions = {version for _, version in run.runner.sessions}
+    if policy == "group-versions":
+        assert graphscan.FULL not in versions and any(isinstance(v, int) for v in versions), versions
+    else:
+        assert versions == {graphscan.PLAIN, graphscan.FULL}, versions
     assert answer["samples"] == len(samples)
     gains = [r["gain_db"] for r in answer["ops"]]
     assert gains == sorted(gains, reverse=True)
+
+
+def test_group_versions_only_when_the_machinery_costs_more_than_a_build(lab, mlp_samples):
+    """The timing rule: a group's version is built once the full version's
+    extra run time, over all samples and twice, exceeds its build time."""
+    float_model, quant_model = onnx.load(lab["fp32"]), onnx.load(lab["full"])
+    samples = load_samples(mlp_samples)
+    noise = graphscan.OutputNoise(graphscan.float_outputs(float_model, samples, "a"))
+    runner = graphscan.ImpactRun(float_model, quant_model, samples, ["y"], noise, "b").runner
+    assert runner.version(0, graphscan.PLAIN) == graphscan.PLAIN
+    assert runner.version(0, 3) == graphscan.FULL  # the full version has not run yet
+    runner.seconds.update({("run", 0, graphscan.PLAIN): 0.001, ("build", 0, graphscan.FULL): 0.05})
+    runner.seconds["run", 0, graphscan.FULL] = 0.001 + 0.05 / (2 * len(samples)) * 0.9
+    assert runner.version(0, 3) == graphscan.FULL
+    runner.seconds["run", 0, graphscan.FULL] = 0.001 + 0.05 / (2 * len(samples)) * 1.1
+    assert runner.version(0, 3) == 3
 
 
 def test_scaled_weight_makes_its_matmul_the_top_op(lab, faulty, mlp_samples):
@@ -355,17 +388,26 @@ def test_derived_model_is_deterministic_and_prefixed(cnn):
     a, b, _ = cnn
     float_model, quant_model = onnx.load(a), onnx.load(b)
 
+    sample = {"x": np.zeros((1, 3, 8, 8), np.float32)}
+
     def build():
         plan = graphscan.ImpactPlan(float_model, quant_model)
         model, _, _, _ = graphscan.switched_model(plan, quant_model, float_model)
         machinery = {n.name for n in model.graph.node if n.name.startswith("graphscan.")}
-        segmented, _, segments = graphscan.segmented_model(model, ["x"], machinery)
-        assert segments is not None and len(segments.chunks) == graphscan.IMPACT_SEGMENTS
-        return model, segmented
+        segments = graphscan.SegmentPlan(model, ["x"], set(), machinery, graphscan.IMPACT_SEGMENTS, sample)
+        assert len(segments.chunks) > 1
+        types = {t: "tensor(float)" for node in model.graph.node for t in [*node.input, *node.output]}
+        types.update({i.name: "tensor(float)" for i in model.graph.input})
+        versions = [
+            segments.segment_model(j, switched, types)[0].SerializeToString()
+            for j in [None, *range(len(segments.chunks))]
+            for switched in (graphscan.PLAIN, graphscan.FULL, 0)
+        ]
+        return model, versions
 
-    (first, first_segmented), (second, second_segmented) = build(), build()
+    (first, first_segments), (second, second_segments) = build(), build()
     assert first.SerializeToString() == second.SerializeToString()
-    assert first_segmented.SerializeToString() == second_segmented.SerializeToString()
+    assert first_segments == second_segments
     original = {n.name for n in quant_model.graph.node}
     assert all(n.name in original or n.name.startswith("graphscan.") for n in first.graph.node)
     added_inputs = {i.name for i in first.graph.input} - {i.name for i in quant_model.graph.input}
@@ -538,3 +580,98 @@ def test_outputs_named_differently_are_paired_by_position(tmp_path):
     q = np.concatenate([np.maximum(dq, 0), -dq], axis=None).astype(np.float64)
     expected = 20 * math.log10(np.linalg.norm(f) / np.linalg.norm(f - q))
     assert answer["output_sqnr_db"] == pytest.approx(expected, abs=1e-6)
+
+
+F32 = np.float32
+INF = np.float32(np.inf)
+
+
+@pytest.mark.parametrize(
+    ("values", "kept", "rounded", "same"),
+    [
+        pytest.param([-0.5, 0.5], (-INF, INF), (-1, 1), True, id="inside-the-range"),
+        pytest.param([-0.5, 1.0], (-INF, INF), (-1, 1), False, id="on-the-upper-end"),
+        pytest.param([-1.0, 0.5], (-INF, INF), (-1, 1), False, id="on-the-lower-end"),
+        pytest.param([-0.5, 3.0], (-INF, INF), (-1, 1), False, id="outside"),
+        pytest.param([-1.0, 0.0, 1.5], (0, INF), (0, 2), True, id="relu-same-lower-bound"),
+        pytest.param([-1.0, 0.5], (0, INF), (-0.25, 2), False, id="relu-other-lower-bound"),
+        pytest.param([0.5, 1.5], (0, INF), (-0.25, 2), True, id="relu-bounds-never-reached"),
+        pytest.param([0.5, np.nan], (-INF, INF), (-1, 1), False, id="nan"),
+        pytest.param([0.5, np.inf], (-INF, INF), (-1, 1), False, id="infinite"),
+        pytest.param([], (-INF, INF), (-1, 1), True, id="empty"),
+    ],
+)
+def test_rounding_reuses_the_kept_run_only_when_the_clips_agree(values, kept, rounded, same):
+    """Clip(t, kept) and Clip(t, rounded) are one run only when they are equal
+    bit for bit: t finite, each side's bounds equal or never reached."""
+    bounds = [tuple(np.array(b, F32) for b in pair) for pair in (kept, rounded)]
+    assert graphscan.same_clip([np.array(values, F32)], *bounds) is same
+    assert graphscan.same_clip([np.array(values, np.float64)], *bounds) is False  # not t's type
+
+
+def test_a_tensor_inside_its_range_is_measured_once(tmp_path, monkeypatch):
+    """x never leaves its Q's range: its rounding-only row is its float row,
+    taken from the same run, and both equal the brute force."""
+    weight = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32), "w")
+    model = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["y"], name="matmul")],
+            "inside",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])],
+            [weight],
+        ),
+        opset_imports=[helper.make_opsetid("", gen_models.OPSET)],
+    )
+    a, b = quantized(tmp_path, model, "inside")
+    sample = tmp_path / "s.npz"
+    np.savez(sample, x=np.linspace(-0.5, 0.5, 8, dtype=np.float32)[None])  # calibration: normal, far wider
+    runs, impact_runs = [], []
+    real_run, real_init = graphscan.SegmentRunner.run, graphscan.ImpactRun.__init__
+    monkeypatch.setattr(graphscan.SegmentRunner, "run", lambda self, s=None: runs.append(s) or real_run(self, s))
+    monkeypatch.setattr(
+        graphscan.ImpactRun, "__init__", lambda self, *args: impact_runs.append(self) or real_init(self, *args)
+    )
+    answer, _ = assert_equals_brute_force(a, b, [sample])
+    (row,) = [r for r in answer["tensors"] if r["tensor"] == "x"]
+    assert row["clipped"] == 0.0 and row["rounding_sqnr_db"] == row["sqnr_db"]
+    ran = [graphscan.variant_key(s or {}) for s in runs]
+    assert len(ran) == len(set(ran)), "a variant ran twice"
+    (run,) = impact_runs
+    (m,) = [m for m, (t, *_) in enumerate(run.plan.tensor_rows) if t == "x"]
+    kept, rounded = run.tensor_variants[m]
+    assert graphscan.variant_key(kept) in ran and graphscan.variant_key(rounded) not in ran
+
+
+def test_a_sequence_between_segments_falls_back_to_one_segment(tmp_path, monkeypatch):
+    """A segment's inputs are declared as tensors: a sequence that crosses a cut
+    (every node its own segment here) sends the runner to one whole-model
+    segment, with the same rows as the brute force."""
+    rng = np.random.default_rng(4)
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), w) for w in ("w1", "w2")]
+    inits.append(numpy_helper.from_array(np.array(0, np.int64), "first"))
+    model = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("MatMul", ["x", "w1"], ["h"], name="matmul1"),
+                helper.make_node("SequenceConstruct", ["h", "h"], ["pair"], name="pack"),
+                helper.make_node("SequenceAt", ["pair", "first"], ["g"], name="unpack"),
+                helper.make_node("MatMul", ["g", "w2"], ["y"], name="matmul2"),
+            ],
+            "sequence",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+            inits,
+        ),
+        opset_imports=[helper.make_opsetid("", gen_models.OPSET)],
+    )
+    a, b = quantized(tmp_path, model, "sequence")
+    monkeypatch.setattr(graphscan, "IMPACT_SEGMENTS", 1000)
+    plans = []
+    real = graphscan.SegmentRunner.__init__
+    monkeypatch.setattr(
+        graphscan.SegmentRunner, "__init__", lambda self, plan, *a: plans.append(plan) or real(self, plan, *a)
+    )
+    answer, _ = assert_equals_brute_force(a, b, write_samples(tmp_path, {"x": (2, 8)}, 2, seed=1))
+    assert len(plans[0].chunks) > 1 and len(plans[-1].chunks) == 1
+    assert {r["node"] for r in answer["ops"]} == {"matmul1", "pack", "matmul2"}
