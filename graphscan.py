@@ -4507,7 +4507,7 @@ class SegmentPlan:
         for node in nodes:
             for t in self.reads[id(node)]:
                 self.consumers.setdefault(t, []).append(node)
-        graph_outputs = [o.name for o in graph.output]
+        graph_outputs = self.graph_outputs = [o.name for o in graph.output]
         wanted = set(graph_outputs) | {t for selection in self.selections for t in selection[2:]}
         self.leaving = [[] for _ in self.chunks]
         for j in reversed(range(len(self.chunks))):
@@ -4588,13 +4588,19 @@ class SegmentPlan:
         return dict(sorted(versions.items()))
 
     def segment_model(self, j, version, types):
-        """``(model, inputs, outputs, aliases)`` of segment j (``j`` None: the
-        constant nodes) in ``version``. ``types``: ``{name: ORT type}`` of every
-        value it may read. Machinery a version leaves out passes one input on:
-        its output is an ``alias`` ``(name, source)`` for the runner, or an
-        Identity where a body reads it."""
-        chunk = self.constant_nodes if j is None else self.chunks[j]
-        leaving = self.constant_outputs if j is None else self.leaving[j]
+        """``(model, inputs, outputs, aliases)`` of segment j in ``version``:
+        ``j`` None is the constant nodes, ``("from", k)`` segments k to the last
+        as one (making the graph outputs only). ``types``: ``{name: ORT type}``
+        of every value it may read. Machinery a version leaves out passes one
+        input on: its output is an ``alias`` ``(name, source)`` for the runner,
+        or an Identity where a body reads it."""
+        if j is None:
+            chunk, leaving = self.constant_nodes, self.constant_outputs
+        elif isinstance(j, tuple):
+            chunk = [node for later in self.chunks[j[1] :] for node in later]
+            leaving = [t for node in chunk for t in node.output if t in self.graph_outputs]
+        else:
+            chunk, leaving = self.chunks[j], self.leaving[j]
         dropped = {}
         for node in chunk:
             if node.name in self.machinery and not (version == FULL or version in self.groups[id(node)]):
@@ -4634,13 +4640,18 @@ class SegmentPlan:
         model.graph.CopyFrom(
             onnx.helper.make_graph(
                 nodes,
-                f"graphscan.segment/{'constants' if j is None else j}/{version}",
+                f"graphscan.segment/{segment_name(j)}/{version}",
                 infos,
                 [onnx.ValueInfoProto(name=t) for t in outputs],
                 [self.initializers[t] for t in dict.fromkeys(reads) if t in self.initializers],
             )
         )
         return model, inputs, outputs, aliases
+
+
+def segment_name(j):
+    """``constants``, ``3`` or ``from-3``: which nodes a segment model holds."""
+    return "constants" if j is None else "-".join(map(str, j)) if isinstance(j, tuple) else str(j)
 
 
 def impact_session(model, path, message, threads=0):
@@ -4739,6 +4750,18 @@ class SegmentRunner:
             made[t] = made[source] if source in made else values[source]
         return made
 
+    def merged(self, versions):
+        """``versions`` with its plain tail, when it runs every segment to the
+        last, as one session: one run per sample instead of one per segment."""
+        last, tail = len(self.plan.chunks) - 1, None
+        for j in range(last, -1, -1):
+            if versions.get(j) != PLAIN:
+                break
+            tail = j
+        if tail is None or tail == last:
+            return versions
+        return {**{j: v for j, v in versions.items() if j < tail}, ("from", tail): PLAIN}
+
     def chain(self, values, versions):
         values = dict(values)
         for j, version in versions.items():
@@ -4749,6 +4772,7 @@ class SegmentRunner:
         """Per sample, the graph outputs (numpy) with ``settings`` bound."""
         settings = settings or {}
         versions = {j: self.version(j, wanted) for j, wanted in self.plan.needs(list(settings)).items()}
+        versions = self.merged(versions)
         bound = {name: self.true if value is True else self.value(value) for name, value in settings.items()}
         for output, condition, on, _ in self.plan.selections:
             if settings.get(condition) is True:

@@ -2,17 +2,20 @@
 
     python bench/bench_impact.py [FLOAT QUANT] [--samples 4] [--size 320] [--work DIR]
 
-Defaults: /work/models/det.onnx and det_qdq.onnx (PP-OCRv4 text detection, ~292
-quantized compute nodes) at 1x3xSIZExSIZE. SAMPLES text-like images (white page,
-dark strokes, ImageNet-normalized as PP-OCR does) are written as .npz files; then
+Without FLOAT and QUANT it builds the ~300-node residual CNN of bench_runtime.py
+(292 compute nodes, 1x3x32x32) and quantizes it with onnxruntime's defaults, so
+the benchmark runs anywhere; given a model such as PP-OCRv4's det.onnx and its
+quantized twin, the samples are 1x3xSIZExSIZE. SAMPLES text-like images (white
+page, dark strokes, ImageNet-normalized as PP-OCR does) are written as .npz
+files; then
 
   impact:  python graphscan.py impact FLOAT QUANT --inputs s0.npz ... --inputs sN.npz
   brute:   python bench_impact.py --brute FLOAT QUANT s0.npz ..., which runs
            tests/impact_reference.py: one edited model and one session per variant
 
-run once each (each takes minutes on a 300-node CNN). The script prints both wall
-times, the ratio, the largest row difference between the two answers, and the top
-5 ops. Not run by CI. Exit 0 when the ratio is at most BOUND, 1 otherwise.
+run once each (each takes minutes on a 300-node CNN at 320x320). The script prints
+both wall times, the ratio, the largest row difference between the two answers,
+and the top 5 ops. Not run by CI. Exit 0 when the ratio is at most BOUND, 1 otherwise.
 
     python bench/bench_impact.py [FLOAT QUANT] --interleaved N
 
@@ -28,12 +31,14 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GRAPHSCAN = REPO_ROOT / "graphscan.py"
 BOUND = 0.3  # issue 9: impact seconds / brute-force seconds
+BUILT_CNN_SIZE = 32  # bench_runtime.built_cnn's input is 1x3x32x32
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
@@ -160,31 +165,46 @@ def interleaved(float_path, quant_path, sample_paths, count):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("float", nargs="?", default="/work/models/det.onnx")
-    parser.add_argument("quant", nargs="?", default="/work/models/det_qdq.onnx")
+    parser.add_argument("float", nargs="?")
+    parser.add_argument("quant", nargs="?")
     parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--size", type=int, default=320)
-    parser.add_argument("--work", default="/work/models/impact")
+    parser.add_argument("--size", type=int, default=320, help="sample height and width for a given model")
+    parser.add_argument("--work", help="folder for the samples (and the built CNN); default: a temporary one")
     parser.add_argument("--interleaved", type=int, metavar="N")
     parser.add_argument("--brute", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.brute is not None:
         brute(args.float, args.quant, args.brute)
         return 0
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    samples = write_samples(work, args.samples, args.size)
-    if args.interleaved:
-        return interleaved(args.float, args.quant, samples, args.interleaved)
-    command = [sys.executable, GRAPHSCAN, "impact", args.float, args.quant]
+    if (args.float is None) != (args.quant is None):
+        parser.error("give both FLOAT and QUANT, or neither")
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(args.work or scratch)
+        work.mkdir(parents=True, exist_ok=True)
+        size = args.size
+        if args.float is None:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            import bench_runtime
+
+            args.float, args.quant = bench_runtime.built_cnn(work)
+            size = BUILT_CNN_SIZE
+        samples = write_samples(work, args.samples, size)
+        if args.interleaved:
+            return interleaved(args.float, args.quant, samples, args.interleaved)
+        return whole_processes(args.float, args.quant, samples)
+
+
+def whole_processes(float_path, quant_path, samples):
+    """Each side once as a whole process; exit status 0 when the ratio is within BOUND."""
+    command = [sys.executable, GRAPHSCAN, "impact", float_path, quant_path]
     for path in samples:
         command += ["--inputs", path]
     impact_seconds, answer = timed(command)
     brute_seconds, reference = timed(
-        [sys.executable, Path(__file__).resolve(), args.float, args.quant, "--brute", *samples]
+        [sys.executable, Path(__file__).resolve(), float_path, quant_path, "--brute", *samples]
     )
     ratio = impact_seconds / brute_seconds
-    print(f"variants: {len(answer['ops'])} ops, {len(answer['tensors'])} tensors x 2, {args.samples} samples")
+    print(f"{quant_path}: {len(answer['ops'])} ops, {len(answer['tensors'])} tensors x 2, {len(samples)} samples")
     print(f"output SQNR {answer['output_sqnr_db']:.2f} dB")
     print(f"impact {impact_seconds:.1f} s, brute force {brute_seconds:.1f} s, ratio {ratio:.3f} (bound {BOUND})")
     print(f"largest row difference {largest_difference(answer, reference):.4f} dB")

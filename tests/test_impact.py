@@ -198,6 +198,7 @@ def test_every_row_equals_the_brute_force(model, policy, lab, faulty, mlp_sample
     assert len(run.runner.plan.chunks) > 1
     assert run.runner.plan.selections  # the weights' Wheres are bindings
     versions = {version for _, version in run.runner.sessions}
+    assert any(isinstance(j, tuple) for j, _ in run.runner.sessions)  # a plain tail as one session
     if policy == "group-versions":
         assert graphscan.FULL not in versions and any(isinstance(v, int) for v in versions), versions
     else:
