@@ -4412,7 +4412,7 @@ def known_shapes(model, nodes, sample):
             for size in np.shape(sample[info.name]):
                 shape.dim.add().dim_value = size
     with contextlib.suppress(Exception):  # else: the shapes the model already declares
-        typed = onnx.shape_inference.infer_shapes(typed, strict_mode=False)
+        typed = onnx.shape_inference.infer_shapes(typed, strict_mode=False, data_prop=True)
     shapes = {init.name: list(init.dims) for init in model.graph.initializer}
     for info in [*typed.graph.input, *typed.graph.value_info, *typed.graph.output]:
         tensor = info.type.tensor_type

@@ -676,3 +676,38 @@ def test_a_sequence_between_segments_falls_back_to_one_segment(tmp_path, monkeyp
     answer, _ = assert_equals_brute_force(a, b, write_samples(tmp_path, {"x": (2, 8)}, 2, seed=1))
     assert len(plans[0].chunks) > 1 and len(plans[-1].chunks) == 1
     assert {r["node"] for r in answer["ops"]} == {"matmul1", "pack", "matmul2"}
+
+
+def test_segments_are_cut_by_work_not_by_node_count():
+    """Work is output elements times the length of each sum; a cut falls where
+    the work done so far passes each share, so a node heavier than a share ends
+    a segment and the nodes after it start the next (unknown work: the median)."""
+    nodes = list("abcdefgh")
+    assert graphscan.equal_work_chunks(nodes, [1, 1, 1, 100, 1, 1, None, 1], 4) == [list("abcd"), list("efgh")]
+    assert graphscan.equal_work_chunks(nodes, [100, 1, 1, 1, 1, 1, 1, 1], 4) == [["a"], list("bcdefgh")]
+    assert graphscan.equal_work_chunks(nodes, [1] * 8, 4) == [list("ab"), list("cd"), list("ef"), list("gh")]
+    conv = helper.make_node("Conv", ["x", "w"], ["y"])
+    shapes = {"x": [1, 3, 8, 8], "w": [16, 3, 3, 3], "y": [1, 16, 8, 8]}
+    assert graphscan.node_work(conv, shapes) == 16 * 8 * 8 * 3 * 3 * 3
+    assert graphscan.node_work(conv, {**shapes, "y": None}) is None
+
+
+def test_shapes_behind_a_computed_reshape_are_known():
+    """Shape -> Reshape needs onnx's data propagation, and a declared symbolic
+    dim is refined by the sample's shape."""
+    model = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("Relu", ["x"], ["r"]),
+                helper.make_node("Shape", ["r"], ["s"]),
+                helper.make_node("Reshape", ["r", "s"], ["y"]),
+            ],
+            "reshape",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+            value_info=[helper.make_tensor_value_info("r", TensorProto.FLOAT, ["N", 4])],
+        ),
+        opset_imports=[helper.make_opsetid("", gen_models.OPSET)],
+    )
+    shapes = graphscan.known_shapes(model, list(model.graph.node), {"x": np.zeros((3, 4), np.float32)})
+    assert shapes["r"] == [3, 4] and shapes["y"] == [3, 4]
