@@ -927,7 +927,8 @@ def read_npy_member(path, archive, info, spec):
         raise GraphscanError(f"{shown(path)}: array {name!r} is truncated", EXIT_INPUTS)
     array = np.frombuffer(data, dtype=dtype)
     order = "F" if fortran else "C"
-    array = np.ascontiguousarray(array.reshape(shape, order=order)).astype(dtype.newbyteorder("="), copy=False)
+    # np.require, not np.ascontiguousarray: that one turns a 0-d array into shape [1].
+    array = np.require(array.reshape(shape, order=order), requirements="C").astype(dtype.newbyteorder("="), copy=False)
     return array.astype(object) if spec.dtype == np.dtype(object) else array  # onnxruntime's strings
 
 
@@ -4706,7 +4707,9 @@ class SegmentRunner:
             shared.update(self.step(None, PLAIN, shared))
         self.constants = shared
         shared = {**shared, **{output: shared[off] for output, _, _, off in plan.selections}}
-        initial = [{**{n: self.value(np.ascontiguousarray(a)) for n, a in s.items()}, **shared} for s in samples]
+        initial = [
+            {**{n: self.value(np.require(a, requirements="C")) for n, a in s.items()}, **shared} for s in samples
+        ]
         every = dict.fromkeys(range(len(plan.chunks)), PLAIN)
         self.baseline = list(self.pool.map(lambda values: self.chain(values, every), initial))
 

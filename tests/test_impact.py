@@ -711,3 +711,26 @@ def test_shapes_behind_a_computed_reshape_are_known():
     )
     shapes = graphscan.known_shapes(model, list(model.graph.node), {"x": np.zeros((3, 4), np.float32)})
     assert shapes["r"] == [3, 4] and shapes["y"] == [3, 4]
+
+
+def test_a_scalar_input_stays_a_scalar(tmp_path):
+    """A 0-d array in an .npz feeds a scalar input as it is: ``inputs`` says [],
+    not [1] (np.ascontiguousarray makes every array at least 1-d)."""
+    model = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("Mul", ["x", "s"], ["y"], name="scale")],
+            "scalar",
+            [
+                helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+                helper.make_tensor_value_info("s", TensorProto.FLOAT, []),
+            ],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        ),
+        opset_imports=[helper.make_opsetid("", gen_models.OPSET)],
+    )
+    path = tmp_path / "scalar.onnx"
+    onnx.save(model, path)
+    np.savez(tmp_path / "s.npz", x=np.ones((2, 4), np.float32), s=np.array(0.5, np.float32))
+    answer = graphscan.impact(str(path), str(path), inputs=[str(tmp_path / "s.npz")])
+    assert answer["inputs"] == {"x": [2, 4], "s": []}
+    assert answer["output_sqnr_db"] is None
