@@ -202,14 +202,21 @@ def run(model, samples, outputs=None):
     return [session.run(outputs, feeds) for feeds in samples]
 
 
+def norm(x):
+    """||x||, summed by numpy rather than BLAS: BLAS threads left spinning after
+    the call would slow the brute force's next session and make the benchmark
+    flatter graphscan."""
+    return math.sqrt(float(np.sum(np.square(x))))
+
+
 def sqnr(float_outputs, quant_outputs):
     """20*log10(||f|| / ||f - q||) over all samples and outputs; None when f == q."""
     f = np.concatenate([np.asarray(o, np.float64).ravel() for s in float_outputs for o in s])
     q = np.concatenate([np.asarray(o, np.float64).ravel() for s in quant_outputs for o in s])
-    noise = np.linalg.norm(f - q)
-    if noise == 0 or np.linalg.norm(f) == 0:
+    noise = norm(f - q)
+    if noise == 0 or norm(f) == 0:
         return None
-    return 20 * math.log10(np.linalg.norm(f) / noise)
+    return 20 * math.log10(norm(f) / noise)
 
 
 def float_outputs(float_model, quant_model, samples):
