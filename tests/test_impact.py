@@ -606,8 +606,12 @@ def test_rounding_reuses_the_kept_run_only_when_the_clips_agree(values, kept, ro
     """Clip(t, kept) and Clip(t, rounded) are one run only when they are equal
     bit for bit: t finite, each side's bounds equal or never reached."""
     bounds = [tuple(np.array(b, F32) for b in pair) for pair in (kept, rounded)]
-    assert graphscan.same_clip([np.array(values, F32)], *bounds) is same
-    assert graphscan.same_clip([np.array(values, np.float64)], *bounds) is False  # not t's type
+    for dtype, expected in ((F32, same), (np.float64, False)):  # float64: not the bounds' type
+        stats = graphscan.ValueStats((-1.0, 1.0, TensorProto.FLOAT))
+        half = len(values) // 2  # two samples: the extremes are over both
+        stats.add(np.array(values[:half], dtype))
+        stats.add(np.array(values[half:], dtype))
+        assert graphscan.same_clip(stats, *bounds) is expected
 
 
 def test_a_tensor_inside_its_range_is_measured_once(tmp_path, monkeypatch):
