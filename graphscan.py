@@ -1730,13 +1730,16 @@ def rename_graph(graph, rename, node_prefix):
 
 
 def node_reads(node):
-    """Every tensor name ``node`` reads, its subgraphs' outer-scope reads included."""
+    """Every tensor name ``node`` reads: its inputs, then its bodies' reads at any
+    depth (their outer-scope reads among them, and a body output may name an
+    outer value too)."""
     names = [t for t in node.input if t]
     if not len(node.attribute):
         return names
     for body in subgraphs(node):
         for inner in body.node:
             names.extend(node_reads(inner))
+        names.extend(o.name for o in body.output)
     return names
 
 
@@ -4337,13 +4340,13 @@ def switched_model(plan, quant_model, float_model):
 
 # A variant changes the graph only from its sites on, and only along their
 # cone. The derived model's data-dependent nodes are cut into segments of
-# about equal work, and each segment is its own session in two versions:
-# "plain" (the quantized model's nodes, no switch machinery) and "switched"
-# (with the Where and Clip nodes of its sites). The baseline run keeps every
-# value that crosses a segment boundary as an OrtValue; a variant runs only
-# the segments of its cone, switched only where its own sites are, and reads
-# every other value from the baseline's without a copy. Nodes that read no
-# data (weight DQs, Constants) run once, before everything.
+# about equal work, each its own session: "plain" (the quantized model's
+# nodes, no switch machinery) or with the Where and Clip nodes of some or all
+# of its sites (see SegmentPlan). The baseline run keeps every value that
+# crosses a segment boundary as an OrtValue; a variant runs only the segments
+# of its cone, switched only where its own sites are, and reads every other
+# value from the baseline's without a copy. Nodes that read no data (weight
+# DQs, Constants) run once, before everything.
 IMPACT_SEGMENTS = 16
 SWITCH_GROUPS = 8
 PLAIN, FULL = "plain", "switched"  # segment versions besides the groups 0 .. SWITCH_GROUPS - 1
@@ -4356,21 +4359,12 @@ class Unsegmentable(Exception):
 
 def body_reads(node):
     """Every name the If/Loop/Scan bodies of ``node`` read or output (any depth)."""
-    names = set()
-    for body in subgraphs(node):
-        names.update(t for inner in body.node for t in inner.input)
-        names.update(o.name for o in body.output)
-        for inner in body.node:
-            names |= body_reads(inner)
-    return names
+    return set(node_reads(node)[len([t for t in node.input if t]) :])
 
 
 def outer_reads(node, defined):
     """The names ``node`` reads from its graph: its inputs, then the names from ``defined`` its bodies read."""
-    names = [t for t in node.input if t]
-    if has_subgraph(node):
-        names += sorted(body_reads(node) & defined)
-    return names
+    return [t for t in node.input if t] + sorted(body_reads(node) & defined)
 
 
 def topological_nodes(nodes, reads):
@@ -4701,7 +4695,7 @@ class SegmentRunner:
         self.threads = 1 if threads > 1 else 0  # samples run side by side instead
         self.pool = concurrent.futures.ThreadPoolExecutor(threads)
         self.sessions, self.lock = {}, threading.Lock()
-        self.seconds = {}  # (segment, version) -> seconds of its last build, of its last run
+        self.seconds = {}  # ("build" or "run", segment, version) -> seconds of its build, of its last run
         shared = {name: self.value(array) for name, array in defaults.items()}
         for _, _, on, off in plan.selections:
             for name in (on, off):
@@ -4872,7 +4866,7 @@ class ValueStats:
         import numpy as np
 
         value = np.asarray(value)
-        self.dtype = value.dtype if self.dtype in (None, value.dtype) else np.dtype(object)  # object: types differ
+        self.dtype = value.dtype  # the same for every sample: the model's type of the tensor
         self.total += value.size
         if not value.size:
             return
@@ -4972,14 +4966,15 @@ def tensor_stats(model, samples, ranges, path):
 def segment_runner(model, defaults, machinery, samples, outputs, path):
     """A SegmentRunner of the derived ``model``, cut in IMPACT_SEGMENTS, or in
     one segment when a value crossing a cut is not a tensor."""
-    for count in (IMPACT_SEGMENTS, 1):
+
+    def runner(count):
         plan = SegmentPlan(model, list(samples[0]), set(defaults), machinery, count, samples[0])
-        try:
-            return SegmentRunner(plan, defaults, samples, outputs, path)
-        except Unsegmentable:
-            if count == 1:
-                raise
-    raise AssertionError("unreachable")
+        return SegmentRunner(plan, defaults, samples, outputs, path)
+
+    try:
+        return runner(IMPACT_SEGMENTS)
+    except Unsegmentable:
+        return runner(1)
 
 
 def variant_key(variant):
