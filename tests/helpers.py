@@ -291,6 +291,38 @@ def with_external_weights(path, location, length):
     return path
 
 
+def with_weight_scale_times(quant_path, node, factor, out_path):
+    """``quant_path`` saved to ``out_path`` with the scale of ``node``'s weight DQ
+    multiplied by ``factor``: that op's dequantized weight is ``factor`` x too large."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(quant_path)
+    (op,) = [n for n in model.graph.node if n.name == node]
+    (dq,) = [n for n in model.graph.node if op.input[1] in n.output]
+    (scale,) = [i for i in model.graph.initializer if i.name == dq.input[1]]
+    scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale) * factor, scale.name))
+    onnx.save(model, out_path)
+    return out_path
+
+
+def mlp_with_weights_beside(folder, name, seed):
+    """The lab MLP saved as ``folder/name`` with every weight in ``folder/weights.bin``."""
+    import onnx
+
+    import gen_models
+
+    folder.mkdir(exist_ok=True)
+    onnx.save(
+        gen_models.build_mlp(3, 8, seed=seed),
+        folder / name,
+        save_as_external_data=True,
+        location="weights.bin",
+        size_threshold=0,
+    )
+    return folder / name
+
+
 def varint(value):
     """A protobuf varint, written here so the tests do not lean on graphscan's encoder."""
     out = bytearray()

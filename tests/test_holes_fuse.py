@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 import gen_models
 import graphscan
 from conftest import run_onnx
-from tests.helpers import error_line, json_answer, run_graphscan, strict_loads
+from tests.helpers import error_line, json_answer, mlp_with_weights_beside, run_graphscan, strict_loads
 
 
 def one_layer(path, weight_scale=1.0, value_info=(), extra_nodes=(), output="y", rows=2):
@@ -124,14 +124,7 @@ def test_value_info_of_removed_tensors_is_dropped(tmp_path):
 
 def test_external_data_is_read_beside_the_model_from_another_folder(tmp_path):
     sub = tmp_path / "sub"
-    sub.mkdir()
-    onnx.save(
-        gen_models.build_mlp(3, 8, seed=2),
-        sub / "fp32.onnx",
-        save_as_external_data=True,
-        location="weights.bin",
-        size_threshold=0,
-    )
+    mlp_with_weights_beside(sub, "fp32.onnx", seed=2)
     answer = json_answer(run_graphscan(["fuse", "sub/fp32.onnx", "gemm.onnx"], cwd=tmp_path))
     assert len(answer["fused"]) == 3
     x = np.random.default_rng(1).standard_normal((5, 8)).astype(np.float32)

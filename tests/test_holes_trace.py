@@ -13,7 +13,14 @@ from onnx import TensorProto, helper, numpy_helper
 import gen_models
 import graphscan
 from conftest import Case, run_onnx
-from tests.helpers import error_line, json_answer, run_graphscan, saved_arrays, with_external_weights
+from tests.helpers import (
+    error_line,
+    json_answer,
+    mlp_with_weights_beside,
+    run_graphscan,
+    saved_arrays,
+    with_external_weights,
+)
 
 # The lab case test_trace.py uses: the session-scoped build is shared.
 LAB = Case(4, ("N",), "fc2_matmul", dim=16)
@@ -302,14 +309,7 @@ def test_trace_reports_missing_external_data(tmp_path, side):
 def test_trace_reads_external_data_beside_the_model_from_any_folder(tmp_path):
     """Weights in sub/weights.bin are found from sub/, not from the working directory."""
     sub = tmp_path / "sub"
-    sub.mkdir()
-    onnx.save(
-        gen_models.build_mlp(3, 8, seed=0),
-        sub / "m.onnx",
-        save_as_external_data=True,
-        location="weights.bin",
-        size_threshold=0,
-    )
+    mlp_with_weights_beside(sub, "m.onnx", seed=0)
     assert (sub / "weights.bin").stat().st_size > 0
     answer = json_answer(run_graphscan(["trace", "sub/m.onnx", "sub/m.onnx"], cwd=tmp_path))
     assert {row["isolated_max_abs"] for row in answer["ops"]} == {0.0}

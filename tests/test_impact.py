@@ -18,7 +18,7 @@ import gen_models
 import graphscan
 from conftest import Case
 from tests import impact_reference as reference
-from tests.helpers import error_line, json_answer, run_graphscan
+from tests.helpers import error_line, json_answer, run_graphscan, with_weight_scale_times
 
 LAB = Case(4, ("N",), "fc2_matmul", dim=16)
 FAULTY = "fc2_matmul"
@@ -105,14 +105,7 @@ def lab(build_case):
 @pytest.fixture(scope="module")
 def faulty(lab, tmp_path_factory):
     """full.onnx with fc2_matmul's weight scale multiplied by 3 (values 3x too large)."""
-    model = onnx.load(lab["full"])
-    (matmul,) = [n for n in model.graph.node if n.name == FAULTY]
-    (dq,) = [n for n in model.graph.node if matmul.input[1] in n.output]
-    (scale,) = [i for i in model.graph.initializer if i.name == dq.input[1]]
-    scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale) * 3, scale.name))
-    path = tmp_path_factory.mktemp("faulty") / "faulty.onnx"
-    onnx.save(model, path)
-    return path
+    return with_weight_scale_times(lab["full"], FAULTY, 3, tmp_path_factory.mktemp("faulty") / "faulty.onnx")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from onnx import numpy_helper
 import gen_models
 import graphscan
 from conftest import Case, run_onnx
-from tests.helpers import json_answer, run_graphscan, saved_arrays
+from tests.helpers import json_answer, run_graphscan, saved_arrays, with_weight_scale_times
 
 LAB = Case(4, ("N",), "fc2_matmul", dim=16)
 FAULTY = "fc2_matmul"
@@ -60,14 +60,7 @@ def lab(build_case):
 @pytest.fixture(scope="module")
 def faulty(lab, tmp_path_factory):
     """full.onnx with one hidden layer's weight scale multiplied by 1.5."""
-    model = onnx.load(lab["full"])
-    (matmul,) = [n for n in model.graph.node if n.name == FAULTY]
-    scale_name = producer(model, matmul.input[1]).input[1]
-    (scale,) = [i for i in model.graph.initializer if i.name == scale_name]
-    scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale) * 1.5, scale_name))
-    path = tmp_path_factory.mktemp("faulty") / "faulty.onnx"
-    onnx.save(model, path)
-    return path
+    return with_weight_scale_times(lab["full"], FAULTY, 1.5, tmp_path_factory.mktemp("faulty") / "faulty.onnx")
 
 
 @pytest.fixture(scope="module")
