@@ -338,9 +338,9 @@ def fuse_with_transposed_b(monkeypatch):
     can show the verification catches a fusion that gives other numbers."""
     from onnx import helper
 
-    import graphscan
+    import graphscan_ort.fuse
 
-    honest = graphscan.fuse_matmul_add
+    honest = graphscan_ort.fuse.fuse_matmul_add
 
     def transposing(model):
         fused, done, skipped = honest(model)
@@ -349,4 +349,4 @@ def fuse_with_transposed_b(monkeypatch):
                 node.attribute.append(helper.make_attribute("transB", 1))
         return fused, done, skipped
 
-    monkeypatch.setattr(graphscan, "fuse_matmul_add", transposing)
+    monkeypatch.setattr(graphscan_ort.fuse, "fuse_matmul_add", transposing)

@@ -75,15 +75,15 @@ def test_min_sqnr_matches_onnxruntime_run_directly(lab, tmp_path):
     q = np.concatenate([run_onnx(lab["full"], {"x": x})[0].ravel() for x in samples]).astype(np.float64)
     expected = 20 * math.log10(np.linalg.norm(f) / np.linalg.norm(f - q))
     inputs = [str(tmp_path / "s0.npz"), str(tmp_path / "s1.npz")]
-    answer = graphscan.check(str(lab["full"]), float=str(lab["fp32"]), min_sqnr=expected - 0.01, inputs=inputs)
+    answer = graphscan.check(str(lab["full"]), float_path=str(lab["fp32"]), min_sqnr=expected - 0.01, inputs=inputs)
     ((value, _limit, ok),) = budget_rows(answer).values()
     assert value == pytest.approx(expected, abs=1e-9) and ok is True
-    broken = graphscan.check(str(lab["full"]), float=str(lab["fp32"]), min_sqnr=expected + 0.01, inputs=inputs)
+    broken = graphscan.check(str(lab["full"]), float_path=str(lab["fp32"]), min_sqnr=expected + 0.01, inputs=inputs)
     assert broken["ok"] is False and broken["float"] == str(lab["fp32"])
 
 
 def test_identical_outputs_hold_any_sqnr_and_show_null(lab):
-    answer = graphscan.check(str(lab["full"]), float=str(lab["full"]), min_sqnr=1000)
+    answer = graphscan.check(str(lab["full"]), float_path=str(lab["full"]), min_sqnr=1000)
     assert budget_rows(answer) == {"min_sqnr": (None, 1000.0, True)}
 
 
@@ -94,7 +94,7 @@ def test_an_undefined_sqnr_shows_null_and_does_not_hold(lab, tmp_path):
     for init in zero.graph.initializer:
         init.CopyFrom(onnx.numpy_helper.from_array(np.zeros_like(onnx.numpy_helper.to_array(init)), init.name))
     onnx.save(zero, tmp_path / "zero.onnx")
-    answer = graphscan.check(str(lab["full"]), float=str(tmp_path / "zero.onnx"), min_sqnr=-1000)
+    answer = graphscan.check(str(lab["full"]), float_path=str(tmp_path / "zero.onnx"), min_sqnr=-1000)
     assert budget_rows(answer) == {"min_sqnr": (None, -1000.0, False)}
 
 

@@ -10,6 +10,7 @@ import html
 import re
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -17,6 +18,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import graphscan
+import graphscan_ort.runtime
 from conftest import DEFAULT_LAB, QDQ_VARIANTS, VARIANTS
 from tests.helpers import chain_model, error_line, run_graphscan
 
@@ -215,7 +217,7 @@ def test_runtime_colours_follow_the_runtime_classes(canonical, monkeypatch):
         "fc2_add": "int8_data",
         "fc3_relu": "int4",
     }  # int4, missing: unknown
-    monkeypatch.setattr(graphscan, "runtime", fake_runtime(classes), raising=False)
+    monkeypatch.setattr(graphscan_ort.runtime, "runtime", fake_runtime(classes), raising=False)
     path = str(canonical["matmul_only"])
     nodes, _, _ = assert_structure(path, graphscan.dot(path, runtime_colours=True))
     colours = {attrs["tooltip"]: attrs["fillcolor"] for i, attrs in nodes.items() if i.startswith("n")}
@@ -230,7 +232,8 @@ def parse_graph_label(text):
 
 
 def test_runtime_missing_is_a_clear_usage_error(canonical, monkeypatch, capsys):
-    monkeypatch.delattr(graphscan, "runtime", raising=False)
+    monkeypatch.setitem(sys.modules, "graphscan_ort", None)  # as if graphscan.py were alone
+    monkeypatch.delitem(sys.modules, "graphscan_ort.runtime", raising=False)
     assert graphscan.main(["dot", str(canonical["full"]), "--runtime"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1

@@ -7,6 +7,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
+import graphscan_ort.fuse
 from conftest import run_onnx
 from tests.helpers import fuse_with_transposed_b, json_answer, run_graphscan
 
@@ -76,94 +77,96 @@ def test_three_d_input_is_refused(tmp_path):
     onnx.save(gen_models.build_mlp(3, 8, seed=0, input_shape=("N", 5)), source)
     answer = graphscan.fuse(str(source), str(tmp_path / "out.onnx"))
     assert answer["fused"] == []
-    assert answer["skipped"] == [{"node": f"fc{i}_matmul", "reason": graphscan.SKIP_A_NOT_RANK_2} for i in (1, 2, 3)]
+    assert answer["skipped"] == [
+        {"node": f"fc{i}_matmul", "reason": graphscan_ort.fuse.SKIP_A_NOT_RANK_2} for i in (1, 2, 3)
+    ]
     assert graphscan.nodes(str(tmp_path / "out.onnx"))["op_types"]["MatMul"] == 3
 
 
-def skip_case(reason, nodes, inputs, initializers, outputs=None, id=None):
-    return pytest.param(reason, nodes, inputs, initializers, outputs or {"y": [2, 4]}, id=id)
+def skip_case(reason, nodes, inputs, initializers, outputs=None, case_id=None):
+    return pytest.param(reason, nodes, inputs, initializers, outputs or {"y": [2, 4]}, id=case_id)
 
 
 SKIP_CASES = [
     skip_case(
-        graphscan.SKIP_OUTPUT_SHARED,
+        graphscan_ort.fuse.SKIP_OUTPUT_SHARED,
         matmul_add(extra=[helper.make_node("Relu", ["mm"], ["r"], name="relu")]),
         {"a": [2, 3]},
         [initializer("B", [3, 4]), initializer("C", [4])],
         outputs={"y": [2, 4], "r": [2, 4]},
-        id="matmul-output-also-feeds-relu",
+        case_id="matmul-output-also-feeds-relu",
     ),
     skip_case(
-        graphscan.SKIP_OUTPUT_SHARED,
+        graphscan_ort.fuse.SKIP_OUTPUT_SHARED,
         matmul_add(),
         {"a": [2, 3]},
         [initializer("B", [3, 4]), initializer("C", [4])],
         outputs={"y": [2, 4], "mm": [2, 4]},
-        id="matmul-output-is-graph-output",
+        case_id="matmul-output-is-graph-output",
     ),
     skip_case(
-        graphscan.SKIP_OUTPUT_SHARED,
+        graphscan_ort.fuse.SKIP_OUTPUT_SHARED,
         [
             helper.make_node("MatMul", ["a", "B"], ["mm"], name="mm_node"),
             helper.make_node("Relu", ["mm"], ["y"], name="relu"),
         ],
         {"a": [2, 3]},
         [initializer("B", [3, 4])],
-        id="matmul-feeds-no-add",
+        case_id="matmul-feeds-no-add",
     ),
     skip_case(
-        graphscan.SKIP_C_NOT_INITIALIZER,
+        graphscan_ort.fuse.SKIP_C_NOT_INITIALIZER,
         matmul_add(c="c"),
         {"a": [2, 3], "c": [4]},
         [initializer("B", [3, 4])],
-        id="add-other-input-is-graph-input",
+        case_id="add-other-input-is-graph-input",
     ),
     skip_case(
-        graphscan.SKIP_A_NOT_RANK_2,
+        graphscan_ort.fuse.SKIP_A_NOT_RANK_2,
         matmul_add(),
         {"a": [2, 5, 3]},
         [initializer("B", [3, 4]), initializer("C", [4])],
         outputs={"y": [2, 5, 4]},
-        id="a-is-rank-3",
+        case_id="a-is-rank-3",
     ),
     skip_case(
-        graphscan.SKIP_B_NOT_2D,
+        graphscan_ort.fuse.SKIP_B_NOT_2D,
         matmul_add(b="b"),
         {"a": [2, 3], "b": [3, 4]},
         [initializer("C", [4])],
-        id="b-is-graph-input",
+        case_id="b-is-graph-input",
     ),
     skip_case(
-        graphscan.SKIP_B_NOT_2D,
+        graphscan_ort.fuse.SKIP_B_NOT_2D,
         matmul_add(),
         {"a": [2, 3]},
         [initializer("B", [3]), initializer("C", [1])],
         outputs={"y": [2]},
-        id="b-is-1d",
+        case_id="b-is-1d",
     ),
     skip_case(
-        graphscan.SKIP_C_NOT_BROADCAST,
+        graphscan_ort.fuse.SKIP_C_NOT_BROADCAST,
         matmul_add(a="a"),
         {"a": [1, 3]},
         [initializer("B", [3, 4]), initializer("C", [5, 4])],
         outputs={"y": [5, 4]},
-        id="c-rows-exceed-m",
+        case_id="c-rows-exceed-m",
     ),
     skip_case(
-        graphscan.SKIP_C_NOT_BROADCAST,
+        graphscan_ort.fuse.SKIP_C_NOT_BROADCAST,
         matmul_add(),
         {"a": [2, 3]},
         [initializer("B", [3, 4]), initializer("C", [1, 2, 4])],
         outputs={"y": [1, 2, 4]},
-        id="c-is-rank-3",
+        case_id="c-is-rank-3",
     ),
     skip_case(
-        graphscan.SKIP_C_NOT_BROADCAST,
+        graphscan_ort.fuse.SKIP_C_NOT_BROADCAST,
         matmul_add(),
         {"a": ["N", 3]},
         [initializer("B", [3, 4]), initializer("C", [2, 4])],
         outputs={"y": [2, 4]},
-        id="c-rows-against-symbolic-m",
+        case_id="c-rows-against-symbolic-m",
     ),
 ]
 

@@ -20,6 +20,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
+import graphscan_ort.runtime
+import graphscan_ort.timing
 from conftest import DEFAULT_LAB
 from tests.helpers import error_line, json_answer, run_graphscan
 
@@ -294,16 +296,18 @@ def test_int8_activations_need_int8_allowed(tmp_path):
 def test_int8_activations_is_not_the_reason_when_they_were_allowed():
     """The same unfused all-int8 Conv, judged as if --int8-allowed had been
     set: the fusion would have accepted int8, so something else stopped it."""
-    named, _ = graphscan.session_names(shared_int8_conv_model())
-    optimized = graphscan.optimized_model(named.SerializeToString(), "m", "extended", "CPUExecutionProvider", False)
-    graph = graphscan.OptimizedGraph(optimized.graph)
+    named, _ = graphscan_ort.runtime.session_names(shared_int8_conv_model())
+    optimized = graphscan_ort.runtime.optimized_model(
+        named.SerializeToString(), "m", "extended", "CPUExecutionProvider", False
+    )
+    graph = graphscan_ort.runtime.OptimizedGraph(optimized.graph)
     conv = graph.by_name["conv"]
     assert graph.op_type(conv) == "Conv"
     assert (
-        graphscan.float_reason("Conv", graph, conv, "extended", "CPUExecutionProvider", False)["code"]
+        graphscan_ort.runtime.float_reason("Conv", graph, conv, "extended", "CPUExecutionProvider", False)["code"]
         == "int8_activations"
     )
-    reason = graphscan.float_reason("Conv", graph, conv, "extended", "CPUExecutionProvider", True)
+    reason = graphscan_ort.runtime.float_reason("Conv", graph, conv, "extended", "CPUExecutionProvider", True)
     assert reason["code"] == "other" and "other conditions" in reason["detail"]
 
 
@@ -329,14 +333,16 @@ def test_nodes_are_found_by_tensors_when_every_optimized_name_is_gone(tmp_path):
     """Blank every node name of the optimized graph: the mapping must fall
     back to tensors and Q/DQ signatures and reach the same classes."""
     model = every_class_model()
-    named, names = graphscan.session_names(model)
-    optimized = graphscan.optimized_model(named.SerializeToString(), "m", "extended", "CPUExecutionProvider", False)
+    named, names = graphscan_ort.runtime.session_names(model)
+    optimized = graphscan_ort.runtime.optimized_model(
+        named.SerializeToString(), "m", "extended", "CPUExecutionProvider", False
+    )
     for node in optimized.graph.node:
         node.name = ""
-    rows, unmapped = graphscan.classify_nodes(
+    rows, unmapped = graphscan_ort.runtime.classify_nodes(
         graphscan.GraphIndex(named.graph),
         names,
-        graphscan.OptimizedGraph(optimized.graph),
+        graphscan_ort.runtime.OptimizedGraph(optimized.graph),
         "extended",
         "CPUExecutionProvider",
         False,
@@ -393,7 +399,7 @@ def test_duplicate_and_colliding_names_are_made_unique():
     graph = helper.make_graph(
         [a, b, c, d], "g", [helper.make_tensor_value_info("x", 1, [1])], [helper.make_tensor_value_info("y", 1, [1])]
     )
-    named, names = graphscan.session_names(helper.make_model(graph))
+    named, names = graphscan_ort.runtime.session_names(helper.make_model(graph))
     assert names == ["same", "same~1", "Relu_2~2", "Relu_2"]
     assert [n.name for n in named.graph.node] == names
 
@@ -513,7 +519,7 @@ def test_time_on_a_cnn(cnn):
     """With int8 activations the float Adds leave Q -> DQ pairs as kernels
     (timed against a copy without them); with uint8 everything fuses."""
     kind, path, _ = cnn
-    answer = graphscan.runtime(str(path), time=True, runs=3, shape=["x=1,3,16,16"])
+    answer = graphscan.runtime(str(path), timed=True, runs=3, shape=["x=1,3,16,16"])
     time = check_time(answer, 3)
     assert time["inputs"] == {"x": [1, 3, 16, 16]} and time["defaulted"] == []
     if kind == "int8":
@@ -528,14 +534,14 @@ def test_time_on_a_cnn(cnn):
 def test_time_without_round_trips_costs_nothing(lab):
     """In full.onnx's optimized graph every Q feeds a QLinearMatMul: no
     Q -> DQ pair is left to remove, so the cost is 0 and nothing is timed."""
-    time = check_time(graphscan.runtime(str(lab["full"]), time=True, runs=2, shape=["x=4,16"]), 2)
+    time = check_time(graphscan.runtime(str(lab["full"]), timed=True, runs=2, shape=["x=4,16"]), 2)
     assert time["round_trip_cost"] == 0.0
     assert time["wall_ms"] == {"model": None, "without_round_trips": None}
     assert "without its 0 activation" in time["method"]
 
 
 def test_time_says_when_symbolic_dims_were_defaulted(lab):
-    time = graphscan.runtime(str(lab["full"]), time=True, runs=1)["time"]
+    time = graphscan.runtime(str(lab["full"]), timed=True, runs=1)["time"]
     assert time["inputs"] == {"x": [1, DEFAULT_LAB.dim]} and time["defaulted"] == ["x"]
 
 
@@ -561,7 +567,7 @@ def test_round_trips_removed_from_the_optimized_graph_only():
         [helper.make_tensor_value_info("y", 1, [4])],
         [f32("s", 0.1), u8("zp", 128), numpy_helper.from_array(np.ones(4, np.uint8), "w_q")],
     )
-    ablated, removed = graphscan.without_round_trips(helper.make_model(graph))
+    ablated, removed = graphscan_ort.timing.without_round_trips(helper.make_model(graph))
     # q1/dq1 and q2/dq2 go; q3/dq3 stay because dq3 makes the graph output.
     assert removed == 4
     assert [n.name for n in ablated.graph.node] == ["r1", "dqw", "add", "r2", "q3", "dq3"]

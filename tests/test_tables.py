@@ -14,6 +14,7 @@ import shutil
 import pytest
 
 import graphscan
+import graphscan_ort.trace
 from conftest import DEFAULT_LAB
 from tests.helpers import chain_model, error_line, run_graphscan
 
@@ -284,7 +285,7 @@ TRACE_ANSWER = {
     "outputs": {"y": 0.9},
     "worst_isolated": {"node": LONG, "max_abs": 0.5},
     "first_over": {"node": LONG, "max_abs": 0.5},
-    "unmatched": [{"node": "relu", "op_type": "Relu", "reason": graphscan.REASON_ABSORBED}],
+    "unmatched": [{"node": "relu", "op_type": "Relu", "reason": graphscan_ort.trace.REASON_ABSORBED}],
 }
 
 # The shape of a real `runtime --time` answer (tests/test_runtime.py pins the values).

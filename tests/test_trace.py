@@ -14,6 +14,7 @@ from onnx import numpy_helper
 
 import gen_models
 import graphscan
+import graphscan_ort.trace
 from conftest import Case, run_onnx
 from tests.helpers import json_answer, run_graphscan, saved_arrays, with_weight_scale_times
 
@@ -103,7 +104,7 @@ def test_injected_fault_is_the_worst_isolated_op(faulty_trace, lab, inputs_npz):
     clean = graphscan.trace(str(lab["fp32"]), str(lab["full"]), inputs=str(inputs_npz))
     tolerance = 1.5 * clean["worst_isolated"]["max_abs"]
     assert row_of(answer, FAULTY)["isolated_max_abs"] > tolerance
-    over = graphscan.first_over(answer["ops"], tolerance)
+    over = graphscan_ort.trace.first_over(answer["ops"], tolerance)
     assert over["node"] == FAULTY
     # At the default tolerance (1e-2) the first op over is earlier: fc1_matmul, whose
     # input and weight are both rounded, is already over it (test_holes_trace pins 1e-2).

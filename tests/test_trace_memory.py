@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
+import graphscan_ort.combined
 from conftest import Case
 from tests.helpers import GRAPHSCAN, error_line, load_bench_script, run_graphscan
 
@@ -77,7 +78,7 @@ def cnn(tmp_path_factory):
 @pytest.mark.parametrize("settings", PATHS)
 def test_every_path_gives_what_onnxruntime_and_numpy_give(cnn, settings, monkeypatch):
     for name, value in settings.items():
-        monkeypatch.setattr(graphscan, name, value)
+        monkeypatch.setattr(graphscan_ort.combined, name, value)
     answer = graphscan.trace(str(cnn["float"]), str(cnn["quant"]), inputs=str(cnn["npz"]))
     floats = all_tensors(cnn["float"], {"x": cnn["x"]})
     quants = all_tensors(cnn["quant"], {"x": cnn["x"]})
@@ -108,7 +109,7 @@ def test_every_path_gives_what_onnxruntime_and_numpy_give(cnn, settings, monkeyp
 def test_reduced_isolated_errors_equal_the_fetched_ones(cnn, settings, monkeypatch):
     fetched = graphscan.trace(str(cnn["float"]), str(cnn["quant"]), inputs=str(cnn["npz"]))
     for name, value in settings.items():
-        monkeypatch.setattr(graphscan, name, value)
+        monkeypatch.setattr(graphscan_ort.combined, name, value)
     reduced = graphscan.trace(str(cnn["float"]), str(cnn["quant"]), inputs=str(cnn["npz"]))
     for a, b in zip(fetched["ops"], reduced["ops"], strict=True):
         assert a["isolated_max_abs"] == b["isolated_max_abs"], a["node"]  # a max is exact either way

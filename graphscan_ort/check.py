@@ -1,0 +1,47 @@
+"""check's budgets that run the model: the int8 share (runtime) and the output SQNR."""
+
+from __future__ import annotations
+
+import math
+
+from graphscan import load_with_weights
+from graphscan_ort.common import OutputNoise, model_outputs, output_pairs
+from graphscan_ort.inputs import check_same_inputs, model_samples, parse_shapes
+from graphscan_ort.runtime import runtime
+
+
+def measurements(
+    path: str, names: list[str], float_path: str | None, inputs: list[str] | None, shape: list[str] | None, seed: int
+) -> dict[str, float]:
+    """The value of each budget in ``names`` (``min_int8``, ``min_sqnr``) for the model at ``path``."""
+    values = {}
+    if "min_int8" in names:
+        values["min_int8"] = int8_share(path)
+    if "min_sqnr" in names:
+        values["min_sqnr"] = measured_sqnr(float_path, path, inputs, shape, seed)
+    return values
+
+
+def int8_share(path: str) -> float:
+    """Of the nodes whose runtime class is int8, int8_data or float, the fraction that are int8 or int8_data."""
+    classes = runtime(path)["classes"]
+    running = classes["int8"] + classes["int8_data"] + classes["float"]
+    return (classes["int8"] + classes["int8_data"]) / running if running else 0.0
+
+
+def measured_sqnr(
+    float_path: str, quant_path: str, inputs: list[str] | None, shape: list[str] | None, seed: int
+) -> float:
+    """The quantized model's output SQNR against the float one, as ``impact``
+    measures its baseline (outputs paired as impact pairs them): ``inf`` when
+    the outputs are equal, ``nan`` when the SQNR is undefined (NaN or Inf in
+    the outputs, all-zero float outputs)."""
+    float_model, quant_model = load_with_weights(float_path), load_with_weights(quant_path)
+    check_same_inputs(float_model, quant_model, float_path, quant_path)
+    pairs = output_pairs(float_model, quant_model, float_path, quant_path)
+    samples, _ = model_samples(float_model, inputs, parse_shapes(shape), seed, 1)
+    noise = OutputNoise(model_outputs(float_model, samples, float_path, [f for f, _ in pairs]))
+    sqnr, exact = noise.measure(model_outputs(quant_model, samples, quant_path, [q for _, q in pairs]))
+    if exact:
+        return math.inf
+    return math.nan if sqnr is None else sqnr

@@ -1,0 +1,692 @@
+"""trace's combined model: one graph that measures every operator at once.
+
+graphscan's combined model holds the quantized model, the float model (its
+tensors renamed under FLOAT_PREFIX), every operator's single-op model reading
+the float references, and the statistics of every row. Its nodes are ordered
+so the two models advance together and each row is measured as soon as its
+tensors exist; onnxruntime frees a tensor after its last reader. It runs in
+sessions of at most TRACE_SEGMENT_NODES nodes, so neither the tensors held nor
+the sessions grow with the number of operators. No session per operator.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import re
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from graphscan import EXIT_RUNTIME, GraphscanError, node_reads, one_line, shown, subgraphs
+from graphscan_ort.common import OUT_OF_MEMORY, does_not_run, run_options, session_options
+
+# A comparison whose tensors have at most TRACE_FETCH_ELEMENTS elements each is
+# fetched and measured in numpy (np.linalg.norm, as trace always did), while
+# the fetched bytes stay under TRACE_FETCH_BUDGET; every other one is reduced to
+# scalars inside the graph, in float64. The maxima and counts are exact either
+# way; a sum of squares may differ from numpy's in the last digit.
+TRACE_FETCH_ELEMENTS = 2**16
+
+
+TRACE_FETCH_BUDGET = 16 * 2**20
+
+
+# A tensor reduced in the graph is cut into flat slices of this many elements.
+TRACE_CHUNK_ELEMENTS = 2**19
+
+
+# graphscan's combined model runs in sessions of at most this many nodes.
+TRACE_SEGMENT_NODES = 5000
+
+
+ROW_PREFIX = "graphscan.row{}/"  # tensors of row k's single-op model inside the combined graph
+
+
+FLOAT_PREFIX = "graphscan.float/"  # the float model's tensors inside the combined graph
+
+
+STATS_PREFIX = "graphscan.stats/"  # the statistics graphscan adds
+
+
+ROW_NODE = re.compile(r"graphscan\.row(\d+)/")
+
+
+def tensor_dims(type_proto):
+    """A tensor type's dims (None where unknown), or None without a shape."""
+    if type_proto is None or type_proto.WhichOneof("value") != "tensor_type":
+        return None
+    tensor_type = type_proto.tensor_type
+    if not tensor_type.HasField("shape"):
+        return None
+    # A dim_param leaves dim_value 0: a size-0 dimension counts as unknown too.
+    return [d.dim_value if d.dim_value > 0 else None for d in tensor_type.shape.dim]
+
+
+def shapes_agree(first, second):
+    """True when two types' shapes are known and equal, False when known to differ, else None."""
+    a, b = tensor_dims(first), tensor_dims(second)
+    if a is None or b is None:
+        return None
+    if len(a) != len(b) or any(x is not None and y is not None and x != y for x, y in zip(a, b)):
+        return False
+    return True if None not in a and None not in b else None
+
+
+NOT_TENSOR_KINDS = {
+    "sequence_type": "a sequence",
+    "optional_type": "an optional",
+    "map_type": "a map",
+    "sparse_tensor_type": "a sparse tensor",
+    "opaque_type": "an opaque value",
+}
+
+
+def type_problem(type_proto):
+    """Why a tensor of this type cannot be compared (None: it can, or its type is unknown)."""
+    if type_proto is None:
+        return None
+    kind = type_proto.WhichOneof("value")
+    if kind is None:
+        return None
+    if kind != "tensor_type":
+        return NOT_TENSOR_KINDS.get(kind, kind)
+    if type_proto.tensor_type.elem_type == onnx.TensorProto.STRING:
+        return "a string tensor"
+    return None
+
+
+def comparable_dtype(type_proto):
+    """Whether a tensor of this type is measured (numbers; unknown types are tried)."""
+    if type_proto is None or not type_proto.tensor_type.elem_type:
+        return type_problem(type_proto) is None
+    elem_type = type_proto.tensor_type.elem_type
+    return elem_type not in (onnx.TensorProto.STRING, onnx.TensorProto.BOOL)
+
+
+def tensor_bytes(type_proto):
+    """Bytes of a tensor whose type and dims are all known, else None."""
+    dims = tensor_dims(type_proto)
+    if dims is None or None in dims:
+        return None
+    itemsize = item_size(type_proto.tensor_type.elem_type)
+    return None if itemsize is None else (math.prod(dims), math.prod(dims) * itemsize)
+
+
+@functools.cache
+def item_size(elem_type):
+    """Bytes per element of an ONNX tensor type, None when unknown."""
+    try:
+        return onnx.helper.tensor_dtype_to_np_dtype(elem_type).itemsize if elem_type else None
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def value_info_of(name, array):
+    elem_type = onnx.helper.np_dtype_to_tensor_dtype(array.dtype)
+    return onnx.helper.make_tensor_value_info(name, elem_type, list(array.shape))
+
+
+def error_stats(reference, value):
+    """(max |ref - value|, SQNR in dB) or Nones when they cannot be compared."""
+    if not (isinstance(reference, np.ndarray) and isinstance(value, np.ndarray)):
+        return None, None
+    if reference.shape != value.shape:
+        return None, None
+    if not (np.issubdtype(reference.dtype, np.number) and np.issubdtype(value.dtype, np.number)):
+        return None, None
+    ref = reference.astype(np.float64)
+    difference = ref - value
+    noise = float(np.linalg.norm(difference))
+    signal = float(np.linalg.norm(ref))
+    max_abs = float(np.max(np.abs(difference), initial=0.0))
+    return max_abs, sqnr_db(signal, noise)
+
+
+def sqnr_db(signal, noise):
+    return 20.0 * math.log10(signal / noise) if noise > 0 and signal > 0 else None
+
+
+def rename_graph(graph, rename, node_prefix):
+    """Rename every tensor of ``graph`` and of its subgraphs in place."""
+    for node in graph.node:
+        if node.name:
+            node.name = node_prefix + node.name
+        node.input[:] = [rename(t) if t else t for t in node.input]
+        node.output[:] = [rename(t) if t else t for t in node.output]
+        for body in subgraphs(node):
+            rename_graph(body, rename, node_prefix)
+    for info in itertools.chain(graph.input, graph.output, graph.value_info):
+        info.name = rename(info.name)
+    for init in graph.initializer:
+        init.name = rename(init.name)
+    for sparse in graph.sparse_initializer:
+        sparse.values.name = rename(sparse.values.name)
+
+
+def schedule(entries):
+    """``entries`` (rank, graph, k, reads or None) for node ``graph.node[k]``, as ``(graph, k, reads, writes)``
+    in an order that runs each node after its inputs, the ready node of lowest
+    rank first (ties: as listed). onnxruntime's PRIORITY_BASED order then runs
+    them exactly so."""
+    import heapq
+
+    producers, reads, writes = {}, [], []
+    for e, (_, graph, k, known) in enumerate(entries):
+        node = graph.node[k]
+        reads.append(node_reads(node) if known is None else known)
+        writes.append([t for t in node.output if t])
+        for t in writes[-1]:
+            producers[t] = e
+    waiting, readers = [0] * len(entries), [[] for _ in entries]
+    for e in range(len(entries)):
+        needed = {producers[t] for t in reads[e] if t in producers} - {e}
+        waiting[e] = len(needed)
+        for producer in needed:
+            readers[producer].append(e)
+    ready = [(entry[0], e) for e, entry in enumerate(entries) if not waiting[e]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, e = heapq.heappop(ready)
+        order.append(e)
+        for reader in readers[e]:
+            waiting[reader] -= 1
+            if not waiting[reader]:
+                heapq.heappush(ready, (entries[reader][0], reader))
+    placed = set(order)
+    order += [e for e in range(len(entries)) if e not in placed]  # a cycle: onnxruntime says so
+    return [(entries[e][1], entries[e][2], reads[e], writes[e]) for e in order]
+
+
+class Comparison:
+    """max |reference - value| (and, with ``signal``, the SQNR) of two tensors of
+    the combined model: fetched and measured in numpy, or reduced in the graph."""
+
+    def __init__(self, reference, value, signal=False):
+        self.reference, self.value, self.signal = reference, value, signal
+        self.scalars = None  # names of the in-graph results when reduced
+
+    def result(self, values):
+        """``(max_abs, sqnr_db)`` from the session's results ``values``."""
+        if self.scalars is None:
+            return error_stats(values.get(self.reference), values.get(self.value))
+        if "shapes" in self.scalars:
+            first, second = (values[n] for n in self.scalars["shapes"])
+            if list(first) != list(second):
+                return None, None
+        noise_squared = float(values[self.scalars["noise"]])
+        if math.isnan(noise_squared):
+            return math.nan, None  # numpy's max keeps a NaN; ReduceMax need not
+        largest = float(values[self.scalars["max"]])
+        max_abs = largest if largest > 0 else 0.0  # an empty tensor: numpy's initial=0.0
+        if not self.signal:
+            return max_abs, None
+        return max_abs, sqnr_db(math.sqrt(float(values[self.scalars["signal"]])), math.sqrt(noise_squared))
+
+
+class ClipCount:
+    """Fraction of a tensor's values outside ``[lo, hi]``: counted in numpy or in the graph."""
+
+    def __init__(self, tensor, lo, hi):
+        self.tensor, self.lo, self.hi = tensor, lo, hi
+        self.scalars = None
+
+    def result(self, values):
+        if self.scalars is None:
+            array = values.get(self.tensor)
+            if not isinstance(array, np.ndarray) or not np.issubdtype(array.dtype, np.number):
+                return None
+            wide = array.astype(np.float64)
+            count, size = int(np.count_nonzero((wide < self.lo) | (wide > self.hi))), array.size
+        else:
+            count, size = (int(values[n]) if isinstance(n, str) else n for n in self.scalars)
+        return count / size if size else None
+
+
+class CombinedModel:
+    """Builds graphscan's combined model and says what to fetch from it.
+
+    Quantized nodes keep their names; the float model's tensors and nodes are
+    renamed under FLOAT_PREFIX (the fed inputs are shared); row k's single-op
+    model lives under ``ROW_PREFIX.format(k)``; statistics under STATS_PREFIX.
+    """
+
+    def __init__(self, float_model, quant_model, feeds, float_types, quant_types):
+        self.float_model, self.quant_model, self.feeds = float_model, quant_model, feeds
+        # Nodes are kept inside GraphProtos (the models' own, graphscan's pool),
+        # never as one Python object each: 100,000 rows cost megabytes.
+        self.pool = onnx.GraphProto()
+        self.float_graph = None
+        self.entries = [(rank, quant_model.graph, rank, None) for rank in range(len(quant_model.graph.node))]
+        self.fetch, self.fetch_set = [], set()
+        self.fetch_rank = {}  # fetched float tensor -> lowest rank of a row that fetches it
+        self.budget = TRACE_FETCH_BUDGET
+        self.reduced = False  # whether any measurement is reduced in the graph
+        self.count = 0
+        self.types = dict(quant_types)
+        self.types.update((self.float_name(t), info) for t, info in float_types.items())
+        self.end = len(quant_model.graph.node)
+
+    def float_name(self, tensor):
+        return tensor if tensor in self.feeds else FLOAT_PREFIX + tensor
+
+    def fetched(self, rank, names):
+        for name in names:
+            if name not in self.fetch_set and name not in self.feeds:
+                self.fetch.append(name)
+                self.fetch_set.add(name)
+            self.fetch_rank[name] = min(rank, self.fetch_rank.get(name, rank))
+
+    def fits(self, names):
+        """Whether ``names`` can be fetched: each small and of known size, all
+        within what is left of the budget (then charged to it)."""
+        new = list(dict.fromkeys(n for n in names if n not in self.fetch_set and n not in self.feeds))
+        sizes = [tensor_bytes(self.types.get(n)) for n in new]
+        if any(size is None or size[0] > TRACE_FETCH_ELEMENTS for size in sizes):
+            return False
+        cost = sum(size[1] for size in sizes)
+        if cost > self.budget:
+            return False
+        self.budget -= cost
+        return True
+
+    def add_node(self, rank, op_type, inputs, **attributes):
+        self.count += 1
+        output = f"{STATS_PREFIX}{op_type}_{self.count}"
+        self.add_nodes(rank, [onnx.helper.make_node(op_type, inputs, [output], name=output, **attributes)])
+        return output
+
+    def add_nodes(self, rank, nodes):
+        for node in nodes:
+            self.pool.node.append(node)
+            self.entries.append((rank, self.pool, len(self.pool.node) - 1, node_reads(node)))
+
+    def add_constant(self, array):
+        self.count += 1
+        name = f"{STATS_PREFIX}constant_{self.count}"
+        self.pool.initializer.append(onnx.numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def as_double(self, rank, tensor):
+        return self.add_node(rank, "Cast", [tensor], to=onnx.TensorProto.DOUBLE)
+
+    def compare(self, rank, reference, value, signal=False, fetch=False):
+        """A Comparison of two tensors (fetched when ``fetch``, else reduced in
+        the graph), or None when their types rule it out."""
+        first, second = self.types.get(reference), self.types.get(value)
+        if not (comparable_dtype(first) and comparable_dtype(second)) or shapes_agree(first, second) is False:
+            return None
+        comparison = Comparison(reference, value, signal)
+        if fetch:
+            self.fetched(rank, [reference, value])
+            return comparison
+        scalars, agree = {}, shapes_agree(first, second)
+        if agree is None:
+            # Shapes only known at run time: compare flat prefixes of one
+            # length (each cut to the other's size), so the Sub always runs,
+            # and fetch both shapes.
+            flat, one, start = self.add_constant([-1]), self.add_constant([1]), self.add_constant([0])
+            ref, val = self.add_node(rank, "Reshape", [reference, flat]), self.add_node(rank, "Reshape", [value, flat])
+            ref_size = self.add_node(rank, "Reshape", [self.add_node(rank, "Size", [ref]), one])
+            val_size = self.add_node(rank, "Reshape", [self.add_node(rank, "Size", [val]), one])
+            pieces = [
+                (
+                    self.add_node(rank, "Slice", [ref, start, val_size]),
+                    self.add_node(rank, "Slice", [val, start, ref_size]),
+                )
+            ]
+            scalars["shapes"] = [self.add_node(rank, "Shape", [reference]), self.add_node(rank, "Shape", [value])]
+        else:
+            pieces = self.chunks(rank, [reference, value], math.prod(tensor_dims(first)))
+        maxima, noises, signals = [], [], []
+        for ref_piece, val_piece in pieces:
+            ref, val = self.as_double(rank, ref_piece), self.as_double(rank, val_piece)
+            difference = self.add_node(rank, "Sub", [ref, val])
+            maxima.append(self.add_node(rank, "ReduceMax", [self.add_node(rank, "Abs", [difference])], keepdims=0))
+            noises.append(self.add_node(rank, "ReduceSumSquare", [difference], keepdims=0))
+            if signal:
+                signals.append(self.add_node(rank, "ReduceSumSquare", [ref], keepdims=0))
+        scalars["max"] = self.combine(rank, "Max", maxima)
+        scalars["noise"] = self.combine(rank, "Sum", noises)
+        if signal:
+            scalars["signal"] = self.combine(rank, "Sum", signals)
+        comparison.scalars = scalars
+        self.reduced = True
+        self.fetched(rank, [n for group in scalars.values() for n in ([group] if isinstance(group, str) else group)])
+        return comparison
+
+    def chunks(self, rank, tensors, elements):
+        """Yield ``tensors`` (of ``elements`` values each) as tuples of flat slices
+        of at most TRACE_CHUNK_ELEMENTS, each slice's nodes made as it is asked
+        for, so each slice is measured and freed before the next is cut."""
+        if elements <= TRACE_CHUNK_ELEMENTS:
+            yield tuple(tensors)
+            return
+        flat = self.add_constant([-1])
+        flats = [self.add_node(rank, "Reshape", [t, flat]) for t in tensors]
+        for begin in range(0, elements, TRACE_CHUNK_ELEMENTS):
+            starts, ends = self.add_constant([begin]), self.add_constant([begin + TRACE_CHUNK_ELEMENTS])
+            yield tuple(self.add_node(rank, "Slice", [t, starts, ends]) for t in flats)
+
+    def combine(self, rank, op_type, scalars):
+        return scalars[0] if len(scalars) == 1 else self.add_node(rank, op_type, scalars)
+
+    def clip_count(self, rank, tensor, lo, hi, fetch):
+        """A ClipCount of ``tensor``; counted in numpy when ``fetch`` (its row is fetched)."""
+        count = ClipCount(tensor, lo, hi)
+        type_proto = self.types.get(tensor)
+        if not comparable_dtype(type_proto):
+            return None
+        if fetch:
+            self.fetched(rank, [tensor])
+            return count
+        if type_proto is not None and type_proto.tensor_type.elem_type == onnx.TensorProto.FLOAT:
+            # For a float32 t, t < lo exactly when t < the least float32 >= lo
+            # (and t > hi when t > the largest float32 <= hi): no float64 copy.
+            low, high = np.float32(lo), np.float32(hi)
+            low = np.nextafter(low, np.float32(np.inf)) if low < lo else low
+            high = np.nextafter(high, np.float32(-np.inf)) if high > hi else high
+            values, bounds = tensor, (np.float32(low), np.float32(high))
+        else:
+            values, bounds = self.as_double(rank, tensor), (np.float64(lo), np.float64(hi))
+        outside = self.add_node(
+            rank,
+            "Or",
+            [
+                self.add_node(rank, "Less", [values, self.add_constant(bounds[0])]),
+                self.add_node(rank, "Greater", [values, self.add_constant(bounds[1])]),
+            ],
+        )
+        elements = tensor_bytes(type_proto)
+        wide = elements is None or elements[0] >= 2**31
+        flags = self.add_node(rank, "Cast", [outside], to=onnx.TensorProto.INT64 if wide else onnx.TensorProto.INT32)
+        total = self.add_node(rank, "ReduceSum", [flags], keepdims=0)
+        count.scalars = [total, elements[0] if elements else self.add_node(rank, "Size", [tensor])]
+        self.reduced = True
+        self.fetched(rank, [n for n in count.scalars if isinstance(n, str)])
+        return count
+
+    def add_row(self, k, row, quant_index, save):
+        """Row ``k``'s single-op model and measurements: ``(isolated, propagated,
+        clip, single-op output)``, each None where it does not apply. A row's
+        tensors are all fetched (``save`` fetches every row) or all reduced."""
+        rank = row.i
+        reference = self.float_name(row.reference) if row.reference is not None else None
+        isolated = propagated = clip = op_output = None
+        fed = {}
+        if row.op is not None:
+            prefix = ROW_PREFIX.format(k)
+            fed = {t: (self.float_name(r) if r is not None else t) for t, r in row.op.feeds.items()}
+            # Initializers and dequantized weights are the quantized model's own tensors.
+            keep = set(row.op.initializers)
+            keep.update(t for j in row.op.weight_nodes for t in quant_index.outputs[j])
+
+            def rename(tensor):
+                return fed.get(tensor) or (tensor if tensor in keep else prefix + tensor)
+
+            self.add_nodes(rank, row.op.node_protos(rename, prefix, skip=row.op.weight_nodes))
+            op_output = rename(row.op.output)
+            self.types.setdefault(op_output, self.types.get(row.op.output))
+        needed = [reference, op_output, row.seen] if reference is not None else []
+        needed += [row.output] if row.clip is not None else []
+        fetch = (save and row.op is not None) or self.fits([n for n in needed if n])
+        if reference is not None:
+            if op_output is not None:
+                isolated = self.compare(rank, reference, op_output, fetch=fetch)
+            if row.seen:
+                # Ranked after what makes the value, so the reference waits for it.
+                seen_rank = max(rank, quant_index.producer.get(row.seen, rank))
+                propagated = self.compare(seen_rank, reference, row.seen, signal=True, fetch=fetch)
+        if row.clip is not None:
+            clip = self.clip_count(rank, row.output, *row.clip, fetch=fetch)
+        if save and row.op is not None:
+            self.fetched(rank, fed.values())
+        return isolated, propagated, clip, op_output
+
+    def add_float_model(self):
+        """The float graph, renamed, each node ranked by the first row that needs it;
+        nodes no row needs are left out."""
+        graph = onnx.GraphProto()
+        graph.CopyFrom(self.float_model.graph)
+        rename_graph(graph, self.float_name, FLOAT_PREFIX)
+        wanted = {}  # float tensor -> lowest rank of a reader
+        for rank, source, _, reads in self.entries:
+            if source is not self.pool:
+                continue  # only graphscan's own nodes read float tensors
+            for tensor in reads:
+                if tensor.startswith(FLOAT_PREFIX):
+                    wanted[tensor] = min(rank, wanted.get(tensor, rank))
+        for name, rank in self.fetch_rank.items():
+            if name.startswith(FLOAT_PREFIX):
+                wanted[name] = min(rank, wanted.get(name, rank))
+        ranked = []
+        for k in range(len(graph.node) - 1, -1, -1):
+            node = graph.node[k]
+            ranks = [wanted[t] for t in node.output if t in wanted]
+            if not ranks:
+                continue
+            rank = min(ranks)
+            reads = node_reads(node)
+            for tensor in reads:
+                wanted[tensor] = min(rank, wanted.get(tensor, rank))
+            ranked.append((rank, graph, k, reads))
+        self.entries.extend(reversed(ranked))
+        self.float_graph = graph
+
+    def header(self):
+        """An empty ModelProto with what every segment shares: IR, opsets, functions."""
+        model = onnx.ModelProto()
+        for field in ("ir_version", "producer_name", "producer_version", "domain", "model_version"):
+            setattr(model, field, getattr(self.quant_model, field))
+        model.ir_version = max(model.ir_version, self.float_model.ir_version)
+        model.opset_import.extend(self.quant_model.opset_import)
+        quant_opsets = {o.domain or "ai.onnx" for o in model.opset_import}
+        model.opset_import.extend(
+            o for o in self.float_model.opset_import if (o.domain or "ai.onnx") not in quant_opsets
+        )
+        model.functions.extend(self.quant_model.functions)
+        known = {(f.domain, f.name) for f in model.functions}
+        model.functions.extend(f for f in self.float_model.functions if (f.domain, f.name) not in known)
+        return model
+
+    def unscheduled(self):
+        """When every row is fetched (each tensor small, all within the budget)
+        and the nodes fit one segment, order cannot matter to memory: the whole
+        combined model as built, copied in bulk, no schedule to pay for."""
+        if self.reduced or len(self.entries) > TRACE_SEGMENT_NODES:
+            return None
+        model = self.header()
+        graph = model.graph
+        graph.name = "graphscan_combined"
+        graph.node.extend(self.quant_model.graph.node)
+        graph.node.extend(self.pool.node)
+        graph.node.extend([source.node[k] for _, source, k, _ in self.entries if source is self.float_graph])
+        for source in (self.quant_model.graph, self.float_graph, self.pool):
+            graph.initializer.extend(source.initializer)
+            graph.sparse_initializer.extend(source.sparse_initializer)
+        graph.input.extend(declared_input(name, value) for name, value in self.feeds.items())
+        graph.output.extend(onnx.ValueInfoProto(name=t) for t in self.fetch)
+        return model
+
+    def segments(self):
+        """The scheduled nodes cut into runs of at most TRACE_SEGMENT_NODES."""
+        order = schedule(self.entries)
+        self.entries = None
+        return [order[k : k + TRACE_SEGMENT_NODES] for k in range(0, len(order), TRACE_SEGMENT_NODES)]
+
+    def initializer_protos(self):
+        """``{name: TensorProto}`` of every initializer a node may read."""
+        protos = {}
+        for graph in (self.quant_model.graph, self.float_graph, self.pool):
+            if graph is not None:
+                protos.update((init.name, init) for init in graph.initializer)
+                protos.update((sparse.values.name, sparse) for sparse in graph.sparse_initializer)
+        return protos
+
+
+def float_in_quant_opset(float_model, quant_model, a, b):
+    """The float model at the quantized model's default opset, so both run in one session."""
+
+    def default_opset(model):
+        return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+
+    wanted, have = default_opset(quant_model), default_opset(float_model)
+    if wanted is None or have is None or wanted == have:
+        return float_model
+    try:
+        return onnx.version_converter.convert_version(float_model, wanted)
+    except Exception as exc:
+        raise GraphscanError(
+            f"{a}: opset {have} cannot join {b}'s opset {wanted} in graphscan's combined model ({one_line(exc)})",
+            EXIT_RUNTIME,
+        )
+
+
+SHARED_ARENA = []  # [True] once this process registered onnxruntime's shared CPU arena, [False] if it cannot
+
+
+def shared_arena():
+    """Whether every segment's session can allocate from one onnxruntime CPU arena
+    that grows only by what is asked. Separate arenas would each keep their own
+    high-water mark (and glibc the pages they free), so memory would grow with
+    the number of segments. Registered once per process."""
+    if not SHARED_ARENA:
+        try:
+            memory = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            ort.create_and_register_allocator(memory, ort.OrtArenaCfg(0, 1, -1, -1))  # 1: kSameAsRequested
+            SHARED_ARENA.append(True)
+        except Exception:
+            SHARED_ARENA.append(False)
+    return SHARED_ARENA[0]
+
+
+def combined_options():
+    """onnxruntime options for graphscan's combined model: the graph as written, run in our order."""
+    # Without disable_quant_qdq onnxruntime gives each DQ read by our statistics a copy of
+    # its own, appended after every other node, which would run last and hold memory.
+    config = {"session.disable_quant_qdq": "1"}
+    if shared_arena():
+        config["session.use_env_allocators"] = "1"
+    options = session_options(config=config)
+    options.execution_order = ort.ExecutionOrder.PRIORITY_BASED  # the order schedule() chose
+    return options
+
+
+def declared_input(name, value):
+    """A graph input typed from the value an earlier segment gave it."""
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            return onnx.helper.make_tensor_value_info(name, onnx.TensorProto.STRING, list(value.shape))
+        return value_info_of(name, value)
+    if isinstance(value, list):
+        elem_type = onnx.helper.np_dtype_to_tensor_dtype(value[0].dtype) if value else onnx.TensorProto.FLOAT
+        return onnx.helper.make_tensor_sequence_value_info(name, elem_type, None)
+    raise GraphscanError(f"tensor {name!r} cannot be passed between graphscan's sessions", EXIT_RUNTIME)
+
+
+def run_combined(combined, feeds, a, b, rows):
+    """Run graphscan's combined model; ``{fetched name: value}``.
+
+    The scheduled nodes run in segments of at most TRACE_SEGMENT_NODES, one
+    session each, the tensors a later segment reads handed over: the session
+    size, like the tensors, stays bounded however many operators there are.
+    A failure is blamed on the model it comes from: the float model, the
+    quantized one, or graphscan's own single-op model of a row's node.
+    """
+    options, ran_with = combined_options(), run_options()
+    whole = combined.unscheduled()
+    if whole is not None:
+        values = run_segment(whole, combined.feeds, combined.fetch, options, ran_with, a, b, rows)
+        return dict(zip(combined.fetch, values))
+    segments = combined.segments()
+    initializers = combined.initializer_protos()
+    fetch = combined.fetch_set
+    last_reader, constants = {}, {}
+    for s, segment in enumerate(segments):
+        for graph, k, reads, writes in segment:
+            for tensor in reads:
+                last_reader[tensor] = s
+            if not reads and len(writes) == 1 and graph.node[k].op_type == "Constant":
+                constants[writes[0]] = graph.node[k]
+    # A Constant is copied into each segment that reads it, never handed over:
+    # onnxruntime makes it an initializer (a MatMul then prepacks it), so a fed
+    # copy would change the arithmetic.
+    last_reader = {t: s for t, s in last_reader.items() if t not in constants}
+    live, results = dict(feeds), {}
+    for s, segment in enumerate(segments):
+        model = combined.header()
+        graph = model.graph
+        graph.name = f"graphscan_segment_{s}"
+        graph.node.extend([source.node[k] for source, k, _, _ in segment])
+        reads = dict.fromkeys(itertools.chain.from_iterable(r for _, _, r, _ in segment))
+        written = list(itertools.chain.from_iterable(w for _, _, _, w in segment))
+        produced = set(written)
+        copied = [t for t in reads if t in constants and t not in produced]
+        graph.node.extend(constants[t] for t in copied)
+        produced.update(copied)
+        inputs = [t for t in reads if t in live and t not in produced]
+        graph.input.extend(declared_input(t, live[t]) for t in inputs)
+        for tensor in reads:
+            proto = initializers.get(tensor)
+            if proto is None or tensor in produced or tensor in live:
+                continue
+            (graph.sparse_initializer if isinstance(proto, onnx.SparseTensorProto) else graph.initializer).append(proto)
+        outputs = [t for t in written if t in fetch or last_reader.get(t, -1) > s]
+        if not outputs:
+            continue
+        graph.output.extend(onnx.ValueInfoProto(name=t) for t in outputs)
+        values = run_segment(model, {t: live[t] for t in inputs}, outputs, options, ran_with, a, b, rows)
+        del model, graph
+        for tensor, value in zip(outputs, values):
+            if tensor in fetch:
+                results[tensor] = value
+            if last_reader.get(tensor, -1) > s:
+                live[tensor] = value
+        for tensor in [t for t in live if last_reader.get(t, -1) <= s]:
+            del live[tensor]
+    return results
+
+
+class SingleOpModelError(GraphscanError):
+    """graphscan's own single-op model of row ``row`` does not run (``reason``: onnxruntime's line)."""
+
+    def __init__(self, message, row, reason):
+        super().__init__(message, EXIT_RUNTIME)
+        self.row, self.reason = row, reason
+
+
+def run_segment(model, feeds, outputs, options, ran_with, a, b, rows):
+    """One session of graphscan's combined model; blames failures as run_combined says."""
+    combined = f"graphscan's combined model of {shown(a)} and {shown(b)}"
+    try:
+        data = model.SerializeToString()
+        session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+        del data  # the session has its own copy; the run needs the memory
+        if not outputs:  # nothing to compare (the session was still built and checked)
+            return []
+        return session.run(outputs, feeds, ran_with)
+    except MemoryError as exc:
+        raise GraphscanError(f"{combined}: out of memory ({one_line(exc)})", EXIT_RUNTIME)
+    except Exception as exc:
+        text = str(exc)
+        if OUT_OF_MEMORY.search(text):
+            raise GraphscanError(f"{combined}: out of memory ({one_line(exc)})", EXIT_RUNTIME)
+        node = re.search(r"Name:'([^']*)'|[Nn]ode \(([^)]*)\)", text)
+        node = (node.group(1) or node.group(2) or "") if node else ""
+        row = ROW_NODE.match(node)
+        if row:
+            k = int(row.group(1))
+            message = (
+                f"{shown(b)}: graphscan's own single-op model for node {rows[k].name!r} does not run in onnxruntime"
+            )
+            raise SingleOpModelError(f"{message} ({one_line(exc)})", k, one_line(exc))
+        if node.startswith(FLOAT_PREFIX):
+            subject = f"{shown(a)}: model"
+        elif node.startswith(STATS_PREFIX):
+            subject = combined
+        else:
+            subject = f"{shown(b)}: model"
+        raise does_not_run(subject, exc)

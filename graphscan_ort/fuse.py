@@ -1,0 +1,226 @@
+"""fuse: MatMul + Add -> Gemm, verified with onnxruntime before anything is written."""
+
+from __future__ import annotations
+
+import os
+
+import onnx
+
+from graphscan import (
+    EXIT_MISMATCH,
+    EXIT_NOT_ONNX,
+    GraphIndex,
+    GraphscanError,
+    load_with_weights,
+    one_line,
+    shown,
+)
+from graphscan_ort.common import (
+    check_output_path,
+    compare_outputs,
+    does_not_run,
+    np_size,
+    open_session,
+    run_options,
+    write_atomically,
+)
+from graphscan_ort.inputs import model_samples, parse_shapes
+
+FUSE_RELATIVE_TOLERANCE = 1e-5
+
+
+FUSE_SEED = 0
+
+
+SYMBOLIC_DIM_SIZE = 2  # size given to symbolic dimensions of verification inputs
+
+
+SKIP_OUTPUT_SHARED = "output used elsewhere or a graph output"
+
+
+SKIP_C_NOT_INITIALIZER = "the Add's other input is not an initializer"
+
+
+SKIP_A_NOT_RANK_2 = "A is not rank 2"
+
+
+SKIP_B_NOT_2D = "B is not a 2-D initializer"
+
+
+SKIP_C_NOT_BROADCAST = "C does not broadcast to (M, N)"
+
+
+SKIP_TYPE = "Gemm runs only FLOAT, FLOAT16 or DOUBLE"
+
+
+# The types onnx's Gemm accepts in every opset and onnxruntime's CPU Gemm runs
+# (it has no integer kernel, although Gemm-9 and later declare int32/int64).
+GEMM_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
+
+
+def static_shapes(model):
+    """``{tensor: [dim_value or None, ...]}`` for every tensor whose rank is known."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    graph = inferred.graph
+    shapes = {}
+    for info in list(graph.input) + list(graph.value_info) + list(graph.output):
+        tensor_type = info.type.tensor_type
+        if tensor_type.HasField("shape"):
+            shapes[info.name] = [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
+    for init in graph.initializer:
+        shapes[init.name] = list(init.dims)
+    return shapes
+
+
+def broadcasts_to(c_shape, m, n):
+    """Whether C of ``c_shape`` unidirectionally broadcasts to (m, n); m may be unknown."""
+    if len(c_shape) > 2:
+        return False
+    return all(dim == 1 or (target is not None and dim == target) for dim, target in zip(reversed(c_shape), (n, m)))
+
+
+def gemm_plan(index, model, shapes, initializer_types, graph_outputs, matmul):
+    """``(add_index, c_name, None)`` if MatMul ``matmul`` can fuse, else ``(None, None, reason)``."""
+    node = model.graph.node[matmul]
+    product = node.output[0]
+    consumers = index.consumers_of(product)
+    if len(consumers) != 1 or index.op_types[consumers[0]] != "Add" or product in graph_outputs:
+        return None, None, SKIP_OUTPUT_SHARED
+    add = consumers[0]
+    others = [t for t in model.graph.node[add].input if t != product]
+    if len(others) != 1 or others[0] not in index.initializers:
+        return None, None, SKIP_C_NOT_INITIALIZER
+    a_shape = shapes.get(node.input[0])
+    if a_shape is None or len(a_shape) != 2:
+        return None, None, SKIP_A_NOT_RANK_2
+    b_name = node.input[1]
+    if b_name not in index.initializers or len(shapes[b_name]) != 2:
+        return None, None, SKIP_B_NOT_2D
+    if not broadcasts_to(shapes[others[0]], a_shape[0], shapes[b_name][1]):
+        return None, None, SKIP_C_NOT_BROADCAST
+    if initializer_types[b_name] not in GEMM_TYPES:
+        return None, None, SKIP_TYPE
+    return add, others[0], None
+
+
+def unique_name(wanted, taken):
+    name, n = wanted, 1
+    while name in taken:
+        name, n = f"{wanted}_{n}", n + 1
+    taken.add(name)
+    return name
+
+
+def fuse_matmul_add(model):
+    """A copy of ``model`` with every legal MatMul+Add replaced by one Gemm.
+
+    Returns ``(fused_model, fused, skipped)`` as the ``fuse`` answer lists them.
+    The Gemm takes the Add's place and output name, so downstream is untouched.
+    """
+    index = GraphIndex(model.graph)
+    shapes = static_shapes(model)
+    initializer_types = {init.name: init.data_type for init in model.graph.initializer}
+    taken = set(index.names)
+    graph_outputs = {output.name for output in model.graph.output}
+    replace, drop, fused, skipped = {}, set(), [], []
+    for i, op_type in enumerate(index.op_types):
+        if op_type != "MatMul":
+            continue
+        add, c_name, reason = gemm_plan(index, model, shapes, initializer_types, graph_outputs, i)
+        if reason:
+            skipped.append({"node": index.names[i], "reason": reason})
+            continue
+        matmul = model.graph.node[i]
+        gemm_name = unique_name(f"{index.names[i]}_gemm", taken)
+        replace[add] = onnx.helper.make_node(
+            "Gemm",
+            [matmul.input[0], matmul.input[1], c_name],
+            [model.graph.node[add].output[0]],
+            name=gemm_name,
+        )
+        drop.add(i)
+        fused.append({"matmul": index.names[i], "add": index.names[add], "gemm": gemm_name})
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    for i, node in enumerate(model.graph.node):
+        if i not in drop:
+            out.graph.node.append(replace.get(i, node))
+    dropped_tensors = {model.graph.node[i].output[0] for i in drop}
+    kept_info = [v for v in model.graph.value_info if v.name not in dropped_tensors]
+    del out.graph.value_info[:]
+    out.graph.value_info.extend(kept_info)
+    return out, fused, skipped
+
+
+def run_model(model, feeds, subject):
+    """All graph outputs of ``model`` on ``feeds``, with ORT's own fusions off;
+    a failure blames ``subject``."""
+    session = open_session(model, subject)
+    try:
+        return session.run(None, feeds, run_options())
+    except Exception as exc:
+        raise does_not_run(subject, exc)
+
+
+ORT_OLDEST_OPSET = 7  # onnxruntime has no kernel for older default-domain opsets
+
+
+def check_original(model, path):
+    """Exit 4 unless the model to fuse passes the checker itself: a broken original
+    (a cycle, two producers of a tensor, an opset that does not exist) is the
+    input's fault, not the fusion's."""
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as exc:
+        raise GraphscanError(f"{shown(path)}: not a valid ONNX model ({one_line(exc)})", EXIT_NOT_ONNX)
+    # The checker passes default-domain opsets that do not exist (above onnx's
+    # newest) and ones older than any onnxruntime runs.
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx") and not ORT_OLDEST_OPSET <= opset.version <= onnx.defs.onnx_opset_version():
+            raise GraphscanError(
+                f"{shown(path)}: opset {opset.version} of the default domain: onnx defines up to "
+                f"{onnx.defs.onnx_opset_version()} and onnxruntime runs {ORT_OLDEST_OPSET} and newer",
+                EXIT_NOT_ONNX,
+            )
+
+
+def fuse(path, output, inputs=None, shape=None, seed=FUSE_SEED):
+    """Fuse MatMul+Add into Gemm, verify with onnxruntime, then write ``output``.
+
+    The verification sample is ``inputs`` (an .npz) or seeded data whose
+    symbolic dimensions come from ``shape`` (``--shape NAME=D0,...``) or are 2.
+    """
+    model = load_with_weights(path)
+    check_original(model, path)
+    check_output_path(os.path.realpath(output) if os.path.islink(output) else output)
+    fused_model, fused, skipped = fuse_matmul_add(model)
+    try:
+        onnx.checker.check_model(fused_model, full_check=True)
+    except Exception as exc:
+        raise GraphscanError(f"{shown(path)}: fused model fails the checker ({one_line(exc)})", EXIT_MISMATCH)
+    samples, _ = model_samples(model, [inputs] if inputs else None, parse_shapes(shape), seed, SYMBOLIC_DIM_SIZE)
+    feeds = samples[0]
+    expected = run_model(model, feeds, path)
+    actual = run_model(fused_model, feeds, f"the fused model of {shown(path)}")
+    error, scale, compared, problem = compare_outputs(expected, actual)
+    if problem is None and not compared and any(np_size(e) for e in expected):
+        raise GraphscanError(
+            f"{shown(path)}: cannot verify the fused model: the original's outputs are all NaN or "
+            f"infinite on this input (give others with --inputs); nothing written",
+            EXIT_MISMATCH,
+        )
+    if problem is None and error > FUSE_RELATIVE_TOLERANCE * max(scale, 1.0):
+        problem = f"by {error:.3g} (allowed {FUSE_RELATIVE_TOLERANCE:g} relative)"
+    if problem is not None:
+        raise GraphscanError(
+            f"{shown(path)}: fused model differs from the original {problem}; nothing written", EXIT_MISMATCH
+        )
+    write_atomically(fused_model.SerializeToString(), output)
+    return {
+        "model": path,
+        "output": output,
+        "fused": fused,
+        "skipped": skipped,
+        "max_abs_error": error,
+    }

@@ -1,0 +1,553 @@
+"""impact: which operator's quantization costs the output, and what to exclude.
+
+One derived model answers every "what if X stayed float" question: the
+quantized model with Where(on, alternative, DQ(Q(t))) on exactly the edges a
+variant changes, each Where with its own boolean input. It runs as a chain of
+segment sessions (segments.py); no session per variant.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import onnx
+
+from graphscan import (
+    DQ_OUTPUT_SUFFIX,
+    EXIT_USAGE,
+    Q_RANGES,
+    QDQ_SUFFIX,
+    GraphIndex,
+    GraphscanError,
+    load_with_weights,
+    shown,
+)
+from graphscan_ort.common import OutputNoise, does_not_run, impact_options, model_outputs, open_session, output_pairs
+from graphscan_ort.inputs import check_same_inputs, inputs_answer, model_samples, parse_shapes
+from graphscan_ort.segments import IMPACT_PREFIX, body_reads, segment_runner
+
+IMPACT_SYMBOLIC_DIM_SIZE = 1
+
+
+ACTIVATIONS = ("Relu", "Clip", "LeakyRelu")  # what the quantizer folds into a Q
+
+
+def constant_arrays(graph):
+    """``{tensor: LazyArray}`` for initializers and Constant nodes with a ``value``."""
+    arrays = {init.name: init for init in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output:
+            for attribute in node.attribute:
+                if attribute.name == "value":
+                    arrays[node.output[0]] = attribute.t
+    return {name: LazyArray(proto) for name, proto in arrays.items()}
+
+
+class LazyArray:
+    """A TensorProto turned into numpy only when asked (most are never read)."""
+
+    def __init__(self, proto):
+        self.proto = proto
+
+    @functools.cached_property
+    def array(self):
+        return onnx.numpy_helper.to_array(self.proto)
+
+
+def quant_range(q_node, constants):
+    """``(lo, hi, elem_type)``: the float range a Q can represent, or None when
+    its scale or zero point is not a scalar constant."""
+    scale = constants.get(q_node.input[1]) if len(q_node.input) > 1 else None
+    if scale is None or scale.array.size != 1:
+        return None
+    zero = constants.get(q_node.input[2]) if len(q_node.input) > 2 and q_node.input[2] else None
+    if zero is not None:
+        if zero.array.size != 1:
+            return None
+        qtype, zp = zero.proto.data_type, float(zero.array.reshape(-1)[0])
+    else:
+        attrs = {a.name: a.i for a in q_node.attribute if a.type == onnx.AttributeProto.INT}
+        qtype, zp = attrs.get("output_dtype") or onnx.TensorProto.UINT8, 0.0
+    if qtype not in Q_RANGES:
+        return None
+    qmin, qmax = Q_RANGES[qtype]
+    s = float(np.float64(scale.array.reshape(-1)[0]))
+    return (qmin - zp) * s, (qmax - zp) * s, scale.proto.data_type
+
+
+def float_activation(float_index, quant_index, tensor):
+    """The Relu/Clip/LeakyRelu the quantizer absorbed into the Q of ``tensor``.
+
+    Returns the float model's node (None when nothing was absorbed): its
+    producer of the name (without ORT's QDQ suffix when the float model has
+    no tensor of that name, as for a renamed graph output) is an activation
+    while the quantized model's producer is another op type.
+    """
+    float_producer = float_index.producer_of(tensor)
+    if float_producer is None:
+        float_producer = float_index.producer_of(QDQ_SUFFIX.sub("", tensor))
+    quant_producer = quant_index.producer_of(tensor)
+    if float_producer is None or quant_producer is None:
+        return None
+    op_type = float_index.op_types[float_producer]
+    if op_type not in ACTIVATIONS or quant_index.op_types[quant_producer] == op_type:
+        return None
+    return float_index.graph.node[float_producer]
+
+
+def activation_bounds(node, float_constants):
+    """``(lo, hi)`` such that Clip(t, lo, hi) is ``node`` (Relu or Clip); None otherwise."""
+    if node.op_type == "Relu":
+        return 0.0, math.inf
+    if node.op_type != "Clip":
+        return None
+    bounds = [-math.inf, math.inf]
+    for a in node.attribute:  # opset < 11
+        if a.name in ("min", "max"):
+            bounds[a.name == "max"] = a.f
+    for k, name in enumerate(node.input[1:3]):
+        if name:
+            value = float_constants.get(name)
+            if value is None or value.array.size != 1:
+                return None
+            bounds[k] = float(value.array.reshape(-1)[0])
+    return tuple(bounds)
+
+
+class ImpactPlan:
+    """The sites of ``impact``: every DQ(Q(t)) pair, every weight DQ with a
+    float twin, the op rows and the tensor rows, all as quantized-graph indices.
+
+    ``op_rows``: ``[(node, [(input position, ("pair", dq) | ("weight", name))])]``.
+    ``tensor_rows``: ``[(t, [(q, dq)], first Q's range or None, absorbed node or None)]``.
+    """
+
+    def __init__(self, float_model, quant_model):
+        graph, fgraph = quant_model.graph, float_model.graph
+        self.index = index = GraphIndex(graph)
+        self.float_index = GraphIndex(fgraph)
+        self.constants = constant_arrays(graph)
+        self.float_constants = constant_arrays(fgraph)
+        float_inits = {init.name: init for init in fgraph.initializer}
+        quant_inits = {init.name: init for init in graph.initializer}
+        self.pair_of = {}  # dq -> (q, t)
+        for dq in index.dq_nodes:
+            q = index.producer_of(graph.node[dq].input[0])
+            if q is not None and index.is_q[q]:
+                self.pair_of[dq] = (q, graph.node[q].input[0])
+        self.weight_of = {}  # dq -> float initializer name
+        for dq in index.dq_nodes:
+            source = graph.node[dq].input[0]
+            twin = float_inits.get(DQ_OUTPUT_SUFFIX.sub("", graph.node[dq].output[0]))
+            scale = self.constants.get(graph.node[dq].input[1]) if len(graph.node[dq].input) > 1 else None
+            if (
+                source in quant_inits
+                and twin is not None
+                and list(twin.dims) == list(quant_inits[source].dims)
+                and (scale is None or scale.proto.data_type == twin.data_type)  # Where needs one type
+            ):
+                self.weight_of[dq] = twin.name
+        self.op_rows = []
+        for i in index.compute_nodes:
+            edges = []
+            for pos, tensor in enumerate(graph.node[i].input):
+                dq = index.producer_of(tensor) if tensor else None
+                if dq in self.pair_of:
+                    edges.append((pos, ("pair", dq)))
+                elif dq in self.weight_of:
+                    edges.append((pos, ("weight", self.weight_of[dq])))
+            if edges:
+                self.op_rows.append((i, edges))
+        rows = {}
+        for dq, (q, t) in sorted(self.pair_of.items(), key=lambda item: item[1][0]):
+            producer = index.producer_of(t)
+            if t in quant_inits or (producer is not None and index.op_types[producer] == "Constant"):
+                continue  # a weight, not an activation
+            rows.setdefault(t, []).append((q, dq))
+        self.tensor_rows = []
+        for t, pairs in rows.items():
+            q_range = quant_range(graph.node[pairs[0][0]], self.constants)
+            self.tensor_rows.append((t, pairs, q_range, self.absorbed(t)))
+
+    def absorbed(self, tensor):
+        return float_activation(self.float_index, self.index, tensor)
+
+
+class SwitchedModelBuilder:
+    """Builds the derived model: DQ outputs renamed, Where on each changed edge.
+
+    Every Where reads its own boolean graph input, and the bounds of each
+    Clip are scalar graph inputs: a variant is a few inputs set on the host,
+    with no Or or scalar nodes running for every variant. ``defaults`` holds
+    each added input's value while no variant is on.
+    """
+
+    def __init__(self, plan, quant_model):
+        self.plan = plan
+        self.model = onnx.ModelProto()
+        self.model.CopyFrom(quant_model)
+        self.graph = self.model.graph
+        self.nodes = []  # new nodes, appended after the graph (ORT sorts topologically)
+        self.defaults = {}
+        self.cache = {}
+
+    def scalar_input(self, name, value, elem_type):
+        self.graph.input.append(onnx.helper.make_tensor_value_info(name, elem_type, []))
+        self.defaults[name] = np.array(value, dtype=onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+        return name
+
+    def constant(self, name, value, elem_type):
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
+        self.graph.initializer.append(onnx.numpy_helper.from_array(np.array(value, dtype=dtype), name))
+        return name
+
+    def node(self, op_type, inputs, output, **attributes):
+        name = output if output.startswith(IMPACT_PREFIX) else f"{IMPACT_PREFIX}keep/{output}"
+        self.nodes.append(onnx.helper.make_node(op_type, inputs, [output], name=name, **attributes))
+        return output
+
+    def where(self, alternative, raw, output=None):
+        """``Where(on, alternative, raw)`` with a new condition input; returns (output, condition)."""
+        key = ("where", alternative, raw, output)
+        if key not in self.cache:
+            condition = self.scalar_input(f"{IMPACT_PREFIX}on/{len(self.defaults)}", False, onnx.TensorProto.BOOL)
+            output = output or f"{IMPACT_PREFIX}where/{condition}"
+            self.cache[key] = (self.node("Where", [condition, alternative, raw], output), condition)
+        return self.cache[key]
+
+
+def float_value(builder, plan, t, absorbed):
+    """float(t) as a tensor of the derived model: t, or the absorbed activation on t."""
+    if absorbed is None:
+        return t
+    name = f"graphscan.float/{t}"
+    if ("float", t) not in builder.cache:
+        node = onnx.NodeProto()
+        node.CopyFrom(absorbed)
+        node.name = name
+        inputs = [t]
+        for k, extra in enumerate(absorbed.input[1:], start=1):
+            if extra and extra in plan.float_constants:
+                value = plan.float_constants[extra]
+                extra = builder.constant(f"graphscan.float/{t}/{k}", value.array, value.proto.data_type)
+            inputs.append(extra)
+        node.input[:] = inputs
+        node.output[:] = [name]
+        builder.nodes.append(node)
+        builder.cache[("float", t)] = name
+    return name
+
+
+def tensor_alternative(builder, plan, t, q_range, absorbed):
+    """``(value, rounding settings)``: what readers of DQ(Q(t)) take when their
+    Where is on: float(t), or Clip(t, lo, hi) with the settings applied (None
+    when the Q's range is unknown)."""
+    if q_range is None:
+        return float_value(builder, plan, t, absorbed), None
+    lo, hi, elem_type = q_range
+    bounds = (-math.inf, math.inf) if absorbed is None else activation_bounds(absorbed, plan.float_constants)
+    prefix = f"graphscan.range/{t}"
+    if bounds is None:  # LeakyRelu (or a Clip with computed bounds): its own node
+        lo_name = builder.constant(prefix + "/lo", lo, elem_type)
+        hi_name = builder.constant(prefix + "/hi", hi, elem_type)
+        clipped = builder.node("Clip", [t, lo_name, hi_name], f"graphscan.round/{t}")
+        alternative, condition = builder.where(clipped, float_value(builder, plan, t, absorbed), f"graphscan.alt/{t}")
+        return alternative, {condition: True}
+    # Clip(t, -inf, inf) is t and Clip(t, 0, inf) is Relu(t), exactly; the
+    # rounding variant binds the Q's range instead.
+    low = builder.scalar_input(prefix + "/lo", bounds[0], elem_type)
+    high = builder.scalar_input(prefix + "/hi", bounds[1], elem_type)
+    dtype = builder.defaults[low].dtype
+    rounding = {low: np.array(lo, dtype), high: np.array(hi, dtype)}
+    return builder.node("Clip", [t, low, high], f"graphscan.alt/{t}"), rounding
+
+
+def switched_model(plan, quant_model, float_model):
+    """The derived model and its variants: ``(model, defaults, op_variants, tensor_variants)``.
+
+    A variant is ``{input name: value}`` to bind instead of ``defaults``.
+    ``op_variants[k]`` un-quantizes op row k; ``tensor_variants[m]`` is
+    ``(float(t) variant, rounding-only variant or None)`` for tensor row m.
+    """
+    builder = SwitchedModelBuilder(plan, quant_model)
+    graph, index = builder.graph, plan.index
+    float_inits = {init.name: init for init in float_model.graph.initializer}
+    alternatives, rounding = {}, {}  # per dq: float(t) (or its Clip), per tensor row: settings
+    row_of = {}
+    for m, (t, pairs, q_range, absorbed) in enumerate(plan.tensor_rows):
+        alternative, rounding[m] = tensor_alternative(builder, plan, t, q_range, absorbed)
+        for _, dq in pairs:
+            alternatives[dq], row_of[dq] = alternative, m
+    for _, edges in plan.op_rows:  # pairs only ops read: weights kept as Constant -> Q -> DQ
+        for _, (kind, source) in edges:
+            if kind == "pair" and source not in alternatives:
+                t = plan.pair_of[source][1]
+                alternatives[source] = float_value(builder, plan, t, plan.absorbed(t))
+    raw = {}
+    for dq in alternatives:
+        raw[dq] = f"graphscan.dq/{graph.node[dq].output[0]}"
+        graph.node[dq].output[0] = raw[dq]
+    op_rows = {i: k for k, (i, _) in enumerate(plan.op_rows)}
+    op_variants = [{} for _ in plan.op_rows]
+    tensor_on = [{} for _ in plan.tensor_rows]
+    # Graph outputs and names If/Loop/Scan bodies read from outside keep the
+    # DQ's name, now given to the switched value.
+    kept_names = {o.name for o in graph.output}.union(*(body_reads(node) for node in graph.node))
+    for dq, alternative in alternatives.items():
+        output = quant_model.graph.node[dq].output[0]
+        m = row_of.get(dq)
+        for reader in index.consumers_of(output):
+            if m is None and reader not in op_rows:
+                continue  # nobody would switch it
+            node = graph.node[reader]
+            value, condition = builder.where(alternative, raw[dq], f"graphscan.where/{reader}/{output}")
+            node.input[:] = [value if t == output else t for t in node.input]
+            if reader in op_rows:
+                op_variants[op_rows[reader]][condition] = True
+            if m is not None:
+                tensor_on[m][condition] = True
+        if output in kept_names:
+            if m is None:
+                builder.node("Identity", [raw[dq]], output)
+            else:
+                _, condition = builder.where(alternative, raw[dq], output)
+                tensor_on[m][condition] = True
+    for k, (i, edges) in enumerate(plan.op_rows):
+        node = graph.node[i]
+        for pos, (kind, source) in edges:
+            if kind == "weight":
+                weight = f"graphscan.weight/{source}"
+                if ("weight", source) not in builder.cache:
+                    copy = onnx.TensorProto()
+                    copy.CopyFrom(float_inits[source])
+                    copy.name = weight
+                    graph.initializer.append(copy)
+                    builder.cache[("weight", source)] = weight
+                value, condition = builder.where(weight, node.input[pos], f"graphscan.where/{i}/{pos}")
+                node.input[pos] = value
+                op_variants[k][condition] = True
+    graph.node.extend(builder.nodes)
+    tensor_variants = [(on, None if rounding[m] is None else {**on, **rounding[m]}) for m, on in enumerate(tensor_on)]
+    return builder.model, builder.defaults, op_variants, tensor_variants
+
+
+def gain(sqnr, baseline):
+    return sqnr - baseline if sqnr is not None and baseline is not None else None
+
+
+def ranked(rows, exact, baseline_exact):
+    """Row order: larger gain first, graph order among equals. A variant whose
+    output equals the float model's (sqnr null) while the baseline does not
+    counts as the largest gain; rows without a gain come last."""
+
+    def key(k):
+        if exact[k] and not baseline_exact:
+            return (0, 0.0, k)
+        if rows[k]["gain_db"] is None:
+            return (2, 0.0, k)
+        return (1, -rows[k]["gain_db"], k)
+
+    return sorted(range(len(rows)), key=key)
+
+
+class ValueStats:
+    """What impact keeps of one tensor's values over all samples, instead of
+    the values: how many lie outside its Q's [lo, hi] (``clipped``), whether
+    all are finite, and the smallest and largest in the tensor's own type."""
+
+    def __init__(self, q_range):
+        self.lo, self.hi, _ = q_range
+        self.total = self.outside = 0
+        self.finite, self.dtype, self.low, self.high = True, None, None, None
+
+    def add(self, value):
+        value = np.asarray(value)
+        self.dtype = value.dtype  # the same for every sample: the model's type of the tensor
+        self.total += value.size
+        if not value.size:
+            return
+        self.finite = self.finite and bool(np.all(np.isfinite(value)))
+        low, high = value.min(), value.max()
+        self.low = low if self.low is None else min(self.low, low)
+        self.high = high if self.high is None else max(self.high, high)
+        lo, hi, value = self.lo, self.hi, value.astype(np.float64)
+        self.outside += int(np.count_nonzero((value < lo) | (value > hi)))
+
+    @property
+    def clipped(self):
+        """Fraction of the values outside the Q's [lo, hi] (None without values)."""
+        return self.outside / self.total if self.total else None
+
+
+def exclusion(measure, candidates, baseline, target, max_exclude):
+    """``{"target_sqnr_db", "nodes", "sqnr_db", "reached"}``: ``candidates``
+    (``(node, variant)`` in rank order) are added one at a time and the combined
+    model measured after each addition, until the target or ``max_exclude``."""
+    nodes, combined = [], {}
+    sqnr, exact = baseline
+
+    def met():
+        return exact or (sqnr is not None and sqnr >= target)
+
+    for name, variant in candidates:
+        if met() or (max_exclude is not None and len(nodes) >= max_exclude):
+            break
+        nodes.append(name)
+        combined.update(variant)
+        sqnr, exact = measure(dict(combined))
+    return {"target_sqnr_db": target, "nodes": nodes, "sqnr_db": sqnr, "reached": met()}
+
+
+def tensor_stats(model, samples, ranges, path):
+    """``{tensor: ValueStats}`` of ``model``'s own tensors (``ranges``: ``{tensor:
+    Q range}``), one session; each sample's values are dropped once counted."""
+    stats = {t: ValueStats(q_range) for t, q_range in ranges.items()}
+    computed = [t for t in ranges if t not in samples[0]]
+    if computed:
+        exposed = onnx.ModelProto()
+        exposed.CopyFrom(model)
+        del exposed.graph.output[:]
+        exposed.graph.output.extend(onnx.ValueInfoProto(name=t) for t in computed)
+        session = open_session(exposed, f"{shown(path)}: model", impact_options())
+    for feeds in samples:
+        for t in ranges.keys() & feeds.keys():
+            stats[t].add(feeds[t])
+        if not computed:
+            continue
+        try:
+            outputs = session.run(computed, feeds)
+        except Exception as exc:
+            raise does_not_run(f"{shown(path)}: model", exc)
+        for t, value in zip(computed, outputs):
+            stats[t].add(value)
+        del outputs
+    return stats
+
+
+def variant_key(variant):
+    """A hashable ``variant``: equal keys set the same inputs to the same values."""
+    return tuple(
+        sorted((name, True if value is True else (value.dtype.str, value.tobytes())) for name, value in variant.items())
+    )
+
+
+def same_clip(stats, kept, rounded):
+    """Whether ``Clip(t, *kept)`` and ``Clip(t, *rounded)`` (bounds: numpy
+    scalars of t's type) are equal bit for bit for every value of t (``stats``:
+    its ValueStats): t is finite and, on each side, the two bounds are the
+    same number or no value of t reaches either."""
+    (kept_lo, kept_hi), (lo, hi) = kept, rounded
+    same_lo, same_hi = kept_lo.tobytes() == lo.tobytes(), kept_hi.tobytes() == hi.tobytes()
+    if stats.dtype != lo.dtype or not stats.finite:
+        return False
+    if stats.low is None:  # no values at all
+        return True
+    return bool((same_lo or stats.low > max(kept_lo, lo)) and (same_hi or stats.high < min(kept_hi, hi)))
+
+
+class ImpactRun:
+    """The derived model of ``quant_model`` as segment sessions, ready to measure variants.
+
+    ``baseline``: ``(sqnr_db, exact)`` of the quantized model as it is;
+    ``stats``: per tensor row with a known range, the ValueStats of its values;
+    ``measure(variant)``: ``(sqnr_db, exact)`` with ``variant`` on, run once per distinct variant.
+    """
+
+    def __init__(self, float_model, quant_model, samples, output_names, noise, path):
+        self.noise = noise
+        self.plan = plan = ImpactPlan(float_model, quant_model)
+        derived, self.defaults, self.op_variants, self.tensor_variants = switched_model(plan, quant_model, float_model)
+        machinery = {node.name for node in derived.graph.node if node.name.startswith(IMPACT_PREFIX)}
+        self.runner = segment_runner(derived, self.defaults, machinery, samples, output_names, path)
+        del derived
+        self.measured = {}
+        self.baseline = self.measure({})
+        ranges = {t: q_range for t, _, q_range, _ in plan.tensor_rows if q_range is not None}
+        self.stats = tensor_stats(quant_model, samples, ranges, path)
+
+    def measure(self, variant):
+        key = variant_key(variant)
+        if key not in self.measured:
+            self.measured[key] = self.noise.measure(self.runner.run(variant))
+        return self.measured[key]
+
+    def rounding_variant(self, m):
+        """Tensor row m's rounding-only variant, or its float(t) variant when the
+        two are the same run: t's values never reach the Clip bounds that differ."""
+        kept, rounded = self.tensor_variants[m]
+        if rounded is None:
+            return None
+        changed = [(name, value) for name, value in rounded.items() if name not in kept]
+        if len(changed) != 2 or any(value is True for _, value in changed):
+            return rounded  # a Clip node of its own (after LeakyRelu): not a bound change
+        (low, lo), (high, hi) = changed
+        stats = self.stats[self.plan.tensor_rows[m][0]]
+        return kept if same_clip(stats, (self.defaults[low], self.defaults[high]), (lo, hi)) else rounded
+
+
+def impact(a, b, inputs=None, seed=0, shape=None, target_sqnr=None, max_exclude=None, top=None):
+    """Per operator and per activation tensor of ``b`` (quantized): the output
+    SQNR against ``a`` (float) if it stayed float; optionally what to exclude."""
+    if max_exclude is not None and target_sqnr is None:
+        raise GraphscanError("usage: --max-exclude needs --target-sqnr", EXIT_USAGE)
+    float_model, quant_model = load_with_weights(a), load_with_weights(b)
+    check_same_inputs(float_model, quant_model, a, b)
+    samples, defaulted = model_samples(float_model, inputs, parse_shapes(shape), seed, IMPACT_SYMBOLIC_DIM_SIZE)
+    pairs = output_pairs(float_model, quant_model, a, b)
+    output_names = [q for _, q in pairs]
+
+    noise = OutputNoise(model_outputs(float_model, samples, a, [f for f, _ in pairs]))
+    run = ImpactRun(float_model, quant_model, samples, output_names, noise, b)
+    plan, baseline, measure = run.plan, run.baseline, run.measure
+    op_variants, tensor_variants = run.op_variants, run.tensor_variants
+
+    index = plan.index
+    op_rows, op_exact = [], []
+    for (i, _), variant in zip(plan.op_rows, op_variants):
+        sqnr, exact = measure(variant)
+        op_rows.append(
+            {"node": index.names[i], "op_type": index.op_types[i], "sqnr_db": sqnr, "gain_db": gain(sqnr, baseline[0])}
+        )
+        op_exact.append(exact)
+    tensor_rows, tensor_exact = [], []
+    for m, ((t, pairs, q_range, _), (kept, _)) in enumerate(zip(plan.tensor_rows, tensor_variants)):
+        sqnr, exact = measure(kept)
+        rounded = run.rounding_variant(m)
+        rounding = measure(rounded)[0] if rounded is not None else None
+        producer = index.producer_of(t)
+        readers = sorted({r for _, dq in pairs for r in index.consumers_of(index.outputs[dq][0])})
+        tensor_rows.append(
+            {
+                "tensor": t,
+                "producer": index.names[producer] if producer is not None else None,
+                "consumers": [index.names[r] for r in readers],
+                "sqnr_db": sqnr,
+                "gain_db": gain(sqnr, baseline[0]),
+                "rounding_sqnr_db": rounding,
+                "rounding_gain_db": gain(rounding, baseline[0]),
+                "clipped": run.stats[t].clipped if q_range else None,
+            }
+        )
+        tensor_exact.append(exact)
+    op_order = ranked(op_rows, op_exact, baseline[1])
+    tensor_order = ranked(tensor_rows, tensor_exact, baseline[1])
+    answer = {
+        "a": a,
+        "b": b,
+        "inputs": inputs_answer(samples),
+        "defaulted": defaulted,
+        "samples": len(samples),
+        "output_sqnr_db": baseline[0],
+        "ops": [op_rows[k] for k in op_order][:top],
+        "tensors": [tensor_rows[k] for k in tensor_order][:top],
+    }
+    if target_sqnr is not None:
+        candidates = [
+            (op_rows[k]["node"], op_variants[k])
+            for k in op_order
+            if (op_exact[k] and not baseline[1]) or (op_rows[k]["gain_db"] or 0.0) > 0
+        ]
+        answer["exclude"] = exclusion(measure, candidates, baseline, target_sqnr, max_exclude)
+    return answer

@@ -1,0 +1,548 @@
+"""runtime: what onnxruntime really executes for each operator.
+
+"Wrapped" is a structural proxy. onnxruntime decides at session build time
+which DQ -> op -> Q groups become integer kernels, so the only honest answer
+comes from the graph it saves after optimization. One session, built from a
+copy of the model in which every node has a unique name; each original
+compute node is then found in the optimized graph and its kernel classified.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+
+import onnx
+import onnxruntime as ort
+
+from graphscan import (
+    DEQUANTIZE,
+    EXIT_RUNTIME,
+    EXIT_USAGE,
+    Q_RANGES,
+    QUANTIZE,
+    RUNTIME_CLASSES,
+    RUNTIME_DEFAULT_RUNS,
+    RUNTIME_LEVELS,
+    GraphIndex,
+    GraphscanError,
+    as_text,
+    data_source,
+    dtype_name,
+    load_with_weights,
+    node_name,
+    parse_model,
+    shown,
+)
+from graphscan_ort.common import open_session, session_options
+from graphscan_ort.inputs import model_samples, parse_shapes
+
+TIME_CLASSES = ["int8", "int8_data", "float", "quantize", "dequantize"]
+
+
+# Providers that run one kernel per node, so their optimized graph maps back
+# to the model's nodes. Providers that compile subgraphs into one opaque
+# kernel (TensorRT, OpenVINO, QNN, CoreML, ...) cannot answer per node.
+PER_NODE_PROVIDERS = {"CPUExecutionProvider", "CUDAExecutionProvider", "DmlExecutionProvider", "ROCMExecutionProvider"}
+
+
+# Kernels that compute on integers.
+INT8_KERNELS = {
+    "QGemm",
+    "MatMulInteger",
+    "ConvInteger",
+    "MatMulIntegerToFloat",
+    "DynamicQuantizeMatMul",
+    "QAttention",
+    "QEmbedLayerNormalization",
+    "DynamicQuantizeLSTM",
+    "MatMulNBits",
+}
+
+
+QUANTIZE_KERNELS = {QUANTIZE, "DynamicQuantizeLinear"}
+
+
+# Integer element types that quantized data is stored in.
+QUANTIZED_TYPES = set(Q_RANGES)
+
+
+# onnxruntime's CPU QDQ fusions (qdq_selector_action_transformer.cc, 1.32):
+# op types whose DQ -> op -> Q group can become an integer kernel or drop its
+# Q/DQ. Any other wrapped op type keeps a float kernel on this provider.
+# fmt: off
+QDQ_FUSIONS = {
+    "CPUExecutionProvider": {
+        "AveragePool", "LeakyRelu", "GlobalAveragePool", "Sigmoid", "Softmax",  # QLinear unary
+        "Add", "Mul", "Concat", "Conv", "MatMul", "Gemm", "Where", "Split",
+        "Resize", "MaxPool", "ReduceMax", "ReduceMin", "Expand", "Flatten", "Gather",  # Q/DQ dropped
+        "GatherElements", "Reshape", "Slice", "Squeeze", "Tile", "Transpose", "Unsqueeze", "ArgMax",
+    },
+}
+
+
+# fmt: on
+# Ops whose fused kernel takes int8 weights beside uint8 activations: the
+# weight operand does not count when operand types are compared.
+WEIGHT_OPERANDS = {"Conv": {1, 2}, "MatMul": {1}, "Gemm": {1, 2}}
+
+
+# Fusions that take int8 activations only with session.qdqisint8allowed=1
+# (onnxruntime's ConvSelector and MatMulSelector; QGemm takes them always).
+INT8_GATED_FUSIONS = {"Conv", "MatMul"}
+
+
+# Layout nodes onnxruntime inserts between a kernel and the tensor it makes.
+LAYOUT_KERNELS = {"ReorderOutput", "ReorderInput"}
+
+
+ORT_NAME_SUFFIX = re.compile(r"(?:_token_\d+|_nchwc|/[A-Za-z0-9]*Fusion/?|/duplicated)$")
+
+
+REASON_LEVEL = "level"
+
+
+REASON_NO_KERNEL = "no_kernel"
+
+
+REASON_MIXED = "mixed_types"
+
+
+REASON_INT8 = "int8_activations"
+
+
+REASON_OTHER = "other"
+
+
+def strip_ort_suffixes(name):
+    """A node name without the suffixes onnxruntime appends when it rewrites a node."""
+    while True:
+        stripped = ORT_NAME_SUFFIX.sub("", name)
+        if stripped == name:
+            return name
+        name = stripped
+
+
+def session_names(model):
+    """A copy of ``model`` in which every node has a unique name.
+
+    Unnamed nodes get their SPEC name (``<op_type>_<i>``); a name that is taken
+    (or repeated) gets ``~<i>`` appended. Returns the copy and the names.
+    """
+    named = onnx.ModelProto()
+    named.CopyFrom(model)
+    taken = {as_text(node.name) for node in model.graph.node if node.name}
+    seen, names = set(), []
+    for i, node in enumerate(named.graph.node):
+        name = node_name(node, i)
+        if name in seen or (not node.name and name in taken):
+            name = f"{name}~{i}"
+        seen.add(name)
+        names.append(name)
+        node.name = name
+    return named, names
+
+
+def check_provider(provider):
+    """Exit 2 for a provider that is not here or cannot be mapped per node."""
+    available = ort.get_available_providers()
+    if provider not in available:
+        raise GraphscanError(f"usage: provider {provider} is not available here ({', '.join(available)})", EXIT_USAGE)
+    if provider not in PER_NODE_PROVIDERS:
+        raise GraphscanError(
+            f"usage: provider {provider} compiles subgraphs into its own kernels, so its graph "
+            f"cannot be mapped back to nodes (per-node providers: {', '.join(sorted(PER_NODE_PROVIDERS))})",
+            EXIT_USAGE,
+        )
+
+
+def optimized_model(model_bytes, path, level, provider, int8_allowed):
+    """The model onnxruntime runs, as it saves it after optimizing ``model_bytes``."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="graphscan-runtime-") as folder:
+        options = session_options(level, int8_allowed=int8_allowed)
+        options.optimized_model_filepath = os.path.join(folder, "optimized.onnx")
+        open_session(model_bytes, f"{shown(path)}: model", options, provider)
+        try:
+            with open(options.optimized_model_filepath, "rb") as f:
+                return parse_model(f.read(), path)
+        except OSError as exc:
+            raise GraphscanError(
+                f"{shown(path)}: onnxruntime saved no optimized graph ({exc.strerror or exc})", EXIT_RUNTIME
+            )
+
+
+class OptimizedGraph:
+    """The optimized graph with the lookups the mapping needs, and its tensor types."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.index = GraphIndex(graph)
+        self.by_name = {}
+        self.by_stripped = {}
+        for i, node in enumerate(graph.node):
+            self.by_name.setdefault(node.name, i)
+            self.by_stripped.setdefault(strip_ort_suffixes(node.name), []).append(i)
+        self.types = tensor_types(graph)
+
+    def op_type(self, i):
+        return self.index.op_types[i]
+
+    def kernel_producer(self, tensor):
+        """The node making ``tensor``, looking through inserted layout nodes."""
+        producer = self.index.producer_of(tensor)
+        while producer is not None and self.op_type(producer) in LAYOUT_KERNELS:
+            producer = self.index.producer_of(self.graph.node[producer].input[0])
+        return producer
+
+    def element_type(self, tensor):
+        return self.types.get(tensor, onnx.TensorProto.UNDEFINED)
+
+
+def tensor_types(graph):
+    """``{tensor: element type}`` for the optimized graph.
+
+    onnxruntime saves value_info for most float tensors but not for the
+    integer tensors its Q/DQ rewrites make, so those are derived here: a Q
+    makes its zero point's type, integer kernels keep their first input's.
+    """
+    types = {}
+    for info in list(graph.input) + list(graph.value_info) + list(graph.output):
+        if info.type.HasField("tensor_type"):
+            types[info.name] = info.type.tensor_type.elem_type
+    for init in graph.initializer:
+        types[init.name] = init.data_type
+    for node in graph.node:
+        outputs = [t for t in node.output if t and t not in types]
+        if not outputs:
+            continue
+        derived = derived_output_type(node, types)
+        for tensor in outputs:
+            types[tensor] = derived
+    return types
+
+
+def derived_output_type(node, types):
+    op = node.op_type
+    if op == QUANTIZE:
+        return (
+            types.get(node.input[2], onnx.TensorProto.UINT8)
+            if len(node.input) > 2 and node.input[2]
+            else onnx.TensorProto.UINT8
+        )
+    if op == DEQUANTIZE:
+        return types.get(node.input[1], onnx.TensorProto.FLOAT) if len(node.input) > 1 else onnx.TensorProto.FLOAT
+    if op == "DynamicQuantizeLinear":
+        return onnx.TensorProto.UINT8
+    if op in ("MatMulInteger", "ConvInteger"):
+        return onnx.TensorProto.INT32
+    if op in ("Shape", "Size"):
+        return onnx.TensorProto.INT64
+    first = next((t for t in node.input if t), None)
+    return types.get(first, onnx.TensorProto.UNDEFINED)
+
+
+def kernel_class(optimized, j):
+    """int8 / int8_data / float for a kernel of the optimized graph (Q and DQ excluded)."""
+    op = optimized.op_type(j)
+    if op in INT8_KERNELS or op.startswith(("QLinear", "NhwcQLinear")):
+        return "int8"
+    if op not in QUANTIZE_KERNELS:
+        first = next((t for t in optimized.graph.node[j].input if t), None)
+        if first is not None and optimized.element_type(first) in QUANTIZED_TYPES:
+            return "int8_data"
+    return "float"
+
+
+def time_class(optimized, j):
+    op = optimized.op_type(j)
+    if op in QUANTIZE_KERNELS:
+        return "quantize"
+    if op == DEQUANTIZE:
+        return "dequantize"
+    return kernel_class(optimized, j)
+
+
+def find_in_optimized(index, names, optimized, i):
+    """``(optimized node index or None, how)`` for compute node ``i`` of the original.
+
+    By name, by name without onnxruntime's suffixes, by output tensor (also
+    through the Q after it), by its Q/DQ signature (the quantized tensors its
+    DQs read), by neighbours (the one node of its op type reading its input).
+    """
+    name = names[i]
+    if name in optimized.by_name:
+        return optimized.by_name[name], "name"
+    stripped = optimized.by_stripped.get(name, [])
+    if len(stripped) == 1:
+        return stripped[0], "name"
+    graph = index.graph
+    for tensor in index.outputs[i]:
+        producer = optimized.kernel_producer(tensor)
+        if producer is not None:
+            return producer, "tensor"
+    for tensor in index.outputs[i]:
+        # The Q after it keeps its name even when its tensors are renamed
+        # (onnxruntime's int8 -> uint8 rewrite): the node was folded into it.
+        for q in index.consumers_of(tensor):
+            if not index.is_q[q]:
+                continue
+            if names[q] in optimized.by_name:
+                return optimized.by_name[names[q]], "tensor"
+            # The Q itself was fused: whatever makes its output took the node in.
+            producer = optimized.kernel_producer(graph.node[q].output[0])
+            if producer is not None:
+                return producer, "tensor"
+    signature = set()
+    for tensor in index.inputs[i]:
+        source, chain = data_source(index, graph, tensor)
+        signature.add(graph.node[chain[-1]].input[0] if chain else source)
+    readers = set()
+    for tensor in signature:
+        readers.update(j for j in optimized.index.consumers_of(tensor) if optimized.index.is_compute(j))
+    if len(readers) == 1:
+        return readers.pop(), "signature"
+    op_type = index.op_types[i]
+    neighbours = {
+        j for tensor in index.inputs[i] for j in optimized.index.consumers_of(tensor) if optimized.op_type(j) == op_type
+    }
+    if len(neighbours) == 1:
+        return neighbours.pop(), "neighbours"
+    return None, None
+
+
+def tensors_gone(index, optimized, i):
+    """Whether node ``i``'s outputs are gone from the optimized graph or were
+    folded into constants (initializers)."""
+    live = optimized.index
+    return all(
+        t in live.initializers or (live.producer_of(t) is None and not live.consumers_of(t)) for t in index.outputs[i]
+    )
+
+
+def absorbed_by_neighbours(index, found):
+    """Nodes not found whose upstream and downstream neighbours run in one
+    kernel were fused into it (a Cast and a Mul inside a fused MatMul).
+    Repeated until nothing changes, so chains of such nodes resolve."""
+    changed = True
+    while changed:
+        changed = False
+        for i in index.compute_nodes:
+            if found[i][0] is not None:
+                continue
+            upstream = {found[p][0] for t in index.inputs[i] if (p := index.producer_of(t)) in found}
+            downstream = {found[c][0] for t in index.outputs[i] for c in index.consumers_of(t) if c in found}
+            shared = (upstream & downstream) - {None}
+            if len(shared) == 1:
+                found[i] = (shared.pop(), "neighbours")
+                changed = True
+
+
+def map_to_kernels(index, names, optimized):
+    """Per compute node: ``(optimized node or None, absorbed?, unmapped reason or None)``.
+
+    When several nodes land on one kernel, the one found by name runs it (else
+    the first in graph order) and the others were fused into it.
+    """
+    found = {}
+    for i in index.compute_nodes:
+        found[i] = find_in_optimized(index, names, optimized, i)
+    runner = {}
+    for i in index.compute_nodes:
+        j, how = found[i]
+        if j is None or not optimized.index.is_compute(j):
+            continue
+        current = runner.get(j)
+        if current is None or (how == "name" and found[current][1] != "name"):
+            runner[j] = i
+    absorbed_by_neighbours(index, found)
+    mapping = {}
+    for i in index.compute_nodes:
+        j, how = found[i]
+        if j is None:
+            if tensors_gone(index, optimized, i):
+                mapping[i] = (None, True, None)  # removed: folded or an Identity
+            else:
+                mapping[i] = (
+                    None,
+                    False,
+                    "not found in the optimized graph by name, tensor, Q/DQ signature or neighbours",
+                )
+        else:
+            mapping[i] = (j, runner.get(j) != i, None)
+    return mapping
+
+
+def operand_types(optimized, j, op_type):
+    """Integer types of kernel ``j``'s DQ-fed inputs and Q-read outputs in the optimized graph.
+
+    Returns ``(inputs, weights, outputs, complete)``: lists of type names;
+    ``complete`` says whether every input came from a DQ and every output
+    went only to Qs, as a fusion needs.
+    """
+    live, graph = optimized.index, optimized.graph
+    inputs, weights, outputs, complete = [], [], [], True
+    for k, tensor in enumerate(graph.node[j].input):
+        if not tensor:
+            continue
+        producer = live.producer_of(tensor)
+        if producer is None or not live.is_dq[producer]:
+            complete = False
+            continue
+        source = graph.node[producer].input[0]
+        kind = dtype_name(optimized.element_type(source)).lower()
+        (weights if k in WEIGHT_OPERANDS.get(op_type, ()) else inputs).append(kind)
+    for tensor in live.outputs[j]:
+        readers = live.consumers_of(tensor)
+        if not readers or not all(live.is_q[r] for r in readers):
+            complete = False
+        outputs += [
+            dtype_name(optimized.element_type(graph.node[r].output[0])).lower() for r in readers if live.is_q[r]
+        ]
+    return inputs, weights, outputs, complete
+
+
+def float_reason(op_type, optimized, j, level, provider, int8_allowed):
+    """Why a wrapped node still runs a float kernel: ``{"code", "detail"}``."""
+    if level == "basic":
+        return {"code": REASON_LEVEL, "detail": "QDQ fusions run at the extended level and above"}
+    if op_type not in QDQ_FUSIONS.get(provider, ()):
+        return {"code": REASON_NO_KERNEL, "detail": f"{provider} has no QDQ fusion for {op_type}"}
+    if j is None:
+        return {"code": REASON_OTHER, "detail": "its kernel was not found in the optimized graph"}
+    inputs, weights, outputs, complete = operand_types(optimized, j, op_type)
+    detail = f"inputs {', '.join(inputs) or '-'}"
+    if weights:
+        detail += f"; weights {', '.join(weights)}"
+    detail += f"; outputs {', '.join(outputs) or '-'}"
+    if not complete:
+        return {
+            "code": REASON_OTHER,
+            "detail": "in the optimized graph not every input comes from a "
+            f"DequantizeLinear or not every output goes only to QuantizeLinear ({detail})",
+        }
+    if len(set(inputs + outputs)) > 1:
+        return {"code": REASON_MIXED, "detail": detail}
+    if op_type in INT8_GATED_FUSIONS and set(inputs) == {"int8"} and not int8_allowed:
+        return {
+            "code": REASON_INT8,
+            "detail": f"{detail}; int8 activations need session.qdqisint8allowed=1 (--int8-allowed)",
+        }
+    return {"code": REASON_OTHER, "detail": f"{detail}; the fusion's other conditions failed"}
+
+
+def classify_nodes(index, names, optimized, level, provider, int8_allowed):
+    """The ``nodes`` rows of the runtime answer, in graph order, and the unmapped names."""
+    mapping = map_to_kernels(index, names, optimized)
+    rows, unmapped = [], []
+    for i in index.compute_nodes:
+        j, absorbed, unmapped_reason = mapping[i]
+        wrapped = index.wrapped[i]
+        kernel = optimized.op_type(j) if j is not None else None
+        runs_in = optimized.graph.node[j].name if j is not None else None
+        reason = None
+        if unmapped_reason:
+            kind = None
+            reason = {"code": "unmapped", "detail": unmapped_reason}
+            unmapped.append(index.name(i))
+        elif absorbed or not optimized.index.is_compute(j):
+            kind = "absorbed"
+        else:
+            kind = kernel_class(optimized, j)
+            if kind == "float" and wrapped:
+                reason = float_reason(index.op_types[i], optimized, j, level, provider, int8_allowed)
+        rows.append(
+            {
+                "node": index.name(i),
+                "op_type": index.op_types[i],
+                "wrapped": wrapped,
+                "class": kind,
+                "kernel": kernel,
+                "runs_in": runs_in,
+                "reason": reason,
+            }
+        )
+    return rows, unmapped
+
+
+def runtime_counts(rows):
+    classes = Counter(row["class"] for row in rows)
+    by_op_type = {}
+    for row in rows:
+        if row["class"]:
+            counts = by_op_type.setdefault(row["op_type"], {})
+            counts[row["class"]] = counts.get(row["class"], 0) + 1
+    return {
+        "compute": len(rows),
+        "wrapped": sum(row["wrapped"] for row in rows),
+        "classes": {kind: classes.get(kind, 0) for kind in RUNTIME_CLASSES},
+        "wrapped_but_float": sum(1 for row in rows if row["wrapped"] and row["class"] == "float"),
+        "float_but_int8": sum(1 for row in rows if not row["wrapped"] and row["class"] == "int8"),
+        "by_op_type": {op: dict(sorted(counts.items())) for op, counts in sorted(by_op_type.items())},
+    }
+
+
+def runtime_environment(level, provider, int8_allowed):
+    import platform
+
+    return {
+        "onnxruntime": ort.__version__,
+        "provider": provider,
+        "level": level,
+        "machine": platform.machine(),
+        "int8_allowed": int8_allowed,
+    }
+
+
+def runtime(
+    path,
+    level="extended",
+    provider="CPUExecutionProvider",
+    int8_allowed=False,
+    timed=False,
+    inputs=None,
+    shape=None,
+    seed=0,
+    runs=RUNTIME_DEFAULT_RUNS,
+):
+    """Per compute node: the kernel onnxruntime runs for it and its class."""
+    if level not in RUNTIME_LEVELS:
+        raise GraphscanError(f"usage: --level must be one of {', '.join(RUNTIME_LEVELS)}", EXIT_USAGE)
+    if runs < 1:
+        raise GraphscanError("usage: --runs must be at least 1", EXIT_USAGE)
+    model = load_with_weights(path)
+    shapes = parse_shapes(shape)
+    check_provider(provider)
+    named, names = session_names(model)
+    named_bytes = named.SerializeToString()
+    optimized_proto = optimized_model(named_bytes, path, level, provider, int8_allowed)
+    optimized = OptimizedGraph(optimized_proto.graph)
+    index = GraphIndex(named.graph)
+    rows, unmapped = classify_nodes(index, names, optimized, level, provider, int8_allowed)
+    answer = {
+        "model": path,
+        "environment": runtime_environment(level, provider, int8_allowed),
+        **runtime_counts(rows),
+        "nodes": rows,
+        "unmapped": unmapped,
+    }
+    if timed:
+        samples, defaulted = model_samples(named, [inputs] if inputs else None, shapes, seed, 1)
+        from graphscan_ort.timing import runtime_time  # it reads this module's classes
+
+        answer["time"] = runtime_time(
+            named_bytes,
+            optimized_proto,
+            path,
+            rows,
+            optimized,
+            samples[0],
+            defaulted,
+            level,
+            provider,
+            int8_allowed,
+            runs,
+        )
+    return answer
