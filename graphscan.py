@@ -34,7 +34,7 @@ import signal
 import stat
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 EXIT_INTERRUPTED = 130  # SIGINT, as shells report it (128 + 2)
 
@@ -96,13 +96,13 @@ class GraphscanError(Exception):
 # Loading
 
 
-def one_line(exc):
+def one_line(exc: BaseException) -> str:
     """The first line of an exception's message, for a one-line stderr report."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def shown(path):
+def shown(path: str | bytes | os.PathLike) -> str:
     """``path`` as error messages name it: unchanged when it prints on one line,
     else escaped as ``repr`` does (a newline in a file name shows as ``\\n``)."""
     path = os.fsdecode(path)
@@ -113,12 +113,12 @@ def shown(path):
 LINE_BREAKS = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
 
 
-def single_line(text):
+def single_line(text: str) -> str:
     """``text`` with every line break escaped, so a report stays one line."""
     return LINE_BREAKS.sub(lambda m: repr(m.group())[1:-1], text)
 
 
-def check_readable(path):
+def check_readable(path: str) -> None:
     """Raise exit 3 unless ``path`` is an existing regular file."""
     try:
         mode = os.stat(path).st_mode
@@ -142,7 +142,7 @@ MODEL_FIELD_WIRES = {
 HEAD_BYTES = 64 * 1024  # how much of a file check_head reads
 
 
-def check_head(head, path):
+def check_head(head: bytes, path: str) -> None:
     """Exit 4 unless ``head``, a file's first bytes, reads as the start of a ModelProto.
 
     The first field must be one of ModelProto's, with its wire type, and every
@@ -176,7 +176,7 @@ def check_head(head, path):
         raise GraphscanError(f"{shown(path)}: not an ONNX model ({problem})", EXIT_NOT_ONNX)
 
 
-def load_model(path, weights=False):
+def load_model(path: str, weights: bool = False) -> onnx.ModelProto:
     """Parse ``path`` as an ONNX model without touching external-data files.
 
     Without ``weights``, a big file is parsed without its initializers' data,
@@ -325,7 +325,7 @@ def length_delimited(number, payload):
     return encode_varint(number << 3 | LENGTH_DELIMITED) + encode_varint(len(payload)) + payload
 
 
-def skim_model(buf):
+def skim_model(buf: bytes | FileBytes) -> bytes:
     """ModelProto bytes with every graph initializer reduced to its header."""
     out = bytearray()
     for number, wire, start, end, field_start in wire_fields(buf, 0, len(buf)):
@@ -357,7 +357,7 @@ def skim_graph(buf, start, end):
     return bytes(out)
 
 
-def parse_model(data, path):
+def parse_model(data: bytes, path: str) -> onnx.ModelProto:
     """Turn bytes into a ModelProto, or raise exit 4 naming ``path``."""
     model = onnx.ModelProto()
     try:
@@ -388,7 +388,7 @@ def load_with_weights(path: str) -> onnx.ModelProto:
 # The graph index: built once, every question answered from it in linear time
 
 
-def as_text(value):
+def as_text(value: str | bytes) -> str:
     """A protobuf string field as ``str``.
 
     Protobuf hands a string field that is not valid UTF-8 to Python as
@@ -405,12 +405,12 @@ def as_texts(values):
     return values
 
 
-def node_name(node, index):
+def node_name(node: onnx.NodeProto, index: int) -> str:
     """The node's name, or ``<op_type>_<index>`` when it has none."""
     return as_text(node.name) or f"{as_text(node.op_type)}_{index}"
 
 
-def dtype_name(data_type):
+def dtype_name(data_type: int) -> str:
     """onnx's name for a TensorProto data type; unknown numbers stay visible."""
     try:
         return onnx.TensorProto.DataType.Name(data_type)
@@ -429,7 +429,7 @@ class GraphIndex:
     needs. 100,000-node graphs are normal.
     """
 
-    def __init__(self, graph):
+    def __init__(self, graph: onnx.GraphProto) -> None:
         self.graph = graph
         self.op_types, self.inputs, self.outputs = op_types, inputs, outputs = [], [], []
         self.inputs_with_gaps = {}  # nodes with absent ("") inputs, as written
@@ -449,7 +449,7 @@ class GraphIndex:
         self.dq_nodes = [i for i, dq in enumerate(self.is_dq) if dq]
         self.compute_nodes = [i for i, (q, dq) in enumerate(zip(self.is_q, self.is_dq)) if not (q or dq)]
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.op_types)
 
     def _inputs_of(self, node_indices):
@@ -556,21 +556,21 @@ class GraphIndex:
         """Every node's name; ``name(i)`` is cheaper when only a few are needed."""
         return [self.name(i) for i in range(len(self))]
 
-    def name(self, i):
+    def name(self, i: int) -> str:
         return node_name(self.graph.node[i], i)
 
-    def is_compute(self, i):
+    def is_compute(self, i: int) -> bool:
         return not (self.is_q[i] or self.is_dq[i])
 
-    def producer_of(self, tensor):
+    def producer_of(self, tensor: str) -> int | None:
         """Index of the node producing ``tensor``, or None."""
         return self.producer.get(tensor)
 
-    def consumers_of(self, tensor):
+    def consumers_of(self, tensor: str) -> list[int] | tuple[()]:
         return self.consumers.get(tensor, ())
 
 
-def float_components(index):
+def float_components(index: GraphIndex) -> list[list[int]]:
     """Connected components of float nodes (lists of node indices), unordered."""
     producer, consumers = index.float_producer, index.float_consumers
     seen = [False] * len(index)
@@ -597,7 +597,7 @@ def float_components(index):
     return components
 
 
-def float_islands(index):
+def float_islands(index: GraphIndex) -> list[tuple[list[int], list[str]]]:
     """Float islands as ``(node indices, sorted names)`` in SPEC.md's order.
 
     Each island's names are sorted, and the list by those names, which puts
@@ -611,7 +611,7 @@ def float_islands(index):
     return islands
 
 
-def boundary_of(index, island):
+def boundary_of(index: GraphIndex, island: Iterable[int]) -> tuple[set[int], set[int]]:
     """Distinct DQ nodes feeding the island and distinct Q nodes it feeds."""
     in_dequantize, out_quantize = set(), set()
     dq_producer, q_consumers = index.dq_producer, index.q_consumers_of_float
@@ -625,7 +625,7 @@ def boundary_of(index, island):
     return in_dequantize, out_quantize
 
 
-def count_round_trips(index):
+def count_round_trips(index: GraphIndex) -> int:
     """Q nodes whose output is consumed, and consumed only by DQ nodes."""
     read_by_non_dq = index.read_by_q | index.read_by_compute
     read_by_dq_only = index.read_by_dq - read_by_non_dq
@@ -635,7 +635,7 @@ def count_round_trips(index):
     )
 
 
-def count_weight_dequantize(index):
+def count_weight_dequantize(index: GraphIndex) -> int:
     """DQ nodes whose first input is an initializer (a stored int8 weight)."""
     initializers, inputs, gaps = index.initializers, index.inputs, index.inputs_with_gaps
     count = 0
@@ -649,18 +649,18 @@ def count_weight_dequantize(index):
 # Answers from an index (used by the commands and by gen_models.py)
 
 
-def census(op_types):
+def census(op_types: Iterable[str]) -> dict[str, int]:
     """``{op_type: count}`` with keys sorted."""
     return dict(sorted(Counter(op_types).items()))
 
 
-def initializer_census(graph):
+def initializer_census(graph: onnx.GraphProto) -> dict[str, int]:
     """``{dtype_name: count}`` over the graph's initializers, keys sorted."""
     counts = Counter(dtype_name(init.data_type) for init in graph.initializer)
     return dict(sorted(counts.items()))
 
 
-def qdq_counts(index):
+def qdq_counts(index: GraphIndex) -> dict[str, int]:
     return {
         "quantize": len(index.q_nodes),
         "dequantize": len(index.dq_nodes),
@@ -669,7 +669,7 @@ def qdq_counts(index):
     }
 
 
-def island_report(index, islands):
+def island_report(index: GraphIndex, islands: list[tuple[list[int], list[str]]]) -> dict:
     compute = len(index.compute_nodes)
     wrapped = compute - len(index.float_nodes)
     entries = []
@@ -690,7 +690,7 @@ def island_report(index, islands):
     }
 
 
-def boundary_report(index, islands):
+def boundary_report(index: GraphIndex, islands: list[tuple[list[int], list[str]]]) -> dict:
     per_island = []
     for members, names in islands:
         in_dq, out_q = boundary_of(index, members)
@@ -713,11 +713,11 @@ def boundary_report(index, islands):
 # Commands: path(s) -> dict, exactly the keys SPEC.md lists
 
 
-def index_model(path):
+def index_model(path: str) -> GraphIndex:
     return GraphIndex(load_model(path).graph)
 
 
-def nodes(path):
+def nodes(path: str) -> dict:
     """Op census and initializer dtype census."""
     model = load_model(path)
     op_types = as_texts([node.op_type for node in model.graph.node])  # no index needed
@@ -729,24 +729,24 @@ def nodes(path):
     }
 
 
-def qdq(path):
+def qdq(path: str) -> dict:
     """Q and DQ counts, activation round trips and weight DQs."""
     return {"model": path, **qdq_counts(index_model(path))}
 
 
-def islands(path):
+def islands(path: str) -> dict:
     """Wrapped versus float compute nodes and the float islands."""
     index = index_model(path)
     return {"model": path, **island_report(index, float_islands(index))}
 
 
-def boundary(path):
+def boundary(path: str) -> dict:
     """Per island, the distinct DQs entering it and Qs leaving it."""
     index = index_model(path)
     return {"model": path, **boundary_report(index, float_islands(index))}
 
 
-def summary(index):
+def summary(index: GraphIndex) -> dict:
     """The numbers ``diff`` compares, from one index.
 
     Only what diff reports: islands need no names, weight DQs are not compared.
@@ -761,7 +761,7 @@ def summary(index):
     }
 
 
-def diff_summaries(a, b):
+def diff_summaries(a: dict, b: dict) -> dict:
     """b minus a for two ``summary`` dicts; op_delta keeps non-zero entries."""
     op_types = sorted(set(a["op_types"]) | set(b["op_types"]))
     op_delta = {}
@@ -779,7 +779,7 @@ def diff_summaries(a, b):
     }
 
 
-def diff(a, b):
+def diff(a: str, b: str) -> dict:
     """What changed from model ``a`` to model ``b`` (every delta is b - a)."""
     before = summary(index_model(a))
     after = summary(index_model(b))
@@ -1428,7 +1428,7 @@ TABLE_RENDERERS = {
 }
 
 
-def render_table(command, answer, top=None):
+def render_table(command: str, answer: dict, top: int | None = None) -> str:
     """The answer of ``command`` as text for a terminal (commands without a renderer get a generic one)."""
     return TABLE_RENDERERS.get(command, generic_table)(answer, top)
 
@@ -1558,7 +1558,7 @@ def dot_header(path, index, kinds, island_count):
     ]
 
 
-def dot(path, runtime_colours=False, collapse=False):
+def dot(path: str, runtime_colours: bool = False, collapse: bool = False) -> str:
     """The island map of ``path`` as Graphviz DOT text."""
     index = index_model(path)
     names = index.names
@@ -1907,7 +1907,7 @@ def answer_text(argv: list[str]) -> tuple[str, int]:
     return strict_json(answer), exit_code
 
 
-def strict_json(answer):
+def strict_json(answer: dict) -> str:
     """One strict JSON text for ``answer``: NaN and +-Infinity become ``null``.
 
     Strict parsers reject those tokens, so no answer may carry them. The
@@ -1930,7 +1930,7 @@ def finite_or_null(value):
     return value
 
 
-def report(line):
+def report(line: str) -> None:
     """One line on stderr; a closed or full stderr cannot make it a traceback."""
     stream = sys.stderr
     if stream is None:
@@ -1942,7 +1942,7 @@ def report(line):
         pass
 
 
-def write_answer(text):
+def write_answer(text: str) -> None:
     """Write the answer on stdout, or raise exit 3 when stdout cannot take it
     (closed, a pipe whose reader left, a full disk)."""
     stream = sys.stdout
@@ -1970,7 +1970,7 @@ def discard_stdout(stream):
     os.close(devnull)
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     """Run one command; print its JSON answer or one error line. Returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     # A short run that builds a million small objects: the cyclic collector

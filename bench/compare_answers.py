@@ -4,7 +4,8 @@
 
 Runs every command and every option that answers on the same models with the
 graphscan of git revision REF (default: HEAD, exported with ``git archive``)
-and with the working tree's, each as a whole process from the same folder, and
+and with the working tree's (copied when the run starts, so the tree can change
+while it runs), each as a whole process from the same folder, and
 compares exit code and stdout byte for byte (fuse: the written file too).
 ``runtime --time`` answers measure time, so their timing fields are compared
 only by key and type. Table and DOT text are compared as well (a restructuring
@@ -22,6 +23,7 @@ import argparse
 import io
 import itertools
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -38,6 +40,17 @@ def export_revision(revision: str, folder: Path) -> Path:
     with tarfile.open(fileobj=io.BytesIO(data)) as archive:
         archive.extractall(folder, filter="data")
     return folder
+
+
+def snapshot_tree(folder: Path) -> Path:
+    """A copy of the working tree's graphscan.py and graphscan_ort package under ``folder``."""
+    folder.mkdir(parents=True)
+    shutil.copy2(REPO_ROOT / "graphscan.py", folder / "graphscan.py")
+    if (REPO_ROOT / "graphscan_ort").is_dir():
+        shutil.copytree(
+            REPO_ROOT / "graphscan_ort", folder / "graphscan_ort", ignore=shutil.ignore_patterns("__pycache__")
+        )
+    return folder / "graphscan.py"
 
 
 def build_models(folder: Path) -> dict:
@@ -179,12 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="graphscan-compare-") as tmp:
         tmp = Path(tmp)
         baseline = export_revision(args.baseline, tmp / "baseline") / "graphscan.py"
+        current = snapshot_tree(tmp / "current")
         models = build_models(tmp / "models")
         (tmp / "out").mkdir()
         todo = [c for c in cases(models, args.models, tmp / "out") if not args.only or args.only in c[0]]
         results = {}
         for name, case_argv in todo:
-            results[name] = compare(baseline, REPO_ROOT / "graphscan.py", name, case_argv)
+            results[name] = compare(baseline, current, name, case_argv)
             if results[name]:
                 print(f"DIFFERS {name}: {results[name]}", flush=True)
     differing = sum(1 for r in results.values() if r)

@@ -111,7 +111,7 @@ def unique_name(wanted, taken):
     return name
 
 
-def fuse_matmul_add(model):
+def fuse_matmul_add(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[dict], list[dict]]:
     """A copy of ``model`` with every legal MatMul+Add replaced by one Gemm.
 
     Returns ``(fused_model, fused, skipped)`` as the ``fuse`` answer lists them.
@@ -185,7 +185,9 @@ def check_original(model, path):
             )
 
 
-def fuse(path, output, inputs=None, shape=None, seed=FUSE_SEED):
+def fuse(
+    path: str, output: str, inputs: str | None = None, shape: list[str] | None = None, seed: int = FUSE_SEED
+) -> dict:
     """Fuse MatMul+Add into Gemm, verify with onnxruntime, then write ``output``.
 
     The verification sample is ``inputs`` (an .npz) or seeded data whose

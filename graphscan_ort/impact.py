@@ -17,11 +17,12 @@ import onnx
 from graphscan import (
     DQ_OUTPUT_SUFFIX,
     EXIT_USAGE,
-    Q_RANGES,
     QDQ_SUFFIX,
     GraphIndex,
     GraphscanError,
     load_with_weights,
+    q_output_type,
+    representable_range,
     shown,
 )
 from graphscan_ort.common import OutputNoise, does_not_run, impact_options, model_outputs, open_session, output_pairs
@@ -57,24 +58,19 @@ class LazyArray:
 
 
 def quant_range(q_node, constants):
-    """``(lo, hi, elem_type)``: the float range a Q can represent, or None when
-    its scale or zero point is not a scalar constant."""
+    """``(lo, hi, scale's elem_type)``: the float range a Q can represent
+    (``representable_range``), or None when its scale or zero point is not a
+    scalar constant."""
     scale = constants.get(q_node.input[1]) if len(q_node.input) > 1 else None
     if scale is None or scale.array.size != 1:
         return None
     zero = constants.get(q_node.input[2]) if len(q_node.input) > 2 and q_node.input[2] else None
-    if zero is not None:
-        if zero.array.size != 1:
-            return None
-        qtype, zp = zero.proto.data_type, float(zero.array.reshape(-1)[0])
-    else:
-        attrs = {a.name: a.i for a in q_node.attribute if a.type == onnx.AttributeProto.INT}
-        qtype, zp = attrs.get("output_dtype") or onnx.TensorProto.UINT8, 0.0
-    if qtype not in Q_RANGES:
+    if zero is not None and zero.array.size != 1:
         return None
-    qmin, qmax = Q_RANGES[qtype]
-    s = float(np.float64(scale.array.reshape(-1)[0]))
-    return (qmin - zp) * s, (qmax - zp) * s, scale.proto.data_type
+    zp = float(zero.array.reshape(-1)[0]) if zero is not None else 0.0
+    q_type = q_output_type(q_node, zero.proto.data_type if zero is not None else None)
+    bounds = representable_range(float(np.float64(scale.array.reshape(-1)[0])), zp, q_type)
+    return None if bounds is None else (*bounds, scale.proto.data_type)
 
 
 def float_activation(float_index, quant_index, tensor):
@@ -487,7 +483,16 @@ class ImpactRun:
         return kept if same_clip(stats, (self.defaults[low], self.defaults[high]), (lo, hi)) else rounded
 
 
-def impact(a, b, inputs=None, seed=0, shape=None, target_sqnr=None, max_exclude=None, top=None):
+def impact(
+    a: str,
+    b: str,
+    inputs: list[str] | None = None,
+    seed: int = 0,
+    shape: list[str] | None = None,
+    target_sqnr: float | None = None,
+    max_exclude: int | None = None,
+    top: int | None = None,
+) -> dict:
     """Per operator and per activation tensor of ``b`` (quantized): the output
     SQNR against ``a`` (float) if it stayed float; optionally what to exclude."""
     if max_exclude is not None and target_sqnr is None:

@@ -497,16 +497,16 @@ def runtime_environment(level, provider, int8_allowed):
 
 
 def runtime(
-    path,
-    level="extended",
-    provider="CPUExecutionProvider",
-    int8_allowed=False,
-    timed=False,
-    inputs=None,
-    shape=None,
-    seed=0,
-    runs=RUNTIME_DEFAULT_RUNS,
-):
+    path: str,
+    level: str = "extended",
+    provider: str = "CPUExecutionProvider",
+    int8_allowed: bool = False,
+    timed: bool = False,
+    inputs: str | None = None,
+    shape: list[str] | None = None,
+    seed: int = 0,
+    runs: int = RUNTIME_DEFAULT_RUNS,
+) -> dict:
     """Per compute node: the kernel onnxruntime runs for it and its class."""
     if level not in RUNTIME_LEVELS:
         raise GraphscanError(f"usage: --level must be one of {', '.join(RUNTIME_LEVELS)}", EXIT_USAGE)

@@ -21,7 +21,6 @@ from graphscan import (
     EXIT_INPUTS,
     EXIT_NO_FILE,
     EXIT_RUNTIME,
-    Q_RANGES,
     QDQ_SUFFIX,
     TRACE_TOLERANCE,
     GraphIndex,
@@ -32,6 +31,8 @@ from graphscan import (
     load_with_weights,
     one_line,
     output_chain,
+    q_output_type,
+    representable_range,
     shown,
     value_inputs,
 )
@@ -205,25 +206,20 @@ def output_scale(graph, out_chain, initializer_protos):
 
 
 def clip_range(graph, q_node, initializer_protos):
-    """``(lo, hi)``: what a per-tensor Q represents, ``(qmin - zp) * s`` to
-    ``(qmax - zp) * s``; None for a per-channel or non-integer Q."""
+    """``(lo, hi)``: what a per-tensor Q represents (``representable_range``);
+    None for a per-channel or non-integer Q, or one whose scale is not an initializer."""
     node = graph.node[q_node]
     scale = scalar_initializer(initializer_protos, node.input[1])
     if scale is None:
         return None
+    zero_point = None
     if len(node.input) > 2 and node.input[2]:
         zero_point = scalar_initializer(initializer_protos, node.input[2])
         if zero_point is None:
             return None
-        zero, data_type = int(zero_point[0]), zero_point[1]
-    else:
-        declared = [a.i for a in node.attribute if a.name == "output_dtype" and a.i]
-        zero, data_type = 0, (declared[0] if declared else onnx.TensorProto.UINT8)
-    if data_type not in Q_RANGES:
-        return None
-    qmin, qmax = Q_RANGES[data_type]
-    s = float(scale[0])
-    return (qmin - zero) * s, (qmax - zero) * s
+    zero = int(zero_point[0]) if zero_point else 0
+    q_type = q_output_type(node, zero_point[1] if zero_point else None)
+    return representable_range(float(scale[0]), zero, q_type)
 
 
 def tensor_reference(index, matcher, tensor, types=None):
@@ -418,7 +414,15 @@ def row_answer(index, row, isolated, propagated, clipped):
     }
 
 
-def trace(a, b, inputs=None, seed=0, tolerance=TRACE_TOLERANCE, save=None, shape=None):
+def trace(
+    a: str,
+    b: str,
+    inputs: str | None = None,
+    seed: int = 0,
+    tolerance: float = TRACE_TOLERANCE,
+    save: str | None = None,
+    shape: list[str] | None = None,
+) -> dict:
     """Per operator of ``b`` (quantized): isolated and propagated error against ``a`` (float)."""
     try:
         return trace_models(a, b, inputs, seed, tolerance, save, shape)
