@@ -109,7 +109,7 @@ def test_fuse_reports_missing_external_data(tmp_path, capsys):
 
 def test_skimmed_and_full_parse_agree(tmp_path, monkeypatch, build_case):
     """The big-file path (weights skipped) gives the same answers as the full parse."""
-    from conftest import CASES
+    from tests.lab import CASES
 
     variants = build_case(CASES[1])
     for variant, path in variants.items():

@@ -17,8 +17,8 @@ import onnx
 import pytest
 
 import graphscan
-from conftest import DEFAULT_LAB, run_onnx
-from tests.helpers import GRAPHSCAN, describe, error_line, json_answer, run_graphscan, strict_loads
+from tests.helpers import GRAPHSCAN, describe, error_line, json_answer, run_graphscan, run_onnx, strict_loads
+from tests.lab import DEFAULT_LAB
 
 # matmul_only of the canonical 3-layer lab: each layer's Add and Relu stay
 # float (the MatMul alone is wrapped), one island per layer. Each island has
@@ -31,17 +31,12 @@ MATMUL_ONLY = {
 }
 
 
-@pytest.fixture(scope="module")
-def lab(build_case):
-    return build_case(DEFAULT_LAB)
-
-
 def budget_rows(answer):
     return {b["name"]: (b["value"], b["limit"], b["ok"]) for b in answer["budgets"]}
 
 
-def test_counting_budgets_hold_at_their_value_and_break_below(lab):
-    path = str(lab["matmul_only"])
+def test_counting_budgets_hold_at_their_value_and_break_below(default_lab):
+    path = str(default_lab["matmul_only"])
     at_value = graphscan.check(path, **MATMUL_ONLY)
     assert list(at_value) == ["model", "float", "budgets", "ok"]
     assert at_value["ok"] is True and at_value["float"] is None
@@ -51,55 +46,59 @@ def test_counting_budgets_hold_at_their_value_and_break_below(lab):
     assert budget_rows(below) == {name: (v, v - 1, False) for name, v in MATMUL_ONLY.items()}
 
 
-def test_one_broken_budget_breaks_the_gate(lab):
-    answer = graphscan.check(str(lab["matmul_only"]), max_float=100, max_islands=MATMUL_ONLY["max_islands"] - 1)
+def test_one_broken_budget_breaks_the_gate(default_lab):
+    answer = graphscan.check(str(default_lab["matmul_only"]), max_float=100, max_islands=MATMUL_ONLY["max_islands"] - 1)
     assert [b["ok"] for b in answer["budgets"]] == [True, False] and answer["ok"] is False
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86's uint8 rewrite")
-def test_min_int8_uses_the_runtime_classes(lab):
+def test_min_int8_uses_the_runtime_classes(default_lab):
     # full.onnx on x86: the 3 MatMuls run QLinearMatMul, the 3 Adds stay float
     # (mixed int8/uint8 operands): 3 of the 6 nodes that run a kernel.
-    assert budget_rows(graphscan.check(str(lab["full"]), min_int8=0.5)) == {"min_int8": (0.5, 0.5, True)}
-    assert budget_rows(graphscan.check(str(lab["full"]), min_int8=0.51))["min_int8"][2] is False
+    assert budget_rows(graphscan.check(str(default_lab["full"]), min_int8=0.5)) == {"min_int8": (0.5, 0.5, True)}
+    assert budget_rows(graphscan.check(str(default_lab["full"]), min_int8=0.51))["min_int8"][2] is False
 
 
-def test_min_sqnr_matches_onnxruntime_run_directly(lab, tmp_path):
+def test_min_sqnr_matches_onnxruntime_run_directly(default_lab, tmp_path):
     rng = np.random.default_rng(7)
     samples = []
     for k in range(2):
         x = rng.standard_normal((5, DEFAULT_LAB.dim)).astype(np.float32)
         np.savez(tmp_path / f"s{k}.npz", x=x)
         samples.append(x)
-    f = np.concatenate([run_onnx(lab["fp32"], {"x": x})[0].ravel() for x in samples]).astype(np.float64)
-    q = np.concatenate([run_onnx(lab["full"], {"x": x})[0].ravel() for x in samples]).astype(np.float64)
+    f = np.concatenate([run_onnx(default_lab["fp32"], {"x": x})[0].ravel() for x in samples]).astype(np.float64)
+    q = np.concatenate([run_onnx(default_lab["full"], {"x": x})[0].ravel() for x in samples]).astype(np.float64)
     expected = 20 * math.log10(np.linalg.norm(f) / np.linalg.norm(f - q))
     inputs = [str(tmp_path / "s0.npz"), str(tmp_path / "s1.npz")]
-    answer = graphscan.check(str(lab["full"]), float=str(lab["fp32"]), min_sqnr=expected - 0.01, inputs=inputs)
+    answer = graphscan.check(
+        str(default_lab["full"]), float=str(default_lab["fp32"]), min_sqnr=expected - 0.01, inputs=inputs
+    )
     ((value, _limit, ok),) = budget_rows(answer).values()
     assert value == pytest.approx(expected, abs=1e-9) and ok is True
-    broken = graphscan.check(str(lab["full"]), float=str(lab["fp32"]), min_sqnr=expected + 0.01, inputs=inputs)
-    assert broken["ok"] is False and broken["float"] == str(lab["fp32"])
+    broken = graphscan.check(
+        str(default_lab["full"]), float=str(default_lab["fp32"]), min_sqnr=expected + 0.01, inputs=inputs
+    )
+    assert broken["ok"] is False and broken["float"] == str(default_lab["fp32"])
 
 
-def test_identical_outputs_hold_any_sqnr_and_show_null(lab):
-    answer = graphscan.check(str(lab["full"]), float=str(lab["full"]), min_sqnr=1000)
+def test_identical_outputs_hold_any_sqnr_and_show_null(default_lab):
+    answer = graphscan.check(str(default_lab["full"]), float=str(default_lab["full"]), min_sqnr=1000)
     assert budget_rows(answer) == {"min_sqnr": (None, 1000.0, True)}
 
 
-def test_an_undefined_sqnr_shows_null_and_does_not_hold(lab, tmp_path):
+def test_an_undefined_sqnr_shows_null_and_does_not_hold(default_lab, tmp_path):
     """A float model whose outputs are all zeros gives an SQNR of -infinity
     against anything else: undefined, shown as null, and the gate is closed."""
-    zero = onnx.load(lab["fp32"])
+    zero = onnx.load(default_lab["fp32"])
     for init in zero.graph.initializer:
         init.CopyFrom(onnx.numpy_helper.from_array(np.zeros_like(onnx.numpy_helper.to_array(init)), init.name))
     onnx.save(zero, tmp_path / "zero.onnx")
-    answer = graphscan.check(str(lab["full"]), float=str(tmp_path / "zero.onnx"), min_sqnr=-1000)
+    answer = graphscan.check(str(default_lab["full"]), float=str(tmp_path / "zero.onnx"), min_sqnr=-1000)
     assert budget_rows(answer) == {"min_sqnr": (None, -1000.0, False)}
 
 
-def test_budget_file_gives_the_same_answer_and_options_override_it(lab, tmp_path):
-    path = str(lab["matmul_only"])
+def test_budget_file_gives_the_same_answer_and_options_override_it(default_lab, tmp_path):
+    path = str(default_lab["matmul_only"])
     budget = tmp_path / "budget.json"
     budget.write_text(json.dumps({"max_crossings": 0, "max_islands": MATMUL_ONLY["max_islands"]}))
     from_file = graphscan.check(path, budget=str(budget))
@@ -111,8 +110,8 @@ def test_budget_file_gives_the_same_answer_and_options_override_it(lab, tmp_path
     assert overridden["ok"] is True
 
 
-def test_process_exit_8_prints_the_same_json(lab, tmp_path):
-    path = lab["matmul_only"]
+def test_process_exit_8_prints_the_same_json(default_lab, tmp_path):
+    path = default_lab["matmul_only"]
     broken = run_graphscan(["check", path, "--max-islands", "0"], cwd=tmp_path)
     assert broken.returncode == graphscan.EXIT_BUDGET == 8, describe(broken)
     assert broken.stderr == b""
@@ -124,8 +123,8 @@ def test_process_exit_8_prints_the_same_json(lab, tmp_path):
     ]
 
 
-def test_usage_errors(lab, tmp_path):
-    path = lab["matmul_only"]
+def test_usage_errors(default_lab, tmp_path):
+    path = default_lab["matmul_only"]
     (tmp_path / "unknown.json").write_text('{"max_floats": 3}')
     (tmp_path / "notjson.json").write_text("{max_float: 3")
     (tmp_path / "list.json").write_text("[1]")
@@ -159,12 +158,12 @@ def readme_ci_example():
     return budget, code
 
 
-def test_readme_ci_example_runs_and_can_fail(lab, tmp_path):
+def test_readme_ci_example_runs_and_can_fail(default_lab, tmp_path):
     """The README's CI test, run as a user would, with the lab's models in place of theirs."""
     budget, code = readme_ci_example()
     (tmp_path / "models").mkdir()
-    shutil.copy(lab["matmul_only"], tmp_path / "models" / "det_qdq.onnx")
-    shutil.copy(lab["matmul_only"], tmp_path / "models" / "rec_qdq.onnx")
+    shutil.copy(default_lab["matmul_only"], tmp_path / "models" / "det_qdq.onnx")
+    shutil.copy(default_lab["matmul_only"], tmp_path / "models" / "rec_qdq.onnx")
     shutil.copy(GRAPHSCAN, tmp_path / "graphscan.py")
     (tmp_path / "test_quantized_models.py").write_text(code)
     limits = json.loads(budget)

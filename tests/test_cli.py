@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import conftest
 import graphscan
 from tests.helpers import (
     COMMANDS,
@@ -41,12 +40,6 @@ def in_process(command, paths):
 
 
 @pytest.fixture
-def lab_paths(build_case):
-    """The default lab's variants as absolute path strings (one build per session)."""
-    return {variant: str(path) for variant, path in build_case(conftest.DEFAULT_LAB).items()}
-
-
-@pytest.fixture
 def workdir(tmp_path):
     """An empty working directory away from the repo, so the tool must run from anywhere."""
     folder = tmp_path / "work"
@@ -55,12 +48,12 @@ def workdir(tmp_path):
 
 
 @pytest.fixture
-def bad_inputs(workdir, lab_paths):
+def bad_inputs(workdir, default_lab):
     """Broken and missing inputs inside ``workdir``, named by the relative paths the tests pass.
 
     A good model sits beside them so that ``diff`` can fail on either path.
     """
-    full = Path(lab_paths["full"]).read_bytes()
+    full = Path(default_lab["full"]).read_bytes()
     (workdir / "good.onnx").write_bytes(full)
     (workdir / "a_folder").mkdir()
     (workdir / "empty.onnx").write_bytes(b"")
@@ -84,8 +77,8 @@ SUCCESS_CASES = [
 
 
 @pytest.mark.parametrize(("command", "variants"), SUCCESS_CASES)
-def test_success_prints_the_library_answer(lab_paths, workdir, command, variants):
-    paths = [lab_paths[v] for v in variants]
+def test_success_prints_the_library_answer(default_lab, workdir, command, variants):
+    paths = [default_lab[v] for v in variants]
     answer = json_answer(run_graphscan([command, *paths], workdir))
 
     assert_spec_shape(command, answer)
@@ -98,9 +91,9 @@ def test_success_prints_the_library_answer(lab_paths, workdir, command, variants
         assert answer == {"model": paths[0], **reference_of(paths[0])[command]}
 
 
-def test_diff_subprocess_is_antisymmetric(lab_paths, workdir):
+def test_diff_subprocess_is_antisymmetric(default_lab, workdir):
     """diff(a, b) == -diff(b, a), through the real process both ways."""
-    full, matmul_only = lab_paths["full"], lab_paths["matmul_only"]
+    full, matmul_only = default_lab["full"], default_lab["matmul_only"]
     forward = json_answer(run_graphscan(["diff", full, matmul_only], workdir))
     backward = json_answer(run_graphscan(["diff", matmul_only, full], workdir))
 
@@ -123,12 +116,12 @@ ECHO_CASES = [
 
 
 @pytest.mark.parametrize(("command", "relative"), ECHO_CASES)
-def test_paths_are_echoed_unchanged(lab_paths, workdir, command, relative):
+def test_paths_are_echoed_unchanged(default_lab, workdir, command, relative):
     sub = workdir / "sub"
     sub.mkdir()
-    shutil.copyfile(lab_paths["full"], sub / "m.onnx")
-    shutil.copyfile(lab_paths["matmul_only"], sub / "other.onnx")
-    absolute = {"m.onnx": lab_paths["full"], "other.onnx": lab_paths["matmul_only"]}
+    shutil.copyfile(default_lab["full"], sub / "m.onnx")
+    shutil.copyfile(default_lab["matmul_only"], sub / "other.onnx")
+    absolute = {"m.onnx": default_lab["full"], "other.onnx": default_lab["matmul_only"]}
 
     answer = json_answer(run_graphscan([command, *relative], workdir))
 
@@ -158,9 +151,9 @@ USAGE_CASES = [
 
 
 @pytest.mark.parametrize(("args", "named"), USAGE_CASES)
-def test_usage_error_exits_2(lab_paths, workdir, args, named):
+def test_usage_error_exits_2(default_lab, workdir, args, named):
     # Real model paths, so that only the usage can be what is wrong.
-    args = [a.format(full=lab_paths["full"]) for a in args]
+    args = [a.format(full=default_lab["full"]) for a in args]
     line = error_line(run_graphscan(args, workdir), 2)
     for token in named:
         assert token in line
@@ -252,9 +245,9 @@ def test_help_prints_usage_and_exits_0(workdir, prefix):
         pytest.param("diff", ["full", "matmul_only"], id="diff-full-to-matmul_only"),
     ],
 )
-def test_same_command_gives_identical_bytes(lab_paths, workdir, command, variants):
+def test_same_command_gives_identical_bytes(default_lab, workdir, command, variants):
     """Two runs under different string-hash seeds: no set or dict order leaks out."""
-    args = [command, *(lab_paths[v] for v in variants)]
+    args = [command, *(default_lab[v] for v in variants)]
     first, second = (run_graphscan(args, workdir, env={**os.environ, "PYTHONHASHSEED": seed}) for seed in ["1", "2"])
 
     json_answer(first)
@@ -266,28 +259,28 @@ def test_same_command_gives_identical_bytes(lab_paths, workdir, command, variant
 # The rest of "Invocation": self-contained file, no onnxruntime for counting
 
 
-def test_copied_alone_runs_from_another_folder(lab_paths, tmp_path):
+def test_copied_alone_runs_from_another_folder(default_lab, tmp_path):
     """graphscan.py copied next to a model folder, with nothing of the repo on the path."""
     tool, models = tmp_path / "tool", tmp_path / "models"
     tool.mkdir()
     models.mkdir()
     shutil.copyfile(GRAPHSCAN, tool / "graphscan.py")
-    shutil.copyfile(lab_paths["full"], models / "full.onnx")
+    shutil.copyfile(default_lab["full"], models / "full.onnx")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
     script = str(tool / "graphscan.py")
     proc = run_graphscan(["islands", "full.onnx"], models, script=script, env=env)
 
     answer = json_answer(proc)
-    assert answer == {**graphscan.islands(lab_paths["full"]), "model": "full.onnx"}
+    assert answer == {**graphscan.islands(default_lab["full"]), "model": "full.onnx"}
 
 
-def test_counting_commands_do_not_import_onnxruntime(lab_paths, workdir):
+def test_counting_commands_do_not_import_onnxruntime(default_lab, workdir):
     """SPEC: onnxruntime is imported only by fuse/trace, so counting starts fast."""
-    proc = run_graphscan(["qdq", lab_paths["full"]], workdir, python_flags=["-X", "importtime"])
+    proc = run_graphscan(["qdq", default_lab["full"]], workdir, python_flags=["-X", "importtime"])
 
     assert proc.returncode == 0, describe(proc)
-    assert strict_loads(proc.stdout) == graphscan.qdq(lab_paths["full"])
+    assert strict_loads(proc.stdout) == graphscan.qdq(default_lab["full"])
     imported = [
         line.rsplit("|", 1)[-1].strip()
         for line in proc.stderr.decode("utf-8").splitlines()
@@ -301,13 +294,13 @@ def test_counting_commands_do_not_import_onnxruntime(lab_paths, workdir):
 # In-process: main(argv) with capsys
 
 
-def test_main_success_prints_the_library_answer(lab_paths, capsys):
-    assert graphscan.main(["boundary", lab_paths["full"]]) == 0
+def test_main_success_prints_the_library_answer(default_lab, capsys):
+    assert graphscan.main(["boundary", default_lab["full"]]) == 0
     out, err = capsys.readouterr()
 
     assert err == ""
     assert out.endswith("\n") and out.count("\n") == 1
-    assert json.loads(out) == graphscan.boundary(lab_paths["full"])
+    assert json.loads(out) == graphscan.boundary(default_lab["full"])
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import graphscan
-from conftest import run_onnx
+from tests.helpers import run_onnx
 
 FLOAT4 = [1, 4]
 

@@ -17,8 +17,8 @@ import pytest
 from onnx import helper, numpy_helper
 
 import graphscan
-from conftest import DEFAULT_LAB, QDQ_VARIANTS, VARIANTS
 from tests.helpers import chain_model, error_line, run_graphscan
+from tests.lab import QDQ_VARIANTS, VARIANTS
 
 WRAPPED, FLOAT = graphscan.COLOURS["wrapped"][0], graphscan.COLOURS["float"][0]
 ATTRIBUTE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -102,16 +102,11 @@ def render_svg(text):
 needs_graphviz = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz is not installed")
 
 
-@pytest.fixture(scope="module")
-def canonical(build_case):
-    return build_case(DEFAULT_LAB)
-
-
-def test_matmul_only_picture_derived_by_hand(canonical):
+def test_matmul_only_picture_derived_by_hand(default_lab):
     # matmul_only: x -Q/DQ-> fc1_matmul (weight by a DQ, hidden) -Q/DQ-> fc1_add -> fc1_relu
     # -Q/DQ-> fc2_matmul ... fc3_relu -> y. The MatMuls are wrapped; each Add+Relu pair is a
     # float island: one DQ in, one Q out (the last reaches only y: no Q out).
-    text = graphscan.dot(str(canonical["matmul_only"]))
+    text = graphscan.dot(str(default_lab["matmul_only"]))
     nodes, clusters, edges = parse_dot(text)
     name = {ident: attrs["tooltip"] for ident, attrs in nodes.items() if "tooltip" in attrs}
     name.update({ident: attrs["label"] for ident, attrs in nodes.items() if ident.startswith(("in", "out"))})
@@ -141,8 +136,8 @@ def test_matmul_only_picture_derived_by_hand(canonical):
 
 @pytest.mark.parametrize("collapse", [False, True], ids=["full", "collapse"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_structure_of_every_lab_picture(canonical, variant, collapse):
-    path = str(canonical[variant])
+def test_structure_of_every_lab_picture(default_lab, variant, collapse):
+    path = str(default_lab[variant])
     assert_structure(path, graphscan.dot(path, collapse=collapse))
 
 
@@ -205,7 +200,7 @@ def fake_runtime(classes):
     return runtime
 
 
-def test_runtime_colours_follow_the_runtime_classes(canonical, monkeypatch):
+def test_runtime_colours_follow_the_runtime_classes(default_lab, monkeypatch):
     classes = {
         "fc1_matmul": "int8",
         "fc2_matmul": "int8",
@@ -216,7 +211,7 @@ def test_runtime_colours_follow_the_runtime_classes(canonical, monkeypatch):
         "fc3_relu": "int4",
     }  # int4, missing: unknown
     monkeypatch.setattr(graphscan, "runtime", fake_runtime(classes), raising=False)
-    path = str(canonical["matmul_only"])
+    path = str(default_lab["matmul_only"])
     nodes, _, _ = assert_structure(path, graphscan.dot(path, runtime_colours=True))
     colours = {attrs["tooltip"]: attrs["fillcolor"] for i, attrs in nodes.items() if i.startswith("n")}
     expected = {**classes, "fc2_relu": "unknown", "fc3_add": "unknown", "fc3_relu": "unknown"}  # no int4 colour
@@ -229,9 +224,9 @@ def parse_graph_label(text):
     return attributes(text.splitlines()[1])["label"]
 
 
-def test_runtime_missing_is_a_clear_usage_error(canonical, monkeypatch, capsys):
+def test_runtime_missing_is_a_clear_usage_error(default_lab, monkeypatch, capsys):
     monkeypatch.delattr(graphscan, "runtime", raising=False)
-    assert graphscan.main(["dot", str(canonical["full"]), "--runtime"]) == 2
+    assert graphscan.main(["dot", str(default_lab["full"]), "--runtime"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert err.startswith("graphscan: ") and "runtime" in err
@@ -241,18 +236,18 @@ def test_runtime_missing_is_a_clear_usage_error(canonical, monkeypatch, capsys):
 # As a process; Graphviz when present
 
 
-def test_dot_prints_dot_text_and_errors_like_every_command(canonical, tmp_path):
-    proc = run_graphscan(["dot", canonical["matmul_only"]])
+def test_dot_prints_dot_text_and_errors_like_every_command(default_lab, tmp_path):
+    proc = run_graphscan(["dot", default_lab["matmul_only"]])
     assert proc.returncode == 0 and proc.stderr == b""
-    assert proc.stdout.decode() == graphscan.dot(str(canonical["matmul_only"]))
+    assert proc.stdout.decode() == graphscan.dot(str(default_lab["matmul_only"]))
     assert "missing.onnx" in error_line(run_graphscan(["dot", tmp_path / "missing.onnx"]), 3)
-    assert "--format" in error_line(run_graphscan(["dot", canonical["full"], "--format", "table"]), 2)
+    assert "--format" in error_line(run_graphscan(["dot", default_lab["full"], "--format", "table"]), 2)
 
 
 @needs_graphviz
 @pytest.mark.parametrize("variant", QDQ_VARIANTS)
-def test_graphviz_renders_every_island_cluster(canonical, variant):
-    path = str(canonical[variant])
+def test_graphviz_renders_every_island_cluster(default_lab, variant):
+    path = str(default_lab[variant])
     text = graphscan.dot(path)
     svg = render_svg(text)
     _, clusters, _ = parse_dot(text)

@@ -7,8 +7,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
-from conftest import run_onnx
-from tests.helpers import fuse_with_transposed_b, json_answer, run_graphscan
+from tests.helpers import fuse_with_transposed_b, json_answer, run_graphscan, run_onnx
 
 RNG = np.random.default_rng(7)
 

@@ -9,8 +9,7 @@ import pytest
 
 import gen_models
 import graphscan
-from conftest import run_onnx
-from tests.helpers import ROOT, SINGLE_MODEL_COMMANDS
+from tests.helpers import ROOT, SINGLE_MODEL_COMMANDS, run_onnx
 from tests.reference import reference_diff, reference_of
 
 OPS = ROOT / "ops"

@@ -17,18 +17,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import conftest
 import gen_models
 import graphscan
 from tests.helpers import error_line, json_answer, run_graphscan, strict_loads
 
 NAN = float("nan")
-
-
-@pytest.fixture(scope="module")
-def lab(build_case):
-    """The lab's fp32 and QDQ models (input x [N, 8]), built once per session."""
-    return build_case(conftest.CASES[0])
 
 
 def main_result(capsys, argv):
@@ -107,8 +100,12 @@ runpy.run_path(sys.argv[0], run_name="__main__")
         pytest.param("fuse", "os.rename", "*", id="fuse-while-renaming-its-output"),
     ],
 )
-def test_sigint_is_one_line_and_exit_130(tmp_path, lab, command, event, argument):
-    paths = {"nodes": [lab["full"]], "fuse": [lab["fp32"], tmp_path / "out.onnx"], "trace": [lab["fp32"], lab["full"]]}
+def test_sigint_is_one_line_and_exit_130(tmp_path, small_lab, command, event, argument):
+    paths = {
+        "nodes": [small_lab["full"]],
+        "fuse": [small_lab["fp32"], tmp_path / "out.onnx"],
+        "trace": [small_lab["fp32"], small_lab["full"]],
+    }
     args = [command, *paths[command]]
     if argument == "{model}":
         argument = str(paths[command][0])
@@ -137,11 +134,11 @@ STDOUT_CASES = [
 
 
 @pytest.mark.parametrize(("command", "how"), STDOUT_CASES)
-def test_stdout_that_cannot_be_written_is_one_line_exit_3(tmp_path, lab, how, command):
+def test_stdout_that_cannot_be_written_is_one_line_exit_3(tmp_path, small_lab, how, command):
     rewire = f"import os, sys; {REWIRE_STDOUT[how]}; os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
     args = {
-        "islands": [command, lab["full"]],
-        "fuse": [command, lab["fp32"], tmp_path / "out.onnx"],
+        "islands": [command, small_lab["full"]],
+        "fuse": [command, small_lab["fp32"], tmp_path / "out.onnx"],
         "--help": [command],
     }[command]
     line = error_line(run_graphscan(args, python_flags=("-c", rewire)), graphscan.EXIT_NO_FILE)
@@ -150,14 +147,14 @@ def test_stdout_that_cannot_be_written_is_one_line_exit_3(tmp_path, lab, how, co
         assert not (tmp_path / "out.onnx").exists()
 
 
-def test_stdout_that_is_none_is_one_line_exit_3(lab, monkeypatch, capsys):
+def test_stdout_that_is_none_is_one_line_exit_3(small_lab, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdout", None)  # how Python starts with >&-
-    code = graphscan.main(["nodes", str(lab["full"])])
+    code = graphscan.main(["nodes", str(small_lab["full"])])
     assert code == graphscan.EXIT_NO_FILE
     assert capsys.readouterr().err == "graphscan: cannot write the answer: stdout is closed\n"
 
 
-def newline_cases(tmp_path, lab):
+def newline_cases(tmp_path, small_lab):
     junk = tmp_path / "bad\nname.onnx"
     junk.write_bytes(b"\xff\x00 not a model")
     for name in ["in\r.npz", "in\n.npz"]:
@@ -166,17 +163,17 @@ def newline_cases(tmp_path, lab):
         "missing-model": (["nodes", tmp_path / "no\nsuch.onnx"], 3, tmp_path / "no\nsuch.onnx"),
         "not-onnx": (["qdq", junk], 4, junk),
         "fuse-output-folder": (
-            ["fuse", lab["fp32"], tmp_path / "no\ndir" / "o.onnx"],
+            ["fuse", small_lab["fp32"], tmp_path / "no\ndir" / "o.onnx"],
             3,
             tmp_path / "no\ndir" / "o.onnx",
         ),
         "trace-inputs": (
-            ["trace", lab["fp32"], lab["full"], "--inputs", tmp_path / "in\r.npz"],
+            ["trace", small_lab["fp32"], small_lab["full"], "--inputs", tmp_path / "in\r.npz"],
             7,
             tmp_path / "in\r.npz",
         ),
         "fuse-inputs": (
-            ["fuse", lab["fp32"], tmp_path / "o.onnx", "--inputs", tmp_path / "in\n.npz"],
+            ["fuse", small_lab["fp32"], tmp_path / "o.onnx", "--inputs", tmp_path / "in\n.npz"],
             7,
             tmp_path / "in\n.npz",
         ),
@@ -184,8 +181,8 @@ def newline_cases(tmp_path, lab):
 
 
 @pytest.mark.parametrize("case", ["missing-model", "not-onnx", "fuse-output-folder", "trace-inputs", "fuse-inputs"])
-def test_path_with_a_newline_is_shown_escaped_on_one_line(tmp_path, lab, capsys, case):
-    argv, code, path = newline_cases(tmp_path, lab)[case]
+def test_path_with_a_newline_is_shown_escaped_on_one_line(tmp_path, small_lab, capsys, case):
+    argv, code, path = newline_cases(tmp_path, small_lab)[case]
     got, out, err = main_result(capsys, argv)
     assert (got, out, len(err)) == (code, "", 1)
     assert repr(str(path)) in err[0]
@@ -246,8 +243,8 @@ BAD_OPTIONS = [
 
 
 @pytest.mark.parametrize(("command", "option", "value"), BAD_OPTIONS)
-def test_bad_option_values_are_usage_errors(tmp_path, lab, capsys, command, option, value):
-    paths = [lab["fp32"], lab["full"]] if command == "trace" else [lab["fp32"], tmp_path / "o.onnx"]
+def test_bad_option_values_are_usage_errors(tmp_path, small_lab, capsys, command, option, value):
+    paths = [small_lab["fp32"], small_lab["full"]] if command == "trace" else [small_lab["fp32"], tmp_path / "o.onnx"]
     code, out, err = main_result(capsys, [command, *paths, f"{option}={value}"])
     assert (code, out, len(err)) == (graphscan.EXIT_USAGE, "", 1)
     assert option in err[0]
@@ -284,9 +281,9 @@ def bad_inputs(folder, case):
     "case", ["wrong-dtype", "wrong-shape", "wrong-rank", "zero-d", "string-array", "not-npy-member"]
 )
 @pytest.mark.parametrize("command", ["trace", "fuse"])
-def test_inputs_that_cannot_feed_the_model_are_exit_7(tmp_path, lab, capsys, command, case):
+def test_inputs_that_cannot_feed_the_model_are_exit_7(tmp_path, small_lab, capsys, command, case):
     npz = bad_inputs(tmp_path, case)
-    paths = [lab["fp32"], lab["full"]] if command == "trace" else [lab["fp32"], tmp_path / "o.onnx"]
+    paths = [small_lab["fp32"], small_lab["full"]] if command == "trace" else [small_lab["fp32"], tmp_path / "o.onnx"]
     code, out, err = main_result(capsys, [command, *paths, "--inputs", npz])
     assert (code, out, len(err)) == (graphscan.EXIT_INPUTS, "", 1)
     assert err[0].startswith(f"graphscan: {npz}: ")  # the file is blamed, not a model
@@ -302,9 +299,9 @@ def with_minus_one_batch(source, target):
     return target
 
 
-def test_minus_one_declared_dimension_is_symbolic_in_trace(tmp_path, lab):
-    fp32 = with_minus_one_batch(lab["fp32"], tmp_path / "fp32.onnx")
-    full = with_minus_one_batch(lab["full"], tmp_path / "full.onnx")
+def test_minus_one_declared_dimension_is_symbolic_in_trace(tmp_path, small_lab):
+    fp32 = with_minus_one_batch(small_lab["fp32"], tmp_path / "fp32.onnx")
+    full = with_minus_one_batch(small_lab["full"], tmp_path / "full.onnx")
     answer = json_answer(run_graphscan(["trace", fp32, full]))
     assert answer["inputs"] == {"x": [graphscan.TRACE_SYMBOLIC_DIM_SIZE, 8]}
     assert answer["ops"] and all(row["propagated_max_abs"] is not None for row in answer["ops"])

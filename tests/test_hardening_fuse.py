@@ -2,7 +2,7 @@
 Gemm only where onnxruntime runs it, a broken original blamed on itself,
 --inputs / --shape, and types that are not plain tensors.
 
-Expected numbers come from onnxruntime run directly (conftest.run_onnx) or
+Expected numbers come from onnxruntime run directly (tests/helpers.py run_onnx) or
 from hand derivation, never from graphscan.
 """
 
@@ -17,8 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
-from conftest import run_onnx
-from tests.helpers import error_line, fuse_with_transposed_b, json_answer, run_graphscan
+from tests.helpers import error_line, fuse_with_transposed_b, json_answer, run_graphscan, run_onnx
 
 RNG = np.random.default_rng(10)
 tensor = helper.make_tensor_value_info

@@ -12,8 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
-from conftest import run_onnx
-from tests.helpers import error_line, json_answer, mlp_with_weights_beside, run_graphscan, strict_loads
+from tests.helpers import error_line, json_answer, mlp_with_weights_beside, run_graphscan, run_onnx, strict_loads
 
 
 def one_layer(path, weight_scale=1.0, value_info=(), extra_nodes=(), output="y", rows=2):

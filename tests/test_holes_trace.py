@@ -12,25 +12,18 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
-from conftest import Case, run_onnx
 from tests.helpers import (
     error_line,
     json_answer,
     mlp_with_weights_beside,
     run_graphscan,
+    run_onnx,
     saved_arrays,
     with_external_weights,
 )
+from tests.lab import TRACE_LAB
 
-# The lab case test_trace.py uses: the session-scoped build is shared.
-LAB = Case(4, ("N",), "fc2_matmul", dim=16)
 OPSET = [helper.make_opsetid("", 17)]
-
-
-@pytest.fixture(scope="module")
-def trace_lab(build_case):
-    """The four-layer lab's variants as path strings."""
-    return {variant: str(path) for variant, path in build_case(LAB).items()}
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +123,7 @@ def test_worst_and_first_over_pick_the_first_of_equal_rows():
 
 def test_default_input_gives_symbolic_dimensions_size_1(trace_lab, traced):
     """Without --inputs, the batch dimension N of x [N, 16] is 1."""
-    assert traced["full"]["inputs"] == {"x": [1, LAB.dim]}
+    assert traced["full"]["inputs"] == {"x": [1, TRACE_LAB.dim]}
 
 
 # --------------------------------------------------------------------------
@@ -223,7 +216,7 @@ def test_unmatched_relus_of_the_lab_are_absorbed(traced):
     with the Relu's."""
     assert traced["full"]["unmatched"] == [
         {"node": f"fc{i}_relu", "op_type": "Relu", "reason": graphscan.REASON_ABSORBED}
-        for i in range(1, LAB.layers + 1)
+        for i in range(1, TRACE_LAB.layers + 1)
     ]
 
 
@@ -348,7 +341,7 @@ def test_default_tolerance_is_1e2(tmp_path, offset, over):
 @pytest.mark.parametrize("seed", [0, 3])
 def test_default_input_is_the_seeded_standard_normal(trace_lab, tmp_path, seed):
     """Without --inputs, x is numpy's default_rng(seed).standard_normal((1, 16)) as float32."""
-    x = np.random.default_rng(seed).standard_normal((1, LAB.dim)).astype(np.float32)
+    x = np.random.default_rng(seed).standard_normal((1, TRACE_LAB.dim)).astype(np.float32)
     np.savez(tmp_path / "x.npz", x=x)
     seeded = graphscan.trace(trace_lab["fp32"], trace_lab["full"], seed=seed)
     given = graphscan.trace(trace_lab["fp32"], trace_lab["full"], inputs=str(tmp_path / "x.npz"))

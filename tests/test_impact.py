@@ -16,11 +16,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
-from conftest import Case
 from tests import impact_reference as reference
 from tests.helpers import error_line, json_answer, run_graphscan, with_weight_scale_times
+from tests.lab import TRACE_LAB
 
-LAB = Case(4, ("N",), "fc2_matmul", dim=16)
 FAULTY = "fc2_matmul"
 TOLERANCE_DB = 0.05  # issue 9: graphscan equals the brute force within 0.05 dB on every row
 ANSWER_KEYS = ["a", "b", "inputs", "defaulted", "samples", "output_sqnr_db", "ops", "tensors"]
@@ -98,14 +97,9 @@ def branches_model():
 
 
 @pytest.fixture(scope="module")
-def lab(build_case):
-    return build_case(LAB)
-
-
-@pytest.fixture(scope="module")
-def faulty(lab, tmp_path_factory):
+def faulty(trace_lab, tmp_path_factory):
     """full.onnx with fc2_matmul's weight scale multiplied by 3 (values 3x too large)."""
-    return with_weight_scale_times(lab["full"], FAULTY, 3, tmp_path_factory.mktemp("faulty") / "faulty.onnx")
+    return with_weight_scale_times(trace_lab["full"], FAULTY, 3, tmp_path_factory.mktemp("faulty") / "faulty.onnx")
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +109,7 @@ def mlp_samples(tmp_path_factory):
     Half the calibration data's spread, so values stay inside the calibrated
     ranges: full.onnx is then good (~30 dB) and one broken scale stands out.
     """
-    return write_samples(tmp_path_factory.mktemp("mlp_samples"), {"x": (8, LAB.dim)}, 3, seed=5, scale=0.5)
+    return write_samples(tmp_path_factory.mktemp("mlp_samples"), {"x": (8, TRACE_LAB.dim)}, 3, seed=5, scale=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -168,10 +162,10 @@ VERSION_POLICIES = {
 
 @pytest.mark.parametrize("policy", sorted(VERSION_POLICIES))
 @pytest.mark.parametrize("model", ["lab-mlp", "faulty-mlp", "cnn", "two-outputs"])
-def test_every_row_equals_the_brute_force(model, policy, lab, faulty, mlp_samples, cnn, branches, monkeypatch):
+def test_every_row_equals_the_brute_force(model, policy, trace_lab, faulty, mlp_samples, cnn, branches, monkeypatch):
     a, b, samples = {
-        "lab-mlp": (lab["fp32"], lab["full"], mlp_samples),
-        "faulty-mlp": (lab["fp32"], faulty, mlp_samples),
+        "lab-mlp": (trace_lab["fp32"], trace_lab["full"], mlp_samples),
+        "faulty-mlp": (trace_lab["fp32"], faulty, mlp_samples),
         "cnn": cnn,
         "two-outputs": branches,
     }[model]
@@ -201,10 +195,10 @@ def test_every_row_equals_the_brute_force(model, policy, lab, faulty, mlp_sample
     assert gains == sorted(gains, reverse=True)
 
 
-def test_group_versions_only_when_the_machinery_costs_more_than_a_build(lab, mlp_samples):
+def test_group_versions_only_when_the_machinery_costs_more_than_a_build(trace_lab, mlp_samples):
     """The timing rule: a group's version is built once the full version's
     extra run time, over all samples and twice, exceeds its build time."""
-    float_model, quant_model = onnx.load(lab["fp32"]), onnx.load(lab["full"])
+    float_model, quant_model = onnx.load(trace_lab["fp32"]), onnx.load(trace_lab["full"])
     samples = load_samples(mlp_samples)
     noise = graphscan.OutputNoise(graphscan.float_outputs(float_model, samples, "a"))
     runner = graphscan.ImpactRun(float_model, quant_model, samples, ["y"], noise, "b").runner
@@ -217,21 +211,21 @@ def test_group_versions_only_when_the_machinery_costs_more_than_a_build(lab, mlp
     assert runner.version(0, 3) == 3
 
 
-def test_scaled_weight_makes_its_matmul_the_top_op(lab, faulty, mlp_samples):
-    answer = graphscan.impact(str(lab["fp32"]), str(faulty), inputs=[str(p) for p in mlp_samples])
+def test_scaled_weight_makes_its_matmul_the_top_op(trace_lab, faulty, mlp_samples):
+    answer = graphscan.impact(str(trace_lab["fp32"]), str(faulty), inputs=[str(p) for p in mlp_samples])
     top, second = answer["ops"][:2]
     assert top["node"] == FAULTY
     assert top["gain_db"] > 10.0, top  # tens of dB: the 3x scale ruins the output
     assert top["gain_db"] - second["gain_db"] > 10.0, (top, second)
 
 
-def test_absorbed_relu_is_restored(lab, mlp_samples):
+def test_absorbed_relu_is_restored(trace_lab, mlp_samples):
     """fc1_out is a Relu's output in fp32 but the Add's in full.onnx: the
     quantizer folded the Relu into the Q. float(t) must put it back; dropping it
     (what a plain 'read t instead' would do) passes negatives on and is far worse."""
-    a, b = onnx.load(lab["fp32"]), onnx.load(lab["full"])
+    a, b = onnx.load(trace_lab["fp32"]), onnx.load(trace_lab["full"])
     assert reference.absorbed(a, b, "fc1_out").op_type == "Relu"
-    answer = graphscan.impact(str(lab["fp32"]), str(lab["full"]), inputs=[str(p) for p in mlp_samples])
+    answer = graphscan.impact(str(trace_lab["fp32"]), str(trace_lab["full"]), inputs=[str(p) for p in mlp_samples])
     (row,) = [r for r in answer["tensors"] if r["tensor"] == "fc1_out"]
     assert row["gain_db"] > -0.5, row
     samples = load_samples(mlp_samples)
@@ -256,14 +250,14 @@ def test_trace_worst_op_has_no_output_impact(branches):
     assert answer["ops"][0]["gain_db"] > rows["wide_matmul"]["gain_db"] + 1.0
 
 
-def test_exclusion_equals_an_independent_run(lab, faulty, mlp_samples):
-    a, b = onnx.load(lab["fp32"]), onnx.load(faulty)
+def test_exclusion_equals_an_independent_run(trace_lab, faulty, mlp_samples):
+    a, b = onnx.load(trace_lab["fp32"]), onnx.load(faulty)
     samples = load_samples(mlp_samples)
     expected_float = reference.float_outputs(a, b, samples)
     paths = [str(p) for p in mlp_samples]
-    base = graphscan.impact(str(lab["fp32"]), str(faulty), inputs=paths)
+    base = graphscan.impact(str(trace_lab["fp32"]), str(faulty), inputs=paths)
     target = base["output_sqnr_db"] + 10.0
-    answer = graphscan.impact(str(lab["fp32"]), str(faulty), inputs=paths, target_sqnr=target)
+    answer = graphscan.impact(str(trace_lab["fp32"]), str(faulty), inputs=paths, target_sqnr=target)
     exclude = answer["exclude"]
     assert exclude["reached"] is True and exclude["nodes"][0] == FAULTY, exclude
     assert exclude["sqnr_db"] >= target
@@ -272,46 +266,46 @@ def test_exclusion_equals_an_independent_run(lab, faulty, mlp_samples):
     )
     assert close(exclude["sqnr_db"], independent), (exclude, independent)
 
-    impossible = graphscan.impact(str(lab["fp32"]), str(faulty), inputs=paths, target_sqnr=300.0)["exclude"]
+    impossible = graphscan.impact(str(trace_lab["fp32"]), str(faulty), inputs=paths, target_sqnr=300.0)["exclude"]
     positive = [r["node"] for r in base["ops"] if r["gain_db"] > 0]
     assert impossible["reached"] is False
     assert impossible["nodes"] == positive  # every op with a gain was tried, in rank order
     independent = reference.sqnr(expected_float, reference.run(reference.unquantize_ops(a, b, positive), samples))
     assert close(impossible["sqnr_db"], independent), (impossible, independent)
 
-    limited = graphscan.impact(str(lab["fp32"]), str(faulty), inputs=paths, target_sqnr=300.0, max_exclude=1)
+    limited = graphscan.impact(str(trace_lab["fp32"]), str(faulty), inputs=paths, target_sqnr=300.0, max_exclude=1)
     assert limited["exclude"]["nodes"] == [FAULTY] and limited["exclude"]["reached"] is False
 
 
-def test_top_limits_the_lists_not_the_measurement(lab, faulty, mlp_samples):
+def test_top_limits_the_lists_not_the_measurement(trace_lab, faulty, mlp_samples):
     paths = [str(p) for p in mlp_samples]
-    full = graphscan.impact(str(lab["fp32"]), str(faulty), inputs=paths)
-    top = graphscan.impact(str(lab["fp32"]), str(faulty), inputs=paths, top=2, target_sqnr=300.0)
+    full = graphscan.impact(str(trace_lab["fp32"]), str(faulty), inputs=paths)
+    top = graphscan.impact(str(trace_lab["fp32"]), str(faulty), inputs=paths, top=2, target_sqnr=300.0)
     assert top["ops"] == full["ops"][:2] and top["tensors"] == full["tensors"][:2]
     assert len(full["ops"]) > 2
     # The exclusion still walks every op with a gain, not just the two listed.
     assert len(top["exclude"]["nodes"]) == len([r for r in full["ops"] if r["gain_db"] > 0])
 
 
-def test_by_subprocess_strict_json(lab, faulty, mlp_samples, tmp_path):
-    args = ["impact", lab["fp32"], faulty]
+def test_by_subprocess_strict_json(trace_lab, faulty, mlp_samples, tmp_path):
+    args = ["impact", trace_lab["fp32"], faulty]
     for path in mlp_samples:
         args += ["--inputs", path]
     answer = json_answer(run_graphscan(args + ["--top", "3", "--target-sqnr", "40"], cwd=tmp_path))
     assert list(answer) == ANSWER_KEYS + ["exclude"]
-    assert answer["a"] == str(lab["fp32"]) and answer["samples"] == 3
-    assert answer["inputs"] == {"x": [8, LAB.dim]} and answer["defaulted"] == []
+    assert answer["a"] == str(trace_lab["fp32"]) and answer["samples"] == 3
+    assert answer["inputs"] == {"x": [8, TRACE_LAB.dim]} and answer["defaulted"] == []
     assert all(list(r) == OP_KEYS for r in answer["ops"]) and len(answer["ops"]) == 3
     assert all(list(r) == TENSOR_KEYS for r in answer["tensors"])
     assert list(answer["exclude"]) == ["target_sqnr_db", "nodes", "sqnr_db", "reached"]
 
 
-def test_default_shape_is_reported(lab, tmp_path):
-    seeded = json_answer(run_graphscan(["impact", lab["fp32"], lab["full"], "--seed", "3"], cwd=tmp_path))
-    assert seeded["inputs"] == {"x": [1, LAB.dim]} and seeded["defaulted"] == ["x"]
+def test_default_shape_is_reported(trace_lab, tmp_path):
+    seeded = json_answer(run_graphscan(["impact", trace_lab["fp32"], trace_lab["full"], "--seed", "3"], cwd=tmp_path))
+    assert seeded["inputs"] == {"x": [1, TRACE_LAB.dim]} and seeded["defaulted"] == ["x"]
     assert "exclude" not in seeded
-    shaped = graphscan.impact(str(lab["fp32"]), str(lab["full"]), shape=["x=5,16"])
-    assert shaped["inputs"] == {"x": [5, LAB.dim]} and shaped["defaulted"] == []
+    shaped = graphscan.impact(str(trace_lab["fp32"]), str(trace_lab["full"]), shape=["x=5,16"])
+    assert shaped["inputs"] == {"x": [5, TRACE_LAB.dim]} and shaped["defaulted"] == []
 
 
 @pytest.mark.parametrize(
@@ -328,17 +322,17 @@ def test_default_shape_is_reported(lab, tmp_path):
         pytest.param(["--inputs", "NOT_AN_NPZ"], 7, id="not-an-npz"),
     ],
 )
-def test_errors(lab, tmp_path, options, code):
+def test_errors(trace_lab, tmp_path, options, code):
     missing = tmp_path / "other.npz"
-    np.savez(missing, y=np.zeros((1, LAB.dim), np.float32))
+    np.savez(missing, y=np.zeros((1, TRACE_LAB.dim), np.float32))
     garbage = tmp_path / "garbage.npz"
     garbage.write_bytes(b"not a zip")
     options = [{"MISSING_INPUT_NPZ": missing, "NOT_AN_NPZ": garbage}.get(o, o) for o in options]
-    line = error_line(run_graphscan(["impact", lab["fp32"], lab["full"], *options], cwd=tmp_path), code)
+    line = error_line(run_graphscan(["impact", trace_lab["fp32"], trace_lab["full"], *options], cwd=tmp_path), code)
     assert "Traceback" not in line
 
 
-def test_broken_derived_model_is_named_as_graphscans(lab, monkeypatch):
+def test_broken_derived_model_is_named_as_graphscans(trace_lab, monkeypatch):
     """A derived model that fails is blamed on graphscan, not on the user's model (exit 5)."""
     real = graphscan.switched_model
 
@@ -349,9 +343,9 @@ def test_broken_derived_model_is_named_as_graphscans(lab, monkeypatch):
 
     monkeypatch.setattr(graphscan, "switched_model", broken)
     with pytest.raises(graphscan.GraphscanError) as caught:
-        graphscan.impact(str(lab["fp32"]), str(lab["full"]))
+        graphscan.impact(str(trace_lab["fp32"]), str(trace_lab["full"]))
     assert caught.value.exit_code == graphscan.EXIT_RUNTIME
-    assert f"graphscan's derived model of {lab['full']}" in str(caught.value)
+    assert f"graphscan's derived model of {trace_lab['full']}" in str(caught.value)
 
 
 def test_if_branches_reading_a_dequantized_tensor(tmp_path):
@@ -410,9 +404,9 @@ def test_derived_model_is_deterministic_and_prefixed(cnn):
     assert all(name.startswith("graphscan.") for name in added_inits)
 
 
-def test_a_model_against_itself_is_exact(lab, mlp_samples):
+def test_a_model_against_itself_is_exact(trace_lab, mlp_samples):
     """No quantization, no noise: every SQNR is null, whatever segment a node runs in."""
-    answer = graphscan.impact(str(lab["fp32"]), str(lab["fp32"]), inputs=[str(p) for p in mlp_samples])
+    answer = graphscan.impact(str(trace_lab["fp32"]), str(trace_lab["fp32"]), inputs=[str(p) for p in mlp_samples])
     assert answer["output_sqnr_db"] is None
     assert answer["ops"] == [] and answer["tensors"] == []
 

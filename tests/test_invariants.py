@@ -1,6 +1,6 @@
 """Laws that must hold on every lab case and every quantized variant.
 
-Each test runs over all of conftest.CASES (layers 3/4/6, 2-D and 3-D inputs,
+Each test runs over all of tests/lab.py CASES (layers 3/4/6, 2-D and 3-D inputs,
 a MatMul or an Add excluded), so a rule tuned to one shape fails here.
 """
 
@@ -8,8 +8,8 @@ import onnx
 import pytest
 
 import graphscan
-from conftest import QDQ_VARIANTS, VARIANTS
 from tests.helpers import DELTA_KEYS, SINGLE_MODEL_COMMANDS, laws_broken, negated
+from tests.lab import QDQ_VARIANTS, VARIANTS
 from tests.reference import reference_diff, reference_of
 
 

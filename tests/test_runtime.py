@@ -20,8 +20,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
-from conftest import DEFAULT_LAB
 from tests.helpers import error_line, json_answer, run_graphscan
+from tests.lab import DEFAULT_LAB
 
 x86_only = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64"),
@@ -60,16 +60,11 @@ def by_node(answer):
 
 
 @pytest.fixture(scope="module")
-def lab(build_case):
-    return build_case(DEFAULT_LAB)
-
-
-@pytest.fixture(scope="module")
-def lab_gemm(lab, tmp_path_factory):
+def lab_gemm(default_lab, tmp_path_factory):
     """gemm_full as gen_models builds it: the lab fp32 fused into Gemms, then quantized."""
     folder = tmp_path_factory.mktemp("gemm")
     gemm = folder / "gemm.onnx"
-    graphscan.fuse(str(lab["fp32"]), str(gemm))
+    graphscan.fuse(str(default_lab["fp32"]), str(gemm))
     gemm_full = folder / "gemm_full.onnx"
     gen_models.quantize_qdq(gemm, gemm_full, DEFAULT_LAB.seed)
     return gemm_full
@@ -80,8 +75,8 @@ def lab_gemm(lab, tmp_path_factory):
 
 
 @x86_only
-def test_full_matmuls_run_int8_and_adds_stay_float_for_mixed_types(lab):
-    answer = graphscan.runtime(str(lab["full"]))
+def test_full_matmuls_run_int8_and_adds_stay_float_for_mixed_types(default_lab):
+    answer = graphscan.runtime(str(default_lab["full"]))
     assert list(answer) == ANSWER_KEYS
     rows = by_node(answer)
     layers = DEFAULT_LAB.layers
@@ -110,8 +105,8 @@ def test_gemm_full_runs_three_qgemm(lab_gemm):
 
 
 @x86_only
-def test_matmul_only_relus_are_absorbed_into_the_next_quantize(lab):
-    rows = by_node(graphscan.runtime(str(lab["matmul_only"])))
+def test_matmul_only_relus_are_absorbed_into_the_next_quantize(default_lab):
+    rows = by_node(graphscan.runtime(str(default_lab["matmul_only"])))
     layers = DEFAULT_LAB.layers
     for k in range(1, layers):
         # Relu -> Q with zero point at qmin: onnxruntime drops the Relu (the
@@ -126,21 +121,21 @@ def test_matmul_only_relus_are_absorbed_into_the_next_quantize(lab):
     # The last Relu feeds the graph output, no Q to fold into.
     assert rows[f"fc{layers}_relu"]["class"] == "float"
     # The float Adds are not wrapped (SPEC), so they are not "wrapped but float".
-    answer = graphscan.runtime(str(lab["matmul_only"]))
+    answer = graphscan.runtime(str(default_lab["matmul_only"]))
     assert answer["wrapped_but_float"] == 0 and answer["float_but_int8"] == 0
 
 
-def test_level_basic_fuses_nothing_and_says_why(lab):
-    answer = graphscan.runtime(str(lab["full"]), level="basic")
+def test_level_basic_fuses_nothing_and_says_why(default_lab):
+    answer = graphscan.runtime(str(default_lab["full"]), level="basic")
     assert answer["environment"]["level"] == "basic"
     for row in answer["nodes"]:
         assert row["class"] == "float" and row["reason"]["code"] == "level", row
 
 
 @x86_only
-def test_int8_allowed_changes_the_answer_and_says_so(lab):
-    default = graphscan.runtime(str(lab["full"]))
-    allowed = graphscan.runtime(str(lab["full"]), int8_allowed=True)
+def test_int8_allowed_changes_the_answer_and_says_so(default_lab):
+    default = graphscan.runtime(str(default_lab["full"]))
+    allowed = graphscan.runtime(str(default_lab["full"]), int8_allowed=True)
     assert default["environment"]["int8_allowed"] is False
     assert allowed["environment"]["int8_allowed"] is True
     # Without the uint8 rewrite every operand of an Add stays int8, so the
@@ -345,12 +340,12 @@ def test_nodes_are_found_by_tensors_when_every_optimized_name_is_gone(tmp_path):
     assert {r["node"]: (r["class"], r["kernel"]) for r in rows} == EVERY_CLASS
 
 
-def test_dynamic_model_fuses_into_dynamic_quantize_matmul(lab):
+def test_dynamic_model_fuses_into_dynamic_quantize_matmul(default_lab):
     """quantize_dynamic's MatMulInteger chain (DynamicQuantizeLinear, MatMulInteger,
     Cast, two Muls, the bias Add) becomes one DynamicQuantizeMatMul per layer:
     the MatMulInteger runs it (found by name), the rest were fused into it,
     the Cast and the scale Mul found only through their neighbours."""
-    answer = graphscan.runtime(str(lab["dynamic"]))
+    answer = graphscan.runtime(str(default_lab["dynamic"]))
     for row in answer["nodes"]:
         if row["op_type"] == "Relu":
             assert (row["class"], row["kernel"]) == ("float", "Relu")
@@ -525,17 +520,17 @@ def test_time_on_a_cnn(cnn):
 
 
 @x86_only
-def test_time_without_round_trips_costs_nothing(lab):
+def test_time_without_round_trips_costs_nothing(default_lab):
     """In full.onnx's optimized graph every Q feeds a QLinearMatMul: no
     Q -> DQ pair is left to remove, so the cost is 0 and nothing is timed."""
-    time = check_time(graphscan.runtime(str(lab["full"]), time=True, runs=2, shape=["x=4,16"]), 2)
+    time = check_time(graphscan.runtime(str(default_lab["full"]), time=True, runs=2, shape=["x=4,16"]), 2)
     assert time["round_trip_cost"] == 0.0
     assert time["wall_ms"] == {"model": None, "without_round_trips": None}
     assert "without its 0 activation" in time["method"]
 
 
-def test_time_says_when_symbolic_dims_were_defaulted(lab):
-    time = graphscan.runtime(str(lab["full"]), time=True, runs=1)["time"]
+def test_time_says_when_symbolic_dims_were_defaulted(default_lab):
+    time = graphscan.runtime(str(default_lab["full"]), time=True, runs=1)["time"]
     assert time["inputs"] == {"x": [1, DEFAULT_LAB.dim]} and time["defaulted"] == ["x"]
 
 
@@ -572,15 +567,15 @@ def test_round_trips_removed_from_the_optimized_graph_only():
 # As users run it
 
 
-def test_subprocess_strict_json_and_deterministic(lab, tmp_path):
-    first = json_answer(run_graphscan(["runtime", lab["full"]], cwd=tmp_path))
-    second = json_answer(run_graphscan(["runtime", lab["full"]], cwd=tmp_path))
+def test_subprocess_strict_json_and_deterministic(default_lab, tmp_path):
+    first = json_answer(run_graphscan(["runtime", default_lab["full"]], cwd=tmp_path))
+    second = json_answer(run_graphscan(["runtime", default_lab["full"]], cwd=tmp_path))
     assert first == second and list(first) == ANSWER_KEYS
-    assert first["model"] == str(lab["full"])
+    assert first["model"] == str(default_lab["full"])
     assert first["environment"]["machine"] == platform.machine()
 
 
-def test_errors_are_one_line_with_the_documented_code(lab, tmp_path):
+def test_errors_are_one_line_with_the_documented_code(default_lab, tmp_path):
     junk = tmp_path / "junk.onnx"
     junk.write_bytes(b"\x00not a model")
     custom = gen_models.build_mlp(3, 8, seed=0)
@@ -588,7 +583,7 @@ def test_errors_are_one_line_with_the_documented_code(lab, tmp_path):
     custom.opset_import.append(onnx.helper.make_opsetid("example.custom", 1))
     onnx.save(custom, tmp_path / "custom.onnx")
     (tmp_path / "bad.npz").write_bytes(b"not a zip")
-    full = lab["full"]
+    full = default_lab["full"]
     cases = [
         (["runtime", tmp_path / "missing.onnx"], 3, "missing.onnx"),
         (["runtime", junk], 4, "not an ONNX model"),
@@ -606,13 +601,13 @@ def test_errors_are_one_line_with_the_documented_code(lab, tmp_path):
         assert message in line, (argv, line)
 
 
-def test_temporary_folders_are_removed_on_success_and_failure(lab, tmp_path):
+def test_temporary_folders_are_removed_on_success_and_failure(default_lab, tmp_path):
     """The optimized graph and the profile go to temporary folders under TMPDIR:
     none may be left behind, whether the command answered or failed."""
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     env = {**os.environ, "TMPDIR": str(scratch)}
-    json_answer(run_graphscan(["runtime", lab["full"], "--time", "--runs", "1"], cwd=tmp_path, env=env))
+    json_answer(run_graphscan(["runtime", default_lab["full"], "--time", "--runs", "1"], cwd=tmp_path, env=env))
     custom = gen_models.build_mlp(3, 8, seed=0)
     custom.graph.node[1].op_type, custom.graph.node[1].domain = "Mystery", "example.custom"
     custom.opset_import.append(onnx.helper.make_opsetid("example.custom", 1))

@@ -5,12 +5,14 @@ graphscan's counting or in onnxruntime's quantizer shows up as a JSON diff.
 Update serially and read the diff: pytest --snapshot-update -p no:xdist
 """
 
+from pathlib import Path
+
 import pytest
 from syrupy.extensions.json import JSONSnapshotExtension
 
 import graphscan
-from conftest import DEFAULT_LAB, VARIANTS
 from tests.helpers import SINGLE_MODEL_COMMANDS
+from tests.lab import VARIANTS
 
 
 @pytest.fixture
@@ -18,15 +20,9 @@ def snapshot_json(snapshot):
     return snapshot.use_extension(JSONSnapshotExtension)
 
 
-@pytest.fixture(scope="module")
-def default_lab(build_case):
-    """The lab's default models (gen_models.py defaults) as ``{variant: Path}``, built once."""
-    return build_case(DEFAULT_LAB)
-
-
 def with_file_names(answer, paths):
     """Replace tmp paths echoed in ``model``/``a``/``b`` by the file names."""
-    names = {str(path): path.name for path in paths.values()}
+    names = {path: Path(path).name for path in paths.values()}
     return {key: names.get(value, value) if key in ("model", "a", "b") else value for key, value in answer.items()}
 
 

@@ -10,25 +10,19 @@ hand-written answers in the shapes their issues describe.
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
 import graphscan
-from conftest import DEFAULT_LAB
 from tests.helpers import chain_model, error_line, run_graphscan
 
 COUNTING = ["nodes", "qdq", "islands", "boundary"]
 
 
-@pytest.fixture(scope="module")
-def canonical(build_case):
-    """The lab's default models; tables show paths as given, so tests run from their folder."""
-    return build_case(DEFAULT_LAB)
-
-
 @pytest.fixture
-def in_models(canonical, monkeypatch):
-    monkeypatch.chdir(canonical["full"].parent)
+def in_models(default_lab, monkeypatch):
+    monkeypatch.chdir(Path(default_lab["full"]).parent)
 
 
 def printed(capsys, argv):
@@ -91,15 +85,15 @@ def test_diff_table_snapshot(in_models, capsys, snapshot):
     assert printed(capsys, ["diff", "full.onnx", "matmul_only.onnx", "--format", "table"]) == snapshot
 
 
-def test_fuse_table_snapshot(canonical, capsys, snapshot, tmp_path, monkeypatch):
-    shutil.copy(canonical["fp32"], tmp_path)  # fuse writes beside its input, never into shared folders
+def test_fuse_table_snapshot(default_lab, capsys, snapshot, tmp_path, monkeypatch):
+    shutil.copy(default_lab["fp32"], tmp_path)  # fuse writes beside its input, never into shared folders
     monkeypatch.chdir(tmp_path)
     assert printed(capsys, ["fuse", "fp32.onnx", "gemm.onnx", "--format", "table"]) == snapshot
 
 
-def test_trace_table_lists_every_row_in_graph_order_as_a_process(canonical):
+def test_trace_table_lists_every_row_in_graph_order_as_a_process(default_lab):
     answer_rows = ["fc1_matmul", "fc1_add", "fc2_matmul", "fc2_add", "fc3_matmul", "fc3_add"]
-    proc = run_graphscan(["trace", "fp32.onnx", "full.onnx", "--format", "table"], cwd=canonical["full"].parent)
+    proc = run_graphscan(["trace", "fp32.onnx", "full.onnx", "--format", "table"], cwd=Path(default_lab["full"]).parent)
     assert proc.returncode == 0 and proc.stderr == b""
     lines = proc.stdout.decode().splitlines()
     start = lines.index("ops in graph order") + 2  # title, column titles
@@ -207,8 +201,8 @@ def test_wrapped_name_lists_fit_their_width(width):
         pytest.param(["--format", "yaml"], "--format", id="unknown-format"),
     ],
 )
-def test_bad_format_or_top_is_a_usage_error(canonical, args, named):
-    line = error_line(run_graphscan(["islands", canonical["full"], *args]), 2)
+def test_bad_format_or_top_is_a_usage_error(default_lab, args, named):
+    line = error_line(run_graphscan(["islands", default_lab["full"], *args]), 2)
     assert named in line
 
 

@@ -14,10 +14,9 @@ from onnx import numpy_helper
 
 import gen_models
 import graphscan
-from conftest import Case, run_onnx
-from tests.helpers import json_answer, run_graphscan, saved_arrays, with_weight_scale_times
+from tests.helpers import json_answer, run_graphscan, run_onnx, saved_arrays, with_weight_scale_times
+from tests.lab import TRACE_LAB
 
-LAB = Case(4, ("N",), "fc2_matmul", dim=16)
 FAULTY = "fc2_matmul"
 ROW_KEYS = [
     "node",
@@ -53,19 +52,14 @@ def row_of(answer, node):
 
 
 @pytest.fixture(scope="module")
-def lab(build_case):
-    return build_case(LAB)
-
-
-@pytest.fixture(scope="module")
-def faulty(lab, tmp_path_factory):
+def faulty(trace_lab, tmp_path_factory):
     """full.onnx with one hidden layer's weight scale multiplied by 1.5."""
-    return with_weight_scale_times(lab["full"], FAULTY, 1.5, tmp_path_factory.mktemp("faulty") / "faulty.onnx")
+    return with_weight_scale_times(trace_lab["full"], FAULTY, 1.5, tmp_path_factory.mktemp("faulty") / "faulty.onnx")
 
 
 @pytest.fixture(scope="module")
 def x():
-    return np.random.default_rng(11).standard_normal((3, LAB.dim)).astype(np.float32)
+    return np.random.default_rng(11).standard_normal((3, TRACE_LAB.dim)).astype(np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -76,31 +70,31 @@ def inputs_npz(tmp_path_factory, x):
 
 
 @pytest.fixture(scope="module")
-def faulty_trace(lab, faulty, inputs_npz, tmp_path_factory):
+def faulty_trace(trace_lab, faulty, inputs_npz, tmp_path_factory):
     save = tmp_path_factory.mktemp("saved")
-    answer = graphscan.trace(str(lab["fp32"]), str(faulty), inputs=str(inputs_npz), save=str(save))
+    answer = graphscan.trace(str(trace_lab["fp32"]), str(faulty), inputs=str(inputs_npz), save=str(save))
     return answer, save
 
 
-def test_answer_shape(faulty_trace, lab):
+def test_answer_shape(faulty_trace, trace_lab):
     answer, _ = faulty_trace
     assert list(answer) == ANSWER_KEYS
-    assert answer["inputs"] == {"x": [3, LAB.dim]}
-    compute = graphscan.islands(str(lab["full"]))["compute"]
+    assert answer["inputs"] == {"x": [3, TRACE_LAB.dim]}
+    compute = graphscan.islands(str(trace_lab["full"]))["compute"]
     assert len(answer["ops"]) == compute
     for row in answer["ops"]:
         assert list(row) == ROW_KEYS
         assert row["op_type"] not in ("QuantizeLinear", "DequantizeLinear")
     names = [r["node"] for r in answer["ops"]]
-    graph_order = [n.name for n in onnx.load(lab["full"]).graph.node if n.name in names]
+    graph_order = [n.name for n in onnx.load(trace_lab["full"]).graph.node if n.name in names]
     assert names == graph_order
 
 
-def test_injected_fault_is_the_worst_isolated_op(faulty_trace, lab, inputs_npz):
+def test_injected_fault_is_the_worst_isolated_op(faulty_trace, trace_lab, inputs_npz):
     answer, _ = faulty_trace
     assert answer["worst_isolated"]["node"] == FAULTY
     # Above the clean model's worst isolated error, the first op over is the fault.
-    clean = graphscan.trace(str(lab["fp32"]), str(lab["full"]), inputs=str(inputs_npz))
+    clean = graphscan.trace(str(trace_lab["fp32"]), str(trace_lab["full"]), inputs=str(inputs_npz))
     tolerance = 1.5 * clean["worst_isolated"]["max_abs"]
     assert row_of(answer, FAULTY)["isolated_max_abs"] > tolerance
     over = graphscan.first_over(answer["ops"], tolerance)
@@ -112,9 +106,9 @@ def test_injected_fault_is_the_worst_isolated_op(faulty_trace, lab, inputs_npz):
     assert answer["first_over"] == {"node": "fc1_matmul", "max_abs": first["isolated_max_abs"]}
 
 
-def test_errors_before_the_fault_are_unchanged_by_it(faulty_trace, lab, inputs_npz):
+def test_errors_before_the_fault_are_unchanged_by_it(faulty_trace, trace_lab, inputs_npz):
     answer, _ = faulty_trace
-    clean = graphscan.trace(str(lab["fp32"]), str(lab["full"]), inputs=str(inputs_npz))
+    clean = graphscan.trace(str(trace_lab["fp32"]), str(trace_lab["full"]), inputs=str(inputs_npz))
     names = [r["node"] for r in answer["ops"]]
     before = names.index(FAULTY)
     assert answer["ops"][:before] == clean["ops"][:before]
@@ -135,8 +129,8 @@ def dequantize(q, scale, zero_point):
     return ((q.astype(np.int64) - zero_point.astype(np.int64)) * scale).astype(np.float32)
 
 
-def test_faulty_isolated_error_matches_numpy(faulty_trace, lab, faulty, x):
-    fp32 = initializers_of(onnx.load(lab["fp32"]))
+def test_faulty_isolated_error_matches_numpy(faulty_trace, trace_lab, faulty, x):
+    fp32 = initializers_of(onnx.load(trace_lab["fp32"]))
     quant_model = onnx.load(faulty)
     quant = initializers_of(quant_model)
     # Float reference input of fc2_matmul: layer 1 of the fp32 model, in numpy.
@@ -158,9 +152,9 @@ def test_faulty_isolated_error_matches_numpy(faulty_trace, lab, faulty, x):
     assert row["isolated_lsb"] == pytest.approx(expected / float(o_scale), rel=1e-5)
 
 
-def test_final_output_equals_direct_onnxruntime(faulty_trace, lab, faulty, x):
+def test_final_output_equals_direct_onnxruntime(faulty_trace, trace_lab, faulty, x):
     answer, _ = faulty_trace
-    (expected,) = run_onnx(lab["fp32"], {"x": x})
+    (expected,) = run_onnx(trace_lab["fp32"], {"x": x})
     (actual,) = run_onnx(faulty, {"x": x})
     direct = float(np.max(np.abs(expected.astype(np.float64) - actual)))
     assert answer["outputs"] == {"y": pytest.approx(direct, rel=1e-6)}
@@ -189,8 +183,8 @@ def test_saved_single_op_model_reruns_to_its_row(faulty_trace):
 
 
 @pytest.mark.parametrize("variant", ["fp32", "full"])
-def test_identical_models_give_all_zeros(lab, variant):
-    path = str(lab[variant])
+def test_identical_models_give_all_zeros(trace_lab, variant):
+    path = str(trace_lab[variant])
     answer = graphscan.trace(path, path)
     assert answer["ops"], "no rows to check"
     for row in answer["ops"]:
@@ -202,10 +196,10 @@ def test_identical_models_give_all_zeros(lab, variant):
     assert answer["unmatched"] == []
 
 
-def test_absorbed_relu_compares_the_add_with_post_relu(lab, x, inputs_npz):
-    answer = graphscan.trace(str(lab["fp32"]), str(lab["full"]), inputs=str(inputs_npz))
-    fp32 = onnx.load(lab["fp32"])
-    for layer in range(1, LAB.layers + 1):
+def test_absorbed_relu_compares_the_add_with_post_relu(trace_lab, x, inputs_npz):
+    answer = graphscan.trace(str(trace_lab["fp32"]), str(trace_lab["full"]), inputs=str(inputs_npz))
+    fp32 = onnx.load(trace_lab["fp32"])
+    for layer in range(1, TRACE_LAB.layers + 1):
         _, add, relu = gen_models.layer_names(layer)
         row = row_of(answer, add)
         assert producer(fp32, row["reference"]).name == relu
@@ -239,13 +233,13 @@ def test_cnn_runs_end_to_end(tmp_path, fold):
     assert answer["outputs"]["y"] == pytest.approx(float(np.max(np.abs(expected - actual))), rel=1e-6)
 
 
-def test_dynamic_model_runs_with_unmatched_rows(lab):
-    answer = graphscan.trace(str(lab["fp32"]), str(lab["dynamic"]))
+def test_dynamic_model_runs_with_unmatched_rows(trace_lab):
+    answer = graphscan.trace(str(trace_lab["fp32"]), str(trace_lab["dynamic"]))
     rows = {r["node"]: r for r in answer["ops"]}
     assert rows["fc1_matmul_quant"]["reference"] is None  # MatMulInteger has no float twin
     assert rows["fc1_matmul_quant"]["isolated_max_abs"] is None
     assert rows["fc1_add"]["reference"] == "fc1_sum"
-    assert {u["node"] for u in answer["unmatched"]} == {f"fc{i}_matmul" for i in range(1, LAB.layers + 1)}
+    assert {u["node"] for u in answer["unmatched"]} == {f"fc{i}_matmul" for i in range(1, TRACE_LAB.layers + 1)}
 
 
 def test_unsafe_node_names_are_saved_file_safe(tmp_path):
@@ -262,16 +256,16 @@ def test_unsafe_node_names_are_saved_file_safe(tmp_path):
     assert (tmp_path / "saved" / f"{stem}.npz").exists()
 
 
-def test_trace_by_subprocess(lab, inputs_npz, tmp_path):
+def test_trace_by_subprocess(trace_lab, inputs_npz, tmp_path):
     answer = json_answer(
         run_graphscan(
-            ["trace", lab["fp32"], lab["full"], "--inputs", inputs_npz, "--tolerance", "0.03"],
+            ["trace", trace_lab["fp32"], trace_lab["full"], "--inputs", inputs_npz, "--tolerance", "0.03"],
             cwd=tmp_path,
         )
     )
     assert list(answer) == ANSWER_KEYS
     # The first row over 0.03, measured in-process on the same input.
-    expected = graphscan.trace(str(lab["fp32"]), str(lab["full"]), inputs=str(inputs_npz), tolerance=0.03)
+    expected = graphscan.trace(str(trace_lab["fp32"]), str(trace_lab["full"]), inputs=str(inputs_npz), tolerance=0.03)
     over = [r for r in expected["ops"] if r["isolated_max_abs"] > 0.03]
     assert over and over[0] != expected["ops"][-1]
     assert answer["first_over"] == {"node": over[0]["node"], "max_abs": over[0]["isolated_max_abs"]}
@@ -285,16 +279,16 @@ def write_model_with_input(path, name):
     onnx.save(model, path)
 
 
-def test_error_exits(tmp_path, lab, capsys):
+def test_error_exits(tmp_path, trace_lab, capsys):
     other = tmp_path / "other.onnx"
     write_model_with_input(other, "z")
     (tmp_path / "junk.npz").write_bytes(b"not an npz")
     np.savez(tmp_path / "wrong.npz", z=np.zeros((1, 8), np.float32))
-    custom = gen_models.build_mlp(3, LAB.dim, seed=0)
+    custom = gen_models.build_mlp(3, TRACE_LAB.dim, seed=0)
     custom.graph.node[1].op_type, custom.graph.node[1].domain = "Mystery", "example.custom"
     custom.opset_import.append(onnx.helper.make_opsetid("example.custom", 1))
     onnx.save(custom, tmp_path / "custom.onnx")
-    fp32, full = str(lab["fp32"]), str(lab["full"])
+    fp32, full = str(trace_lab["fp32"]), str(trace_lab["full"])
     cases = [
         (["trace", fp32, str(other)], graphscan.EXIT_INPUTS, "inputs differ"),
         (["trace", fp32, full, "--inputs", str(tmp_path / "wrong.npz")], graphscan.EXIT_INPUTS, "no array for input x"),

@@ -15,10 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
-from conftest import Case
 from tests.helpers import GRAPHSCAN, error_line, load_bench_script, run_graphscan
-
-LAB = Case(4, ("N",), "fc2_matmul", dim=16)
 
 # The ways a row can be measured: fetched into numpy (small tensors) by one session
 # or by sessions of 150 nodes, reduced in the graph, and reduced in slices of 50

@@ -13,17 +13,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import graphscan
-from conftest import Case, run_onnx
-from tests.helpers import error_line, json_answer, run_graphscan
+from tests.helpers import error_line, json_answer, run_graphscan, run_onnx
+from tests.lab import TRACE_LAB
 
-LAB = Case(4, ("N",), "fc2_matmul", dim=16)
 SCALE = 0.05
 OPSET = [helper.make_opsetid("", 17)]
-
-
-@pytest.fixture(scope="module")
-def lab(build_case):
-    return build_case(LAB)
 
 
 def save(model, path):
@@ -71,16 +65,16 @@ def rows_by_node(answer):
 # Item 6: blame the right model
 
 
-def test_output_names_that_differ_are_paired_by_position(lab, tmp_path):
-    quant = onnx.load(lab["full"])
+def test_output_names_that_differ_are_paired_by_position(trace_lab, tmp_path):
+    quant = onnx.load(trace_lab["full"])
     for node in quant.graph.node:
         node.output[:] = ["y_quant" if t == "y" else t for t in node.output]
     quant.graph.output[0].name = "y_quant"
     renamed = save(quant, tmp_path / "renamed.onnx")
-    x = np.random.default_rng(3).standard_normal((2, LAB.dim)).astype(np.float32)
+    x = np.random.default_rng(3).standard_normal((2, TRACE_LAB.dim)).astype(np.float32)
     np.savez(tmp_path / "x.npz", x=x)
-    answer = graphscan.trace(str(lab["fp32"]), renamed, inputs=str(tmp_path / "x.npz"))
-    (expected,), (actual,) = run_onnx(lab["fp32"], {"x": x}), run_onnx(renamed, {"x": x})
+    answer = graphscan.trace(str(trace_lab["fp32"]), renamed, inputs=str(tmp_path / "x.npz"))
+    (expected,), (actual,) = run_onnx(trace_lab["fp32"], {"x": x}), run_onnx(renamed, {"x": x})
     assert answer["outputs"] == {"y": float(np.max(np.abs(expected.astype(np.float64) - actual)))}
 
 
@@ -199,15 +193,15 @@ def test_outputs_that_are_not_tensors_are_listed_not_compared(tmp_path, make_tai
     assert {"node": "tail", "op_type": op_type, "reason": f"its output is {kind}: not compared"} in answer["unmatched"]
 
 
-def test_untyped_graph_outputs_are_compared(lab, tmp_path):
+def test_untyped_graph_outputs_are_compared(trace_lab, tmp_path):
     paths = []
     for variant in ["fp32", "full"]:
-        model = onnx.load(lab[variant])
+        model = onnx.load(trace_lab[variant])
         model.graph.output[0].ClearField("type")
         paths.append(str(tmp_path / f"{variant}.onnx"))
         onnx.save(model, paths[-1])
     answer = graphscan.trace(*paths, shape=["x=2,16"])
-    x = np.random.default_rng(0).standard_normal((2, LAB.dim)).astype(np.float32)  # trace's seeded input
+    x = np.random.default_rng(0).standard_normal((2, TRACE_LAB.dim)).astype(np.float32)  # trace's seeded input
     (expected,), (actual,) = run_onnx(paths[0], {"x": x}), run_onnx(paths[1], {"x": x})
     assert answer["outputs"] == {"y": float(np.max(np.abs(expected.astype(np.float64) - actual)))}
 
@@ -388,10 +382,10 @@ def test_clipped_is_the_fraction_outside_the_q_range(tmp_path, scale, zero_type,
         pytest.param(["--inputs", "NPZ"], {"x": [3, 16]}, [], id="inputs-given"),
     ],
 )
-def test_shape_and_defaulted(lab, tmp_path, options, inputs, defaulted):
-    np.savez(tmp_path / "x.npz", x=np.zeros((3, LAB.dim), np.float32))
+def test_shape_and_defaulted(trace_lab, tmp_path, options, inputs, defaulted):
+    np.savez(tmp_path / "x.npz", x=np.zeros((3, TRACE_LAB.dim), np.float32))
     options = [str(tmp_path / "x.npz") if o == "NPZ" else o for o in options]
-    answer = json_answer(run_graphscan(["trace", lab["fp32"], lab["full"], *options]))
+    answer = json_answer(run_graphscan(["trace", trace_lab["fp32"], trace_lab["full"], *options]))
     assert answer["inputs"] == inputs
     assert answer["defaulted"] == defaulted
     assert list(answer) == [
@@ -417,10 +411,10 @@ def test_shape_and_defaulted(lab, tmp_path, options, inputs, defaulted):
         pytest.param(["--shape", "x=2,16", "--inputs", "NPZ"], id="with-inputs"),
     ],
 )
-def test_bad_shapes_are_input_errors(lab, tmp_path, options):
-    np.savez(tmp_path / "x.npz", x=np.zeros((3, LAB.dim), np.float32))
+def test_bad_shapes_are_input_errors(trace_lab, tmp_path, options):
+    np.savez(tmp_path / "x.npz", x=np.zeros((3, TRACE_LAB.dim), np.float32))
     options = [str(tmp_path / "x.npz") if o == "NPZ" else o for o in options]
-    error_line(run_graphscan(["trace", lab["fp32"], lab["full"], *options]), graphscan.EXIT_INPUTS)
+    error_line(run_graphscan(["trace", trace_lab["fp32"], trace_lab["full"], *options]), graphscan.EXIT_INPUTS)
 
 
 def test_trace_help_lists_shape():
@@ -428,12 +422,12 @@ def test_trace_help_lists_shape():
     assert done.returncode == 0 and b"--shape" in done.stdout
 
 
-def test_a_float_model_at_an_older_opset_joins_the_quantized_one(lab, tmp_path):
+def test_a_float_model_at_an_older_opset_joins_the_quantized_one(trace_lab, tmp_path):
     # MatMul, Add and Relu mean the same at opset 13 and 17: the answer must not change.
-    older = onnx.load(lab["fp32"])
+    older = onnx.load(trace_lab["fp32"])
     older.opset_import[0].version = 13
     path = save(older, tmp_path / "fp32_opset13.onnx")
-    at_13 = graphscan.trace(path, str(lab["full"]))
-    at_17 = graphscan.trace(str(lab["fp32"]), str(lab["full"]))
+    at_13 = graphscan.trace(path, str(trace_lab["full"]))
+    at_17 = graphscan.trace(str(trace_lab["fp32"]), str(trace_lab["full"]))
     assert {**at_13, "a": None} == {**at_17, "a": None}
     assert at_13["outputs"]["y"] > 0
