@@ -5,25 +5,14 @@ two sides' timings do not compete with other workers:
     pytest -m bench -p no:xdist tests/test_bench_trace.py
 """
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "bench_trace.py"
-
-
-def _load_bench():
-    # bench/ is a folder of scripts, not a package: load the file itself.
-    spec = importlib.util.spec_from_file_location("bench_trace", BENCH_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import load_bench_script
 
 
 @pytest.mark.bench
 def test_trace_no_slower_than_ort_qdq_loss_debug(tmp_path):
-    bench = _load_bench()
+    bench = load_bench_script("bench_trace")
     report = bench.run_benchmark(bench.DEFAULT_BLOCKS, bench.DEFAULT_RUNS, tmp_path)
     table = bench.format_table(report)
 

@@ -13,8 +13,15 @@ from onnx import TensorProto
 
 import gen_models
 import graphscan
-from bench.measure import measured
-from tests.helpers import GRAPHSCAN, ROOT, SINGLE_MODEL_COMMANDS, strict_loads, varint, with_external_weights
+from tests.helpers import (
+    GRAPHSCAN,
+    ROOT,
+    SINGLE_MODEL_COMMANDS,
+    load_bench_script,
+    strict_loads,
+    varint,
+    with_external_weights,
+)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -50,7 +57,7 @@ def write_big_model(path, tensor_bytes, tensors):
 def peak_rss(argv, folder):
     """Exit code, stdout and peak RSS (bytes) of ``argv``, through bench/measure.py."""
     out, err = folder / "measured.stdout", folder / "measured.stderr"
-    result = measured(argv, out, err)
+    result = load_bench_script("measure").measured(argv, out, err)
     return result["exit"], out.read_text(), result["peak_rss"]
 
 
