@@ -2,7 +2,7 @@
 
 Deselected by default (see pytest.ini); run by hand, serially, on a quiet machine, so the
 two sides' timings do not compete with other workers:
-    pytest -m bench -p no:xdist tests/test_bench_trace.py
+    pytest -m bench -p no:xdist tests/trace/test_bench_speed.py
 """
 
 import pytest

@@ -417,7 +417,7 @@ def test_fuse_inputs_are_the_verification_sample(tmp_path, batch_one_model):
 
 
 # --------------------------------------------------------------------------
-# Item 6: --inputs problems and -1 dimensions, for fuse (trace: test_hardening_cli.py)
+# Item 6: --inputs problems and -1 dimensions, for fuse (trace: tests/cli/test_process_boundary.py)
 
 
 def test_minus_one_declared_dimension_is_symbolic_in_fuse(tmp_path):

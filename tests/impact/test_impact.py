@@ -351,7 +351,7 @@ def test_broken_derived_model_is_named_as_graphscans(trace_lab, monkeypatch):
 def test_if_branches_reading_a_dequantized_tensor(tmp_path):
     """The If branches read r's DQ output from outside: keeping r float must reach
     them too. Reference: that DQ replaced by Relu's output, one session."""
-    from test_control_flow import control_flow_model
+    from tests.trace.test_control_flow import control_flow_model
 
     a, b = tmp_path / "float.onnx", tmp_path / "quant.onnx"
     onnx.save(control_flow_model(False), a)

@@ -10,14 +10,13 @@ import platform
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 
 import graphscan
-from tests.helpers import GRAPHSCAN, describe, error_line, json_answer, run_graphscan, run_onnx, strict_loads
+from tests.helpers import GRAPHSCAN, ROOT, describe, error_line, json_answer, run_graphscan, run_onnx, strict_loads
 from tests.lab import DEFAULT_LAB
 
 # matmul_only of the canonical 3-layer lab: each layer's Add and Relu stay
@@ -151,7 +150,7 @@ def test_usage_errors(default_lab, tmp_path):
 
 def readme_ci_example():
     """The budget line and the pytest file from README's "Pinning a quantized model in CI"."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = (ROOT / "README.md").read_text()
     section = text.split("## Pinning a quantized model in CI", 1)[1].split("\n## ", 1)[0]
     budget = section.split("budget.json: ", 1)[1].splitlines()[0]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
@@ -179,10 +178,10 @@ def test_readme_ci_example_runs_and_can_fail(default_lab, tmp_path):
 
 
 def test_min_int8_counts_int8_data_and_leaves_absorbed_nodes_out(tmp_path):
-    """The hand-built graph of tests/test_runtime.py runs one int8 kernel (Conv),
+    """The hand-built graph of tests/runtime/test_runtime.py runs one int8 kernel (Conv),
     one int8_data kernel (Reshape) and one float kernel (HardSigmoid); its Relu,
     Identity and Constant are absorbed: (1 + 1) / 3 of the kernels run int8."""
-    from tests.test_runtime import every_class_model
+    from tests.runtime.test_runtime import every_class_model
 
     path = tmp_path / "every_class.onnx"
     onnx.save(every_class_model(), path)

@@ -1,7 +1,7 @@
 """trace's memory contract (issue 10): peak RSS at most 3x running both models once.
 
 Deselected by default (see pytest.ini); run by hand, serially, on a quiet machine:
-    pytest -m bench -p no:xdist tests/test_bench_trace_memory.py
+    pytest -m bench -p no:xdist tests/trace/test_bench_memory.py
 Real models are measured with the script itself (python bench/bench_trace_memory.py --det ...),
 never used as test fixtures.
 """

@@ -1,7 +1,7 @@
 """--format table: text for people, rendered from the unchanged JSON answer.
 
 The snapshots in __snapshots__/test_tables.ambr are what a reviewer reads (update
-serially: pytest tests/test_tables.py --snapshot-update -p no:xdist). Facts a table
+serially: pytest tests/views/test_tables.py --snapshot-update -p no:xdist). Facts a table
 must show (graph order, sizes first, --top, 80 columns) are checked by hand-derived
 expectations on hand-built graphs, and the runtime/impact/check renderers on small
 hand-written answers in the shapes their issues describe.
@@ -281,7 +281,7 @@ TRACE_ANSWER = {
     "unmatched": [{"node": "relu", "op_type": "Relu", "reason": graphscan.REASON_ABSORBED}],
 }
 
-# The shape of a real `runtime --time` answer (tests/test_runtime.py pins the values).
+# The shape of a real `runtime --time` answer (tests/runtime/test_runtime.py pins the values).
 RUNTIME_ANSWER = {
     "model": "det_qdq.onnx",
     "environment": {

@@ -13,7 +13,7 @@ The reference (tests/reference.py) shares no code with graphscan.py: plain loops
 ``graph.node``, a BFS for islands, sets of node indices for the boundary.
 
 Profiles: ``default`` (100 examples, derandomized so CI is deterministic) and ``thorough``
-(5000): ``pytest tests/test_properties.py -p no:xdist --hypothesis-profile thorough
+(5000): ``pytest tests/counting/test_properties.py -p no:xdist --hypothesis-profile thorough
 --hypothesis-show-statistics``. Both are registered in conftest.py, not here: the hypothesis
 plugin loads ``--hypothesis-profile`` in ``pytest_configure``, before test modules are
 imported, and fails on a name it does not know.
