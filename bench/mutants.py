@@ -55,12 +55,12 @@ AREA_TESTS = {
         "tests/loading/test_unknown_dtypes.py",
         "tests/counting/test_properties.py",
         "tests/fuse/test_fusion.py",
-        "tests/fuse/test_weights.py",
+        "tests/fuse/test_tolerance_names_weights.py",
     ],
     "fuse": [
         "tests/fuse/test_fusion.py",
-        "tests/fuse/test_weights.py",
-        "tests/fuse/test_write.py",
+        "tests/fuse/test_tolerance_names_weights.py",
+        "tests/fuse/test_write_verify_inputs.py",
         "tests/counting/test_gen_models.py",
     ],
     "trace": [
