@@ -24,6 +24,17 @@ def run_graphscan(args, cwd=None, script=GRAPHSCAN, env=None, python_flags=(), t
     )
 
 
+def run_onnx(path, feeds):
+    """All outputs of the model at ``path`` on ``feeds``, run directly in onnxruntime
+    with graph optimizations off, as graphscan runs models (Q/DQ kept as written)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
 def describe(proc):
     return f"exit {proc.returncode}\nstdout: {proc.stdout!r}\nstderr: {proc.stderr!r}"
 

@@ -1,0 +1,189 @@
+"""graphscan.py check: a CI gate that measures budgets and exits 8 when one is broken.
+
+The counts are SPEC's answers for the canonical lab models, derived by hand
+(see the comments); the SQNR is recomputed here with onnxruntime and numpy.
+"""
+
+import json
+import math
+import platform
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+import graphscan
+from tests.helpers import GRAPHSCAN, ROOT, describe, error_line, json_answer, run_graphscan, run_onnx, strict_loads
+from tests.lab import DEFAULT_LAB
+
+# matmul_only of the canonical 3-layer lab: each layer's Add and Relu stay
+# float (the MatMul alone is wrapped), one island per layer. Each island has
+# one DQ in (the MatMul's output) and one Q out (the next MatMul's input),
+# except the last, which only reaches the graph output: 2 + 2 + 1 crossings.
+MATMUL_ONLY = {
+    "max_float": 2 * DEFAULT_LAB.layers,
+    "max_islands": DEFAULT_LAB.layers,
+    "max_crossings": 2 * DEFAULT_LAB.layers - 1,
+}
+
+
+def budget_rows(answer):
+    return {b["name"]: (b["value"], b["limit"], b["ok"]) for b in answer["budgets"]}
+
+
+def test_counting_budgets_hold_at_their_value_and_break_below(default_lab):
+    path = str(default_lab["matmul_only"])
+    at_value = graphscan.check(path, **MATMUL_ONLY)
+    assert list(at_value) == ["model", "float", "budgets", "ok"]
+    assert at_value["ok"] is True and at_value["float"] is None
+    assert budget_rows(at_value) == {name: (v, v, True) for name, v in MATMUL_ONLY.items()}
+    below = graphscan.check(path, **{name: v - 1 for name, v in MATMUL_ONLY.items()})
+    assert below["ok"] is False
+    assert budget_rows(below) == {name: (v, v - 1, False) for name, v in MATMUL_ONLY.items()}
+
+
+def test_one_broken_budget_breaks_the_gate(default_lab):
+    answer = graphscan.check(str(default_lab["matmul_only"]), max_float=100, max_islands=MATMUL_ONLY["max_islands"] - 1)
+    assert [b["ok"] for b in answer["budgets"]] == [True, False] and answer["ok"] is False
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86's uint8 rewrite")
+def test_min_int8_uses_the_runtime_classes(default_lab):
+    # full.onnx on x86: the 3 MatMuls run QLinearMatMul, the 3 Adds stay float
+    # (mixed int8/uint8 operands): 3 of the 6 nodes that run a kernel.
+    assert budget_rows(graphscan.check(str(default_lab["full"]), min_int8=0.5)) == {"min_int8": (0.5, 0.5, True)}
+    assert budget_rows(graphscan.check(str(default_lab["full"]), min_int8=0.51))["min_int8"][2] is False
+
+
+def test_min_sqnr_matches_onnxruntime_run_directly(default_lab, tmp_path):
+    rng = np.random.default_rng(7)
+    samples = []
+    for k in range(2):
+        x = rng.standard_normal((5, DEFAULT_LAB.dim)).astype(np.float32)
+        np.savez(tmp_path / f"s{k}.npz", x=x)
+        samples.append(x)
+    f = np.concatenate([run_onnx(default_lab["fp32"], {"x": x})[0].ravel() for x in samples]).astype(np.float64)
+    q = np.concatenate([run_onnx(default_lab["full"], {"x": x})[0].ravel() for x in samples]).astype(np.float64)
+    expected = 20 * math.log10(np.linalg.norm(f) / np.linalg.norm(f - q))
+    inputs = [str(tmp_path / "s0.npz"), str(tmp_path / "s1.npz")]
+    answer = graphscan.check(
+        str(default_lab["full"]), float_path=str(default_lab["fp32"]), min_sqnr=expected - 0.01, inputs=inputs
+    )
+    ((value, _limit, ok),) = budget_rows(answer).values()
+    assert value == pytest.approx(expected, abs=1e-9) and ok is True
+    broken = graphscan.check(
+        str(default_lab["full"]), float_path=str(default_lab["fp32"]), min_sqnr=expected + 0.01, inputs=inputs
+    )
+    assert broken["ok"] is False and broken["float"] == str(default_lab["fp32"])
+
+
+def test_identical_outputs_hold_any_sqnr_and_show_null(default_lab):
+    answer = graphscan.check(str(default_lab["full"]), float_path=str(default_lab["full"]), min_sqnr=1000)
+    assert budget_rows(answer) == {"min_sqnr": (None, 1000.0, True)}
+
+
+def test_an_undefined_sqnr_shows_null_and_does_not_hold(default_lab, tmp_path):
+    """A float model whose outputs are all zeros gives an SQNR of -infinity
+    against anything else: undefined, shown as null, and the gate is closed."""
+    zero = onnx.load(default_lab["fp32"])
+    for init in zero.graph.initializer:
+        init.CopyFrom(onnx.numpy_helper.from_array(np.zeros_like(onnx.numpy_helper.to_array(init)), init.name))
+    onnx.save(zero, tmp_path / "zero.onnx")
+    answer = graphscan.check(str(default_lab["full"]), float_path=str(tmp_path / "zero.onnx"), min_sqnr=-1000)
+    assert budget_rows(answer) == {"min_sqnr": (None, -1000.0, False)}
+
+
+def test_budget_file_gives_the_same_answer_and_options_override_it(default_lab, tmp_path):
+    path = str(default_lab["matmul_only"])
+    budget = tmp_path / "budget.json"
+    budget.write_text(json.dumps({"max_crossings": 0, "max_islands": MATMUL_ONLY["max_islands"]}))
+    from_file = graphscan.check(path, budget=str(budget))
+    from_options = graphscan.check(path, max_islands=MATMUL_ONLY["max_islands"], max_crossings=0)
+    assert from_file == from_options
+    # Reported in a fixed order (max_islands before max_crossings), whatever the file's.
+    assert [b["name"] for b in from_file["budgets"]] == ["max_islands", "max_crossings"]
+    overridden = graphscan.check(path, budget=str(budget), max_crossings=100)
+    assert overridden["ok"] is True
+
+
+def test_process_exit_8_prints_the_same_json(default_lab, tmp_path):
+    path = default_lab["matmul_only"]
+    broken = run_graphscan(["check", path, "--max-islands", "0"], cwd=tmp_path)
+    assert broken.returncode == graphscan.EXIT_BUDGET == 8, describe(broken)
+    assert broken.stderr == b""
+    answer = strict_loads(broken.stdout.decode())
+    assert answer["ok"] is False and answer["budgets"][0]["value"] == MATMUL_ONLY["max_islands"]
+    held = json_answer(run_graphscan(["check", path, "--max-islands", str(MATMUL_ONLY["max_islands"])], cwd=tmp_path))
+    assert held["budgets"] == [
+        {"name": "max_islands", "value": MATMUL_ONLY["max_islands"], "limit": MATMUL_ONLY["max_islands"], "ok": True}
+    ]
+
+
+def test_usage_errors(default_lab, tmp_path):
+    path = default_lab["matmul_only"]
+    (tmp_path / "unknown.json").write_text('{"max_floats": 3}')
+    (tmp_path / "notjson.json").write_text("{max_float: 3")
+    (tmp_path / "list.json").write_text("[1]")
+    (tmp_path / "fraction.json").write_text('{"max_float": 1.5}')
+    (tmp_path / "boolean.json").write_text('{"max_islands": true}')
+    cases = [
+        (["check", path], 2, "at least one budget"),
+        (["check", path, "--budget", tmp_path / "unknown.json"], 2, "unknown budget max_floats"),
+        (["check", path, "--budget", tmp_path / "notjson.json"], 2, "not JSON"),
+        (["check", path, "--budget", tmp_path / "list.json"], 2, "JSON object"),
+        (["check", path, "--budget", tmp_path / "fraction.json"], 2, "whole number"),
+        (["check", path, "--budget", tmp_path / "boolean.json"], 2, "finite number"),
+        (["check", path, "--budget", tmp_path / "missing.json"], 3, "missing.json"),
+        (["check", path, "--min-sqnr", "10"], 2, "needs --float"),
+        (["check", path, "--min-int8", "1.5"], 2, "between 0 and 1"),
+        (["check", path, "--max-float", "-1"], 2, "whole number"),
+        (["check", path, "--min-sqnr", "nan", "--float", path], 2, "finite"),
+        (["check", tmp_path / "none.onnx", "--max-float", "1"], 3, "none.onnx"),
+    ]
+    for argv, code, message in cases:
+        line = error_line(run_graphscan(argv, cwd=tmp_path), code)
+        assert message in line, (argv, line)
+
+
+def readme_ci_example():
+    """The budget line and the pytest file from README's "Pinning a quantized model in CI"."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Pinning a quantized model in CI", 1)[1].split("\n## ", 1)[0]
+    budget = section.split("budget.json: ", 1)[1].splitlines()[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    return budget, code
+
+
+def test_readme_ci_example_runs_and_can_fail(default_lab, tmp_path):
+    """The README's CI test, run as a user would, with the lab's models in place of theirs."""
+    budget, code = readme_ci_example()
+    (tmp_path / "models").mkdir()
+    shutil.copy(default_lab["matmul_only"], tmp_path / "models" / "det_qdq.onnx")
+    shutil.copy(default_lab["matmul_only"], tmp_path / "models" / "rec_qdq.onnx")
+    shutil.copy(GRAPHSCAN, tmp_path / "graphscan.py")
+    (tmp_path / "test_quantized_models.py").write_text(code)
+    limits = json.loads(budget)
+    limits.pop("min_int8")  # matmul_only runs 3 of 7 kernels int8 on x86; keep the test machine-independent
+    run = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_quantized_models.py"]
+    (tmp_path / "budget.json").write_text(json.dumps(limits))
+    held = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True)
+    assert held.returncode == 0 and "2 passed" in held.stdout, held.stdout + held.stderr
+    (tmp_path / "budget.json").write_text(json.dumps({**limits, "max_islands": 2}))
+    broken = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True)
+    assert broken.returncode == 1 and "2 failed" in broken.stdout, broken.stdout
+    assert '"name": "max_islands", "value": 3, "limit": 2, "ok": false' in broken.stdout
+
+
+def test_min_int8_counts_int8_data_and_leaves_absorbed_nodes_out(tmp_path):
+    """The hand-built graph of tests/runtime/test_runtime.py runs one int8 kernel (Conv),
+    one int8_data kernel (Reshape) and one float kernel (HardSigmoid); its Relu,
+    Identity and Constant are absorbed: (1 + 1) / 3 of the kernels run int8."""
+    from tests.runtime.test_runtime import every_class_model
+
+    path = tmp_path / "every_class.onnx"
+    onnx.save(every_class_model(), path)
+    ((value, _limit, ok),) = budget_rows(graphscan.check(str(path), min_int8=0.6)).values()
+    assert value == pytest.approx(2 / 3) and ok is True

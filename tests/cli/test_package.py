@@ -1,0 +1,235 @@
+"""The layout users rely on: graphscan.py alone, the graphscan_ort package beside it,
+onnxruntime missing, and `pip install .` giving a `graphscan` command.
+
+Every expectation is what the issue promises a user: the counting commands need
+only onnx; the commands that run models say in one line what they need (exit 2),
+never an internal error; the console script answers what `python graphscan.py` does.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+
+import graphscan
+from tests.helpers import ROOT, error_line, json_answer, run_graphscan
+
+MODEL_COMMANDS = [
+    pytest.param(["fuse", "{fp32}", "{out}"], id="fuse"),
+    pytest.param(["trace", "{fp32}", "{full}"], id="trace"),
+    pytest.param(["runtime", "{full}"], id="runtime"),
+    pytest.param(["impact", "{fp32}", "{full}"], id="impact"),
+    pytest.param(["check", "{full}", "--min-int8", "0.5"], id="check-min-int8"),
+    pytest.param(["check", "{full}", "--float", "{fp32}", "--min-sqnr", "10"], id="check-min-sqnr"),
+    pytest.param(["dot", "{full}", "--runtime"], id="dot-runtime"),
+]
+COUNTING = [
+    pytest.param(["nodes", "{full}"], id="nodes"),
+    pytest.param(["qdq", "{full}"], id="qdq"),
+    pytest.param(["islands", "{full}"], id="islands"),
+    pytest.param(["boundary", "{full}"], id="boundary"),
+    pytest.param(["diff", "{fp32}", "{full}"], id="diff"),
+    pytest.param(["check", "{full}", "--max-float", "3"], id="check-structural"),
+]
+# Makes `import onnxruntime` fail in the process graphscan.py runs in, as on a
+# machine where only onnx is installed.
+WITHOUT_ORT = (
+    "import sys, runpy; sys.modules['onnxruntime'] = None; "
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def filled(argv, folder):
+    paths = {"fp32": ROOT / "ops" / "fp32.onnx", "full": ROOT / "ops" / "full.onnx", "out": folder / "out.onnx"}
+    return [str(a).format(**{k: str(v) for k, v in paths.items()}) for a in argv]
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    """graphscan.py copied alone into an empty folder, as a user drops it next to models."""
+    folder = tmp_path_factory.mktemp("alone")
+    shutil.copy2(ROOT / "graphscan.py", folder / "graphscan.py")
+    return folder / "graphscan.py"
+
+
+@pytest.mark.parametrize("argv", COUNTING)
+def test_counting_commands_answer_with_graphscan_py_alone(alone, argv, tmp_path):
+    argv = filled(argv, tmp_path)
+    alone_answer = json_answer(run_graphscan(argv, cwd=tmp_path, script=str(alone)))
+    assert alone_answer == json_answer(run_graphscan(argv, cwd=tmp_path))
+
+
+@pytest.mark.parametrize("argv", MODEL_COMMANDS)
+def test_model_commands_with_graphscan_py_alone_say_what_they_need(alone, argv, tmp_path):
+    line = error_line(run_graphscan(filled(argv, tmp_path), cwd=tmp_path, script=str(alone)), 2)
+    assert "graphscan_ort" in line and "onnxruntime" in line, line
+    assert not (tmp_path / "out.onnx").exists()
+
+
+@pytest.mark.parametrize("argv", MODEL_COMMANDS)
+def test_model_commands_without_onnxruntime_say_what_they_need(argv, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_ORT, str(ROOT / "graphscan.py"), *filled(argv, tmp_path)],
+        capture_output=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    line = error_line(proc, 2)
+    assert "onnxruntime" in line, line
+
+
+@pytest.mark.parametrize("argv", COUNTING)
+def test_counting_commands_never_import_onnxruntime(argv, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_ORT, str(ROOT / "graphscan.py"), *filled(argv, tmp_path)],
+        capture_output=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    json_answer(proc)
+
+
+def test_package_errors_are_one_class_when_graphscan_py_is_main(tmp_path):
+    """Run as a script, graphscan.py is ``__main__``; the package imports it as
+    ``graphscan``. A user error raised inside the package (exit 7 here: the models'
+    inputs differ) must still be caught as one, not reported as an internal error."""
+    proc = run_graphscan(["trace", ROOT / "ops" / "fp32.onnx", ROOT / "ops" / "gemm.onnx", "--shape", "nope=1,2"])
+    assert error_line(proc, 7)
+    proc = run_graphscan(["impact", ROOT / "ops" / "fp32.onnx", ROOT / "ops" / "full.onnx", "--shape", "x=1,2,3"])
+    assert error_line(proc, 7)
+
+
+def test_every_command_of_the_package_is_a_function_of_graphscan():
+    """``graphscan.trace`` & co. stay importable as plain functions (PEP 562)."""
+    for name, (function, *_) in graphscan.COMMANDS.items():
+        assert callable(getattr(graphscan, name)), name
+        if isinstance(function, str):
+            module, attribute = function.split(":")
+            assert getattr(graphscan, name).__module__ == f"graphscan_ort.{module}" and attribute == name
+    with pytest.raises(AttributeError):
+        graphscan.no_such_command  # noqa: B018
+
+
+# --------------------------------------------------------------------------
+# One definition of --inputs, --shape and --seed
+
+
+def sample_option_settings():
+    """``{command: {flag: (type, action)}}`` for every command that takes sample options."""
+    settings = {}
+    for name, (_, _, _, options) in graphscan.COMMANDS.items():
+        flags = {
+            flag: (s.get("type"), s.get("action")) for flag, s in options if flag in ("--inputs", "--shape", "--seed")
+        }
+        if flags:
+            settings[name] = flags
+    return settings
+
+
+def test_sample_options_parse_alike_in_every_command():
+    settings = sample_option_settings()
+    assert set(settings) == {"fuse", "trace", "runtime", "impact", "check"}
+    first = next(iter(settings.values()))
+    assert set(first) == {"--inputs", "--shape", "--seed"}
+    assert all(flags == first for flags in settings.values()), settings
+
+
+@pytest.mark.parametrize("command", ["fuse", "trace", "runtime", "impact", "check"])
+def test_a_negative_seed_is_a_usage_error_everywhere(command, tmp_path):
+    paths = {"fuse": ["{fp32}", "{out}"], "trace": ["{fp32}", "{full}"], "impact": ["{fp32}", "{full}"]}
+    extra = {"check": ["--max-float", "9"], "runtime": ["--time"]}
+    argv = filled([command, *paths.get(command, ["{full}"]), *extra.get(command, []), "--seed", "-1"], tmp_path)
+    line = error_line(run_graphscan(argv, cwd=tmp_path), 2)
+    assert "--seed" in line
+
+
+@pytest.mark.parametrize("command", ["fuse", "trace", "runtime"])
+def test_one_sample_commands_refuse_two_inputs_files(command, tmp_path):
+    import numpy as np
+
+    sample = tmp_path / "x.npz"
+    np.savez(sample, x=np.zeros((1, 16), np.float32))
+    paths = {"fuse": ["{fp32}", "{out}"], "trace": ["{fp32}", "{full}"], "runtime": ["{full}", "--time"]}[command]
+    argv = filled([command, *paths, "--inputs", sample, "--inputs", sample], tmp_path)
+    line = error_line(run_graphscan(argv, cwd=tmp_path), 2)
+    assert "--inputs" in line
+
+
+# --------------------------------------------------------------------------
+# Exit codes: one table
+
+
+def test_help_lists_every_exit_code_from_the_one_table():
+    proc = run_graphscan(["--help"])
+    text = " ".join(proc.stdout.decode().split())
+    for code, meaning in graphscan.EXIT_CODES.items():
+        assert f"{code} {meaning}" in text, (code, meaning)
+
+
+# --------------------------------------------------------------------------
+# pip install .
+
+
+def install_into_fresh_venv(folder, index):
+    """A new venv under ``folder`` with graphscan installed from a copy of the
+    repository; returns its bin folder. ``index``: use the package registry
+    (fresh dependencies), else the dependencies already installed here."""
+    source = folder / "source"
+    source.mkdir()
+    for name in ("graphscan.py", "pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, source / name)
+    shutil.copytree(ROOT / "graphscan_ort", source / "graphscan_ort", ignore=shutil.ignore_patterns("__pycache__"))
+    env_dir = folder / "venv"
+    venv.create(env_dir, with_pip=True)
+    # pip runs the build backend from the new venv; its bundled setuptools is too old to build wheels.
+    shutil.rmtree(next((env_dir / "lib").glob("python3*/site-packages/setuptools")), ignore_errors=True)
+    bin_dir = env_dir / "bin"
+    pip = [str(bin_dir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    if index:
+        subprocess.run([*pip, str(source)], check=True, capture_output=True, timeout=900)
+    else:
+        # This venv's packages (onnx, onnxruntime, numpy, setuptools) are visible to the new one.
+        purelib = Path(
+            subprocess.check_output(
+                [str(bin_dir / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+            ).strip()
+        )
+        (purelib / "outer.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        subprocess.run(
+            [*pip, "--no-deps", "--no-build-isolation", "--no-index", str(source)],
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+    return bin_dir
+
+
+def assert_console_script_is_graphscan_py(bin_dir, tmp_path):
+    console = str(bin_dir / "graphscan")
+    for argv in (
+        ["nodes", ROOT / "ops" / "full.onnx"],
+        ["islands", ROOT / "ops" / "excluded.onnx", "--format", "table"],
+        ["trace", ROOT / "ops" / "fp32.onnx", ROOT / "ops" / "full.onnx"],
+        ["impact", ROOT / "ops" / "fp32.onnx", ROOT / "ops" / "full.onnx", "--top", "2"],
+    ):
+        installed = subprocess.run([console, *map(str, argv)], capture_output=True, cwd=tmp_path, timeout=300)
+        assert installed.returncode == 0, installed.stderr
+        assert installed.stdout == run_graphscan(argv, cwd=tmp_path).stdout, argv
+    broken = subprocess.run([console, "nodes", "missing.onnx"], capture_output=True, cwd=tmp_path, timeout=60)
+    assert error_line(broken, 3)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="venv layout with bin/")
+def test_pip_install_gives_a_graphscan_command_equal_to_the_script(tmp_path):
+    assert_console_script_is_graphscan_py(install_into_fresh_venv(tmp_path, index=False), tmp_path)
+
+
+@pytest.mark.slow
+def test_pip_install_from_the_registry_in_a_fresh_venv(tmp_path):
+    """The README's install on a fresh machine: dependencies from the registry (slow, run by hand)."""
+    assert_console_script_is_graphscan_py(install_into_fresh_venv(tmp_path, index=True), tmp_path)

@@ -1,0 +1,750 @@
+"""graphscan.py impact: the output SQNR each op or tensor would give back if it stayed float.
+
+Expected values come from tests/impact_reference.py, a brute force written from
+issue 9's definitions (one plain onnx edit and one onnxruntime session per
+variant), never from graphscan itself. The models: the lab MLP (one weight scale
+made 3x too large), a small residual CNN, and a two-output model whose widest
+branch is scaled by 1e-3 before it reaches the output.
+"""
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import gen_models
+import graphscan
+import graphscan_ort.common
+import graphscan_ort.impact
+import graphscan_ort.segments
+from tests import impact_reference as reference
+from tests.helpers import error_line, json_answer, run_graphscan, with_weight_scale_times
+from tests.lab import TRACE_LAB
+
+FAULTY = "fc2_matmul"
+TOLERANCE_DB = 0.05  # issue 9: graphscan equals the brute force within 0.05 dB on every row
+ANSWER_KEYS = ["a", "b", "inputs", "defaulted", "samples", "output_sqnr_db", "ops", "tensors"]
+OP_KEYS = ["node", "op_type", "sqnr_db", "gain_db"]
+TENSOR_KEYS = [
+    "tensor",
+    "producer",
+    "consumers",
+    "sqnr_db",
+    "gain_db",
+    "rounding_sqnr_db",
+    "rounding_gain_db",
+    "clipped",
+]
+
+
+def write_samples(folder, shapes, count, seed, scale=1.0):
+    """``count`` .npz files of seeded normal data times ``scale``, ``{input: shape}`` each."""
+    rng = np.random.default_rng(seed)
+    paths = []
+    for k in range(count):
+        path = folder / f"sample{k}.npz"
+        arrays = {name: (rng.standard_normal(shape) * scale).astype(np.float32) for name, shape in shapes.items()}
+        np.savez(path, **arrays)
+        paths.append(path)
+    return paths
+
+
+def load_samples(paths):
+    return [dict(np.load(p)) for p in paths]
+
+
+def quantized(folder, model, name):
+    """``(float path, quantized path)``: ``model`` saved and quantized the lab's way."""
+    fp32, quant = folder / f"{name}_fp32.onnx", folder / f"{name}_qdq.onnx"
+    onnx.save(model, fp32)
+    gen_models.quantize_qdq(fp32, quant, seed=0)
+    return fp32, quant
+
+
+def branches_model():
+    """y = x@W_wide * 1e-3 + x@W_narrow, z = (x@W_narrow)@W_head.
+
+    The wide branch's values are ~100x larger than anything else, so trace's
+    absolute isolated error is by far the largest there; a later Mul by 1e-3
+    makes its effect on the output negligible.
+    """
+    rng = np.random.default_rng(3)
+    dim = 16
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((dim, dim)) * 100).astype(np.float32), "w_wide"),
+        numpy_helper.from_array((rng.standard_normal((dim, dim)) / 4).astype(np.float32), "w_narrow"),
+        numpy_helper.from_array((rng.standard_normal((dim, dim)) / 4).astype(np.float32), "w_head"),
+        numpy_helper.from_array(np.array(1e-3, np.float32), "tiny"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w_wide"], ["wide"], name="wide_matmul"),
+        helper.make_node("Mul", ["wide", "tiny"], ["wide_scaled"], name="wide_scale"),
+        helper.make_node("MatMul", ["x", "w_narrow"], ["narrow"], name="narrow_matmul"),
+        helper.make_node("Add", ["wide_scaled", "narrow"], ["y"], name="join"),
+        helper.make_node("MatMul", ["narrow", "w_head"], ["z"], name="head_matmul"),
+    ]
+    shape = ["N", dim]
+    graph = helper.make_graph(
+        nodes,
+        "branches",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, shape),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, shape),
+        ],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", gen_models.OPSET)])
+
+
+@pytest.fixture(scope="module")
+def faulty(trace_lab, tmp_path_factory):
+    """full.onnx with fc2_matmul's weight scale multiplied by 3 (values 3x too large)."""
+    return with_weight_scale_times(trace_lab["full"], FAULTY, 3, tmp_path_factory.mktemp("faulty") / "faulty.onnx")
+
+
+@pytest.fixture(scope="module")
+def mlp_samples(tmp_path_factory):
+    """Three samples of 8 rows: several --inputs files make one measurement.
+
+    Half the calibration data's spread, so values stay inside the calibrated
+    ranges: full.onnx is then good (~30 dB) and one broken scale stands out.
+    """
+    return write_samples(tmp_path_factory.mktemp("mlp_samples"), {"x": (8, TRACE_LAB.dim)}, 3, seed=5, scale=0.5)
+
+
+@pytest.fixture(scope="module")
+def cnn(tmp_path_factory):
+    """A small residual CNN (Conv, BatchNorm, Relu, Add, Resize, Concat, Gemm), quantized."""
+    folder = tmp_path_factory.mktemp("cnn")
+    fp32, quant = quantized(folder, gen_models.build_cnn(blocks=2, channels=4, size=8), "cnn")
+    return fp32, quant, write_samples(folder, {"x": (1, 3, 8, 8)}, 2, seed=7)
+
+
+@pytest.fixture(scope="module")
+def branches(tmp_path_factory):
+    """The two-output model with a wide branch scaled by 1e-3, quantized."""
+    folder = tmp_path_factory.mktemp("branches")
+    fp32, quant = quantized(folder, branches_model(), "branches")
+    return fp32, quant, write_samples(folder, {"x": (8, 16)}, 2, seed=9)
+
+
+def close(actual, expected):
+    if expected is None or actual is None:
+        return actual is expected
+    return abs(actual - expected) <= TOLERANCE_DB
+
+
+def assert_equals_brute_force(a, b, sample_paths):
+    answer = graphscan.impact(str(a), str(b), inputs=[str(p) for p in sample_paths])
+    brute = reference.reference_impact(onnx.load(a), onnx.load(b), load_samples(sample_paths))
+    baseline = brute["baseline"]
+    assert close(answer["output_sqnr_db"], baseline), (answer["output_sqnr_db"], baseline)
+    assert sorted(r["node"] for r in answer["ops"]) == sorted(brute["ops"])
+    for row in answer["ops"]:
+        assert close(row["sqnr_db"], brute["ops"][row["node"]]), (row, brute["ops"][row["node"]])
+        assert close(row["gain_db"], brute["ops"][row["node"]] - baseline), row
+    assert sorted(r["tensor"] for r in answer["tensors"]) == sorted(brute["tensors"])
+    for row in answer["tensors"]:
+        kept, rounded, clipped = brute["tensors"][row["tensor"]]
+        assert close(row["sqnr_db"], kept), (row, kept)
+        assert close(row["rounding_sqnr_db"], rounded), (row, rounded)
+        assert math.isclose(row["clipped"], clipped, abs_tol=1e-12), (row, clipped)
+    return answer, brute
+
+
+# Which version of a switched segment runs is the runner's choice by timing;
+# each choice is forced here, and the answers must be the same.
+VERSION_POLICIES = {
+    "group-versions": lambda self, j, wanted: wanted,
+    "full-versions": lambda self, j, wanted: (
+        graphscan_ort.segments.PLAIN if wanted == graphscan_ort.segments.PLAIN else graphscan_ort.segments.FULL
+    ),
+}
+
+
+@pytest.mark.parametrize("policy", sorted(VERSION_POLICIES))
+@pytest.mark.parametrize("model", ["lab-mlp", "faulty-mlp", "cnn", "two-outputs"])
+def test_every_row_equals_the_brute_force(model, policy, trace_lab, faulty, mlp_samples, cnn, branches, monkeypatch):
+    a, b, samples = {
+        "lab-mlp": (trace_lab["fp32"], trace_lab["full"], mlp_samples),
+        "faulty-mlp": (trace_lab["fp32"], faulty, mlp_samples),
+        "cnn": cnn,
+        "two-outputs": branches,
+    }[model]
+    runs = []
+    real = graphscan_ort.impact.ImpactRun.__init__
+
+    def spy(self, *args):
+        real(self, *args)
+        runs.append(self)
+
+    monkeypatch.setattr(graphscan_ort.impact.ImpactRun, "__init__", spy)
+    monkeypatch.setattr(graphscan_ort.segments.SegmentRunner, "version", VERSION_POLICIES[policy])
+    answer, _ = assert_equals_brute_force(a, b, samples)
+    # The rows were measured through the chain of segment sessions, in the
+    # versions the policy picks, not through the one-segment fallback.
+    (run,) = runs
+    assert len(run.runner.plan.chunks) > 1
+    assert run.runner.plan.selections  # the weights' Wheres are bindings
+    versions = {version for _, version in run.runner.sessions}
+    assert any(isinstance(j, tuple) for j, _ in run.runner.sessions)  # a plain tail as one session
+    if policy == "group-versions":
+        assert graphscan_ort.segments.FULL not in versions and any(isinstance(v, int) for v in versions), versions
+    else:
+        assert versions == {graphscan_ort.segments.PLAIN, graphscan_ort.segments.FULL}, versions
+    assert answer["samples"] == len(samples)
+    gains = [r["gain_db"] for r in answer["ops"]]
+    assert gains == sorted(gains, reverse=True)
+
+
+def test_group_versions_only_when_the_machinery_costs_more_than_a_build(trace_lab, mlp_samples):
+    """The timing rule: a group's version is built once the full version's
+    extra run time, over all samples and twice, exceeds its build time."""
+    float_model, quant_model = onnx.load(trace_lab["fp32"]), onnx.load(trace_lab["full"])
+    samples = load_samples(mlp_samples)
+    noise = graphscan_ort.common.OutputNoise(graphscan_ort.common.model_outputs(float_model, samples, "a"))
+    runner = graphscan_ort.impact.ImpactRun(float_model, quant_model, samples, ["y"], noise, "b").runner
+    assert runner.version(0, graphscan_ort.segments.PLAIN) == graphscan_ort.segments.PLAIN
+    assert runner.version(0, 3) == graphscan_ort.segments.FULL  # the full version has not run yet
+    runner.seconds.update(
+        {("run", 0, graphscan_ort.segments.PLAIN): 0.001, ("build", 0, graphscan_ort.segments.FULL): 0.05}
+    )
+    runner.seconds["run", 0, graphscan_ort.segments.FULL] = 0.001 + 0.05 / (2 * len(samples)) * 0.9
+    assert runner.version(0, 3) == graphscan_ort.segments.FULL
+    runner.seconds["run", 0, graphscan_ort.segments.FULL] = 0.001 + 0.05 / (2 * len(samples)) * 1.1
+    assert runner.version(0, 3) == 3
+
+
+def test_scaled_weight_makes_its_matmul_the_top_op(trace_lab, faulty, mlp_samples):
+    answer = graphscan.impact(str(trace_lab["fp32"]), str(faulty), inputs=[str(p) for p in mlp_samples])
+    top, second = answer["ops"][:2]
+    assert top["node"] == FAULTY
+    assert top["gain_db"] > 10.0, top  # tens of dB: the 3x scale ruins the output
+    assert top["gain_db"] - second["gain_db"] > 10.0, (top, second)
+
+
+def test_absorbed_relu_is_restored(trace_lab, mlp_samples):
+    """fc1_out is a Relu's output in fp32 but the Add's in full.onnx: the
+    quantizer folded the Relu into the Q. float(t) must put it back; dropping it
+    (what a plain 'read t instead' would do) passes negatives on and is far worse."""
+    a, b = onnx.load(trace_lab["fp32"]), onnx.load(trace_lab["full"])
+    assert reference.absorbed(a, b, "fc1_out").op_type == "Relu"
+    answer = graphscan.impact(str(trace_lab["fp32"]), str(trace_lab["full"]), inputs=[str(p) for p in mlp_samples])
+    (row,) = [r for r in answer["tensors"] if r["tensor"] == "fc1_out"]
+    assert row["gain_db"] > -0.5, row
+    samples = load_samples(mlp_samples)
+    without_relu = onnx.ModelProto()
+    without_relu.CopyFrom(b)
+    for node in without_relu.graph.node:
+        node.input[:] = ["fc1_out" if t == "fc1_out_DequantizeLinear_Output" else t for t in node.input]
+    dropped = reference.sqnr(reference.float_outputs(a, b, samples), reference.run(without_relu, samples))
+    assert dropped < row["sqnr_db"] - 3.0, (dropped, row)
+
+
+def test_trace_worst_op_has_no_output_impact(branches):
+    """The two rankings differ on purpose: trace's worst isolated error is the
+    wide branch, whose effect on the output the 1e-3 Mul removes."""
+    a, b, samples = branches
+    traced = graphscan.trace(str(a), str(b), inputs=str(samples[0]))
+    assert traced["worst_isolated"]["node"] == "wide_matmul"
+    answer = graphscan.impact(str(a), str(b), inputs=[str(p) for p in samples])
+    rows = {r["node"]: r for r in answer["ops"]}
+    assert abs(rows["wide_matmul"]["gain_db"]) < 0.5, rows["wide_matmul"]
+    assert answer["ops"][0]["node"] != "wide_matmul"
+    assert answer["ops"][0]["gain_db"] > rows["wide_matmul"]["gain_db"] + 1.0
+
+
+def test_exclusion_equals_an_independent_run(trace_lab, faulty, mlp_samples):
+    a, b = onnx.load(trace_lab["fp32"]), onnx.load(faulty)
+    samples = load_samples(mlp_samples)
+    expected_float = reference.float_outputs(a, b, samples)
+    paths = [str(p) for p in mlp_samples]
+    base = graphscan.impact(str(trace_lab["fp32"]), str(faulty), inputs=paths)
+    target = base["output_sqnr_db"] + 10.0
+    answer = graphscan.impact(str(trace_lab["fp32"]), str(faulty), inputs=paths, target_sqnr=target)
+    exclude = answer["exclude"]
+    assert exclude["reached"] is True and exclude["nodes"][0] == FAULTY, exclude
+    assert exclude["sqnr_db"] >= target
+    independent = reference.sqnr(
+        expected_float, reference.run(reference.unquantize_ops(a, b, exclude["nodes"]), samples)
+    )
+    assert close(exclude["sqnr_db"], independent), (exclude, independent)
+
+    impossible = graphscan.impact(str(trace_lab["fp32"]), str(faulty), inputs=paths, target_sqnr=300.0)["exclude"]
+    positive = [r["node"] for r in base["ops"] if r["gain_db"] > 0]
+    assert impossible["reached"] is False
+    assert impossible["nodes"] == positive  # every op with a gain was tried, in rank order
+    independent = reference.sqnr(expected_float, reference.run(reference.unquantize_ops(a, b, positive), samples))
+    assert close(impossible["sqnr_db"], independent), (impossible, independent)
+
+    limited = graphscan.impact(str(trace_lab["fp32"]), str(faulty), inputs=paths, target_sqnr=300.0, max_exclude=1)
+    assert limited["exclude"]["nodes"] == [FAULTY] and limited["exclude"]["reached"] is False
+
+
+def test_top_limits_the_lists_not_the_measurement(trace_lab, faulty, mlp_samples):
+    paths = [str(p) for p in mlp_samples]
+    full = graphscan.impact(str(trace_lab["fp32"]), str(faulty), inputs=paths)
+    top = graphscan.impact(str(trace_lab["fp32"]), str(faulty), inputs=paths, top=2, target_sqnr=300.0)
+    assert top["ops"] == full["ops"][:2] and top["tensors"] == full["tensors"][:2]
+    assert len(full["ops"]) > 2
+    # The exclusion still walks every op with a gain, not just the two listed.
+    assert len(top["exclude"]["nodes"]) == len([r for r in full["ops"] if r["gain_db"] > 0])
+
+
+def test_by_subprocess_strict_json(trace_lab, faulty, mlp_samples, tmp_path):
+    args = ["impact", trace_lab["fp32"], faulty]
+    for path in mlp_samples:
+        args += ["--inputs", path]
+    answer = json_answer(run_graphscan(args + ["--top", "3", "--target-sqnr", "40"], cwd=tmp_path))
+    assert list(answer) == ANSWER_KEYS + ["exclude"]
+    assert answer["a"] == str(trace_lab["fp32"]) and answer["samples"] == 3
+    assert answer["inputs"] == {"x": [8, TRACE_LAB.dim]} and answer["defaulted"] == []
+    assert all(list(r) == OP_KEYS for r in answer["ops"]) and len(answer["ops"]) == 3
+    assert all(list(r) == TENSOR_KEYS for r in answer["tensors"])
+    assert list(answer["exclude"]) == ["target_sqnr_db", "nodes", "sqnr_db", "reached"]
+
+
+def test_default_shape_is_reported(trace_lab, tmp_path):
+    seeded = json_answer(run_graphscan(["impact", trace_lab["fp32"], trace_lab["full"], "--seed", "3"], cwd=tmp_path))
+    assert seeded["inputs"] == {"x": [1, TRACE_LAB.dim]} and seeded["defaulted"] == ["x"]
+    assert "exclude" not in seeded
+    shaped = graphscan.impact(str(trace_lab["fp32"]), str(trace_lab["full"]), shape=["x=5,16"])
+    assert shaped["inputs"] == {"x": [5, TRACE_LAB.dim]} and shaped["defaulted"] == []
+
+
+@pytest.mark.parametrize(
+    ("options", "code"),
+    [
+        pytest.param(["--top", "-1"], 2, id="negative-top"),
+        pytest.param(["--target-sqnr", "nan"], 2, id="nan-target"),
+        pytest.param(["--target-sqnr", "inf"], 2, id="infinite-target"),
+        pytest.param(["--max-exclude", "2"], 2, id="max-exclude-without-target"),
+        pytest.param(["--target-sqnr", "10", "--max-exclude", "-3"], 2, id="negative-max-exclude"),
+        pytest.param(["--shape", "x=a,b"], 7, id="unreadable-shape"),
+        pytest.param(["--shape", "x=2,3"], 7, id="shape-against-declared"),
+        pytest.param(["--inputs", "MISSING_INPUT_NPZ"], 7, id="npz-lacks-input"),
+        pytest.param(["--inputs", "NOT_AN_NPZ"], 7, id="not-an-npz"),
+    ],
+)
+def test_errors(trace_lab, tmp_path, options, code):
+    missing = tmp_path / "other.npz"
+    np.savez(missing, y=np.zeros((1, TRACE_LAB.dim), np.float32))
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_bytes(b"not a zip")
+    options = [{"MISSING_INPUT_NPZ": missing, "NOT_AN_NPZ": garbage}.get(o, o) for o in options]
+    line = error_line(run_graphscan(["impact", trace_lab["fp32"], trace_lab["full"], *options], cwd=tmp_path), code)
+    assert "Traceback" not in line
+
+
+def test_broken_derived_model_is_named_as_graphscans(trace_lab, monkeypatch):
+    """A derived model that fails is blamed on graphscan, not on the user's model (exit 5)."""
+    real = graphscan_ort.impact.switched_model
+
+    def broken(plan, quant_model, float_model):
+        model, *rest = real(plan, quant_model, float_model)
+        model.graph.node[0].op_type = "NoSuchOperator"
+        return (model, *rest)
+
+    monkeypatch.setattr(graphscan_ort.impact, "switched_model", broken)
+    with pytest.raises(graphscan.GraphscanError) as caught:
+        graphscan.impact(str(trace_lab["fp32"]), str(trace_lab["full"]))
+    assert caught.value.exit_code == graphscan.EXIT_RUNTIME
+    assert f"graphscan's derived model of {trace_lab['full']}" in str(caught.value)
+
+
+def test_if_branches_reading_a_dequantized_tensor(tmp_path):
+    """The If branches read r's DQ output from outside: keeping r float must reach
+    them too. Reference: that DQ replaced by Relu's output, one session."""
+    from tests.trace.test_control_flow import control_flow_model
+
+    a, b = tmp_path / "float.onnx", tmp_path / "quant.onnx"
+    onnx.save(control_flow_model(False), a)
+    onnx.save(control_flow_model(True), b)
+    sample = {"x": np.linspace(-1, 1, 4, dtype=np.float32)[None], "cond": np.array(True)}
+    np.savez(tmp_path / "s.npz", **sample)
+    answer = graphscan.impact(str(a), str(b), inputs=[str(tmp_path / "s.npz")])
+    assert [r["node"] for r in answer["ops"]] == ["relu"]
+    rows = {r["tensor"]: r for r in answer["tensors"]}
+    assert sorted(rows) == ["r", "x"]
+    quant = onnx.load(b)
+    for node in quant.graph.node:
+        if node.name == "r_dequantize":
+            node.CopyFrom(helper.make_node("Identity", ["r"], ["r_dq"], name="r_dequantize"))
+    expected = reference.sqnr(reference.run(onnx.load(a), [sample]), reference.run(quant, [sample]))
+    assert close(rows["r"]["sqnr_db"], expected), (rows["r"], expected)
+
+
+def test_derived_model_is_deterministic_and_prefixed(cnn):
+    """Derived names come from the graph, never from the time: two builds are
+    byte-identical, and every added node, input and initializer is graphscan's."""
+    a, b, _ = cnn
+    float_model, quant_model = onnx.load(a), onnx.load(b)
+
+    sample = {"x": np.zeros((1, 3, 8, 8), np.float32)}
+
+    def build():
+        plan = graphscan_ort.impact.ImpactPlan(float_model, quant_model)
+        model, _, _, _ = graphscan_ort.impact.switched_model(plan, quant_model, float_model)
+        machinery = {n.name for n in model.graph.node if n.name.startswith("graphscan.")}
+        segments = graphscan_ort.segments.SegmentPlan(
+            model, ["x"], set(), machinery, graphscan_ort.segments.IMPACT_SEGMENTS, sample
+        )
+        assert len(segments.chunks) > 1
+        types = {t: "tensor(float)" for node in model.graph.node for t in [*node.input, *node.output]}
+        types.update({i.name: "tensor(float)" for i in model.graph.input})
+        versions = [
+            segments.segment_model(j, switched, types)[0].SerializeToString()
+            for j in [None, *range(len(segments.chunks))]
+            for switched in (graphscan_ort.segments.PLAIN, graphscan_ort.segments.FULL, 0)
+        ]
+        return model, versions
+
+    (first, first_segments), (second, second_segments) = build(), build()
+    assert first.SerializeToString() == second.SerializeToString()
+    assert first_segments == second_segments
+    original = {n.name for n in quant_model.graph.node}
+    assert all(n.name in original or n.name.startswith("graphscan.") for n in first.graph.node)
+    added_inputs = {i.name for i in first.graph.input} - {i.name for i in quant_model.graph.input}
+    assert added_inputs and all(name.startswith("graphscan.") for name in added_inputs)
+    added_inits = {i.name for i in first.graph.initializer} - {i.name for i in quant_model.graph.initializer}
+    assert all(name.startswith("graphscan.") for name in added_inits)
+
+
+def test_a_model_against_itself_is_exact(trace_lab, mlp_samples):
+    """No quantization, no noise: every SQNR is null, whatever segment a node runs in."""
+    answer = graphscan.impact(str(trace_lab["fp32"]), str(trace_lab["fp32"]), inputs=[str(p) for p in mlp_samples])
+    assert answer["output_sqnr_db"] is None
+    assert answer["ops"] == [] and answer["tensors"] == []
+
+
+def absorbed_pair():
+    """A float model with a LeakyRelu and a Clip(0, 6), and a hand-written QDQ twin
+    whose MatMuls write the activations' names, as a quantizer that folded them
+    into the following Q would (onnxruntime's folds only Relu and Clip)."""
+    rng = np.random.default_rng(4)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w1"),
+        numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w2"),
+        numpy_helper.from_array(np.array(0.0, np.float32), "low"),
+        numpy_helper.from_array(np.array(6.0, np.float32), "high"),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4, 8]) for n in ["leaky", "clipped"]]
+    float_nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["m1"], name="mm1"),
+        helper.make_node("LeakyRelu", ["m1"], ["leaky"], name="leaky_relu", alpha=0.2),
+        helper.make_node("MatMul", ["x", "w2"], ["m2"], name="mm2"),
+        helper.make_node("Clip", ["m2", "low", "high"], ["clipped"], name="clip"),
+    ]
+    qparams = [
+        numpy_helper.from_array(np.array(0.05, np.float32), "sx"),
+        numpy_helper.from_array(np.array(0.04, np.float32), "sa"),
+        numpy_helper.from_array(np.array(-100, np.int8), "za"),
+        numpy_helper.from_array(np.array(0.03, np.float32), "sc"),
+        numpy_helper.from_array(np.array(-128, np.int8), "zc"),
+        numpy_helper.from_array(np.array(0, np.int8), "z0"),
+    ]
+
+    def qdq(tensor, scale, zero, out):
+        return [
+            helper.make_node("QuantizeLinear", [tensor, scale, zero], [f"{tensor}_q"], name=f"{tensor}_quantize"),
+            helper.make_node("DequantizeLinear", [f"{tensor}_q", scale, zero], [out], name=f"{tensor}_dequantize"),
+        ]
+
+    quant_nodes = (
+        qdq("x", "sx", "z0", "x_dq")
+        + [
+            helper.make_node("MatMul", ["x_dq", "w1"], ["leaky_QuantizeLinear_Input"], name="mm1"),
+            helper.make_node("MatMul", ["x_dq", "w2"], ["m2_folded"], name="mm2"),
+            helper.make_node("Identity", ["m2_folded"], ["clipped_pre"], name="rename"),
+        ]
+        + qdq("leaky_QuantizeLinear_Input", "sa", "za", "leaky")
+        + [
+            helper.make_node("Relu", ["clipped_pre"], ["clipped_QuantizeLinear_Input"], name="not_a_clip"),
+        ]
+        + qdq("clipped_QuantizeLinear_Input", "sc", "zc", "clipped")
+    )
+    opset = [helper.make_opsetid("", gen_models.OPSET)]
+    float_model = helper.make_model(helper.make_graph(float_nodes, "f", [x], outputs, inits), opset_imports=opset)
+    quant_model = helper.make_model(
+        helper.make_graph(quant_nodes, "q", [x], outputs, inits + qparams), opset_imports=opset
+    )
+    return float_model, quant_model
+
+
+def test_absorbed_leaky_relu_and_clip_equal_the_brute_force(tmp_path):
+    """float(t) re-applies a LeakyRelu (its own node) and a Clip (its bounds); the
+    names end in _QuantizeLinear_Input, so the float producer is found without it."""
+    float_model, quant_model = absorbed_pair()
+    a, b = tmp_path / "float.onnx", tmp_path / "quant.onnx"
+    onnx.save(float_model, a)
+    onnx.save(quant_model, b)
+    assert reference.absorbed(float_model, quant_model, "leaky_QuantizeLinear_Input").op_type == "LeakyRelu"
+    assert reference.absorbed(float_model, quant_model, "clipped_QuantizeLinear_Input").op_type == "Clip"
+    samples = write_samples(tmp_path, {"x": (4, 8)}, 2, seed=12)
+    answer, _brute = assert_equals_brute_force(a, b, samples)
+    rows = {r["tensor"]: r for r in answer["tensors"]}
+    # Re-applied, the activations make the outputs float up to x's own rounding.
+    assert rows["leaky_QuantizeLinear_Input"]["sqnr_db"] > answer["output_sqnr_db"]
+    assert rows["clipped_QuantizeLinear_Input"]["sqnr_db"] > answer["output_sqnr_db"]
+
+
+def grid_chain_model():
+    """x -> Q -> DQ -> Relu -> Q -> DQ -> Neg -> Q -> DQ -> Mul(0.3) -> Q -> DQ -> y, and its float twin.
+
+    int8, scale 0.5, zero point 0. Fed with x on the 0.5 grid, every Q -> DQ
+    before the Mul is exact, so keeping any operator float changes nothing:
+    all three rows gain exactly 0 dB. Only the last Q (0.3 x off the grid)
+    makes noise, and an operator's own output Q -> DQ stays when it is
+    un-quantized. Equal gains must keep graph order.
+    """
+    inits = [
+        numpy_helper.from_array(np.array(0.5, np.float32), "s"),
+        numpy_helper.from_array(np.array(0, np.int8), "zp"),
+        numpy_helper.from_array(np.array(0.3, np.float32), "k"),
+    ]
+    chain = [("Relu", "relu", "a"), ("Neg", "neg", "b"), ("Mul", "mul", "c")]
+    quant_nodes, float_nodes, tensor = [], [], "x"
+    for k, (op, name, out) in enumerate(chain):
+        quant_nodes += [
+            helper.make_node("QuantizeLinear", [tensor, "s", "zp"], [f"{tensor}_q"], name=f"q{k}"),
+            helper.make_node("DequantizeLinear", [f"{tensor}_q", "s", "zp"], [f"{tensor}_dq"], name=f"dq{k}"),
+        ]
+        operands = [f"{tensor}_dq", "k"] if op == "Mul" else [f"{tensor}_dq"]
+        quant_nodes.append(helper.make_node(op, operands, [out], name=name))
+        float_nodes.append(helper.make_node(op, [tensor, "k"] if op == "Mul" else [tensor], [out], name=name))
+        tensor = out
+    quant_nodes += [
+        helper.make_node("QuantizeLinear", ["c", "s", "zp"], ["c_q"], name="q3"),
+        helper.make_node("DequantizeLinear", ["c_q", "s", "zp"], ["y"], name="dq3"),
+    ]
+    float_nodes.append(helper.make_node("Identity", ["c"], ["y"], name="out"))
+    value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 8])  # noqa: E731
+
+    def model(nodes, initializers):
+        graph = helper.make_graph(nodes, "chain", [value("x")], [value("y")], initializers)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    return model(float_nodes, inits[2:]), model(quant_nodes, inits)
+
+
+def test_equal_gains_keep_graph_order(tmp_path):
+    float_model, quant_model = grid_chain_model()
+    onnx.save(float_model, tmp_path / "f.onnx")
+    onnx.save(quant_model, tmp_path / "q.onnx")
+    np.savez(tmp_path / "x.npz", x=np.array([[-2.0, -1.5, -0.5, 0.0, 0.5, 1.0, 2.5, 3.0]], np.float32))
+    answer = graphscan.impact(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), inputs=[str(tmp_path / "x.npz")])
+    assert answer["output_sqnr_db"] is not None  # the last Q makes noise
+    assert [(r["node"], r["gain_db"]) for r in answer["ops"]] == [("relu", 0.0), ("neg", 0.0), ("mul", 0.0)]
+
+
+def test_outputs_named_differently_are_paired_by_position(tmp_path):
+    """Float outputs z = Relu(x), a = Neg(x); the quantized model names them q
+    and p. Paired by position (z-q, a-p), the SQNR is the one numpy gives."""
+    inits = [
+        numpy_helper.from_array(np.array(0.25, np.float32), "s"),
+        numpy_helper.from_array(np.array(0, np.int8), "zp"),
+    ]
+    value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 8])  # noqa: E731
+    float_graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["z"], name="relu"), helper.make_node("Neg", ["x"], ["a"], name="neg")],
+        "f",
+        [value("x")],
+        [value("z"), value("a")],
+    )
+    quant_graph = helper.make_graph(
+        [
+            helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["x_q"], name="xq"),
+            helper.make_node("DequantizeLinear", ["x_q", "s", "zp"], ["x_dq"], name="xdq"),
+            helper.make_node("Relu", ["x_dq"], ["q"], name="relu"),
+            helper.make_node("Neg", ["x_dq"], ["p"], name="neg"),
+        ],
+        "q",
+        [value("x")],
+        [value("q"), value("p")],
+        inits,
+    )
+    for graph, name in [(float_graph, "f.onnx"), (quant_graph, "q.onnx")]:
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / name)
+    x = np.array([[-1.1, -0.6, -0.1, 0.2, 0.35, 0.9, 1.3, 2.05]], np.float32)
+    np.savez(tmp_path / "x.npz", x=x)
+    answer = graphscan.impact(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), inputs=[str(tmp_path / "x.npz")])
+    dq = np.clip(np.round(x / 0.25), -128, 127) * 0.25
+    f = np.concatenate([np.maximum(x, 0), -x], axis=None).astype(np.float64)
+    q = np.concatenate([np.maximum(dq, 0), -dq], axis=None).astype(np.float64)
+    expected = 20 * math.log10(np.linalg.norm(f) / np.linalg.norm(f - q))
+    assert answer["output_sqnr_db"] == pytest.approx(expected, abs=1e-6)
+
+
+F32 = np.float32
+INF = np.float32(np.inf)
+
+
+@pytest.mark.parametrize(
+    ("values", "kept", "rounded", "same"),
+    [
+        pytest.param([-0.5, 0.5], (-INF, INF), (-1, 1), True, id="inside-the-range"),
+        pytest.param([-0.5, 1.0], (-INF, INF), (-1, 1), False, id="on-the-upper-end"),
+        pytest.param([-1.0, 0.5], (-INF, INF), (-1, 1), False, id="on-the-lower-end"),
+        pytest.param([-0.5, 3.0], (-INF, INF), (-1, 1), False, id="outside"),
+        pytest.param([-1.0, 0.0, 1.5], (0, INF), (0, 2), True, id="relu-same-lower-bound"),
+        pytest.param([-1.0, 0.5], (0, INF), (-0.25, 2), False, id="relu-other-lower-bound"),
+        pytest.param([0.5, 1.5], (0, INF), (-0.25, 2), True, id="relu-bounds-never-reached"),
+        pytest.param([0.5, np.nan], (-INF, INF), (-1, 1), False, id="nan"),
+        pytest.param([0.5, np.inf], (-INF, INF), (-1, 1), False, id="infinite"),
+        pytest.param([], (-INF, INF), (-1, 1), True, id="empty"),
+    ],
+)
+def test_rounding_reuses_the_kept_run_only_when_the_clips_agree(values, kept, rounded, same):
+    """Clip(t, kept) and Clip(t, rounded) are one run only when they are equal
+    bit for bit: t finite, each side's bounds equal or never reached."""
+    bounds = [tuple(np.array(b, F32) for b in pair) for pair in (kept, rounded)]
+    for dtype, expected in ((F32, same), (np.float64, False)):  # float64: not the bounds' type
+        stats = graphscan_ort.impact.ValueStats((-1.0, 1.0, TensorProto.FLOAT))
+        half = len(values) // 2  # two samples: the extremes are over both
+        stats.add(np.array(values[:half], dtype))
+        stats.add(np.array(values[half:], dtype))
+        assert graphscan_ort.impact.same_clip(stats, *bounds) is expected
+
+
+def test_a_tensor_inside_its_range_is_measured_once(tmp_path, monkeypatch):
+    """x never leaves its Q's range: its rounding-only row is its float row,
+    taken from the same run, and both equal the brute force."""
+    weight = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32), "w")
+    model = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["y"], name="matmul")],
+            "inside",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])],
+            [weight],
+        ),
+        opset_imports=[helper.make_opsetid("", gen_models.OPSET)],
+    )
+    a, b = quantized(tmp_path, model, "inside")
+    sample = tmp_path / "s.npz"
+    np.savez(sample, x=np.linspace(-0.5, 0.5, 8, dtype=np.float32)[None])  # calibration: normal, far wider
+    runs, impact_runs = [], []
+    real_run, real_init = graphscan_ort.segments.SegmentRunner.run, graphscan_ort.impact.ImpactRun.__init__
+    monkeypatch.setattr(
+        graphscan_ort.segments.SegmentRunner, "run", lambda self, s=None: runs.append(s) or real_run(self, s)
+    )
+    monkeypatch.setattr(
+        graphscan_ort.impact.ImpactRun,
+        "__init__",
+        lambda self, *args: impact_runs.append(self) or real_init(self, *args),
+    )
+    answer, _ = assert_equals_brute_force(a, b, [sample])
+    (row,) = [r for r in answer["tensors"] if r["tensor"] == "x"]
+    assert row["clipped"] == 0.0 and row["rounding_sqnr_db"] == row["sqnr_db"]
+    ran = [graphscan_ort.impact.variant_key(s or {}) for s in runs]
+    assert len(ran) == len(set(ran)), "a variant ran twice"
+    (run,) = impact_runs
+    (m,) = [m for m, (t, *_) in enumerate(run.plan.tensor_rows) if t == "x"]
+    kept, rounded = run.tensor_variants[m]
+    assert graphscan_ort.impact.variant_key(kept) in ran and graphscan_ort.impact.variant_key(rounded) not in ran
+
+
+def test_a_sequence_between_segments_falls_back_to_one_segment(tmp_path, monkeypatch):
+    """A segment's inputs are declared as tensors: a sequence that crosses a cut
+    (every node its own segment here) sends the runner to one whole-model
+    segment, with the same rows as the brute force."""
+    rng = np.random.default_rng(4)
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), w) for w in ("w1", "w2")]
+    inits.append(numpy_helper.from_array(np.array(0, np.int64), "first"))
+    model = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("MatMul", ["x", "w1"], ["h"], name="matmul1"),
+                helper.make_node("SequenceConstruct", ["h", "h"], ["pair"], name="pack"),
+                helper.make_node("SequenceAt", ["pair", "first"], ["g"], name="unpack"),
+                helper.make_node("MatMul", ["g", "w2"], ["y"], name="matmul2"),
+            ],
+            "sequence",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+            inits,
+        ),
+        opset_imports=[helper.make_opsetid("", gen_models.OPSET)],
+    )
+    a, b = quantized(tmp_path, model, "sequence")
+    monkeypatch.setattr(graphscan_ort.segments, "IMPACT_SEGMENTS", 1000)
+    plans = []
+    real = graphscan_ort.segments.SegmentRunner.__init__
+    monkeypatch.setattr(
+        graphscan_ort.segments.SegmentRunner,
+        "__init__",
+        lambda self, plan, *a: plans.append(plan) or real(self, plan, *a),
+    )
+    answer, _ = assert_equals_brute_force(a, b, write_samples(tmp_path, {"x": (2, 8)}, 2, seed=1))
+    assert len(plans[0].chunks) > 1 and len(plans[-1].chunks) == 1
+    assert {r["node"] for r in answer["ops"]} == {"matmul1", "pack", "matmul2"}
+
+
+def test_segments_are_cut_by_work_not_by_node_count():
+    """Work is output elements times the length of each sum; a cut falls where
+    the work done so far passes each share, so a node heavier than a share ends
+    a segment and the nodes after it start the next (unknown work: the median)."""
+    nodes = list("abcdefgh")
+    assert graphscan_ort.segments.equal_work_chunks(nodes, [1, 1, 1, 100, 1, 1, None, 1], 4) == [
+        list("abcd"),
+        list("efgh"),
+    ]
+    assert graphscan_ort.segments.equal_work_chunks(nodes, [100, 1, 1, 1, 1, 1, 1, 1], 4) == [["a"], list("bcdefgh")]
+    assert graphscan_ort.segments.equal_work_chunks(nodes, [1] * 8, 4) == [
+        list("ab"),
+        list("cd"),
+        list("ef"),
+        list("gh"),
+    ]
+    conv = helper.make_node("Conv", ["x", "w"], ["y"])
+    shapes = {"x": [1, 3, 8, 8], "w": [16, 3, 3, 3], "y": [1, 16, 8, 8]}
+    assert graphscan_ort.segments.node_work(conv, shapes) == 16 * 8 * 8 * 3 * 3 * 3
+    assert graphscan_ort.segments.node_work(conv, {**shapes, "y": None}) is None
+
+
+def test_shapes_behind_a_computed_reshape_are_known():
+    """Shape -> Reshape needs onnx's data propagation, and a declared symbolic
+    dim is refined by the sample's shape."""
+    model = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("Relu", ["x"], ["r"]),
+                helper.make_node("Shape", ["r"], ["s"]),
+                helper.make_node("Reshape", ["r", "s"], ["y"]),
+            ],
+            "reshape",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+            value_info=[helper.make_tensor_value_info("r", TensorProto.FLOAT, ["N", 4])],
+        ),
+        opset_imports=[helper.make_opsetid("", gen_models.OPSET)],
+    )
+    shapes = graphscan_ort.segments.known_shapes(model, list(model.graph.node), {"x": np.zeros((3, 4), np.float32)})
+    assert shapes["r"] == [3, 4] and shapes["y"] == [3, 4]
+
+
+def test_a_scalar_input_stays_a_scalar(tmp_path):
+    """A 0-d array in an .npz feeds a scalar input as it is: ``inputs`` says [],
+    not [1] (np.ascontiguousarray makes every array at least 1-d)."""
+    model = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("Mul", ["x", "s"], ["y"], name="scale")],
+            "scalar",
+            [
+                helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+                helper.make_tensor_value_info("s", TensorProto.FLOAT, []),
+            ],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        ),
+        opset_imports=[helper.make_opsetid("", gen_models.OPSET)],
+    )
+    path = tmp_path / "scalar.onnx"
+    onnx.save(model, path)
+    np.savez(tmp_path / "s.npz", x=np.ones((2, 4), np.float32), s=np.array(0.5, np.float32))
+    answer = graphscan.impact(str(path), str(path), inputs=[str(tmp_path / "s.npz")])
+    assert answer["inputs"] == {"x": [2, 4], "s": []}
+    assert answer["output_sqnr_db"] is None
