@@ -1,18 +1,19 @@
-"""The mutation campaign: does the suite notice when graphscan.py is wrong?
+"""The mutation campaign: does the suite notice when graphscan is wrong?
 
     python bench/mutants.py [--area AREA ...] [--id ID ...] [--whole-suite] [--json FILE]
 
 Reads the curated single-edit mutants of bench/mutants.toml. The repository is
 copied once into a temporary folder (tracked and untracked files, no caches);
-for each mutant its one edit is applied to that copy's graphscan.py, the tests
+for each mutant its one edit is applied to the one file of that copy
+that holds its snippet (graphscan.py or a module of graphscan_ort/), the tests
 of its area run (``pytest -x -q -n 2``; ``--whole-suite`` runs every test), and
-graphscan.py is restored. A mutant is
+the file is restored. A mutant is
 
   killed      the tests fail (or time out);
   survived    the tests pass: a hole in the suite, or an equivalent mutant not yet marked;
   equivalent  marked with its reason in the list; listed, not run;
-  stale       its original snippet is no longer in graphscan.py (update the list);
-  ambiguous   its snippet occurs more than once (make it longer).
+  stale       its original snippet is in none of those files (update the list);
+  ambiguous   its snippet occurs more than once among them (make it longer).
 
 The per-area kill ratio is killed / (killed + survived). Exit 0 when nothing
 survived and nothing is stale or ambiguous, 1 otherwise. Not a test: slow (one
@@ -33,7 +34,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = Path(__file__).resolve().parent / "mutants.toml"
-TARGET = "graphscan.py"
+# The files a mutant may edit: its snippet must occur exactly once among all of them.
+TARGETS = ["graphscan.py", "graphscan_ort/*.py"]
 TIMEOUT = 600  # seconds per mutant; a hang (e.g. reading a FIFO) counts as killed
 
 # The test files that speak for each area. Chosen for speed (one pytest run per mutant on a
@@ -48,6 +50,7 @@ AREA_TESTS = {
     ],
     "loading": [
         "tests/loading/test_refusals.py",
+        "tests/cli/test_package.py",
         "tests/cli/test_process_boundary.py",
         "tests/cli/test_cli.py",
         "tests/loading/test_big_models.py",
@@ -94,14 +97,21 @@ def load_mutants(path: Path = MUTANTS) -> list[dict]:
     return mutants
 
 
-def classify_source(mutant: dict, source: str) -> str | None:
-    """'stale' or 'ambiguous' when the edit cannot be applied, else None."""
-    count = source.count(mutant["original"])
+def target_files(root: Path) -> list[Path]:
+    """Every file of TARGETS under ``root``, in a fixed order."""
+    return sorted({path for pattern in TARGETS for path in root.glob(pattern)})
+
+
+def locate(mutant: dict, sources: dict[Path, str]) -> tuple[str | None, Path | None]:
+    """``(problem, file)``: the one file holding the mutant's snippet, or why it
+    cannot be applied ('stale': in none, 'ambiguous': more than once in all)."""
+    holders = [(path, source.count(mutant["original"])) for path, source in sources.items()]
+    count = sum(n for _, n in holders)
     if count == 0:
-        return "stale"
+        return "stale", None
     if count > 1:
-        return "ambiguous"
-    return None
+        return "ambiguous", None
+    return None, next(path for path, n in holders if n)
 
 
 def run_tests(copy: Path, files: list[str], timeout: int) -> tuple[bool, str]:
@@ -120,8 +130,7 @@ def run_campaign(mutants: list[dict], whole_suite: bool, timeout: int, log=print
     with tempfile.TemporaryDirectory(prefix="graphscan_mutants_") as tmp:
         copy = Path(tmp) / "repo"
         shutil.copytree(REPO_ROOT, copy, ignore=IGNORED)
-        target = copy / TARGET
-        pristine = target.read_text(encoding="utf-8")
+        sources = {path: path.read_text(encoding="utf-8") for path in target_files(copy)}
         passed, line = run_tests(
             copy, [] if whole_suite else sorted({f for v in AREA_TESTS.values() for f in v}), timeout
         )
@@ -129,11 +138,14 @@ def run_campaign(mutants: list[dict], whole_suite: bool, timeout: int, log=print
             raise SystemExit(f"the suite fails on the unmutated copy: {line}")
         for mutant in mutants:
             result = {key: mutant[key] for key in ("id", "area", "what")}
-            status = classify_source(mutant, pristine)
+            status, target = locate(mutant, sources)
+            if target is not None:
+                result["file"] = str(target.relative_to(copy))
             if status is None and "equivalent" in mutant:
                 status = "equivalent"
                 result["reason"] = mutant["equivalent"]
             if status is None:
+                pristine = sources[target]
                 target.write_text(pristine.replace(mutant["original"], mutant["replacement"]), encoding="utf-8")
                 start = time.perf_counter()
                 try:

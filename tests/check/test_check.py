@@ -85,6 +85,27 @@ def test_identical_outputs_hold_any_sqnr_and_show_null(default_lab):
     assert budget_rows(answer) == {"min_sqnr": (None, 1000.0, True)}
 
 
+def two_output_model(path, order):
+    """``y_relu = Relu(x)`` and ``y_neg = Neg(x)``, declared in ``order``: the same model either way."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Relu", ["x"], ["y_relu"]), helper.make_node("Neg", ["x"], ["y_neg"])]
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 3]) for name in order]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])], outputs)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return str(path)
+
+
+def test_outputs_are_paired_by_name_as_impact_pairs_them(tmp_path):
+    """Two identical models whose outputs are listed in swapped order: equal outputs
+    (null, infinite SQNR), as impact says; pairing by position gave -5.98 dB."""
+    a = two_output_model(tmp_path / "a.onnx", ["y_relu", "y_neg"])
+    b = two_output_model(tmp_path / "b.onnx", ["y_neg", "y_relu"])
+    answer = graphscan.check(b, float_path=a, min_sqnr=100)
+    assert budget_rows(answer) == {"min_sqnr": (None, 100.0, True)}
+    assert graphscan.impact(a, b)["output_sqnr_db"] is None
+
+
 def test_an_undefined_sqnr_shows_null_and_does_not_hold(default_lab, tmp_path):
     """A float model whose outputs are all zeros gives an SQNR of -infinity
     against anything else: undefined, shown as null, and the gate is closed."""
