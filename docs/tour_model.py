@@ -26,7 +26,7 @@ from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantiz
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from bench_impact import text_page, write_samples  # noqa: E402  (one page generator for the tour and the bench)
+from bench_impact import text_page, write_samples  # one page generator for the tour and the bench
 
 MEMBER = "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx"
 SIZE = 320
