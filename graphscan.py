@@ -1361,12 +1361,12 @@ def runtime_table(answer, top):
         section(title, node_titles, node_rows, top, ["op_type"]),
     ]
     if timed:
-        time = answer["time"]
-        numbers = [[key, time[key]] for key in ("runs", "profiler_floor_us", "round_trip_cost")]
-        numbers += [[f"wall_ms {key}", value] for key, value in time["wall_ms"].items()]
-        numbers += [[f"share {kind}", share] for kind, share in time["shares"].items()]
+        timing = answer["time"]
+        numbers = [[key, timing[key]] for key in ("runs", "profiler_floor_us", "round_trip_cost")]
+        numbers += [[f"wall_ms {key}", value] for key, value in timing["wall_ms"].items()]
+        numbers += [[f"share {kind}", share] for kind, share in timing["shares"].items()]
         blocks.append(section("time", ["what", "value"], numbers))
-        blocks.append("method: " + time["method"])
+        blocks.append("method: " + timing["method"])
     return page(*blocks)
 
 
@@ -1512,7 +1512,7 @@ def wrapped_runs(index, edges, kinds):
     members = {}
     for i in group:
         members.setdefault(root(i), []).append(i)
-    return [run for run in members.values() if len(run) > 1]
+    return [group for group in members.values() if len(group) > 1]
 
 
 def runtime_classes(path: str) -> dict[str, str | None]:

@@ -9,7 +9,7 @@ child it spawns directly: a test or a benchmark holding onnxruntime would
 otherwise report its own peak. Only the standard library, so the wrapper is small.
 
 The one peak-memory wrapper of the project: bench/bench_trace.py and
-tests/test_big_models.py both call ``measured``.
+tests/loading/test_big_models.py both call ``measured``.
 """
 
 from __future__ import annotations

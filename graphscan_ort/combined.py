@@ -142,11 +142,14 @@ def error_stats(reference, value):
     noise = float(np.linalg.norm(difference))
     signal = float(np.linalg.norm(ref))
     max_abs = float(np.max(np.abs(difference), initial=0.0))
-    return max_abs, sqnr_db(signal, noise)
+    return max_abs, sqnr_db_of_norms(signal, noise)
 
 
-def sqnr_db(signal, noise):
-    return 20.0 * math.log10(signal / noise) if noise > 0 and signal > 0 else None
+def sqnr_db_of_norms(signal_norm, noise_norm):
+    """A tensor's SQNR in dB, ``20*log10(signal_norm / noise_norm)``, from two
+    Euclidean norms (not energies: the output SQNR is common.decibels); None
+    when either is 0."""
+    return 20.0 * math.log10(signal_norm / noise_norm) if noise_norm > 0 and signal_norm > 0 else None
 
 
 def rename_graph(graph, rename, node_prefix):
@@ -224,7 +227,7 @@ class Comparison:
         max_abs = largest if largest > 0 else 0.0  # an empty tensor: numpy's initial=0.0
         if not self.signal:
             return max_abs, None
-        return max_abs, sqnr_db(math.sqrt(float(values[self.scalars["signal"]])), math.sqrt(noise_squared))
+        return max_abs, sqnr_db_of_norms(math.sqrt(float(values[self.scalars["signal"]])), math.sqrt(noise_squared))
 
 
 class ClipCount:

@@ -504,9 +504,9 @@ def impact(
     output_names = [q for _, q in pairs]
 
     noise = OutputNoise(model_outputs(float_model, samples, a, [f for f, _ in pairs]))
-    run = ImpactRun(float_model, quant_model, samples, output_names, noise, b)
-    plan, baseline, measure = run.plan, run.baseline, run.measure
-    op_variants, tensor_variants = run.op_variants, run.tensor_variants
+    measured = ImpactRun(float_model, quant_model, samples, output_names, noise, b)
+    plan, baseline, measure = measured.plan, measured.baseline, measured.measure
+    op_variants, tensor_variants = measured.op_variants, measured.tensor_variants
 
     index = plan.index
     op_rows, op_exact = [], []
@@ -519,7 +519,7 @@ def impact(
     tensor_rows, tensor_exact = [], []
     for m, ((t, pairs, q_range, _), (kept, _)) in enumerate(zip(plan.tensor_rows, tensor_variants)):
         sqnr, exact = measure(kept)
-        rounded = run.rounding_variant(m)
+        rounded = measured.rounding_variant(m)
         rounding = measure(rounded)[0] if rounded is not None else None
         producer = index.producer_of(t)
         readers = sorted({r for _, dq in pairs for r in index.consumers_of(index.outputs[dq][0])})
@@ -532,7 +532,7 @@ def impact(
                 "gain_db": gain(sqnr, baseline[0]),
                 "rounding_sqnr_db": rounding,
                 "rounding_gain_db": gain(rounding, baseline[0]),
-                "clipped": run.stats[t].clipped if q_range else None,
+                "clipped": measured.stats[t].clipped if q_range else None,
             }
         )
         tensor_exact.append(exact)

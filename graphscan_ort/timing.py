@@ -28,8 +28,8 @@ def profile_events(session):
     for event in events:
         if event.get("cat") != "Node" or not event.get("name", "").endswith("_kernel_time"):
             continue
-        run = sum(1 for start in runs if start <= event["ts"]) - 1
-        kernels.append((run, event["name"][: -len("_kernel_time")], event["args"].get("op_name"), event["dur"]))
+        run_number = sum(1 for start in runs if start <= event["ts"]) - 1
+        kernels.append((run_number, event["name"][: -len("_kernel_time")], event["args"].get("op_name"), event["dur"]))
     return kernels
 
 
@@ -56,11 +56,11 @@ def profiler_floor(provider, runs):
     Measured as the median duration of a chain of Identity kernels on one
     float: work that takes no time, so what the profiler reports is its floor.
     """
-    nodes = [
+    chain = [
         onnx.helper.make_node("Identity", [f"t{k}"], [f"t{k + 1}"], name=f"n{k}") for k in range(PROFILE_FLOOR_NODES)
     ]
     graph = onnx.helper.make_graph(
-        nodes,
+        chain,
         "floor",
         [onnx.helper.make_tensor_value_info("t0", onnx.TensorProto.FLOAT, [1])],
         [onnx.helper.make_tensor_value_info(f"t{PROFILE_FLOOR_NODES}", onnx.TensorProto.FLOAT, [1])],
