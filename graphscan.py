@@ -1515,10 +1515,14 @@ def wrapped_runs(index, edges, kinds):
     return [group for group in members.values() if len(group) > 1]
 
 
-def runtime_classes(path: str) -> dict[str, str | None]:
-    """``{node name: runtime class}`` from the ``runtime`` command."""
+def runtime_classes(path: str) -> list[str | None]:
+    """The ``runtime`` command's class of each compute node, in graph order.
+
+    By position, not by name: runtime names unnamed and duplicate nodes its
+    own way (``MatMul_8~8``), and a graph's position is the one identity both share.
+    """
     answer = package_module("runtime", "dot --runtime").runtime(path)
-    return {node["node"]: node["class"] for node in answer["nodes"]}
+    return [node["class"] for node in answer["nodes"]]
 
 
 def unlinked_groups(index, edges, kinds):
@@ -1536,8 +1540,10 @@ def node_kinds(index, path, runtime_colours):
     """``{compute node: kind}``: wrapped/float, or the runtime command's class."""
     if not runtime_colours:
         return {i: "wrapped" if index.wrapped[i] else "float" for i in index.compute_nodes}
-    by_name = runtime_classes(path)
-    kinds = {i: by_name.get(index.names[i]) for i in index.compute_nodes}
+    classes = runtime_classes(path)
+    if len(classes) != len(index.compute_nodes):
+        raise GraphscanError(f"{shown(path)}: the runtime answer does not list every compute node", EXIT_INTERNAL)
+    kinds = dict(zip(index.compute_nodes, classes))
     return {i: kind if kind in COLOURS else "unknown" for i, kind in kinds.items()}
 
 

@@ -128,7 +128,8 @@ def session_names(model):
     """A copy of ``model`` in which every node has a unique name.
 
     Unnamed nodes get their SPEC name (``<op_type>_<i>``); a name that is taken
-    (or repeated) gets ``~<i>`` appended. Returns the copy and the names.
+    (or repeated) gets ``~<i>`` appended, and more ``~`` until it is a name no
+    node has or had. Returns the copy and the names.
     """
     named = onnx.ModelProto()
     named.CopyFrom(model)
@@ -138,6 +139,8 @@ def session_names(model):
         name = node_name(node, i)
         if name in seen or (not node.name and name in taken):
             name = f"{name}~{i}"
+            while name in seen or name in taken:
+                name += "~"
         seen.add(name)
         names.append(name)
         node.name = name

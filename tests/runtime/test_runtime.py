@@ -399,6 +399,16 @@ def test_duplicate_and_colliding_names_are_made_unique():
     assert [n.name for n in named.graph.node] == names
 
 
+def test_a_made_name_never_repeats_a_name_a_node_already_has():
+    """``a``, ``a~2`` (a user's name), ``a``: the third cannot become ``a~2`` as well."""
+    chain = [helper.make_node("Relu", [f"t{k}"], [f"t{k + 1}"], name=name) for k, name in enumerate(["a", "a~2", "a"])]
+    graph = helper.make_graph(
+        chain, "g", [helper.make_tensor_value_info("t0", 1, [1])], [helper.make_tensor_value_info("t3", 1, [1])]
+    )
+    _, names = graphscan_ort.runtime.session_names(helper.make_model(graph))
+    assert names[:2] == ["a", "a~2"] and len(set(names)) == 3 and names[2].startswith("a~2")
+
+
 # --------------------------------------------------------------------------
 # An independent check: onnxruntime's profiler names the kernel of every node
 

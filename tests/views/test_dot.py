@@ -196,10 +196,41 @@ def test_names_with_quotes_backslashes_and_unicode_survive_in_ascii_dot(tmp_path
 
 
 def fake_runtime(classes):
+    """A runtime command answering ``classes`` (by node name; None for the rest), in graph order as runtime does."""
+
     def runtime(path):
-        return {"model": path, "nodes": [{"node": node, "class": cls} for node, cls in classes.items()]}
+        index = graphscan.index_model(path)
+        names = [index.names[i] for i in index.compute_nodes]
+        return {"model": path, "nodes": [{"node": name, "class": classes.get(name)} for name in names]}
 
     return runtime
+
+
+def test_runtime_colours_go_by_position_when_names_repeat(tmp_path):
+    """Two nodes named ``dup``: runtime answers them as ``dup`` and ``dup~<i>``;
+    each is coloured by its own class, found by graph position, not by name."""
+    from onnx import TensorProto
+
+    scale = numpy_helper.from_array(np.array(0.1, np.float32), "s")
+    zero = numpy_helper.from_array(np.array(0, np.int8), "z")
+    lowest = numpy_helper.from_array(np.array(-128, np.int8), "low")  # a Relu before it is folded away
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"], name="q0"),
+        helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"], name="dq0"),
+        helper.make_node("Relu", ["xd"], ["r"], name="dup"),
+        helper.make_node("QuantizeLinear", ["r", "s", "low"], ["rq"], name="q1"),
+        helper.make_node("DequantizeLinear", ["rq", "s", "low"], ["rd"], name="dq1"),
+        helper.make_node("Sigmoid", ["rd"], ["y"], name="dup"),
+    ]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 4]) for n in ("x", "y")]
+    graph = helper.make_graph(nodes, "g", io[:1], io[1:], [scale, zero, lowest])
+    path = tmp_path / "dup.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    rows = graphscan.runtime(str(path))["nodes"]
+    assert [r["node"] for r in rows] == ["dup", "dup~5"] and rows[0]["class"] != rows[1]["class"]
+    drawn, _, _ = parse_dot(graphscan.dot(str(path), runtime_colours=True))
+    colours = [drawn[f"n{i}"]["fillcolor"] for i in (2, 5)]
+    assert colours == [graphscan.COLOURS[r["class"]][0] for r in rows]
 
 
 def test_runtime_colours_follow_the_runtime_classes(default_lab, monkeypatch):
