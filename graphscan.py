@@ -33,6 +33,7 @@ import re
 import signal
 import stat
 import sys
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 
@@ -928,11 +929,11 @@ def read_budget_file(path: str) -> dict[str, float]:
     check_readable(path)
     try:
         with open(path, encoding="utf-8") as f:
-            limits = json.load(f)
+            limits = json.load(f, object_pairs_hook=unique_keys)
     except OSError as exc:
         raise GraphscanError(f"{shown(path)}: cannot read ({exc.strerror or exc})", EXIT_NO_FILE)
-    except ValueError as exc:
-        raise GraphscanError(f"usage: {shown(path)}: not JSON ({one_line(exc)})", EXIT_USAGE)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to be a budget file
+        raise GraphscanError(f"usage: {shown(path)}: not a JSON budget file ({one_line(exc)})", EXIT_USAGE)
     if not isinstance(limits, dict):
         raise GraphscanError(f"usage: {shown(path)}: expected a JSON object of budgets", EXIT_USAGE)
     unknown = sorted(set(limits) - set(BUDGETS))
@@ -943,10 +944,25 @@ def read_budget_file(path: str) -> dict[str, float]:
     return {name: budget_limit(name, value, path) for name, value in limits.items()}
 
 
+def unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json's object hook: a key given twice is an error, never the last value silently."""
+    counts = Counter(key for key, _ in pairs)
+    repeated = sorted(key for key, count in counts.items() if count > 1)
+    if repeated:
+        raise ValueError(f"key {', '.join(map(repr, repeated))} given twice")
+    return dict(pairs)
+
+
 def budget_limit(name: str, value: object, where: str) -> float:
     """A budget's limit as a number, checked (exit 2 when it is not one)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise GraphscanError(f"usage: {where}: budget {name} must be a finite number, not {value!r}", EXIT_USAGE)
+    try:
+        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        finite = False
+    if not finite:
+        huge = isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64
+        text = "an integer too large for a budget" if huge else repr(value)
+        raise GraphscanError(f"usage: {where}: budget {name} must be a finite number, not {text}", EXIT_USAGE)
     if name in STRUCTURAL_BUDGETS and (value < 0 or value != int(value)):
         raise GraphscanError(f"usage: {where}: budget {name} must be a whole number >= 0", EXIT_USAGE)
     if name == "min_int8" and not 0 <= value <= 1:
@@ -992,9 +1008,12 @@ def check(
     min_sqnr: float | None = None,
     inputs: list[str] | None = None,
     shape: list[str] | None = None,
-    seed: int = 0,
+    seed: int | None = None,
 ) -> dict:
-    """Measure each budget given (options override the --budget file) and say which hold."""
+    """Measure each budget given (options override the --budget file) and say which hold.
+
+    ``float_path``, ``inputs``, ``shape`` and ``seed`` apply to min_sqnr only:
+    given without it they are a usage error, never ignored."""
     limits = read_budget_file(budget) if budget is not None else {}
     given = {
         "max_float": max_float,
@@ -1012,9 +1031,13 @@ def check(
             f"--{' / --'.join(n.replace('_', '-') for n in BUDGETS)})",
             EXIT_USAGE,
         )
+    sample = {"--float": float_path, "--inputs": inputs, "--shape": shape, "--seed": seed}
+    given = [flag for flag, value in sample.items() if value is not None]
+    if given and "min_sqnr" not in limits:
+        raise GraphscanError(f"usage: {', '.join(given)}: only with --min-sqnr", EXIT_USAGE)
     check_readable(path)
     names = [name for name in BUDGETS if name in limits]  # a fixed order, whatever the file's
-    values = budget_values(path, names, float_path, inputs, shape, seed)
+    values = budget_values(path, names, float_path, inputs, shape, seed or 0)
     budgets = [
         {
             "name": name,
@@ -1678,13 +1701,19 @@ def sample_options(default_size: int, samples: str = "one", when: str = "") -> l
         ),
         (
             "--seed",
-            {"type": non_negative_int, "default": 0, "help": f"{when}seed of the generated inputs (default: 0)"},
+            {"type": non_negative_int, "help": f"{when}seed of the generated inputs (default: 0)"},
         ),
     ]
 
 
 # Commands whose --inputs is one sample: more than one file is a usage error.
 ONE_SAMPLE = {"fuse", "trace", "runtime"}
+# Options that apply only with another: (the keyword that enables them, its flag, theirs).
+# Given without it they would be ignored, so they are a usage error. (check's are
+# checked in check(), where a --budget file can set min_sqnr.)
+ONLY_WITH = {"runtime": ("timed", "--time", ["inputs", "shape", "seed", "runs"])}
+# What an option left out means, filled in after ONLY_WITH saw what was given.
+ABSENT = {"seed": 0, "runs": RUNTIME_DEFAULT_RUNS}
 
 TRACE_OPTIONS = [
     *sample_options(1),
@@ -1714,7 +1743,7 @@ RUNTIME_OPTIONS = [
     *sample_options(1, when="--time: "),
     (
         "--runs",
-        {"type": int, "default": RUNTIME_DEFAULT_RUNS, "help": f"--time: timed runs (default: {RUNTIME_DEFAULT_RUNS})"},
+        {"type": int, "help": f"--time: timed runs (default: {RUNTIME_DEFAULT_RUNS})"},
     ),
 ]
 
@@ -1881,6 +1910,14 @@ def build_parser() -> OneLineParser:
 def command_keywords(command: str, args: argparse.Namespace, options: list[Option]) -> dict:
     """The keyword arguments of ``command``'s function from the parsed ``args``."""
     keywords = {option_dest(f, s): getattr(args, option_dest(f, s)) for f, s in options}
+    if command in ONLY_WITH:
+        enabler, flag, dependent = ONLY_WITH[command]
+        given = [f"--{key.replace('_', '-')}" for key in dependent if keywords.get(key) is not None]
+        if given and not keywords[enabler]:
+            raise GraphscanError(f"usage: {', '.join(given)}: only with {flag}", EXIT_USAGE)
+    for key, value in ABSENT.items():
+        if key in keywords and keywords[key] is None and command != "check":
+            keywords[key] = value
     if command in ONE_SAMPLE:
         given = keywords.get("inputs") or []
         if len(given) > 1:
@@ -1986,7 +2023,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if sys.stdout is None:  # checked first: files opened now could take descriptor 1
             raise GraphscanError("cannot write the answer: stdout is closed", EXIT_NO_FILE)
-        text, exit_code = answer_text(argv)
+        with warnings.catch_warnings():
+            # A warning on stderr would break "nothing but one line": NaN outputs
+            # are answered as null, never as numpy's RuntimeWarning.
+            warnings.simplefilter("ignore")
+            text, exit_code = answer_text(argv)
         write_answer(text + "\n")
     except GraphscanError as exc:
         report(str(exc))

@@ -42,6 +42,8 @@ def measured_sqnr(
     samples, _ = model_samples(float_model, inputs, parse_shapes(shape), seed, 1)
     noise = OutputNoise(model_outputs(float_model, samples, float_path, [f for f, _ in pairs]))
     sqnr, exact = noise.measure(model_outputs(quant_model, samples, quant_path, [q for _, q in pairs]))
+    if noise.empty:  # an empty sample verifies nothing: the budget does not hold
+        return math.nan
     if exact:
         return math.inf
     return math.nan if sqnr is None else sqnr

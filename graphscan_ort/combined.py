@@ -138,10 +138,11 @@ def error_stats(reference, value):
     if not (np.issubdtype(reference.dtype, np.number) and np.issubdtype(value.dtype, np.number)):
         return None, None
     ref = reference.astype(np.float64)
-    difference = ref - value
-    noise = float(np.linalg.norm(difference))
-    signal = float(np.linalg.norm(ref))
-    max_abs = float(np.max(np.abs(difference), initial=0.0))
+    with np.errstate(all="ignore"):  # NaN or infinite values give NaN statistics, not warnings on stderr
+        difference = ref - value
+        noise = float(np.linalg.norm(difference))
+        signal = float(np.linalg.norm(ref))
+        max_abs = float(np.max(np.abs(difference), initial=0.0))
     return max_abs, sqnr_db_of_norms(signal, noise)
 
 

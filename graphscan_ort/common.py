@@ -144,6 +144,8 @@ class OutputNoise:
     def __init__(self, float_outputs: list) -> None:
         self.reference = [[np.asarray(o, dtype=np.float64) for o in sample] for sample in float_outputs]
         self.signal = sum(energy(o) for sample in self.reference for o in sample)
+        # No output value at all (a zero-size input): nothing can be verified.
+        self.empty = not any(o.size for sample in self.reference for o in sample)
 
     def measure(self, quant_outputs: list) -> tuple[float | None, bool]:
         """``(sqnr_db, exact)``: ``10*log10(sum f^2 / sum (f - q)^2)`` over everything
@@ -157,8 +159,9 @@ class OutputNoise:
                         "in the float model",
                         EXIT_INPUTS,
                     )
-                difference = f - np.asarray(q, dtype=np.float64)
-                noise += energy(difference)
+                with np.errstate(all="ignore"):  # inf - inf: a NaN noise, an undefined SQNR
+                    difference = f - np.asarray(q, dtype=np.float64)
+                    noise += energy(difference)
         return decibels(self.signal, noise), noise == 0.0
 
 
@@ -167,7 +170,8 @@ def energy(values: np.ndarray) -> float:
     BLAS: the same bits whatever the thread count, and no BLAS threads left
     spinning on the cores onnxruntime's runs need (np.vdot made each variant
     of PP-OCR det 1.6x slower)."""
-    return float(np.sum(np.square(values)))
+    with np.errstate(all="ignore"):  # an overflow is an infinite energy, not a warning on stderr
+        return float(np.sum(np.square(values)))
 
 
 def decibels(signal_energy: float, noise_energy: float) -> float | None:

@@ -206,10 +206,11 @@ def fuse(
     expected = run_model(model, feeds, path)
     actual = run_model(fused_model, feeds, f"the fused model of {shown(path)}")
     error, scale, compared, problem = compare_outputs(expected, actual)
-    if problem is None and not compared and any(np_size(e) for e in expected):
+    if problem is None and not compared:
+        why = "all NaN or infinite" if any(np_size(e) for e in expected) else "empty"
         raise GraphscanError(
-            f"{shown(path)}: cannot verify the fused model: the original's outputs are all NaN or "
-            f"infinite on this input (give others with --inputs); nothing written",
+            f"{shown(path)}: cannot verify the fused model: the original's outputs are {why} on this "
+            f"input (give others with --inputs); nothing written",
             EXIT_MISMATCH,
         )
     if problem is None and error > FUSE_RELATIVE_TOLERANCE * max(scale, 1.0):

@@ -16,6 +16,7 @@ import onnx
 
 from graphscan import (
     DQ_OUTPUT_SUFFIX,
+    EXIT_INPUTS,
     EXIT_USAGE,
     QDQ_SUFFIX,
     GraphIndex,
@@ -504,6 +505,10 @@ def impact(
     output_names = [q for _, q in pairs]
 
     noise = OutputNoise(model_outputs(float_model, samples, a, [f for f, _ in pairs]))
+    if noise.empty:
+        raise GraphscanError(
+            f"{shown(a)}: the float model's outputs are empty on these inputs: nothing to measure", EXIT_INPUTS
+        )
     measured = ImpactRun(float_model, quant_model, samples, output_names, noise, b)
     plan, baseline, measure = measured.plan, measured.baseline, measured.measure
     op_variants, tensor_variants = measured.op_variants, measured.tensor_variants

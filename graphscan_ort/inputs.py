@@ -158,6 +158,8 @@ def read_npy_member(path, archive, info, spec):
             shape, fortran, dtype = getattr(np.lib.format, read_header)(f)
             if dtype.hasobject:
                 raise GraphscanError(f"{shown(path)}: array {name!r} holds Python objects", EXIT_INPUTS)
+            if any(d < 0 for d in shape):  # else the size below is negative and the read unbounded
+                raise GraphscanError(f"{shown(path)}: array {name!r} declares shape {list(shape)}", EXIT_INPUTS)
             check_array_fits(path, spec, dtype, shape)
             count = math.prod(shape)
             if count * dtype.itemsize > min(MAX_INPUT_BYTES, info.file_size):

@@ -153,7 +153,7 @@ def test_usage_errors(default_lab, tmp_path):
     cases = [
         (["check", path], 2, "at least one budget"),
         (["check", path, "--budget", tmp_path / "unknown.json"], 2, "unknown budget max_floats"),
-        (["check", path, "--budget", tmp_path / "notjson.json"], 2, "not JSON"),
+        (["check", path, "--budget", tmp_path / "notjson.json"], 2, "not a JSON budget file"),
         (["check", path, "--budget", tmp_path / "list.json"], 2, "JSON object"),
         (["check", path, "--budget", tmp_path / "fraction.json"], 2, "whole number"),
         (["check", path, "--budget", tmp_path / "boolean.json"], 2, "finite number"),
@@ -208,3 +208,40 @@ def test_min_int8_counts_int8_data_and_leaves_absorbed_nodes_out(tmp_path):
     onnx.save(every_class_model(), path)
     ((value, _limit, ok),) = budget_rows(graphscan.check(str(path), min_int8=0.6)).values()
     assert value == pytest.approx(2 / 3) and ok is True
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        pytest.param('{"max_float": 1' + "0" * 400 + "}", "too large", id="401-digit-limit"),
+        pytest.param("[" * 100_000 + "]" * 100_000, "not a JSON budget file", id="nested-100000-deep"),
+        pytest.param('{"max_float": 3, "max_float": 900}', "given twice", id="duplicate-key"),
+    ],
+)
+def test_hostile_budget_files_are_usage_errors(default_lab, tmp_path, text, why):
+    budget = tmp_path / "budget.json"
+    budget.write_text(text)
+    line = error_line(run_graphscan(["check", default_lab["full"], "--budget", budget]), 2)
+    assert why in line
+
+
+def test_a_huge_limit_on_the_command_line_is_a_usage_error(default_lab):
+    line = error_line(run_graphscan(["check", default_lab["full"], "--max-crossings", "9" * 401]), 2)
+    assert "max_crossings" in line
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--float", "{fp32}"], ["--inputs", "{npz}"], ["--shape", "x=1,16"], ["--seed", "3"]],
+    ids=["float", "inputs", "shape", "seed"],
+)
+def test_sample_options_without_min_sqnr_are_refused(default_lab, tmp_path, extra):
+    np.savez(tmp_path / "x.npz", x=np.zeros((1, 16), np.float32))
+    extra = [e.format(fp32=default_lab["fp32"], npz=tmp_path / "x.npz") for e in extra]
+    line = error_line(run_graphscan(["check", default_lab["full"], "--max-float", "9", *extra]), 2)
+    assert extra[0] in line and "--min-sqnr" in line
+    budget = tmp_path / "budget.json"
+    budget.write_text('{"min_sqnr": -1000}')  # from the file, min_sqnr makes them apply
+    if extra[0] != "--float":
+        extra += ["--float", str(default_lab["fp32"])]
+    assert run_graphscan(["check", default_lab["full"], "--budget", budget, *extra]).returncode == 0

@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 import gen_models
 import graphscan
 import graphscan_ort.trace
-from tests.helpers import error_line, json_answer, run_graphscan, strict_loads
+from tests.helpers import describe, error_line, json_answer, run_graphscan, strict_loads
 
 NAN = float("nan")
 
@@ -359,3 +359,40 @@ def test_gib_of_junk_is_refused_from_its_first_bytes(tmp_path, head, command):
     assert caught.value.exit_code == graphscan.EXIT_NOT_ONNX
     assert elapsed < 0.5, f"{elapsed:.2f} s to refuse"
     assert not (tmp_path / "o.onnx").exists()
+
+
+def relu_log_model(path, quantized):
+    """``y = Log(Relu(x))``: -inf wherever x <= 0, in the float model and in its QDQ copy alike,
+    so the difference of the outputs holds ``-inf - -inf`` (numpy would warn on stderr)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    inits = [
+        numpy_helper.from_array(np.array(0.05, np.float32), "s"),
+        numpy_helper.from_array(np.array(0, np.int8), "z"),
+    ]
+    nodes, tensor = [], "x"
+    for k, op in enumerate(["Relu", "Log"]):
+        if quantized:
+            nodes += [
+                helper.make_node("QuantizeLinear", [tensor, "s", "z"], [f"q{k}"], name=f"q{k}"),
+                helper.make_node("DequantizeLinear", [f"q{k}", "s", "z"], [f"d{k}"], name=f"dq{k}"),
+            ]
+            tensor = f"d{k}"
+        out = "y" if op == "Log" else "r"
+        nodes.append(helper.make_node(op, [tensor], [out], name=op.lower()))
+        tensor = out
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4, 8]) for n in ("x", "y")]
+    model = helper.make_model(helper.make_graph(nodes, "g", io[:1], io[1:], inits if quantized else []))
+    model.opset_import[0].version = 17
+    save(model, path)
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["trace", "impact", "check"])
+def test_infinite_outputs_give_null_and_nothing_on_stderr(tmp_path, command):
+    a, b = relu_log_model(tmp_path / "a.onnx", False), relu_log_model(tmp_path / "b.onnx", True)
+    argv = {"check": ["check", b, "--float", a, "--min-sqnr", "1"]}.get(command, [command, a, b])
+    proc = run_graphscan(argv)
+    assert proc.returncode == (8 if command == "check" else 0), describe(proc)
+    assert proc.stderr == b"", describe(proc)

@@ -632,3 +632,15 @@ def test_temporary_folders_are_removed_on_success_and_failure(default_lab, tmp_p
     # (onnxruntime's import leaves a ".ses" session-id file of its own there.)
     assert [p.name for p in scratch.iterdir() if p.name.startswith("graphscan-")] == []
     assert {p.name for p in scratch.iterdir()} <= {".ses"}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--runs", "3"], ["--seed", "1"], ["--shape", "x=1,16"], ["--inputs", "{npz}"]],
+    ids=["runs", "seed", "shape", "inputs"],
+)
+def test_time_options_without_time_are_refused(default_lab, tmp_path, extra):
+    np.savez(tmp_path / "x.npz", x=np.zeros((1, 16), np.float32))
+    extra = [e.format(npz=tmp_path / "x.npz") for e in extra]
+    line = error_line(run_graphscan(["runtime", default_lab["full"], *extra]), 2)
+    assert extra[0] in line and "--time" in line
