@@ -1,7 +1,7 @@
 """trace's combined model: one graph that measures every operator at once.
 
 graphscan's combined model holds the quantized model, the float model (its
-tensors renamed under FLOAT_PREFIX), every operator's single-op model reading
+tensors renamed under its float prefix), every operator's single-op model reading
 the float references, and the statistics of every row. Its nodes are ordered
 so the two models advance together and each row is measured as soon as its
 tensors exist; onnxruntime frees a tensor after its last reader. It runs in
@@ -21,7 +21,7 @@ import onnx
 import onnxruntime as ort
 
 from graphscan import EXIT_RUNTIME, GraphscanError, node_reads, one_line, shown, subgraphs
-from graphscan_ort.common import OUT_OF_MEMORY, does_not_run, run_options, session_options
+from graphscan_ort.common import OUT_OF_MEMORY, does_not_run, fresh_prefix, run_options, session_options
 
 # A comparison whose tensors have at most TRACE_FETCH_ELEMENTS elements each is
 # fetched and measured in numpy (np.linalg.norm, as trace always did), while
@@ -42,16 +42,9 @@ TRACE_CHUNK_ELEMENTS = 2**19
 TRACE_SEGMENT_NODES = 5000
 
 
-ROW_PREFIX = "graphscan.row{}/"  # tensors of row k's single-op model inside the combined graph
-
-
-FLOAT_PREFIX = "graphscan.float/"  # the float model's tensors inside the combined graph
-
-
-STATS_PREFIX = "graphscan.stats/"  # the statistics graphscan adds
-
-
-ROW_NODE = re.compile(r"graphscan\.row(\d+)/")
+# Under the prefix no name of either model starts with (``graphscan.`` unless a
+# model uses it): row k's single-op model, the float model, the statistics.
+ROW_PART, FLOAT_PART, STATS_PART = "row{}/", "float/", "stats/"
 
 
 def tensor_dims(type_proto):
@@ -254,12 +247,18 @@ class CombinedModel:
     """Builds graphscan's combined model and says what to fetch from it.
 
     Quantized nodes keep their names; the float model's tensors and nodes are
-    renamed under FLOAT_PREFIX (the fed inputs are shared); row k's single-op
-    model lives under ``ROW_PREFIX.format(k)``; statistics under STATS_PREFIX.
+    renamed under ``float_prefix`` (the fed inputs are shared); row k's single-op
+    model lives under ``row_prefix.format(k)``; statistics under ``stats_prefix``.
+    All three start with a prefix that no name of either model starts with.
     """
 
     def __init__(self, float_model, quant_model, feeds, float_types, quant_types):
         self.float_model, self.quant_model, self.feeds = float_model, quant_model, feeds
+        self.prefix = fresh_prefix(quant_model, float_model)
+        self.row_prefix = self.prefix + ROW_PART
+        self.float_prefix = self.prefix + FLOAT_PART
+        self.stats_prefix = self.prefix + STATS_PART
+        self.row_node = re.compile(re.escape(self.prefix) + r"row(\d+)/")
         # Nodes are kept inside GraphProtos (the models' own, graphscan's pool),
         # never as one Python object each: 100,000 rows cost megabytes.
         self.pool = onnx.GraphProto()
@@ -275,7 +274,7 @@ class CombinedModel:
         self.end = len(quant_model.graph.node)
 
     def float_name(self, tensor):
-        return tensor if tensor in self.feeds else FLOAT_PREFIX + tensor
+        return tensor if tensor in self.feeds else self.float_prefix + tensor
 
     def fetched(self, rank, names):
         for name in names:
@@ -299,7 +298,7 @@ class CombinedModel:
 
     def add_node(self, rank, op_type, inputs, **attributes):
         self.count += 1
-        output = f"{STATS_PREFIX}{op_type}_{self.count}"
+        output = f"{self.stats_prefix}{op_type}_{self.count}"
         self.add_nodes(rank, [onnx.helper.make_node(op_type, inputs, [output], name=output, **attributes)])
         return output
 
@@ -310,7 +309,7 @@ class CombinedModel:
 
     def add_constant(self, array):
         self.count += 1
-        name = f"{STATS_PREFIX}constant_{self.count}"
+        name = f"{self.stats_prefix}constant_{self.count}"
         self.pool.initializer.append(onnx.numpy_helper.from_array(np.asarray(array), name))
         return name
 
@@ -422,7 +421,7 @@ class CombinedModel:
         isolated = propagated = clip = op_output = None
         fed = {}
         if row.op is not None:
-            prefix = ROW_PREFIX.format(k)
+            prefix = self.row_prefix.format(k)
             fed = {t: (self.float_name(r) if r is not None else t) for t, r in row.op.feeds.items()}
             # Initializers and dequantized weights are the quantized model's own tensors.
             keep = set(row.op.initializers)
@@ -455,16 +454,16 @@ class CombinedModel:
         nodes no row needs are left out."""
         graph = onnx.GraphProto()
         graph.CopyFrom(self.float_model.graph)
-        rename_graph(graph, self.float_name, FLOAT_PREFIX)
+        rename_graph(graph, self.float_name, self.float_prefix)
         wanted = {}  # float tensor -> lowest rank of a reader
         for rank, source, _, reads in self.entries:
             if source is not self.pool:
                 continue  # only graphscan's own nodes read float tensors
             for tensor in reads:
-                if tensor.startswith(FLOAT_PREFIX):
+                if tensor.startswith(self.float_prefix):
                     wanted[tensor] = min(rank, wanted.get(tensor, rank))
         for name, rank in self.fetch_rank.items():
-            if name.startswith(FLOAT_PREFIX):
+            if name.startswith(self.float_prefix):
                 wanted[name] = min(rank, wanted.get(name, rank))
         ranked = []
         for k in range(len(graph.node) - 1, -1, -1):
@@ -603,7 +602,7 @@ def run_combined(combined, feeds, a, b, rows):
     options, ran_with = combined_options(), run_options()
     whole = combined.unscheduled()
     if whole is not None:
-        values = run_segment(whole, combined.feeds, combined.fetch, options, ran_with, a, b, rows)
+        values = run_segment(whole, combined.feeds, combined.fetch, options, ran_with, a, b, rows, combined)
         return dict(zip(combined.fetch, values))
     segments = combined.segments()
     initializers = combined.initializer_protos()
@@ -642,7 +641,7 @@ def run_combined(combined, feeds, a, b, rows):
         if not outputs:
             continue
         graph.output.extend(onnx.ValueInfoProto(name=t) for t in outputs)
-        values = run_segment(model, {t: live[t] for t in inputs}, outputs, options, ran_with, a, b, rows)
+        values = run_segment(model, {t: live[t] for t in inputs}, outputs, options, ran_with, a, b, rows, combined)
         del model, graph
         for tensor, value in zip(outputs, values):
             if tensor in fetch:
@@ -662,7 +661,7 @@ class SingleOpModelError(GraphscanError):
         self.row, self.reason = row, reason
 
 
-def run_segment(model, feeds, outputs, options, ran_with, a, b, rows):
+def run_segment(model, feeds, outputs, options, ran_with, a, b, rows, names):
     """One session of graphscan's combined model; blames failures as run_combined says."""
     combined = f"graphscan's combined model of {shown(a)} and {shown(b)}"
     try:
@@ -680,16 +679,16 @@ def run_segment(model, feeds, outputs, options, ran_with, a, b, rows):
             raise GraphscanError(f"{combined}: out of memory ({one_line(exc)})", EXIT_RUNTIME)
         node = re.search(r"Name:'([^']*)'|[Nn]ode \(([^)]*)\)", text)
         node = (node.group(1) or node.group(2) or "") if node else ""
-        row = ROW_NODE.match(node)
+        row = names.row_node.match(node)
         if row:
             k = int(row.group(1))
             message = (
                 f"{shown(b)}: graphscan's own single-op model for node {rows[k].name!r} does not run in onnxruntime"
             )
             raise SingleOpModelError(f"{message} ({one_line(exc)})", k, one_line(exc))
-        if node.startswith(FLOAT_PREFIX):
+        if node.startswith(names.float_prefix):
             subject = f"{shown(a)}: model"
-        elif node.startswith(STATS_PREFIX):
+        elif node.startswith(names.stats_prefix):
             subject = combined
         else:
             subject = f"{shown(b)}: model"

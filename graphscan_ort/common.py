@@ -9,10 +9,12 @@ output SQNR, comparing outputs, and writing files atomically.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import re
 import stat
+from collections.abc import Iterator
 
 import numpy as np
 import onnx
@@ -24,8 +26,10 @@ from graphscan import (
     EXIT_RUNTIME,
     RUNTIME_LEVELS,
     GraphscanError,
+    as_text,
     one_line,
     shown,
+    subgraphs,
 )
 
 CPU = "CPUExecutionProvider"
@@ -90,6 +94,34 @@ def open_session(
         return ort.InferenceSession(data, options or session_options(), providers=[provider])
     except Exception as exc:
         raise does_not_run(subject, exc)
+
+
+def graph_names(graph: onnx.GraphProto) -> Iterator[str]:
+    """Every name in ``graph`` and its If/Loop/Scan bodies: nodes, tensors, inputs, outputs, initializers."""
+    for node in graph.node:
+        yield node.name
+        yield from node.input
+        yield from node.output
+        for body in subgraphs(node):
+            yield from graph_names(body)
+    for info in itertools.chain(graph.input, graph.output, graph.value_info):
+        yield info.name
+    for init in graph.initializer:
+        yield init.name
+    for sparse in graph.sparse_initializer:
+        yield sparse.values.name
+
+
+def fresh_prefix(*models: onnx.ModelProto, base: str = "graphscan") -> str:
+    """``graphscan.``, or ``graphscan~1.``, ``graphscan~2.``, ...: the first prefix
+    no name in ``models`` starts with, so no name graphscan derives can be one
+    the models already use (a node named ``graphscan.where/x`` changed impact's answer)."""
+    names = {as_text(name) for model in models for name in graph_names(model.graph)}
+    prefix, k = f"{base}.", 0
+    while any(name.startswith(prefix) for name in names):
+        k += 1
+        prefix = f"{base}~{k}."
+    return prefix
 
 
 def output_pairs(float_model: onnx.ModelProto, quant_model: onnx.ModelProto, a: str, b: str) -> list[tuple[str, str]]:

@@ -26,7 +26,15 @@ from graphscan import (
     representable_range,
     shown,
 )
-from graphscan_ort.common import OutputNoise, does_not_run, impact_options, model_outputs, open_session, output_pairs
+from graphscan_ort.common import (
+    OutputNoise,
+    does_not_run,
+    fresh_prefix,
+    impact_options,
+    model_outputs,
+    open_session,
+    output_pairs,
+)
 from graphscan_ort.inputs import check_same_inputs, inputs_answer, model_samples, parse_shapes
 from graphscan_ort.segments import IMPACT_PREFIX, body_reads, segment_runner
 
@@ -181,8 +189,8 @@ class SwitchedModelBuilder:
     each added input's value while no variant is on.
     """
 
-    def __init__(self, plan, quant_model):
-        self.plan = plan
+    def __init__(self, plan, quant_model, prefix=IMPACT_PREFIX):
+        self.plan, self.prefix = plan, prefix
         self.model = onnx.ModelProto()
         self.model.CopyFrom(quant_model)
         self.graph = self.model.graph
@@ -201,7 +209,7 @@ class SwitchedModelBuilder:
         return name
 
     def node(self, op_type, inputs, output, **attributes):
-        name = output if output.startswith(IMPACT_PREFIX) else f"{IMPACT_PREFIX}keep/{output}"
+        name = output if output.startswith(self.prefix) else f"{self.prefix}keep/{output}"
         self.nodes.append(onnx.helper.make_node(op_type, inputs, [output], name=name, **attributes))
         return output
 
@@ -209,8 +217,8 @@ class SwitchedModelBuilder:
         """``Where(on, alternative, raw)`` with a new condition input; returns (output, condition)."""
         key = ("where", alternative, raw, output)
         if key not in self.cache:
-            condition = self.scalar_input(f"{IMPACT_PREFIX}on/{len(self.defaults)}", False, onnx.TensorProto.BOOL)
-            output = output or f"{IMPACT_PREFIX}where/{condition}"
+            condition = self.scalar_input(f"{self.prefix}on/{len(self.defaults)}", False, onnx.TensorProto.BOOL)
+            output = output or f"{self.prefix}where/{condition}"
             self.cache[key] = (self.node("Where", [condition, alternative, raw], output), condition)
         return self.cache[key]
 
@@ -219,7 +227,7 @@ def float_value(builder, plan, t, absorbed):
     """float(t) as a tensor of the derived model: t, or the absorbed activation on t."""
     if absorbed is None:
         return t
-    name = f"graphscan.float/{t}"
+    name = f"{builder.prefix}float/{t}"
     if ("float", t) not in builder.cache:
         node = onnx.NodeProto()
         node.CopyFrom(absorbed)
@@ -228,7 +236,7 @@ def float_value(builder, plan, t, absorbed):
         for k, extra in enumerate(absorbed.input[1:], start=1):
             if extra and extra in plan.float_constants:
                 value = plan.float_constants[extra]
-                extra = builder.constant(f"graphscan.float/{t}/{k}", value.array, value.proto.data_type)
+                extra = builder.constant(f"{builder.prefix}float/{t}/{k}", value.array, value.proto.data_type)
             inputs.append(extra)
         node.input[:] = inputs
         node.output[:] = [name]
@@ -245,12 +253,14 @@ def tensor_alternative(builder, plan, t, q_range, absorbed):
         return float_value(builder, plan, t, absorbed), None
     lo, hi, elem_type = q_range
     bounds = (-math.inf, math.inf) if absorbed is None else activation_bounds(absorbed, plan.float_constants)
-    prefix = f"graphscan.range/{t}"
+    prefix = f"{builder.prefix}range/{t}"
     if bounds is None:  # LeakyRelu (or a Clip with computed bounds): its own node
         lo_name = builder.constant(prefix + "/lo", lo, elem_type)
         hi_name = builder.constant(prefix + "/hi", hi, elem_type)
-        clipped = builder.node("Clip", [t, lo_name, hi_name], f"graphscan.round/{t}")
-        alternative, condition = builder.where(clipped, float_value(builder, plan, t, absorbed), f"graphscan.alt/{t}")
+        clipped = builder.node("Clip", [t, lo_name, hi_name], f"{builder.prefix}round/{t}")
+        alternative, condition = builder.where(
+            clipped, float_value(builder, plan, t, absorbed), f"{builder.prefix}alt/{t}"
+        )
         return alternative, {condition: True}
     # Clip(t, -inf, inf) is t and Clip(t, 0, inf) is Relu(t), exactly; the
     # rounding variant binds the Q's range instead.
@@ -258,17 +268,18 @@ def tensor_alternative(builder, plan, t, q_range, absorbed):
     high = builder.scalar_input(prefix + "/hi", bounds[1], elem_type)
     dtype = builder.defaults[low].dtype
     rounding = {low: np.array(lo, dtype), high: np.array(hi, dtype)}
-    return builder.node("Clip", [t, low, high], f"graphscan.alt/{t}"), rounding
+    return builder.node("Clip", [t, low, high], f"{builder.prefix}alt/{t}"), rounding
 
 
-def switched_model(plan, quant_model, float_model):
+def switched_model(plan, quant_model, float_model, prefix=IMPACT_PREFIX):
     """The derived model and its variants: ``(model, defaults, op_variants, tensor_variants)``.
 
     A variant is ``{input name: value}`` to bind instead of ``defaults``.
     ``op_variants[k]`` un-quantizes op row k; ``tensor_variants[m]`` is
     ``(float(t) variant, rounding-only variant or None)`` for tensor row m.
+    Every name it adds starts with ``prefix``, which no name of the models may start with.
     """
-    builder = SwitchedModelBuilder(plan, quant_model)
+    builder = SwitchedModelBuilder(plan, quant_model, prefix)
     graph, index = builder.graph, plan.index
     float_inits = {init.name: init for init in float_model.graph.initializer}
     alternatives, rounding = {}, {}  # per dq: float(t) (or its Clip), per tensor row: settings
@@ -284,7 +295,7 @@ def switched_model(plan, quant_model, float_model):
                 alternatives[source] = float_value(builder, plan, t, plan.absorbed(t))
     raw = {}
     for dq in alternatives:
-        raw[dq] = f"graphscan.dq/{graph.node[dq].output[0]}"
+        raw[dq] = f"{builder.prefix}dq/{graph.node[dq].output[0]}"
         graph.node[dq].output[0] = raw[dq]
     op_rows = {i: k for k, (i, _) in enumerate(plan.op_rows)}
     op_variants = [{} for _ in plan.op_rows]
@@ -299,7 +310,7 @@ def switched_model(plan, quant_model, float_model):
             if m is None and reader not in op_rows:
                 continue  # nobody would switch it
             node = graph.node[reader]
-            value, condition = builder.where(alternative, raw[dq], f"graphscan.where/{reader}/{output}")
+            value, condition = builder.where(alternative, raw[dq], f"{builder.prefix}where/{reader}/{output}")
             node.input[:] = [value if t == output else t for t in node.input]
             if reader in op_rows:
                 op_variants[op_rows[reader]][condition] = True
@@ -315,14 +326,14 @@ def switched_model(plan, quant_model, float_model):
         node = graph.node[i]
         for pos, (kind, source) in edges:
             if kind == "weight":
-                weight = f"graphscan.weight/{source}"
+                weight = f"{builder.prefix}weight/{source}"
                 if ("weight", source) not in builder.cache:
                     copy = onnx.TensorProto()
                     copy.CopyFrom(float_inits[source])
                     copy.name = weight
                     graph.initializer.append(copy)
                     builder.cache[("weight", source)] = weight
-                value, condition = builder.where(weight, node.input[pos], f"graphscan.where/{i}/{pos}")
+                value, condition = builder.where(weight, node.input[pos], f"{builder.prefix}where/{i}/{pos}")
                 node.input[pos] = value
                 op_variants[k][condition] = True
     graph.node.extend(builder.nodes)
@@ -455,9 +466,12 @@ class ImpactRun:
     def __init__(self, float_model, quant_model, samples, output_names, noise, path):
         self.noise = noise
         self.plan = plan = ImpactPlan(float_model, quant_model)
-        derived, self.defaults, self.op_variants, self.tensor_variants = switched_model(plan, quant_model, float_model)
-        machinery = {node.name for node in derived.graph.node if node.name.startswith(IMPACT_PREFIX)}
-        self.runner = segment_runner(derived, self.defaults, machinery, samples, output_names, path)
+        prefix = fresh_prefix(quant_model, float_model)
+        derived, self.defaults, self.op_variants, self.tensor_variants = switched_model(
+            plan, quant_model, float_model, prefix
+        )
+        machinery = {node.name for node in derived.graph.node if node.name.startswith(prefix)}
+        self.runner = segment_runner(derived, self.defaults, machinery, samples, output_names, path, prefix)
         del derived
         self.measured = {}
         self.baseline = self.measure({})

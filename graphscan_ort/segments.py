@@ -160,8 +160,9 @@ class SegmentPlan:
     all of it, PLAIN none. With ``count`` 1 the one segment is the whole model.
     """
 
-    def __init__(self, model, data_inputs, switches, machinery, count, sample):
+    def __init__(self, model, data_inputs, switches, machinery, count, sample, prefix=IMPACT_PREFIX):
         graph = self.graph = model.graph
+        self.prefix = prefix  # of every name the derived model adds
         self.machinery = machinery  # names of the nodes graphscan added
         self.initializers = {init.name: init for init in graph.initializer if init.name not in data_inputs}
         defined = {t for node in graph.node for t in node.output if t}
@@ -305,7 +306,7 @@ class SegmentPlan:
             reads += [dropped.get(t, t) for t in node.input if t]
             reads += self.reads[id(node)][len([t for t in node.input if t]) :]  # read by its bodies
         for t in dict.fromkeys(t for t in reads if t in dropped):  # a body reads a dropped name
-            nodes.append(onnx.helper.make_node("Identity", [dropped[t]], [t], name=f"{IMPACT_PREFIX}body/{t}"))
+            nodes.append(onnx.helper.make_node("Identity", [dropped[t]], [t], name=f"{self.prefix}body/{t}"))
             reads.append(dropped[t])
         made = {t for node in nodes for t in node.output if t}
         outputs, aliases = [], []
@@ -452,12 +453,12 @@ class SegmentRunner:
         return list(self.pool.map(one, self.baseline))
 
 
-def segment_runner(model, defaults, machinery, samples, outputs, path):
+def segment_runner(model, defaults, machinery, samples, outputs, path, prefix=IMPACT_PREFIX):
     """A SegmentRunner of the derived ``model``, cut in IMPACT_SEGMENTS, or in
     one segment when a value crossing a cut is not a tensor."""
 
     def runner(count):
-        plan = SegmentPlan(model, list(samples[0]), set(defaults), machinery, count, samples[0])
+        plan = SegmentPlan(model, list(samples[0]), set(defaults), machinery, count, samples[0], prefix)
         return SegmentRunner(plan, defaults, samples, outputs, path)
 
     try:

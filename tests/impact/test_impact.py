@@ -343,8 +343,8 @@ def test_broken_derived_model_is_named_as_graphscans(trace_lab, monkeypatch):
     """A derived model that fails is blamed on graphscan, not on the user's model (exit 5)."""
     real = graphscan_ort.impact.switched_model
 
-    def broken(plan, quant_model, float_model):
-        model, *rest = real(plan, quant_model, float_model)
+    def broken(plan, quant_model, float_model, prefix):
+        model, *rest = real(plan, quant_model, float_model, prefix)
         model.graph.node[0].op_type = "NoSuchOperator"
         return (model, *rest)
 
@@ -748,3 +748,47 @@ def test_a_scalar_input_stays_a_scalar(tmp_path):
     answer = graphscan.impact(str(path), str(path), inputs=[str(tmp_path / "s.npz")])
     assert answer["inputs"] == {"x": [2, 4], "s": []}
     assert answer["output_sqnr_db"] is None
+
+
+def with_names_prefixed(path, prefix, out_path):
+    """The model at ``path`` with every node and every tensor but the graph's
+    inputs and outputs (and their Q/DQ tensors) renamed ``<prefix><name>``: the
+    same model under names graphscan itself would derive."""
+    model = onnx.load(path)
+    graph = model.graph
+    kept = {info.name for info in graph.input} | {info.name for info in graph.output}
+
+    def rename(name):  # onnxruntime's names for a graph output's Q/DQ (y_QuantizeLinear_Input) stay too
+        return name if not name or graphscan.QDQ_SUFFIX.sub("", name) in kept else prefix + name
+
+    for node in graph.node:
+        node.name = prefix + node.name
+        node.input[:] = [rename(t) for t in node.input]
+        node.output[:] = [rename(t) for t in node.output]
+    for info in graph.value_info:
+        info.name = rename(info.name)
+    for init in graph.initializer:
+        init.name = rename(init.name)
+    onnx.save(model, out_path)
+    return str(out_path)
+
+
+@pytest.mark.parametrize("prefix", ["graphscan.", "graphscan.where/", "graphscan.float/", "graphscan.row0/"])
+def test_names_graphscan_would_derive_change_nothing(trace_lab, faulty, mlp_samples, tmp_path, prefix):
+    """A model whose nodes are named ``graphscan.fc2`` gave impact -0.8 dB
+    instead of 33.2, silently: no name graphscan derives may be one a model uses."""
+    a = with_names_prefixed(trace_lab["fp32"], prefix, tmp_path / "a.onnx")
+    b = with_names_prefixed(faulty, prefix, tmp_path / "b.onnx")
+    plain, renamed = (
+        graphscan.impact(trace_lab["fp32"], faulty, inputs=mlp_samples),
+        graphscan.impact(a, b, inputs=mlp_samples),
+    )
+    assert renamed["output_sqnr_db"] == plain["output_sqnr_db"]
+    assert [(r["node"], r["sqnr_db"]) for r in renamed["ops"]] == [
+        (prefix + r["node"], r["sqnr_db"]) for r in plain["ops"]
+    ]
+    assert [r["sqnr_db"] for r in renamed["tensors"]] == [r["sqnr_db"] for r in plain["tensors"]]
+    plain, renamed = graphscan.trace(trace_lab["fp32"], faulty), graphscan.trace(a, b)
+    numbers = ["isolated_max_abs", "propagated_max_abs", "sqnr_db", "clipped"]
+    assert [[r.get(k) for k in numbers] for r in renamed["ops"]] == [[r.get(k) for k in numbers] for r in plain["ops"]]
+    assert list(renamed["outputs"].values()) == list(plain["outputs"].values())
