@@ -33,6 +33,8 @@ import re
 import signal
 import stat
 import sys
+import textwrap
+import unicodedata
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -1061,18 +1063,63 @@ CUT = "..."
 MIN_COLUMN = 8  # a column is never cut narrower than this
 
 
-def middle_cut(text, width):
-    """``text`` in at most ``width`` characters, its middle replaced by ``...``.
+# What a terminal must never be sent raw: C0 and C1 controls and DEL (ESC can
+# clear a screen, CR overwrite a row, BEL ring), line and paragraph separators,
+# and the bidi controls that reorder what is shown.
+INVISIBLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def visible(text: str) -> str:
+    """``text`` with every INVISIBLE character written as an escape (``\\n``, ``\\x1b``, ``\\u202e``)."""
+
+    def escape(match: re.Match) -> str:
+        char = match.group()
+        return "\\n" if char == "\n" else f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}"
+
+    return INVISIBLE.sub(escape, text)
+
+
+def char_width(char: str) -> int:
+    """Columns a character takes in a terminal: 2 for wide East Asian ones, 0 for combining marks."""
+    if unicodedata.combining(char):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+
+
+def display_width(text: str) -> int:
+    """Columns ``text`` takes in a terminal (``len`` for ASCII)."""
+    return len(text) if text.isascii() else sum(map(char_width, text))
+
+
+def fitted(text: str, width: int) -> str:
+    """The longest start of ``text`` that fits ``width`` columns."""
+    used = 0
+    for k, char in enumerate(text):
+        used += char_width(char)
+        if used > width:
+            return text[:k]
+    return text
+
+
+def middle_cut(text: str, width: int) -> str:
+    """``text`` in at most ``width`` columns, its middle replaced by ``...``.
 
     Both ends stay: a layer's prefix and its op suffix are what tell names apart.
     """
-    if len(text) <= width:
+    if display_width(text) <= width:
         return text
     if width <= len(CUT):
-        return text[:width]
+        return fitted(text, width)
     keep = width - len(CUT)
-    head = (keep + 1) // 2
-    return text[:head] + CUT + text[len(text) - (keep - head) :]
+    head = fitted(text, (keep + 1) // 2)
+    tail = fitted(text[::-1], keep - display_width(head))[::-1]
+    return head + CUT + tail
+
+
+def padded(text: str, width: int, right: bool) -> str:
+    """``text`` padded with spaces to ``width`` columns, on the left when ``right``."""
+    pad = " " * max(0, width - display_width(text))
+    return pad + text if right else text + pad
 
 
 def cell(value):
@@ -1085,7 +1132,7 @@ def cell(value):
         return f"{value:.3g}"
     if isinstance(value, (list, dict)):
         return json.dumps(value)
-    return str(value).replace("\n", "\\n")  # one row per line, whatever a name holds
+    return visible(str(value))  # one row per line and no terminal control, whatever a name holds
 
 
 def is_number(value):
@@ -1102,7 +1149,7 @@ def format_table(titles, rows, width=TABLE_WIDTH, cut_first=()):
         any(is_number(row[k]) for row in rows) and all(is_number(row[k]) or row[k] is None for row in rows)
         for k in range(len(titles))
     ]
-    widths = [max([len(t)] + [len(row[k]) for row in texts]) for k, t in enumerate(titles)]
+    widths = [max([display_width(t)] + [display_width(row[k]) for row in texts]) for k, t in enumerate(titles)]
     first = [k for k, t in enumerate(titles) if t in cut_first]
 
     def weight(k):  # cut_first columns go first; the first column (names) may keep twice any other's width
@@ -1116,8 +1163,7 @@ def format_table(titles, rows, width=TABLE_WIDTH, cut_first=()):
     for row in [list(titles)] + texts:
         parts = []
         for k, text in enumerate(row):
-            text = middle_cut(text, widths[k])
-            parts.append(text.rjust(widths[k]) if right[k] else text.ljust(widths[k]))
+            parts.append(padded(middle_cut(text, widths[k]), widths[k], right[k]))
         lines.append("  ".join(parts).rstrip())
     return "\n".join(lines)
 
@@ -1126,8 +1172,9 @@ def format_fields(pairs, width=TABLE_WIDTH):
     """``key value`` pairs on as few lines as fit ``width``; long values cut in the middle."""
     lines, line = [], ""
     for key, value in pairs:
-        text = f"{key} {middle_cut(cell(value), width - len(key) - 1)}"
-        if line and len(line) + 3 + len(text) > width:
+        key = middle_cut(cell(key), width // 2)  # an input's name can be long too
+        text = f"{key} {middle_cut(cell(value), width - display_width(key) - 1)}"
+        if line and display_width(line) + 3 + display_width(text) > width:
             lines.append(line)
             line = ""
         line = f"{line}   {text}" if line else text
@@ -1139,7 +1186,7 @@ def format_names(names, width=TABLE_WIDTH, indent="  "):
     lines, line = [], ""
     for name in names:
         name = middle_cut(cell(name), width - len(indent) - 1)
-        if line and len(indent) + len(line) + len(name) + 3 > width:  # 3: ', ' now, ',' if wrapped
+        if line and len(indent) + display_width(line) + display_width(name) + 3 > width:  # 3: ', ' now, ',' if wrapped
             lines.append(indent + line + ",")
             line = ""
         line = f"{line}, {name}" if line else name
@@ -1389,7 +1436,7 @@ def runtime_table(answer, top):
         numbers += [[f"wall_ms {key}", value] for key, value in timing["wall_ms"].items()]
         numbers += [[f"share {kind}", share] for kind, share in timing["shares"].items()]
         blocks.append(section("time", ["what", "value"], numbers))
-        blocks.append("method: " + timing["method"])
+        blocks.append(textwrap.fill(visible("method: " + timing["method"]), TABLE_WIDTH))
     return page(*blocks)
 
 
@@ -1575,7 +1622,7 @@ def dot_header(path, index, kinds, island_count):
     counts = Counter(kinds.values())
     legend = ", ".join(f"{counts[kind]} {kind} ({COLOURS[kind][1]})" for kind in COLOURS if counts[kind])
     title = (
-        f"{path}: {len(index.compute_nodes)} compute nodes ({legend}), {island_count} float islands;"
+        f"{visible(path)}: {len(index.compute_nodes)} compute nodes ({legend}), {island_count} float islands;"
         " edge labels: the Q/DQ between two nodes (Q→DQ = a round trip)"
     )
     # pack: disconnected parts (lone Constants, islands of one) are laid out in a grid, not one wide row.
@@ -1590,7 +1637,7 @@ def dot_header(path, index, kinds, island_count):
 def dot(path: str, runtime_colours: bool = False, collapse: bool = False) -> str:
     """The island map of ``path`` as Graphviz DOT text."""
     index = index_model(path)
-    names = index.names
+    names = [visible(name) for name in index.names]  # no terminal control or NUL in the DOT
     kinds = node_kinds(index, path, runtime_colours)
     islands = float_islands(index)
     edges = folded_edges(index)
@@ -1603,9 +1650,9 @@ def dot(path: str, runtime_colours: bool = False, collapse: bool = False) -> str
 
     lines = ["digraph graphscan {"] + dot_header(path, index, kinds, len(islands))
     for k, info in enumerate(value_inputs(index.graph)):
-        lines.append(f"  in{k} {dot_attributes(label=info.name, shape='ellipse', style='')};")
+        lines.append(f"  in{k} {dot_attributes(label=visible(as_text(info.name)), shape='ellipse', style='')};")
     for k, output in enumerate(index.graph.output):
-        lines.append(f"  out{k} {dot_attributes(label=output.name, shape='ellipse', style='')};")
+        lines.append(f"  out{k} {dot_attributes(label=visible(as_text(output.name)), shape='ellipse', style='')};")
     for number, (members, _) in enumerate(islands, 1):
         in_dq, out_q = boundary_of(index, members)
         label = (

@@ -9,7 +9,9 @@ hand-written answers in the shapes their issues describe.
 
 import json
 import os
+import re
 import shutil
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -34,8 +36,13 @@ def printed(capsys, argv):
     return out
 
 
+def columns(line):
+    """Terminal columns of a line, counted independently of graphscan: wide East Asian characters take two."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 0 if unicodedata.combining(c) else 1 for c in line)
+
+
 def assert_fits(text, width=80):
-    wide = [line for line in text.splitlines() if len(line) > width]
+    wide = [line for line in text.splitlines() if columns(line) > width]
     assert not wide, wide
 
 
@@ -169,6 +176,36 @@ def test_a_name_with_a_newline_stays_on_one_row(tmp_path, capsys):
     text = printed(capsys, ["islands", path, "--format", "table"])
     assert island_listing(text, 1) == ["first\\nhalf", "second"]
     assert "1     2  Relu 2    first\\nhalf  second" in text.splitlines()
+
+
+@pytest.mark.parametrize("command", COUNTING)
+def test_names_that_drive_a_terminal_are_shown_escaped(tmp_path, capsys, command):
+    """ESC could clear the screen, CR overwrite a row, BEL ring: a name is text, never a command."""
+    hostile = ["clear\x1b[2Jscreen", "over\rwrite", "bell\x07", "rtl\u202eoverride", "nul\x00byte"]
+    path = chain_model(tmp_path / "m.onnx", hostile)
+    argv = [command, path, path] if command == "diff" else [command, path]
+    text = printed(capsys, [*argv, "--format", "table"])
+    assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u202e]", text), text
+    if command == "islands":
+        assert "clear\\x1b[2Jscreen" in text and "over\\x0dwrite" in text
+
+
+def test_wide_characters_take_two_columns(tmp_path, capsys):
+    """CJK names counted as one column each made lines of 100+ columns."""
+    names = ["第一層/畳み込み/" + "活性化関数" * 8, "第二層/" + "正規化" * 10]
+    path = chain_model(tmp_path / "m.onnx", names)
+    for command in COUNTING:
+        assert_fits(
+            printed(capsys, [command, path, path] if command == "diff" else [command, path, "--format", "table"])
+        )
+    assert_fits(graphscan.render_table("islands", graphscan.islands(path), None))
+
+
+def test_long_input_names_and_the_method_line_fit(tmp_path):
+    answer = {**TRACE_ANSWER, "inputs": {"input_" + "x" * 150: [1, 3, 224, 224]}, "defaulted": ["input_" + "x" * 150]}
+    assert_fits(graphscan.render_table("trace", answer))
+    timed = {**RUNTIME_ANSWER["time"], "method": "onnxruntime profiler, one thread " * 20}  # as long as the real one
+    assert_fits(graphscan.render_table("runtime", {**RUNTIME_ANSWER, "time": timed}))
 
 
 def test_a_terminal_that_cannot_show_a_name_gets_it_escaped(tmp_path):
