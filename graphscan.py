@@ -1345,8 +1345,18 @@ def largest_first(rows, key):
     return sorted((r for r in rows if r.get(key) is not None), key=lambda r: -r[key])
 
 
+def smallest_first(rows, key):
+    """Rows with a value for ``key``, smallest first (ties keep their order)."""
+    return sorted((r for r in rows if r.get(key) is not None), key=lambda r: r[key])
+
+
+# Without --top, a table leads with this many rows of each red-flag ranking.
+RED_FLAGS = 5
+
+
 def trace_table(answer, top):
-    """Rows in graph order; with ``top``, the largest isolated and the largest propagated errors."""
+    """Red flags first (worst SQNR, largest LSB error, most clipped), then rows in graph order;
+    with ``top``, the N worst of each, and the largest isolated and propagated errors."""
     columns = ["node", "op_type", "wrap", "isolated", "propag.", "lsb", "sqnr_db"]  # short: 80 columns
     keys = ["node", "op_type", "wrapped", "isolated_max_abs", "propagated_max_abs", "isolated_lsb", "sqnr_db"]
     if any("clipped" in row for row in answer["ops"]):
@@ -1366,23 +1376,22 @@ def trace_table(answer, top):
         + [(f"output {name} max_abs", error) for name, error in answer["outputs"].items()]
         + [headline("worst_isolated"), headline("first_over"), ("ops", len(answer["ops"]))]
     )
+    ops = answer["ops"]
+    # What locates a problem leads: an absolute error hides a Sigmoid 10^8 LSB
+    # off (tiny values, SQNR near 0 dB) or a Conv whose values are all clipped.
+    flags = [
+        ("ops by SQNR, worst first", smallest_first(ops, "sqnr_db")),
+        ("ops by isolated error in LSB, largest first", largest_first(ops, "isolated_lsb")),
+        ("ops by clipped share, largest first", [r for r in largest_first(ops, "clipped") if r["clipped"] > 0]),
+    ]
+    body = [section(title, columns, rows(ranked), top or RED_FLAGS, ["op_type"]) for title, ranked in flags]
     if top is None:
-        body = [section("ops in graph order", columns, rows(answer["ops"]), cut_first=["op_type"])]
+        body.append(section("ops in graph order", columns, rows(ops), cut_first=["op_type"]))
     else:
-        body = [
+        body += [
+            section("ops by isolated error", columns, rows(largest_first(ops, "isolated_max_abs")), top, ["op_type"]),
             section(
-                "ops by isolated error",
-                columns,
-                rows(largest_first(answer["ops"], "isolated_max_abs")),
-                top,
-                ["op_type"],
-            ),
-            section(
-                "ops by propagated error",
-                columns,
-                rows(largest_first(answer["ops"], "propagated_max_abs")),
-                top,
-                ["op_type"],
+                "ops by propagated error", columns, rows(largest_first(ops, "propagated_max_abs")), top, ["op_type"]
             ),
         ]
     unmatched = [[u["node"], u["op_type"], u["reason"]] for u in answer["unmatched"]]
@@ -1451,8 +1460,20 @@ def impact_table(answer, top):
     tensors = [
         [r["tensor"], r["producer"], r["gain_db"], r["rounding_gain_db"], r["clipped"]] for r in answer["tensors"]
     ]
+    clipped = [
+        [r["tensor"], r["producer"], r["gain_db"], r["rounding_gain_db"], r["clipped"]]
+        for r in largest_first(answer["tensors"], "clipped")
+        if r["clipped"] > 0
+    ]
     blocks = [
         head,
+        # A tensor whose values fall outside its Q's range leads: its gain may be small, the range wrong.
+        section(
+            "tensors by clipped share, largest first",
+            ["tensor", "producer", "gain_db", "rounding", "clipped"],
+            clipped,
+            top or RED_FLAGS,
+        ),
         section("ops by output gain when kept float", ["node", "op_type", "sqnr_db", "gain_db"], ops, top),
         section(
             "tensors by output gain when kept float",

@@ -486,3 +486,28 @@ def test_runtime_time_block_lists_every_share():
         "share",
         "share",
     ]
+
+
+def test_red_flags_lead_where_absolute_errors_hide_them():
+    """A Sigmoid 10^8 LSB off with a near-zero SQNR, and a Conv whose values are all
+    clipped, had the smallest absolute errors, so a table by error hid them."""
+    row = dict.fromkeys(["reference", "wrapped", "propagated_max_abs"], None)
+    ops = [
+        {**row, "node": "big_matmul", "op_type": "MatMul", "isolated_max_abs": 2.0, "isolated_lsb": 4.0,
+         "sqnr_db": 30.0, "clipped": 0.0},
+        {**row, "node": "tiny_sigmoid", "op_type": "Sigmoid", "isolated_max_abs": 1e-6, "isolated_lsb": 1e8,
+         "sqnr_db": 0.00003, "clipped": 0.0},
+        {**row, "node": "saturated_conv", "op_type": "Conv", "isolated_max_abs": 1e-3, "isolated_lsb": 2.0,
+         "sqnr_db": 20.0, "clipped": 1.0},
+    ]  # fmt: skip
+    answer = {**TRACE_ANSWER, "ops": ops, "unmatched": []}
+    for top in (None, 1):
+        text = graphscan.render_table("trace", answer, top)
+        assert first_column(text, "ops by SQNR, worst first")[0] == "tiny_sigmoid"
+        assert first_column(text, "ops by isolated error in LSB, largest first")[0] == "tiny_sigmoid"
+        assert first_column(text, "ops by clipped share, largest first") == ["saturated_conv"]
+        assert text.index("ops by SQNR") < text.index("ops by isolated error" if top else "ops in graph order")
+    impact = {**IMPACT_ANSWER, "tensors": [{**IMPACT_ANSWER["tensors"][0], "tensor": "all_clipped", "clipped": 1.0}]}
+    assert first_column(graphscan.render_table("impact", impact), "tensors by clipped share, largest first") == [
+        "all_clipped"
+    ]
