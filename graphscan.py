@@ -973,7 +973,13 @@ def budget_limit(name: str, value: object, where: str) -> float:
 
 
 def budget_values(
-    path: str, names: list[str], float_path: str | None, inputs: list[str] | None, shape: list[str] | None, seed: int
+    path: str,
+    names: list[str],
+    float_path: str | None,
+    inputs: list[str] | None,
+    shape: list[str] | None,
+    seed: int,
+    level: str = "all",
 ) -> dict[str, float]:
     """The measured value of each budget in ``names``."""
     values = {}
@@ -989,7 +995,7 @@ def budget_values(
     if measured:
         options = " and ".join(f"--{name.replace('_', '-')}" for name in measured)
         budgets = package_module("check", f"check {options}")
-        values.update(budgets.measurements(path, measured, float_path, inputs, shape, seed))
+        values.update(budgets.measurements(path, measured, float_path, inputs, shape, seed, level))
     return values
 
 
@@ -1011,11 +1017,12 @@ def check(
     inputs: list[str] | None = None,
     shape: list[str] | None = None,
     seed: int | None = None,
+    level: str | None = None,
 ) -> dict:
     """Measure each budget given (options override the --budget file) and say which hold.
 
-    ``float_path``, ``inputs``, ``shape`` and ``seed`` apply to min_sqnr only:
-    given without it they are a usage error, never ignored."""
+    ``float_path``, ``inputs``, ``shape``, ``seed`` and ``level`` apply to
+    min_sqnr only: given without it they are a usage error, never ignored."""
     limits = read_budget_file(budget) if budget is not None else {}
     given = {
         "max_float": max_float,
@@ -1033,13 +1040,13 @@ def check(
             f"--{' / --'.join(n.replace('_', '-') for n in BUDGETS)})",
             EXIT_USAGE,
         )
-    sample = {"--float": float_path, "--inputs": inputs, "--shape": shape, "--seed": seed}
+    sample = {"--float": float_path, "--inputs": inputs, "--shape": shape, "--seed": seed, "--level": level}
     given = [flag for flag, value in sample.items() if value is not None]
     if given and "min_sqnr" not in limits:
         raise GraphscanError(f"usage: {', '.join(given)}: only with --min-sqnr", EXIT_USAGE)
     check_readable(path)
     names = [name for name in BUDGETS if name in limits]  # a fixed order, whatever the file's
-    values = budget_values(path, names, float_path, inputs, shape, seed or 0)
+    values = budget_values(path, names, float_path, inputs, shape, seed or 0, level or "all")
     budgets = [
         {
             "name": name,
@@ -1455,6 +1462,7 @@ def impact_table(answer, top):
         [("a", answer["a"]), ("b", answer["b"])]
         + input_fields(answer["inputs"], answer.get("defaulted"))
         + [("samples", answer["samples"]), ("output_sqnr_db", answer["output_sqnr_db"])]
+        + ([("deployed", answer["deployed_output_sqnr_db"])] if "deployed_output_sqnr_db" in answer else [])
     )
     ops = [[r["node"], r["op_type"], r["sqnr_db"], r["gain_db"]] for r in answer["ops"]]
     tensors = [
@@ -1486,7 +1494,8 @@ def impact_table(answer, top):
     if exclude is not None:
         blocks.append(
             format_fields([(key, exclude[key]) for key in ("target_sqnr_db", "sqnr_db", "reached")])
-            + "\nnodes_to_exclude:\n"
+            + "\nkept float in graphscan's variant, inputs fed float (the quantizer's\n"
+            + "nodes_to_exclude keeps Q->DQ on them: measure its model before trusting this):\n"
             + format_names(exclude["nodes"])
         )
     return page(*blocks)
@@ -1826,6 +1835,13 @@ CHECK_OPTIONS = [
         {"type": float, "metavar": "FRACTION", "help": "at least this fraction of kernels run int8 (runtime)"},
     ),
     ("--min-sqnr", {"type": float, "metavar": "DB", "help": "output SQNR against --float of at least DB"}),
+    (
+        "--level",
+        {
+            "choices": ["disabled", *RUNTIME_LEVELS],
+            "help": "--min-sqnr: onnxruntime optimization level both models run at (default: all, its default)",
+        },
+    ),
     *sample_options(1, samples="many", when="--min-sqnr: "),
 ]
 
@@ -1862,6 +1878,14 @@ IMPACT_OPTIONS = [
     (
         "--max-exclude",
         {"metavar": "N", "type": non_negative_int, "help": "at most N excluded nodes (with --target-sqnr)"},
+    ),
+    (
+        "--min-gain",
+        {
+            "metavar": "DB",
+            "type": finite_non_negative,
+            "help": "with --target-sqnr: add no operator whose gain is below DB (default: 0.01)",
+        },
     ),
     (
         "--top",

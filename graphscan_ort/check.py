@@ -5,20 +5,27 @@ from __future__ import annotations
 import math
 
 from graphscan import load_with_weights
-from graphscan_ort.common import OutputNoise, model_outputs, output_pairs
+from graphscan_ort.common import OutputNoise, deployed_options, model_outputs, output_pairs
 from graphscan_ort.inputs import check_same_inputs, model_samples, parse_shapes
 from graphscan_ort.runtime import runtime
 
 
 def measurements(
-    path: str, names: list[str], float_path: str | None, inputs: list[str] | None, shape: list[str] | None, seed: int
+    path: str,
+    names: list[str],
+    float_path: str | None,
+    inputs: list[str] | None,
+    shape: list[str] | None,
+    seed: int,
+    level: str = "all",
 ) -> dict[str, float]:
-    """The value of each budget in ``names`` (``min_int8``, ``min_sqnr``) for the model at ``path``."""
+    """The value of each budget in ``names`` (``min_int8``, ``min_sqnr``) for the
+    model at ``path``; ``level``: the optimization level min_sqnr runs at."""
     values = {}
     if "min_int8" in names:
         values["min_int8"] = int8_share(path)
     if "min_sqnr" in names:
-        values["min_sqnr"] = measured_sqnr(float_path, path, inputs, shape, seed)
+        values["min_sqnr"] = measured_sqnr(float_path, path, inputs, shape, seed, level)
     return values
 
 
@@ -30,18 +37,25 @@ def int8_share(path: str) -> float:
 
 
 def measured_sqnr(
-    float_path: str, quant_path: str, inputs: list[str] | None, shape: list[str] | None, seed: int
+    float_path: str,
+    quant_path: str,
+    inputs: list[str] | None,
+    shape: list[str] | None,
+    seed: int,
+    level: str = "all",
 ) -> float:
-    """The quantized model's output SQNR against the float one, as ``impact``
-    measures its baseline (outputs paired as impact pairs them): ``inf`` when
-    the outputs are equal, ``nan`` when the SQNR is undefined (NaN or Inf in
-    the outputs, all-zero float outputs)."""
+    """The quantized model's output SQNR against the float one as users run
+    them (both in a session at ``level``, onnxruntime's default "all"), by
+    impact's definition and pairing: ``inf`` when the outputs are equal, ``nan``
+    when the SQNR is undefined (NaN or Inf in the outputs, all-zero float
+    outputs, an empty sample)."""
     float_model, quant_model = load_with_weights(float_path), load_with_weights(quant_path)
     check_same_inputs(float_model, quant_model, float_path, quant_path)
     pairs = output_pairs(float_model, quant_model, float_path, quant_path)
     samples, _ = model_samples(float_model, inputs, parse_shapes(shape), seed, 1)
-    noise = OutputNoise(model_outputs(float_model, samples, float_path, [f for f, _ in pairs]))
-    sqnr, exact = noise.measure(model_outputs(quant_model, samples, quant_path, [q for _, q in pairs]))
+    options = deployed_options(level)
+    noise = OutputNoise(model_outputs(float_model, samples, float_path, [f for f, _ in pairs], options))
+    sqnr, exact = noise.measure(model_outputs(quant_model, samples, quant_path, [q for _, q in pairs], options))
     if noise.empty:  # an empty sample verifies nothing: the budget does not hold
         return math.nan
     if exact:

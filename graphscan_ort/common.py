@@ -140,10 +140,16 @@ def output_pairs(float_model: onnx.ModelProto, quant_model: onnx.ModelProto, a: 
     )
 
 
-def model_outputs(model: onnx.ModelProto, samples: list[dict], path: str, names: list[str] | None = None) -> list:
+def model_outputs(
+    model: onnx.ModelProto,
+    samples: list[dict],
+    path: str,
+    names: list[str] | None = None,
+    options: ort.SessionOptions | None = None,
+) -> list:
     """Per sample, the outputs ``names`` (default: every graph output, in graph
-    order) of ``model`` run as written, one session."""
-    session = open_session(model, f"{shown(path)}: model", impact_options())
+    order) of ``model``, one session: run as written unless ``options`` say otherwise."""
+    session = open_session(model, f"{shown(path)}: model", options or impact_options())
     names = names or [o.name for o in model.graph.output]
     outputs = []
     for feeds in samples:
@@ -152,6 +158,14 @@ def model_outputs(model: onnx.ModelProto, samples: list[dict], path: str, names:
         except Exception as exc:
             raise does_not_run(f"{shown(path)}: model", exc)
     return outputs
+
+
+def deployed_options(level: str = "all") -> ort.SessionOptions:
+    """A session as users run the model: onnxruntime's default settings (all
+    optimizations, its own thread count), or another ``--level``. onnxruntime
+    rewrites the graph there (WeightBiasQuantization can quantize a Conv that
+    was excluded and fuse it into a QLinearConv), so accuracy is measured here."""
+    return session_options(level)
 
 
 def impact_options(threads: int = 0) -> ort.SessionOptions:

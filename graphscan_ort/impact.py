@@ -28,6 +28,7 @@ from graphscan import (
 )
 from graphscan_ort.common import (
     OutputNoise,
+    deployed_options,
     does_not_run,
     fresh_prefix,
     impact_options,
@@ -39,6 +40,7 @@ from graphscan_ort.inputs import check_same_inputs, inputs_answer, model_samples
 from graphscan_ort.segments import IMPACT_PREFIX, body_reads, segment_runner
 
 IMPACT_SYMBOLIC_DIM_SIZE = 1
+MIN_GAIN_DB = 0.01  # --min-gain's default: the least gain an operator added to exclude.nodes brings
 
 
 ACTIVATIONS = ("Relu", "Clip", "LeakyRelu")  # what the quantizer folds into a Q
@@ -498,6 +500,14 @@ class ImpactRun:
         return kept if same_clip(stats, (self.defaults[low], self.defaults[high]), (lo, hi)) else rounded
 
 
+def deployed_sqnr(float_model, quant_model, samples, pairs, a, b):
+    """The output SQNR of b as users run it: both models in a default onnxruntime
+    session, where onnxruntime may rewrite what impact measures as written."""
+    options = deployed_options()
+    noise = OutputNoise(model_outputs(float_model, samples, a, [f for f, _ in pairs], options))
+    return noise.measure(model_outputs(quant_model, samples, b, [q for _, q in pairs], options))[0]
+
+
 def impact(
     a: str,
     b: str,
@@ -507,11 +517,14 @@ def impact(
     target_sqnr: float | None = None,
     max_exclude: int | None = None,
     top: int | None = None,
+    min_gain: float | None = None,
 ) -> dict:
     """Per operator and per activation tensor of ``b`` (quantized): the output
     SQNR against ``a`` (float) if it stayed float; optionally what to exclude."""
     if max_exclude is not None and target_sqnr is None:
         raise GraphscanError("usage: --max-exclude needs --target-sqnr", EXIT_USAGE)
+    if min_gain is not None and target_sqnr is None:
+        raise GraphscanError("usage: --min-gain needs --target-sqnr", EXIT_USAGE)
     float_model, quant_model = load_with_weights(a), load_with_weights(b)
     check_same_inputs(float_model, quant_model, a, b)
     samples, defaulted = model_samples(float_model, inputs, parse_shapes(shape), seed, IMPACT_SYMBOLIC_DIM_SIZE)
@@ -536,12 +549,12 @@ def impact(
         )
         op_exact.append(exact)
     tensor_rows, tensor_exact = [], []
-    for m, ((t, pairs, q_range, _), (kept, _)) in enumerate(zip(plan.tensor_rows, tensor_variants)):
+    for m, ((t, q_dq_pairs, q_range, _), (kept, _)) in enumerate(zip(plan.tensor_rows, tensor_variants)):
         sqnr, exact = measure(kept)
         rounded = measured.rounding_variant(m)
         rounding = measure(rounded)[0] if rounded is not None else None
         producer = index.producer_of(t)
-        readers = sorted({r for _, dq in pairs for r in index.consumers_of(index.outputs[dq][0])})
+        readers = sorted({r for _, dq in q_dq_pairs for r in index.consumers_of(index.outputs[dq][0])})
         tensor_rows.append(
             {
                 "tensor": t,
@@ -564,14 +577,18 @@ def impact(
         "defaulted": defaulted,
         "samples": len(samples),
         "output_sqnr_db": baseline[0],
+        "deployed_output_sqnr_db": deployed_sqnr(float_model, quant_model, samples, pairs, a, b),
         "ops": [op_rows[k] for k in op_order][:top],
         "tensors": [tensor_rows[k] for k in tensor_order][:top],
     }
     if target_sqnr is not None:
-        candidates = [
-            (op_rows[k]["node"], op_variants[k])
-            for k in op_order
-            if (op_exact[k] and not baseline[1]) or (op_rows[k]["gain_db"] or 0.0) > 0
-        ]
+        # A gain of 1e-9 dB is noise, not a reason to keep an operator float.
+        least = MIN_GAIN_DB if min_gain is None else min_gain
+
+        def helps(k):
+            gained = op_rows[k]["gain_db"] or 0.0
+            return (op_exact[k] and not baseline[1]) or (gained > 0 and gained >= least)
+
+        candidates = [(op_rows[k]["node"], op_variants[k]) for k in op_order if helps(k)]
         answer["exclude"] = exclusion(measure, candidates, baseline, target_sqnr, max_exclude)
     return answer

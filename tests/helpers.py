@@ -24,13 +24,15 @@ def run_graphscan(args, cwd=None, script=GRAPHSCAN, env=None, python_flags=(), t
     )
 
 
-def run_onnx(path, feeds):
-    """All outputs of the model at ``path`` on ``feeds``, run directly in onnxruntime
-    with graph optimizations off, as graphscan runs models (Q/DQ kept as written)."""
+def run_onnx(path, feeds, level="disabled"):
+    """All outputs of the model at ``path`` on ``feeds``, run directly in onnxruntime:
+    with graph optimizations off (Q/DQ kept as written), or ``level`` "all", a
+    default session as users run it."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if level == "disabled":
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     return session.run(None, feeds)
 

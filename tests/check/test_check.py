@@ -58,6 +58,13 @@ def test_min_int8_uses_the_runtime_classes(default_lab):
     assert budget_rows(graphscan.check(str(default_lab["full"]), min_int8=0.51))["min_int8"][2] is False
 
 
+def direct_sqnr(float_path, quant_path, samples, level):
+    """The output SQNR measured here, in onnxruntime sessions at ``level`` and numpy."""
+    f = np.concatenate([run_onnx(float_path, {"x": x}, level)[0].ravel() for x in samples]).astype(np.float64)
+    q = np.concatenate([run_onnx(quant_path, {"x": x}, level)[0].ravel() for x in samples]).astype(np.float64)
+    return 20 * math.log10(np.linalg.norm(f) / np.linalg.norm(f - q))
+
+
 def test_min_sqnr_matches_onnxruntime_run_directly(default_lab, tmp_path):
     rng = np.random.default_rng(7)
     samples = []
@@ -65,9 +72,7 @@ def test_min_sqnr_matches_onnxruntime_run_directly(default_lab, tmp_path):
         x = rng.standard_normal((5, DEFAULT_LAB.dim)).astype(np.float32)
         np.savez(tmp_path / f"s{k}.npz", x=x)
         samples.append(x)
-    f = np.concatenate([run_onnx(default_lab["fp32"], {"x": x})[0].ravel() for x in samples]).astype(np.float64)
-    q = np.concatenate([run_onnx(default_lab["full"], {"x": x})[0].ravel() for x in samples]).astype(np.float64)
-    expected = 20 * math.log10(np.linalg.norm(f) / np.linalg.norm(f - q))
+    expected = direct_sqnr(default_lab["fp32"], default_lab["full"], samples, "all")
     inputs = [str(tmp_path / "s0.npz"), str(tmp_path / "s1.npz")]
     answer = graphscan.check(
         str(default_lab["full"]), float_path=str(default_lab["fp32"]), min_sqnr=expected - 0.01, inputs=inputs
@@ -78,6 +83,33 @@ def test_min_sqnr_matches_onnxruntime_run_directly(default_lab, tmp_path):
         str(default_lab["full"]), float_path=str(default_lab["fp32"]), min_sqnr=expected + 0.01, inputs=inputs
     )
     assert broken["ok"] is False and broken["float"] == str(default_lab["fp32"])
+
+
+def test_min_sqnr_is_measured_as_deployed_where_onnxruntime_rewrites_the_model(tmp_path):
+    """One Conv excluded from quantization: in a default session onnxruntime
+    quantizes its weights anyway (WeightBiasQuantization) and fuses a QLinearConv,
+    so the SQNR users get differs from the graph as written; check measures the
+    first by default and the second with --level disabled, and impact reports both."""
+    import gen_models
+
+    fp32, quant = tmp_path / "cnn.onnx", tmp_path / "cnn_qdq.onnx"
+    onnx.save(gen_models.build_cnn(2, channels=4, size=8, seed=3), fp32)
+    convs = [n.name for n in onnx.load(fp32).graph.node if n.op_type == "Conv"]
+    with gen_models.quiet_quantizer():
+        gen_models.quantize_qdq(fp32, quant, seed=0, nodes_to_exclude=convs[1:2])
+    samples = [np.random.default_rng(k).standard_normal((1, 3, 8, 8)).astype(np.float32) for k in range(2)]
+    for k, x in enumerate(samples):
+        np.savez(tmp_path / f"s{k}.npz", x=x)
+    inputs = [str(tmp_path / f"s{k}.npz") for k in range(2)]
+    deployed, written = (direct_sqnr(fp32, quant, samples, level) for level in ("all", "disabled"))
+    assert abs(deployed - written) > 1e-3  # the rewrite matters on this model
+    for level, expected in ((None, deployed), ("all", deployed), ("disabled", written)):
+        answer = graphscan.check(str(quant), float_path=str(fp32), min_sqnr=-100, inputs=inputs, level=level)
+        ((value, _limit, _ok),) = budget_rows(answer).values()
+        assert value == pytest.approx(expected, abs=1e-6), level
+    measured = graphscan.impact(str(fp32), str(quant), inputs=inputs, top=0)
+    assert measured["deployed_output_sqnr_db"] == pytest.approx(deployed, abs=1e-6)
+    assert measured["output_sqnr_db"] == pytest.approx(written, abs=1e-4)  # without pre-packing: other sum order
 
 
 def test_identical_outputs_hold_any_sqnr_and_show_null(default_lab):

@@ -25,7 +25,17 @@ from tests.lab import TRACE_LAB
 
 FAULTY = "fc2_matmul"
 TOLERANCE_DB = 0.05  # issue 9: graphscan equals the brute force within 0.05 dB on every row
-ANSWER_KEYS = ["a", "b", "inputs", "defaulted", "samples", "output_sqnr_db", "ops", "tensors"]
+ANSWER_KEYS = [
+    "a",
+    "b",
+    "inputs",
+    "defaulted",
+    "samples",
+    "output_sqnr_db",
+    "deployed_output_sqnr_db",
+    "ops",
+    "tensors",
+]
 OP_KEYS = ["node", "op_type", "sqnr_db", "gain_db"]
 TENSOR_KEYS = [
     "tensor",
@@ -792,3 +802,23 @@ def test_names_graphscan_would_derive_change_nothing(trace_lab, faulty, mlp_samp
     numbers = ["isolated_max_abs", "propagated_max_abs", "sqnr_db", "clipped"]
     assert [[r.get(k) for k in numbers] for r in renamed["ops"]] == [[r.get(k) for k in numbers] for r in plain["ops"]]
     assert list(renamed["outputs"].values()) == list(plain["outputs"].values())
+
+
+@pytest.mark.parametrize("min_gain", [None, 0.0, 0.5])
+def test_exclusion_adds_no_operator_below_the_minimum_gain(trace_lab, faulty, mlp_samples, min_gain):
+    """On a broken model the list held 83 operators gaining 1e-9 dB each: an
+    operator is added only when it gains at least --min-gain (default 0.01 dB)."""
+    answer = graphscan.impact(trace_lab["fp32"], faulty, inputs=mlp_samples, target_sqnr=1000, min_gain=min_gain)
+    gains = {row["node"]: row["gain_db"] for row in answer["ops"]}
+    least = 0.01 if min_gain is None else min_gain
+    assert answer["exclude"]["nodes"], "the fault's operator gains far more than any minimum here"
+    assert all(
+        gains[node] is not None and gains[node] > 0 and gains[node] >= least for node in answer["exclude"]["nodes"]
+    )
+    eligible = [node for node, gained in gains.items() if gained is not None and gained > 0 and gained >= least]
+    assert answer["exclude"]["nodes"] == eligible  # rank order, every one tried: the target is out of reach
+
+
+def test_min_gain_needs_a_target(trace_lab):
+    line = error_line(run_graphscan(["impact", trace_lab["fp32"], trace_lab["full"], "--min-gain", "0.1"]), 2)
+    assert "--min-gain" in line
