@@ -285,3 +285,22 @@ def test_model_that_does_not_run_is_reported(tmp_path, capsys):
     assert code == graphscan.EXIT_RUNTIME
     assert out == "" and len(err.splitlines()) == 1 and "does not run" in err
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_a_model_that_builds_but_fails_to_run_is_exit_5_and_nothing_written(tmp_path):
+    """The session builds (a symbolic batch passes every check) and the run fails:
+    8 values cannot be reshaped to 3. A model that does not run is exit 5, never a
+    failed fusion (exit 6)."""
+    shape = numpy_helper.from_array(np.array([3], np.int64), "shape")
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["y"], name="reshape")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+        [shape],
+    )
+    source, out = tmp_path / "m.onnx", tmp_path / "out.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), source)
+    proc = run_graphscan(["fuse", source, out])
+    assert proc.returncode == 5 and proc.stdout == b"" and b"does not run in onnxruntime" in proc.stderr
+    assert not out.exists()
