@@ -384,7 +384,35 @@ def load_with_weights(path: str) -> onnx.ModelProto:
             external_data_helper.load_external_data_for_model(model, os.path.dirname(os.path.abspath(path)))
         except Exception as exc:
             raise GraphscanError(f"{shown(path)}: cannot load external data ({one_line(exc)})", EXIT_NOT_ONNX)
+    text_names(model.graph)
     return model
+
+
+def text_names(graph: onnx.GraphProto) -> None:
+    """Give every name of ``graph`` (and of its bodies) that is not valid UTF-8 its
+    U+FFFD spelling, in place, as the answers show it: onnxruntime and the
+    commands that run models take names as text."""
+
+    def fixed(values):
+        texts = as_texts(values)
+        if texts is not values:
+            values[:] = texts
+
+    for node in graph.node:
+        for field in ("name", "op_type", "domain"):
+            value = getattr(node, field)
+            if isinstance(value, bytes):
+                setattr(node, field, as_text(value))
+        fixed(node.input)
+        fixed(node.output)
+        for body in subgraphs(node):
+            text_names(body)
+    for item in itertools.chain(graph.input, graph.output, graph.value_info, graph.initializer):
+        if isinstance(item.name, bytes):
+            item.name = as_text(item.name)
+    for sparse in graph.sparse_initializer:
+        if isinstance(sparse.values.name, bytes):
+            sparse.values.name = as_text(sparse.values.name)
 
 
 # --------------------------------------------------------------------------

@@ -9,6 +9,7 @@ output SQNR, comparing outputs, and writing files atomically.
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import math
 import os
@@ -91,7 +92,10 @@ def open_session(
     """A session of ``model``; exit 5 blaming ``subject`` when it cannot be built."""
     try:
         data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
-        return ort.InferenceSession(data, options or session_options(), providers=[provider])
+        # onnxruntime prints "EP Error ... Falling back" on stdout when a session fails
+        # in some ways: stdout is the answer's alone.
+        with contextlib.redirect_stdout(io.StringIO()):
+            return ort.InferenceSession(data, options or session_options(), providers=[provider])
     except Exception as exc:
         raise does_not_run(subject, exc)
 

@@ -118,3 +118,43 @@ def test_lone_non_utf8_name_as_a_process(tmp_path, command):
     code, out, err = process_result(run_graphscan([command, path], cwd=tmp_path))
     problem = contract_violation(command, [str(path)], code, out, err)
     assert problem is None, f"{command}: {problem}"
+
+
+def non_utf8_pair(folder):
+    """The lab's fp32 and full models with a node name and a tensor (with its Q/DQ
+    tensors and scales) given a byte that is not UTF-8, in both models alike."""
+    from tests.helpers import ROOT
+
+    paths = []
+    for source, name in ((ROOT / "ops" / "fp32.onnx", "a.onnx"), (ROOT / "ops" / "full.onnx", "b.onnx")):
+        model = onnx.load(source)
+
+        def renamed(tensor):
+            return tensor.replace("fc1_out", "TENSMARK", 1) if tensor.startswith("fc1_out") else tensor
+
+        for node in model.graph.node:
+            node.name = "NAMEMARK" if node.name == "fc2_matmul" else node.name
+            node.input[:] = [renamed(t) for t in node.input]
+            node.output[:] = [renamed(t) for t in node.output]
+        for item in [*model.graph.initializer, *model.graph.value_info]:
+            item.name = renamed(item.name)
+        data = break_utf8(break_utf8(model.SerializeToString(), b"NAMEMARK"), b"TENSMARK")
+        (folder / name).write_bytes(data)
+        paths.append(str(folder / name))
+    return paths
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["trace", "{a}", "{b}"], ["impact", "{a}", "{b}"], ["runtime", "{b}", "--time", "--runs", "1"],
+     ["check", "{b}", "--float", "{a}", "--min-sqnr", "1"], ["fuse", "{a}", "{out}"]],
+    ids=["trace", "impact", "runtime-time", "check", "fuse"],
+)  # fmt: skip
+def test_commands_that_run_models_answer_with_non_utf8_names(tmp_path, argv):
+    """They crashed (exit 1); the names are shown with U+FFFD, as the counting commands show them."""
+    a, b = non_utf8_pair(tmp_path)
+    argv = [arg.format(a=a, b=b, out=tmp_path / "out.onnx") for arg in argv]
+    proc = run_graphscan(argv, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stderr == b"", proc.stderr
+    answer = proc.stdout.decode()
+    assert "NAME\\ufffdARK" in answer or argv[0] in ("check", "runtime")
