@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from graphscan import load_with_weights
-from graphscan_ort.common import OutputNoise, deployed_options, model_outputs, output_pairs
+from graphscan_ort.common import OutputNoise, deployed_options, inputs_hint, model_outputs, output_pairs
 from graphscan_ort.inputs import check_same_inputs, model_samples, parse_shapes
 from graphscan_ort.runtime import runtime
 
@@ -54,8 +54,9 @@ def measured_sqnr(
     pairs = output_pairs(float_model, quant_model, float_path, quant_path)
     samples, _ = model_samples(float_model, inputs, parse_shapes(shape), seed, 1)
     options = deployed_options(level)
-    noise = OutputNoise(model_outputs(float_model, samples, float_path, [f for f, _ in pairs], options))
-    sqnr, exact = noise.measure(model_outputs(quant_model, samples, quant_path, [q for _, q in pairs], options))
+    with inputs_hint(not inputs, 1, [float_path, quant_path]):
+        noise = OutputNoise(model_outputs(float_model, samples, float_path, [f for f, _ in pairs], options))
+        sqnr, exact = noise.measure(model_outputs(quant_model, samples, quant_path, [q for _, q in pairs], options))
     if noise.empty:  # an empty sample verifies nothing: the budget does not hold
         return math.nan
     if exact:

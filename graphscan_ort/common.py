@@ -83,6 +83,25 @@ def does_not_run(subject: str, exc: BaseException) -> GraphscanError:
     return GraphscanError(f"{subject} does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME)
 
 
+@contextlib.contextmanager
+def inputs_hint(generated: bool, size: int, paths: list[str]) -> Iterator[None]:
+    """When one of the user's models (``paths``) does not run on inputs graphscan
+    generated, say so in the same line, and how to give others: a model may run
+    only at one size (a symbolic dimension that breaks a broadcast) or only on
+    particular values (an audio model's sample rate)."""
+    try:
+        yield
+    except GraphscanError as exc:
+        subjects = tuple(f"{shown(path)}: model does not run" for path in paths)
+        if not (generated and exc.exit_code == EXIT_RUNTIME and str(exc).startswith(subjects)):
+            raise
+        raise GraphscanError(
+            f"{exc}; the inputs were generated (seeded normal data, symbolic dimensions {size}): if the model "
+            "needs particular sizes or values, give them with --shape or --inputs",
+            EXIT_RUNTIME,
+        ) from None
+
+
 def open_session(
     model: onnx.ModelProto | bytes,
     subject: str,

@@ -19,6 +19,7 @@ from graphscan_ort.common import (
     check_output_path,
     compare_outputs,
     does_not_run,
+    inputs_hint,
     np_size,
     open_session,
     run_options,
@@ -203,7 +204,8 @@ def fuse(
         raise GraphscanError(f"{shown(path)}: fused model fails the checker ({one_line(exc)})", EXIT_MISMATCH)
     samples, _ = model_samples(model, [inputs] if inputs else None, parse_shapes(shape), seed, SYMBOLIC_DIM_SIZE)
     feeds = samples[0]
-    expected = run_model(model, feeds, path)
+    with inputs_hint(not inputs, SYMBOLIC_DIM_SIZE, [path]):
+        expected = run_model(model, feeds, f"{shown(path)}: model")
     actual = run_model(fused_model, feeds, f"the fused model of {shown(path)}")
     error, scale, compared, problem = compare_outputs(expected, actual)
     if problem is None and not compared:

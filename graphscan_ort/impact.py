@@ -32,6 +32,7 @@ from graphscan_ort.common import (
     does_not_run,
     fresh_prefix,
     impact_options,
+    inputs_hint,
     model_outputs,
     open_session,
     output_pairs,
@@ -521,6 +522,12 @@ def impact(
 ) -> dict:
     """Per operator and per activation tensor of ``b`` (quantized): the output
     SQNR against ``a`` (float) if it stayed float; optionally what to exclude."""
+    with inputs_hint(not inputs, IMPACT_SYMBOLIC_DIM_SIZE, [a, b]):
+        return impact_answer(a, b, inputs, seed, shape, target_sqnr, max_exclude, top, min_gain)
+
+
+def impact_answer(a, b, inputs, seed, shape, target_sqnr, max_exclude, top, min_gain):
+    """``impact``'s work, every argument as given."""
     if max_exclude is not None and target_sqnr is None:
         raise GraphscanError("usage: --max-exclude needs --target-sqnr", EXIT_USAGE)
     if min_gain is not None and target_sqnr is None:

@@ -35,7 +35,7 @@ from graphscan import (
     parse_model,
     shown,
 )
-from graphscan_ort.common import open_session, session_options
+from graphscan_ort.common import inputs_hint, open_session, session_options
 from graphscan_ort.inputs import model_samples, parse_shapes
 
 TIME_CLASSES = ["int8", "int8_data", "float", "quantize", "dequantize"]
@@ -535,17 +535,18 @@ def runtime(
         samples, defaulted = model_samples(named, [inputs] if inputs else None, shapes, seed, 1)
         from graphscan_ort.timing import runtime_time  # it reads this module's classes
 
-        answer["time"] = runtime_time(
-            named_bytes,
-            optimized_proto,
-            path,
-            rows,
-            optimized,
-            samples[0],
-            defaulted,
-            level,
-            provider,
-            int8_allowed,
-            runs,
-        )
+        with inputs_hint(not inputs, 1, [path]):
+            answer["time"] = runtime_time(
+                named_bytes,
+                optimized_proto,
+                path,
+                rows,
+                optimized,
+                samples[0],
+                defaulted,
+                level,
+                provider,
+                int8_allowed,
+                runs,
+            )
     return answer

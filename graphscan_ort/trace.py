@@ -45,7 +45,7 @@ from graphscan_ort.combined import (
     type_problem,
     value_info_of,
 )
-from graphscan_ort.common import write_atomically
+from graphscan_ort.common import inputs_hint, write_atomically
 from graphscan_ort.inputs import check_same_inputs, model_samples, parse_shapes
 
 TRACE_SYMBOLIC_DIM_SIZE = 1
@@ -425,7 +425,8 @@ def trace(
 ) -> dict:
     """Per operator of ``b`` (quantized): isolated and propagated error against ``a`` (float)."""
     try:
-        return trace_models(a, b, inputs, seed, tolerance, save, shape)
+        with inputs_hint(not inputs, TRACE_SYMBOLIC_DIM_SIZE, [a, b]):
+            return trace_models(a, b, inputs, seed, tolerance, save, shape)
     except MemoryError as exc:
         raise GraphscanError(
             f"graphscan's combined model of {a} and {b}: out of memory ({one_line(exc)})", EXIT_RUNTIME

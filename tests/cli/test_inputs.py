@@ -59,3 +59,40 @@ def test_an_empty_sample_cannot_verify_a_fusion(tmp_path):
     out = tmp_path / "gemm.onnx"
     line = error_line(run_graphscan(["fuse", FP32, out, "--shape", "x=0,16"]), 6)
     assert "empty" in line and not out.exists()
+
+
+def fixed_size_model(path):
+    """``y = Reshape(x, [3])`` with x declared ``[N]``: it runs only when N is 3."""
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    shape = numpy_helper.from_array(np.array([3], np.int64), "three")
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "three"], ["y"], name="reshape")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+        [shape],
+    )
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["trace", "{m}", "{m}"],
+        ["impact", "{m}", "{m}"],
+        ["check", "{m}", "--float", "{m}", "--min-sqnr", "1"],
+        ["fuse", "{m}", "{out}"],
+        ["runtime", "{m}", "--time", "--runs", "1"],
+    ],
+    ids=["trace", "impact", "check", "fuse", "runtime-time"],
+)
+def test_a_model_that_needs_other_inputs_is_told_so(tmp_path, argv):
+    """Exit 5 says the inputs were generated and how to give others; with them, it answers."""
+    model = fixed_size_model(tmp_path / "m.onnx")
+    argv = [arg.format(m=model, out=tmp_path / "out.onnx") for arg in argv]
+    line = error_line(run_graphscan(argv), 5)
+    assert "inputs were generated" in line and "--shape" in line and "--inputs" in line
+    proc = run_graphscan([*argv, "--shape", "x=3"])
+    assert proc.returncode == 0, proc.stderr
