@@ -2,52 +2,103 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 
 import numpy as np
 import onnx
 
-from graphscan import GraphIndex, shown
+from graphscan import EXIT_RUNTIME, GraphIndex, GraphscanError, shown
 from graphscan_ort.common import does_not_run, open_session, session_options
 from graphscan_ort.runtime import TIME_CLASSES, time_class
 
 PROFILE_FLOOR_NODES = 200
 
 
-def profile_events(session):
-    """The profiler's per-kernel events: ``[(run number, node name, op, microseconds)]``."""
-    profile = session.end_profiling()
+# onnxruntime's profiler records at most this many events in one session and
+# drops the rest: runs are spread over sessions so no profile comes near it.
+PROFILER_EVENT_CAP = 1_000_000
+
+
+def profile_events(path):
+    """The events of an onnxruntime profile file, one at a time: the file holds
+    one event per line, so memory does not grow with the number of events."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            line = line.strip().rstrip(",")
+            if line not in ("", "[", "]"):
+                yield json.loads(line)
+
+
+def kernel_name(event):
+    """The node a kernel event timed, or None for any other event."""
+    name = event.get("name", "")
+    return name[: -len("_kernel_time")] if event.get("cat") == "Node" and name.endswith("_kernel_time") else None
+
+
+def profiled_session(model_bytes, subject, options, provider, feeds, runs, folder):
+    """Run a profiling session ``runs`` + 1 times (the first a warm-up); the path of its profile
+    and how many events it holds."""
+    options.enable_profiling = True
+    options.profile_file_prefix = os.path.join(folder, "profile")
+    session = open_session(model_bytes, subject, options, provider)
     try:
-        with open(profile) as f:
-            events = json.load(f)
-    finally:
-        os.unlink(profile)
-    runs = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
-    kernels = []
-    for event in events:
-        if event.get("cat") != "Node" or not event.get("name", "").endswith("_kernel_time"):
-            continue
-        run_number = sum(1 for start in runs if start <= event["ts"]) - 1
-        kernels.append((run_number, event["name"][: -len("_kernel_time")], event["args"].get("op_name"), event["dur"]))
-    return kernels
+        for _ in range(runs + 1):
+            session.run(None, feeds)
+    except Exception as exc:
+        raise does_not_run(subject, exc)
+    return session.end_profiling()
 
 
-def profiled_runs(model_bytes, subject, options, provider, feeds, runs):
-    """Kernel events of ``runs`` profiled runs after one warm-up run, on one
-    thread; a failure blames ``subject``."""
+def kernel_totals(profile, runs, floor):
+    """``({node: microseconds}, complete)`` over the timed runs of a profile: each
+    kernel event less ``floor`` (at least 0), the warm-up run left out. Streamed
+    twice: once for the runs' start times, once for the kernels. ``complete``:
+    every run is in the profile and it is below the profiler's cap."""
+    starts, count = [], 0
+    for event in profile_events(profile):
+        count += 1
+        if event.get("cat") == "Session" and event.get("name") == "model_run":
+            starts.append(event["ts"])
+    starts.sort()
+    totals = {}
+    for event in profile_events(profile):
+        name = kernel_name(event)
+        if name is not None and bisect.bisect_right(starts, event["ts"]) >= 2:  # after the warm-up run started
+            totals[name] = totals.get(name, 0.0) + max(event["dur"] - floor, 0.0)
+    return totals, len(starts) == runs + 1 and count < PROFILER_EVENT_CAP
+
+
+def profiled_totals(model_bytes, subject, make_options, provider, feeds, runs, kernels_per_run, floor):
+    """``{node name: microseconds over all runs}`` of ``runs`` profiled runs on one
+    thread, spread over as many sessions (each with its warm-up run) as keep each
+    profile far below PROFILER_EVENT_CAP: nothing is averaged over truncated data."""
     import tempfile
 
+    per_session = max(1, PROFILER_EVENT_CAP // (2 * (kernels_per_run + 4)) - 1)
+    totals, done = {}, 0
     with tempfile.TemporaryDirectory(prefix="graphscan-profile-") as folder:
-        options.enable_profiling = True
-        options.profile_file_prefix = os.path.join(folder, "profile")
-        session = open_session(model_bytes, subject, options, provider)
-        try:
-            for _ in range(runs + 1):
-                session.run(None, feeds)
-        except Exception as exc:
-            raise does_not_run(subject, exc)
-        return [event for event in profile_events(session) if event[0] >= 1]
+        while done < runs:
+            chunk = min(per_session, runs - done)
+            profile = profiled_session(model_bytes, subject, make_options(), provider, feeds, chunk, folder)
+            try:
+                chunk_totals, complete = kernel_totals(profile, chunk, floor)
+            finally:
+                os.unlink(profile)
+            if not complete:
+                if chunk == 1:
+                    raise GraphscanError(
+                        f"{subject}: onnxruntime's profiler cannot record one whole run of it "
+                        f"(at most {PROFILER_EVENT_CAP} events)",
+                        EXIT_RUNTIME,
+                    )
+                per_session = max(1, chunk // 2)
+                continue
+            for name, spent in chunk_totals.items():
+                totals[name] = totals.get(name, 0.0) + spent
+            done += chunk
+    return totals
 
 
 def profiler_floor(provider, runs):
@@ -66,15 +117,27 @@ def profiler_floor(provider, runs):
         [onnx.helper.make_tensor_value_info(f"t{PROFILE_FLOOR_NODES}", onnx.TensorProto.FLOAT, [1])],
     )
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)])
-    events = profiled_runs(
-        model.SerializeToString(),
-        "graphscan's profiler-floor model",
-        session_options(threads=1),
-        provider,
-        {"t0": np.zeros(1, np.float32)},
-        max(1, min(runs, 5)),
-    )
-    return float(np.median([duration for _, _, _, duration in events])) if events else 0.0
+    import tempfile
+
+    runs = max(1, min(runs, 5))
+    with tempfile.TemporaryDirectory(prefix="graphscan-profile-") as folder:
+        options = session_options(threads=1)
+        profile = profiled_session(
+            model.SerializeToString(),
+            "graphscan's profiler-floor model",
+            options,
+            provider,
+            {"t0": np.zeros(1, np.float32)},
+            runs,
+            folder,
+        )
+        starts = sorted(e["ts"] for e in profile_events(profile) if e.get("name") == "model_run")
+        durations = [
+            e["dur"]
+            for e in profile_events(profile)
+            if kernel_name(e) is not None and bisect.bisect_right(starts, e["ts"]) >= 2
+        ]
+    return float(np.median(durations)) if durations else 0.0
 
 
 def without_round_trips(model):
@@ -137,11 +200,16 @@ def runtime_time(
 ):
     """The ``time`` object of ``runtime --time``."""
     floor = profiler_floor(provider, runs)
-    options = session_options(level, threads=1, int8_allowed=int8_allowed)
-    events = profiled_runs(named_bytes, f"{shown(path)}: model", options, provider, feeds, runs)
-    by_name = {}
-    for _, name, _, duration in events:
-        by_name[name] = by_name.get(name, 0.0) + max(duration - floor, 0.0)
+    by_name = profiled_totals(
+        named_bytes,
+        f"{shown(path)}: model",
+        lambda: session_options(level, threads=1, int8_allowed=int8_allowed),
+        provider,
+        feeds,
+        runs,
+        len(optimized_proto.graph.node),
+        floor,
+    )
     totals = dict.fromkeys(TIME_CLASSES, 0.0)
     for name, spent in by_name.items():
         j = optimized.by_name.get(name)

@@ -644,3 +644,45 @@ def test_time_options_without_time_are_refused(default_lab, tmp_path, extra):
     extra = [e.format(npz=tmp_path / "x.npz") for e in extra]
     line = error_line(run_graphscan(["runtime", default_lab["full"], *extra]), 2)
     assert extra[0] in line and "--time" in line
+
+
+def test_runs_are_spread_over_sessions_below_the_profilers_event_cap(default_lab, monkeypatch):
+    """onnxruntime's profiler drops every event past 1,000,000, and --runs 150 on a
+    20,000-node chain reported a third of --runs 30's time per node. Runs are
+    now spread over sessions whose profiles stay far below the cap (here a cap of
+    200 events: 9 runs a session for the lab's kernels), and every run is counted."""
+    monkeypatch.setattr(graphscan_ort.timing, "PROFILER_EVENT_CAP", 200)
+    sessions, counted = [], []
+    real_session, real_totals = graphscan_ort.timing.profiled_session, graphscan_ort.timing.kernel_totals
+
+    def spy_session(model_bytes, subject, options, provider, feeds, runs, folder):
+        sessions.append(runs)
+        return real_session(model_bytes, subject, options, provider, feeds, runs, folder)
+
+    def spy_totals(profile, runs, floor):
+        counted.append(sum(1 for _ in graphscan_ort.timing.profile_events(profile)))
+        return real_totals(profile, runs, floor)
+
+    monkeypatch.setattr(graphscan_ort.timing, "profiled_session", spy_session)
+    monkeypatch.setattr(graphscan_ort.timing, "kernel_totals", spy_totals)
+    answer = graphscan.runtime(str(default_lab["full"]), timed=True, runs=30)
+    timed_sessions = sessions[1:]  # the first is the profiler-floor model's
+    assert sum(timed_sessions) == 30 and len(timed_sessions) > 1 and max(timed_sessions) < 30
+    assert all(count < 200 for count in counted)
+    assert answer["time"]["runs"] == 30 and set(answer["time"]["nodes"]) == {
+        row["node"] for row in answer["nodes"] if row["class"] in ("int8", "int8_data", "float")
+    }
+
+
+def test_a_truncated_profile_is_never_averaged(tmp_path):
+    """A profile holding fewer runs than were made (the profiler stopped) is not complete."""
+    events = [{"cat": "Session", "name": "model_run", "ts": 0, "dur": 5}]
+    events += [{"cat": "Node", "name": "a_kernel_time", "ts": 10 + k, "dur": 3, "args": {}} for k in range(3)]
+    profile = tmp_path / "profile.json"
+    profile.write_text("[\n" + ",\n".join(json.dumps(e) for e in events) + "\n]\n")
+    assert graphscan_ort.timing.kernel_totals(str(profile), runs=2, floor=0.0)[1] is False
+    events.append({"cat": "Session", "name": "model_run", "ts": 5, "dur": 5})
+    events.append({"cat": "Session", "name": "model_run", "ts": 9, "dur": 5})
+    profile.write_text("[\n" + ",\n".join(json.dumps(e) for e in events) + "\n]\n")
+    totals, complete = graphscan_ort.timing.kernel_totals(str(profile), runs=2, floor=1.0)
+    assert complete is True and totals == {"a": 6.0}  # three events after the warm-up run's start, 3 - 1 each
