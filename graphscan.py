@@ -889,6 +889,11 @@ def node_reads(node: onnx.NodeProto) -> list[str]:
     return names
 
 
+def body_reads(node: onnx.NodeProto) -> set[str]:
+    """Every name the If/Loop/Scan bodies of ``node`` read or output (any depth)."""
+    return set(node_reads(node)[len([t for t in node.input if t]) :])
+
+
 def input_chain(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> list[int]:
     """Indices of the Q/DQ nodes between ``tensor`` and its data source, source first."""
     chain = []

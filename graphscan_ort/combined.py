@@ -23,7 +23,7 @@ import onnx
 import onnxruntime as ort
 
 from graphscan import EXIT_RUNTIME, GraphscanError, node_reads, one_line, shown, subgraphs
-from graphscan_ort.common import OUT_OF_MEMORY, does_not_run, fresh_prefix, run_options, session_options
+from graphscan_ort.common import OUT_OF_MEMORY, does_not_run, fresh_prefix, open_session, run_options, session_options
 
 # A comparison whose tensors have at most TRACE_FETCH_ELEMENTS elements each is
 # fetched and measured in numpy (np.linalg.norm, as trace always did), while
@@ -603,6 +603,8 @@ def run_combined(combined, feeds, a, b, rows):
     """
     options, ran_with = combined_options(), run_options()
     whole = combined.unscheduled()
+    if whole is not None and not whole.graph.node and not combined.fetch:
+        return {}  # nothing to run or fetch (every output a graph input): onnxruntime refuses such a graph
     if whole is not None:
         values = run_segment(whole, combined.feeds, combined.fetch, options, ran_with, a, b, rows, combined)
         return dict(zip(combined.fetch, values))
@@ -693,6 +695,20 @@ def run_segment(model, feeds, outputs, options, ran_with, a, b, rows, names):
             subject = f"{shown(a)}: model"
         elif node.startswith(names.stats_prefix):
             subject = combined
-        else:
+        elif node:
             subject = f"{shown(b)}: model"
+        else:  # onnxruntime names no node: blame a user's model only if it fails alone
+            subject = culprit(names, a, b, combined)
         raise does_not_run(subject, exc)
+
+
+def culprit(names, a, b, combined):
+    """Who to blame for a failure of graphscan's combined model that names no
+    node: the quantized or the float model when it cannot be built alone, else
+    graphscan's combined model itself."""
+    for model, path in ((names.quant_model, b), (names.float_model, a)):
+        try:
+            open_session(model, f"{shown(path)}: model")
+        except GraphscanError:
+            return f"{shown(path)}: model"
+    return combined

@@ -21,6 +21,7 @@ from graphscan import (
     QDQ_SUFFIX,
     GraphIndex,
     GraphscanError,
+    body_reads,
     load_with_weights,
     q_output_type,
     representable_range,
@@ -38,7 +39,7 @@ from graphscan_ort.common import (
     output_pairs,
 )
 from graphscan_ort.inputs import check_same_inputs, inputs_answer, model_samples, parse_shapes
-from graphscan_ort.segments import IMPACT_PREFIX, body_reads, segment_runner
+from graphscan_ort.segments import IMPACT_PREFIX, segment_runner
 
 IMPACT_SYMBOLIC_DIM_SIZE = 1
 MIN_GAIN_DB = 0.01  # --min-gain's default: the least gain an operator added to exclude.nodes brings

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from graphscan import node_reads, shown
+from graphscan import body_reads, shown
 from graphscan_ort.common import does_not_run, impact_options, open_session
 
 # A variant changes the graph only from its sites on, and only along their
@@ -49,11 +49,6 @@ ORT_TENSOR_TYPES = {onnx.TensorProto.DataType.Name(t).lower(): t for t in onnx.T
 
 class Unsegmentable(Exception):
     """A value crosses a segment boundary that a segment's inputs cannot declare (not a tensor)."""
-
-
-def body_reads(node):
-    """Every name the If/Loop/Scan bodies of ``node`` read or output (any depth)."""
-    return set(node_reads(node)[len([t for t in node.input if t]) :])
 
 
 def outer_reads(node, defined):

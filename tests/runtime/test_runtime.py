@@ -686,3 +686,41 @@ def test_a_truncated_profile_is_never_averaged(tmp_path):
     profile.write_text("[\n" + ",\n".join(json.dumps(e) for e in events) + "\n]\n")
     totals, complete = graphscan_ort.timing.kernel_totals(str(profile), runs=2, floor=1.0)
     assert complete is True and totals == {"a": 6.0}  # three events after the warm-up run's start, 3 - 1 each
+
+
+def test_time_answers_when_a_body_reads_a_dequantized_tensor(tmp_path):
+    """graphscan's copy without round trips renamed the DQ's readers at the top
+    level only, so an If body still read the removed DQ's output: exit 5 on a valid model."""
+    scale, zero = (
+        numpy_helper.from_array(np.array(0.1, np.float32), "s"),
+        numpy_helper.from_array(np.array(0, np.int8), "z"),
+    )
+    branch = {
+        name: helper.make_graph(
+            [helper.make_node(op, ["xd"], [f"{name}_out"], name=f"{name}_op")],
+            name,
+            [],
+            [helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, [2, 4])],
+        )
+        for name, op in (("then", "Relu"), ("else", "Neg"))
+    }
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"], name="q0"),
+        helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"], name="dq0"),
+        helper.make_node("Relu", ["xd"], ["r"], name="relu"),
+        helper.make_node("If", ["c"], ["y"], name="if", then_branch=branch["then"], else_branch=branch["else"]),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+        helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+    ]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 4]) for n in ("y", "r")]
+    path = tmp_path / "if.onnx"
+    onnx.save(
+        helper.make_model(
+            helper.make_graph(nodes, "g", inputs, outputs, [scale, zero]), opset_imports=[helper.make_opsetid("", 17)]
+        ),
+        path,
+    )
+    answer = json_answer(run_graphscan(["runtime", path, "--time", "--runs", "2"]))
+    assert answer["time"]["runs"] == 2

@@ -432,3 +432,18 @@ def test_a_float_model_at_an_older_opset_joins_the_quantized_one(trace_lab, tmp_
     at_17 = graphscan.trace(str(trace_lab["fp32"]), str(trace_lab["full"]))
     assert {**at_13, "a": None} == {**at_17, "a": None}
     assert at_13["outputs"]["y"] > 0
+
+
+def test_a_graph_whose_output_is_its_input_is_traced(tmp_path):
+    """Nothing to run and nothing to fetch: graphscan's combined model was empty, onnxruntime
+    refused it, and the user's model was blamed (exit 5)."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+    )  # fmt: skip
+    path = tmp_path / "io.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    answer = graphscan.trace(str(path), str(path))
+    assert answer["ops"] == [] and answer["outputs"] == {"x": 0.0}
