@@ -21,29 +21,17 @@ Only the standard library and onnx are imported at start.
 
 from __future__ import annotations
 
-import argparse
-import functools
-import gc
-import importlib
-import itertools
-import json
-import math
+# Ctrl-C is answered from the first moment this file runs: the handler comes
+# before every other import (a traceback in the first milliseconds was exit 1).
 import os
-import re
 import signal
-import stat
 import sys
-import textwrap
-import unicodedata
-import warnings
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
 
 EXIT_INTERRUPTED = 130  # SIGINT, as shells report it (128 + 2)
 
 
 def exit_on_interrupt(signum: int, frame: object) -> None:
-    """SIGINT where main() cannot catch it (importing onnx, shutting down): one line, exit 130."""
+    """SIGINT where main() cannot catch it (importing, shutting down): one line, exit 130."""
     try:
         os.write(2, b"graphscan: interrupted\n")
     finally:
@@ -51,10 +39,26 @@ def exit_on_interrupt(signum: int, frame: object) -> None:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, exit_on_interrupt)  # importing onnx takes a moment
+    signal.signal(signal.SIGINT, exit_on_interrupt)
     # The graphscan_ort package imports this file as ``graphscan``: it must find
     # this very module, not load a second copy with classes of its own.
     sys.modules.setdefault("graphscan", sys.modules[__name__])
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import functools  # noqa: E402
+import gc  # noqa: E402
+import importlib  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import stat  # noqa: E402
+import textwrap  # noqa: E402
+import unicodedata  # noqa: E402
+import warnings  # noqa: E402
+from collections import Counter  # noqa: E402
+from collections.abc import Callable, Iterable, Iterator  # noqa: E402
 
 import onnx  # noqa: E402  (after the SIGINT handler on purpose)
 
@@ -932,6 +936,9 @@ def package_module(name: str, needed_by: str):
     try:
         return importlib.import_module(f"{PACKAGE}.{name}")
     except ImportError as exc:
+        # Ctrl-C inside onnxruntime's C initialization comes back as "initialization failed".
+        if any(isinstance(e, KeyboardInterrupt) for e in (exc.__cause__, exc.__context__)) or INTERRUPTED:
+            raise KeyboardInterrupt from None
         missing = getattr(exc, "name", None) or ""
         absent = isinstance(exc, ModuleNotFoundError) and missing.split(".")[0] == PACKAGE
         if not absent and missing.split(".")[0] != "onnxruntime":
@@ -2171,15 +2178,30 @@ def main(argv: list[str] | None = None) -> int:
     return exit_code
 
 
+INTERRUPTED = []  # [True] once Ctrl-C was pressed while main() ran
+
+
+def note_interrupt(signum: int, frame: object) -> None:
+    """main()'s SIGINT handler: KeyboardInterrupt, remembered (onnxruntime's C
+    initialization turns it into an ImportError, which must not hide it)."""
+    INTERRUPTED.append(True)
+    raise KeyboardInterrupt
+
+
 def console_main() -> None:
     """The ``graphscan`` command (and ``python graphscan.py``): main() with Ctrl-C as exit 130."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # main() reports it in one line
+    signal.signal(signal.SIGINT, note_interrupt)  # main() reports it in one line
     try:
         code = main()
     except KeyboardInterrupt:  # in the instant between main()'s own handlers
         code = EXIT_INTERRUPTED
     signal.signal(signal.SIGINT, exit_on_interrupt)  # no traceback during shutdown either
-    sys.exit(code)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    # Python's own shutdown gives SIGINT back its default (a Ctrl-C there killed the
+    # process, -2) and frees every object one by one: the answer is out, so leave now.
+    os._exit(code)
 
 
 if __name__ == "__main__":

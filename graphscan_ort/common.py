@@ -84,6 +84,42 @@ def does_not_run(subject: str, exc: BaseException) -> GraphscanError:
 
 
 @contextlib.contextmanager
+def temporary_folder(prefix: str) -> Iterator[str]:
+    """A new folder in the system's temporary folder, removed afterwards. No
+    writable temporary folder is exit 3 saying so (and TMPDIR), not a crash;
+    onnxruntime failing to write into it (a full disk) is exit 3 too, never
+    a model that "does not run"."""
+    import shutil
+    import tempfile
+
+    try:
+        folder = tempfile.mkdtemp(prefix=prefix)
+    except (OSError, ValueError) as exc:
+        where = tempfile.tempdir or os.environ.get("TMPDIR") or "the temporary folder"
+        raise GraphscanError(
+            f"no writable temporary folder ({shown(where)}: {getattr(exc, 'strerror', None) or one_line(exc)}); "
+            "set TMPDIR to one",
+            EXIT_NO_FILE,
+        )
+    try:
+        yield folder
+    except GraphscanError as exc:
+        if exc.exit_code == EXIT_RUNTIME and folder in str(exc):
+            raise GraphscanError(
+                f"cannot write into the temporary folder {shown(folder)} ({one_line(exc)}): is it full? set TMPDIR",
+                EXIT_NO_FILE,
+            ) from None
+        raise
+    except OSError as exc:
+        raise GraphscanError(
+            f"cannot write into the temporary folder {shown(folder)} ({exc.strerror or exc}): is it full? set TMPDIR",
+            EXIT_NO_FILE,
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def inputs_hint(generated: bool, size: int, paths: list[str]) -> Iterator[None]:
     """When one of the user's models (``paths``) does not run on inputs graphscan
     generated, say so in the same line, and how to give others: a model may run

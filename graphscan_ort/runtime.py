@@ -18,6 +18,7 @@ import onnxruntime as ort
 
 from graphscan import (
     DEQUANTIZE,
+    EXIT_NO_FILE,
     EXIT_RUNTIME,
     EXIT_USAGE,
     Q_RANGES,
@@ -35,7 +36,7 @@ from graphscan import (
     parse_model,
     shown,
 )
-from graphscan_ort.common import inputs_hint, open_session, session_options
+from graphscan_ort.common import inputs_hint, open_session, session_options, temporary_folder
 from graphscan_ort.inputs import model_samples, parse_shapes
 
 TIME_CLASSES = ["int8", "int8_data", "float", "quantize", "dequantize"]
@@ -162,12 +163,22 @@ def check_provider(provider):
 
 def optimized_model(model_bytes, path, level, provider, int8_allowed):
     """The model onnxruntime runs, as it saves it after optimizing ``model_bytes``."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="graphscan-runtime-") as folder:
+    with temporary_folder("graphscan-runtime-") as folder:
         options = session_options(level, int8_allowed=int8_allowed)
         options.optimized_model_filepath = os.path.join(folder, "optimized.onnx")
-        open_session(model_bytes, f"{shown(path)}: model", options, provider)
+        try:
+            open_session(model_bytes, f"{shown(path)}: model", options, provider)
+        except GraphscanError:
+            # "Protobuf serialization failed" names no file: if the model builds
+            # without saving its graph, saving is what failed (a full disk).
+            open_session(
+                model_bytes, f"{shown(path)}: model", session_options(level, int8_allowed=int8_allowed), provider
+            )
+            raise GraphscanError(
+                f"cannot write onnxruntime's optimized graph into the temporary folder {shown(folder)}: "
+                "is it full? set TMPDIR",
+                EXIT_NO_FILE,
+            )
         try:
             with open(options.optimized_model_filepath, "rb") as f:
                 return parse_model(f.read(), path)

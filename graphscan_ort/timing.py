@@ -9,8 +9,8 @@ import os
 import numpy as np
 import onnx
 
-from graphscan import EXIT_RUNTIME, GraphIndex, GraphscanError, body_reads, shown
-from graphscan_ort.common import does_not_run, open_session, session_options
+from graphscan import EXIT_NO_FILE, EXIT_RUNTIME, GraphIndex, GraphscanError, body_reads, one_line, shown
+from graphscan_ort.common import does_not_run, open_session, session_options, temporary_folder
 from graphscan_ort.runtime import TIME_CLASSES, tensor_types, time_class
 
 PROFILE_FLOOR_NODES = 200
@@ -52,7 +52,14 @@ def profiled_session(model_bytes, subject, options, provider, feeds, runs, folde
             session.run(None, feeds)
     except Exception as exc:
         raise does_not_run(subject, exc)
-    return session.end_profiling()
+    try:
+        return session.end_profiling()
+    except Exception as exc:  # the profile is written now: a full disk
+        raise GraphscanError(
+            f"cannot write onnxruntime's profile into the temporary folder {shown(folder)} ({one_line(exc)}): "
+            "is it full? set TMPDIR",
+            EXIT_NO_FILE,
+        )
 
 
 def kernel_totals(profile, runs, floor):
@@ -78,11 +85,9 @@ def profiled_totals(model_bytes, subject, make_options, provider, feeds, runs, k
     """``{node name: microseconds over all runs}`` of ``runs`` profiled runs on one
     thread, spread over as many sessions (each with its warm-up run) as keep each
     profile far below PROFILER_EVENT_CAP: nothing is averaged over truncated data."""
-    import tempfile
-
     per_session = max(1, min(PROFILER_EVENT_CAP // 2, SESSION_EVENTS) // (kernels_per_run + 4) - 1)
     totals, done = {}, 0
-    with tempfile.TemporaryDirectory(prefix="graphscan-profile-") as folder:
+    with temporary_folder("graphscan-profile-") as folder:
         while done < runs:
             chunk = min(per_session, runs - done)
             profile = profiled_session(model_bytes, subject, make_options(), provider, feeds, chunk, folder)
@@ -121,10 +126,8 @@ def profiler_floor(provider, runs):
         [onnx.helper.make_tensor_value_info(f"t{PROFILE_FLOOR_NODES}", onnx.TensorProto.FLOAT, [1])],
     )
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)])
-    import tempfile
-
     runs = max(1, min(runs, 5))
-    with tempfile.TemporaryDirectory(prefix="graphscan-profile-") as folder:
+    with temporary_folder("graphscan-profile-") as folder:
         options = session_options(threads=1)
         profile = profiled_session(
             model.SerializeToString(),

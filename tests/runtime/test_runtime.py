@@ -724,3 +724,42 @@ def test_time_answers_when_a_body_reads_a_dequantized_tensor(tmp_path):
     )
     answer = json_answer(run_graphscan(["runtime", path, "--time", "--runs", "2"]))
     assert answer["time"]["runs"] == 2
+
+
+def limited_file_size():
+    """In the child: files may not grow past 1 KiB (writes fail with EFBIG), as on a full disk."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+
+
+@pytest.mark.parametrize("extra", [[], ["--time", "--runs", "1"]], ids=["optimized-graph", "profile"])
+def test_a_full_temporary_folder_is_exit_3_not_a_model_that_does_not_run(default_lab, tmp_path, extra):
+    """onnxruntime could not save its optimized graph ("Protobuf serialization failed")
+    and the healthy model was blamed with exit 5."""
+    import subprocess
+    import sys
+
+    from tests.helpers import GRAPHSCAN
+
+    proc = subprocess.run(
+        [sys.executable, GRAPHSCAN, "runtime", default_lab["full"], *extra],
+        capture_output=True,
+        preexec_fn=limited_file_size,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        timeout=120,
+    )
+    line = error_line(proc, 3)
+    assert "temporary folder" in line and "TMPDIR" in line
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("graphscan-")] == []  # nothing of ours left behind
+
+
+def test_no_writable_temporary_folder_is_exit_3(default_lab, tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing" / "folder"))
+    with pytest.raises(graphscan.GraphscanError) as caught:
+        graphscan.runtime(str(default_lab["full"]))
+    assert caught.value.exit_code == 3 and "no writable temporary folder" in str(caught.value)
