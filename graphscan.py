@@ -2169,6 +2169,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         report("interrupted")
         return EXIT_INTERRUPTED
+    except MemoryError:  # graphscan's own arrays or onnxruntime's: the model did not run here
+        report(
+            f"{argv[0] if argv else 'graphscan'}: out of memory (give smaller inputs with --shape, or fewer samples)"
+        )
+        return EXIT_RUNTIME
     except Exception as exc:  # a bug: still one line, never a traceback
         report(f"internal error: {type(exc).__name__}: {one_line(exc)}")
         return EXIT_INTERNAL

@@ -80,6 +80,8 @@ def run_options() -> ort.RunOptions:
 def does_not_run(subject: str, exc: BaseException) -> GraphscanError:
     """Exit 5 blaming ``subject``, a user's model (``"<path>: model"``) or one
     graphscan derived from it: it does not run in onnxruntime, and why."""
+    if isinstance(exc, MemoryError) or OUT_OF_MEMORY.search(str(exc)):
+        return GraphscanError(f"{subject} does not run in onnxruntime: out of memory ({one_line(exc)})", EXIT_RUNTIME)
     return GraphscanError(f"{subject} does not run in onnxruntime ({one_line(exc)})", EXIT_RUNTIME)
 
 

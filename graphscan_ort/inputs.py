@@ -90,6 +90,20 @@ def resolve_shape(spec, shapes, default_size):
     return [default_size if d is None else d for d in spec.dims], defaulted
 
 
+GENERATION_CHUNK = 1 << 20  # values drawn at a time
+
+
+def seeded_array(rng, shape, dtype):
+    """``rng.standard_normal(shape).astype(dtype)``, the same values, drawn a chunk
+    at a time: no float64 copy of the whole input (it doubled a float32 input's memory)."""
+    array = np.empty(shape, dtype)
+    flat = array.reshape(-1)
+    for start in range(0, flat.size, GENERATION_CHUNK):
+        stop = min(flat.size, start + GENERATION_CHUNK)
+        flat[start:stop] = rng.standard_normal(stop - start).astype(dtype)
+    return array
+
+
 def seeded_feeds(specs, shapes, seed, default_size):
     """Seeded data for every input: normal for floats, small integers otherwise.
 
@@ -112,7 +126,7 @@ def seeded_feeds(specs, shapes, seed, default_size):
         shape, was_defaulted = resolve_shape(spec, shapes, default_size)
         if was_defaulted:
             defaulted.append(spec.name)
-        feeds[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
+        feeds[spec.name] = seeded_array(rng, shape, spec.dtype)
     return feeds, defaulted
 
 

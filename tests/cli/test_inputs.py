@@ -96,3 +96,43 @@ def test_a_model_that_needs_other_inputs_is_told_so(tmp_path, argv):
     assert "inputs were generated" in line and "--shape" in line and "--inputs" in line
     proc = run_graphscan([*argv, "--shape", "x=3"])
     assert proc.returncode == 0, proc.stderr
+
+
+def test_generated_inputs_have_no_float64_copy_and_the_same_values():
+    """Inputs were drawn as float64 and then cast, doubling their memory; they are
+    now drawn a chunk at a time, with the very same values."""
+    import tracemalloc
+
+    import graphscan_ort.inputs as inputs
+
+    shape, seed = (4, 1_000_003), 11
+    expected = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    tracemalloc.start()
+    try:
+        generated = inputs.seeded_array(np.random.default_rng(seed), shape, np.float32)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(generated, expected)
+    assert peak < expected.nbytes + 3 * 8 * inputs.GENERATION_CHUNK  # not the 3x of a float64 copy
+
+
+@pytest.mark.parametrize("command", ["impact", "check", "fuse", "runtime"])
+def test_out_of_memory_is_exit_5_in_one_line(command, monkeypatch, capsys, tmp_path):
+    """A MemoryError was an internal error (exit 1) everywhere but trace."""
+    import graphscan
+    import graphscan_ort.inputs
+
+    def exhausted(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(graphscan_ort.inputs, "seeded_array", exhausted)
+    argv = {
+        "impact": ["impact", FP32, FULL],
+        "check": ["check", FULL, "--float", FP32, "--min-sqnr", "1"],
+        "fuse": ["fuse", FP32, tmp_path / "out.onnx"],
+        "runtime": ["runtime", FULL, "--time", "--runs", "1"],
+    }[command]
+    assert graphscan.main([str(a) for a in argv]) == 5
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "out of memory" in err
