@@ -1503,7 +1503,10 @@ def impact_table(answer, top):
         + input_fields(answer["inputs"], answer.get("defaulted"))
         + [("samples", answer["samples"]), ("output_sqnr_db", answer["output_sqnr_db"])]
         + ([("deployed", answer["deployed_output_sqnr_db"])] if "deployed_output_sqnr_db" in answer else [])
+        + ([("weights matched", "{matched} of {total}".format(**answer["weights"]))] if "weights" in answer else [])
     )
+    warnings_seen = [f"warning: {textwrap.fill(visible(w), TABLE_WIDTH - 9)}" for w in answer.get("warnings", [])]
+    head = "\n".join([head, *(w.replace("\n", "\n         ") for w in warnings_seen)])
     ops = [[r["node"], r["op_type"], r["sqnr_db"], r["gain_db"]] for r in answer["ops"]]
     tensors = [
         [r["tensor"], r["producer"], r["gain_db"], r["rounding_gain_db"], r["clipped"]] for r in answer["tensors"]

@@ -147,8 +147,10 @@ class ImpactPlan:
             if q is not None and index.is_q[q]:
                 self.pair_of[dq] = (q, graph.node[q].input[0])
         self.weight_of = {}  # dq -> float initializer name
+        self.weight_dqs = 0  # DQs of an initializer: the weights there are to match
         for dq in index.dq_nodes:
             source = graph.node[dq].input[0]
+            self.weight_dqs += source in quant_inits
             twin = float_inits.get(DQ_OUTPUT_SUFFIX.sub("", graph.node[dq].output[0]))
             scale = self.constants.get(graph.node[dq].input[1]) if len(graph.node[dq].input) > 1 else None
             if (
@@ -502,6 +504,19 @@ class ImpactRun:
         return kept if same_clip(stats, (self.defaults[low], self.defaults[high]), (lo, hi)) else rounded
 
 
+def weight_warnings(plan, a):
+    """Why the answer may mislead: weights of b with no float twin in a are kept quantized in every row."""
+    unmatched = plan.weight_dqs - len(plan.weight_of)
+    if not unmatched:
+        return []
+    warning = (
+        f"{unmatched} of {plan.weight_dqs} quantized weights have no float initializer of the same name and "
+        f"shape in {a}: those stay quantized in every row. Pass the float model that was given to the "
+        "quantizer (after quant_pre_process, if it ran)"
+    )
+    return [warning]
+
+
 def deployed_sqnr(float_model, quant_model, samples, pairs, a, b):
     """The output SQNR of b as users run it: both models in a default onnxruntime
     session, where onnxruntime may rewrite what impact measures as written."""
@@ -586,6 +601,8 @@ def impact_answer(a, b, inputs, seed, shape, target_sqnr, max_exclude, top, min_
         "samples": len(samples),
         "output_sqnr_db": baseline[0],
         "deployed_output_sqnr_db": deployed_sqnr(float_model, quant_model, samples, pairs, a, b),
+        "weights": {"matched": len(plan.weight_of), "total": plan.weight_dqs},
+        "warnings": weight_warnings(plan, a),
         "ops": [op_rows[k] for k in op_order][:top],
         "tensors": [tensor_rows[k] for k in tensor_order][:top],
     }

@@ -33,6 +33,8 @@ ANSWER_KEYS = [
     "samples",
     "output_sqnr_db",
     "deployed_output_sqnr_db",
+    "weights",
+    "warnings",
     "ops",
     "tensors",
 ]
@@ -822,3 +824,26 @@ def test_exclusion_adds_no_operator_below_the_minimum_gain(trace_lab, faulty, ml
 def test_min_gain_needs_a_target(trace_lab):
     line = error_line(run_graphscan(["impact", trace_lab["fp32"], trace_lab["full"], "--min-gain", "0.1"]), 2)
     assert "--min-gain" in line
+
+
+def test_weights_without_a_float_twin_are_counted_and_warned_about(trace_lab, tmp_path):
+    """The float model before quant_pre_process (weights renamed by BatchNorm folding)
+    matched 0 of 109 weight DQs by name, and impact said nothing."""
+    model = onnx.load(trace_lab["fp32"])
+    renamed = {init.name: f"renamed_{init.name}" for init in model.graph.initializer}
+    for init in model.graph.initializer:
+        init.name = renamed[init.name]
+    for node in model.graph.node:
+        node.input[:] = [renamed.get(t, t) for t in node.input]
+    float_path = tmp_path / "renamed.onnx"
+    onnx.save(model, float_path)
+    plain = graphscan.impact(trace_lab["fp32"], trace_lab["full"], top=0)
+    assert plain["weights"]["matched"] == plain["weights"]["total"] > 0 and plain["warnings"] == []
+    answer = graphscan.impact(str(float_path), trace_lab["full"], top=0)
+    assert answer["weights"] == {"matched": 0, "total": plain["weights"]["total"]}
+    (warning,) = answer["warnings"]
+    assert f"0 of {plain['weights']['total']}" not in warning and str(float_path) in warning
+    assert f"{plain['weights']['total']} of {plain['weights']['total']} quantized weights" in warning
+    table = graphscan.render_table("impact", answer)
+    assert "weights matched 0 of" in table and "warning:" in table
+    assert all(len(line) <= 80 for line in table.splitlines())
