@@ -42,7 +42,8 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, exit_on_interrupt)
     # The graphscan_ort package imports this file as ``graphscan``: it must find
     # this very module, not load a second copy with classes of its own.
-    sys.modules.setdefault("graphscan", sys.modules[__name__])
+    if getattr(sys.modules.get(__name__), "__dict__", None) is globals():  # not under a runner like cProfile
+        sys.modules.setdefault("graphscan", sys.modules[__name__])
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402

@@ -1,6 +1,7 @@
 """Time graphscan's trace against onnxruntime's own qdq_loss_debug flow on one CNN.
 
-    python bench/bench_trace.py [--blocks N] [--runs R] [--json FILE] [--before OLD_GRAPHSCAN.py]
+    python bench/bench_trace.py [--blocks N | --models FLOAT QUANT INPUTS.npz] [--runs R] [--json FILE]
+                                [--before OLD_GRAPHSCAN.py]
 
 Builds a residual CNN with gen_models.build_cnn (at least MIN_COMPUTE compute nodes at the
 default size), quantizes it with onnxruntime's quantize_static (QDQ) and writes one seeded
@@ -200,11 +201,28 @@ def _time_sides(commands: dict, sides: list, runs: int, workdir: Path) -> dict:
     }
 
 
-def run_benchmark(blocks: int, runs: int, workdir: Path, before: Path | None = None) -> dict:
-    """Build the pair into workdir, time both sides; return the results."""
+def given_pair(float_path: str, quant_path: str, inputs_path: str) -> dict:
+    """A real model pair (``--models``) described as build_pair describes its own."""
+    import onnx
+    import onnxruntime
+
+    sys.path.insert(0, str(REPO_ROOT))
+    import graphscan
+
+    return {
+        "paths": {"float": float_path, "quant": quant_path, "inputs": inputs_path},
+        "compute": graphscan.islands(float_path)["compute"],
+        "compute_quant": graphscan.islands(quant_path)["compute"],
+        "nodes_quant": len(onnx.load(quant_path).graph.node),
+        "onnxruntime": onnxruntime.__version__,
+    }
+
+
+def run_benchmark(blocks: int, runs: int, workdir: Path, before: Path | None = None, models=None) -> dict:
+    """Build the pair into workdir (or take ``models``), time both sides; return the results."""
     if not GRAPHSCAN.is_file():
         raise BenchError(f"{GRAPHSCAN}: not found")
-    pair = build_pair(blocks, workdir)
+    pair = given_pair(*models) if models else build_pair(blocks, workdir)
     paths = pair["paths"]
     commands = {
         "trace": [sys.executable, str(GRAPHSCAN), "trace", paths["float"], paths["quant"], "--inputs", paths["inputs"]],
@@ -222,7 +240,7 @@ def run_benchmark(blocks: int, runs: int, workdir: Path, before: Path | None = N
         commands["before"] = [sys.executable, str(before), *commands["trace"][2:]]
     sides = time_sides(commands, runs, workdir)
     return {
-        "blocks": blocks,
+        "blocks": None if models else blocks,
         "compute": pair["compute"],
         "compute_quant": pair["compute_quant"],
         "nodes_quant": pair["nodes_quant"],
@@ -244,7 +262,7 @@ def format_table(report: dict) -> str:
     short = "" if report["compute"] >= MIN_COMPUTE else f"  (below the required {MIN_COMPUTE})"
     lines = [
         (
-            f"CNN: {report['blocks']} blocks, {report['compute']} compute nodes fp32{short}; "
+            f"CNN: {report['blocks'] or 'given'} blocks, {report['compute']} compute nodes fp32{short}; "
             f"quantized: {report['nodes_quant']} nodes, {report['compute_quant']} compute"
         ),
         (
@@ -275,13 +293,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=DEFAULT_RUNS, help="timed runs per side")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--before", type=Path, metavar="GRAPHSCAN", help="an older graphscan.py to time too")
+    parser.add_argument("--models", nargs=3, metavar=("FLOAT", "QUANT", "INPUTS"), help="a real model pair and input")
     args = parser.parse_args(argv)
     if args.blocks < 1 or args.runs < 1:
         parser.error("--blocks and --runs must be positive")
 
     try:
         with tempfile.TemporaryDirectory(prefix="graphscan_bench_trace_") as tmp:
-            report = run_benchmark(args.blocks, args.runs, Path(tmp), args.before)
+            report = run_benchmark(args.blocks, args.runs, Path(tmp), args.before, args.models)
     except BenchError as exc:
         print(f"bench_trace: {exc}", file=sys.stderr)
         return 3

@@ -19,10 +19,11 @@ PROFILE_FLOOR_NODES = 200
 # onnxruntime's profiler records at most this many events in one session and
 # drops the rest: runs are spread over sessions so no profile comes near it.
 PROFILER_EVENT_CAP = 1_000_000
-# onnxruntime holds a session's events in memory until the profile is written:
-# each session gets at most this many, so memory stays bounded whatever --runs
-# (2,000 runs of a 200-node chain held 1.1 GB in one session).
-SESSION_EVENTS = 50_000
+# onnxruntime holds a session's events in memory until the profile is written
+# (about 2.7 KB each: 2,000 runs of a 200-node chain held 1.1 GB in one session):
+# each session gets at most this many, so memory stays bounded whatever --runs,
+# while a big model is not rebuilt for every run or two.
+SESSION_EVENTS = 200_000
 
 
 def profile_events(path):
