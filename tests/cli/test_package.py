@@ -71,27 +71,21 @@ def test_model_commands_with_graphscan_py_alone_say_what_they_need(alone, argv, 
     assert not (tmp_path / "out.onnx").exists()
 
 
+def run_without_onnxruntime(argv, folder):
+    """graphscan.py run as a process in which ``import onnxruntime`` fails."""
+    command = [sys.executable, "-c", WITHOUT_ORT, str(ROOT / "graphscan.py"), *filled(argv, folder)]
+    return subprocess.run(command, capture_output=True, cwd=folder, timeout=120)
+
+
 @pytest.mark.parametrize("argv", MODEL_COMMANDS)
 def test_model_commands_without_onnxruntime_say_what_they_need(argv, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-c", WITHOUT_ORT, str(ROOT / "graphscan.py"), *filled(argv, tmp_path)],
-        capture_output=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
-    line = error_line(proc, 2)
+    line = error_line(run_without_onnxruntime(argv, tmp_path), 2)
     assert "onnxruntime" in line, line
 
 
 @pytest.mark.parametrize("argv", COUNTING)
 def test_counting_commands_never_import_onnxruntime(argv, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-c", WITHOUT_ORT, str(ROOT / "graphscan.py"), *filled(argv, tmp_path)],
-        capture_output=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
-    json_answer(proc)
+    json_answer(run_without_onnxruntime(argv, tmp_path))
 
 
 def test_package_errors_are_one_class_when_graphscan_py_is_main(tmp_path):
