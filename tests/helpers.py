@@ -224,6 +224,15 @@ def run_main(capsys, argv):
     return code, captured.out, captured.err
 
 
+def main_error_line(capsys, argv, code):
+    """``graphscan.main(argv)`` in this process: assert a failure with ``code``,
+    nothing on stdout and one ``graphscan: `` line on stderr; returns the line."""
+    got, out, err = run_main(capsys, argv)
+    assert got == code, (got, out, err)
+    assert out == "" and err.count("\n") == 1 and err.startswith("graphscan: "), (out, err)
+    return err.rstrip("\n")
+
+
 def process_result(proc):
     """``(exit code, stdout, stderr)`` of a finished run, the streams decoded as text."""
     return proc.returncode, proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")

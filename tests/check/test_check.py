@@ -16,7 +16,18 @@ import onnx
 import pytest
 
 import graphscan
-from tests.helpers import GRAPHSCAN, ROOT, describe, error_line, json_answer, run_graphscan, run_onnx, strict_loads
+from tests.helpers import (
+    GRAPHSCAN,
+    ROOT,
+    describe,
+    error_line,
+    json_answer,
+    main_error_line,
+    run_graphscan,
+    run_main,
+    run_onnx,
+    strict_loads,
+)
 from tests.lab import DEFAULT_LAB
 
 # matmul_only of the canonical 3-layer lab: each layer's Add and Relu stay
@@ -250,16 +261,14 @@ def test_min_int8_counts_int8_data_and_leaves_absorbed_nodes_out(tmp_path):
         pytest.param('{"max_float": 3, "max_float": 900}', "given twice", id="duplicate-key"),
     ],
 )
-def test_hostile_budget_files_are_usage_errors(default_lab, tmp_path, text, why):
+def test_hostile_budget_files_are_usage_errors(default_lab, tmp_path, text, why, capsys):
     budget = tmp_path / "budget.json"
     budget.write_text(text)
-    line = error_line(run_graphscan(["check", default_lab["full"], "--budget", budget]), 2)
-    assert why in line
+    assert why in main_error_line(capsys, ["check", default_lab["full"], "--budget", str(budget)], 2)
 
 
-def test_a_huge_limit_on_the_command_line_is_a_usage_error(default_lab):
-    line = error_line(run_graphscan(["check", default_lab["full"], "--max-crossings", "9" * 401]), 2)
-    assert "max_crossings" in line
+def test_a_huge_limit_on_the_command_line_is_a_usage_error(default_lab, capsys):
+    assert "max_crossings" in main_error_line(capsys, ["check", default_lab["full"], "--max-crossings", "9" * 401], 2)
 
 
 @pytest.mark.parametrize(
@@ -267,13 +276,13 @@ def test_a_huge_limit_on_the_command_line_is_a_usage_error(default_lab):
     [["--float", "{fp32}"], ["--inputs", "{npz}"], ["--shape", "x=1,16"], ["--seed", "3"]],
     ids=["float", "inputs", "shape", "seed"],
 )
-def test_sample_options_without_min_sqnr_are_refused(default_lab, tmp_path, extra):
+def test_sample_options_without_min_sqnr_are_refused(default_lab, tmp_path, extra, capsys):
     np.savez(tmp_path / "x.npz", x=np.zeros((1, 16), np.float32))
     extra = [e.format(fp32=default_lab["fp32"], npz=tmp_path / "x.npz") for e in extra]
-    line = error_line(run_graphscan(["check", default_lab["full"], "--max-float", "9", *extra]), 2)
+    line = main_error_line(capsys, ["check", default_lab["full"], "--max-float", "9", *extra], 2)
     assert extra[0] in line and "--min-sqnr" in line
     budget = tmp_path / "budget.json"
     budget.write_text('{"min_sqnr": -1000}')  # from the file, min_sqnr makes them apply
     if extra[0] != "--float":
         extra += ["--float", str(default_lab["fp32"])]
-    assert run_graphscan(["check", default_lab["full"], "--budget", budget, *extra]).returncode == 0
+    assert run_main(capsys, ["check", default_lab["full"], "--budget", str(budget), *extra])[0] == 0

@@ -10,7 +10,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, error_line, run_graphscan
+from tests.helpers import ROOT, error_line, main_error_line, run_graphscan, run_main
 
 FP32, FULL = ROOT / "ops" / "fp32.onnx", ROOT / "ops" / "full.onnx"
 
@@ -88,14 +88,14 @@ def fixed_size_model(path):
     ],
     ids=["trace", "impact", "check", "fuse", "runtime-time"],
 )
-def test_a_model_that_needs_other_inputs_is_told_so(tmp_path, argv):
+def test_a_model_that_needs_other_inputs_is_told_so(tmp_path, argv, capsys):
     """Exit 5 says the inputs were generated and how to give others; with them, it answers."""
     model = fixed_size_model(tmp_path / "m.onnx")
     argv = [arg.format(m=model, out=tmp_path / "out.onnx") for arg in argv]
-    line = error_line(run_graphscan(argv), 5)
+    line = main_error_line(capsys, argv, 5)
     assert "inputs were generated" in line and "--shape" in line and "--inputs" in line
-    proc = run_graphscan([*argv, "--shape", "x=3"])
-    assert proc.returncode == 0, proc.stderr
+    code, _, err = run_main(capsys, [*argv, "--shape", "x=3"])
+    assert code == 0, err
 
 
 def test_generated_inputs_have_no_float64_copy_and_the_same_values():

@@ -6,18 +6,18 @@ only onnx; the commands that run models say in one line what they need (exit 2),
 never an internal error; the console script answers what `python graphscan.py` does.
 """
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
 import venv
-from pathlib import Path
 
 import pytest
 
 import graphscan
-from tests.helpers import ROOT, error_line, json_answer, run_graphscan
+from tests.helpers import ROOT, error_line, json_answer, main_error_line, run_graphscan, run_main
 
 MODEL_COMMANDS = [
     pytest.param(["fuse", "{fp32}", "{out}"], id="fuse"),
@@ -58,10 +58,11 @@ def alone(tmp_path_factory):
 
 
 @pytest.mark.parametrize("argv", COUNTING)
-def test_counting_commands_answer_with_graphscan_py_alone(alone, argv, tmp_path):
+def test_counting_commands_answer_with_graphscan_py_alone(alone, argv, tmp_path, capsys):
     argv = filled(argv, tmp_path)
     alone_answer = json_answer(run_graphscan(argv, cwd=tmp_path, script=str(alone)))
-    assert alone_answer == json_answer(run_graphscan(argv, cwd=tmp_path))
+    code, out, _ = run_main(capsys, argv)  # the same command in this process, package beside it
+    assert code == 0 and alone_answer == json.loads(out)
 
 
 @pytest.mark.parametrize("argv", MODEL_COMMANDS)
@@ -134,24 +135,22 @@ def test_sample_options_parse_alike_in_every_command():
 
 
 @pytest.mark.parametrize("command", ["fuse", "trace", "runtime", "impact", "check"])
-def test_a_negative_seed_is_a_usage_error_everywhere(command, tmp_path):
+def test_a_negative_seed_is_a_usage_error_everywhere(command, tmp_path, capsys):
     paths = {"fuse": ["{fp32}", "{out}"], "trace": ["{fp32}", "{full}"], "impact": ["{fp32}", "{full}"]}
     extra = {"check": ["--max-float", "9"], "runtime": ["--time"]}
     argv = filled([command, *paths.get(command, ["{full}"]), *extra.get(command, []), "--seed", "-1"], tmp_path)
-    line = error_line(run_graphscan(argv, cwd=tmp_path), 2)
-    assert "--seed" in line
+    assert "--seed" in main_error_line(capsys, argv, 2)
 
 
 @pytest.mark.parametrize("command", ["fuse", "trace", "runtime"])
-def test_one_sample_commands_refuse_two_inputs_files(command, tmp_path):
+def test_one_sample_commands_refuse_two_inputs_files(command, tmp_path, capsys):
     import numpy as np
 
     sample = tmp_path / "x.npz"
     np.savez(sample, x=np.zeros((1, 16), np.float32))
     paths = {"fuse": ["{fp32}", "{out}"], "trace": ["{fp32}", "{full}"], "runtime": ["{full}", "--time"]}[command]
     argv = filled([command, *paths, "--inputs", sample, "--inputs", sample], tmp_path)
-    line = error_line(run_graphscan(argv, cwd=tmp_path), 2)
-    assert "--inputs" in line
+    assert "--inputs" in main_error_line(capsys, argv, 2)
 
 
 # --------------------------------------------------------------------------
@@ -179,27 +178,26 @@ def install_into_fresh_venv(folder, index):
         shutil.copy2(ROOT / name, source / name)
     shutil.copytree(ROOT / "graphscan_ort", source / "graphscan_ort", ignore=shutil.ignore_patterns("__pycache__"))
     env_dir = folder / "venv"
-    venv.create(env_dir, with_pip=True)
-    # pip runs the build backend from the new venv; its bundled setuptools is too old to build wheels.
-    shutil.rmtree(next((env_dir / "lib").glob("python3*/site-packages/setuptools")), ignore_errors=True)
     bin_dir = env_dir / "bin"
-    pip = [str(bin_dir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     if index:
+        venv.create(env_dir, with_pip=True)
+        # pip runs the build backend from the new venv; its bundled setuptools is too old to build wheels.
+        shutil.rmtree(next((env_dir / "lib").glob("python3*/site-packages/setuptools")), ignore_errors=True)
+        pip = [str(bin_dir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
         subprocess.run([*pip, str(source)], check=True, capture_output=True, timeout=900)
-    else:
-        # This venv's packages (onnx, onnxruntime, numpy, setuptools) are visible to the new one.
-        purelib = Path(
-            subprocess.check_output(
-                [str(bin_dir / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
-            ).strip()
-        )
-        (purelib / "outer.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-        subprocess.run(
-            [*pip, "--no-deps", "--no-build-isolation", "--no-index", str(source)],
-            check=True,
-            capture_output=True,
-            timeout=300,
-        )
+        return bin_dir
+    # No pip of its own (ensurepip is most of the time): this venv's pip installs into it,
+    # and this venv's packages (onnx, onnxruntime, numpy, setuptools) are visible to it.
+    venv.create(env_dir, with_pip=False)
+    purelib = next((env_dir / "lib").glob("python3*/site-packages"))
+    (purelib / "outer.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    pip = [sys.executable, "-m", "pip", "--python", str(bin_dir / "python"), "install", "-q"]
+    subprocess.run(
+        [*pip, "--disable-pip-version-check", "--no-deps", "--no-build-isolation", "--no-index", str(source)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return bin_dir
 
 

@@ -22,7 +22,7 @@ import gen_models
 import graphscan
 import graphscan_ort.runtime
 import graphscan_ort.timing
-from tests.helpers import error_line, json_answer, run_graphscan
+from tests.helpers import error_line, json_answer, main_error_line, run_graphscan
 from tests.lab import DEFAULT_LAB
 
 x86_only = pytest.mark.skipif(
@@ -639,10 +639,10 @@ def test_temporary_folders_are_removed_on_success_and_failure(default_lab, tmp_p
     [["--runs", "3"], ["--seed", "1"], ["--shape", "x=1,16"], ["--inputs", "{npz}"]],
     ids=["runs", "seed", "shape", "inputs"],
 )
-def test_time_options_without_time_are_refused(default_lab, tmp_path, extra):
+def test_time_options_without_time_are_refused(default_lab, tmp_path, extra, capsys):
     np.savez(tmp_path / "x.npz", x=np.zeros((1, 16), np.float32))
     extra = [e.format(npz=tmp_path / "x.npz") for e in extra]
-    line = error_line(run_graphscan(["runtime", default_lab["full"], *extra]), 2)
+    line = main_error_line(capsys, ["runtime", default_lab["full"], *extra], 2)
     assert extra[0] in line and "--time" in line
 
 
