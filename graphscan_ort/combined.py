@@ -299,9 +299,16 @@ class CombinedModel:
         return True
 
     def add_node(self, rank, op_type, inputs, **attributes):
+        """One statistics node, made in place in the pool (thousands of them: no helper, no copy)."""
         self.count += 1
         output = f"{self.stats_prefix}{op_type}_{self.count}"
-        self.add_nodes(rank, [onnx.helper.make_node(op_type, inputs, [output], name=output, **attributes)])
+        node = self.pool.node.add()
+        node.op_type, node.name = op_type, output
+        node.input.extend(inputs)
+        node.output.append(output)
+        for key, value in attributes.items():
+            node.attribute.append(onnx.helper.make_attribute(key, value))
+        self.entries.append((rank, self.pool, len(self.pool.node) - 1, list(inputs)))
         return output
 
     def add_nodes(self, rank, nodes):
