@@ -1,0 +1,71 @@
+"""tune's measurements (issue 18): a candidate as it will be deployed.
+
+Accuracy, kernels and speed are all taken from onnxruntime sessions at the
+level users run (default: onnxruntime's own default, all optimizations) with
+``threads`` intra-op threads:
+
+- ``sqnr_db``: the output SQNR against the float model, by the one definition
+  impact and check use (``common.OutputNoise``, outputs paired by name);
+- ``int8_fraction``, ``int8_kernels`` and ``wrapped_but_float`` by reason, from
+  the runtime command's classes at that level;
+- ``ms``: the median wall time of ``runs`` runs on the first sample, timed in
+  alternation with the float model in this process; ``speedup`` is the float
+  model's ms over the candidate's;
+- ``bytes``: the file's size.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import onnx
+
+from graphscan import shown
+from graphscan_ort.common import OutputNoise, model_outputs, open_session, output_pairs, session_options
+from graphscan_ort.runtime import runtime
+from graphscan_ort.timing import interleaved_wall_times
+
+
+def deployed_sqnr(float_model, quant_model, samples, float_path, quant_path, options):
+    """``(sqnr_db, exact)`` of the quantized model's outputs against the float model's, both at ``options``."""
+    pairs = output_pairs(float_model, quant_model, float_path, quant_path)
+    noise = OutputNoise(model_outputs(float_model, samples, float_path, [f for f, _ in pairs], options))
+    return noise.measure(model_outputs(quant_model, samples, quant_path, [q for _, q in pairs], options))
+
+
+def kernel_counts(path: str, level: str) -> dict:
+    """int8 share, int8 kernels and the reasons wrapped nodes run float, from the runtime command."""
+    answer = runtime(path, level=level)
+    classes = answer["classes"]
+    running = classes["int8"] + classes["int8_data"] + classes["float"]
+    reasons = Counter(
+        (row["reason"] or {}).get("code") for row in answer["nodes"] if row["wrapped"] and row["class"] == "float"
+    )
+    return {
+        "int8_fraction": (classes["int8"] + classes["int8_data"]) / running if running else 0.0,
+        "int8_kernels": classes["int8"],
+        "wrapped_but_float": dict(sorted(reasons.items())),
+    }
+
+
+def measure_candidate(
+    float_path: str, quant_path: str, samples: list[dict], level: str = "all", threads: int = 1, runs: int = 20
+) -> dict:
+    """``{"sqnr_db", "int8_fraction", "int8_kernels", "wrapped_but_float", "ms", "float_ms", "speedup", "bytes"}``."""
+    float_model, quant_model = onnx.load(float_path), onnx.load(quant_path)
+    options = session_options(level, threads=threads)
+    sqnr, _ = deployed_sqnr(float_model, quant_model, samples, float_path, quant_path, options)
+    sessions = [
+        open_session(float_model, f"{shown(float_path)}: model", session_options(level, threads=threads)),
+        open_session(quant_model, f"{shown(quant_path)}: model", session_options(level, threads=threads)),
+    ]
+    float_s, quant_s = interleaved_wall_times(sessions, samples[0], runs)
+    return {
+        "sqnr_db": sqnr,
+        **kernel_counts(quant_path, level),
+        "ms": quant_s * 1e3,
+        "float_ms": float_s * 1e3,
+        "speedup": float_s / quant_s if quant_s > 0 else None,
+        "bytes": os.path.getsize(quant_path),
+    }
