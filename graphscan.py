@@ -1559,6 +1559,37 @@ def generic_table(answer, top):
     return page(*blocks)
 
 
+def tune_table(answer, top):
+    """Candidates on the Pareto front first (the answer's order), then the choice."""
+    head = format_fields(
+        [("model", answer["model"]), ("float ms", answer["float"]["ms"]), ("target_sqnr_db", answer["target_sqnr_db"])]
+        + [("chosen", answer["chosen"]), ("reached", answer["reached"]), ("output", answer["output"])]
+    )
+    steps = [[s["step"], s["ok"], s["detail"]] for s in answer["prepare"]]
+    rows = [
+        [
+            c["id"],
+            c["quantize_static"]["activation_type"],
+            "yes" if c["quantize_static"]["per_channel"] else "no",
+            c["quantize_static"]["calibrate_method"],
+            c["rewrites"],
+            c["sqnr_db"],
+            c["int8_kernels"],
+            c["ms"],
+            c["speedup"],
+            c["pareto"],
+            c["error"],
+        ]
+        for c in answer["candidates"]
+    ]
+    titles = ["id", "act", "pc", "method", "rw", "sqnr_db", "int8", "ms", "speedup", "pareto", "error"]
+    return page(
+        head,
+        section("prepare", ["step", "ok", "detail"], steps),
+        section("candidates, Pareto-best first", titles, rows, top, cut_first=["error"]),
+    )
+
+
 TABLE_RENDERERS = {
     "nodes": nodes_table,
     "qdq": qdq_table,
@@ -1569,6 +1600,7 @@ TABLE_RENDERERS = {
     "trace": trace_table,
     "runtime": runtime_table,
     "impact": impact_table,
+    "tune": tune_table,
 }
 
 
@@ -1937,6 +1969,48 @@ IMPACT_OPTIONS = [
     ),
 ]
 
+
+def positive_int(text: str) -> int:
+    """argparse type of ``--runs``: an integer >= 1."""
+    value = non_negative_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+TUNE_OPTIONS = [
+    (
+        "--calibrate",
+        {"metavar": "FILE.npz", "action": "append", "help": "a calibration sample, one array per input (repeatable)"},
+    ),
+    (
+        "--inputs",
+        {
+            **sample_options(1, samples="many")[0][1],
+            "help": "a held-out evaluation sample (repeatable; default: the calibration samples)",
+        },
+    ),
+    ("--out", {"metavar": "DIR", "help": "absent or empty folder for model.onnx and prepared.onnx"}),
+    ("--target-sqnr", {"metavar": "DB", "type": finite_float, "help": "default: onnxruntime's default settings' SQNR"}),
+    ("--max-exclude", {"metavar": "N", "type": non_negative_int, "help": "(not built yet)"}),
+    (
+        "--level",
+        {
+            "choices": ["disabled", *RUNTIME_LEVELS],
+            "default": "all",
+            "help": "deployed optimization level (default: all)",
+        },
+    ),
+    (
+        "--threads",
+        {"type": non_negative_int, "default": 1, "help": "intra-op threads of the measurements (default: 1)"},
+    ),
+    (
+        "--runs",
+        {"type": positive_int, "default": RUNTIME_DEFAULT_RUNS, "help": "timed runs per candidate (default: 20)"},
+    ),
+]
+
 # name: (function, or "module:function" of the graphscan_ort package; positional paths; help; options)
 COMMANDS = {
     "nodes": (nodes, ["model"], "op census and initializer dtypes", []),
@@ -1969,6 +2043,12 @@ COMMANDS = {
         ["a", "b"],
         "output SQNR gained by keeping each op or tensor of b (quantized) float",
         IMPACT_OPTIONS,
+    ),
+    "tune": (
+        "tune:tune",
+        ["model"],
+        "quantize a float model every way and keep the fastest that is accurate enough, measured as deployed",
+        TUNE_OPTIONS,
     ),
 }
 

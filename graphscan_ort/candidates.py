@@ -11,7 +11,10 @@ per-channel weights change the ranges, so the cache is exact for all of them.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
+import logging
 import os
 from collections.abc import Callable
 
@@ -68,4 +71,19 @@ def quantize_candidate(
     nothing) and fills the cache, the others read the ranges from it."""
     cache = cache_path(cache_folder, settings["calibrate_method"])
     reader = None if os.path.isfile(cache) else make_reader()
-    quantize_static(prepared, output, reader, calibration_cache_path=cache, **keyword_arguments(settings))
+    with quiet():
+        quantize_static(prepared, output, reader, calibration_cache_path=cache, **keyword_arguments(settings))
+
+
+@contextlib.contextmanager
+def quiet():
+    """The quantizer prints progress on stdout (stdout is graphscan's answer) and logs
+    advice on the root logger: neither reaches the user; a failure still raises."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        root.setLevel(level)

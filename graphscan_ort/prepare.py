@@ -60,8 +60,15 @@ def checked(
 
 
 def prepare(float_path: str, folder: str, samples: list[dict]) -> tuple[onnx.ModelProto, list[dict]]:
-    """The prepared float model and its steps, ``{"step", "ok", "detail", "max_abs_error"}`` each."""
+    """The prepared float model, rewrites included, and its steps (``{"step", "ok", "detail", "max_abs_error"}``)."""
     original = onnx.load(float_path)
+    base, steps = prepared_base(float_path, folder, samples, original)
+    rewritten, rewrite_steps = with_rewrites(base, original, samples)
+    return rewritten, steps + rewrite_steps
+
+
+def prepared_base(float_path, folder, samples, original):
+    """quant_pre_process and the opset, each verified: ``(model, steps)``."""
     steps, current = [], original
     path, detail = pre_processed(float_path, os.path.join(folder, "pre_processed.onnx"))
     if path is None:
@@ -80,6 +87,12 @@ def prepare(float_path: str, folder: str, samples: list[dict]) -> tuple[onnx.Mod
         detail = f"opset {default_opset(current)} -> {PER_CHANNEL_OPSET} (per-channel weights need it)"
         steps.append(step("opset", problem is None, problem or detail, error))
         current = model if problem is None else current
+    return current, steps
+
+
+def with_rewrites(base, original, samples):
+    """``base`` with every rewrite that verifies: ``(model, steps)``."""
+    steps, current = [], base
     for name, rewrite in REWRITES.items():
         model, count = rewrite(current)
         if not count:

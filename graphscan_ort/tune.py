@@ -1,0 +1,235 @@
+"""tune: from diagnosis to a quantized model measured as it will be deployed (issue 18).
+
+    graphscan tune FLOAT.onnx --calibrate FILE.npz [...] [--inputs FILE.npz ...] --out DIR
+
+1. Prepare the float model (prepare.py): onnxruntime's quant_pre_process, the
+   opset, the rewrites; each step verified against the original.
+2. Quantize every candidate (candidates.py) of the prepared model with and
+   without the rewrites, calibrating once per model and method.
+3. Measure each as deployed (deployed.py) on the --inputs samples, held out
+   from calibration (or the calibration samples, said so).
+4. Choose the fastest candidate whose SQNR meets the target (default: the SQNR
+   of onnxruntime's default settings on this model), else the most accurate.
+5. Write model.onnx and prepared.onnx into --out: built in a temporary folder
+   beside it and renamed into place, so --out is absent or complete.
+
+Not yet: the exclusion search realized by the quantizer (--max-exclude is
+refused until it is), and the benchmark against a plain loop.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import tempfile
+
+import onnx
+import onnxruntime as ort
+
+from graphscan import EXIT_NO_FILE, EXIT_RUNTIME, EXIT_USAGE, GraphscanError, load_with_weights, one_line, shown
+from graphscan_ort.candidates import METHODS, candidate_settings, quantize_candidate
+from graphscan_ort.deployed import measure_candidate
+from graphscan_ort.inputs import input_specs, inputs_answer, read_npz_inputs
+from graphscan_ort.prepare import prepared_base, with_rewrites
+
+# onnxruntime's own defaults: what a user gets from quantize_static without options.
+DEFAULT_SETTINGS = {"activation_type": "QInt8", "per_channel": False, "calibrate_method": "MinMax"}
+
+
+class Samples:
+    """A fresh CalibrationDataReader over the calibration samples for every quantize_static call."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __call__(self):
+        from onnxruntime.quantization import CalibrationDataReader
+
+        samples = self.samples
+
+        class Reader(CalibrationDataReader):
+            def __init__(self):
+                self.left = iter(samples)
+
+            def get_next(self):
+                return next(self.left, None)
+
+        return Reader()
+
+
+def check_out(out: str) -> str:
+    """The folder ``out`` goes in; exit 3 unless ``out`` is absent or an empty folder there."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise GraphscanError(f"{shown(out)}: cannot write (no folder {shown(parent)})", EXIT_NO_FILE)
+    if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+        raise GraphscanError(f"{shown(out)}: exists and is not an empty folder; left untouched", EXIT_NO_FILE)
+    return parent
+
+
+def pareto(rows: list[dict]) -> None:
+    """Mark each measured row on the front of (fastest, most accurate): no other is at least as fast and as
+    accurate, and better in one."""
+    measured = [r for r in rows if r["error"] is None]
+    for row in rows:
+        row["pareto"] = row["error"] is None and not any(
+            other is not row
+            and other["ms"] <= row["ms"]
+            and (other["sqnr_db"] or -1e300) >= (row["sqnr_db"] or -1e300)
+            and (other["ms"] < row["ms"] or (other["sqnr_db"] or -1e300) > (row["sqnr_db"] or -1e300))
+            for other in measured
+        )
+
+
+def chosen_row(rows: list[dict], target: float | None) -> tuple[dict, bool]:
+    """The fastest row meeting ``target``, else the most accurate; and whether the target was met."""
+    measured = [r for r in rows if r["error"] is None]
+    meeting = [r for r in measured if target is None or (r["sqnr_db"] is not None and r["sqnr_db"] >= target)]
+    if meeting:
+        return min(meeting, key=lambda r: (r["ms"], -(r["sqnr_db"] or -1e300))), True
+    return max(measured, key=lambda r: (r["sqnr_db"] if r["sqnr_db"] is not None else -1e300, -r["ms"])), False
+
+
+def tune(
+    path: str,
+    calibrate: list[str] | None = None,
+    inputs: list[str] | None = None,
+    out: str | None = None,
+    target_sqnr: float | None = None,
+    max_exclude: int | None = None,
+    level: str = "all",
+    threads: int = 1,
+    runs: int = 20,
+) -> dict:
+    """Quantize ``path`` every way candidates.py knows, measure each as deployed, write the best into ``out``."""
+    if not calibrate:
+        raise GraphscanError("usage: tune needs --calibrate FILE.npz (one sample per file, repeatable)", EXIT_USAGE)
+    if out is None:
+        raise GraphscanError("usage: tune needs --out DIR", EXIT_USAGE)
+    if max_exclude is not None:
+        raise GraphscanError("usage: --max-exclude: the exclusion search is not built yet", EXIT_USAGE)
+    if runs < 1 or threads < 0:
+        raise GraphscanError("usage: --runs must be at least 1 and --threads at least 0", EXIT_USAGE)
+    parent = check_out(out)
+    ort.set_default_logger_severity(4)  # the quantizer's own sessions log warnings on stderr
+    model = load_with_weights(path)
+    specs = input_specs(model)
+    calibration = [read_npz_inputs(p, specs) for p in calibrate]
+    evaluation = [read_npz_inputs(p, specs) for p in inputs] if inputs else calibration
+    try:
+        work = tempfile.mkdtemp(prefix=".graphscan-tune-", dir=parent)
+    except OSError as exc:
+        raise GraphscanError(f"{shown(out)}: cannot write ({exc.strerror or exc})", EXIT_NO_FILE)
+    try:
+        answer = tune_in(path, model, calibration, evaluation, work, target_sqnr, level, threads, runs)
+        place(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # also on Ctrl-C: nothing half-written
+    return {
+        "model": path,
+        "environment": {
+            "onnxruntime": ort.__version__,
+            "provider": "CPUExecutionProvider",
+            "level": level,
+            "threads": threads,
+            "machine": platform.machine(),
+        },
+        "calibration": {"samples": len(calibration), "methods": METHODS},
+        "evaluation": {
+            "samples": len(evaluation),
+            "held_out": bool(inputs),
+            "inputs": inputs_answer(evaluation),
+            "defaulted": [],
+        },
+        **answer,
+        "output": out,
+    }
+
+
+def tune_in(path, model, calibration, evaluation, work, target, level, threads, runs):
+    """tune's work inside the temporary folder ``work``; leaves model.onnx and prepared.onnx there."""
+    base, steps = prepared_base(path, work, evaluation, model)
+    rewritten, rewrite_steps = with_rewrites(base, model, evaluation)
+    prepared = {"none": base}
+    if rewritten is not base:
+        prepared["rewrites"] = rewritten
+    rows, files, reader = [], {}, Samples(calibration)
+    for rewrites, prepared_model in prepared.items():
+        prepared_path = os.path.join(work, f"prepared-{rewrites}.onnx")
+        onnx.save(prepared_model, prepared_path)
+        cache = os.path.join(work, f"cache-{rewrites}")
+        os.mkdir(cache)
+        for settings in candidate_settings():
+            ident = len(rows)
+            target_path = os.path.join(work, f"candidate-{ident}.onnx")
+            row = {"id": ident, "quantize_static": settings, "rewrites": rewrites != "none", "error": None}
+            try:
+                quantize_candidate(prepared_path, target_path, settings, reader, cache)
+            except Exception as exc:  # the quantizer refused it: kept with its error, never a crash
+                row.update(dict.fromkeys(["sqnr_db", "int8_fraction", "int8_kernels", "wrapped_but_float"]))
+                row.update(ms=None, speedup=None, bytes=None, error=f"quantize_static: {one_line(exc)}")
+                rows.append(row)
+                continue
+            row.update(measure_candidate(path, target_path, evaluation, level, threads, runs))
+            files[ident] = (target_path, prepared_path)
+            rows.append(row)
+    if not files:
+        raise GraphscanError(
+            f"{shown(path)}: onnxruntime's quantize_static refused every candidate ({rows[0]['error']})", EXIT_RUNTIME
+        )
+    float_ms = sorted(r.pop("float_ms") for r in rows if "float_ms" in r)
+    pareto(rows)
+    default = next(
+        (
+            r
+            for r in rows
+            if not r["rewrites"] and all(r["quantize_static"][k] == v for k, v in DEFAULT_SETTINGS.items())
+        ),
+        None,
+    )
+    if target is None and default is not None and default["error"] is None:
+        target = default["sqnr_db"]
+    chosen, reached = chosen_row(rows, target)
+    model_path, prepared_path = files[chosen["id"]]
+    os.replace(model_path, os.path.join(work, "model.onnx"))
+    os.replace(prepared_path, os.path.join(work, "prepared.onnx"))
+    order = sorted(rows, key=lambda r: (not r["pareto"], r["error"] is not None, r["ms"] or 0.0, r["id"]))
+    return {
+        "float": {"ms": float_ms[len(float_ms) // 2]},
+        "prepare": steps + rewrite_steps,
+        "candidates": [{key: row.get(key) for key in CANDIDATE_KEYS} for row in order],
+        "target_sqnr_db": target,
+        "chosen": chosen["id"],
+        "reached": reached,
+    }
+
+
+CANDIDATE_KEYS = [
+    "id",
+    "quantize_static",
+    "rewrites",
+    "sqnr_db",
+    "int8_fraction",
+    "int8_kernels",
+    "wrapped_but_float",
+    "ms",
+    "speedup",
+    "bytes",
+    "pareto",
+    "error",
+]
+
+
+def place(work: str, out: str) -> None:
+    """Keep model.onnx and prepared.onnx in ``work`` and rename it to ``out`` (absent or empty)."""
+    for name in os.listdir(work):
+        if name not in ("model.onnx", "prepared.onnx"):
+            target = os.path.join(work, name)
+            shutil.rmtree(target) if os.path.isdir(target) else os.unlink(target)
+    try:
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty, as check_out saw it
+        os.rename(work, out)
+    except OSError as exc:
+        raise GraphscanError(f"{shown(out)}: cannot write ({exc.strerror or exc})", EXIT_NO_FILE)

@@ -1,0 +1,144 @@
+"""The tune command (issue 18, first version): every figure checked against an independent
+measurement of the written model, the choice against the definition, the exit codes."""
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnxruntime.quantization import quantize_static
+
+import gen_models
+import graphscan
+import graphscan_ort.candidates as candidates
+import graphscan_ort.tune as tune
+from tests.helpers import error_line, json_answer, main_error_line, run_graphscan
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """tune on a small residual CNN: two calibration samples, one held-out sample."""
+    folder = tmp_path_factory.mktemp("tune")
+    fp32 = folder / "cnn.onnx"
+    onnx.save(gen_models.build_cnn(2, channels=4, size=8, seed=0), fp32)
+    rng = np.random.default_rng(4)
+    calibration = []
+    for k in range(2):
+        calibration.append(folder / f"cal{k}.npz")
+        np.savez(calibration[-1], x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    held = folder / "held.npz"
+    np.savez(held, x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    out = folder / "tuned"
+    argv = ["tune", fp32, *[a for c in calibration for a in ("--calibrate", c)], "--inputs", held, "--out", out]
+    answer = json_answer(run_graphscan([*argv, "--runs", "3"]))
+    return {"answer": answer, "float": str(fp32), "calibration": calibration, "held": str(held), "out": out}
+
+
+def test_the_answer_has_the_issues_keys_and_writes_two_files(tuned):
+    answer = tuned["answer"]
+    assert list(answer) == [
+        "model", "environment", "calibration", "evaluation", "float", "prepare",
+        "candidates", "target_sqnr_db", "chosen", "reached", "output",
+    ]  # fmt: skip
+    assert sorted(p.name for p in tuned["out"].iterdir()) == ["model.onnx", "prepared.onnx"]
+    assert answer["evaluation"]["held_out"] is True and answer["calibration"]["samples"] == 2
+    assert len(answer["candidates"]) == 8  # no Div or HardSigmoid here: no rewritten variant
+    assert list(tuned["out"].parent.glob(".graphscan-tune-*")) == []
+
+
+def test_the_choice_is_on_the_front_and_meets_the_default_target(tuned):
+    answer = tuned["answer"]
+    rows = {c["id"]: c for c in answer["candidates"]}
+    chosen = rows[answer["chosen"]]
+    default = next(
+        c for c in rows.values()
+        if c["quantize_static"]["activation_type"] == "QInt8" and not c["quantize_static"]["per_channel"]
+        and c["quantize_static"]["calibrate_method"] == "MinMax" and not c["rewrites"]
+    )  # fmt: skip
+    assert answer["target_sqnr_db"] == default["sqnr_db"]
+    assert chosen["pareto"] and answer["reached"] and chosen["sqnr_db"] >= answer["target_sqnr_db"]
+    meeting = [c for c in rows.values() if c["sqnr_db"] >= answer["target_sqnr_db"]]
+    assert chosen["ms"] == min(c["ms"] for c in meeting)
+
+
+def test_the_written_model_is_reproduced_and_measured_independently(tuned, tmp_path):
+    """Its quantize_static arguments, re-run on prepared.onnx with the same calibration data,
+    give the same model; its SQNR is check's on the held-out sample; its kernels runtime's."""
+    answer = tuned["answer"]
+    chosen = next(c for c in answer["candidates"] if c["id"] == answer["chosen"])
+
+    class Reader(candidates.CalibrationDataReader):
+        def __init__(self):
+            self.left = iter([dict(np.load(p)) for p in tuned["calibration"]])
+
+        def get_next(self):
+            return next(self.left, None)
+
+    again = tmp_path / "again.onnx"
+    with candidates.quiet():
+        quantize_static(
+            str(tuned["out"] / "prepared.onnx"),
+            str(again),
+            Reader(),
+            **candidates.keyword_arguments(chosen["quantize_static"]),
+        )
+    model = tuned["out"] / "model.onnx"
+    assert again.read_bytes() == Path(model).read_bytes()
+    budget = graphscan.check(str(model), float_path=tuned["float"], min_sqnr=-100, inputs=[tuned["held"]])
+    assert chosen["sqnr_db"] == pytest.approx(budget["budgets"][0]["value"], abs=1e-6)
+    assert chosen["int8_kernels"] == graphscan.runtime(str(model), level="all")["classes"]["int8"]
+
+
+def test_refusals(tuned, tmp_path, capsys):
+    fp32, cal = tuned["float"], str(tuned["calibration"][0])
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("keep")
+    line = main_error_line(capsys, ["tune", fp32, "--calibrate", cal, "--out", str(tmp_path / "full")], 3)
+    assert "not an empty folder" in line and (tmp_path / "full" / "x").read_text() == "keep"
+    np.savez(tmp_path / "wrong.npz", y=np.zeros((1, 3, 8, 8), np.float32))
+    line = main_error_line(
+        capsys, ["tune", fp32, "--calibrate", str(tmp_path / "wrong.npz"), "--out", str(tmp_path / "o")], 7
+    )
+    assert not (tmp_path / "o").exists()
+    assert "--calibrate" in main_error_line(capsys, ["tune", fp32, "--out", str(tmp_path / "o")], 2)
+    line = main_error_line(
+        capsys, ["tune", fp32, "--calibrate", cal, "--out", str(tmp_path / "o"), "--max-exclude", "2"], 2
+    )
+    assert "not built yet" in line
+
+
+def test_the_pareto_front_and_the_choice_follow_their_definitions():
+    rows = [
+        {"id": 0, "ms": 5.0, "sqnr_db": 10.0, "error": None},
+        {"id": 1, "ms": 3.0, "sqnr_db": 8.0, "error": None},
+        {"id": 2, "ms": 4.0, "sqnr_db": 7.0, "error": None},  # slower and worse than 1
+        {"id": 3, "ms": None, "sqnr_db": None, "error": "quantize_static: refused"},
+    ]
+    tune.pareto(rows)
+    assert [r["pareto"] for r in rows] == [True, True, False, False]
+    assert tune.chosen_row(rows, 8.0)[0]["id"] == 1 and tune.chosen_row(rows, 9.0)[0]["id"] == 0
+    chosen, reached = tune.chosen_row(rows, 50.0)
+    assert chosen["id"] == 0 and reached is False  # unreachable: the most accurate
+
+
+def test_every_candidate_refused_is_exit_5(tuned, tmp_path, monkeypatch, capsys):
+    def refuse(*args, **kwargs):
+        raise ValueError("no such quantization")
+
+    monkeypatch.setattr(tune, "quantize_candidate", refuse)
+    argv = ["tune", tuned["float"], "--calibrate", str(tuned["calibration"][0]), "--out", str(tmp_path / "o")]
+    line = main_error_line(capsys, argv, 5)
+    assert "quantize_static" in line and not (tmp_path / "o").exists()
+    assert list(tmp_path.glob(".graphscan-tune-*")) == []
+
+
+def test_table_fits_80_columns(tuned):
+    text = graphscan.render_table("tune", tuned["answer"])
+    assert "candidates, Pareto-best first" in text and all(len(line) <= 80 for line in text.splitlines())
+
+
+def test_as_a_process_a_bad_file_is_one_line(tmp_path):
+    line = error_line(
+        run_graphscan(["tune", tmp_path / "none.onnx", "--calibrate", "c.npz", "--out", tmp_path / "o"]), 3
+    )
+    assert "none.onnx" in line
