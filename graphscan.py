@@ -1992,7 +1992,10 @@ TUNE_OPTIONS = [
     ),
     ("--out", {"metavar": "DIR", "help": "absent or empty folder for model.onnx and prepared.onnx"}),
     ("--target-sqnr", {"metavar": "DB", "type": finite_float, "help": "default: onnxruntime's default settings' SQNR"}),
-    ("--max-exclude", {"metavar": "N", "type": non_negative_int, "help": "(not built yet)"}),
+    (
+        "--max-exclude",
+        {"metavar": "N", "type": non_negative_int, "help": "exclusions tried when the target is not met (default: 8)"},
+    ),
     (
         "--level",
         {

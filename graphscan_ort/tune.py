@@ -13,8 +13,13 @@
 5. Write model.onnx and prepared.onnx into --out: built in a temporary folder
    beside it and renamed into place, so --out is absent or complete.
 
-Not yet: the exclusion search realized by the quantizer (--max-exclude is
-refused until it is), and the benchmark against a plain loop.
+6. When no candidate reaches the target: exclusions realized by the quantizer.
+   impact ranks the operators of the most accurate candidate; each is added to
+   ``nodes_to_exclude`` in turn, the model re-quantized (same calibration) and
+   measured as deployed, and an addition is kept only if it helps, until the
+   target or --max-exclude (default 8 additions tried).
+
+Not yet: the benchmark against a plain loop.
 """
 
 from __future__ import annotations
@@ -107,8 +112,6 @@ def tune(
         raise GraphscanError("usage: tune needs --calibrate FILE.npz (one sample per file, repeatable)", EXIT_USAGE)
     if out is None:
         raise GraphscanError("usage: tune needs --out DIR", EXIT_USAGE)
-    if max_exclude is not None:
-        raise GraphscanError("usage: --max-exclude: the exclusion search is not built yet", EXIT_USAGE)
     if runs < 1 or threads < 0:
         raise GraphscanError("usage: --runs must be at least 1 and --threads at least 0", EXIT_USAGE)
     parent = check_out(out)
@@ -122,7 +125,8 @@ def tune(
     except OSError as exc:
         raise GraphscanError(f"{shown(out)}: cannot write ({exc.strerror or exc})", EXIT_NO_FILE)
     try:
-        answer = tune_in(path, model, calibration, evaluation, work, target_sqnr, level, threads, runs)
+        measure = Measure(path, evaluation, inputs or calibrate, level, threads, runs)
+        answer = tune_in(path, model, calibration, work, target_sqnr, max_exclude, measure)
         place(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)  # also on Ctrl-C: nothing half-written
@@ -147,8 +151,28 @@ def tune(
     }
 
 
-def tune_in(path, model, calibration, evaluation, work, target, level, threads, runs):
+class Measure:
+    """How every candidate is measured: the float model, the evaluation samples (and their
+    files, for impact), the session's level and threads, the timed runs."""
+
+    def __init__(self, path, evaluation, evaluation_paths, level, threads, runs):
+        self.path, self.evaluation, self.paths = path, evaluation, list(evaluation_paths)
+        self.level, self.threads, self.runs = level, threads, runs
+
+    def __call__(self, candidate_path):
+        return measure_candidate(self.path, candidate_path, self.evaluation, self.level, self.threads, self.runs)
+
+
+def refused_row(row, exc):
+    """A candidate the quantizer refused: kept with its error and nulls."""
+    row.update(dict.fromkeys(["sqnr_db", "int8_fraction", "int8_kernels", "wrapped_but_float"]))
+    row.update(ms=None, speedup=None, bytes=None, error=f"quantize_static: {one_line(exc)}")
+    return row
+
+
+def tune_in(path, model, calibration, work, target, max_exclude, measure):
     """tune's work inside the temporary folder ``work``; leaves model.onnx and prepared.onnx there."""
+    evaluation = measure.evaluation
     base, steps = prepared_base(path, work, evaluation, model)
     rewritten, rewrite_steps = with_rewrites(base, model, evaluation)
     prepared = {"none": base}
@@ -167,18 +191,16 @@ def tune_in(path, model, calibration, evaluation, work, target, level, threads, 
             try:
                 quantize_candidate(prepared_path, target_path, settings, reader, cache)
             except Exception as exc:  # the quantizer refused it: kept with its error, never a crash
-                row.update(dict.fromkeys(["sqnr_db", "int8_fraction", "int8_kernels", "wrapped_but_float"]))
-                row.update(ms=None, speedup=None, bytes=None, error=f"quantize_static: {one_line(exc)}")
-                rows.append(row)
+                rows.append(refused_row(row, exc))
                 continue
-            row.update(measure_candidate(path, target_path, evaluation, level, threads, runs))
-            files[ident] = (target_path, prepared_path)
+            row.update(measure(target_path))
+            files[ident] = (target_path, prepared_path, cache)
             rows.append(row)
     if not files:
         raise GraphscanError(
             f"{shown(path)}: onnxruntime's quantize_static refused every candidate ({rows[0]['error']})", EXIT_RUNTIME
         )
-    float_ms = sorted(r.pop("float_ms") for r in rows if "float_ms" in r)
+    float_ms = [r.pop("float_ms") for r in rows if "float_ms" in r]
     pareto(rows)
     default = next(
         (
@@ -191,18 +213,57 @@ def tune_in(path, model, calibration, evaluation, work, target, level, threads, 
     if target is None and default is not None and default["error"] is None:
         target = default["sqnr_db"]
     chosen, reached = chosen_row(rows, target)
-    model_path, prepared_path = files[chosen["id"]]
+    if not reached:
+        exclusions(rows, files, chosen, target, max_exclude, reader, measure, work)
+        float_ms += sorted(r.pop("float_ms") for r in rows if "float_ms" in r)
+        pareto(rows)
+        chosen, reached = chosen_row(rows, target)
+    model_path, prepared_path, _ = files[chosen["id"]]
     os.replace(model_path, os.path.join(work, "model.onnx"))
     os.replace(prepared_path, os.path.join(work, "prepared.onnx"))
     order = sorted(rows, key=lambda r: (not r["pareto"], r["error"] is not None, r["ms"] or 0.0, r["id"]))
     return {
-        "float": {"ms": float_ms[len(float_ms) // 2]},
+        "float": {"ms": sorted(float_ms)[len(float_ms) // 2]},
         "prepare": steps + rewrite_steps,
         "candidates": [{key: row.get(key) for key in CANDIDATE_KEYS} for row in order],
         "target_sqnr_db": target,
         "chosen": chosen["id"],
         "reached": reached,
     }
+
+
+DEFAULT_MAX_EXCLUDE = 8  # additions tried when --max-exclude is not given
+
+
+def exclusions(rows, files, best, target, max_exclude, reader, measure, work):
+    """Operators of ``best`` added to nodes_to_exclude one at a time in impact's order, each
+    re-quantized and measured as deployed; an addition stays only if the SQNR rises.
+    Every model tried is a candidate row of its own (the quantizer's, never a promise)."""
+    from graphscan_ort.impact import MIN_GAIN_DB, impact
+
+    candidate_path, prepared_path, cache = files[best["id"]]
+    ranked = impact(prepared_path, candidate_path, inputs=measure.paths)["ops"]
+    names = [r["node"] for r in ranked if r["gain_db"] is not None and r["gain_db"] >= MIN_GAIN_DB]
+    limit = DEFAULT_MAX_EXCLUDE if max_exclude is None else max_exclude
+    kept, current = [], best
+    for node in names[:limit]:
+        if current["sqnr_db"] is not None and current["sqnr_db"] >= target:
+            break
+        ident = len(rows)
+        settings = {**best["quantize_static"], "nodes_to_exclude": [*kept, node]}
+        target_path = os.path.join(work, f"candidate-{ident}.onnx")
+        row = {"id": ident, "quantize_static": settings, "rewrites": best["rewrites"], "error": None}
+        try:
+            quantize_candidate(prepared_path, target_path, settings, reader, cache)
+        except Exception as exc:
+            rows.append(refused_row(row, exc))
+            continue
+        row.update(measure(target_path))
+        files[ident] = (target_path, prepared_path, cache)
+        rows.append(row)
+        if row["sqnr_db"] is not None and (current["sqnr_db"] is None or row["sqnr_db"] > current["sqnr_db"]):
+            kept.append(node)
+            current = row
 
 
 CANDIDATE_KEYS = [
