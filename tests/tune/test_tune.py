@@ -174,3 +174,17 @@ def test_exclusions_are_realized_by_the_quantizer_and_measured(tuned, tmp_path, 
         if row["sqnr_db"] > kept_sqnr:
             kept, kept_sqnr = row["quantize_static"]["nodes_to_exclude"], row["sqnr_db"]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.onnx", "prepared.onnx"]
+
+
+@pytest.mark.parametrize("event", ["os.mkdir", "os.rename"])
+def test_ctrl_c_leaves_nothing_half_written(tuned, tmp_path, event):
+    """Interrupted when its temporary folder is made, or while it is renamed into place:
+    exit 130 and one line; --out is absent or complete, and no temporary folder is left."""
+    from tests.cli.test_process_boundary import INTERRUPT_AT
+
+    out = tmp_path / "out"
+    argv = ["tune", tuned["float"], "--calibrate", tuned["calibration"][0], "--out", out, "--runs", "1"]
+    proc = run_graphscan(argv, python_flags=("-c", INTERRUPT_AT, event, "*"))
+    assert proc.returncode == 130 and proc.stderr == b"graphscan: interrupted\n" and proc.stdout == b""
+    assert not out.exists() or sorted(p.name for p in out.iterdir()) == ["model.onnx", "prepared.onnx"]
+    assert list(tmp_path.glob(".graphscan-tune-*")) == []
