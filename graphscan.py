@@ -1981,7 +1981,11 @@ def positive_int(text: str) -> int:
 TUNE_OPTIONS = [
     (
         "--calibrate",
-        {"metavar": "FILE.npz", "action": "append", "help": "a calibration sample, one array per input (repeatable)"},
+        {
+            "metavar": "FILE.npz",
+            "action": "append",
+            "help": "a calibration sample, one array per input, or a folder of them (repeatable)",
+        },
     ),
     (
         "--inputs",

@@ -11,7 +11,8 @@ Writes into the current folder:
   defaults (int8 activations and weights, per tensor, MinMax), calibrated on 8 text-like
   pages 1x3x320x320 (seed 1);
 - page0.npz, page1.npz: two more pages (seed 0, bench/bench_impact.py's samples) for
-  trace, impact and check.
+  trace, impact, check and tune;
+- calibration/cal0.npz ... cal7.npz: the eight calibration pages, for tune.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def main(wheel):
         quant_pre_process(str(original), "det.onnx", skip_symbolic_shape=True)
     quantize_static("det.onnx", "det.int8.onnx", Pages(), quant_format=QuantFormat.QDQ)
     write_samples(Path("."), 2, SIZE)
+    calibration = Path("calibration")  # the same eight pages, as files, for tune
+    calibration.mkdir(exist_ok=True)
+    for k, page in enumerate(Pages().pages):
+        np.savez(calibration / f"cal{k}.npz", **page)
     return 0
 
 

@@ -32,7 +32,16 @@ import tempfile
 import onnx
 import onnxruntime as ort
 
-from graphscan import EXIT_NO_FILE, EXIT_RUNTIME, EXIT_USAGE, GraphscanError, load_with_weights, one_line, shown
+from graphscan import (
+    EXIT_INPUTS,
+    EXIT_NO_FILE,
+    EXIT_RUNTIME,
+    EXIT_USAGE,
+    GraphscanError,
+    load_with_weights,
+    one_line,
+    shown,
+)
 from graphscan_ort.candidates import METHODS, candidate_settings, quantize_candidate
 from graphscan_ort.deployed import measure_candidate
 from graphscan_ort.inputs import input_specs, inputs_answer, read_npz_inputs
@@ -61,6 +70,21 @@ class Samples:
                 return next(self.left, None)
 
         return Reader()
+
+
+def sample_files(paths: list[str]) -> list[str]:
+    """``paths`` with every folder replaced by the .npz files in it, sorted: a folder of
+    calibration samples is what users have. A folder without any is exit 7."""
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = sorted(os.path.join(path, name) for name in os.listdir(path) if name.endswith(".npz"))
+            if not found:
+                raise GraphscanError(f"{shown(path)}: a folder without .npz samples", EXIT_INPUTS)
+            files += found
+        else:
+            files.append(path)
+    return files
 
 
 def check_out(out: str) -> str:
@@ -114,6 +138,7 @@ def tune(
         raise GraphscanError("usage: tune needs --out DIR", EXIT_USAGE)
     if runs < 1 or threads < 0:
         raise GraphscanError("usage: --runs must be at least 1 and --threads at least 0", EXIT_USAGE)
+    calibrate, inputs = sample_files(calibrate), sample_files(inputs) if inputs else None
     parent = check_out(out)
     ort.set_default_logger_severity(4)  # the quantizer's own sessions log warnings on stderr
     model = load_with_weights(path)

@@ -201,6 +201,9 @@ def stand_in_cnn(folder):
     quantize_static(str(folder / "det.onnx"), str(folder / "det.int8.onnx"), Narrow(), quant_format=QuantFormat.QDQ)
     for k in range(2):
         np.savez(folder / f"page{k}.npz", x=rng.normal(0, 1, (1, 3, 16, 16)).astype(np.float32))
+    (folder / "calibration").mkdir()  # tune's folder of calibration pages
+    for k in range(2):
+        np.savez(folder / "calibration" / f"cal{k}.npz", x=rng.normal(0, 0.05, (1, 3, 16, 16)).astype(np.float32))
 
 
 @pytest.fixture(scope="session")

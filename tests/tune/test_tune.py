@@ -188,3 +188,53 @@ def test_ctrl_c_leaves_nothing_half_written(tuned, tmp_path, event):
     assert proc.returncode == 130 and proc.stderr == b"graphscan: interrupted\n" and proc.stdout == b""
     assert not out.exists() or sorted(p.name for p in out.iterdir()) == ["model.onnx", "prepared.onnx"]
     assert list(tmp_path.glob(".graphscan-tune-*")) == []
+
+
+def test_the_lab_mlp_is_tuned_and_reproduced(tmp_path, default_lab):
+    """The lab's MLP (MatMul, Add, Relu; a symbolic batch): the chosen model is its own
+    arguments' model, and the answer's SQNR check's."""
+    samples = []
+    for k in range(3):
+        samples.append(tmp_path / f"s{k}.npz")
+        np.savez(samples[-1], x=np.random.default_rng(k).standard_normal((4, 16)).astype(np.float32))
+    answer = tune.tune(
+        default_lab["fp32"],
+        calibrate=[str(s) for s in samples[:2]],
+        inputs=[str(samples[2])],
+        out=str(tmp_path / "o"),
+        runs=2,
+    )
+    chosen = next(c for c in answer["candidates"] if c["id"] == answer["chosen"])
+
+    class Reader(candidates.CalibrationDataReader):
+        def __init__(self):
+            self.left = iter([dict(np.load(p)) for p in samples[:2]])
+
+        def get_next(self):
+            return next(self.left, None)
+
+    with candidates.quiet():
+        quantize_static(
+            str(tmp_path / "o" / "prepared.onnx"),
+            str(tmp_path / "again.onnx"),
+            Reader(),
+            **candidates.keyword_arguments(chosen["quantize_static"]),
+        )
+    assert (tmp_path / "again.onnx").read_bytes() == (tmp_path / "o" / "model.onnx").read_bytes()
+    budget = graphscan.check(
+        str(tmp_path / "o" / "model.onnx"), float_path=default_lab["fp32"], min_sqnr=-100, inputs=[str(samples[2])]
+    )
+    assert chosen["sqnr_db"] == pytest.approx(budget["budgets"][0]["value"], abs=1e-6)
+
+
+def test_a_folder_of_samples_is_every_npz_in_it(tuned, tmp_path, capsys):
+    folder = tmp_path / "calibration"
+    folder.mkdir()
+    for k, source in enumerate(tuned["calibration"]):
+        (folder / f"cal{k}.npz").write_bytes(Path(source).read_bytes())
+    assert tune.sample_files([str(folder)]) == [str(folder / "cal0.npz"), str(folder / "cal1.npz")]
+    (tmp_path / "empty").mkdir()
+    line = main_error_line(
+        capsys, ["tune", tuned["float"], "--calibrate", str(tmp_path / "empty"), "--out", str(tmp_path / "o")], 7
+    )
+    assert "without .npz" in line
