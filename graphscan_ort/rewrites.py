@@ -23,20 +23,10 @@ import onnx
 from graphscan import node_name
 from graphscan_ort.common import compare_outputs
 from graphscan_ort.fuse import FUSE_RELATIVE_TOLERANCE, run_model
+from graphscan_ort.impact import constant_arrays
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
 CLIP_INPUTS_OPSET = 11  # Clip takes min and max as inputs from opset 11 on
-
-
-def constant_values(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
-    """``{tensor: TensorProto}`` of the graph's initializers and Constant nodes' values."""
-    values = {init.name: init for init in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant" and node.output:
-            for attribute in node.attribute:
-                if attribute.name == "value":
-                    values[node.output[0]] = attribute.t
-    return values
 
 
 def fresh_name(wanted: str, taken: set[str]) -> str:
@@ -66,14 +56,14 @@ def div_by_constant(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
-    constants, taken, count = constant_values(graph), all_names(graph), 0
+    constants, taken, count = constant_arrays(graph), all_names(graph), 0
     for i, node in enumerate(graph.node):
         if node.op_type != "Div" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
             continue
         divisor = constants.get(node.input[1])
-        if divisor is None or divisor.data_type not in FLOAT_TYPES:
+        if divisor is None or divisor.proto.data_type not in FLOAT_TYPES:
             continue
-        values = onnx.numpy_helper.to_array(divisor)
+        values = divisor.array
         if values.size == 0 or not np.all(np.isfinite(values)) or np.any(values == 0):
             continue
         reciprocal = (1.0 / values.astype(np.float64)).astype(values.dtype)
