@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from graphscan import load_with_weights
-from graphscan_ort.common import OutputNoise, deployed_options, inputs_hint, model_outputs, output_pairs
+from graphscan_ort.common import deployed_options, inputs_hint, output_pairs, output_sqnr
 from graphscan_ort.inputs import check_same_inputs, model_samples, parse_shapes
 from graphscan_ort.runtime import runtime
 
@@ -55,9 +55,8 @@ def measured_sqnr(
     samples, _ = model_samples(float_model, inputs, parse_shapes(shape), seed, 1)
     options = deployed_options(level)
     with inputs_hint(not inputs, 1, [float_path, quant_path]):
-        noise = OutputNoise(model_outputs(float_model, samples, float_path, [f for f, _ in pairs], options))
-        sqnr, exact = noise.measure(model_outputs(quant_model, samples, quant_path, [q for _, q in pairs], options))
-    if noise.empty:  # an empty sample verifies nothing: the budget does not hold
+        sqnr, exact, empty = output_sqnr(float_model, quant_model, samples, pairs, float_path, quant_path, options)
+    if empty:  # an empty sample verifies nothing: the budget does not hold
         return math.nan
     if exact:
         return math.inf

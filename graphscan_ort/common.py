@@ -221,6 +221,23 @@ def model_outputs(
     return outputs
 
 
+def output_sqnr(
+    float_model: onnx.ModelProto,
+    quant_model: onnx.ModelProto,
+    samples: list[dict],
+    pairs: list[tuple[str, str]],
+    float_path: str,
+    quant_path: str,
+    options: ort.SessionOptions,
+) -> tuple[float | None, bool, bool]:
+    """``(sqnr_db, exact, empty)`` of the quantized model's outputs against the
+    float model's, paired by ``pairs`` and both run at ``options``: OutputNoise's
+    definition, shared by impact's deployed figure, check and tune."""
+    noise = OutputNoise(model_outputs(float_model, samples, float_path, [f for f, _ in pairs], options))
+    sqnr, exact = noise.measure(model_outputs(quant_model, samples, quant_path, [q for _, q in pairs], options))
+    return sqnr, exact, noise.empty
+
+
 def deployed_options(level: str = "all") -> ort.SessionOptions:
     """A session as users run the model: onnxruntime's default settings (all
     optimizations, its own thread count), or another ``--level``. onnxruntime

@@ -22,16 +22,9 @@ from collections import Counter
 import onnx
 
 from graphscan import shown
-from graphscan_ort.common import OutputNoise, model_outputs, open_session, output_pairs, session_options
+from graphscan_ort.common import open_session, output_pairs, output_sqnr, session_options
 from graphscan_ort.runtime import runtime
 from graphscan_ort.timing import interleaved_wall_times
-
-
-def deployed_sqnr(float_model, quant_model, samples, float_path, quant_path, options):
-    """``(sqnr_db, exact)`` of the quantized model's outputs against the float model's, both at ``options``."""
-    pairs = output_pairs(float_model, quant_model, float_path, quant_path)
-    noise = OutputNoise(model_outputs(float_model, samples, float_path, [f for f, _ in pairs], options))
-    return noise.measure(model_outputs(quant_model, samples, quant_path, [q for _, q in pairs], options))
 
 
 def kernel_counts(path: str, level: str) -> dict:
@@ -55,7 +48,8 @@ def measure_candidate(
     """``{"sqnr_db", "int8_fraction", "int8_kernels", "wrapped_but_float", "ms", "float_ms", "speedup", "bytes"}``."""
     float_model, quant_model = onnx.load(float_path), onnx.load(quant_path)
     options = session_options(level, threads=threads)
-    sqnr, _ = deployed_sqnr(float_model, quant_model, samples, float_path, quant_path, options)
+    pairs = output_pairs(float_model, quant_model, float_path, quant_path)
+    sqnr, _, _ = output_sqnr(float_model, quant_model, samples, pairs, float_path, quant_path, options)
     sessions = [
         open_session(float_model, f"{shown(float_path)}: model", session_options(level, threads=threads)),
         open_session(quant_model, f"{shown(quant_path)}: model", session_options(level, threads=threads)),

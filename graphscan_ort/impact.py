@@ -37,6 +37,7 @@ from graphscan_ort.common import (
     model_outputs,
     open_session,
     output_pairs,
+    output_sqnr,
 )
 from graphscan_ort.inputs import check_same_inputs, inputs_answer, model_samples, parse_shapes
 from graphscan_ort.segments import IMPACT_PREFIX, segment_runner
@@ -517,14 +518,6 @@ def weight_warnings(plan, a):
     return [warning]
 
 
-def deployed_sqnr(float_model, quant_model, samples, pairs, a, b):
-    """The output SQNR of b as users run it: both models in a default onnxruntime
-    session, where onnxruntime may rewrite what impact measures as written."""
-    options = deployed_options()
-    noise = OutputNoise(model_outputs(float_model, samples, a, [f for f, _ in pairs], options))
-    return noise.measure(model_outputs(quant_model, samples, b, [q for _, q in pairs], options))[0]
-
-
 def impact(
     a: str,
     b: str,
@@ -600,7 +593,8 @@ def impact_answer(a, b, inputs, seed, shape, target_sqnr, max_exclude, top, min_
         "defaulted": defaulted,
         "samples": len(samples),
         "output_sqnr_db": baseline[0],
-        "deployed_output_sqnr_db": deployed_sqnr(float_model, quant_model, samples, pairs, a, b),
+        # As users run both models: onnxruntime may rewrite what impact measures as written.
+        "deployed_output_sqnr_db": output_sqnr(float_model, quant_model, samples, pairs, a, b, deployed_options())[0],
         "weights": {"matched": len(plan.weight_of), "total": plan.weight_dqs},
         "warnings": weight_warnings(plan, a),
         "ops": [op_rows[k] for k in op_order][:top],
