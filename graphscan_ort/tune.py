@@ -225,7 +225,7 @@ def tune_in(path, model, calibration, work, target, max_exclude, measure):
         raise GraphscanError(
             f"{shown(path)}: onnxruntime's quantize_static refused every candidate ({rows[0]['error']})", EXIT_RUNTIME
         )
-    float_ms = [r.pop("float_ms") for r in rows if "float_ms" in r]
+    float_ms = popped_float_ms(rows)
     pareto(rows)
     default = next(
         (
@@ -240,7 +240,7 @@ def tune_in(path, model, calibration, work, target, max_exclude, measure):
     chosen, reached = chosen_row(rows, target)
     if not reached:
         exclusions(rows, files, chosen, target, max_exclude, reader, measure, work)
-        float_ms += sorted(r.pop("float_ms") for r in rows if "float_ms" in r)
+        float_ms += popped_float_ms(rows)
         pareto(rows)
         chosen, reached = chosen_row(rows, target)
     model_path, prepared_path, _ = files[chosen["id"]]
@@ -255,6 +255,12 @@ def tune_in(path, model, calibration, work, target, max_exclude, measure):
         "chosen": chosen["id"],
         "reached": reached,
     }
+
+
+def popped_float_ms(rows: list[dict]) -> list[float]:
+    """The float model's times measured beside each new candidate, taken out of
+    its row: the answer reports their median once, as ``float.ms``."""
+    return [row.pop("float_ms") for row in rows if "float_ms" in row]
 
 
 DEFAULT_MAX_EXCLUDE = 8  # additions tried when --max-exclude is not given
