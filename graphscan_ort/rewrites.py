@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 
 from graphscan import node_name
-from graphscan_ort.common import compare_outputs
+from graphscan_ort.common import compare_outputs, graph_names
 from graphscan_ort.fuse import FUSE_RELATIVE_TOLERANCE, run_model
 from graphscan_ort.impact import constant_arrays
 
@@ -39,14 +39,6 @@ def fresh_name(wanted: str, taken: set[str]) -> str:
     return name
 
 
-def all_names(graph: onnx.GraphProto) -> set[str]:
-    names = {init.name for init in graph.initializer}
-    names.update(info.name for info in [*graph.input, *graph.output, *graph.value_info])
-    for node in graph.node:
-        names.update([node.name, *node.input, *node.output])
-    return names
-
-
 def default_opset(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
@@ -56,7 +48,7 @@ def div_by_constant(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
-    constants, taken, count = constant_arrays(graph), all_names(graph), 0
+    constants, taken, count = constant_arrays(graph), set(graph_names(graph)), 0
     for i, node in enumerate(graph.node):
         if node.op_type != "Div" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
             continue
@@ -83,7 +75,7 @@ def hard_sigmoid(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         return out, 0
     graph = out.graph
     types = element_types(out)
-    taken, count, nodes = all_names(graph), 0, []
+    taken, count, nodes = set(graph_names(graph)), 0, []
     for i, node in enumerate(graph.node):
         if node.op_type != "HardSigmoid" or node.domain not in ("", "ai.onnx"):
             nodes.append(node)
