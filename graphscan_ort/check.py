@@ -7,7 +7,7 @@ import math
 from graphscan import load_with_weights
 from graphscan_ort.common import deployed_options, inputs_hint, output_pairs, output_sqnr
 from graphscan_ort.inputs import check_same_inputs, model_samples, parse_shapes
-from graphscan_ort.runtime import runtime
+from graphscan_ort.runtime import int8_fraction, runtime
 
 
 def measurements(
@@ -23,17 +23,10 @@ def measurements(
     model at ``path``; ``level``: the optimization level min_sqnr runs at."""
     values = {}
     if "min_int8" in names:
-        values["min_int8"] = int8_share(path)
+        values["min_int8"] = int8_fraction(runtime(path)["classes"])
     if "min_sqnr" in names:
         values["min_sqnr"] = measured_sqnr(float_path, path, inputs, shape, seed, level)
     return values
-
-
-def int8_share(path: str) -> float:
-    """Of the nodes whose runtime class is int8, int8_data or float, the fraction that are int8 or int8_data."""
-    classes = runtime(path)["classes"]
-    running = classes["int8"] + classes["int8_data"] + classes["float"]
-    return (classes["int8"] + classes["int8_data"]) / running if running else 0.0
 
 
 def measured_sqnr(

@@ -23,7 +23,7 @@ import onnx
 
 from graphscan import shown
 from graphscan_ort.common import open_session, output_pairs, output_sqnr, session_options
-from graphscan_ort.runtime import runtime
+from graphscan_ort.runtime import int8_fraction, runtime
 from graphscan_ort.timing import interleaved_wall_times
 
 
@@ -31,12 +31,11 @@ def kernel_counts(path: str, level: str) -> dict:
     """int8 share, int8 kernels and the reasons wrapped nodes run float, from the runtime command."""
     answer = runtime(path, level=level)
     classes = answer["classes"]
-    running = classes["int8"] + classes["int8_data"] + classes["float"]
     reasons = Counter(
         (row["reason"] or {}).get("code") for row in answer["nodes"] if row["wrapped"] and row["class"] == "float"
     )
     return {
-        "int8_fraction": (classes["int8"] + classes["int8_data"]) / running if running else 0.0,
+        "int8_fraction": int8_fraction(classes),
         "int8_kernels": classes["int8"],
         "wrapped_but_float": dict(sorted(reasons.items())),
     }

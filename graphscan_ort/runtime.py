@@ -498,6 +498,13 @@ def runtime_counts(rows):
     }
 
 
+def int8_fraction(classes: dict[str, int]) -> float:
+    """Of the nodes whose runtime class is int8, int8_data or float, the fraction
+    that are int8 or int8_data: check's --min-int8 and tune's int8_fraction."""
+    running = classes["int8"] + classes["int8_data"] + classes["float"]
+    return (classes["int8"] + classes["int8_data"]) / running if running else 0.0
+
+
 def runtime_environment(level, provider, int8_allowed):
     import platform
 
