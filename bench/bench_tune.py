@@ -37,10 +37,9 @@ def plain_loop(float_path: str, calibrate: list[str], inputs: list[str], work: s
     import onnx
     from onnxruntime.quantization import quantize_static
 
-    from graphscan_ort.candidates import candidate_settings, keyword_arguments, quiet
+    from graphscan_ort.candidates import SampleReader, candidate_settings, keyword_arguments, quiet
     from graphscan_ort.deployed import measure_candidate
     from graphscan_ort.prepare import prepared_base, with_rewrites
-    from graphscan_ort.tune import Samples
 
     original = onnx.load(float_path)
     evaluation = [dict(np.load(p)) for p in inputs]
@@ -55,7 +54,7 @@ def plain_loop(float_path: str, calibrate: list[str], inputs: list[str], work: s
         for settings in candidate_settings():
             target = os.path.join(work, f"plain{count}.onnx")
             with quiet():
-                quantize_static(prepared, target, Samples(calibration)(), **keyword_arguments(settings))
+                quantize_static(prepared, target, SampleReader(calibration), **keyword_arguments(settings))
             measure_candidate(float_path, target, evaluation, "all", 1, runs)
             count += 1
     print(count)

@@ -59,6 +59,16 @@ def cache_path(folder: str, method: str) -> str:
     return os.path.join(folder, f"calibration-{method}.json")
 
 
+class SampleReader(CalibrationDataReader):
+    """The calibration samples for one quantize_static call: a consumed reader yields nothing."""
+
+    def __init__(self, samples: list[dict]) -> None:
+        self.left = iter(samples)
+
+    def get_next(self) -> dict | None:
+        return next(self.left, None)
+
+
 def quantize_candidate(
     prepared: str,
     output: str,

@@ -24,6 +24,7 @@ Not yet: the benchmark against a plain loop.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import shutil
@@ -42,34 +43,13 @@ from graphscan import (
     one_line,
     shown,
 )
-from graphscan_ort.candidates import METHODS, candidate_settings, quantize_candidate
+from graphscan_ort.candidates import METHODS, SampleReader, candidate_settings, quantize_candidate
 from graphscan_ort.deployed import measure_candidate
 from graphscan_ort.inputs import input_specs, inputs_answer, read_npz_inputs
 from graphscan_ort.prepare import prepared_base, with_rewrites
 
 # onnxruntime's own defaults: what a user gets from quantize_static without options.
 DEFAULT_SETTINGS = {"activation_type": "QInt8", "per_channel": False, "calibrate_method": "MinMax"}
-
-
-class Samples:
-    """A fresh CalibrationDataReader over the calibration samples for every quantize_static call."""
-
-    def __init__(self, samples):
-        self.samples = samples
-
-    def __call__(self):
-        from onnxruntime.quantization import CalibrationDataReader
-
-        samples = self.samples
-
-        class Reader(CalibrationDataReader):
-            def __init__(self):
-                self.left = iter(samples)
-
-            def get_next(self):
-                return next(self.left, None)
-
-        return Reader()
 
 
 def sample_files(paths: list[str]) -> list[str]:
@@ -203,7 +183,7 @@ def tune_in(path, model, calibration, work, target, max_exclude, measure):
     prepared = {"none": base}
     if rewritten is not base:
         prepared["rewrites"] = rewritten
-    rows, files, reader = [], {}, Samples(calibration)
+    rows, files, reader = [], {}, functools.partial(SampleReader, calibration)
     for rewrites, prepared_model in prepared.items():
         prepared_path = os.path.join(work, f"prepared-{rewrites}.onnx")
         onnx.save(prepared_model, prepared_path)
