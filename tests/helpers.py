@@ -372,3 +372,19 @@ def fuse_with_transposed_b(monkeypatch):
         return fused, done, skipped
 
     monkeypatch.setattr(graphscan_ort.fuse, "fuse_matmul_add", transposing)
+
+
+# Run as `python -c INTERRUPT_AT EVENT ARGUMENT script args...`: the script, sent
+# SIGINT at the first audit event EVENT whose first argument is ARGUMENT ("*": any).
+INTERRUPT_AT = """
+import os, runpy, signal, sys
+event_wanted, argument = sys.argv[1], sys.argv[2]
+sys.argv = sys.argv[3:]
+sent = []
+def hook(event, args):
+    if not sent and event == event_wanted and args and argument in ("*", str(args[0])):
+        sent.append(True)
+        os.kill(os.getpid(), signal.SIGINT)
+sys.addaudithook(hook)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""

@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 import gen_models
 import graphscan
 import graphscan_ort.trace
-from tests.helpers import describe, error_line, json_answer, run_graphscan, strict_loads
+from tests.helpers import INTERRUPT_AT, describe, error_line, json_answer, run_graphscan, strict_loads
 
 NAN = float("nan")
 
@@ -76,19 +76,6 @@ def test_trace_of_a_nan_model_is_strict_json(tmp_path):
 
 # --------------------------------------------------------------------------
 # Item 5: SIGINT, stdout that cannot be written, newlines in paths, one_line
-
-INTERRUPT_AT = """
-import os, runpy, signal, sys
-event_wanted, argument = sys.argv[1], sys.argv[2]
-sys.argv = sys.argv[3:]
-sent = []
-def hook(event, args):
-    if not sent and event == event_wanted and args and argument in ("*", str(args[0])):
-        sent.append(True)
-        os.kill(os.getpid(), signal.SIGINT)
-sys.addaudithook(hook)
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import gen_models
 import graphscan
 import graphscan_ort.candidates as candidates
 import graphscan_ort.tune as tune
-from tests.helpers import error_line, json_answer, main_error_line, run_graphscan
+from tests.helpers import INTERRUPT_AT, error_line, json_answer, main_error_line, run_graphscan
 
 
 @pytest.fixture(scope="module")
@@ -180,8 +180,6 @@ def test_exclusions_are_realized_by_the_quantizer_and_measured(tuned, tmp_path, 
 def test_ctrl_c_leaves_nothing_half_written(tuned, tmp_path, event):
     """Interrupted when its temporary folder is made, or while it is renamed into place:
     exit 130 and one line; --out is absent or complete, and no temporary folder is left."""
-    from tests.cli.test_process_boundary import INTERRUPT_AT
-
     out = tmp_path / "out"
     argv = ["tune", tuned["float"], "--calibrate", tuned["calibration"][0], "--out", out, "--runs", "1"]
     proc = run_graphscan(argv, python_flags=("-c", INTERRUPT_AT, event, "*"))
