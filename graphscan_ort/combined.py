@@ -399,8 +399,9 @@ class CombinedModel:
             # For a float32 t, t < lo exactly when t < the least float32 >= lo
             # (and t > hi when t > the largest float32 <= hi): no float64 copy.
             low, high = np.float32(lo), np.float32(hi)
-            low = np.nextafter(low, np.float32(np.inf)) if low < lo else low
-            high = np.nextafter(high, np.float32(-np.inf)) if high > hi else high
+            # Compared as float64: numpy compares a float32 with a Python float in float32.
+            low = np.nextafter(low, np.float32(np.inf)) if float(low) < lo else low
+            high = np.nextafter(high, np.float32(-np.inf)) if float(high) > hi else high
             values, bounds = tensor, (np.float32(low), np.float32(high))
         else:
             values, bounds = self.as_double(rank, tensor), (np.float64(lo), np.float64(hi))

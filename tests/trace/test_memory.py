@@ -102,6 +102,48 @@ def test_every_path_gives_what_onnxruntime_and_numpy_give(cnn, settings, monkeyp
     assert answer["outputs"][y] == float(np.max(np.abs(floats[y].astype(np.float64) - quants[y])))
 
 
+def outward_rounded_range():
+    """An int8 scale and zero point whose range [lo, hi] has float32(lo) < lo and
+    float32(hi) > hi: the float32 values just outside, where a float32 count can slip."""
+    for zero in range(1, 60):
+        for scale in np.linspace(0.01, 0.02, 201, dtype=np.float32):
+            lo, hi = (-128 - zero) * float(scale), (127 - zero) * float(scale)
+            if float(np.float32(lo)) < lo and float(np.float32(hi)) > hi:
+                return scale, zero, lo, hi
+    raise AssertionError("no such range")
+
+
+@pytest.mark.parametrize("settings", PATHS)
+def test_clipped_counts_float32_values_just_outside_the_range(tmp_path, settings, monkeypatch):
+    # On PP-OCRv4 det, counting in the graph against float32 bounds made from
+    # Python floats missed such values: 8 of 292 rows said 0.0 (up to 0.246).
+    scale, zero, lo, hi = outward_rounded_range()
+    just_out = [np.float32(lo), np.float32(hi)]
+    just_in = [np.nextafter(np.float32(lo), np.float32(0)), np.nextafter(np.float32(hi), np.float32(0)), 0]
+    values = np.array(just_out + just_in, np.float32)
+    neg = helper.make_node("Neg", ["x"], ["t"], name="neg")
+    qdq = [
+        helper.make_node("QuantizeLinear", ["t", "s", "z"], ["t_q"], name="q"),
+        helper.make_node("DequantizeLinear", ["t_q", "s", "z"], ["y"], name="dq"),
+    ]
+    io = ([helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 5])],)
+    out = [helper.make_tensor_value_info(t, TensorProto.FLOAT, [1, 5]) for t in ("t", "y")]
+    qparams = [numpy_helper.from_array(np.array(scale), "s"), numpy_helper.from_array(np.array(zero, np.int8), "z")]
+    opset = [helper.make_opsetid("", 17)]
+    onnx.save(helper.make_model(helper.make_graph([neg], "a", *io, out[:1]), opset_imports=opset), tmp_path / "a.onnx")
+    onnx.save(
+        helper.make_model(helper.make_graph([neg, *qdq], "b", *io, out[1:], qparams), opset_imports=opset),
+        tmp_path / "b.onnx",
+    )
+    np.savez(tmp_path / "x.npz", x=-values[None])
+    for name, value in settings.items():
+        monkeypatch.setattr(graphscan_ort.combined, name, value)
+    answer = graphscan.trace(str(tmp_path / "a.onnx"), str(tmp_path / "b.onnx"), inputs=str(tmp_path / "x.npz"))
+    wide = values.astype(np.float64)
+    assert np.count_nonzero((wide < lo) | (wide > hi)) == 2  # the ends really are outside, in float64
+    assert [row["clipped"] for row in answer["ops"]] == [2 / 5]
+
+
 @pytest.mark.parametrize("settings", PATHS[1:])
 def test_reduced_isolated_errors_equal_the_fetched_ones(cnn, settings, monkeypatch):
     fetched = graphscan.trace(str(cnn["float"]), str(cnn["quant"]), inputs=str(cnn["npz"]))
