@@ -144,8 +144,10 @@ def error_stats(reference, value):
 def sqnr_db_of_norms(signal_norm, noise_norm):
     """A tensor's SQNR in dB, ``20*log10(signal_norm / noise_norm)``, from two
     Euclidean norms (not energies: the output SQNR is common.decibels); None
-    when either is 0."""
-    return 20.0 * math.log10(signal_norm / noise_norm) if noise_norm > 0 and signal_norm > 0 else None
+    when either is 0 or not finite (an overflow to infinity in one model)."""
+    if not (0 < noise_norm < math.inf and 0 < signal_norm < math.inf):
+        return None
+    return 20.0 * math.log10(signal_norm / noise_norm)
 
 
 def rename_graph(graph, rename, node_prefix):

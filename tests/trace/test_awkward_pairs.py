@@ -6,6 +6,7 @@ Expected values come from onnxruntime run directly and numpy.
 """
 
 import json
+import math
 
 import numpy as np
 import onnx
@@ -447,3 +448,30 @@ def test_a_graph_whose_output_is_its_input_is_traced(tmp_path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     answer = graphscan.trace(str(path), str(path))
     assert answer["ops"] == [] and answer["outputs"] == {"x": 0.0}
+
+
+@pytest.mark.parametrize("fetch_elements", [2**22, 0], ids=["fetched", "reduced-in-graph"])
+def test_an_overflow_to_infinity_gives_no_sqnr_not_a_crash(tmp_path, fetch_elements, monkeypatch):
+    """exp(88.6) is a float32, exp(89) is not: the quantized Exp (its input rounded to 89)
+    overflows where the float one does not. The noise is infinite: no SQNR, the maximum
+    infinite (null in the JSON). It was exit 1, "math domain error"."""
+    import graphscan_ort.combined
+
+    monkeypatch.setattr(graphscan_ort.combined, "TRACE_FETCH_ELEMENTS", fetch_elements)
+    x, y = ([helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 4])] for n in ("x", "y"))
+    nodes = [helper.make_node("Exp", ["x"], ["y"], name="exp")]
+    float_path = save(helper.make_model(helper.make_graph(nodes, "a", x, y), opset_imports=OPSET), tmp_path / "a.onnx")
+    quant_nodes = []
+    wrapped, qparams = quantize_tensor(quant_nodes, "x", scale=1.0)
+    quant_nodes.append(helper.make_node("Exp", [wrapped], ["y"], name="exp"))
+    quant_path = save(
+        helper.make_model(helper.make_graph(quant_nodes, "b", x, y, qparams), opset_imports=OPSET), tmp_path / "b.onnx"
+    )
+    np.savez(tmp_path / "x.npz", x=np.array([[88.6, 1, 2, 3]], np.float32))
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.exp(np.float32(89))) and np.isfinite(np.exp(np.float32(88.6)))
+    (row,) = graphscan.trace(float_path, quant_path, inputs=str(tmp_path / "x.npz"))["ops"]
+    assert row["propagated_max_abs"] == math.inf and row["sqnr_db"] is None
+    done = run_graphscan(["trace", float_path, quant_path, "--inputs", tmp_path / "x.npz"])
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["ops"][0]["propagated_max_abs"] is None  # strict JSON
