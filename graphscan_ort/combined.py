@@ -2,15 +2,19 @@
 
 graphscan's combined model holds the quantized model, the float model (its
 tensors renamed under its float prefix), every operator's single-op model reading
-the float references, and the statistics of every row. Its nodes are ordered
-so the two models advance together and each row is measured as soon as its
-tensors exist; onnxruntime frees a tensor after its last reader. It runs in
-sessions of at most TRACE_SEGMENT_NODES nodes, so neither the tensors held nor
-the sessions grow with the number of operators. No session per operator.
+the float references, and the statistics of each row too big to fetch. Its nodes
+are ordered so the two models advance together and each row is measured as soon
+as its tensors exist; onnxruntime frees a tensor after its last reader. It runs in
+sessions of at most TRACE_SEGMENT_NODES nodes and TRACE_FETCH_BUDGET fetched
+bytes, what each fetches measured (Settler) while the next runs, so neither the
+tensors held nor the sessions grow with the number of operators. No session per
+operator.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import functools
 import io
@@ -25,14 +29,15 @@ import onnxruntime as ort
 from graphscan import EXIT_RUNTIME, GraphscanError, node_reads, one_line, shown, subgraphs
 from graphscan_ort.common import OUT_OF_MEMORY, does_not_run, fresh_prefix, open_session, run_options, session_options
 
-# A comparison whose tensors have at most TRACE_FETCH_ELEMENTS elements each is
-# fetched and measured in numpy (np.linalg.norm, as trace always did), while
-# the fetched bytes stay under TRACE_FETCH_BUDGET; every other one is reduced to
-# scalars inside the graph, in float64. The maxima and counts are exact either
-# way; a sum of squares may differ from numpy's in the last digit.
-TRACE_FETCH_ELEMENTS = 2**16
+# A comparison whose tensors are of known size, with at most TRACE_FETCH_ELEMENTS
+# elements each, is fetched and measured in numpy; any other is reduced to scalars
+# inside the graph, in float64. The maxima and counts are exact either way; sums of
+# squares are added in another order, so an SQNR may differ in the last digits.
+TRACE_FETCH_ELEMENTS = 2**22
 
 
+# A session of graphscan's combined model ends once the tensors it fetches reach
+# this many bytes: they are measured and freed before the next session runs.
 TRACE_FETCH_BUDGET = 16 * 2**20
 
 
@@ -124,21 +129,35 @@ def value_info_of(name, array):
     return onnx.helper.make_tensor_value_info(name, elem_type, list(array.shape))
 
 
-def error_stats(reference, value):
-    """(max |ref - value|, SQNR in dB) or Nones when they cannot be compared."""
+def error_stats(reference, value, signal=True):
+    """(max |ref - value|, SQNR in dB, or None without ``signal``), or Nones when
+    they cannot be compared. Measured in float64, TRACE_CHUNK_ELEMENTS values at
+    a time, so the float64 copies stay small. Sums of squares are numpy's einsum,
+    not BLAS: one thread (onnxruntime runs beside it), the same sums on any machine."""
     if not (isinstance(reference, np.ndarray) and isinstance(value, np.ndarray)):
         return None, None
-    if reference.shape != value.shape:
+    if reference.shape != value.shape or not (real_numbers(reference) and real_numbers(value)):
         return None, None
-    if not (np.issubdtype(reference.dtype, np.number) and np.issubdtype(value.dtype, np.number)):
-        return None, None
-    ref = reference.astype(np.float64)
+    reference, value = reference.reshape(-1), value.reshape(-1)
+    noise = energy = largest = 0.0
     with np.errstate(all="ignore"):  # NaN or infinite values give NaN statistics, not warnings on stderr
-        difference = ref - value
-        noise = float(np.linalg.norm(difference))
-        signal = float(np.linalg.norm(ref))
-        max_abs = float(np.max(np.abs(difference), initial=0.0))
-    return max_abs, sqnr_db_of_norms(signal, noise)
+        for start in range(0, reference.size, TRACE_CHUNK_ELEMENTS):
+            ref = reference[start : start + TRACE_CHUNK_ELEMENTS].astype(np.float64)
+            difference = ref - value[start : start + TRACE_CHUNK_ELEMENTS]
+            # max |d| without an |d| array; + 0.0 turns a -0.0 into 0.0, and a NaN stays.
+            chunk_max = max(float(difference.max()), -float(difference.min())) + 0.0
+            if math.isnan(chunk_max):
+                return math.nan, None  # numpy's max keeps a NaN; the noise is NaN
+            largest = max(largest, chunk_max)
+            noise += float(np.einsum("i,i->", difference, difference))
+            if signal:
+                energy += float(np.einsum("i,i->", ref, ref))
+    return largest, sqnr_db_of_norms(math.sqrt(energy), math.sqrt(noise)) if signal else None
+
+
+def real_numbers(array):
+    """Whether an array holds real numbers (integers or floats), what trace measures."""
+    return np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)
 
 
 def sqnr_db_of_norms(signal_norm, noise_norm):
@@ -209,11 +228,18 @@ class Comparison:
     def __init__(self, reference, value, signal=False):
         self.reference, self.value, self.signal = reference, value, signal
         self.scalars = None  # names of the in-graph results when reduced
+        self.outcome = (None, None)  # result() once the session gave what it reads
+
+    def names(self):
+        """The combined model's tensors result() reads."""
+        if self.scalars is None:
+            return [self.reference, self.value]
+        return [n for group in self.scalars.values() for n in ([group] if isinstance(group, str) else group)]
 
     def result(self, values):
         """``(max_abs, sqnr_db)`` from the session's results ``values``."""
         if self.scalars is None:
-            return error_stats(values.get(self.reference), values.get(self.value))
+            return error_stats(values.get(self.reference), values.get(self.value), self.signal)
         if "shapes" in self.scalars:
             first, second = (values[n] for n in self.scalars["shapes"])
             if list(first) != list(second):
@@ -228,20 +254,39 @@ class Comparison:
         return max_abs, sqnr_db_of_norms(math.sqrt(float(values[self.scalars["signal"]])), math.sqrt(noise_squared))
 
 
+def float32_bounds(lo, hi):
+    """``(low, high)`` as float32 such that a float32 t is below ``lo`` exactly when
+    t < low, and above ``hi`` exactly when t > high: a count without a float64 copy."""
+    low, high = np.float32(lo), np.float32(hi)
+    # Compared as float64: numpy compares a float32 with a Python float in float32.
+    low = np.nextafter(low, np.float32(np.inf)) if float(low) < lo else low
+    high = np.nextafter(high, np.float32(-np.inf)) if float(high) > hi else high
+    return np.float32(low), np.float32(high)
+
+
 class ClipCount:
     """Fraction of a tensor's values outside ``[lo, hi]``: counted in numpy or in the graph."""
 
     def __init__(self, tensor, lo, hi):
         self.tensor, self.lo, self.hi = tensor, lo, hi
         self.scalars = None
+        self.outcome = None
+
+    def names(self):
+        if self.scalars is None:
+            return [self.tensor]
+        return [n for n in self.scalars if isinstance(n, str)]
 
     def result(self, values):
         if self.scalars is None:
             array = values.get(self.tensor)
             if not isinstance(array, np.ndarray) or not np.issubdtype(array.dtype, np.number):
                 return None
-            wide = array.astype(np.float64)
-            count, size = int(np.count_nonzero((wide < self.lo) | (wide > self.hi))), array.size
+            if array.dtype == np.float32:
+                data, (low, high) = array, float32_bounds(self.lo, self.hi)
+            else:
+                data, (low, high) = array.astype(np.float64), (np.float64(self.lo), np.float64(self.hi))
+            count, size = int(np.count_nonzero((data < low) | (data > high))), array.size
         else:
             count, size = (int(values[n]) if isinstance(n, str) else n for n in self.scalars)
         return count / size if size else None
@@ -270,7 +315,9 @@ class CombinedModel:
         self.entries = [(rank, quant_model.graph, rank, None) for rank in range(len(quant_model.graph.node))]
         self.fetch, self.fetch_set = [], set()
         self.fetch_rank = {}  # fetched float tensor -> lowest rank of a row that fetches it
-        self.budget = TRACE_FETCH_BUDGET
+        self.fetch_bytes = {}  # fetched tensor -> its bytes, where known
+        self.measurements = []  # every Comparison and ClipCount, settled as their tensors arrive
+        self.keep = False  # whether run_combined keeps every fetched array (``--save`` reads them)
         self.reduced = False  # whether any measurement is reduced in the graph
         self.count = 0
         self.types = dict(quant_types)
@@ -288,16 +335,11 @@ class CombinedModel:
             self.fetch_rank[name] = min(rank, self.fetch_rank.get(name, rank))
 
     def fits(self, names):
-        """Whether ``names`` can be fetched: each small and of known size, all
-        within what is left of the budget (then charged to it)."""
-        new = list(dict.fromkeys(n for n in names if n not in self.fetch_set and n not in self.feeds))
-        sizes = [tensor_bytes(self.types.get(n)) for n in new]
-        if any(size is None or size[0] > TRACE_FETCH_ELEMENTS for size in sizes):
+        """Whether ``names`` can be fetched: each of known size, at most TRACE_FETCH_ELEMENTS."""
+        sizes = {n: tensor_bytes(self.types.get(n)) for n in names if n not in self.feeds}
+        if any(size is None or size[0] > TRACE_FETCH_ELEMENTS for size in sizes.values()):
             return False
-        cost = sum(size[1] for size in sizes)
-        if cost > self.budget:
-            return False
-        self.budget -= cost
+        self.fetch_bytes.update((n, size[1]) for n, size in sizes.items())
         return True
 
     def add_node(self, rank, op_type, inputs, **attributes):
@@ -334,6 +376,7 @@ class CombinedModel:
         if not (comparable_dtype(first) and comparable_dtype(second)) or shapes_agree(first, second) is False:
             return None
         comparison = Comparison(reference, value, signal)
+        self.measurements.append(comparison)
         if fetch:
             self.fetched(rank, [reference, value])
             return comparison
@@ -394,17 +437,12 @@ class CombinedModel:
         type_proto = self.types.get(tensor)
         if not comparable_dtype(type_proto):
             return None
+        self.measurements.append(count)
         if fetch:
             self.fetched(rank, [tensor])
             return count
         if type_proto is not None and type_proto.tensor_type.elem_type == onnx.TensorProto.FLOAT:
-            # For a float32 t, t < lo exactly when t < the least float32 >= lo
-            # (and t > hi when t > the largest float32 <= hi): no float64 copy.
-            low, high = np.float32(lo), np.float32(hi)
-            # Compared as float64: numpy compares a float32 with a Python float in float32.
-            low = np.nextafter(low, np.float32(np.inf)) if float(low) < lo else low
-            high = np.nextafter(high, np.float32(-np.inf)) if float(high) > hi else high
-            values, bounds = tensor, (np.float32(low), np.float32(high))
+            values, bounds = tensor, float32_bounds(lo, hi)
         else:
             values, bounds = self.as_double(rank, tensor), (np.float64(lo), np.float64(hi))
         outside = self.add_node(
@@ -508,10 +546,11 @@ class CombinedModel:
         return model
 
     def unscheduled(self):
-        """When every row is fetched (each tensor small, all within the budget)
-        and the nodes fit one segment, order cannot matter to memory: the whole
-        combined model as built, copied in bulk, no schedule to pay for."""
-        if self.reduced or len(self.entries) > TRACE_SEGMENT_NODES:
+        """When every row is fetched, all within one session's budget, and the
+        nodes fit one segment, order cannot matter to memory: the whole combined
+        model as built, copied in bulk, no schedule to pay for."""
+        one_session = len(self.entries) <= TRACE_SEGMENT_NODES and self.fetched_bytes(self.fetch) <= TRACE_FETCH_BUDGET
+        if self.reduced or not one_session:
             return None
         model = self.header()
         graph = model.graph
@@ -526,11 +565,23 @@ class CombinedModel:
         graph.output.extend(onnx.ValueInfoProto(name=t) for t in self.fetch)
         return model
 
+    def fetched_bytes(self, names):
+        """Bytes of the fetched tensors among ``names``, where known."""
+        return sum(self.fetch_bytes.get(t, 0) for t in names if t in self.fetch_set)
+
     def segments(self):
-        """The scheduled nodes cut into runs of at most TRACE_SEGMENT_NODES."""
+        """The scheduled nodes cut into runs of at most TRACE_SEGMENT_NODES nodes,
+        each ending once what it fetches reaches TRACE_FETCH_BUDGET bytes."""
         order = schedule(self.entries)
         self.entries = None
-        return [order[k : k + TRACE_SEGMENT_NODES] for k in range(0, len(order), TRACE_SEGMENT_NODES)]
+        segments, current, held = [], [], 0
+        for entry in order:
+            current.append(entry)
+            held += self.fetched_bytes(entry[3])
+            if len(current) >= TRACE_SEGMENT_NODES or held >= TRACE_FETCH_BUDGET:
+                segments.append(current)
+                current, held = [], 0
+        return segments + [current] if current else segments
 
     def initializer_protos(self):
         """``{name: TensorProto}`` of every initializer a node may read."""
@@ -585,7 +636,9 @@ def combined_options():
     config = {"session.disable_quant_qdq": "1"}
     if shared_arena():
         config["session.use_env_allocators"] = "1"
-    options = session_options(config=config)
+    # One thread: its tensors are small and its sessions many, so a thread pool per
+    # session costs more than it gives, and the answers cannot depend on the cores.
+    options = session_options(threads=1, config=config)
     options.execution_order = ort.ExecutionOrder.PRIORITY_BASED  # the order schedule() chose
     return options
 
@@ -602,22 +655,80 @@ def declared_input(name, value):
     raise GraphscanError(f"tensor {name!r} cannot be passed between graphscan's sessions", EXIT_RUNTIME)
 
 
+class Settler:
+    """Settles each measurement (its ``outcome``) as soon as the fetched arrays
+    it holds include every tensor it reads, then drops each array no unsettled
+    measurement reads, unless ``keep``: what is fetched is freed as it is measured."""
+
+    def __init__(self, measurements, feeds, keep):
+        self.measurements, self.feeds, self.keep = measurements, feeds, keep
+        self.held = {}  # fetched name -> array, until nothing unsettled reads it
+        self.missing, self.readers = [], {}
+        for m, measurement in enumerate(measurements):
+            names = [n for n in dict.fromkeys(measurement.names()) if n not in feeds]
+            self.missing.append(len(names))
+            for name in names:
+                self.readers.setdefault(name, []).append(m)
+        self.unread = {name: len(readers) for name, readers in self.readers.items()}
+        for m, missing in enumerate(self.missing):
+            if not missing:  # reads only the feeds
+                self.settle(m)
+
+    def arrived(self, fetched):
+        """``fetched`` (``{name: array}``) just came out of a session."""
+        self.held.update(fetched)
+        for name in fetched:
+            for m in self.readers.get(name, ()):
+                self.missing[m] -= 1
+                if not self.missing[m]:
+                    self.settle(m)
+
+    def settle(self, m):
+        measurement = self.measurements[m]
+        measurement.outcome = measurement.result(collections.ChainMap(self.held, self.feeds))
+        for name in dict.fromkeys(measurement.names()):
+            if name in self.unread:
+                self.unread[name] -= 1
+                if not self.unread[name] and not self.keep:
+                    self.held.pop(name, None)
+
+
 def run_combined(combined, feeds, a, b, rows):
-    """Run graphscan's combined model; ``{fetched name: value}``.
+    """Run graphscan's combined model, settling every measurement; returns
+    ``{fetched name: value}`` of what is kept (everything with ``combined.keep``).
 
     The scheduled nodes run in segments of at most TRACE_SEGMENT_NODES, one
     session each, the tensors a later segment reads handed over: the session
     size, like the tensors, stays bounded however many operators there are.
+    A segment also ends once it has fetched TRACE_FETCH_BUDGET bytes; those are
+    measured by a second thread while the next segment runs (onnxruntime runs on
+    one), and freed before the one after.
     A failure is blamed on the model it comes from: the float model, the
     quantized one, or graphscan's own single-op model of a row's node.
     """
     options, ran_with = combined_options(), run_options()
+    settler = Settler(combined.measurements, feeds, combined.keep)
     whole = combined.unscheduled()
     if whole is not None and not whole.graph.node and not combined.fetch:
-        return {}  # nothing to run or fetch (every output a graph input): onnxruntime refuses such a graph
+        return settler.held  # nothing to run or fetch (every output a graph input): onnxruntime refuses such a graph
     if whole is not None:
         values = run_segment(whole, combined.feeds, combined.fetch, options, ran_with, a, b, rows, combined)
-        return dict(zip(combined.fetch, values))
+        settler.arrived(dict(zip(combined.fetch, values)))
+        return settler.held
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        measuring = None
+        for fetched in segment_results(combined, feeds, options, ran_with, a, b, rows):
+            if measuring is not None:
+                measuring.result()  # the segment before is measured and freed
+            measuring = pool.submit(settler.arrived, fetched)
+            del fetched
+        if measuring is not None:
+            measuring.result()
+    return settler.held
+
+
+def segment_results(combined, feeds, options, ran_with, a, b, rows):
+    """Run the scheduled segments one session each; yield what each fetches, ``{name: array}``."""
     segments = combined.segments()
     initializers = combined.initializer_protos()
     fetch = combined.fetch_set
@@ -632,7 +743,7 @@ def run_combined(combined, feeds, a, b, rows):
     # onnxruntime makes it an initializer (a MatMul then prepacks it), so a fed
     # copy would change the arithmetic.
     last_reader = {t: s for t, s in last_reader.items() if t not in constants}
-    live, results = dict(feeds), {}
+    live = dict(feeds)
     for s, segment in enumerate(segments):
         model = combined.header()
         graph = model.graph
@@ -657,14 +768,13 @@ def run_combined(combined, feeds, a, b, rows):
         graph.output.extend(onnx.ValueInfoProto(name=t) for t in outputs)
         values = run_segment(model, {t: live[t] for t in inputs}, outputs, options, ran_with, a, b, rows, combined)
         del model, graph
-        for tensor, value in zip(outputs, values):
-            if tensor in fetch:
-                results[tensor] = value
-            if last_reader.get(tensor, -1) > s:
-                live[tensor] = value
+        live.update((t, v) for t, v in zip(outputs, values) if last_reader.get(t, -1) > s)
+        fetched = {t: v for t, v in zip(outputs, values) if t in fetch}
+        del values
         for tensor in [t for t in live if last_reader.get(t, -1) <= s]:
             del live[tensor]
-    return results
+        yield fetched
+        del fetched
 
 
 class SingleOpModelError(GraphscanError):

@@ -451,6 +451,7 @@ def trace_models(a, b, inputs, seed, tolerance, save, shape):
     failed = {}  # row index -> onnxruntime's reason its single-op model failed
     while True:
         combined = CombinedModel(float_for_session, quant_model, feeds, float_types, quant_types)
+        combined.keep = save is not None  # --save writes the arrays each row ran on
         measured = [combined.add_row(k, row, quant_index, save is not None) for k, row in enumerate(plan)]
         output_comparisons = {}
         for f, q in pairs:
@@ -474,9 +475,9 @@ def trace_models(a, b, inputs, seed, tolerance, save, shape):
             row_answer(
                 quant_index,
                 row,
-                isolated.result(values) if isolated else nothing,
-                propagated.result(values) if propagated else nothing,
-                clip.result(values) if clip else None,
+                isolated.outcome if isolated else nothing,
+                propagated.outcome if propagated else nothing,
+                clip.outcome if clip else None,
             )
         )
         arrays = None
@@ -492,9 +493,7 @@ def trace_models(a, b, inputs, seed, tolerance, save, shape):
         "inputs": {name: list(array.shape) for name, array in feeds.items()},
         "defaulted": defaulted,
         "ops": rows,
-        "outputs": {
-            f: (comparison.result(values)[0] if comparison else None) for f, comparison in output_comparisons.items()
-        },
+        "outputs": {f: (comparison.outcome[0] if comparison else None) for f, comparison in output_comparisons.items()},
         "worst_isolated": worst_isolated(rows),
         "first_over": first_over(rows, tolerance),
         "unmatched": unmatched_float_nodes(matcher.index, quant_index, rows)

@@ -18,12 +18,15 @@ import graphscan
 import graphscan_ort.combined
 from tests.helpers import GRAPHSCAN, error_line, load_bench_script, run_graphscan
 
-# The ways a row can be measured: fetched into numpy (small tensors) by one session
-# or by sessions of 150 nodes, reduced in the graph, and reduced in slices of 50
-# values by sessions of 150 nodes.
+# The ways a row can be measured: fetched into numpy by one session, by sessions
+# of 150 nodes, by a session per fetched tensor, or measured by numpy in slices of
+# 50 values; reduced in the graph, and reduced in slices of 50 values by sessions
+# of 150 nodes.
 PATHS = [
     pytest.param({}, id="fetched"),
     pytest.param({"TRACE_SEGMENT_NODES": 150}, id="fetched-segmented"),
+    pytest.param({"TRACE_FETCH_BUDGET": 1}, id="fetched-a-tensor-a-session"),
+    pytest.param({"TRACE_CHUNK_ELEMENTS": 50}, id="fetched-chunked"),
     pytest.param({"TRACE_FETCH_ELEMENTS": 0}, id="reduced-in-graph"),
     pytest.param(
         {"TRACE_FETCH_ELEMENTS": 0, "TRACE_CHUNK_ELEMENTS": 50, "TRACE_SEGMENT_NODES": 150},
@@ -142,6 +145,21 @@ def test_clipped_counts_float32_values_just_outside_the_range(tmp_path, settings
     wide = values.astype(np.float64)
     assert np.count_nonzero((wide < lo) | (wide > hi)) == 2  # the ends really are outside, in float64
     assert [row["clipped"] for row in answer["ops"]] == [2 / 5]
+
+
+@pytest.mark.parametrize("budget", [1, 2**40], ids=["measured-beside-the-sessions", "measured-after-one-session"])
+def test_running_out_of_memory_while_measuring_is_exit_5(cnn, budget, monkeypatch):
+    # With many sessions, what each fetches is measured on a second thread: its
+    # failure must reach the user as the same one line, not be lost with the thread.
+    def no_memory(*args):
+        raise MemoryError("measuring")
+
+    monkeypatch.setattr(graphscan_ort.combined, "TRACE_FETCH_BUDGET", budget)
+    monkeypatch.setattr(graphscan_ort.combined, "error_stats", no_memory)
+    with pytest.raises(graphscan.GraphscanError) as raised:
+        graphscan.trace(str(cnn["float"]), str(cnn["quant"]), inputs=str(cnn["npz"]))
+    assert raised.value.exit_code == graphscan.EXIT_RUNTIME
+    assert "out of memory (measuring)" in str(raised.value)
 
 
 @pytest.mark.parametrize("settings", PATHS[1:])
