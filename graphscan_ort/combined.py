@@ -323,6 +323,9 @@ class CombinedModel:
         self.types = dict(quant_types)
         self.types.update((self.float_name(t), info) for t, info in float_types.items())
         self.end = len(quant_model.graph.node)
+        self.feed_sizes = {
+            name: declared_sizes(name, value, (float_model, quant_model)) for name, value in feeds.items()
+        }
 
     def float_name(self, tensor):
         return tensor if tensor in self.feeds else self.float_prefix + tensor
@@ -561,7 +564,7 @@ class CombinedModel:
         for source in (self.quant_model.graph, self.float_graph, self.pool):
             graph.initializer.extend(source.initializer)
             graph.sparse_initializer.extend(source.sparse_initializer)
-        graph.input.extend(declared_input(name, value) for name, value in self.feeds.items())
+        graph.input.extend(declared_input(name, value, self.feed_sizes.get(name)) for name, value in self.feeds.items())
         graph.output.extend(onnx.ValueInfoProto(name=t) for t in self.fetch)
         return model
 
@@ -591,6 +594,21 @@ class CombinedModel:
                 protos.update((init.name, init) for init in graph.initializer)
                 protos.update((sparse.values.name, sparse) for sparse in graph.sparse_initializer)
         return protos
+
+
+def declared_sizes(name, value, models):
+    """The sizes to declare for a fed graph input: each one both models declare
+    as that size, else unknown; None when the value is not a tensor."""
+    if not isinstance(value, np.ndarray):
+        return None
+    sizes = list(value.shape)
+    for model in models:
+        info = next((i for i in model.graph.input if i.name == name), None)
+        dims = tensor_dims(info.type) if info is not None else None
+        if dims is None or len(dims) != len(sizes):
+            return [None] * len(sizes)
+        sizes = [size if size == declared else None for size, declared in zip(sizes, dims)]
+    return sizes
 
 
 def float_in_quant_opset(float_model, quant_model, a, b):
@@ -643,12 +661,15 @@ def combined_options():
     return options
 
 
-def declared_input(name, value):
-    """A graph input typed from the value an earlier segment gave it."""
+def declared_input(name, value, sizes=None):
+    """A graph input typed from the value fed to it: its element type and rank,
+    with ``sizes`` (None: every dimension unknown). Concrete sizes would let
+    onnxruntime's shape inference refuse an If branch that never runs, which the
+    model's own looser declarations pass."""
     if isinstance(value, np.ndarray):
-        if value.dtype == object:
-            return onnx.helper.make_tensor_value_info(name, onnx.TensorProto.STRING, list(value.shape))
-        return value_info_of(name, value)
+        elem_type = onnx.TensorProto.STRING if value.dtype == object else None
+        elem_type = elem_type or onnx.helper.np_dtype_to_tensor_dtype(value.dtype)
+        return onnx.helper.make_tensor_value_info(name, elem_type, sizes or [None] * value.ndim)
     if isinstance(value, list):
         elem_type = onnx.helper.np_dtype_to_tensor_dtype(value[0].dtype) if value else onnx.TensorProto.FLOAT
         return onnx.helper.make_tensor_sequence_value_info(name, elem_type, None)
@@ -756,7 +777,7 @@ def segment_results(combined, feeds, options, ran_with, a, b, rows):
         graph.node.extend(constants[t] for t in copied)
         produced.update(copied)
         inputs = [t for t in reads if t in live and t not in produced]
-        graph.input.extend(declared_input(t, live[t]) for t in inputs)
+        graph.input.extend(declared_input(t, live[t], combined.feed_sizes.get(t)) for t in inputs)
         for tensor in reads:
             proto = initializers.get(tensor)
             if proto is None or tensor in produced or tensor in live:

@@ -475,3 +475,33 @@ def test_an_overflow_to_infinity_gives_no_sqnr_not_a_crash(tmp_path, fetch_eleme
     done = run_graphscan(["trace", float_path, quant_path, "--inputs", tmp_path / "x.npz"])
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["ops"][0]["propagated_max_abs"] is None  # strict JSON
+
+
+def test_an_if_branch_that_never_runs_does_not_stop_the_trace(tmp_path):
+    """silero-vad's 8 kHz branch squeezes a dimension that is 2 at 16 kHz. onnxruntime
+    accepts the model as declared ([n, 4]); graphscan declared its inputs with the fed
+    sizes ([2, 4]), shape inference then refused the dead branch, and the user's model
+    was blamed (exit 5)."""
+
+    def branch(node, output):
+        return helper.make_graph([node], output, [], [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)])
+
+    then_branch = branch(helper.make_node("Relu", ["x"], ["t"], name="relu"), "t")
+    else_branch = branch(helper.make_node("Squeeze", ["x", "axes"], ["e"], name="squeeze"), "e")
+    graph = helper.make_graph(
+        [helper.make_node("If", ["cond"], ["y"], name="if", then_branch=then_branch, else_branch=else_branch)],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4]),
+            helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", 4])],
+        [numpy_helper.from_array(np.array([0], np.int64), "axes")],
+    )
+    path = save(helper.make_model(graph, opset_imports=OPSET), tmp_path / "if.onnx")
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    np.savez(tmp_path / "x.npz", x=x, cond=np.array(True))
+    assert np.array_equal(run_onnx(path, {"x": x, "cond": np.array(True)})[0], np.maximum(x, 0))  # it runs
+    done = run_graphscan(["trace", path, path, "--inputs", tmp_path / "x.npz"])
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["outputs"] == {"y": 0.0}
