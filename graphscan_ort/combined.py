@@ -142,8 +142,9 @@ def error_stats(reference, value, signal=True):
     noise = energy = largest = 0.0
     with np.errstate(all="ignore"):  # NaN or infinite values give NaN statistics, not warnings on stderr
         for start in range(0, reference.size, TRACE_CHUNK_ELEMENTS):
-            ref = reference[start : start + TRACE_CHUNK_ELEMENTS].astype(np.float64)
-            difference = ref - value[start : start + TRACE_CHUNK_ELEMENTS]
+            ref = reference[start : start + TRACE_CHUNK_ELEMENTS]
+            # Each value is widened to float64 as it is read: the difference is exact.
+            difference = np.subtract(ref, value[start : start + TRACE_CHUNK_ELEMENTS], dtype=np.float64)
             # max |d| without an |d| array; + 0.0 turns a -0.0 into 0.0, and a NaN stays.
             chunk_max = max(float(difference.max()), -float(difference.min())) + 0.0
             if math.isnan(chunk_max):
@@ -151,7 +152,7 @@ def error_stats(reference, value, signal=True):
             largest = max(largest, chunk_max)
             noise += float(np.einsum("i,i->", difference, difference))
             if signal:
-                energy += float(np.einsum("i,i->", ref, ref))
+                energy += float(np.einsum("i,i->", ref, ref, dtype=np.float64))
     return largest, sqnr_db_of_norms(math.sqrt(energy), math.sqrt(noise)) if signal else None
 
 
