@@ -14,7 +14,6 @@ operator.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import functools
 import io
@@ -132,8 +131,7 @@ def value_info_of(name, array):
 def error_stats(reference, value, signal=True):
     """(max |ref - value|, SQNR in dB, or None without ``signal``), or Nones when
     they cannot be compared. Measured in float64, TRACE_CHUNK_ELEMENTS values at
-    a time, so the float64 copies stay small. Sums of squares are numpy's einsum,
-    not BLAS: one thread (onnxruntime runs beside it), the same sums on any machine."""
+    a time, so the float64 copies stay small; sums of squares by sum_of_squares."""
     if not (isinstance(reference, np.ndarray) and isinstance(value, np.ndarray)):
         return None, None
     if reference.shape != value.shape or not (real_numbers(reference) and real_numbers(value)):
@@ -150,10 +148,24 @@ def error_stats(reference, value, signal=True):
             if math.isnan(chunk_max):
                 return math.nan, None  # numpy's max keeps a NaN; the noise is NaN
             largest = max(largest, chunk_max)
-            noise += float(np.einsum("i,i->", difference, difference))
+            noise += sum_of_squares(difference)
             if signal:
-                energy += float(np.einsum("i,i->", ref, ref, dtype=np.float64))
+                energy += sum_of_squares(ref)
     return largest, sqnr_db_of_norms(math.sqrt(energy), math.sqrt(noise)) if signal else None
+
+
+# Up to this many values, a sum of squares is BLAS's dot, which OpenBLAS runs on
+# one thread at that size; a longer one is numpy's einsum, one thread at any size
+# (OpenBLAS's threads would compete with onnxruntime and change the sums with the cores).
+DOT_ELEMENTS = 8192
+
+
+def sum_of_squares(values):
+    """The sum of squares of a flat array, in float64."""
+    if values.size <= DOT_ELEMENTS:
+        wide = values.astype(np.float64, copy=False)
+        return float(wide.dot(wide))
+    return float(np.einsum("i,i->", values, values, dtype=np.float64))
 
 
 def real_numbers(array):
@@ -737,6 +749,8 @@ def run_combined(combined, feeds, a, b, rows):
         values = run_segment(whole, combined.feeds, combined.fetch, options, ran_with, a, b, rows, combined)
         settler.arrived(dict(zip(combined.fetch, values)))
         return settler.held
+    import concurrent.futures  # only here: a model of one session never starts a thread
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         measuring = None
         for fetched in segment_results(combined, feeds, options, ran_with, a, b, rows):
