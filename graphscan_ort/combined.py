@@ -36,11 +36,13 @@ TRACE_FETCH_ELEMENTS = 2**22
 
 
 # A session of graphscan's combined model ends once the tensors it fetches reach
-# this many bytes: they are measured and freed before the next session runs.
+# this many bytes: they are measured while the next session runs and freed before
+# the one after.
 TRACE_FETCH_BUDGET = 16 * 2**20
 
 
-# A tensor reduced in the graph is cut into flat slices of this many elements.
+# A tensor reduced in the graph is cut into flat slices of this many elements, and
+# numpy measures a fetched one this many elements at a time.
 TRACE_CHUNK_ELEMENTS = 2**19
 
 
@@ -128,7 +130,7 @@ def value_info_of(name, array):
     return onnx.helper.make_tensor_value_info(name, elem_type, list(array.shape))
 
 
-def error_stats(reference, value, signal=True):
+def error_stats(reference, value, signal):
     """(max |ref - value|, SQNR in dB, or None without ``signal``), or Nones when
     they cannot be compared. Measured in float64, TRACE_CHUNK_ELEMENTS values at
     a time, so the float64 copies stay small; sums of squares by sum_of_squares."""
@@ -250,7 +252,7 @@ class Comparison:
         return [n for group in self.scalars.values() for n in ([group] if isinstance(group, str) else group)]
 
     def result(self, values):
-        """``(max_abs, sqnr_db)`` from the session's results ``values``."""
+        """``(max_abs, sqnr_db)`` from ``values``: the fetched arrays and the feeds."""
         if self.scalars is None:
             return error_stats(values.get(self.reference), values.get(self.value), self.signal)
         if "shapes" in self.scalars:
@@ -351,7 +353,8 @@ class CombinedModel:
             self.fetch_rank[name] = min(rank, self.fetch_rank.get(name, rank))
 
     def fits(self, names):
-        """Whether ``names`` can be fetched: each of known size, at most TRACE_FETCH_ELEMENTS."""
+        """Whether ``names`` can be fetched: each of known size, at most
+        TRACE_FETCH_ELEMENTS. If so, their bytes are noted for segments()."""
         sizes = {n: tensor_bytes(self.types.get(n)) for n in names if n not in self.feeds}
         if any(size is None or size[0] > TRACE_FETCH_ELEMENTS for size in sizes.values()):
             return False
@@ -481,7 +484,8 @@ class CombinedModel:
     def add_row(self, k, row, quant_index, save):
         """Row ``k``'s single-op model and measurements: ``(isolated, propagated,
         clip, single-op output)``, each None where it does not apply. A row's
-        tensors are all fetched (``save`` fetches every row) or all reduced."""
+        tensors are all fetched (``save`` fetches every row with a single-op model) or all
+        reduced."""
         rank = row.i
         reference = self.float_name(row.reference) if row.reference is not None else None
         isolated = propagated = clip = op_output = None
@@ -598,6 +602,16 @@ class CombinedModel:
                 segments.append(current)
                 current, held = [], 0
         return segments + [current] if current else segments
+
+    def fetched_initializers(self):
+        """``{name: array}`` of the fetched tensors that are initializers (a graph
+        output no node writes): no segment's session gives them back."""
+        protos = self.initializer_protos()
+        return {
+            name: onnx.numpy_helper.to_array(protos[name])
+            for name in self.fetch
+            if isinstance(protos.get(name), onnx.TensorProto)
+        }
 
     def initializer_protos(self):
         """``{name: TensorProto}`` of every initializer a node may read."""
@@ -751,6 +765,7 @@ def run_combined(combined, feeds, a, b, rows):
         return settler.held
     import concurrent.futures  # only here: a model of one session never starts a thread
 
+    settler.arrived(combined.fetched_initializers())
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         measuring = None
         for fetched in segment_results(combined, feeds, options, ran_with, a, b, rows):

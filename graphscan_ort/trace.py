@@ -459,14 +459,14 @@ def trace_models(a, b, inputs, seed, tolerance, save, shape):
             output_comparisons[f] = combined.compare(combined.end, reference, q, fetch=combined.fits([reference, q]))
         combined.add_float_model()
         try:
-            values = run_combined(combined, feeds, a, b, plan)
+            kept = run_combined(combined, feeds, a, b, plan)  # every fetched array with --save
             break
         except SingleOpModelError as failure:
             if failure.row in failed or len(failed) >= TRACE_RETRIES:
                 raise
             failed[failure.row] = failure.reason
             plan[failure.row].op = None  # traced without it: its isolated error is null
-    values.update(feeds)
+    kept.update(feeds)
 
     rows, saved = [], []
     for row, (isolated, propagated, clip, op_output) in zip(plan, measured):
@@ -482,8 +482,8 @@ def trace_models(a, b, inputs, seed, tolerance, save, shape):
         )
         arrays = None
         if save is not None and isolated is not None and rows[-1]["isolated_max_abs"] is not None:
-            inputs_of_op = {t: values[combined.float_name(r) if r is not None else t] for t, r in row.op.feeds.items()}
-            arrays = (inputs_of_op, values[combined.float_name(row.reference)], values[op_output])
+            inputs_of_op = {t: kept[combined.float_name(r) if r is not None else t] for t, r in row.op.feeds.items()}
+            arrays = (inputs_of_op, kept[combined.float_name(row.reference)], kept[op_output])
         saved.append(arrays)
     if save is not None:
         save_op_models(save, quant_model, rows, [row.op for row in plan], saved)

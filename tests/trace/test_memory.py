@@ -147,6 +147,41 @@ def test_clipped_counts_float32_values_just_outside_the_range(tmp_path, settings
     assert [row["clipped"] for row in answer["ops"]] == [2 / 5]
 
 
+@pytest.mark.parametrize("settings", PATHS)
+def test_an_output_that_is_an_initializer_is_measured_on_every_path(tmp_path, settings, monkeypatch):
+    # No session writes it: split into sessions, it was never handed to the measuring
+    # and came out null, as if it could not be compared.
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in (("y", [1, 8]), ("k", [2]))]
+    k = numpy_helper.from_array(np.array([1.5, -2.0], np.float32), "k")
+    scale, zero = (
+        numpy_helper.from_array(np.array(0.1, np.float32), "s"),
+        numpy_helper.from_array(np.array(0, np.int8), "z"),
+    )
+    neg = helper.make_node("Neg", ["x"], ["t"], name="neg")
+    relu = helper.make_node("Relu", ["t"], ["y"], name="relu")
+    qdq = [
+        helper.make_node("QuantizeLinear", ["t", "s", "z"], ["t_q"], name="q"),
+        helper.make_node("DequantizeLinear", ["t_q", "s", "z"], ["t_dq"], name="dq"),
+        helper.make_node("Relu", ["t_dq"], ["y"], name="relu"),
+    ]
+    opset = [helper.make_opsetid("", 17)]
+    onnx.save(
+        helper.make_model(helper.make_graph([neg, relu], "a", [x], outputs, [k]), opset_imports=opset),
+        tmp_path / "a.onnx",
+    )
+    onnx.save(
+        helper.make_model(helper.make_graph([neg, *qdq], "b", [x], outputs, [k, scale, zero]), opset_imports=opset),
+        tmp_path / "b.onnx",
+    )
+    np.savez(tmp_path / "x.npz", x=np.linspace(-1, 1, 8, dtype=np.float32)[None])
+    for name, value in settings.items():
+        monkeypatch.setattr(graphscan_ort.combined, name, value)
+    answer = graphscan.trace(str(tmp_path / "a.onnx"), str(tmp_path / "b.onnx"), inputs=str(tmp_path / "x.npz"))
+    assert answer["outputs"]["k"] == 0.0
+    assert answer["outputs"]["y"] > 0
+
+
 @pytest.mark.parametrize("budget", [1, 2**40], ids=["measured-beside-the-sessions", "measured-after-one-session"])
 def test_running_out_of_memory_while_measuring_is_exit_5(cnn, budget, monkeypatch):
     # With many sessions, what each fetches is measured on a second thread: its
