@@ -41,6 +41,9 @@ TRACE_FETCH_ELEMENTS = 2**22
 TRACE_FETCH_BUDGET = 16 * 2**20
 
 
+FLOAT16, BFLOAT16 = onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16
+
+
 # A tensor reduced in the graph is cut into flat slices of this many elements, and
 # numpy measures a fetched one this many elements at a time.
 TRACE_CHUNK_ELEMENTS = 2**19
@@ -386,6 +389,12 @@ class CombinedModel:
         return name
 
     def as_double(self, rank, tensor):
+        type_proto = self.types.get(tensor)
+        if type_proto is not None and type_proto.tensor_type.elem_type in (FLOAT16, BFLOAT16):
+            # onnxruntime computes many 16-bit ops in float32 between Casts it inserts, and
+            # merges its Cast back to 16 bits with this one, skipping the rounding: an
+            # Identity between them keeps the tensor as the model holds it.
+            tensor = self.add_node(rank, "Identity", [tensor])
         return self.add_node(rank, "Cast", [tensor], to=onnx.TensorProto.DOUBLE)
 
     def compare(self, rank, reference, value, signal=False, fetch=False):

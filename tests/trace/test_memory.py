@@ -182,6 +182,51 @@ def test_an_output_that_is_an_initializer_is_measured_on_every_path(tmp_path, se
     assert answer["outputs"]["y"] > 0
 
 
+@pytest.fixture(scope="module")
+def float16_pair(tmp_path_factory):
+    """x -> Mul -> Q -> DQ -> Neg in float16, and its float twin: onnxruntime runs the
+    float16 Neg in float32 between Casts of its own."""
+    folder = tmp_path_factory.mktemp("f16")
+    x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT16, [3, 5]) for n in ("x", "y"))
+    opset = [helper.make_opsetid("", 19)]
+
+    def model(factor, middle, inits=()):
+        nodes = [helper.make_node("Mul", ["x", "c"], ["m"], name="mul"), *middle]
+        c = numpy_helper.from_array(np.array(factor, np.float16), "c")
+        return helper.make_model(helper.make_graph(nodes, "g", [x], [y], [c, *inits]), opset_imports=opset)
+
+    qparams = [
+        numpy_helper.from_array(np.array(0.07, np.float16), "s"),
+        numpy_helper.from_array(np.array(3, np.int8), "z"),
+    ]
+    quantized = [
+        helper.make_node("QuantizeLinear", ["m", "s", "z"], ["m_q"], name="q"),
+        helper.make_node("DequantizeLinear", ["m_q", "s", "z"], ["m_dq"], name="dq"),
+        helper.make_node("Neg", ["m_dq"], ["y"], name="neg"),
+    ]
+    onnx.save(model(3, [helper.make_node("Neg", ["m"], ["y"], name="neg")]), folder / "a.onnx")
+    onnx.save(model(2.9, quantized, qparams), folder / "b.onnx")
+    np.savez(folder / "x.npz", x=(np.random.default_rng(2).standard_normal((3, 5)) * 4).astype(np.float16))
+    return [str(folder / name) for name in ("a.onnx", "b.onnx", "x.npz")]
+
+
+@pytest.mark.parametrize("settings", PATHS[1:])
+def test_float16_rows_measure_the_same_on_every_path(float16_pair, settings, monkeypatch):
+    # Measured in the graph, onnxruntime merged its own Cast back to float16 with
+    # graphscan's Cast to double, and the Neg row's maximum lost float16 rounding
+    # (20.12591552734375 where numpy gives 20.125).
+    a, b, x = float16_pair
+    fetched = graphscan.trace(a, b, inputs=x)
+    for name, value in settings.items():
+        monkeypatch.setattr(graphscan_ort.combined, name, value)
+    measured = graphscan.trace(a, b, inputs=x)["ops"]
+    assert [r["node"] for r in measured] == ["mul", "neg"]
+    for got, want in zip(measured, fetched["ops"], strict=True):
+        exact = ("isolated_max_abs", "propagated_max_abs", "clipped")
+        assert [got[k] for k in exact] == [want[k] for k in exact], got["node"]
+        assert got["sqnr_db"] == pytest.approx(want["sqnr_db"], rel=1e-12), got["node"]
+
+
 @pytest.mark.parametrize("budget", [1, 2**40], ids=["measured-beside-the-sessions", "measured-after-one-session"])
 def test_running_out_of_memory_while_measuring_is_exit_5(cnn, budget, monkeypatch):
     # With many sessions, what each fetches is measured on a second thread: its
