@@ -440,7 +440,7 @@ class CombinedModel:
             scalars["signal"] = self.combine(rank, "Sum", signals)
         comparison.scalars = scalars
         self.reduced = True
-        self.fetched(rank, [n for group in scalars.values() for n in ([group] if isinstance(group, str) else group)])
+        self.fetched(rank, comparison.names())
         return comparison
 
     def chunks(self, rank, tensors, elements):
@@ -487,7 +487,7 @@ class CombinedModel:
         total = self.add_node(rank, "ReduceSum", [flags], keepdims=0)
         count.scalars = [total, elements[0] if elements else self.add_node(rank, "Size", [tensor])]
         self.reduced = True
-        self.fetched(rank, [n for n in count.scalars if isinstance(n, str)])
+        self.fetched(rank, count.names())
         return count
 
     def add_row(self, k, row, quant_index, save):
@@ -611,16 +611,6 @@ class CombinedModel:
                 segments.append(current)
                 current, held = [], 0
         return segments + [current] if current else segments
-
-    def fetched_initializers(self):
-        """``{name: array}`` of the fetched tensors that are initializers (a graph
-        output no node writes): no segment's session gives them back."""
-        protos = self.initializer_protos()
-        return {
-            name: onnx.numpy_helper.to_array(protos[name])
-            for name in self.fetch
-            if isinstance(protos.get(name), onnx.TensorProto)
-        }
 
     def initializer_protos(self):
         """``{name: TensorProto}`` of every initializer a node may read."""
@@ -774,7 +764,6 @@ def run_combined(combined, feeds, a, b, rows):
         return settler.held
     import concurrent.futures  # only here: a model of one session never starts a thread
 
-    settler.arrived(combined.fetched_initializers())
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         measuring = None
         for fetched in segment_results(combined, feeds, options, ran_with, a, b, rows):
@@ -788,7 +777,8 @@ def run_combined(combined, feeds, a, b, rows):
 
 
 def segment_results(combined, feeds, options, ran_with, a, b, rows):
-    """Run the scheduled segments one session each; yield what each fetches, ``{name: array}``."""
+    """Run the scheduled segments one session each; yield what each fetches,
+    ``{name: array}``, after the fetched initializers."""
     segments = combined.segments()
     initializers = combined.initializer_protos()
     fetch = combined.fetch_set
@@ -803,6 +793,12 @@ def segment_results(combined, feeds, options, ran_with, a, b, rows):
     # onnxruntime makes it an initializer (a MatMul then prepacks it), so a fed
     # copy would change the arithmetic.
     last_reader = {t: s for t, s in last_reader.items() if t not in constants}
+    # A fetched initializer (a graph output no node writes) comes out of no session.
+    yield {
+        t: onnx.numpy_helper.to_array(initializers[t])
+        for t in fetch
+        if isinstance(initializers.get(t), onnx.TensorProto)
+    }
     live = dict(feeds)
     for s, segment in enumerate(segments):
         model = combined.header()
