@@ -47,6 +47,7 @@ if __name__ == "__main__":
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
 import importlib  # noqa: E402
@@ -1013,30 +1014,36 @@ def budget_limit(name: str, value: object, where: str) -> float:
     return int(value) if name.startswith("max_") else float(value)
 
 
+@dataclasses.dataclass(frozen=True)
+class Samples:
+    """Where a command's samples come from, as ``--inputs``, ``--shape`` and ``--seed`` give them."""
+
+    inputs: list[str] | None = None
+    shape: list[str] | None = None
+    seed: int | None = None
+
+
 def budget_values(
-    path: str,
-    names: list[str],
-    float_path: str | None,
-    inputs: list[str] | None,
-    shape: list[str] | None,
-    seed: int,
-    level: str = "all",
+    path: str, names: list[str], float_path: str | None, samples: Samples, level: str = "all"
 ) -> dict[str, float]:
-    """The measured value of each budget in ``names``."""
+    """The measured value of each budget in ``names``; the model is read once."""
     values = {}
+    measured = [name for name in names if name not in STRUCTURAL_BUDGETS]
+    model = None
     if set(STRUCTURAL_BUDGETS) & set(names):
-        index = index_model(path)
+        # Read with its weights when a budget runs it: one read serves both.
+        model = load_with_weights(path) if measured else load_model(path)
+        index = GraphIndex(model.graph)
         islands_found = float_islands(index)
         values["max_float"] = len(index.float_nodes)
         values["max_islands"] = len(islands_found)
         values["max_crossings"] = boundary_report(index, islands_found)["crossings"]
     if "min_sqnr" in names and float_path is None:
         raise GraphscanError("usage: --min-sqnr needs --float F.onnx", EXIT_USAGE)
-    measured = [name for name in names if name not in STRUCTURAL_BUDGETS]
     if measured:
         options = " and ".join(f"--{name.replace('_', '-')}" for name in measured)
-        budgets = package_module("check", f"check {options}")
-        values.update(budgets.measurements(path, measured, float_path, inputs, shape, seed, level))
+        budgets = package_module("commands.check", f"check {options}")
+        values.update(budgets.measurements(path, measured, float_path, samples, level, model))
     return values
 
 
@@ -1087,7 +1094,7 @@ def check(
         raise GraphscanError(f"usage: {', '.join(given)}: only with --min-sqnr", EXIT_USAGE)
     check_readable(path)
     names = [name for name in BUDGETS if name in limits]  # a fixed order, whatever the file's
-    values = budget_values(path, names, float_path, inputs, shape, seed or 0, level or "all")
+    values = budget_values(path, names, float_path, Samples(inputs, shape, seed), level or "all")
     budgets = [
         {
             "name": name,
@@ -1691,14 +1698,15 @@ def wrapped_runs(index, edges, kinds):
     return [group for group in members.values() if len(group) > 1]
 
 
-def runtime_classes(path: str) -> list[str | None]:
-    """The ``runtime`` command's class of each compute node, in graph order.
+def runtime_classes(model: onnx.ModelProto, path: str) -> list[str | None]:
+    """What onnxruntime runs for each compute node of ``model`` (the runtime
+    command's class), in graph order.
 
     By position, not by name: runtime names unnamed and duplicate nodes its
     own way (``MatMul_8~8``), and a graph's position is the one identity both share.
     """
-    answer = package_module("runtime", "dot --runtime").runtime(path)
-    return [node["class"] for node in answer["nodes"]]
+    found = package_module("engines.classify", "dot --runtime").classify(model, path)
+    return [node["class"] for node in found.rows]
 
 
 def unlinked_groups(index, edges, kinds):
@@ -1712,11 +1720,12 @@ def unlinked_groups(index, edges, kinds):
     return [members for members in groups.values() if len(members) > 1]
 
 
-def node_kinds(index, path, runtime_colours):
-    """``{compute node: kind}``: wrapped/float, or the runtime command's class."""
-    if not runtime_colours:
+def node_kinds(index, path, model=None):
+    """``{compute node: kind}``: wrapped/float, or with ``model`` (the model with
+    its weights) the runtime command's class."""
+    if model is None:
         return {i: "wrapped" if index.wrapped[i] else "float" for i in index.compute_nodes}
-    classes = runtime_classes(path)
+    classes = runtime_classes(model, path)
     if len(classes) != len(index.compute_nodes):
         raise GraphscanError(f"{shown(path)}: the runtime answer does not list every compute node", EXIT_INTERNAL)
     kinds = dict(zip(index.compute_nodes, classes))
@@ -1742,9 +1751,11 @@ def dot_header(path, index, kinds, island_count):
 
 def dot(path: str, runtime_colours: bool = False, collapse: bool = False) -> str:
     """The island map of ``path`` as Graphviz DOT text."""
-    index = index_model(path)
+    # Coloured by what runs, the model is read once, with its weights, for both.
+    model = load_with_weights(path) if runtime_colours else load_model(path)
+    index = GraphIndex(model.graph)
     names = [visible(name) for name in index.names]  # no terminal control or NUL in the DOT
-    kinds = node_kinds(index, path, runtime_colours)
+    kinds = node_kinds(index, path, model if runtime_colours else None)
     islands = float_islands(index)
     edges = folded_edges(index)
     boxes = unlinked_groups(index, edges, kinds) + (wrapped_runs(index, edges, kinds) if collapse else [])
@@ -2025,15 +2036,20 @@ COMMANDS = {
     "islands": (islands, ["model"], "int8-wrapped vs float nodes, float islands", []),
     "boundary": (boundary, ["model"], "DQs entering and Qs leaving each island", []),
     "diff": (diff, ["a", "b"], "b minus a for the counts above", []),
-    "fuse": ("fuse:fuse", ["model", "output"], "fuse MatMul+Add into Gemm, verified, into output", FUSE_OPTIONS),
+    "fuse": (
+        "commands.fuse:fuse",
+        ["model", "output"],
+        "fuse MatMul+Add into Gemm, verified, into output",
+        FUSE_OPTIONS,
+    ),
     "trace": (
-        "trace:trace",
+        "commands.trace:trace",
         ["a", "b"],
         "per-op isolated and propagated error of b (quantized) vs a (float)",
         TRACE_OPTIONS,
     ),
     "runtime": (
-        "runtime:runtime",
+        "commands.runtime:runtime",
         ["model"],
         "what onnxruntime really runs per node: int8, int8_data, float, absorbed",
         RUNTIME_OPTIONS,
@@ -2046,13 +2062,13 @@ COMMANDS = {
     ),
     "dot": (dot, ["model"], "Graphviz DOT picture of the island map (DOT text, not JSON)", DOT_OPTIONS),
     "impact": (
-        "impact:impact",
+        "commands.impact:impact",
         ["a", "b"],
         "output SQNR gained by keeping each op or tensor of b (quantized) float",
         IMPACT_OPTIONS,
     ),
     "tune": (
-        "tune:tune",
+        "tune.command:tune",
         ["model"],
         "quantize a float model every way and keep the fastest that is accurate enough, measured as deployed",
         TUNE_OPTIONS,

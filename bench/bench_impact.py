@@ -116,15 +116,17 @@ def interleaved(float_path, quant_path, sample_paths, count):
     sys.path.insert(0, str(REPO_ROOT / "tests"))
     import impact_reference as ref
 
-    import graphscan_ort.common
-    import graphscan_ort.impact
+    import graphscan_ort.commands.impact
+    import graphscan_ort.shared.metrics
 
     samples = [dict(np.load(p)) for p in sample_paths]
     start = time.perf_counter()
     float_model, quant_model = onnx.load(float_path), onnx.load(quant_path)
     names = [o.name for o in quant_model.graph.output]
-    noise = graphscan_ort.common.OutputNoise(graphscan_ort.common.model_outputs(float_model, samples, float_path))
-    run = graphscan_ort.impact.ImpactRun(float_model, quant_model, samples, names, noise, quant_path)
+    noise = graphscan_ort.shared.metrics.OutputNoise(
+        graphscan_ort.shared.sessions.model_outputs(float_model, samples, float_path)
+    )
+    run = graphscan_ort.engines.attribution.ImpactRun(float_model, quant_model, samples, names, noise, quant_path)
     setup = time.perf_counter() - start
     start = time.perf_counter()
     reference = ref.float_outputs(float_model, quant_model, samples)

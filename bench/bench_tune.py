@@ -3,7 +3,7 @@
     python bench/bench_tune.py FLOAT.onnx --calibrate-glob 'cal*.npz' --inputs-glob 'held*.npz' [--runs R]
 
 Both sides quantize the same candidates of the same prepared models and measure
-each the same way (graphscan_ort.deployed.measure_candidate):
+each the same way (graphscan_ort.tune.deployed.measure_candidate):
 
   tune:   python graphscan.py tune FLOAT --calibrate ... --inputs ... --out DIR
   plain:  this file with --plain: for every candidate, quantize_static with a new
@@ -37,9 +37,10 @@ def plain_loop(float_path: str, calibrate: list[str], inputs: list[str], work: s
     import onnx
     from onnxruntime.quantization import quantize_static
 
-    from graphscan_ort.candidates import SampleReader, candidate_settings, keyword_arguments, quiet
-    from graphscan_ort.deployed import measure_candidate
-    from graphscan_ort.prepare import prepared_base, with_rewrites
+    from graphscan_ort.shared.sessions import quiet
+    from graphscan_ort.tune.candidates import SampleReader, candidate_settings, keyword_arguments
+    from graphscan_ort.tune.deployed import measure_candidate
+    from graphscan_ort.tune.prepare import prepared_base, with_rewrites
 
     original = onnx.load(float_path)
     evaluation = [dict(np.load(p)) for p in inputs]
@@ -55,7 +56,7 @@ def plain_loop(float_path: str, calibrate: list[str], inputs: list[str], work: s
             target = os.path.join(work, f"plain{count}.onnx")
             with quiet():
                 quantize_static(prepared, target, SampleReader(calibration), **keyword_arguments(settings))
-            measure_candidate(float_path, target, evaluation, "all", 1, runs)
+            measure_candidate(original, onnx.load(target), float_path, target, evaluation, "all", 1, runs)
             count += 1
     print(count)
     return 0

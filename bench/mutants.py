@@ -35,7 +35,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = Path(__file__).resolve().parent / "mutants.toml"
 # The files a mutant may edit: its snippet must occur exactly once among all of them.
-TARGETS = ["graphscan.py", "graphscan_ort/*.py"]
+TARGETS = ["graphscan.py", "graphscan_ort/**/*.py"]
 TIMEOUT = 600  # seconds per mutant; a hang (e.g. reading a FIFO) counts as killed
 
 # The test files that speak for each area. Chosen for speed (one pytest run per mutant on a

@@ -360,9 +360,9 @@ def fuse_with_transposed_b(monkeypatch):
     can show the verification catches a fusion that gives other numbers."""
     from onnx import helper
 
-    import graphscan_ort.fuse
+    import graphscan_ort.commands.fuse
 
-    honest = graphscan_ort.fuse.fuse_matmul_add
+    honest = graphscan_ort.commands.fuse.fuse_matmul_add
 
     def transposing(model):
         fused, done, skipped = honest(model)
@@ -371,7 +371,7 @@ def fuse_with_transposed_b(monkeypatch):
                 node.attribute.append(helper.make_attribute("transB", 1))
         return fused, done, skipped
 
-    monkeypatch.setattr(graphscan_ort.fuse, "fuse_matmul_add", transposing)
+    monkeypatch.setattr(graphscan_ort.commands.fuse, "fuse_matmul_add", transposing)
 
 
 # Run as `python -c INTERRUPT_AT EVENT ARGUMENT script args...`: the script, sent

@@ -103,7 +103,7 @@ def test_generated_inputs_have_no_float64_copy_and_the_same_values():
     now drawn a chunk at a time, with the very same values."""
     import tracemalloc
 
-    import graphscan_ort.inputs as inputs
+    import graphscan_ort.shared.inputs as inputs
 
     shape, seed = (4, 1_000_003), 11
     expected = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
@@ -121,12 +121,12 @@ def test_generated_inputs_have_no_float64_copy_and_the_same_values():
 def test_out_of_memory_is_exit_5_in_one_line(command, monkeypatch, capsys, tmp_path):
     """A MemoryError was an internal error (exit 1) everywhere but trace."""
     import graphscan
-    import graphscan_ort.inputs
+    import graphscan_ort.shared.inputs
 
     def exhausted(*args, **kwargs):
         raise MemoryError
 
-    monkeypatch.setattr(graphscan_ort.inputs, "seeded_array", exhausted)
+    monkeypatch.setattr(graphscan_ort.shared.inputs, "seeded_array", exhausted)
     argv = {
         "impact": ["impact", FP32, FULL],
         "check": ["check", FULL, "--float", FP32, "--min-sqnr", "1"],

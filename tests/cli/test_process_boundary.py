@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
-import graphscan_ort.trace
+import graphscan_ort.commands.trace as trace_command
 from tests.helpers import INTERRUPT_AT, describe, error_line, json_answer, run_graphscan, strict_loads
 
 NAN = float("nan")
@@ -291,7 +291,7 @@ def test_minus_one_declared_dimension_is_symbolic_in_trace(tmp_path, small_lab):
     fp32 = with_minus_one_batch(small_lab["fp32"], tmp_path / "fp32.onnx")
     full = with_minus_one_batch(small_lab["full"], tmp_path / "full.onnx")
     answer = json_answer(run_graphscan(["trace", fp32, full]))
-    assert answer["inputs"] == {"x": [graphscan_ort.trace.TRACE_SYMBOLIC_DIM_SIZE, 8]}
+    assert answer["inputs"] == {"x": [trace_command.TRACE_SYMBOLIC_DIM_SIZE, 8]}
     assert answer["ops"] and all(row["propagated_max_abs"] is not None for row in answer["ops"])
 
 

@@ -7,7 +7,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
-import graphscan_ort.fuse
+import graphscan_ort.commands.fuse as fuse_command
 from tests.helpers import fuse_with_transposed_b, json_answer, run_graphscan, run_onnx
 
 RNG = np.random.default_rng(7)
@@ -76,9 +76,7 @@ def test_three_d_input_is_refused(tmp_path):
     onnx.save(gen_models.build_mlp(3, 8, seed=0, input_shape=("N", 5)), source)
     answer = graphscan.fuse(str(source), str(tmp_path / "out.onnx"))
     assert answer["fused"] == []
-    assert answer["skipped"] == [
-        {"node": f"fc{i}_matmul", "reason": graphscan_ort.fuse.SKIP_A_NOT_RANK_2} for i in (1, 2, 3)
-    ]
+    assert answer["skipped"] == [{"node": f"fc{i}_matmul", "reason": fuse_command.SKIP_A_NOT_RANK_2} for i in (1, 2, 3)]
     assert graphscan.nodes(str(tmp_path / "out.onnx"))["op_types"]["MatMul"] == 3
 
 
@@ -88,7 +86,7 @@ def skip_case(reason, nodes, inputs, initializers, outputs=None, case_id=None):
 
 SKIP_CASES = [
     skip_case(
-        graphscan_ort.fuse.SKIP_OUTPUT_SHARED,
+        fuse_command.SKIP_OUTPUT_SHARED,
         matmul_add(extra=[helper.make_node("Relu", ["mm"], ["r"], name="relu")]),
         {"a": [2, 3]},
         [initializer("B", [3, 4]), initializer("C", [4])],
@@ -96,7 +94,7 @@ SKIP_CASES = [
         case_id="matmul-output-also-feeds-relu",
     ),
     skip_case(
-        graphscan_ort.fuse.SKIP_OUTPUT_SHARED,
+        fuse_command.SKIP_OUTPUT_SHARED,
         matmul_add(),
         {"a": [2, 3]},
         [initializer("B", [3, 4]), initializer("C", [4])],
@@ -104,7 +102,7 @@ SKIP_CASES = [
         case_id="matmul-output-is-graph-output",
     ),
     skip_case(
-        graphscan_ort.fuse.SKIP_OUTPUT_SHARED,
+        fuse_command.SKIP_OUTPUT_SHARED,
         [
             helper.make_node("MatMul", ["a", "B"], ["mm"], name="mm_node"),
             helper.make_node("Relu", ["mm"], ["y"], name="relu"),
@@ -114,14 +112,14 @@ SKIP_CASES = [
         case_id="matmul-feeds-no-add",
     ),
     skip_case(
-        graphscan_ort.fuse.SKIP_C_NOT_INITIALIZER,
+        fuse_command.SKIP_C_NOT_INITIALIZER,
         matmul_add(c="c"),
         {"a": [2, 3], "c": [4]},
         [initializer("B", [3, 4])],
         case_id="add-other-input-is-graph-input",
     ),
     skip_case(
-        graphscan_ort.fuse.SKIP_A_NOT_RANK_2,
+        fuse_command.SKIP_A_NOT_RANK_2,
         matmul_add(),
         {"a": [2, 5, 3]},
         [initializer("B", [3, 4]), initializer("C", [4])],
@@ -129,14 +127,14 @@ SKIP_CASES = [
         case_id="a-is-rank-3",
     ),
     skip_case(
-        graphscan_ort.fuse.SKIP_B_NOT_2D,
+        fuse_command.SKIP_B_NOT_2D,
         matmul_add(b="b"),
         {"a": [2, 3], "b": [3, 4]},
         [initializer("C", [4])],
         case_id="b-is-graph-input",
     ),
     skip_case(
-        graphscan_ort.fuse.SKIP_B_NOT_2D,
+        fuse_command.SKIP_B_NOT_2D,
         matmul_add(),
         {"a": [2, 3]},
         [initializer("B", [3]), initializer("C", [1])],
@@ -144,7 +142,7 @@ SKIP_CASES = [
         case_id="b-is-1d",
     ),
     skip_case(
-        graphscan_ort.fuse.SKIP_C_NOT_BROADCAST,
+        fuse_command.SKIP_C_NOT_BROADCAST,
         matmul_add(a="a"),
         {"a": [1, 3]},
         [initializer("B", [3, 4]), initializer("C", [5, 4])],
@@ -152,7 +150,7 @@ SKIP_CASES = [
         case_id="c-rows-exceed-m",
     ),
     skip_case(
-        graphscan_ort.fuse.SKIP_C_NOT_BROADCAST,
+        fuse_command.SKIP_C_NOT_BROADCAST,
         matmul_add(),
         {"a": [2, 3]},
         [initializer("B", [3, 4]), initializer("C", [1, 2, 4])],
@@ -160,7 +158,7 @@ SKIP_CASES = [
         case_id="c-is-rank-3",
     ),
     skip_case(
-        graphscan_ort.fuse.SKIP_C_NOT_BROADCAST,
+        fuse_command.SKIP_C_NOT_BROADCAST,
         matmul_add(),
         {"a": ["N", 3]},
         [initializer("B", [3, 4]), initializer("C", [2, 4])],

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
-import graphscan_ort.fuse
+import graphscan_ort.commands.fuse as fuse_command
 from tests.helpers import error_line, json_answer, mlp_with_weights_beside, run_graphscan, run_onnx, strict_loads
 
 
@@ -47,13 +47,13 @@ def one_layer(path, weight_scale=1.0, value_info=(), extra_nodes=(), output="y",
 
 def seeded_input():
     """fuse's verification input for a [2, 3]: seed 0, standard normal (SPEC of fuse)."""
-    return np.random.default_rng(graphscan_ort.fuse.FUSE_SEED).standard_normal((2, 3)).astype(np.float32)
+    return np.random.default_rng(fuse_command.FUSE_SEED).standard_normal((2, 3)).astype(np.float32)
 
 
 @pytest.fixture
 def bias_offset(monkeypatch):
     """Makes fuse's Gemm add ``offset`` to C: a wrong fusion of a known size."""
-    honest = graphscan_ort.fuse.fuse_matmul_add
+    honest = fuse_command.fuse_matmul_add
 
     def install(offset):
         def off_by(model):
@@ -62,7 +62,7 @@ def bias_offset(monkeypatch):
             c.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(c) + np.float32(offset), "C"))
             return fused, done, skipped
 
-        monkeypatch.setattr(graphscan_ort.fuse, "fuse_matmul_add", off_by)
+        monkeypatch.setattr(fuse_command, "fuse_matmul_add", off_by)
 
     return install
 
@@ -164,7 +164,7 @@ def test_max_abs_error_is_measured_on_two_rows_for_a_symbolic_batch(tmp_path, mo
     which is larger in the seeded input's second row, so the answer pins fuse's input:
     seed 0, the symbolic batch N set to 2."""
     source = one_layer(tmp_path / "m.onnx", rows="N")
-    honest = graphscan_ort.fuse.fuse_matmul_add
+    honest = fuse_command.fuse_matmul_add
 
     def off_by(model):
         fused, done, skipped = honest(model)
@@ -174,7 +174,7 @@ def test_max_abs_error_is_measured_on_two_rows_for_a_symbolic_batch(tmp_path, mo
         b.CopyFrom(numpy_helper.from_array(values, "B"))
         return fused, done, skipped
 
-    monkeypatch.setattr(graphscan_ort.fuse, "fuse_matmul_add", off_by)
+    monkeypatch.setattr(fuse_command, "fuse_matmul_add", off_by)
     target = tmp_path / "out.onnx"
     answer = graphscan.fuse(source, str(target))
     x = seeded_input()
@@ -187,14 +187,14 @@ def test_max_abs_error_is_measured_on_two_rows_for_a_symbolic_batch(tmp_path, mo
 
 def test_fused_model_failing_the_checker_exits_6_and_writes_nothing(tmp_path, monkeypatch, capsys):
     source = one_layer(tmp_path / "m.onnx")
-    honest = graphscan_ort.fuse.fuse_matmul_add
+    honest = fuse_command.fuse_matmul_add
 
     def broken(model):
         fused, done, skipped = honest(model)
         fused.graph.node[0].input[1] = "no_such_tensor"
         return fused, done, skipped
 
-    monkeypatch.setattr(graphscan_ort.fuse, "fuse_matmul_add", broken)
+    monkeypatch.setattr(fuse_command, "fuse_matmul_add", broken)
     target = tmp_path / "out.onnx"
     assert graphscan.main(["fuse", source, str(target)]) == graphscan.EXIT_MISMATCH
     out, err = capsys.readouterr()

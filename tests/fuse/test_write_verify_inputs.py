@@ -17,8 +17,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
-import graphscan_ort.common
-import graphscan_ort.fuse
+import graphscan_ort.commands.fuse as fuse_command
+import graphscan_ort.shared.files as files
+import graphscan_ort.shared.metrics as metrics
 from tests.helpers import error_line, fuse_with_transposed_b, json_answer, run_graphscan, run_onnx
 
 RNG = np.random.default_rng(10)
@@ -111,7 +112,7 @@ def test_output_that_is_not_a_regular_file_is_untouched(tmp_path, lab_fp32, make
     assert is_kind(os.stat(target).st_mode)
     if os.path.isdir(target):
         assert os.listdir(target) == ["kept"]
-    assert not [p for p in os.listdir(tmp_path) if p.startswith(graphscan_ort.common.TEMPORARY_PREFIX)]
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(files.TEMPORARY_PREFIX)]
 
 
 def test_symlink_to_a_regular_file_is_written_through(tmp_path, lab_fp32):
@@ -142,8 +143,8 @@ def test_run_killed_before_rename_leaves_no_output_and_its_temp_is_ignored(tmp_p
     killed = run_graphscan(["fuse", lab_fp32, target], python_flags=("-c", KILL_AT_RENAME))
     assert killed.returncode == -signal.SIGKILL
     assert not target.exists()
-    (stale,) = [p for p in tmp_path.iterdir() if p.name.startswith(graphscan_ort.common.TEMPORARY_PREFIX)]
-    assert stale.suffix == graphscan_ort.common.TEMPORARY_SUFFIX  # never *.onnx
+    (stale,) = [p for p in tmp_path.iterdir() if p.name.startswith(files.TEMPORARY_PREFIX)]
+    assert stale.suffix == files.TEMPORARY_SUFFIX  # never *.onnx
     stale_bytes = stale.read_bytes()
 
     answer = json_answer(run_graphscan(["fuse", lab_fp32, target]))
@@ -172,7 +173,7 @@ def test_write_fsyncs_the_file_renames_then_fsyncs_the_folder(tmp_path, lab_fp32
     graphscan.fuse(str(lab_fp32), str(target))
     (_, temporary), rename, folder_sync = events
     assert os.path.dirname(temporary) == str(tmp_path)
-    assert os.path.basename(temporary).startswith(graphscan_ort.common.TEMPORARY_PREFIX)
+    assert os.path.basename(temporary).startswith(files.TEMPORARY_PREFIX)
     assert rename == ("replace", temporary, str(target))
     assert folder_sync == ("fsync", str(tmp_path))
 
@@ -274,7 +275,7 @@ NAN, INF = float("nan"), float("inf")
     ],
 )
 def test_compare_outputs_rules(expected, actual, error, problem):
-    got_error, _, _, got_problem = graphscan_ort.common.compare_outputs(
+    got_error, _, _, got_problem = metrics.compare_outputs(
         [np.array(expected, np.float32)], [np.array(actual, np.float32)]
     )
     if problem is None:
@@ -328,7 +329,7 @@ def test_only_types_onnxruntime_gemm_runs_are_fused(tmp_path, dtype, fused):
     if fused:
         assert [f["gemm"] for f in answer["fused"]] == ["mm_node_gemm"]
     else:
-        assert answer["skipped"] == [{"node": "mm_node", "reason": graphscan_ort.fuse.SKIP_TYPE}]
+        assert answer["skipped"] == [{"node": "mm_node", "reason": fuse_command.SKIP_TYPE}]
     # Whatever was written runs in onnxruntime and gives a @ B + C (small integers: exact).
     a = np.arange(6).reshape(2, 3).astype(dtype)
     expected = a.astype(np.float64) @ np.arange(12).reshape(3, 4) + np.arange(4)
@@ -474,9 +475,9 @@ def test_outputs_that_are_not_plain_tensors_are_compared(tmp_path, build):
 
 def test_string_output_that_changes_is_a_mismatch():
     expected = [np.array(["1.5", "2"], dtype=object)]
-    assert "other values" in graphscan_ort.common.compare_outputs(expected, [np.array(["1.5", "3"], dtype=object)])[3]
-    assert graphscan_ort.common.compare_outputs(expected, [[np.zeros(2)]])[3] is not None  # a sequence instead
-    assert graphscan_ort.common.compare_outputs([None], [np.zeros(2)])[3] is not None  # optional left empty in one
+    assert "other values" in metrics.compare_outputs(expected, [np.array(["1.5", "3"], dtype=object)])[3]
+    assert metrics.compare_outputs(expected, [[np.zeros(2)]])[3] is not None  # a sequence instead
+    assert metrics.compare_outputs([None], [np.zeros(2)])[3] is not None  # optional left empty in one
 
 
 def sequence_input():

@@ -16,9 +16,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
-import graphscan_ort.common
-import graphscan_ort.impact
-import graphscan_ort.segments
+import graphscan_ort.engines.attribution as attribution
+import graphscan_ort.engines.segments as segment_engine
+import graphscan_ort.shared.metrics as metrics
+import graphscan_ort.shared.sessions as sessions
 from tests import impact_reference as reference
 from tests.helpers import error_line, json_answer, run_graphscan, with_weight_scale_times
 from tests.lab import TRACE_LAB
@@ -172,7 +173,7 @@ def assert_equals_brute_force(a, b, sample_paths):
 VERSION_POLICIES = {
     "group-versions": lambda self, j, wanted: wanted,
     "full-versions": lambda self, j, wanted: (
-        graphscan_ort.segments.PLAIN if wanted == graphscan_ort.segments.PLAIN else graphscan_ort.segments.FULL
+        segment_engine.PLAIN if wanted == segment_engine.PLAIN else segment_engine.FULL
     ),
 }
 
@@ -187,14 +188,14 @@ def test_every_row_equals_the_brute_force(model, policy, trace_lab, faulty, mlp_
         "two-outputs": branches,
     }[model]
     runs = []
-    real = graphscan_ort.impact.ImpactRun.__init__
+    real = attribution.ImpactRun.__init__
 
     def spy(self, *args):
         real(self, *args)
         runs.append(self)
 
-    monkeypatch.setattr(graphscan_ort.impact.ImpactRun, "__init__", spy)
-    monkeypatch.setattr(graphscan_ort.segments.SegmentRunner, "version", VERSION_POLICIES[policy])
+    monkeypatch.setattr(attribution.ImpactRun, "__init__", spy)
+    monkeypatch.setattr(segment_engine.SegmentRunner, "version", VERSION_POLICIES[policy])
     answer, _ = assert_equals_brute_force(a, b, samples)
     # The rows were measured through the chain of segment sessions, in the
     # versions the policy picks, not through the one-segment fallback.
@@ -204,9 +205,9 @@ def test_every_row_equals_the_brute_force(model, policy, trace_lab, faulty, mlp_
     versions = {version for _, version in run.runner.sessions}
     assert any(isinstance(j, tuple) for j, _ in run.runner.sessions)  # a plain tail as one session
     if policy == "group-versions":
-        assert graphscan_ort.segments.FULL not in versions and any(isinstance(v, int) for v in versions), versions
+        assert segment_engine.FULL not in versions and any(isinstance(v, int) for v in versions), versions
     else:
-        assert versions == {graphscan_ort.segments.PLAIN, graphscan_ort.segments.FULL}, versions
+        assert versions == {segment_engine.PLAIN, segment_engine.FULL}, versions
     assert answer["samples"] == len(samples)
     gains = [r["gain_db"] for r in answer["ops"]]
     assert gains == sorted(gains, reverse=True)
@@ -217,16 +218,19 @@ def test_group_versions_only_when_the_machinery_costs_more_than_a_build(trace_la
     extra run time, over all samples and twice, exceeds its build time."""
     float_model, quant_model = onnx.load(trace_lab["fp32"]), onnx.load(trace_lab["full"])
     samples = load_samples(mlp_samples)
-    noise = graphscan_ort.common.OutputNoise(graphscan_ort.common.model_outputs(float_model, samples, "a"))
-    runner = graphscan_ort.impact.ImpactRun(float_model, quant_model, samples, ["y"], noise, "b").runner
-    assert runner.version(0, graphscan_ort.segments.PLAIN) == graphscan_ort.segments.PLAIN
-    assert runner.version(0, 3) == graphscan_ort.segments.FULL  # the full version has not run yet
+    noise = metrics.OutputNoise(sessions.model_outputs(float_model, samples, "a"))
+    runner = attribution.ImpactRun(float_model, quant_model, samples, ["y"], noise, "b").runner
+    assert runner.version(0, segment_engine.PLAIN) == segment_engine.PLAIN
+    assert runner.version(0, 3) == segment_engine.FULL  # the full version has not run yet
     runner.seconds.update(
-        {("run", 0, graphscan_ort.segments.PLAIN): 0.001, ("build", 0, graphscan_ort.segments.FULL): 0.05}
+        {
+            ("run", 0, segment_engine.PLAIN): 0.001,
+            ("build", 0, segment_engine.FULL): 0.05,
+        }
     )
-    runner.seconds["run", 0, graphscan_ort.segments.FULL] = 0.001 + 0.05 / (2 * len(samples)) * 0.9
-    assert runner.version(0, 3) == graphscan_ort.segments.FULL
-    runner.seconds["run", 0, graphscan_ort.segments.FULL] = 0.001 + 0.05 / (2 * len(samples)) * 1.1
+    runner.seconds["run", 0, segment_engine.FULL] = 0.001 + 0.05 / (2 * len(samples)) * 0.9
+    assert runner.version(0, 3) == segment_engine.FULL
+    runner.seconds["run", 0, segment_engine.FULL] = 0.001 + 0.05 / (2 * len(samples)) * 1.1
     assert runner.version(0, 3) == 3
 
 
@@ -353,14 +357,14 @@ def test_errors(trace_lab, tmp_path, options, code):
 
 def test_broken_derived_model_is_named_as_graphscans(trace_lab, monkeypatch):
     """A derived model that fails is blamed on graphscan, not on the user's model (exit 5)."""
-    real = graphscan_ort.impact.switched_model
+    real = attribution.switched_model
 
     def broken(plan, quant_model, float_model, prefix):
         model, *rest = real(plan, quant_model, float_model, prefix)
         model.graph.node[0].op_type = "NoSuchOperator"
         return (model, *rest)
 
-    monkeypatch.setattr(graphscan_ort.impact, "switched_model", broken)
+    monkeypatch.setattr(attribution, "switched_model", broken)
     with pytest.raises(graphscan.GraphscanError) as caught:
         graphscan.impact(str(trace_lab["fp32"]), str(trace_lab["full"]))
     assert caught.value.exit_code == graphscan.EXIT_RUNTIME
@@ -398,19 +402,17 @@ def test_derived_model_is_deterministic_and_prefixed(cnn):
     sample = {"x": np.zeros((1, 3, 8, 8), np.float32)}
 
     def build():
-        plan = graphscan_ort.impact.ImpactPlan(float_model, quant_model)
-        model, _, _, _ = graphscan_ort.impact.switched_model(plan, quant_model, float_model)
+        plan = attribution.ImpactPlan(float_model, quant_model)
+        model, _, _, _ = attribution.switched_model(plan, quant_model, float_model)
         machinery = {n.name for n in model.graph.node if n.name.startswith("graphscan.")}
-        segments = graphscan_ort.segments.SegmentPlan(
-            model, ["x"], set(), machinery, graphscan_ort.segments.IMPACT_SEGMENTS, sample
-        )
+        segments = segment_engine.SegmentPlan(model, ["x"], set(), machinery, segment_engine.IMPACT_SEGMENTS, sample)
         assert len(segments.chunks) > 1
         types = {t: "tensor(float)" for node in model.graph.node for t in [*node.input, *node.output]}
         types.update({i.name: "tensor(float)" for i in model.graph.input})
         versions = [
             segments.segment_model(j, switched, types)[0].SerializeToString()
             for j in [None, *range(len(segments.chunks))]
-            for switched in (graphscan_ort.segments.PLAIN, graphscan_ort.segments.FULL, 0)
+            for switched in (segment_engine.PLAIN, segment_engine.FULL, 0)
         ]
         return model, versions
 
@@ -615,11 +617,11 @@ def test_rounding_reuses_the_kept_run_only_when_the_clips_agree(values, kept, ro
     bit for bit: t finite, each side's bounds equal or never reached."""
     bounds = [tuple(np.array(b, F32) for b in pair) for pair in (kept, rounded)]
     for dtype, expected in ((F32, same), (np.float64, False)):  # float64: not the bounds' type
-        stats = graphscan_ort.impact.ValueStats((-1.0, 1.0, TensorProto.FLOAT))
+        stats = attribution.ValueStats((-1.0, 1.0, TensorProto.FLOAT))
         half = len(values) // 2  # two samples: the extremes are over both
         stats.add(np.array(values[:half], dtype))
         stats.add(np.array(values[half:], dtype))
-        assert graphscan_ort.impact.same_clip(stats, *bounds) is expected
+        assert attribution.same_clip(stats, *bounds) is expected
 
 
 def test_a_tensor_inside_its_range_is_measured_once(tmp_path, monkeypatch):
@@ -640,24 +642,25 @@ def test_a_tensor_inside_its_range_is_measured_once(tmp_path, monkeypatch):
     sample = tmp_path / "s.npz"
     np.savez(sample, x=np.linspace(-0.5, 0.5, 8, dtype=np.float32)[None])  # calibration: normal, far wider
     runs, impact_runs = [], []
-    real_run, real_init = graphscan_ort.segments.SegmentRunner.run, graphscan_ort.impact.ImpactRun.__init__
-    monkeypatch.setattr(
-        graphscan_ort.segments.SegmentRunner, "run", lambda self, s=None: runs.append(s) or real_run(self, s)
+    real_run, real_init = (
+        segment_engine.SegmentRunner.run,
+        attribution.ImpactRun.__init__,
     )
+    monkeypatch.setattr(segment_engine.SegmentRunner, "run", lambda self, s=None: runs.append(s) or real_run(self, s))
     monkeypatch.setattr(
-        graphscan_ort.impact.ImpactRun,
+        attribution.ImpactRun,
         "__init__",
         lambda self, *args: impact_runs.append(self) or real_init(self, *args),
     )
     answer, _ = assert_equals_brute_force(a, b, [sample])
     (row,) = [r for r in answer["tensors"] if r["tensor"] == "x"]
     assert row["clipped"] == 0.0 and row["rounding_sqnr_db"] == row["sqnr_db"]
-    ran = [graphscan_ort.impact.variant_key(s or {}) for s in runs]
+    ran = [attribution.variant_key(s or {}) for s in runs]
     assert len(ran) == len(set(ran)), "a variant ran twice"
     (run,) = impact_runs
     (m,) = [m for m, (t, *_) in enumerate(run.plan.tensor_rows) if t == "x"]
     kept, rounded = run.tensor_variants[m]
-    assert graphscan_ort.impact.variant_key(kept) in ran and graphscan_ort.impact.variant_key(rounded) not in ran
+    assert attribution.variant_key(kept) in ran and attribution.variant_key(rounded) not in ran
 
 
 def test_a_sequence_between_segments_falls_back_to_one_segment(tmp_path, monkeypatch):
@@ -683,11 +686,11 @@ def test_a_sequence_between_segments_falls_back_to_one_segment(tmp_path, monkeyp
         opset_imports=[helper.make_opsetid("", gen_models.OPSET)],
     )
     a, b = quantized(tmp_path, model, "sequence")
-    monkeypatch.setattr(graphscan_ort.segments, "IMPACT_SEGMENTS", 1000)
+    monkeypatch.setattr(segment_engine, "IMPACT_SEGMENTS", 1000)
     plans = []
-    real = graphscan_ort.segments.SegmentRunner.__init__
+    real = segment_engine.SegmentRunner.__init__
     monkeypatch.setattr(
-        graphscan_ort.segments.SegmentRunner,
+        segment_engine.SegmentRunner,
         "__init__",
         lambda self, plan, *a: plans.append(plan) or real(self, plan, *a),
     )
@@ -701,12 +704,15 @@ def test_segments_are_cut_by_work_not_by_node_count():
     the work done so far passes each share, so a node heavier than a share ends
     a segment and the nodes after it start the next (unknown work: the median)."""
     nodes = list("abcdefgh")
-    assert graphscan_ort.segments.equal_work_chunks(nodes, [1, 1, 1, 100, 1, 1, None, 1], 4) == [
+    assert segment_engine.equal_work_chunks(nodes, [1, 1, 1, 100, 1, 1, None, 1], 4) == [
         list("abcd"),
         list("efgh"),
     ]
-    assert graphscan_ort.segments.equal_work_chunks(nodes, [100, 1, 1, 1, 1, 1, 1, 1], 4) == [["a"], list("bcdefgh")]
-    assert graphscan_ort.segments.equal_work_chunks(nodes, [1] * 8, 4) == [
+    assert segment_engine.equal_work_chunks(nodes, [100, 1, 1, 1, 1, 1, 1, 1], 4) == [
+        ["a"],
+        list("bcdefgh"),
+    ]
+    assert segment_engine.equal_work_chunks(nodes, [1] * 8, 4) == [
         list("ab"),
         list("cd"),
         list("ef"),
@@ -714,8 +720,8 @@ def test_segments_are_cut_by_work_not_by_node_count():
     ]
     conv = helper.make_node("Conv", ["x", "w"], ["y"])
     shapes = {"x": [1, 3, 8, 8], "w": [16, 3, 3, 3], "y": [1, 16, 8, 8]}
-    assert graphscan_ort.segments.node_work(conv, shapes) == 16 * 8 * 8 * 3 * 3 * 3
-    assert graphscan_ort.segments.node_work(conv, {**shapes, "y": None}) is None
+    assert segment_engine.node_work(conv, shapes) == 16 * 8 * 8 * 3 * 3 * 3
+    assert segment_engine.node_work(conv, {**shapes, "y": None}) is None
 
 
 def test_shapes_behind_a_computed_reshape_are_known():
@@ -735,7 +741,7 @@ def test_shapes_behind_a_computed_reshape_are_known():
         ),
         opset_imports=[helper.make_opsetid("", gen_models.OPSET)],
     )
-    shapes = graphscan_ort.segments.known_shapes(model, list(model.graph.node), {"x": np.zeros((3, 4), np.float32)})
+    shapes = segment_engine.known_shapes(model, list(model.graph.node), {"x": np.zeros((3, 4), np.float32)})
     assert shapes["r"] == [3, 4] and shapes["y"] == [3, 4]
 
 

@@ -20,8 +20,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
-import graphscan_ort.runtime
-import graphscan_ort.timing
+import graphscan_ort.engines.classify as classify
+import graphscan_ort.engines.timing as timing
+import graphscan_ort.shared.kernels as kernel_vocabulary
 from tests.helpers import error_line, json_answer, main_error_line, run_graphscan
 from tests.lab import DEFAULT_LAB
 
@@ -291,18 +292,16 @@ def test_int8_activations_need_int8_allowed(tmp_path):
 def test_int8_activations_is_not_the_reason_when_they_were_allowed():
     """The same unfused all-int8 Conv, judged as if --int8-allowed had been
     set: the fusion would have accepted int8, so something else stopped it."""
-    named, _ = graphscan_ort.runtime.session_names(shared_int8_conv_model())
-    optimized = graphscan_ort.runtime.optimized_model(
-        named.SerializeToString(), "m", "extended", "CPUExecutionProvider", False
-    )
-    graph = graphscan_ort.runtime.OptimizedGraph(optimized.graph)
+    named, _ = classify.session_names(shared_int8_conv_model())
+    optimized = classify.optimized_model(named.SerializeToString(), "m", "extended", "CPUExecutionProvider", False)
+    graph = kernel_vocabulary.OptimizedGraph(optimized.graph)
     conv = graph.by_name["conv"]
     assert graph.op_type(conv) == "Conv"
     assert (
-        graphscan_ort.runtime.float_reason("Conv", graph, conv, "extended", "CPUExecutionProvider", False)["code"]
+        classify.float_reason("Conv", graph, conv, "extended", "CPUExecutionProvider", False)["code"]
         == "int8_activations"
     )
-    reason = graphscan_ort.runtime.float_reason("Conv", graph, conv, "extended", "CPUExecutionProvider", True)
+    reason = classify.float_reason("Conv", graph, conv, "extended", "CPUExecutionProvider", True)
     assert reason["code"] == "other" and "other conditions" in reason["detail"]
 
 
@@ -328,16 +327,14 @@ def test_nodes_are_found_by_tensors_when_every_optimized_name_is_gone(tmp_path):
     """Blank every node name of the optimized graph: the mapping must fall
     back to tensors and Q/DQ signatures and reach the same classes."""
     model = every_class_model()
-    named, names = graphscan_ort.runtime.session_names(model)
-    optimized = graphscan_ort.runtime.optimized_model(
-        named.SerializeToString(), "m", "extended", "CPUExecutionProvider", False
-    )
+    named, names = classify.session_names(model)
+    optimized = classify.optimized_model(named.SerializeToString(), "m", "extended", "CPUExecutionProvider", False)
     for node in optimized.graph.node:
         node.name = ""
-    rows, unmapped = graphscan_ort.runtime.classify_nodes(
+    rows, unmapped = classify.classify_nodes(
         graphscan.GraphIndex(named.graph),
         names,
-        graphscan_ort.runtime.OptimizedGraph(optimized.graph),
+        kernel_vocabulary.OptimizedGraph(optimized.graph),
         "extended",
         "CPUExecutionProvider",
         False,
@@ -394,7 +391,7 @@ def test_duplicate_and_colliding_names_are_made_unique():
     graph = helper.make_graph(
         [a, b, c, d], "g", [helper.make_tensor_value_info("x", 1, [1])], [helper.make_tensor_value_info("y", 1, [1])]
     )
-    named, names = graphscan_ort.runtime.session_names(helper.make_model(graph))
+    named, names = classify.session_names(helper.make_model(graph))
     assert names == ["same", "same~1", "Relu_2~2", "Relu_2"]
     assert [n.name for n in named.graph.node] == names
 
@@ -405,7 +402,7 @@ def test_a_made_name_never_repeats_a_name_a_node_already_has():
     graph = helper.make_graph(
         chain, "g", [helper.make_tensor_value_info("t0", 1, [1])], [helper.make_tensor_value_info("t3", 1, [1])]
     )
-    _, names = graphscan_ort.runtime.session_names(helper.make_model(graph))
+    _, names = classify.session_names(helper.make_model(graph))
     assert names[:2] == ["a", "a~2"] and len(set(names)) == 3 and names[2].startswith("a~2")
 
 
@@ -572,7 +569,7 @@ def test_round_trips_removed_from_the_optimized_graph_only():
         [helper.make_tensor_value_info("y", 1, [4])],
         [f32("s", 0.1), u8("zp", 128), numpy_helper.from_array(np.ones(4, np.uint8), "w_q")],
     )
-    ablated, removed = graphscan_ort.timing.without_round_trips(helper.make_model(graph))
+    ablated, removed = timing.without_round_trips(helper.make_model(graph))
     # q1/dq1 and q2/dq2 go; q3/dq3 stay because dq3 makes the graph output.
     assert removed == 4
     assert [n.name for n in ablated.graph.node] == ["r1", "dqw", "add", "r2", "q3", "dq3"]
@@ -651,20 +648,23 @@ def test_runs_are_spread_over_sessions_below_the_profilers_event_cap(default_lab
     20,000-node chain reported a third of --runs 30's time per node. Runs are
     now spread over sessions whose profiles stay far below the cap (here a cap of
     200 events: 9 runs a session for the lab's kernels), and every run is counted."""
-    monkeypatch.setattr(graphscan_ort.timing, "PROFILER_EVENT_CAP", 200)
+    monkeypatch.setattr(timing, "PROFILER_EVENT_CAP", 200)
     sessions, counted = [], []
-    real_session, real_totals = graphscan_ort.timing.profiled_session, graphscan_ort.timing.kernel_totals
+    real_session, real_totals = (
+        timing.profiled_session,
+        timing.kernel_totals,
+    )
 
     def spy_session(model_bytes, subject, options, provider, feeds, runs, folder):
         sessions.append(runs)
         return real_session(model_bytes, subject, options, provider, feeds, runs, folder)
 
     def spy_totals(profile, runs, floor):
-        counted.append(sum(1 for _ in graphscan_ort.timing.profile_events(profile)))
+        counted.append(sum(1 for _ in timing.profile_events(profile)))
         return real_totals(profile, runs, floor)
 
-    monkeypatch.setattr(graphscan_ort.timing, "profiled_session", spy_session)
-    monkeypatch.setattr(graphscan_ort.timing, "kernel_totals", spy_totals)
+    monkeypatch.setattr(timing, "profiled_session", spy_session)
+    monkeypatch.setattr(timing, "kernel_totals", spy_totals)
     answer = graphscan.runtime(str(default_lab["full"]), timed=True, runs=30)
     timed_sessions = sessions[1:]  # the first is the profiler-floor model's
     assert sum(timed_sessions) == 30 and len(timed_sessions) > 1 and max(timed_sessions) < 30
@@ -680,11 +680,11 @@ def test_a_truncated_profile_is_never_averaged(tmp_path):
     events += [{"cat": "Node", "name": "a_kernel_time", "ts": 10 + k, "dur": 3, "args": {}} for k in range(3)]
     profile = tmp_path / "profile.json"
     profile.write_text("[\n" + ",\n".join(json.dumps(e) for e in events) + "\n]\n")
-    assert graphscan_ort.timing.kernel_totals(str(profile), runs=2, floor=0.0)[1] is False
+    assert timing.kernel_totals(str(profile), runs=2, floor=0.0)[1] is False
     events.append({"cat": "Session", "name": "model_run", "ts": 5, "dur": 5})
     events.append({"cat": "Session", "name": "model_run", "ts": 9, "dur": 5})
     profile.write_text("[\n" + ",\n".join(json.dumps(e) for e in events) + "\n]\n")
-    totals, complete = graphscan_ort.timing.kernel_totals(str(profile), runs=2, floor=1.0)
+    totals, complete = timing.kernel_totals(str(profile), runs=2, floor=1.0)
     assert complete is True and totals == {"a": 6.0}  # three events after the warm-up run's start, 3 - 1 each
 
 

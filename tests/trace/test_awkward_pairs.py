@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import graphscan
-import graphscan_ort.trace
+import graphscan_ort.commands.trace as trace_command
 from tests.helpers import error_line, json_answer, run_graphscan, run_onnx
 from tests.lab import TRACE_LAB
 
@@ -120,7 +120,7 @@ def test_a_failing_single_op_model_is_dropped_and_named_as_graphscans_own(tmp_pa
     float_path, quant_path = reused_names_pair(tmp_path)
     # Without shapes, the float r ([1, 1, 4]) is fed to the quantized sq, which
     # squeezes axis 2: onnxruntime refuses graphscan's single-op model of sq.
-    monkeypatch.setattr(graphscan_ort.trace, "inferred_types", lambda model, feeds: {})
+    monkeypatch.setattr(trace_command, "inferred_types", lambda model, feeds: {})
     answer = graphscan.trace(float_path, quant_path)
     rows = rows_by_node(answer)
     assert rows["sq"]["isolated_max_abs"] is None  # dropped, the run repeated without it
@@ -130,7 +130,7 @@ def test_a_failing_single_op_model_is_dropped_and_named_as_graphscans_own(tmp_pa
     (entry,) = [u for u in answer["unmatched"] if u["node"] == "sq"]
     assert entry["reason"].startswith("graphscan's own single-op model of this node does not run in onnxruntime (")
     # With no repeat allowed, the error says whose model failed: graphscan's, for node sq.
-    monkeypatch.setattr(graphscan_ort.trace, "TRACE_RETRIES", 0)
+    monkeypatch.setattr(trace_command, "TRACE_RETRIES", 0)
     with pytest.raises(graphscan.GraphscanError) as caught:
         graphscan.trace(float_path, quant_path)
     assert caught.value.exit_code == graphscan.EXIT_RUNTIME
@@ -455,9 +455,9 @@ def test_an_overflow_to_infinity_gives_no_sqnr_not_a_crash(tmp_path, fetch_eleme
     """exp(88.6) is a float32, exp(89) is not: the quantized Exp (its input rounded to 89)
     overflows where the float one does not. The noise is infinite: no SQNR, the maximum
     infinite (null in the JSON). It was exit 1, "math domain error"."""
-    import graphscan_ort.combined
+    import graphscan_ort.engines.combined as combined
 
-    monkeypatch.setattr(graphscan_ort.combined, "TRACE_FETCH_ELEMENTS", fetch_elements)
+    monkeypatch.setattr(combined, "TRACE_FETCH_ELEMENTS", fetch_elements)
     x, y = ([helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 4])] for n in ("x", "y"))
     nodes = [helper.make_node("Exp", ["x"], ["y"], name="exp")]
     float_path = save(helper.make_model(helper.make_graph(nodes, "a", x, y), opset_imports=OPSET), tmp_path / "a.onnx")

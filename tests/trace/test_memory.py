@@ -15,7 +15,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
-import graphscan_ort.combined
+import graphscan_ort.engines.combined as combined
+import graphscan_ort.engines.measures as measures
 from tests.helpers import GRAPHSCAN, error_line, load_bench_script, run_graphscan
 
 # The ways a row can be measured: fetched into numpy by one session, by sessions
@@ -33,6 +34,15 @@ PATHS = [
         id="reduced-chunked-segmented",
     ),
 ]
+
+
+def set_trace_limits(monkeypatch, settings):
+    """Set trace's size limits (``{name: value}``) in every engine module that reads them."""
+    for name, value in settings.items():
+        modules = [module for module in (combined, measures) if hasattr(module, name)]
+        assert modules, name
+        for module in modules:
+            monkeypatch.setattr(module, name, value)
 
 
 def all_tensors(path, feeds):
@@ -77,8 +87,7 @@ def cnn(tmp_path_factory):
 
 @pytest.mark.parametrize("settings", PATHS)
 def test_every_path_gives_what_onnxruntime_and_numpy_give(cnn, settings, monkeypatch):
-    for name, value in settings.items():
-        monkeypatch.setattr(graphscan_ort.combined, name, value)
+    set_trace_limits(monkeypatch, settings)
     answer = graphscan.trace(str(cnn["float"]), str(cnn["quant"]), inputs=str(cnn["npz"]))
     floats = all_tensors(cnn["float"], {"x": cnn["x"]})
     quants = all_tensors(cnn["quant"], {"x": cnn["x"]})
@@ -139,8 +148,7 @@ def test_clipped_counts_float32_values_just_outside_the_range(tmp_path, settings
         tmp_path / "b.onnx",
     )
     np.savez(tmp_path / "x.npz", x=-values[None])
-    for name, value in settings.items():
-        monkeypatch.setattr(graphscan_ort.combined, name, value)
+    set_trace_limits(monkeypatch, settings)
     answer = graphscan.trace(str(tmp_path / "a.onnx"), str(tmp_path / "b.onnx"), inputs=str(tmp_path / "x.npz"))
     wide = values.astype(np.float64)
     assert np.count_nonzero((wide < lo) | (wide > hi)) == 2  # the ends really are outside, in float64
@@ -175,8 +183,7 @@ def test_an_output_that_is_an_initializer_is_measured_on_every_path(tmp_path, se
         tmp_path / "b.onnx",
     )
     np.savez(tmp_path / "x.npz", x=np.linspace(-1, 1, 8, dtype=np.float32)[None])
-    for name, value in settings.items():
-        monkeypatch.setattr(graphscan_ort.combined, name, value)
+    set_trace_limits(monkeypatch, settings)
     answer = graphscan.trace(str(tmp_path / "a.onnx"), str(tmp_path / "b.onnx"), inputs=str(tmp_path / "x.npz"))
     assert answer["outputs"]["k"] == 0.0
     assert answer["outputs"]["y"] > 0
@@ -217,8 +224,7 @@ def test_float16_rows_measure_the_same_on_every_path(float16_pair, settings, mon
     # (20.12591552734375 where numpy gives 20.125).
     a, b, x = float16_pair
     fetched = graphscan.trace(a, b, inputs=x)
-    for name, value in settings.items():
-        monkeypatch.setattr(graphscan_ort.combined, name, value)
+    set_trace_limits(monkeypatch, settings)
     measured = graphscan.trace(a, b, inputs=x)["ops"]
     assert [r["node"] for r in measured] == ["mul", "neg"]
     for got, want in zip(measured, fetched["ops"], strict=True):
@@ -234,8 +240,8 @@ def test_running_out_of_memory_while_measuring_is_exit_5(cnn, budget, monkeypatc
     def no_memory(*args):
         raise MemoryError("measuring")
 
-    monkeypatch.setattr(graphscan_ort.combined, "TRACE_FETCH_BUDGET", budget)
-    monkeypatch.setattr(graphscan_ort.combined, "error_stats", no_memory)
+    monkeypatch.setattr(combined, "TRACE_FETCH_BUDGET", budget)
+    monkeypatch.setattr(measures, "error_stats", no_memory)
     with pytest.raises(graphscan.GraphscanError) as raised:
         graphscan.trace(str(cnn["float"]), str(cnn["quant"]), inputs=str(cnn["npz"]))
     assert raised.value.exit_code == graphscan.EXIT_RUNTIME
@@ -245,8 +251,7 @@ def test_running_out_of_memory_while_measuring_is_exit_5(cnn, budget, monkeypatc
 @pytest.mark.parametrize("settings", PATHS[1:])
 def test_reduced_isolated_errors_equal_the_fetched_ones(cnn, settings, monkeypatch):
     fetched = graphscan.trace(str(cnn["float"]), str(cnn["quant"]), inputs=str(cnn["npz"]))
-    for name, value in settings.items():
-        monkeypatch.setattr(graphscan_ort.combined, name, value)
+    set_trace_limits(monkeypatch, settings)
     reduced = graphscan.trace(str(cnn["float"]), str(cnn["quant"]), inputs=str(cnn["npz"]))
     for a, b in zip(fetched["ops"], reduced["ops"], strict=True):
         assert a["isolated_max_abs"] == b["isolated_max_abs"], a["node"]  # a max is exact either way

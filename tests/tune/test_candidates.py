@@ -10,7 +10,7 @@ import pytest
 from onnxruntime.quantization import CalibrationDataReader, quantize_static
 
 import gen_models
-import graphscan_ort.candidates as candidates
+import graphscan_ort.tune.candidates as candidates
 
 
 class Pages(CalibrationDataReader):

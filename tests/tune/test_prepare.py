@@ -5,8 +5,10 @@ import numpy as np
 import onnx
 from onnx import helper
 
-import graphscan_ort.prepare as prepare
-import graphscan_ort.rewrites as rewrites
+import graphscan_ort.shared.graph as graph_edit
+import graphscan_ort.shared.metrics as metrics
+import graphscan_ort.tune.prepare as prepare
+import graphscan_ort.tune.rewrites as rewrites
 from tests.tune.test_rewrites import DIV, HARD_SIGMOID, SAMPLES, conv_block_model
 
 
@@ -22,9 +24,9 @@ def test_every_step_is_verified_and_the_result_reproduces_the_original(tmp_path)
     prepared, steps = prepare.prepare(str(source), str(tmp_path), SAMPLES)
     assert [s["step"] for s in steps] == ["quant_pre_process", "opset", "div_by_constant", "hard_sigmoid"]
     assert all(s["ok"] for s in steps), steps
-    assert rewrites.default_opset(prepared) == 13
+    assert graph_edit.default_opset(prepared) == 13
     assert {"Div", "HardSigmoid"}.isdisjoint(n.op_type for n in prepared.graph.node)
-    error, problem = rewrites.verified(onnx.load(source), prepared, SAMPLES)
+    error, problem = metrics.verified(onnx.load(source), prepared, SAMPLES)
     assert problem is None and error < 1e-5
 
 

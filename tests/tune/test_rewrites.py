@@ -9,7 +9,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
-import graphscan_ort.rewrites as rewrites
+import graphscan_ort.shared.metrics as metrics
+import graphscan_ort.tune.rewrites as rewrites
 
 
 def conv_block_model(middle, opset=13):
@@ -65,7 +66,7 @@ def test_a_rewrite_keeps_the_outputs_and_unlocks_int8_kernels(tmp_path, middle, 
     rewritten, count = rewrites.REWRITES[rewrite](model)
     assert count == 1
     onnx.checker.check_model(rewritten, full_check=True)
-    error, problem = rewrites.verified(model, rewritten, SAMPLES)
+    error, problem = metrics.verified(model, rewritten, SAMPLES)
     assert problem is None and error < 1e-5
     before, before_ops = int8_classes(model, tmp_path, "before")
     after, after_ops = int8_classes(rewritten, tmp_path, "after")
@@ -94,5 +95,5 @@ def test_a_rewrite_that_changes_the_outputs_is_caught():
     for init in broken.graph.initializer:
         if init.name.endswith("_reciprocal"):
             init.CopyFrom(numpy_helper.from_array(np.array(0.3, np.float32), init.name))
-    _, problem = rewrites.verified(model, broken, SAMPLES)
+    _, problem = metrics.verified(model, broken, SAMPLES)
     assert problem is not None and "sample 0" in problem

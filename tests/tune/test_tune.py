@@ -10,8 +10,8 @@ from onnxruntime.quantization import quantize_static
 
 import gen_models
 import graphscan
-import graphscan_ort.candidates as candidates
-import graphscan_ort.tune as tune
+import graphscan_ort.tune.candidates as candidates
+import graphscan_ort.tune.command as tune
 from tests.helpers import INTERRUPT_AT, error_line, json_answer, main_error_line, run_graphscan
 
 
@@ -146,11 +146,9 @@ def test_exclusions_are_realized_by_the_quantizer_and_measured(tuned, tmp_path, 
     model re-quantized and measured as deployed; an exclusion stays only when it helps, and
     the most accurate model is chosen (reached false). impact's own ranking is tested with
     impact; here it is fixed, so the loop is what is tested."""
-    import graphscan_ort.impact
-
     convs = [n.name for n in onnx.load(tuned["float"]).graph.node if n.op_type == "Conv"]
     ranking = {"ops": [{"node": name, "gain_db": 1.0} for name in convs] + [{"node": "noise", "gain_db": 1e-9}]}
-    monkeypatch.setattr(graphscan_ort.impact, "impact", lambda *args, **kwargs: ranking)
+    monkeypatch.setattr(tune, "impact_of", lambda *args, **kwargs: ranking)
     answer = tune.tune(
         tuned["float"],
         calibrate=[str(c) for c in tuned["calibration"]],

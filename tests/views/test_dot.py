@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import numpy as np
 import onnx
@@ -18,7 +19,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import graphscan
-import graphscan_ort.runtime
+import graphscan_ort.engines.classify as classify_engine
 from tests.helpers import chain_model, error_line, run_graphscan
 from tests.lab import QDQ_VARIANTS, VARIANTS
 
@@ -202,15 +203,15 @@ def test_names_with_quotes_backslashes_and_unicode_survive_in_ascii_dot(tmp_path
 # --runtime: colours from the runtime command (issue 8), here a hand-written answer
 
 
-def fake_runtime(classes):
-    """A runtime command answering ``classes`` (by node name; None for the rest), in graph order as runtime does."""
+def fake_classify(classes):
+    """runtime's classification answering ``classes`` (by node name; None for the rest), in graph order as it does."""
 
-    def runtime(path):
-        index = graphscan.index_model(path)
+    def classify(model, path):
+        index = graphscan.GraphIndex(model.graph)
         names = [index.names[i] for i in index.compute_nodes]
-        return {"model": path, "nodes": [{"node": name, "class": classes.get(name)} for name in names]}
+        return types.SimpleNamespace(rows=[{"node": name, "class": classes.get(name)} for name in names])
 
-    return runtime
+    return classify
 
 
 def test_runtime_colours_go_by_position_when_names_repeat(tmp_path):
@@ -250,7 +251,7 @@ def test_runtime_colours_follow_the_runtime_classes(default_lab, monkeypatch):
         "fc2_add": "int8_data",
         "fc3_relu": "int4",
     }  # int4, missing: unknown
-    monkeypatch.setattr(graphscan_ort.runtime, "runtime", fake_runtime(classes), raising=False)
+    monkeypatch.setattr(classify_engine, "classify", fake_classify(classes))
     path = str(default_lab["matmul_only"])
     nodes, _, _ = assert_structure(path, graphscan.dot(path, runtime_colours=True))
     colours = {attrs["tooltip"]: attrs["fillcolor"] for i, attrs in nodes.items() if i.startswith("n")}
@@ -266,7 +267,8 @@ def parse_graph_label(text):
 
 def test_runtime_missing_is_a_clear_usage_error(default_lab, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "graphscan_ort", None)  # as if graphscan.py were alone
-    monkeypatch.delitem(sys.modules, "graphscan_ort.runtime", raising=False)
+    for name in [name for name in sys.modules if name.startswith("graphscan_ort.")]:
+        monkeypatch.delitem(sys.modules, name)
     assert graphscan.main(["dot", str(default_lab["full"]), "--runtime"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1

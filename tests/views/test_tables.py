@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import graphscan
-import graphscan_ort.trace
+import graphscan_ort.commands.trace as trace_command
 from tests.helpers import chain_model, error_line, run_graphscan
 
 COUNTING = ["nodes", "qdq", "islands", "boundary"]
@@ -316,7 +316,7 @@ TRACE_ANSWER = {
     "outputs": {"y": 0.9},
     "worst_isolated": {"node": LONG, "max_abs": 0.5},
     "first_over": {"node": LONG, "max_abs": 0.5},
-    "unmatched": [{"node": "relu", "op_type": "Relu", "reason": graphscan_ort.trace.REASON_ABSORBED}],
+    "unmatched": [{"node": "relu", "op_type": "Relu", "reason": trace_command.REASON_ABSORBED}],
 }
 
 # The shape of a real `runtime --time` answer (tests/runtime/test_runtime.py pins the values).

@@ -1,4 +1,4 @@
-"""tune's first step (issue 18): the float model the quantizer is given, prepared and verified.
+"""tune's first step: the float model the quantizer is given, prepared and verified.
 
 1. onnxruntime's own ``quant_pre_process``; when it fails on a model (its
    symbolic shape inference needs sympy, and gives up on some graphs), once
@@ -19,7 +19,9 @@ import os
 import onnx
 
 from graphscan import GraphscanError, one_line
-from graphscan_ort.rewrites import REWRITES, default_opset, verified
+from graphscan_ort.shared.graph import default_opset
+from graphscan_ort.shared.metrics import verified
+from graphscan_ort.tune.rewrites import REWRITES
 
 PER_CHANNEL_OPSET = 13
 

@@ -1,4 +1,4 @@
-"""The quantizer settings tune will try (issue 18), calibrated once and reproducible.
+"""The quantizer settings tune will try, calibrated once and reproducible.
 
 A candidate is the keyword arguments of one ``quantize_static`` call, kept as
 JSON (enums by name), so that a user can re-run exactly that call on the
@@ -11,19 +11,24 @@ per-channel weights change the ranges, so the cache is exact for all of them.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import itertools
-import logging
 import os
 from collections.abc import Callable
 
 from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
 
+from graphscan_ort.shared.sessions import quiet
+
 # The axes of the search: activation type, per-channel weights, calibration method.
 ACTIVATION_TYPES = ["QUInt8", "QInt8"]
+
+
 PER_CHANNEL = [False, True]
+
+
 METHODS = ["MinMax", "Percentile"]
+
+
 ENUMS = {"activation_type": QuantType, "weight_type": QuantType, "calibrate_method": CalibrationMethod}
 
 
@@ -83,17 +88,3 @@ def quantize_candidate(
     reader = None if os.path.isfile(cache) else make_reader()
     with quiet():
         quantize_static(prepared, output, reader, calibration_cache_path=cache, **keyword_arguments(settings))
-
-
-@contextlib.contextmanager
-def quiet():
-    """The quantizer prints progress on stdout (stdout is graphscan's answer) and logs
-    advice on the root logger: neither reaches the user; a failure still raises."""
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            yield
-    finally:
-        root.setLevel(level)

@@ -23,7 +23,7 @@ import onnx
 import onnxruntime as ort
 
 from graphscan import body_reads, shown
-from graphscan_ort.common import does_not_run, impact_options, open_session
+from graphscan_ort.shared.sessions import does_not_run, impact_options, open_session
 
 # A variant changes the graph only from its sites on, and only along their
 # cone. The derived model's data-dependent nodes are cut into segments of
@@ -35,6 +35,8 @@ from graphscan_ort.common import does_not_run, impact_options, open_session
 # value from the baseline's without a copy. Nodes that read no data (weight
 # DQs, Constants) run once, before everything.
 IMPACT_PREFIX = "graphscan."  # every node and tensor the derived model adds
+
+
 IMPACT_SEGMENTS = 16
 
 

@@ -15,20 +15,10 @@ from graphscan import (
     one_line,
     shown,
 )
-from graphscan_ort.common import (
-    check_output_path,
-    compare_outputs,
-    does_not_run,
-    inputs_hint,
-    np_size,
-    open_session,
-    run_options,
-    write_atomically,
-)
-from graphscan_ort.inputs import model_samples, parse_shapes
-
-FUSE_RELATIVE_TOLERANCE = 1e-5
-
+from graphscan_ort.shared.files import check_output_path, write_atomically
+from graphscan_ort.shared.inputs import model_samples, parse_shapes
+from graphscan_ort.shared.metrics import FUSE_RELATIVE_TOLERANCE, compare_outputs, np_size
+from graphscan_ort.shared.sessions import inputs_hint, run_model
 
 FUSE_SEED = 0
 
@@ -152,16 +142,6 @@ def fuse_matmul_add(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[dict]
     del out.graph.value_info[:]
     out.graph.value_info.extend(kept_info)
     return out, fused, skipped
-
-
-def run_model(model, feeds, subject):
-    """All graph outputs of ``model`` on ``feeds``, with ORT's own fusions off;
-    a failure blames ``subject``."""
-    session = open_session(model, subject)
-    try:
-        return session.run(None, feeds, run_options())
-    except Exception as exc:
-        raise does_not_run(subject, exc)
 
 
 ORT_OLDEST_OPSET = 7  # onnxruntime has no kernel for older default-domain opsets

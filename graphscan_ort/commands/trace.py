@@ -18,7 +18,6 @@ import numpy as np
 import onnx
 
 from graphscan import (
-    EXIT_INPUTS,
     EXIT_NO_FILE,
     EXIT_RUNTIME,
     QDQ_SUFFIX,
@@ -36,17 +35,12 @@ from graphscan import (
     shown,
     value_inputs,
 )
-from graphscan_ort.combined import (
-    CombinedModel,
-    SingleOpModelError,
-    float_in_quant_opset,
-    run_combined,
-    shapes_agree,
-    type_problem,
-    value_info_of,
-)
-from graphscan_ort.common import inputs_hint, write_atomically
-from graphscan_ort.inputs import check_same_inputs, model_samples, parse_shapes
+from graphscan_ort.engines.combined import CombinedModel, SingleOpModelError, float_in_quant_opset, run_combined
+from graphscan_ort.engines.measures import shapes_agree, type_problem, value_info_of
+from graphscan_ort.shared.files import write_atomically
+from graphscan_ort.shared.inputs import check_same_inputs, model_samples, parse_shapes
+from graphscan_ort.shared.metrics import output_pairs
+from graphscan_ort.shared.sessions import inputs_hint
 
 TRACE_SYMBOLIC_DIM_SIZE = 1
 
@@ -381,19 +375,6 @@ def plan_rows(quant_model, quant_index, matcher, types):
     graph = quant_model.graph
     initializer_protos = InitializerTable(graph)
     return [TraceRow(quant_index, graph, i, matcher, initializer_protos, types) for i in quant_index.compute_nodes]
-
-
-def output_pairs(float_model, quant_model, a, b):
-    """``[(float output, quantized output)]``: by name, else by position (exit 7 when neither fits)."""
-    first = [o.name for o in float_model.graph.output]
-    second = [o.name for o in quant_model.graph.output]
-    if set(first) <= set(second):
-        return [(name, name) for name in first]
-    if len(first) == len(second):
-        return list(zip(first, second))
-    raise GraphscanError(
-        f"{a} and {b}: the models' outputs differ ({', '.join(first)} vs {', '.join(second)})", EXIT_INPUTS
-    )
 
 
 def row_answer(index, row, isolated, propagated, clipped):

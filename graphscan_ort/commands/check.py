@@ -4,37 +4,45 @@ from __future__ import annotations
 
 import math
 
-from graphscan import load_with_weights
-from graphscan_ort.common import deployed_options, inputs_hint, output_pairs, output_sqnr
-from graphscan_ort.inputs import check_same_inputs, model_samples, parse_shapes
-from graphscan_ort.runtime import int8_fraction, runtime
+import onnx
+
+from graphscan import Samples, load_with_weights
+from graphscan_ort.engines.classify import classify
+from graphscan_ort.shared.inputs import check_same_inputs, model_samples, parse_shapes
+from graphscan_ort.shared.kernels import int8_fraction
+from graphscan_ort.shared.metrics import output_pairs, output_sqnr
+from graphscan_ort.shared.sessions import deployed_options, inputs_hint
 
 
 def measurements(
     path: str,
     names: list[str],
     float_path: str | None,
-    inputs: list[str] | None,
-    shape: list[str] | None,
-    seed: int,
+    samples: Samples,
     level: str = "all",
+    model: onnx.ModelProto | None = None,
 ) -> dict[str, float]:
     """The value of each budget in ``names`` (``min_int8``, ``min_sqnr``) for the
-    model at ``path``; ``level``: the optimization level min_sqnr runs at."""
+    quantized model at ``path`` (``model``: that model, when the caller already
+    read it with its weights); ``level``: the optimization level min_sqnr runs at."""
     values = {}
     if "min_int8" in names:
-        values["min_int8"] = int8_fraction(runtime(path)["classes"])
+        model = model or load_with_weights(path)
+        values["min_int8"] = int8_fraction(classify(model, path).counts["classes"])
     if "min_sqnr" in names:
-        values["min_sqnr"] = measured_sqnr(float_path, path, inputs, shape, seed, level)
+        float_model = load_with_weights(float_path)
+        values["min_sqnr"] = measured_sqnr(
+            float_model, model or load_with_weights(path), float_path, path, samples, level
+        )
     return values
 
 
 def measured_sqnr(
+    float_model: onnx.ModelProto,
+    quant_model: onnx.ModelProto,
     float_path: str,
     quant_path: str,
-    inputs: list[str] | None,
-    shape: list[str] | None,
-    seed: int,
+    given: Samples,
     level: str = "all",
 ) -> float:
     """The quantized model's output SQNR against the float one as users run
@@ -42,12 +50,11 @@ def measured_sqnr(
     impact's definition and pairing: ``inf`` when the outputs are equal, ``nan``
     when the SQNR is undefined (NaN or Inf in the outputs, all-zero float
     outputs, an empty sample)."""
-    float_model, quant_model = load_with_weights(float_path), load_with_weights(quant_path)
     check_same_inputs(float_model, quant_model, float_path, quant_path)
     pairs = output_pairs(float_model, quant_model, float_path, quant_path)
-    samples, _ = model_samples(float_model, inputs, parse_shapes(shape), seed, 1)
+    samples, _ = model_samples(float_model, given.inputs, parse_shapes(given.shape), given.seed or 0, 1)
     options = deployed_options(level)
-    with inputs_hint(not inputs, 1, [float_path, quant_path]):
+    with inputs_hint(not given.inputs, 1, [float_path, quant_path]):
         sqnr, exact, empty = output_sqnr(float_model, quant_model, samples, pairs, float_path, quant_path, options)
     if empty:  # an empty sample verifies nothing: the budget does not hold
         return math.nan

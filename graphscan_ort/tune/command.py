@@ -1,4 +1,4 @@
-"""tune: from diagnosis to a quantized model measured as it will be deployed (issue 18).
+"""tune: from diagnosis to a quantized model measured as it will be deployed.
 
     graphscan tune FLOAT.onnx --calibrate FILE.npz [...] [--inputs FILE.npz ...] --out DIR
 
@@ -18,8 +18,6 @@
    ``nodes_to_exclude`` in turn, the model re-quantized (same calibration) and
    measured as deployed, and an addition is kept only if it helps, until the
    target or --max-exclude (default 8 additions tried).
-
-Not yet: the benchmark against a plain loop.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ import onnx
 import onnxruntime as ort
 
 from graphscan import (
-    EXIT_INPUTS,
     EXIT_NO_FILE,
     EXIT_RUNTIME,
     EXIT_USAGE,
@@ -43,38 +40,16 @@ from graphscan import (
     one_line,
     shown,
 )
-from graphscan_ort.candidates import METHODS, SampleReader, candidate_settings, quantize_candidate
-from graphscan_ort.deployed import measure_candidate
-from graphscan_ort.inputs import input_specs, inputs_answer, read_npz_inputs
-from graphscan_ort.prepare import prepared_base, with_rewrites
+from graphscan_ort.engines.attribution import MIN_GAIN_DB
+from graphscan_ort.engines.attribution import measure as impact_of
+from graphscan_ort.shared.files import check_out, place
+from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
+from graphscan_ort.tune.candidates import METHODS, SampleReader, candidate_settings, quantize_candidate
+from graphscan_ort.tune.deployed import measure_candidate
+from graphscan_ort.tune.prepare import prepared_base, with_rewrites
 
 # onnxruntime's own defaults: what a user gets from quantize_static without options.
 DEFAULT_SETTINGS = {"activation_type": "QInt8", "per_channel": False, "calibrate_method": "MinMax"}
-
-
-def sample_files(paths: list[str]) -> list[str]:
-    """``paths`` with every folder replaced by the .npz files in it, sorted: a folder of
-    calibration samples is what users have. A folder without any is exit 7."""
-    files = []
-    for path in paths:
-        if os.path.isdir(path):
-            found = sorted(os.path.join(path, name) for name in os.listdir(path) if name.endswith(".npz"))
-            if not found:
-                raise GraphscanError(f"{shown(path)}: a folder without .npz samples", EXIT_INPUTS)
-            files += found
-        else:
-            files.append(path)
-    return files
-
-
-def check_out(out: str) -> str:
-    """The folder ``out`` goes in; exit 3 unless ``out`` is absent or an empty folder there."""
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise GraphscanError(f"{shown(out)}: cannot write (no folder {shown(parent)})", EXIT_NO_FILE)
-    if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
-        raise GraphscanError(f"{shown(out)}: exists and is not an empty folder; left untouched", EXIT_NO_FILE)
-    return parent
 
 
 def pareto(rows: list[dict]) -> None:
@@ -130,7 +105,7 @@ def tune(
     except OSError as exc:
         raise GraphscanError(f"{shown(out)}: cannot write ({exc.strerror or exc})", EXIT_NO_FILE)
     try:
-        measure = Measure(path, evaluation, inputs or calibrate, level, threads, runs)
+        measure = Measure(model, path, evaluation, level, threads, runs)
         answer = tune_in(path, model, calibration, work, target_sqnr, max_exclude, measure)
         place(work, out)
     finally:
@@ -157,15 +132,20 @@ def tune(
 
 
 class Measure:
-    """How every candidate is measured: the float model, the evaluation samples (and their
-    files, for impact), the session's level and threads, the timed runs."""
+    """How every candidate is measured: the float model (and its path), the evaluation
+    samples, the session's level and threads, the timed runs. Each candidate is read once:
+    ``models`` keeps it by path for the exclusions."""
 
-    def __init__(self, path, evaluation, evaluation_paths, level, threads, runs):
-        self.path, self.evaluation, self.paths = path, evaluation, list(evaluation_paths)
+    def __init__(self, model, path, evaluation, level, threads, runs):
+        self.model, self.path, self.evaluation = model, path, evaluation
         self.level, self.threads, self.runs = level, threads, runs
+        self.models = {}
 
     def __call__(self, candidate_path):
-        return measure_candidate(self.path, candidate_path, self.evaluation, self.level, self.threads, self.runs)
+        candidate = self.models[candidate_path] = onnx.load(candidate_path)
+        return measure_candidate(
+            self.model, candidate, self.path, candidate_path, self.evaluation, self.level, self.threads, self.runs
+        )
 
 
 def refused_row(row, exc):
@@ -219,7 +199,7 @@ def tune_in(path, model, calibration, work, target, max_exclude, measure):
         target = default["sqnr_db"]
     chosen, reached = chosen_row(rows, target)
     if not reached:
-        exclusions(rows, files, chosen, target, max_exclude, reader, measure, work)
+        exclusions(rows, files, chosen, target, max_exclude, reader, measure, work, prepared)
         float_ms += popped_float_ms(rows)
         pareto(rows)
         chosen, reached = chosen_row(rows, target)
@@ -246,14 +226,14 @@ def popped_float_ms(rows: list[dict]) -> list[float]:
 DEFAULT_MAX_EXCLUDE = 8  # additions tried when --max-exclude is not given
 
 
-def exclusions(rows, files, best, target, max_exclude, reader, measure, work):
+def exclusions(rows, files, best, target, max_exclude, reader, measure, work, prepared):
     """Operators of ``best`` added to nodes_to_exclude one at a time in impact's order, each
     re-quantized and measured as deployed; an addition stays only if the SQNR rises.
     Every model tried is a candidate row of its own (the quantizer's, never a promise)."""
-    from graphscan_ort.impact import MIN_GAIN_DB, impact
-
     candidate_path, prepared_path, cache = files[best["id"]]
-    ranked = impact(prepared_path, candidate_path, inputs=measure.paths)["ops"]
+    given = prepared["rewrites" if best["rewrites"] else "none"]  # the model the quantizer was given
+    candidate = measure.models[candidate_path]
+    ranked = impact_of(given, candidate, measure.evaluation, prepared_path, candidate_path)["ops"]
     names = [r["node"] for r in ranked if r["gain_db"] is not None and r["gain_db"] >= MIN_GAIN_DB]
     limit = DEFAULT_MAX_EXCLUDE if max_exclude is None else max_exclude
     kept, current = [], best
@@ -291,17 +271,3 @@ CANDIDATE_KEYS = [
     "pareto",
     "error",
 ]
-
-
-def place(work: str, out: str) -> None:
-    """Keep model.onnx and prepared.onnx in ``work`` and rename it to ``out`` (absent or empty)."""
-    for name in os.listdir(work):
-        if name not in ("model.onnx", "prepared.onnx"):
-            target = os.path.join(work, name)
-            shutil.rmtree(target) if os.path.isdir(target) else os.unlink(target)
-    try:
-        if os.path.isdir(out):
-            os.rmdir(out)  # empty, as check_out saw it
-        os.rename(work, out)
-    except OSError as exc:
-        raise GraphscanError(f"{shown(out)}: cannot write ({exc.strerror or exc})", EXIT_NO_FILE)

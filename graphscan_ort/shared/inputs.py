@@ -8,11 +8,20 @@ exit 7 naming the file or option, never a failure blamed on a healthy model.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import onnx
 
-from graphscan import EXIT_INPUTS, GraphscanError, check_readable, dtype_name, one_line, shown, value_inputs
+from graphscan import (
+    EXIT_INPUTS,
+    GraphscanError,
+    check_readable,
+    dtype_name,
+    one_line,
+    shown,
+    value_inputs,
+)
 
 
 class InputSpec:
@@ -266,3 +275,18 @@ def inputs_answer(samples):
         shapes = [list(sample[name].shape) for sample in samples]
         answer[name] = shapes[0] if all(s == shapes[0] for s in shapes) else shapes
     return answer
+
+
+def sample_files(paths: list[str]) -> list[str]:
+    """``paths`` with every folder replaced by the .npz files in it, sorted: a folder of
+    calibration samples is what users have. A folder without any is exit 7."""
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = sorted(os.path.join(path, name) for name in os.listdir(path) if name.endswith(".npz"))
+            if not found:
+                raise GraphscanError(f"{shown(path)}: a folder without .npz samples", EXIT_INPUTS)
+            files += found
+        else:
+            files.append(path)
+    return files

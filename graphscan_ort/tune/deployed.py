@@ -1,11 +1,11 @@
-"""tune's measurements (issue 18): a candidate as it will be deployed.
+"""tune's measurements: a candidate as it will be deployed.
 
 Accuracy, kernels and speed are all taken from onnxruntime sessions at the
 level users run (default: onnxruntime's own default, all optimizations) with
 ``threads`` intra-op threads:
 
 - ``sqnr_db``: the output SQNR against the float model, by the one definition
-  impact and check use (``common.OutputNoise``, outputs paired by name);
+  impact and check use (``metrics.OutputNoise``, outputs paired by name);
 - ``int8_fraction``, ``int8_kernels`` and ``wrapped_but_float`` by reason, from
   the runtime command's classes at that level;
 - ``ms``: the median wall time of ``runs`` runs on the first sample, timed in
@@ -22,18 +22,18 @@ from collections import Counter
 import onnx
 
 from graphscan import shown
-from graphscan_ort.common import open_session, output_pairs, output_sqnr, session_options
-from graphscan_ort.runtime import int8_fraction, runtime
-from graphscan_ort.timing import interleaved_wall_times
+from graphscan_ort.engines.classify import classify, runtime_counts
+from graphscan_ort.engines.timing import interleaved_wall_times
+from graphscan_ort.shared.kernels import int8_fraction
+from graphscan_ort.shared.metrics import output_pairs, output_sqnr
+from graphscan_ort.shared.sessions import open_session, session_options
 
 
-def kernel_counts(path: str, level: str) -> dict:
-    """int8 share, int8 kernels and the reasons wrapped nodes run float, from the runtime command."""
-    answer = runtime(path, level=level)
-    classes = answer["classes"]
-    reasons = Counter(
-        (row["reason"] or {}).get("code") for row in answer["nodes"] if row["wrapped"] and row["class"] == "float"
-    )
+def kernel_counts(model: onnx.ModelProto, path: str, level: str) -> dict:
+    """int8 share, int8 kernels and the reasons wrapped nodes run float, from runtime's classification."""
+    rows = classify(model, path, level=level).rows
+    classes = runtime_counts(rows)["classes"]
+    reasons = Counter((row["reason"] or {}).get("code") for row in rows if row["wrapped"] and row["class"] == "float")
     return {
         "int8_fraction": int8_fraction(classes),
         "int8_kernels": classes["int8"],
@@ -42,10 +42,17 @@ def kernel_counts(path: str, level: str) -> dict:
 
 
 def measure_candidate(
-    float_path: str, quant_path: str, samples: list[dict], level: str = "all", threads: int = 1, runs: int = 20
+    float_model: onnx.ModelProto,
+    quant_model: onnx.ModelProto,
+    float_path: str,
+    quant_path: str,
+    samples: list[dict],
+    level: str = "all",
+    threads: int = 1,
+    runs: int = 20,
 ) -> dict:
-    """``{"sqnr_db", "int8_fraction", "int8_kernels", "wrapped_but_float", "ms", "float_ms", "speedup", "bytes"}``."""
-    float_model, quant_model = onnx.load(float_path), onnx.load(quant_path)
+    """``{"sqnr_db", "int8_fraction", "int8_kernels", "wrapped_but_float", "ms", "float_ms", "speedup", "bytes"}``
+    of ``quant_model`` (written at ``quant_path``) against ``float_model`` (read from ``float_path``)."""
     options = session_options(level, threads=threads)
     pairs = output_pairs(float_model, quant_model, float_path, quant_path)
     sqnr, _, _ = output_sqnr(float_model, quant_model, samples, pairs, float_path, quant_path, options)
@@ -56,7 +63,7 @@ def measure_candidate(
     float_s, quant_s = interleaved_wall_times(sessions, samples[0], runs)
     return {
         "sqnr_db": sqnr,
-        **kernel_counts(quant_path, level),
+        **kernel_counts(quant_model, quant_path, level),
         "ms": quant_s * 1e3,
         "float_ms": float_s * 1e3,
         "speedup": float_s / quant_s if quant_s > 0 else None,

@@ -1,14 +1,7 @@
-"""impact: which operator's quantization costs the output, and what to exclude.
-
-One derived model answers every "what if X stayed float" question: the
-quantized model with Where(on, alternative, DQ(Q(t))) on exactly the edges a
-variant changes, each Where with its own boolean input. It runs as a chain of
-segment sessions (segments.py); no session per variant.
-"""
+"""impact's engine: the derived model that answers every 'what if X stayed float'."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -17,74 +10,21 @@ import onnx
 from graphscan import (
     DQ_OUTPUT_SUFFIX,
     EXIT_INPUTS,
-    EXIT_USAGE,
     QDQ_SUFFIX,
     GraphIndex,
     GraphscanError,
     body_reads,
-    load_with_weights,
-    q_output_type,
-    representable_range,
     shown,
 )
-from graphscan_ort.common import (
-    OutputNoise,
-    deployed_options,
-    does_not_run,
-    fresh_prefix,
-    impact_options,
-    inputs_hint,
-    model_outputs,
-    open_session,
-    output_pairs,
-    output_sqnr,
-)
-from graphscan_ort.inputs import check_same_inputs, inputs_answer, model_samples, parse_shapes
-from graphscan_ort.segments import IMPACT_PREFIX, segment_runner
+from graphscan_ort.engines.segments import IMPACT_PREFIX, segment_runner
+from graphscan_ort.shared.graph import constant_arrays, fresh_prefix, quant_range
+from graphscan_ort.shared.metrics import OutputNoise, output_pairs, output_sqnr
+from graphscan_ort.shared.sessions import deployed_options, does_not_run, impact_options, model_outputs, open_session
 
-IMPACT_SYMBOLIC_DIM_SIZE = 1
 MIN_GAIN_DB = 0.01  # --min-gain's default: the least gain an operator added to exclude.nodes brings
 
 
 ACTIVATIONS = ("Relu", "Clip", "LeakyRelu")  # what the quantizer folds into a Q
-
-
-def constant_arrays(graph):
-    """``{tensor: LazyArray}`` for initializers and Constant nodes with a ``value``."""
-    arrays = {init.name: init for init in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant" and node.output:
-            for attribute in node.attribute:
-                if attribute.name == "value":
-                    arrays[node.output[0]] = attribute.t
-    return {name: LazyArray(proto) for name, proto in arrays.items()}
-
-
-class LazyArray:
-    """A TensorProto turned into numpy only when asked (most are never read)."""
-
-    def __init__(self, proto):
-        self.proto = proto
-
-    @functools.cached_property
-    def array(self):
-        return onnx.numpy_helper.to_array(self.proto)
-
-
-def quant_range(q_node, constants):
-    """``(lo, hi, scale's elem_type)``: the float range a Q can represent
-    (``representable_range``), or None when its scale or zero point is not a
-    scalar constant."""
-    scale = constants.get(q_node.input[1]) if len(q_node.input) > 1 else None
-    if scale is None or scale.array.size != 1:
-        return None
-    zero = constants.get(q_node.input[2]) if len(q_node.input) > 2 and q_node.input[2] else None
-    if zero is not None and zero.array.size != 1:
-        return None
-    zp = float(zero.array.reshape(-1)[0]) if zero is not None else 0.0
-    q_type = q_output_type(q_node, zero.proto.data_type if zero is not None else None)
-    bounds = representable_range(float(np.float64(scale.array.reshape(-1)[0])), zp, q_type)
-    return None if bounds is None else (*bounds, scale.proto.data_type)
 
 
 def float_activation(float_index, quant_index, tensor):
@@ -518,32 +458,20 @@ def weight_warnings(plan, a):
     return [warning]
 
 
-def impact(
+def measure(
+    float_model: onnx.ModelProto,
+    quant_model: onnx.ModelProto,
+    samples: list[dict],
     a: str,
     b: str,
-    inputs: list[str] | None = None,
-    seed: int = 0,
-    shape: list[str] | None = None,
     target_sqnr: float | None = None,
     max_exclude: int | None = None,
     top: int | None = None,
     min_gain: float | None = None,
 ) -> dict:
-    """Per operator and per activation tensor of ``b`` (quantized): the output
-    SQNR against ``a`` (float) if it stayed float; optionally what to exclude."""
-    with inputs_hint(not inputs, IMPACT_SYMBOLIC_DIM_SIZE, [a, b]):
-        return impact_answer(a, b, inputs, seed, shape, target_sqnr, max_exclude, top, min_gain)
-
-
-def impact_answer(a, b, inputs, seed, shape, target_sqnr, max_exclude, top, min_gain):
-    """``impact``'s work, every argument as given."""
-    if max_exclude is not None and target_sqnr is None:
-        raise GraphscanError("usage: --max-exclude needs --target-sqnr", EXIT_USAGE)
-    if min_gain is not None and target_sqnr is None:
-        raise GraphscanError("usage: --min-gain needs --target-sqnr", EXIT_USAGE)
-    float_model, quant_model = load_with_weights(a), load_with_weights(b)
-    check_same_inputs(float_model, quant_model, a, b)
-    samples, defaulted = model_samples(float_model, inputs, parse_shapes(shape), seed, IMPACT_SYMBOLIC_DIM_SIZE)
+    """impact's answer for two models in memory (``a`` and ``b`` name them in
+    failures and warnings), from ``samples`` on: the output SQNR each operator
+    and tensor of ``quant_model`` costs, and with ``target_sqnr`` what to exclude."""
     pairs = output_pairs(float_model, quant_model, a, b)
     output_names = [q for _, q in pairs]
 
@@ -587,10 +515,6 @@ def impact_answer(a, b, inputs, seed, shape, target_sqnr, max_exclude, top, min_
     op_order = ranked(op_rows, op_exact, baseline[1])
     tensor_order = ranked(tensor_rows, tensor_exact, baseline[1])
     answer = {
-        "a": a,
-        "b": b,
-        "inputs": inputs_answer(samples),
-        "defaulted": defaulted,
         "samples": len(samples),
         "output_sqnr_db": baseline[0],
         # As users run both models: onnxruntime may rewrite what impact measures as written.

@@ -1,4 +1,4 @@
-"""Model rewrites that unlock onnxruntime's int8 kernels, which no library does (for issue 18's tune).
+"""Model rewrites that unlock onnxruntime's int8 kernels, which no library does.
 
 Each rewrite is a function ``model -> (new model, how many nodes it rewrote)``
 that leaves every graph output's name and value alone (up to float rounding):
@@ -21,26 +21,16 @@ import numpy as np
 import onnx
 
 from graphscan import node_name
-from graphscan_ort.common import compare_outputs, graph_names
-from graphscan_ort.fuse import FUSE_RELATIVE_TOLERANCE, run_model
-from graphscan_ort.impact import constant_arrays
+from graphscan_ort.shared.graph import (
+    FLOAT_TYPES,
+    constant_arrays,
+    default_opset,
+    element_types,
+    fresh_name,
+    graph_names,
+)
 
-FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
 CLIP_INPUTS_OPSET = 11  # Clip takes min and max as inputs from opset 11 on
-
-
-def fresh_name(wanted: str, taken: set[str]) -> str:
-    """``wanted``, or ``wanted_1``, ``wanted_2``, ...: a name no tensor or node has yet."""
-    name, k = wanted, 0
-    while name in taken:
-        k += 1
-        name = f"{wanted}_{k}"
-    taken.add(name)
-    return name
-
-
-def default_opset(model: onnx.ModelProto) -> int:
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
 def div_by_constant(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
@@ -106,34 +96,4 @@ def hard_sigmoid(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     return out, count
 
 
-def element_types(model: onnx.ModelProto) -> dict[str, int]:
-    """``{tensor: element type}`` as onnx's shape inference knows them (what it cannot, left out)."""
-    try:
-        typed = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except Exception:
-        typed = model
-    graph = typed.graph
-    types = {init.name: init.data_type for init in graph.initializer}
-    for info in [*graph.input, *graph.value_info, *graph.output]:
-        if info.type.HasField("tensor_type"):
-            types[info.name] = info.type.tensor_type.elem_type
-    return types
-
-
 REWRITES = {"div_by_constant": div_by_constant, "hard_sigmoid": hard_sigmoid}
-
-
-def verified(original: onnx.ModelProto, rewritten: onnx.ModelProto, samples: list[dict]) -> tuple[float, str | None]:
-    """``(max_abs_error, problem or None)``: the rewritten model against the original on
-    every sample, as fuse verifies (NaN-aware, 1e-5 relative to the outputs' magnitude)."""
-    worst = 0.0
-    for k, feeds in enumerate(samples):
-        expected = run_model(original, feeds, "the model before the rewrite")
-        actual = run_model(rewritten, feeds, "graphscan's rewritten model")
-        error, scale, _, problem = compare_outputs(expected, actual)
-        if problem is None and error > FUSE_RELATIVE_TOLERANCE * max(scale, 1.0):
-            problem = f"by {error:.3g} (allowed {FUSE_RELATIVE_TOLERANCE:g} relative)"
-        if problem is not None:
-            return error, f"sample {k}: {problem}"
-        worst = max(worst, error)
-    return worst, None

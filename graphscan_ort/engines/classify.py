@@ -1,105 +1,37 @@
-"""runtime: what onnxruntime really executes for each operator.
-
-"Wrapped" is a structural proxy. onnxruntime decides at session build time
-which DQ -> op -> Q groups become integer kernels, so the only honest answer
-comes from the graph it saves after optimization. One session, built from a
-copy of the model in which every node has a unique name; each original
-compute node is then found in the optimized graph and its kernel classified.
-"""
+"""What onnxruntime runs for each node: the optimized graph mapped back to the model."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import re
 from collections import Counter
 
 import onnx
 import onnxruntime as ort
 
 from graphscan import (
-    DEQUANTIZE,
     EXIT_NO_FILE,
     EXIT_RUNTIME,
     EXIT_USAGE,
-    Q_RANGES,
-    QUANTIZE,
     RUNTIME_CLASSES,
-    RUNTIME_DEFAULT_RUNS,
-    RUNTIME_LEVELS,
     GraphIndex,
     GraphscanError,
     as_text,
     data_source,
     dtype_name,
-    load_with_weights,
     node_name,
     parse_model,
     shown,
 )
-from graphscan_ort.common import inputs_hint, open_session, session_options, temporary_folder
-from graphscan_ort.inputs import model_samples, parse_shapes
-
-TIME_CLASSES = ["int8", "int8_data", "float", "quantize", "dequantize"]
-
-
-# Providers that run one kernel per node, so their optimized graph maps back
-# to the model's nodes. Providers that compile subgraphs into one opaque
-# kernel (TensorRT, OpenVINO, QNN, CoreML, ...) cannot answer per node.
-PER_NODE_PROVIDERS = {"CPUExecutionProvider", "CUDAExecutionProvider", "DmlExecutionProvider", "ROCMExecutionProvider"}
-
-
-# Kernels that compute on integers.
-INT8_KERNELS = {
-    "QGemm",
-    "MatMulInteger",
-    "ConvInteger",
-    "MatMulIntegerToFloat",
-    "DynamicQuantizeMatMul",
-    "QAttention",
-    "QEmbedLayerNormalization",
-    "DynamicQuantizeLSTM",
-    "MatMulNBits",
-}
-
-
-QUANTIZE_KERNELS = {QUANTIZE, "DynamicQuantizeLinear"}
-
-
-# Integer element types that quantized data is stored in.
-QUANTIZED_TYPES = set(Q_RANGES)
-
-
-# onnxruntime's CPU QDQ fusions (qdq_selector_action_transformer.cc, 1.32):
-# op types whose DQ -> op -> Q group can become an integer kernel or drop its
-# Q/DQ. Any other wrapped op type keeps a float kernel on this provider.
-# fmt: off
-QDQ_FUSIONS = {
-    "CPUExecutionProvider": {
-        "AveragePool", "LeakyRelu", "GlobalAveragePool", "Sigmoid", "Softmax",  # QLinear unary
-        "Add", "Mul", "Concat", "Conv", "MatMul", "Gemm", "Where", "Split",
-        "Resize", "MaxPool", "ReduceMax", "ReduceMin", "Expand", "Flatten", "Gather",  # Q/DQ dropped
-        "GatherElements", "Reshape", "Slice", "Squeeze", "Tile", "Transpose", "Unsqueeze", "ArgMax",
-    },
-}
-
-
-# fmt: on
-# Ops whose fused kernel takes int8 weights beside uint8 activations: the
-# weight operand does not count when operand types are compared.
-WEIGHT_OPERANDS = {"Conv": {1, 2}, "MatMul": {1}, "Gemm": {1, 2}}
-
-
-# Fusions that take int8 activations only with session.qdqisint8allowed=1
-# (onnxruntime's ConvSelector and MatMulSelector; QGemm takes them always).
-INT8_GATED_FUSIONS = {"Conv", "MatMul"}
-
-
-# Layout nodes onnxruntime inserts between a kernel and the tensor it makes.
-LAYOUT_KERNELS = {"ReorderOutput", "ReorderInput"}
-
-
-ORT_NAME_SUFFIX = re.compile(r"(?:_token_\d+|_nchwc|/[A-Za-z0-9]*Fusion/?|/duplicated)$")
-
+from graphscan_ort.shared.kernels import (
+    INT8_GATED_FUSIONS,
+    PER_NODE_PROVIDERS,
+    QDQ_FUSIONS,
+    WEIGHT_OPERANDS,
+    OptimizedGraph,
+    kernel_class,
+)
+from graphscan_ort.shared.sessions import CPU, open_session, session_options, temporary_folder
 
 REASON_LEVEL = "level"
 
@@ -114,15 +46,6 @@ REASON_INT8 = "int8_activations"
 
 
 REASON_OTHER = "other"
-
-
-def strip_ort_suffixes(name):
-    """A node name without the suffixes onnxruntime appends when it rewrites a node."""
-    while True:
-        stripped = ORT_NAME_SUFFIX.sub("", name)
-        if stripped == name:
-            return name
-        name = stripped
 
 
 def session_names(model):
@@ -186,97 +109,6 @@ def optimized_model(model_bytes, path, level, provider, int8_allowed):
             raise GraphscanError(
                 f"{shown(path)}: onnxruntime saved no optimized graph ({exc.strerror or exc})", EXIT_RUNTIME
             )
-
-
-class OptimizedGraph:
-    """The optimized graph with the lookups the mapping needs, and its tensor types."""
-
-    def __init__(self, graph):
-        self.graph = graph
-        self.index = GraphIndex(graph)
-        self.by_name = {}
-        self.by_stripped = {}
-        for i, node in enumerate(graph.node):
-            self.by_name.setdefault(node.name, i)
-            self.by_stripped.setdefault(strip_ort_suffixes(node.name), []).append(i)
-        self.types = tensor_types(graph)
-
-    def op_type(self, i):
-        return self.index.op_types[i]
-
-    def kernel_producer(self, tensor):
-        """The node making ``tensor``, looking through inserted layout nodes."""
-        producer = self.index.producer_of(tensor)
-        while producer is not None and self.op_type(producer) in LAYOUT_KERNELS:
-            producer = self.index.producer_of(self.graph.node[producer].input[0])
-        return producer
-
-    def element_type(self, tensor):
-        return self.types.get(tensor, onnx.TensorProto.UNDEFINED)
-
-
-def tensor_types(graph):
-    """``{tensor: element type}`` for the optimized graph.
-
-    onnxruntime saves value_info for most float tensors but not for the
-    integer tensors its Q/DQ rewrites make, so those are derived here: a Q
-    makes its zero point's type, integer kernels keep their first input's.
-    """
-    types = {}
-    for info in list(graph.input) + list(graph.value_info) + list(graph.output):
-        if info.type.HasField("tensor_type"):
-            types[info.name] = info.type.tensor_type.elem_type
-    for init in graph.initializer:
-        types[init.name] = init.data_type
-    for node in graph.node:
-        outputs = [t for t in node.output if t and t not in types]
-        if not outputs:
-            continue
-        derived = derived_output_type(node, types)
-        for tensor in outputs:
-            types[tensor] = derived
-    return types
-
-
-def derived_output_type(node, types):
-    op = node.op_type
-    if op == QUANTIZE:
-        return (
-            types.get(node.input[2], onnx.TensorProto.UINT8)
-            if len(node.input) > 2 and node.input[2]
-            else onnx.TensorProto.UINT8
-        )
-    if op == DEQUANTIZE:
-        return types.get(node.input[1], onnx.TensorProto.FLOAT) if len(node.input) > 1 else onnx.TensorProto.FLOAT
-    if op == "DynamicQuantizeLinear":
-        return onnx.TensorProto.UINT8
-    if op in ("MatMulInteger", "ConvInteger"):
-        return onnx.TensorProto.INT32
-    if op in ("Shape", "Size"):
-        return onnx.TensorProto.INT64
-    first = next((t for t in node.input if t), None)
-    return types.get(first, onnx.TensorProto.UNDEFINED)
-
-
-def kernel_class(optimized, j):
-    """int8 / int8_data / float for a kernel of the optimized graph (Q and DQ excluded)."""
-    op = optimized.op_type(j)
-    if op in INT8_KERNELS or op.startswith(("QLinear", "NhwcQLinear")):
-        return "int8"
-    if op not in QUANTIZE_KERNELS:
-        first = next((t for t in optimized.graph.node[j].input if t), None)
-        if first is not None and optimized.element_type(first) in QUANTIZED_TYPES:
-            return "int8_data"
-    return "float"
-
-
-def time_class(optimized, j):
-    op = optimized.op_type(j)
-    if op in QUANTIZE_KERNELS:
-        return "quantize"
-    if op == DEQUANTIZE:
-        return "dequantize"
-    return kernel_class(optimized, j)
 
 
 def find_in_optimized(index, names, optimized, i):
@@ -498,73 +330,42 @@ def runtime_counts(rows):
     }
 
 
-def int8_fraction(classes: dict[str, int]) -> float:
-    """Of the nodes whose runtime class is int8, int8_data or float, the fraction
-    that are int8 or int8_data: check's --min-int8 and tune's int8_fraction."""
-    running = classes["int8"] + classes["int8_data"] + classes["float"]
-    return (classes["int8"] + classes["int8_data"]) / running if running else 0.0
+@dataclasses.dataclass
+class Classification:
+    """What onnxruntime runs for each compute node of a model, and the graphs it was read from.
+
+    ``rows``: the runtime answer's ``nodes``, in graph order; ``unmapped``: the
+    names no rule found; ``named``: the copy of the model with unique node names
+    that the session was built from (its bytes: ``named_bytes``); ``optimized``:
+    the graph onnxruntime saved after optimizing it.
+    """
+
+    rows: list[dict]
+    unmapped: list[str]
+    named: onnx.ModelProto
+    named_bytes: bytes
+    optimized_model: onnx.ModelProto
+    optimized: OptimizedGraph
+
+    @property
+    def counts(self) -> dict:
+        """The runtime answer's counts: compute, wrapped, classes, ..., by_op_type."""
+        return runtime_counts(self.rows)
 
 
-def runtime_environment(level, provider, int8_allowed):
-    import platform
-
-    return {
-        "onnxruntime": ort.__version__,
-        "provider": provider,
-        "level": level,
-        "machine": platform.machine(),
-        "int8_allowed": int8_allowed,
-    }
-
-
-def runtime(
+def classify(
+    model: onnx.ModelProto,
     path: str,
     level: str = "extended",
-    provider: str = "CPUExecutionProvider",
+    provider: str = CPU,
     int8_allowed: bool = False,
-    timed: bool = False,
-    inputs: str | None = None,
-    shape: list[str] | None = None,
-    seed: int = 0,
-    runs: int = RUNTIME_DEFAULT_RUNS,
-) -> dict:
-    """Per compute node: the kernel onnxruntime runs for it and its class."""
-    if level not in RUNTIME_LEVELS:
-        raise GraphscanError(f"usage: --level must be one of {', '.join(RUNTIME_LEVELS)}", EXIT_USAGE)
-    if runs < 1:
-        raise GraphscanError("usage: --runs must be at least 1", EXIT_USAGE)
-    model = load_with_weights(path)
-    shapes = parse_shapes(shape)
+) -> Classification:
+    """What onnxruntime runs for each compute node of ``model`` (read from ``path``,
+    which failures name) in one session at ``level`` on ``provider``."""
     check_provider(provider)
     named, names = session_names(model)
     named_bytes = named.SerializeToString()
-    optimized_proto = optimized_model(named_bytes, path, level, provider, int8_allowed)
-    optimized = OptimizedGraph(optimized_proto.graph)
-    index = GraphIndex(named.graph)
-    rows, unmapped = classify_nodes(index, names, optimized, level, provider, int8_allowed)
-    answer = {
-        "model": path,
-        "environment": runtime_environment(level, provider, int8_allowed),
-        **runtime_counts(rows),
-        "nodes": rows,
-        "unmapped": unmapped,
-    }
-    if timed:
-        samples, defaulted = model_samples(named, [inputs] if inputs else None, shapes, seed, 1)
-        from graphscan_ort.timing import runtime_time  # it reads this module's classes
-
-        with inputs_hint(not inputs, 1, [path]):
-            answer["time"] = runtime_time(
-                named_bytes,
-                optimized_proto,
-                path,
-                rows,
-                optimized,
-                samples[0],
-                defaulted,
-                level,
-                provider,
-                int8_allowed,
-                runs,
-            )
-    return answer
+    optimized = optimized_model(named_bytes, path, level, provider, int8_allowed)
+    graph = OptimizedGraph(optimized.graph)
+    rows, unmapped = classify_nodes(GraphIndex(named.graph), names, graph, level, provider, int8_allowed)
+    return Classification(rows, unmapped, named, named_bytes, optimized, graph)

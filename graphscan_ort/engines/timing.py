@@ -10,8 +10,8 @@ import numpy as np
 import onnx
 
 from graphscan import EXIT_NO_FILE, EXIT_RUNTIME, GraphIndex, GraphscanError, body_reads, one_line, shown
-from graphscan_ort.common import does_not_run, open_session, session_options, temporary_folder
-from graphscan_ort.runtime import TIME_CLASSES, tensor_types, time_class
+from graphscan_ort.shared.kernels import TIME_CLASSES, tensor_types, time_class
+from graphscan_ort.shared.sessions import does_not_run, open_session, session_options, temporary_folder
 
 PROFILE_FLOOR_NODES = 200
 
@@ -19,6 +19,8 @@ PROFILE_FLOOR_NODES = 200
 # onnxruntime's profiler records at most this many events in one session and
 # drops the rest: runs are spread over sessions so no profile comes near it.
 PROFILER_EVENT_CAP = 1_000_000
+
+
 # onnxruntime holds a session's events in memory until the profile is written
 # (about 2.7 KB each: 2,000 runs of a 200-node chain held 1.1 GB in one session):
 # each session gets at most this many, so memory stays bounded whatever --runs,

@@ -1,0 +1,114 @@
+"""Writing outputs so that they are the old file or all of the new one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+
+from graphscan import (
+    EXIT_NO_FILE,
+    GraphscanError,
+    shown,
+)
+
+# A temporary output file is named like this, beside the output: short (a
+# 250-character output name still fits NAME_MAX), hidden, never ``*.onnx``.
+TEMPORARY_PREFIX = ".graphscan-"
+
+
+TEMPORARY_SUFFIX = ".partial"
+
+
+def check_output_path(path):
+    """Exit 3 unless ``path`` can be replaced: it is absent or a regular file,
+    in a folder that exists. A device, FIFO or folder there is left untouched."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise GraphscanError(f"{shown(path)}: cannot write (no folder {shown(folder)})", EXIT_NO_FILE)
+        return None
+    except (OSError, ValueError) as exc:
+        raise GraphscanError(f"{shown(path)}: cannot write ({getattr(exc, 'strerror', None) or exc})", EXIT_NO_FILE)
+    if not stat.S_ISREG(mode):
+        raise GraphscanError(f"{shown(path)}: exists and is not a regular file; left untouched", EXIT_NO_FILE)
+    return mode
+
+
+def write_atomically(data, path):
+    """Write ``data`` to ``path`` so that it is either the old file or all of the new one.
+
+    The bytes go to a temporary file in the target's folder, are fsynced,
+    renamed over the target, and the folder is fsynced. A symbolic link is
+    written through. A run killed half-way leaves at most one
+    ``.graphscan-*.partial`` file, which is never taken for the output.
+    """
+    import tempfile
+
+    target = os.path.realpath(path) if os.path.islink(path) else path
+    old_mode = check_output_path(target)
+    folder = os.path.dirname(os.path.abspath(target))
+    if old_mode is None:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    else:
+        mode = stat.S_IMODE(old_mode)
+    temporary = None
+    try:
+        fd, temporary = tempfile.mkstemp(prefix=TEMPORARY_PREFIX, suffix=TEMPORARY_SUFFIX, dir=folder)
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(temporary, target)
+        temporary = None
+    except OSError as exc:
+        raise GraphscanError(f"{shown(path)}: cannot write ({exc.strerror or exc})", EXIT_NO_FILE)
+    finally:  # also on KeyboardInterrupt
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+    fsync_folder(folder)
+
+
+def fsync_folder(folder):
+    """Make a rename in ``folder`` durable; file systems that cannot are not an error."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def check_out(out: str) -> str:
+    """The folder ``out`` goes in; exit 3 unless ``out`` is absent or an empty folder there."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise GraphscanError(f"{shown(out)}: cannot write (no folder {shown(parent)})", EXIT_NO_FILE)
+    if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+        raise GraphscanError(f"{shown(out)}: exists and is not an empty folder; left untouched", EXIT_NO_FILE)
+    return parent
+
+
+def place(work: str, out: str) -> None:
+    """Keep model.onnx and prepared.onnx in ``work`` and rename it to ``out`` (absent or empty)."""
+    for name in os.listdir(work):
+        if name not in ("model.onnx", "prepared.onnx"):
+            target = os.path.join(work, name)
+            shutil.rmtree(target) if os.path.isdir(target) else os.unlink(target)
+    try:
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty, as check_out saw it
+        os.rename(work, out)
+    except OSError as exc:
+        raise GraphscanError(f"{shown(out)}: cannot write ({exc.strerror or exc})", EXIT_NO_FILE)

@@ -1,0 +1,1 @@
+"""The tune pipeline: prepare the float model, quantize every candidate, measure each as deployed, choose."""

@@ -1,0 +1,112 @@
+"""The map stays true: the package's layers, its imports and docs/DESIGN.md's layout section.
+
+The package has four layers (graphscan_ort/__init__.py): ``shared`` at the
+bottom, then ``engines``, then the ``commands`` and the ``tune`` pipeline.
+Imports go down, never up, never sideways between commands, and never in a
+circle; every module is named in DESIGN.md's layout section.
+"""
+
+import ast
+import re
+
+import pytest
+
+from tests.helpers import ROOT
+
+PACKAGE = ROOT / "graphscan_ort"
+LAYERS = {"shared": 0, "engines": 1, "commands": 2, "tune": 2}
+MAX_MODULE_LINES = 800
+
+
+def module_name(path):
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def package_imports(path):
+    """The package modules ``path`` imports, at any depth of its code."""
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+            imported.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in imported if name in MODULES and name.count(".") >= 1}
+
+
+def layer(module):
+    """``(layer name, rank)`` of a module below graphscan_ort (None for the package's __init__)."""
+    parts = module.split(".")
+    return (parts[1], LAYERS[parts[1]]) if len(parts) > 2 else (None, None)
+
+
+IMPORTS = {module: package_imports(path) for module, path in MODULES.items()}
+
+
+def test_every_module_lives_in_a_layer():
+    for module in MODULES:
+        parts = module.split(".")
+        assert module == "graphscan_ort" or parts[1] in LAYERS, module
+
+
+@pytest.mark.parametrize("module", sorted(IMPORTS))
+def test_imports_go_down_never_sideways_between_commands(module):
+    kind, rank = layer(module)
+    for imported in sorted(IMPORTS[module]):
+        other, other_rank = layer(imported)
+        if other is None:
+            continue
+        assert other_rank <= rank, f"{module} imports {imported}, a layer above it"
+        if kind in ("commands", "tune") and other in ("commands", "tune"):
+            assert other == kind == "tune", f"{module} imports the command module {imported} (sideways)"
+
+
+def test_no_import_circle():
+    """Depth-first search over the package's own imports: no module reaches itself."""
+    state = {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for imported in sorted(IMPORTS[module]):
+            if imported == module or imported not in IMPORTS:
+                continue
+            assert state.get(imported) != "open", " -> ".join([*path, module, imported])
+            if imported not in state:
+                visit(imported, [*path, module])
+        state[module] = "done"
+
+    for module in sorted(IMPORTS):
+        if module not in state:
+            visit(module, [])
+
+
+def layout_section():
+    text = (ROOT / "docs" / "DESIGN.md").read_text(encoding="utf-8")
+    match = re.search(r"^## Layout\n(.*?)(?=^## )", text, re.S | re.M)
+    assert match, "docs/DESIGN.md has no '## Layout' section"
+    return match.group(1)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_design_md_names_every_module(module):
+    path = MODULES[module].relative_to(ROOT).as_posix()
+    if path.endswith("__init__.py"):
+        path = path[: -len("/__init__.py")] + "/"
+    assert f"`{path}`" in layout_section(), f"docs/DESIGN.md's layout section does not name `{path}`"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_outgrows_itself(module):
+    lines = MODULES[module].read_text(encoding="utf-8").count("\n")
+    assert lines <= MAX_MODULE_LINES, f"{module}: {lines} lines"
+
+
+def test_no_docstring_or_comment_tells_history():
+    """Code says what is, not which issue brought it: issue numbers belong in the history."""
+    for path in [ROOT / "graphscan.py", *MODULES.values()]:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            assert not re.search(r"\bissue \d+", line, re.I), f"{path.name}:{number}: {line.strip()}"
