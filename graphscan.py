@@ -50,13 +50,11 @@ import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
-import importlib  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 import stat  # noqa: E402
-import textwrap  # noqa: E402
 import unicodedata  # noqa: E402
 import warnings  # noqa: E402
 from collections import Counter  # noqa: E402
@@ -823,49 +821,10 @@ def diff(a: str, b: str) -> dict:
     return {"a": a, "b": b, **diff_summaries(before, after)}
 
 
-# --------------------------------------------------------------------------
-# The QDQ vocabulary every command reads a quantized graph with
-
-
-# The suffixes onnxruntime's quantizer gives the tensors around a Q/DQ pair.
-QDQ_SUFFIX = re.compile(r"_(?:QuantizeLinear_Input|QuantizeLinear_Output|DequantizeLinear_Output)(?:_\d+)?$")
-DQ_OUTPUT_SUFFIX = re.compile(r"_DequantizeLinear_Output(?:_\d+)?$")
-# Representable range of each integer type a QuantizeLinear can produce.
-Q_RANGES = {
-    onnx.TensorProto.INT8: (-128, 127),
-    onnx.TensorProto.UINT8: (0, 255),
-    onnx.TensorProto.INT16: (-32768, 32767),
-    onnx.TensorProto.UINT16: (0, 65535),
-    onnx.TensorProto.INT4: (-8, 7),
-    onnx.TensorProto.UINT4: (0, 15),
-}
-
-
-def q_output_type(q_node: onnx.NodeProto, zero_point_type: int | None) -> int:
-    """The integer type a Q makes: its zero point's, else its ``output_dtype``, else UINT8."""
-    if zero_point_type is not None:
-        return zero_point_type
-    declared = [a.i for a in q_node.attribute if a.name == "output_dtype" and a.type == onnx.AttributeProto.INT and a.i]
-    return declared[0] if declared else onnx.TensorProto.UINT8
-
-
-def representable_range(scale: float, zero_point: float, q_type: int) -> tuple[float, float] | None:
-    """``((qmin - zp) * s, (qmax - zp) * s)``: the float values a per-tensor Q of
-    ``q_type`` represents; None for a type that is not an integer one."""
-    if q_type not in Q_RANGES:
-        return None
-    qmin, qmax = Q_RANGES[q_type]
-    return (qmin - zero_point) * scale, (qmax - zero_point) * scale
-
-
 def value_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
     """The graph inputs that are not initializers: what a run must be fed."""
     initializers = {init.name for init in graph.initializer}
     return [info for info in graph.input if info.name not in initializers]
-
-
-def has_subgraph(node: onnx.NodeProto) -> bool:
-    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
 
 
 def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
@@ -874,30 +833,6 @@ def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
             yield attribute.g
         elif attribute.type == onnx.AttributeProto.GRAPHS:
             yield from attribute.graphs
-
-
-def first_output(node: onnx.NodeProto) -> str:
-    """The first output a node writes ("" when it writes none): optional ones may be left out."""
-    return next((t for t in node.output if t), "")
-
-
-def node_reads(node: onnx.NodeProto) -> list[str]:
-    """Every tensor name ``node`` reads: its inputs, then its bodies' reads at any
-    depth (their outer-scope reads among them, and a body output may name an
-    outer value too)."""
-    names = [t for t in node.input if t]
-    if not len(node.attribute):
-        return names
-    for body in subgraphs(node):
-        for inner in body.node:
-            names.extend(node_reads(inner))
-        names.extend(o.name for o in body.output)
-    return names
-
-
-def body_reads(node: onnx.NodeProto) -> set[str]:
-    """Every name the If/Loop/Scan bodies of ``node`` read or output (any depth)."""
-    return set(node_reads(node)[len([t for t in node.input if t]) :])
 
 
 def input_chain(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> list[int]:
@@ -918,25 +853,16 @@ def data_source(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> tuple
     return (graph.node[chain[0]].input[0] if chain else tensor), chain
 
 
-def output_chain(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> tuple[list[int], str]:
-    """The Q->DQ pair right after ``tensor`` and the tensor the next op sees."""
-    for q in index.consumers_of(tensor):
-        if index.is_q[q]:
-            for dq in index.consumers_of(graph.node[q].output[0]):
-                if index.is_dq[dq]:
-                    return [q, dq], graph.node[dq].output[0]
-    return [], tensor
-
-
 # --------------------------------------------------------------------------
 # The graphscan_ort package: the commands that run models, imported on demand
 
 
-def package_module(name: str, needed_by: str):
-    """``graphscan_ort.<name>``, imported on first use. Without the package or
+@contextlib.contextmanager
+def package_needed(needed_by: str) -> Iterator[None]:
+    """Around an import of the graphscan_ort package: without the package or
     onnxruntime, exit 2 with one line saying what ``needed_by`` needs."""
     try:
-        return importlib.import_module(f"{PACKAGE}.{name}")
+        yield
     except ImportError as exc:
         # Ctrl-C inside onnxruntime's C initialization comes back as "initialization failed".
         if any(isinstance(e, KeyboardInterrupt) for e in (exc.__cause__, exc.__context__)) or INTERRUPTED:
@@ -1042,8 +968,9 @@ def budget_values(
         raise GraphscanError("usage: --min-sqnr needs --float F.onnx", EXIT_USAGE)
     if measured:
         options = " and ".join(f"--{name.replace('_', '-')}" for name in measured)
-        budgets = package_module("commands.check", f"check {options}")
-        values.update(budgets.measurements(path, measured, float_path, samples, level, model))
+        with package_needed(f"check {options}"):
+            from graphscan_ort.commands.check import measurements
+        values.update(measurements(path, measured, float_path, samples, level, model))
     return values
 
 
@@ -1089,9 +1016,7 @@ def check(
             EXIT_USAGE,
         )
     sample = {"--float": float_path, "--inputs": inputs, "--shape": shape, "--seed": seed, "--level": level}
-    given = [flag for flag, value in sample.items() if value is not None]
-    if given and "min_sqnr" not in limits:
-        raise GraphscanError(f"usage: {', '.join(given)}: only with --min-sqnr", EXIT_USAGE)
+    only_with("--min-sqnr", "min_sqnr" in limits, sample)
     check_readable(path)
     names = [name for name in BUDGETS if name in limits]  # a fixed order, whatever the file's
     values = budget_values(path, names, float_path, Samples(inputs, shape, seed), level or "all")
@@ -1367,191 +1292,6 @@ def diff_table(answer, top):
     )
 
 
-def fuse_table(answer, top):
-    """What was fused and what was skipped, in graph order."""
-    fused = [[f["matmul"], f["add"], f["gemm"]] for f in answer["fused"]]
-    skipped = [[s["node"], s["reason"]] for s in answer["skipped"]]
-    return page(
-        format_fields(
-            [
-                ("model", answer["model"]),
-                ("output", answer["output"]),
-                ("fused", len(fused)),
-                ("skipped", len(skipped)),
-                ("max_abs_error", answer["max_abs_error"]),
-            ]
-        ),
-        section("fused", ["matmul", "add", "gemm"], fused, top),
-        section("skipped", ["matmul", "reason"], skipped, top),
-    )
-
-
-def input_fields(inputs, defaulted=None):
-    """``inputs`` of a trace/impact answer as header pairs: the shapes, then the
-    inputs whose symbolic dimensions were set to 1 because nothing said otherwise."""
-    pairs = [(f"input {name}", "x".join(map(str, shape))) for name, shape in inputs.items()]
-    if defaulted:
-        pairs.append(("defaulted to 1", ", ".join(defaulted)))
-    return pairs
-
-
-def largest_first(rows, key):
-    """Rows with a value for ``key``, largest first (ties keep their order)."""
-    return sorted((r for r in rows if r.get(key) is not None), key=lambda r: -r[key])
-
-
-def smallest_first(rows, key):
-    """Rows with a value for ``key``, smallest first (ties keep their order)."""
-    return sorted((r for r in rows if r.get(key) is not None), key=lambda r: r[key])
-
-
-# Without --top, a table leads with this many rows of each red-flag ranking.
-RED_FLAGS = 5
-
-
-def trace_table(answer, top):
-    """Red flags first (worst SQNR, largest LSB error, most clipped), then rows in graph order;
-    with ``top``, the N worst of each, and the largest isolated and propagated errors."""
-    columns = ["node", "op_type", "wrap", "isolated", "propag.", "lsb", "sqnr_db"]  # short: 80 columns
-    keys = ["node", "op_type", "wrapped", "isolated_max_abs", "propagated_max_abs", "isolated_lsb", "sqnr_db"]
-    if any("clipped" in row for row in answer["ops"]):
-        columns.append("clipped")
-        keys.append("clipped")
-
-    def rows(ops):
-        return [[row.get(key) for key in keys] for row in ops]
-
-    def headline(key):
-        value = answer.get(key)
-        return (key, f"{value['node']} ({value['max_abs']:.3g})" if value else None)
-
-    head = format_fields(
-        [("a", answer["a"]), ("b", answer["b"])]
-        + input_fields(answer["inputs"], answer.get("defaulted"))
-        + [(f"output {name} max_abs", error) for name, error in answer["outputs"].items()]
-        + [headline("worst_isolated"), headline("first_over"), ("ops", len(answer["ops"]))]
-    )
-    ops = answer["ops"]
-    # What locates a problem leads: an absolute error hides a Sigmoid 10^8 LSB
-    # off (tiny values, SQNR near 0 dB) or a Conv whose values are all clipped.
-    flags = [
-        ("ops by SQNR, worst first", smallest_first(ops, "sqnr_db")),
-        ("ops by isolated error in LSB, largest first", largest_first(ops, "isolated_lsb")),
-        ("ops by clipped share, largest first", [r for r in largest_first(ops, "clipped") if r["clipped"] > 0]),
-    ]
-    body = [section(title, columns, rows(ranked), top or RED_FLAGS, ["op_type"]) for title, ranked in flags]
-    if top is None:
-        body.append(section("ops in graph order", columns, rows(ops), cut_first=["op_type"]))
-    else:
-        body += [
-            section("ops by isolated error", columns, rows(largest_first(ops, "isolated_max_abs")), top, ["op_type"]),
-            section(
-                "ops by propagated error", columns, rows(largest_first(ops, "propagated_max_abs")), top, ["op_type"]
-            ),
-        ]
-    unmatched = [[u["node"], u["op_type"], u["reason"]] for u in answer["unmatched"]]
-    return page(head, *body, section("unmatched float nodes", ["node", "op_type", "reason"], unmatched, top))
-
-
-def node_us(answer, node):
-    """A node's kernel microseconds per run, when ``--time`` measured it."""
-    return (answer.get("time") or {}).get("nodes", {}).get(node["node"])
-
-
-def runtime_table(answer, top):
-    """Classes by op type and nodes in graph order (slowest first with ``top`` and ``--time``)."""
-    env = answer["environment"]
-    head = format_fields(
-        [
-            ("model", answer["model"]),
-            ("onnxruntime", env.get("onnxruntime")),
-            ("provider", env.get("provider")),
-            ("level", env.get("level")),
-            ("machine", env.get("machine")),
-            ("int8_allowed", env.get("int8_allowed")),
-            ("compute", answer["compute"]),
-            ("wrapped", answer["wrapped"]),
-        ]
-        + [(name, answer["classes"].get(name, 0)) for name in RUNTIME_CLASSES]
-        + [("wrapped_but_float", answer["wrapped_but_float"]), ("float_but_int8", answer["float_but_int8"])]
-    )
-    by_op = sorted(answer["by_op_type"].items(), key=lambda item: (-sum(item[1].values()), item[0]))
-    op_rows = [[op] + [counts.get(name, 0) for name in RUNTIME_CLASSES] for op, counts in by_op]
-    timed = "time" in answer
-    nodes_list = answer["nodes"]
-    title = "nodes in graph order"
-    if timed and top is not None:
-        nodes_list = sorted(nodes_list, key=lambda n: -(node_us(answer, n) or 0))
-        title = "nodes by kernel time"
-    node_rows = [
-        [n["node"], n["op_type"], n["wrapped"], n["class"], n["kernel"], (n.get("reason") or {}).get("code")]
-        + ([node_us(answer, n)] if timed else [])
-        for n in nodes_list
-    ]
-    node_titles = ["node", "op_type", "wrapped", "class", "kernel", "reason"] + (["us"] if timed else [])
-    blocks = [
-        head,
-        section("by op_type", ["op_type"] + RUNTIME_CLASSES, op_rows),
-        section(title, node_titles, node_rows, top, ["op_type"]),
-    ]
-    if timed:
-        timing = answer["time"]
-        numbers = [[key, timing[key]] for key in ("runs", "profiler_floor_us", "round_trip_cost")]
-        numbers += [[f"wall_ms {key}", value] for key, value in timing["wall_ms"].items()]
-        numbers += [[f"share {kind}", share] for kind, share in timing["shares"].items()]
-        blocks.append(section("time", ["what", "value"], numbers))
-        blocks.append(textwrap.fill(visible("method: " + timing["method"]), TABLE_WIDTH))
-    return page(*blocks)
-
-
-def impact_table(answer, top):
-    """Ops and tensors in the answer's order (largest gain first), and the exclusion found."""
-    head = format_fields(
-        [("a", answer["a"]), ("b", answer["b"])]
-        + input_fields(answer["inputs"], answer.get("defaulted"))
-        + [("samples", answer["samples"]), ("output_sqnr_db", answer["output_sqnr_db"])]
-        + ([("deployed", answer["deployed_output_sqnr_db"])] if "deployed_output_sqnr_db" in answer else [])
-        + ([("weights matched", "{matched} of {total}".format(**answer["weights"]))] if "weights" in answer else [])
-    )
-    warnings_seen = [f"warning: {textwrap.fill(visible(w), TABLE_WIDTH - 9)}" for w in answer.get("warnings", [])]
-    head = "\n".join([head, *(w.replace("\n", "\n         ") for w in warnings_seen)])
-    ops = [[r["node"], r["op_type"], r["sqnr_db"], r["gain_db"]] for r in answer["ops"]]
-    tensors = [
-        [r["tensor"], r["producer"], r["gain_db"], r["rounding_gain_db"], r["clipped"]] for r in answer["tensors"]
-    ]
-    clipped = [
-        [r["tensor"], r["producer"], r["gain_db"], r["rounding_gain_db"], r["clipped"]]
-        for r in largest_first(answer["tensors"], "clipped")
-        if r["clipped"] > 0
-    ]
-    blocks = [
-        head,
-        # A tensor whose values fall outside its Q's range leads: its gain may be small, the range wrong.
-        section(
-            "tensors by clipped share, largest first",
-            ["tensor", "producer", "gain_db", "rounding", "clipped"],
-            clipped,
-            top or RED_FLAGS,
-        ),
-        section("ops by output gain when kept float", ["node", "op_type", "sqnr_db", "gain_db"], ops, top),
-        section(
-            "tensors by output gain when kept float",
-            ["tensor", "producer", "gain_db", "rounding", "clipped"],
-            tensors,
-            top,
-        ),
-    ]
-    exclude = answer.get("exclude")
-    if exclude is not None:
-        blocks.append(
-            format_fields([(key, exclude[key]) for key in ("target_sqnr_db", "sqnr_db", "reached")])
-            + "\nkept float in graphscan's variant, inputs fed float (the quantizer's\n"
-            + "nodes_to_exclude keeps Q->DQ on them: measure its model before trusting this):\n"
-            + format_names(exclude["nodes"])
-        )
-    return page(*blocks)
-
-
 def generic_table(answer, top):
     """Any answer: scalars as header fields, then each list or mapping as a table."""
     blocks = [format_fields([(k, v) for k, v in answer.items() if not isinstance(v, (list, dict))])]
@@ -1566,54 +1306,9 @@ def generic_table(answer, top):
     return page(*blocks)
 
 
-def tune_table(answer, top):
-    """Candidates on the Pareto front first (the answer's order), then the choice."""
-    head = format_fields(
-        [("model", answer["model"]), ("float ms", answer["float"]["ms"]), ("target_sqnr_db", answer["target_sqnr_db"])]
-        + [("chosen", answer["chosen"]), ("reached", answer["reached"]), ("output", answer["output"])]
-    )
-    steps = [[s["step"], s["ok"], s["detail"]] for s in answer["prepare"]]
-    rows = [
-        [
-            c["id"],
-            c["quantize_static"]["activation_type"],
-            "yes" if c["quantize_static"]["per_channel"] else "no",
-            c["quantize_static"]["calibrate_method"],
-            c["rewrites"],
-            c["sqnr_db"],
-            c["int8_kernels"],
-            c["ms"],
-            c["speedup"],
-            c["pareto"],
-            c["error"],
-        ]
-        for c in answer["candidates"]
-    ]
-    titles = ["id", "act", "pc", "method", "rw", "sqnr_db", "int8", "ms", "speedup", "pareto", "error"]
-    return page(
-        head,
-        section("prepare", ["step", "ok", "detail"], steps),
-        section("candidates, Pareto-best first", titles, rows, top, cut_first=["error"]),
-    )
-
-
-TABLE_RENDERERS = {
-    "nodes": nodes_table,
-    "qdq": qdq_table,
-    "islands": islands_table,
-    "boundary": boundary_table,
-    "diff": diff_table,
-    "fuse": fuse_table,
-    "trace": trace_table,
-    "runtime": runtime_table,
-    "impact": impact_table,
-    "tune": tune_table,
-}
-
-
 def render_table(command: str, answer: dict, top: int | None = None) -> str:
-    """The answer of ``command`` as text for a terminal (commands without a renderer get a generic one)."""
-    return TABLE_RENDERERS.get(command, generic_table)(answer, top)
+    """The answer of ``command`` as text for a terminal: its own table, else a generic one."""
+    return (load_command(command).table or generic_table)(answer, top)
 
 
 # --------------------------------------------------------------------------
@@ -1705,7 +1400,9 @@ def runtime_classes(model: onnx.ModelProto, path: str) -> list[str | None]:
     By position, not by name: runtime names unnamed and duplicate nodes its
     own way (``MatMul_8~8``), and a graph's position is the one identity both share.
     """
-    found = package_module("engines.classify", "dot --runtime").classify(model, path)
+    with package_needed("dot --runtime"):
+        from graphscan_ort.engines.classify import classify
+    found = classify(model, path)
     return [node["class"] for node in found.rows]
 
 
@@ -1804,12 +1501,16 @@ def dot(path: str, runtime_colours: bool = False, collapse: bool = False) -> str
 
 
 # --------------------------------------------------------------------------
-# Command line
+# Command line: every command declared once, as a Command
+#
+# A command is declared where it is implemented: the counting commands, check
+# and dot below, the commands that run models in their modules of the
+# graphscan_ort package. COMMANDS is the registry: each command's one-line
+# summary (so --help lists every command even without the package) and the
+# function that returns its declaration.
 
-TRACE_TOLERANCE = 1e-2
 RUNTIME_LEVELS = {"basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
 RUNTIME_DEFAULT_RUNS = 20
-RUNTIME_CLASSES = ["int8", "int8_data", "float", "absorbed"]
 
 
 def non_negative_int(text: str) -> int:
@@ -1820,6 +1521,14 @@ def non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type of ``--runs``: an integer >= 1."""
+    value = non_negative_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
 
 
@@ -1842,14 +1551,17 @@ def finite_non_negative(text: str) -> float:
     return value
 
 
-Option = tuple[str, dict]
+Option = tuple[str, dict]  # a flag and its argparse settings
 
 
-def sample_options(default_size: int, samples: str = "one", when: str = "") -> list[Option]:
-    """``--inputs``, ``--shape`` and ``--seed``: one definition for every command
-    that runs a model, so they parse and fail alike everywhere. ``samples``:
-    "one" (one --inputs file) or "many" (one sample per file, repeatable);
-    ``when``: the option these apply with (``--time: ``), for the help."""
+# Argument groups: declared once, shared by every command that takes them, so
+# the same option parses and fails alike everywhere.
+
+
+def samples_group(default_size: int, samples: str = "one", when: str = "") -> list[Option]:
+    """``--inputs``, ``--shape`` and ``--seed``. ``samples``: "one" (one --inputs
+    file) or "many" (one sample per file, repeatable); ``when``: the option these
+    apply with (``--time: ``), for the help."""
     inputs_help = "one array per graph input, by name" + (
         " (one sample per file, repeatable)" if samples == "many" else ""
     )
@@ -1870,228 +1582,208 @@ def sample_options(default_size: int, samples: str = "one", when: str = "") -> l
     ]
 
 
-# Commands whose --inputs is one sample: more than one file is a usage error.
-ONE_SAMPLE = {"fuse", "trace", "runtime"}
-# Options that apply only with another: (the keyword that enables them, its flag, theirs).
-# Given without it they would be ignored, so they are a usage error. (check's are
-# checked in check(), where a --budget file can set min_sqnr.)
-ONLY_WITH = {"runtime": ("timed", "--time", ["inputs", "shape", "seed", "runs"])}
-# What an option left out means, filled in after ONLY_WITH saw what was given.
-ABSENT = {"seed": 0, "runs": RUNTIME_DEFAULT_RUNS}
-
-TRACE_OPTIONS = [
-    *sample_options(1),
-    ("--tolerance", {"type": finite_non_negative, "default": TRACE_TOLERANCE, "help": "first_over threshold"}),
-    ("--save", {"metavar": "DIR", "help": "write each op's single-op model and inputs here"}),
-]
-
-RUNTIME_OPTIONS = [
-    (
-        "--level",
-        {
-            "choices": list(RUNTIME_LEVELS),
-            "default": "extended",
-            "help": "onnxruntime graph optimization level (default: extended)",
-        },
-    ),
-    ("--provider", {"default": "CPUExecutionProvider", "help": "execution provider (default: CPUExecutionProvider)"}),
-    ("--int8-allowed", {"action": "store_true", "help": "set session.qdqisint8allowed=1"}),
-    (
-        "--time",
-        {
-            "action": "store_true",
-            "dest": "timed",
-            "help": "profile kernel time per class and measure the Q/DQ round trips' cost",
-        },
-    ),
-    *sample_options(1, when="--time: "),
-    (
-        "--runs",
-        {"type": int, "help": f"--time: timed runs (default: {RUNTIME_DEFAULT_RUNS})"},
-    ),
-]
-
-CHECK_OPTIONS = [
-    ("--float", {"metavar": "F.onnx", "dest": "float_path", "help": "the float model, for --min-sqnr"}),
-    ("--budget", {"metavar": "FILE.json", "help": "budgets as a JSON object (options override it)"}),
-    ("--max-float", {"type": int, "metavar": "N", "help": "at most N float compute nodes"}),
-    ("--max-islands", {"type": int, "metavar": "N", "help": "at most N float islands"}),
-    ("--max-crossings", {"type": int, "metavar": "N", "help": "at most N boundary crossings"}),
-    (
-        "--min-int8",
-        {"type": float, "metavar": "FRACTION", "help": "at least this fraction of kernels run int8 (runtime)"},
-    ),
-    ("--min-sqnr", {"type": float, "metavar": "DB", "help": "output SQNR against --float of at least DB"}),
-    (
-        "--level",
-        {
-            "choices": ["disabled", *RUNTIME_LEVELS],
-            "help": "--min-sqnr: onnxruntime optimization level both models run at (default: all, its default)",
-        },
-    ),
-    *sample_options(1, samples="many", when="--min-sqnr: "),
-]
-
-# Commands whose exit code depends on the answer (the JSON is printed either way).
-ANSWER_EXIT_CODES = {"check": lambda answer: EXIT_OK if answer["ok"] else EXIT_BUDGET}
-
-DOT_OPTIONS = [
-    (
-        "--runtime",
-        {
-            "action": "store_true",
-            "dest": "runtime_colours",
-            "help": "colour nodes by what onnxruntime runs (int8, int8_data, float, absorbed), "
-            "from the runtime command",
-        },
-    ),
-    (
-        "--collapse",
-        {
-            "action": "store_true",
-            "help": f"draw each connected group of wrapped nodes as one box (for over {COLLAPSE_HINT} compute nodes)",
-        },
-    ),
-]
-
-FUSE_OPTIONS = sample_options(2)
-
-IMPACT_OPTIONS = [
-    *sample_options(1, samples="many"),
-    (
-        "--target-sqnr",
-        {"metavar": "DB", "type": finite_float, "help": "find the nodes to exclude to reach this output SQNR"},
-    ),
-    (
-        "--max-exclude",
-        {"metavar": "N", "type": non_negative_int, "help": "at most N excluded nodes (with --target-sqnr)"},
-    ),
-    (
-        "--min-gain",
-        {
-            "metavar": "DB",
-            "type": finite_non_negative,
-            "help": "with --target-sqnr: add no operator whose gain is below DB (default: 0.01)",
-        },
-    ),
-    (
-        "--top",
-        {"metavar": "N", "type": non_negative_int, "help": "list only the first N ops and tensors (all are measured)"},
-    ),
-]
+def level_option(choices: list[str], default: str | None, help_text: str) -> Option:
+    """``--level``: the onnxruntime optimization level a command's sessions run at."""
+    return ("--level", {"choices": choices, "default": default, "help": help_text})
 
 
-def positive_int(text: str) -> int:
-    """argparse type of ``--runs``: an integer >= 1."""
-    value = non_negative_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
+# The output group (--format, --top) is added to every command that answers JSON (add_arguments).
+FORMATS = ["json", "table"]
 
 
-TUNE_OPTIONS = [
-    (
-        "--calibrate",
-        {
-            "metavar": "FILE.npz",
-            "action": "append",
-            "help": "a calibration sample, one array per input, or a folder of them (repeatable)",
-        },
-    ),
-    (
-        "--inputs",
-        {
-            **sample_options(1, samples="many")[0][1],
-            "help": "a held-out evaluation sample (repeatable; default: the calibration samples)",
-        },
-    ),
-    ("--out", {"metavar": "DIR", "help": "absent or empty folder for model.onnx and prepared.onnx"}),
-    ("--target-sqnr", {"metavar": "DB", "type": finite_float, "help": "default: onnxruntime's default settings' SQNR"}),
-    (
-        "--max-exclude",
-        {"metavar": "N", "type": non_negative_int, "help": "exclusions tried when the target is not met (default: 8)"},
-    ),
-    (
-        "--level",
-        {
-            "choices": ["disabled", *RUNTIME_LEVELS],
-            "default": "all",
-            "help": "deployed optimization level (default: all)",
-        },
-    ),
-    (
-        "--threads",
-        {"type": non_negative_int, "default": 1, "help": "intra-op threads of the measurements (default: 1)"},
-    ),
-    (
-        "--runs",
-        {"type": positive_int, "default": RUNTIME_DEFAULT_RUNS, "help": "timed runs per candidate (default: 20)"},
-    ),
-]
+@dataclasses.dataclass(frozen=True)
+class OnlyWith:
+    """Options that apply only with another: given without it they would be
+    ignored, so they are a usage error. ``keyword`` enables ``dependents``."""
 
-# name: (function, or "module:function" of the graphscan_ort package; positional paths; help; options)
+    flag: str
+    keyword: str
+    dependents: tuple[str, ...]
+
+
+def only_with(flag: str, enabled: bool, given: dict[str, object]) -> None:
+    """Exit 2 when options of ``given`` (``{flag: value}``) that apply only with
+    ``flag`` are set while it is not: the one check of every "only with" rule."""
+    named = [name for name, value in given.items() if value is not None]
+    if named and not enabled:
+        raise GraphscanError(f"usage: {', '.join(named)}: only with {flag}", EXIT_USAGE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One command as the command line knows it.
+
+    ``run`` is called with the ``paths`` (positional arguments) and one keyword
+    per option; ``only_with`` and ``absent`` (what an option left out means,
+    filled in after ``only_with`` saw what was given) shape those keywords;
+    ``one_sample``: --inputs takes one file; ``table`` renders the answer for
+    people (None: the generic table); ``text``: the answer is text, not JSON
+    (dot); ``exit_code``: the exit code an answer gives (check's 8).
+    """
+
+    name: str
+    run: Callable[..., object]
+    paths: tuple[str, ...] = ("model",)
+    options: tuple[Option, ...] = ()
+    only_with: OnlyWith | None = None
+    absent: dict[str, object] = dataclasses.field(default_factory=dict)
+    one_sample: bool = False
+    table: Callable[[dict, int | None], str] | None = None
+    text: bool = False
+    exit_code: Callable[[dict], int] | None = None
+
+    @property
+    def own_top(self) -> bool:
+        """Whether the command has a --top of its own (which also limits its JSON)."""
+        return any(flag == "--top" for flag, _ in self.options)
+
+
+NODES = Command("nodes", nodes, table=nodes_table)
+QDQ = Command("qdq", qdq, table=qdq_table)
+ISLANDS = Command("islands", islands, table=islands_table)
+BOUNDARY = Command("boundary", boundary, table=boundary_table)
+DIFF = Command("diff", diff, ("a", "b"), table=diff_table)
+
+CHECK = Command(
+    "check",
+    check,
+    options=(
+        ("--float", {"metavar": "F.onnx", "dest": "float_path", "help": "the float model, for --min-sqnr"}),
+        ("--budget", {"metavar": "FILE.json", "help": "budgets as a JSON object (options override it)"}),
+        ("--max-float", {"type": int, "metavar": "N", "help": "at most N float compute nodes"}),
+        ("--max-islands", {"type": int, "metavar": "N", "help": "at most N float islands"}),
+        ("--max-crossings", {"type": int, "metavar": "N", "help": "at most N boundary crossings"}),
+        (
+            "--min-int8",
+            {"type": float, "metavar": "FRACTION", "help": "at least this fraction of kernels run int8 (runtime)"},
+        ),
+        ("--min-sqnr", {"type": float, "metavar": "DB", "help": "output SQNR against --float of at least DB"}),
+        level_option(
+            ["disabled", *RUNTIME_LEVELS],
+            None,
+            "--min-sqnr: onnxruntime optimization level both models run at (default: all, its default)",
+        ),
+        *samples_group(1, samples="many", when="--min-sqnr: "),
+    ),
+    exit_code=lambda answer: EXIT_OK if answer["ok"] else EXIT_BUDGET,
+)
+
+DOT = Command(
+    "dot",
+    dot,
+    options=(
+        (
+            "--runtime",
+            {
+                "action": "store_true",
+                "dest": "runtime_colours",
+                "help": "colour nodes by what onnxruntime runs (int8, int8_data, float, absorbed), "
+                "from the runtime command",
+            },
+        ),
+        (
+            "--collapse",
+            {
+                "action": "store_true",
+                "help": f"draw each connected group of wrapped nodes as one box (for over {COLLAPSE_HINT} "
+                "compute nodes)",
+            },
+        ),
+    ),
+    text=True,
+)
+
+
+# The commands of the graphscan_ort package, each imported only when it is asked for.
+
+
+def fuse_command() -> Command:
+    from graphscan_ort.commands.fuse import COMMAND
+
+    return COMMAND
+
+
+def trace_command() -> Command:
+    from graphscan_ort.commands.trace import COMMAND
+
+    return COMMAND
+
+
+def runtime_command() -> Command:
+    from graphscan_ort.commands.runtime import COMMAND
+
+    return COMMAND
+
+
+def impact_command() -> Command:
+    from graphscan_ort.commands.impact import COMMAND
+
+    return COMMAND
+
+
+def tune_command() -> Command:
+    from graphscan_ort.tune.command import COMMAND
+
+    return COMMAND
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A command in the registry: its one-line summary and where it is declared."""
+
+    summary: str
+    declared: Callable[[], Command]
+    package: bool = False  # declared in graphscan_ort: it needs the package and onnxruntime
+
+
 COMMANDS = {
-    "nodes": (nodes, ["model"], "op census and initializer dtypes", []),
-    "qdq": (qdq, ["model"], "Q/DQ counts, round trips, weight DQs", []),
-    "islands": (islands, ["model"], "int8-wrapped vs float nodes, float islands", []),
-    "boundary": (boundary, ["model"], "DQs entering and Qs leaving each island", []),
-    "diff": (diff, ["a", "b"], "b minus a for the counts above", []),
-    "fuse": (
-        "commands.fuse:fuse",
-        ["model", "output"],
-        "fuse MatMul+Add into Gemm, verified, into output",
-        FUSE_OPTIONS,
+    "nodes": Entry("op census and initializer dtypes", lambda: NODES),
+    "qdq": Entry("Q/DQ counts, round trips, weight DQs", lambda: QDQ),
+    "islands": Entry("int8-wrapped vs float nodes, float islands", lambda: ISLANDS),
+    "boundary": Entry("DQs entering and Qs leaving each island", lambda: BOUNDARY),
+    "diff": Entry("b minus a for the counts above", lambda: DIFF),
+    "fuse": Entry("fuse MatMul+Add into Gemm, verified, into output", fuse_command, package=True),
+    "trace": Entry("per-op isolated and propagated error of b (quantized) vs a (float)", trace_command, True),
+    "runtime": Entry("what onnxruntime really runs per node: int8, int8_data, float, absorbed", runtime_command, True),
+    "check": Entry(
+        "a CI gate: exit 8 when a budget (float nodes, islands, crossings, int8 share, SQNR) is broken", lambda: CHECK
     ),
-    "trace": (
-        "commands.trace:trace",
-        ["a", "b"],
-        "per-op isolated and propagated error of b (quantized) vs a (float)",
-        TRACE_OPTIONS,
-    ),
-    "runtime": (
-        "commands.runtime:runtime",
-        ["model"],
-        "what onnxruntime really runs per node: int8, int8_data, float, absorbed",
-        RUNTIME_OPTIONS,
-    ),
-    "check": (
-        check,
-        ["model"],
-        "a CI gate: exit 8 when a budget (float nodes, islands, crossings, int8 share, SQNR) is broken",
-        CHECK_OPTIONS,
-    ),
-    "dot": (dot, ["model"], "Graphviz DOT picture of the island map (DOT text, not JSON)", DOT_OPTIONS),
-    "impact": (
-        "commands.impact:impact",
-        ["a", "b"],
-        "output SQNR gained by keeping each op or tensor of b (quantized) float",
-        IMPACT_OPTIONS,
-    ),
-    "tune": (
-        "tune.command:tune",
-        ["model"],
+    "dot": Entry("Graphviz DOT picture of the island map (DOT text, not JSON)", lambda: DOT),
+    "impact": Entry("output SQNR gained by keeping each op or tensor of b (quantized) float", impact_command, True),
+    "tune": Entry(
         "quantize a float model every way and keep the fastest that is accurate enough, measured as deployed",
-        TUNE_OPTIONS,
+        tune_command,
+        True,
     ),
 }
 
 
-def command_function(name: str) -> Callable[..., object]:
-    """The function of command ``name``; a graphscan_ort one is imported now."""
-    function = COMMANDS[name][0]
-    if callable(function):
-        return function
-    module, attribute = function.split(":")
-    return getattr(package_module(module, name), attribute)
+def load_command(name: str) -> Command:
+    """The declaration of command ``name``; a package command's module is imported now."""
+    entry = COMMANDS[name]
+    if not entry.package:
+        return entry.declared()
+    with package_needed(name):
+        return entry.declared()
 
 
-def __getattr__(name: str) -> Callable[..., object]:
-    """``graphscan.fuse``, ``graphscan.trace``, ...: the package's commands, as
-    plain functions of this module for programs that import it (PEP 562)."""
-    entry = COMMANDS.get(name)
-    if entry is None or callable(entry[0]):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return command_function(name)
+def package_function(name: str) -> Callable[..., object]:
+    """Command ``name`` of the graphscan_ort package as a plain function of this
+    module (``graphscan.trace(a, b, ...)``), its module imported when it is first called."""
+
+    def command(*args: object, **keywords: object) -> object:
+        return load_command(name).run(*args, **keywords)
+
+    command.__name__ = command.__qualname__ = name
+    command.__doc__ = f"The {name} command (docs/SPEC.md), run in this process."
+    return command
+
+
+fuse = package_function("fuse")
+trace = package_function("trace")
+runtime = package_function("runtime")
+impact = package_function("impact")
+tune = package_function("tune")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -2108,10 +1800,6 @@ class OneLineParser(argparse.ArgumentParser):
             super().print_help(file)
 
 
-FORMATS = ["json", "table"]
-TEXT_COMMANDS = {"dot"}  # answer text for people instead of a JSON object
-
-
 def option_dest(flag: str, settings: dict) -> str:
     """The keyword an option is passed as: its ``dest``, else the flag in snake_case."""
     return settings.get("dest") or flag.lstrip("-").replace("-", "_")
@@ -2122,46 +1810,53 @@ def exit_code_epilog() -> str:
     return "exit codes: " + ", ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items())
 
 
-def build_parser() -> OneLineParser:
+def add_arguments(parser: argparse.ArgumentParser, command: Command) -> None:
+    """``command``'s paths and options, then the output group (--format, --top)."""
+    for path in command.paths:
+        parser.add_argument(path, help="path to an .onnx file")
+    for flag, settings in command.options:
+        parser.add_argument(flag, **settings)
+    if command.text:
+        return
+    output = parser.add_argument_group("output (tables are for people; the JSON is the contract)")
+    output.add_argument("--format", choices=FORMATS, default="json", help="json (default) or table")
+    if not command.own_top:  # a command's own --top also limits its JSON
+        output.add_argument(
+            "--top", type=non_negative_int, metavar="N", help="table: only the N largest rows of each long list"
+        )
+
+
+def build_parser(chosen: str | None = None) -> OneLineParser:
+    """The command line; only the ``chosen`` command's options are declared (and
+    its module imported): --help lists the others by their summaries."""
     parser = OneLineParser(
         prog="graphscan.py",
         description="Count what quantization did to an ONNX graph; one JSON object on stdout.",
         epilog=exit_code_epilog(),
     )
     sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=OneLineParser)
-    for name, (_, paths, help_text, options) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=help_text)
-        for path in paths:
-            command.add_argument(path, help="path to an .onnx file")
-        for flag, settings in options:
-            command.add_argument(flag, **settings)
-        if name in TEXT_COMMANDS:
-            continue
-        output = command.add_argument_group("output (tables are for people; the JSON is the contract)")
-        output.add_argument("--format", choices=FORMATS, default="json", help="json (default) or table")
-        if "--top" not in (flag for flag, _ in options):  # a command's own --top also limits its JSON
-            output.add_argument(
-                "--top", type=non_negative_int, metavar="N", help="table: only the N largest rows of each long list"
-            )
+    for name, entry in COMMANDS.items():
+        command_parser = sub.add_parser(name, help=entry.summary, description=entry.summary)
+        if name == chosen:
+            add_arguments(command_parser, load_command(name))
     return parser
 
 
-def command_keywords(command: str, args: argparse.Namespace, options: list[Option]) -> dict:
-    """The keyword arguments of ``command``'s function from the parsed ``args``."""
-    keywords = {option_dest(f, s): getattr(args, option_dest(f, s)) for f, s in options}
-    if command in ONLY_WITH:
-        enabler, flag, dependent = ONLY_WITH[command]
-        given = [f"--{key.replace('_', '-')}" for key in dependent if keywords.get(key) is not None]
-        if given and not keywords[enabler]:
-            raise GraphscanError(f"usage: {', '.join(given)}: only with {flag}", EXIT_USAGE)
-    for key, value in ABSENT.items():
-        if key in keywords and keywords[key] is None and command != "check":
+def command_keywords(command: Command, args: argparse.Namespace) -> dict:
+    """The keyword arguments of ``command.run`` from the parsed ``args``."""
+    keywords = {option_dest(f, s): getattr(args, option_dest(f, s)) for f, s in command.options}
+    rule = command.only_with
+    if rule is not None:
+        given = {f"--{key.replace('_', '-')}": keywords.get(key) for key in rule.dependents}
+        only_with(rule.flag, bool(keywords[rule.keyword]), given)
+    for key, value in command.absent.items():
+        if keywords.get(key) is None:
             keywords[key] = value
-    if command in ONE_SAMPLE:
-        given = keywords.get("inputs") or []
-        if len(given) > 1:
-            raise GraphscanError(f"usage: {command} runs one sample: give --inputs once", EXIT_USAGE)
-        keywords["inputs"] = given[0] if given else None
+    if command.one_sample:
+        given_inputs = keywords.get("inputs") or []
+        if len(given_inputs) > 1:
+            raise GraphscanError(f"usage: {command.name} runs one sample: give --inputs once", EXIT_USAGE)
+        keywords["inputs"] = given_inputs[0] if given_inputs else None
     return keywords
 
 
@@ -2172,20 +1867,21 @@ def answer_text(argv: list[str]) -> tuple[str, int]:
     The text is the answer's JSON, or with ``--format table`` a table rendered
     from that same answer; ``dot`` answers DOT text.
     """
-    args = build_parser().parse_args(argv)
+    chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    args = build_parser(chosen).parse_args(argv)
     if args.command is None:
         raise GraphscanError(f"usage: a command is required ({', '.join(COMMANDS)})", EXIT_USAGE)
-    _, paths, _, options = COMMANDS[args.command]
+    command = load_command(args.command)
     fmt, top = getattr(args, "format", "json"), getattr(args, "top", None)
-    if fmt == "json" and top is not None and "--top" not in (flag for flag, _ in options):
+    if fmt == "json" and top is not None and not command.own_top:
         raise GraphscanError("usage: --top only limits tables; add --format table", EXIT_USAGE)
-    keywords = command_keywords(args.command, args, options)
-    answer = command_function(args.command)(*(getattr(args, p) for p in paths), **keywords)
-    if args.command in TEXT_COMMANDS:
+    keywords = command_keywords(command, args)
+    answer = command.run(*(getattr(args, p) for p in command.paths), **keywords)
+    if command.text:
         return answer.rstrip("\n"), EXIT_OK
-    exit_code = ANSWER_EXIT_CODES.get(args.command, lambda _: EXIT_OK)(answer)
+    exit_code = command.exit_code(answer) if command.exit_code else EXIT_OK
     if fmt == "table":
-        return render_table(args.command, answer, top), exit_code
+        return (command.table or generic_table)(answer, top), exit_code
     return strict_json(answer), exit_code
 
 

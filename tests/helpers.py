@@ -4,6 +4,7 @@ graphscan.py is exercised as its users run it (a separate process, from any
 working directory), and every answer is parsed as strict JSON.
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -388,3 +389,12 @@ def hook(event, args):
 sys.addaudithook(hook)
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+
+
+def replace_command(monkeypatch, name, run):
+    """Make command ``name`` run ``run`` (its paths and options unchanged) for one test."""
+    import graphscan
+
+    entry = graphscan.COMMANDS[name]
+    command = dataclasses.replace(graphscan.load_command(name), run=run)
+    monkeypatch.setitem(graphscan.COMMANDS, name, dataclasses.replace(entry, declared=lambda: command))

@@ -9,10 +9,15 @@ import onnx
 from graphscan import (
     EXIT_MISMATCH,
     EXIT_NOT_ONNX,
+    Command,
     GraphIndex,
     GraphscanError,
+    format_fields,
     load_with_weights,
     one_line,
+    page,
+    samples_group,
+    section,
     shown,
 )
 from graphscan_ort.shared.files import check_output_path, write_atomically
@@ -209,3 +214,33 @@ def fuse(
         "skipped": skipped,
         "max_abs_error": error,
     }
+
+
+def fuse_table(answer, top):
+    """What was fused and what was skipped, in graph order."""
+    fused = [[f["matmul"], f["add"], f["gemm"]] for f in answer["fused"]]
+    skipped = [[s["node"], s["reason"]] for s in answer["skipped"]]
+    return page(
+        format_fields(
+            [
+                ("model", answer["model"]),
+                ("output", answer["output"]),
+                ("fused", len(fused)),
+                ("skipped", len(skipped)),
+                ("max_abs_error", answer["max_abs_error"]),
+            ]
+        ),
+        section("fused", ["matmul", "add", "gemm"], fused, top),
+        section("skipped", ["matmul", "reason"], skipped, top),
+    )
+
+
+COMMAND = Command(
+    "fuse",
+    fuse,
+    ("model", "output"),
+    options=tuple(samples_group(SYMBOLIC_DIM_SIZE)),
+    absent={"seed": FUSE_SEED},
+    one_sample=True,
+    table=fuse_table,
+)

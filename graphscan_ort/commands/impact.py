@@ -8,14 +8,28 @@ segment sessions (segments.py); no session per variant.
 
 from __future__ import annotations
 
+import textwrap
+
 from graphscan import (
     EXIT_USAGE,
+    TABLE_WIDTH,
+    Command,
     GraphscanError,
+    finite_float,
+    finite_non_negative,
+    format_fields,
+    format_names,
     load_with_weights,
+    non_negative_int,
+    page,
+    samples_group,
+    section,
+    visible,
 )
 from graphscan_ort.engines.attribution import measure
 from graphscan_ort.shared.inputs import check_same_inputs, inputs_answer, model_samples, parse_shapes
 from graphscan_ort.shared.sessions import inputs_hint
+from graphscan_ort.shared.tables import RED_FLAGS, input_fields, largest_first
 
 IMPACT_SYMBOLIC_DIM_SIZE = 1
 
@@ -48,3 +62,87 @@ def impact_answer(a, b, inputs, seed, shape, target_sqnr, max_exclude, top, min_
     samples, defaulted = model_samples(float_model, inputs, parse_shapes(shape), seed, IMPACT_SYMBOLIC_DIM_SIZE)
     body = measure(float_model, quant_model, samples, a, b, target_sqnr, max_exclude, top, min_gain)
     return {"a": a, "b": b, "inputs": inputs_answer(samples), "defaulted": defaulted, **body}
+
+
+def impact_table(answer, top):
+    """Ops and tensors in the answer's order (largest gain first), and the exclusion found."""
+    head = format_fields(
+        [("a", answer["a"]), ("b", answer["b"])]
+        + input_fields(answer["inputs"], answer.get("defaulted"))
+        + [("samples", answer["samples"]), ("output_sqnr_db", answer["output_sqnr_db"])]
+        + ([("deployed", answer["deployed_output_sqnr_db"])] if "deployed_output_sqnr_db" in answer else [])
+        + ([("weights matched", "{matched} of {total}".format(**answer["weights"]))] if "weights" in answer else [])
+    )
+    warnings_seen = [f"warning: {textwrap.fill(visible(w), TABLE_WIDTH - 9)}" for w in answer.get("warnings", [])]
+    head = "\n".join([head, *(w.replace("\n", "\n         ") for w in warnings_seen)])
+    ops = [[r["node"], r["op_type"], r["sqnr_db"], r["gain_db"]] for r in answer["ops"]]
+    tensors = [
+        [r["tensor"], r["producer"], r["gain_db"], r["rounding_gain_db"], r["clipped"]] for r in answer["tensors"]
+    ]
+    clipped = [
+        [r["tensor"], r["producer"], r["gain_db"], r["rounding_gain_db"], r["clipped"]]
+        for r in largest_first(answer["tensors"], "clipped")
+        if r["clipped"] > 0
+    ]
+    blocks = [
+        head,
+        # A tensor whose values fall outside its Q's range leads: its gain may be small, the range wrong.
+        section(
+            "tensors by clipped share, largest first",
+            ["tensor", "producer", "gain_db", "rounding", "clipped"],
+            clipped,
+            top or RED_FLAGS,
+        ),
+        section("ops by output gain when kept float", ["node", "op_type", "sqnr_db", "gain_db"], ops, top),
+        section(
+            "tensors by output gain when kept float",
+            ["tensor", "producer", "gain_db", "rounding", "clipped"],
+            tensors,
+            top,
+        ),
+    ]
+    exclude = answer.get("exclude")
+    if exclude is not None:
+        blocks.append(
+            format_fields([(key, exclude[key]) for key in ("target_sqnr_db", "sqnr_db", "reached")])
+            + "\nkept float in graphscan's variant, inputs fed float (the quantizer's\n"
+            + "nodes_to_exclude keeps Q->DQ on them: measure its model before trusting this):\n"
+            + format_names(exclude["nodes"])
+        )
+    return page(*blocks)
+
+
+COMMAND = Command(
+    "impact",
+    impact,
+    ("a", "b"),
+    options=(
+        *samples_group(IMPACT_SYMBOLIC_DIM_SIZE, samples="many"),
+        (
+            "--target-sqnr",
+            {"metavar": "DB", "type": finite_float, "help": "find the nodes to exclude to reach this output SQNR"},
+        ),
+        (
+            "--max-exclude",
+            {"metavar": "N", "type": non_negative_int, "help": "at most N excluded nodes (with --target-sqnr)"},
+        ),
+        (
+            "--min-gain",
+            {
+                "metavar": "DB",
+                "type": finite_non_negative,
+                "help": "with --target-sqnr: add no operator whose gain is below DB (default: 0.01)",
+            },
+        ),
+        (
+            "--top",
+            {
+                "metavar": "N",
+                "type": non_negative_int,
+                "help": "list only the first N ops and tensors (all are measured)",
+            },
+        ),
+    ),
+    absent={"seed": 0},
+    table=impact_table,
+)

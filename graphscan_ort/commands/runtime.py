@@ -9,19 +9,31 @@ compute node is then found in the optimized graph and its kernel classified.
 
 from __future__ import annotations
 
+import textwrap
+
 from graphscan import (
     EXIT_USAGE,
     RUNTIME_DEFAULT_RUNS,
     RUNTIME_LEVELS,
+    TABLE_WIDTH,
+    Command,
     GraphscanError,
+    OnlyWith,
+    format_fields,
+    level_option,
     load_with_weights,
+    page,
+    samples_group,
+    section,
+    visible,
 )
 from graphscan_ort.engines.classify import (
     classify,
 )
 from graphscan_ort.engines.timing import runtime_time
 from graphscan_ort.shared.inputs import model_samples, parse_shapes
-from graphscan_ort.shared.sessions import inputs_hint, runtime_environment
+from graphscan_ort.shared.kernels import RUNTIME_CLASSES
+from graphscan_ort.shared.sessions import CPU, inputs_hint, runtime_environment
 
 
 def runtime(
@@ -67,3 +79,79 @@ def runtime(
                 runs,
             )
     return answer
+
+
+def node_us(answer, node):
+    """A node's kernel microseconds per run, when ``--time`` measured it."""
+    return (answer.get("time") or {}).get("nodes", {}).get(node["node"])
+
+
+def runtime_table(answer, top):
+    """Classes by op type and nodes in graph order (slowest first with ``top`` and ``--time``)."""
+    env = answer["environment"]
+    head = format_fields(
+        [
+            ("model", answer["model"]),
+            ("onnxruntime", env.get("onnxruntime")),
+            ("provider", env.get("provider")),
+            ("level", env.get("level")),
+            ("machine", env.get("machine")),
+            ("int8_allowed", env.get("int8_allowed")),
+            ("compute", answer["compute"]),
+            ("wrapped", answer["wrapped"]),
+        ]
+        + [(name, answer["classes"].get(name, 0)) for name in RUNTIME_CLASSES]
+        + [("wrapped_but_float", answer["wrapped_but_float"]), ("float_but_int8", answer["float_but_int8"])]
+    )
+    by_op = sorted(answer["by_op_type"].items(), key=lambda item: (-sum(item[1].values()), item[0]))
+    op_rows = [[op] + [counts.get(name, 0) for name in RUNTIME_CLASSES] for op, counts in by_op]
+    timed = "time" in answer
+    nodes_list = answer["nodes"]
+    title = "nodes in graph order"
+    if timed and top is not None:
+        nodes_list = sorted(nodes_list, key=lambda n: -(node_us(answer, n) or 0))
+        title = "nodes by kernel time"
+    node_rows = [
+        [n["node"], n["op_type"], n["wrapped"], n["class"], n["kernel"], (n.get("reason") or {}).get("code")]
+        + ([node_us(answer, n)] if timed else [])
+        for n in nodes_list
+    ]
+    node_titles = ["node", "op_type", "wrapped", "class", "kernel", "reason"] + (["us"] if timed else [])
+    blocks = [
+        head,
+        section("by op_type", ["op_type"] + RUNTIME_CLASSES, op_rows),
+        section(title, node_titles, node_rows, top, ["op_type"]),
+    ]
+    if timed:
+        timing = answer["time"]
+        numbers = [[key, timing[key]] for key in ("runs", "profiler_floor_us", "round_trip_cost")]
+        numbers += [[f"wall_ms {key}", value] for key, value in timing["wall_ms"].items()]
+        numbers += [[f"share {kind}", share] for kind, share in timing["shares"].items()]
+        blocks.append(section("time", ["what", "value"], numbers))
+        blocks.append(textwrap.fill(visible("method: " + timing["method"]), TABLE_WIDTH))
+    return page(*blocks)
+
+
+COMMAND = Command(
+    "runtime",
+    runtime,
+    options=(
+        level_option(list(RUNTIME_LEVELS), "extended", "onnxruntime graph optimization level (default: extended)"),
+        ("--provider", {"default": CPU, "help": f"execution provider (default: {CPU})"}),
+        ("--int8-allowed", {"action": "store_true", "help": "set session.qdqisint8allowed=1"}),
+        (
+            "--time",
+            {
+                "action": "store_true",
+                "dest": "timed",
+                "help": "profile kernel time per class and measure the Q/DQ round trips' cost",
+            },
+        ),
+        *samples_group(1, when="--time: "),
+        ("--runs", {"type": int, "help": f"--time: timed runs (default: {RUNTIME_DEFAULT_RUNS})"}),
+    ),
+    only_with=OnlyWith("--time", "timed", ("inputs", "shape", "seed", "runs")),
+    absent={"seed": 0, "runs": RUNTIME_DEFAULT_RUNS},
+    one_sample=True,
+    table=runtime_table,
+)

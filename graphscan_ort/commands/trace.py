@@ -20,29 +20,38 @@ import onnx
 from graphscan import (
     EXIT_NO_FILE,
     EXIT_RUNTIME,
-    QDQ_SUFFIX,
-    TRACE_TOLERANCE,
+    Command,
     GraphIndex,
     GraphscanError,
     data_source,
-    first_output,
-    has_subgraph,
+    finite_non_negative,
+    format_fields,
     load_with_weights,
     one_line,
-    output_chain,
-    q_output_type,
-    representable_range,
+    page,
+    samples_group,
+    section,
     shown,
     value_inputs,
 )
 from graphscan_ort.engines.combined import CombinedModel, SingleOpModelError, float_in_quant_opset, run_combined
 from graphscan_ort.engines.measures import shapes_agree, type_problem, value_info_of
 from graphscan_ort.shared.files import write_atomically
+from graphscan_ort.shared.graph import (
+    QDQ_SUFFIX,
+    first_output,
+    has_subgraph,
+    output_chain,
+    q_output_type,
+    representable_range,
+)
 from graphscan_ort.shared.inputs import check_same_inputs, model_samples, parse_shapes
 from graphscan_ort.shared.metrics import output_pairs
 from graphscan_ort.shared.sessions import inputs_hint
+from graphscan_ort.shared.tables import RED_FLAGS, input_fields, largest_first, smallest_first
 
 TRACE_SYMBOLIC_DIM_SIZE = 1
+TRACE_TOLERANCE = 1e-2  # --tolerance's default: the isolated error first_over names
 
 
 def value_names(graph):
@@ -507,3 +516,62 @@ def first_over(rows, tolerance):
         if r["isolated_max_abs"] is not None and r["isolated_max_abs"] > tolerance:
             return {"node": r["node"], "max_abs": r["isolated_max_abs"]}
     return None
+
+
+def trace_table(answer, top):
+    """Red flags first (worst SQNR, largest LSB error, most clipped), then rows in graph order;
+    with ``top``, the N worst of each, and the largest isolated and propagated errors."""
+    columns = ["node", "op_type", "wrap", "isolated", "propag.", "lsb", "sqnr_db"]  # short: 80 columns
+    keys = ["node", "op_type", "wrapped", "isolated_max_abs", "propagated_max_abs", "isolated_lsb", "sqnr_db"]
+    if any("clipped" in row for row in answer["ops"]):
+        columns.append("clipped")
+        keys.append("clipped")
+
+    def rows(ops):
+        return [[row.get(key) for key in keys] for row in ops]
+
+    def headline(key):
+        value = answer.get(key)
+        return (key, f"{value['node']} ({value['max_abs']:.3g})" if value else None)
+
+    head = format_fields(
+        [("a", answer["a"]), ("b", answer["b"])]
+        + input_fields(answer["inputs"], answer.get("defaulted"))
+        + [(f"output {name} max_abs", error) for name, error in answer["outputs"].items()]
+        + [headline("worst_isolated"), headline("first_over"), ("ops", len(answer["ops"]))]
+    )
+    ops = answer["ops"]
+    # What locates a problem leads: an absolute error hides a Sigmoid 10^8 LSB
+    # off (tiny values, SQNR near 0 dB) or a Conv whose values are all clipped.
+    flags = [
+        ("ops by SQNR, worst first", smallest_first(ops, "sqnr_db")),
+        ("ops by isolated error in LSB, largest first", largest_first(ops, "isolated_lsb")),
+        ("ops by clipped share, largest first", [r for r in largest_first(ops, "clipped") if r["clipped"] > 0]),
+    ]
+    body = [section(title, columns, rows(ranked), top or RED_FLAGS, ["op_type"]) for title, ranked in flags]
+    if top is None:
+        body.append(section("ops in graph order", columns, rows(ops), cut_first=["op_type"]))
+    else:
+        body += [
+            section("ops by isolated error", columns, rows(largest_first(ops, "isolated_max_abs")), top, ["op_type"]),
+            section(
+                "ops by propagated error", columns, rows(largest_first(ops, "propagated_max_abs")), top, ["op_type"]
+            ),
+        ]
+    unmatched = [[u["node"], u["op_type"], u["reason"]] for u in answer["unmatched"]]
+    return page(head, *body, section("unmatched float nodes", ["node", "op_type", "reason"], unmatched, top))
+
+
+COMMAND = Command(
+    "trace",
+    trace,
+    ("a", "b"),
+    options=(
+        *samples_group(TRACE_SYMBOLIC_DIM_SIZE),
+        ("--tolerance", {"type": finite_non_negative, "default": TRACE_TOLERANCE, "help": "first_over threshold"}),
+        ("--save", {"metavar": "DIR", "help": "write each op's single-op model and inputs here"}),
+    ),
+    absent={"seed": 0},
+    one_sample=True,
+    table=trace_table,
+)

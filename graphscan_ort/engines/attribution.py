@@ -7,17 +7,16 @@ import math
 import numpy as np
 import onnx
 
-from graphscan import (
-    DQ_OUTPUT_SUFFIX,
-    EXIT_INPUTS,
-    QDQ_SUFFIX,
-    GraphIndex,
-    GraphscanError,
-    body_reads,
-    shown,
-)
+from graphscan import EXIT_INPUTS, GraphIndex, GraphscanError, shown
 from graphscan_ort.engines.segments import IMPACT_PREFIX, segment_runner
-from graphscan_ort.shared.graph import constant_arrays, fresh_prefix, quant_range
+from graphscan_ort.shared.graph import (
+    DQ_OUTPUT_SUFFIX,
+    QDQ_SUFFIX,
+    body_reads,
+    constant_arrays,
+    fresh_prefix,
+    quant_range,
+)
 from graphscan_ort.shared.metrics import OutputNoise, output_pairs, output_sqnr
 from graphscan_ort.shared.sessions import deployed_options, does_not_run, impact_options, model_outputs, open_session
 

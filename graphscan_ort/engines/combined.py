@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from graphscan import EXIT_RUNTIME, GraphscanError, node_reads, one_line, shown, subgraphs
+from graphscan import EXIT_RUNTIME, GraphscanError, one_line, shown, subgraphs
 from graphscan_ort.engines.measures import (
     TRACE_CHUNK_ELEMENTS,
     ClipCount,
@@ -34,7 +34,7 @@ from graphscan_ort.engines.measures import (
     tensor_bytes,
     tensor_dims,
 )
-from graphscan_ort.shared.graph import fresh_prefix
+from graphscan_ort.shared.graph import fresh_prefix, node_reads
 from graphscan_ort.shared.metrics import float32_bounds
 from graphscan_ort.shared.sessions import OUT_OF_MEMORY, does_not_run, open_session, run_options, session_options
 

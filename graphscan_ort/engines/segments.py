@@ -22,7 +22,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from graphscan import body_reads, shown
+from graphscan import shown
+from graphscan_ort.shared.graph import body_reads
 from graphscan_ort.shared.sessions import does_not_run, impact_options, open_session
 
 # A variant changes the graph only from its sites on, and only along their

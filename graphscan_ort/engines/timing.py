@@ -9,7 +9,8 @@ import os
 import numpy as np
 import onnx
 
-from graphscan import EXIT_NO_FILE, EXIT_RUNTIME, GraphIndex, GraphscanError, body_reads, one_line, shown
+from graphscan import EXIT_NO_FILE, EXIT_RUNTIME, GraphIndex, GraphscanError, one_line, shown
+from graphscan_ort.shared.graph import body_reads
 from graphscan_ort.shared.kernels import TIME_CLASSES, tensor_types, time_class
 from graphscan_ort.shared.sessions import does_not_run, open_session, session_options, temporary_folder
 

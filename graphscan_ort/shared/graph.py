@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 from collections.abc import Iterator
 
 import numpy as np
 import onnx
 
-from graphscan import (
-    as_text,
-    q_output_type,
-    representable_range,
-    subgraphs,
-)
+from graphscan import GraphIndex, as_text, subgraphs
 
 
 def graph_names(graph: onnx.GraphProto) -> Iterator[str]:
@@ -112,3 +108,80 @@ def quant_range(q_node, constants):
     q_type = q_output_type(q_node, zero.proto.data_type if zero is not None else None)
     bounds = representable_range(float(np.float64(scale.array.reshape(-1)[0])), zp, q_type)
     return None if bounds is None else (*bounds, scale.proto.data_type)
+
+
+# --------------------------------------------------------------------------
+# The QDQ vocabulary every command reads a quantized graph with
+
+
+# The suffixes onnxruntime's quantizer gives the tensors around a Q/DQ pair.
+QDQ_SUFFIX = re.compile(r"_(?:QuantizeLinear_Input|QuantizeLinear_Output|DequantizeLinear_Output)(?:_\d+)?$")
+
+
+DQ_OUTPUT_SUFFIX = re.compile(r"_DequantizeLinear_Output(?:_\d+)?$")
+
+
+# Representable range of each integer type a QuantizeLinear can produce.
+Q_RANGES = {
+    onnx.TensorProto.INT8: (-128, 127),
+    onnx.TensorProto.UINT8: (0, 255),
+    onnx.TensorProto.INT16: (-32768, 32767),
+    onnx.TensorProto.UINT16: (0, 65535),
+    onnx.TensorProto.INT4: (-8, 7),
+    onnx.TensorProto.UINT4: (0, 15),
+}
+
+
+def q_output_type(q_node: onnx.NodeProto, zero_point_type: int | None) -> int:
+    """The integer type a Q makes: its zero point's, else its ``output_dtype``, else UINT8."""
+    if zero_point_type is not None:
+        return zero_point_type
+    declared = [a.i for a in q_node.attribute if a.name == "output_dtype" and a.type == onnx.AttributeProto.INT and a.i]
+    return declared[0] if declared else onnx.TensorProto.UINT8
+
+
+def representable_range(scale: float, zero_point: float, q_type: int) -> tuple[float, float] | None:
+    """``((qmin - zp) * s, (qmax - zp) * s)``: the float values a per-tensor Q of
+    ``q_type`` represents; None for a type that is not an integer one."""
+    if q_type not in Q_RANGES:
+        return None
+    qmin, qmax = Q_RANGES[q_type]
+    return (qmin - zero_point) * scale, (qmax - zero_point) * scale
+
+
+def has_subgraph(node: onnx.NodeProto) -> bool:
+    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+
+
+def first_output(node: onnx.NodeProto) -> str:
+    """The first output a node writes ("" when it writes none): optional ones may be left out."""
+    return next((t for t in node.output if t), "")
+
+
+def node_reads(node: onnx.NodeProto) -> list[str]:
+    """Every tensor name ``node`` reads: its inputs, then its bodies' reads at any
+    depth (their outer-scope reads among them, and a body output may name an
+    outer value too)."""
+    names = [t for t in node.input if t]
+    if not len(node.attribute):
+        return names
+    for body in subgraphs(node):
+        for inner in body.node:
+            names.extend(node_reads(inner))
+        names.extend(o.name for o in body.output)
+    return names
+
+
+def body_reads(node: onnx.NodeProto) -> set[str]:
+    """Every name the If/Loop/Scan bodies of ``node`` read or output (any depth)."""
+    return set(node_reads(node)[len([t for t in node.input if t]) :])
+
+
+def output_chain(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> tuple[list[int], str]:
+    """The Q->DQ pair right after ``tensor`` and the tensor the next op sees."""
+    for q in index.consumers_of(tensor):
+        if index.is_q[q]:
+            for dq in index.consumers_of(graph.node[q].output[0]):
+                if index.is_dq[dq]:
+                    return [q, dq], graph.node[dq].output[0]
+    return [], tensor

@@ -6,13 +6,11 @@ import re
 
 import onnx
 
-from graphscan import (
-    DEQUANTIZE,
-    Q_RANGES,
-    QUANTIZE,
-    GraphIndex,
-)
+from graphscan import DEQUANTIZE, QUANTIZE, GraphIndex
+from graphscan_ort.shared.graph import Q_RANGES
 
+# The classes of the runtime answer: what a compute node runs as (docs/SPEC.md).
+RUNTIME_CLASSES = ["int8", "int8_data", "float", "absorbed"]
 TIME_CLASSES = ["int8", "int8_data", "float", "quantize", "dequantize"]
 
 

@@ -35,9 +35,20 @@ from graphscan import (
     EXIT_NO_FILE,
     EXIT_RUNTIME,
     EXIT_USAGE,
+    RUNTIME_DEFAULT_RUNS,
+    RUNTIME_LEVELS,
+    Command,
     GraphscanError,
+    finite_float,
+    format_fields,
+    level_option,
     load_with_weights,
+    non_negative_int,
     one_line,
+    page,
+    positive_int,
+    samples_group,
+    section,
     shown,
 )
 from graphscan_ort.engines.attribution import MIN_GAIN_DB
@@ -271,3 +282,80 @@ CANDIDATE_KEYS = [
     "pareto",
     "error",
 ]
+
+
+def tune_table(answer, top):
+    """Candidates on the Pareto front first (the answer's order), then the choice."""
+    head = format_fields(
+        [("model", answer["model"]), ("float ms", answer["float"]["ms"]), ("target_sqnr_db", answer["target_sqnr_db"])]
+        + [("chosen", answer["chosen"]), ("reached", answer["reached"]), ("output", answer["output"])]
+    )
+    steps = [[s["step"], s["ok"], s["detail"]] for s in answer["prepare"]]
+    rows = [
+        [
+            c["id"],
+            c["quantize_static"]["activation_type"],
+            "yes" if c["quantize_static"]["per_channel"] else "no",
+            c["quantize_static"]["calibrate_method"],
+            c["rewrites"],
+            c["sqnr_db"],
+            c["int8_kernels"],
+            c["ms"],
+            c["speedup"],
+            c["pareto"],
+            c["error"],
+        ]
+        for c in answer["candidates"]
+    ]
+    titles = ["id", "act", "pc", "method", "rw", "sqnr_db", "int8", "ms", "speedup", "pareto", "error"]
+    return page(
+        head,
+        section("prepare", ["step", "ok", "detail"], steps),
+        section("candidates, Pareto-best first", titles, rows, top, cut_first=["error"]),
+    )
+
+
+COMMAND = Command(
+    "tune",
+    tune,
+    options=(
+        (
+            "--calibrate",
+            {
+                "metavar": "FILE.npz",
+                "action": "append",
+                "help": "a calibration sample, one array per input, or a folder of them (repeatable)",
+            },
+        ),
+        (
+            "--inputs",
+            {
+                **samples_group(1, samples="many")[0][1],
+                "help": "a held-out evaluation sample (repeatable; default: the calibration samples)",
+            },
+        ),
+        ("--out", {"metavar": "DIR", "help": "absent or empty folder for model.onnx and prepared.onnx"}),
+        (
+            "--target-sqnr",
+            {"metavar": "DB", "type": finite_float, "help": "default: onnxruntime's default settings' SQNR"},
+        ),
+        (
+            "--max-exclude",
+            {
+                "metavar": "N",
+                "type": non_negative_int,
+                "help": "exclusions tried when the target is not met (default: 8)",
+            },
+        ),
+        level_option(["disabled", *RUNTIME_LEVELS], "all", "deployed optimization level (default: all)"),
+        (
+            "--threads",
+            {"type": non_negative_int, "default": 1, "help": "intra-op threads of the measurements (default: 1)"},
+        ),
+        (
+            "--runs",
+            {"type": positive_int, "default": RUNTIME_DEFAULT_RUNS, "help": "timed runs per candidate (default: 20)"},
+        ),
+    ),
+    table=tune_table,
+)

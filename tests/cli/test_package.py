@@ -6,6 +6,7 @@ only onnx; the commands that run models say in one line what they need (exit 2),
 never an internal error; the console script answers what `python graphscan.py` does.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -99,13 +100,21 @@ def test_package_errors_are_one_class_when_graphscan_py_is_main(tmp_path):
     assert error_line(proc, 7)
 
 
-def test_every_command_of_the_package_is_a_function_of_graphscan():
-    """``graphscan.trace`` & co. stay importable as plain functions (PEP 562)."""
-    for name, (function, *_) in graphscan.COMMANDS.items():
-        assert callable(getattr(graphscan, name)), name
-        if isinstance(function, str):
-            module, attribute = function.split(":")
-            assert getattr(graphscan, name).__module__ == f"graphscan_ort.{module}" and attribute == name
+def test_every_command_is_a_function_of_graphscan_that_runs_its_declaration(monkeypatch):
+    """``graphscan.trace`` & co. stay importable as plain functions; each runs what its
+    declaration (the module the registry names) runs, with the arguments given."""
+    calls = []
+    for name, entry in graphscan.COMMANDS.items():
+        function, command = getattr(graphscan, name), graphscan.load_command(name)
+        assert callable(function) and command.name == name, name
+        if entry.package:  # the core's own commands are their functions
+            assert command.run.__module__.startswith("graphscan_ort."), name
+            recorded = dataclasses.replace(command, run=lambda *a, name=name, **k: calls.append((name, a, k)))
+            monkeypatch.setitem(graphscan.COMMANDS, name, dataclasses.replace(entry, declared=lambda c=recorded: c))
+            function("x.onnx", option=1)
+        else:
+            assert function is command.run, name
+    assert calls == [(name, ("x.onnx",), {"option": 1}) for name, e in graphscan.COMMANDS.items() if e.package]
     with pytest.raises(AttributeError):
         graphscan.no_such_command  # noqa: B018
 
@@ -117,7 +126,8 @@ def test_every_command_of_the_package_is_a_function_of_graphscan():
 def sample_option_settings():
     """``{command: {flag: (type, action)}}`` for every command that takes sample options."""
     settings = {}
-    for name, (_, _, _, options) in graphscan.COMMANDS.items():
+    for name in graphscan.COMMANDS:
+        options = graphscan.load_command(name).options
         flags = {
             flag: (s.get("type"), s.get("action")) for flag, s in options if flag in ("--inputs", "--shape", "--seed")
         }

@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 import gen_models
 import graphscan
 import graphscan_ort.commands.trace as trace_command
-from tests.helpers import INTERRUPT_AT, describe, error_line, json_answer, run_graphscan, strict_loads
+from tests.helpers import INTERRUPT_AT, describe, error_line, json_answer, replace_command, run_graphscan, strict_loads
 
 NAN = float("nan")
 
@@ -62,7 +62,7 @@ def test_main_prints_null_where_a_command_returns_nan(monkeypatch, capsys):
     def nan_answer(path):
         return {"model": path, "value": NAN, "rows": [{"x": float("inf")}]}
 
-    monkeypatch.setitem(graphscan.COMMANDS, "nodes", (nan_answer, ["model"], "test", []))
+    replace_command(monkeypatch, "nodes", nan_answer)
     code, out, err = main_result(capsys, ["nodes", "m.onnx"])
     assert (code, err) == (0, [])
     assert strict_loads(out) == {"model": "m.onnx", "value": None, "rows": [{"x": None}]}
@@ -193,7 +193,7 @@ def test_error_messages_with_line_breaks_stay_one_line(monkeypatch, capsys, erro
     def failing(path):
         raise error
 
-    monkeypatch.setitem(graphscan.COMMANDS, "nodes", (failing, ["model"], "test", []))
+    replace_command(monkeypatch, "nodes", failing)
     code, out, err = main_result(capsys, ["nodes", "m.onnx"])
     assert (code, out, err) == (getattr(error, "exit_code", 1), "", [expected])
 

@@ -18,6 +18,7 @@ import gen_models
 import graphscan
 import graphscan_ort.engines.attribution as attribution
 import graphscan_ort.engines.segments as segment_engine
+import graphscan_ort.shared.graph as graph_edit
 import graphscan_ort.shared.metrics as metrics
 import graphscan_ort.shared.sessions as sessions
 from tests import impact_reference as reference
@@ -777,7 +778,7 @@ def with_names_prefixed(path, prefix, out_path):
     kept = {info.name for info in graph.input} | {info.name for info in graph.output}
 
     def rename(name):  # onnxruntime's names for a graph output's Q/DQ (y_QuantizeLinear_Input) stay too
-        return name if not name or graphscan.QDQ_SUFFIX.sub("", name) in kept else prefix + name
+        return name if not name or graph_edit.QDQ_SUFFIX.sub("", name) in kept else prefix + name
 
     for node in graph.node:
         node.name = prefix + node.name

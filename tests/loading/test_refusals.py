@@ -19,6 +19,7 @@ from tests.helpers import (
     SINGLE_MODEL_COMMANDS,
     error_line,
     json_answer,
+    replace_command,
     run_graphscan,
     run_main,
     strict_loads,
@@ -290,7 +291,7 @@ def test_a_bug_is_exit_1_in_one_line(tmp_path, monkeypatch, capsys):
     def crash(path):
         raise KeyError("a bug")
 
-    monkeypatch.setitem(graphscan.COMMANDS, "nodes", (crash, *graphscan.COMMANDS["nodes"][1:]))
+    replace_command(monkeypatch, "nodes", crash)
     code, out, err = run_main(capsys, ["nodes", path])
     assert (code, out) == (graphscan.EXIT_INTERNAL, "")
     assert err.startswith("graphscan: internal error: KeyError") and err.count("\n") == 1
