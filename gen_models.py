@@ -6,9 +6,7 @@ these same functions. The Korean report (ops_report.md) is written by
 ops_report.py from the answers measured here.
 """
 
-import contextlib
 import json
-import logging
 import os
 import shutil
 import sys
@@ -184,17 +182,12 @@ def calibration_reader(shapes, seed, batches=CALIBRATION_BATCHES):
     return SeededReader()
 
 
-@contextlib.contextmanager
 def quiet_quantizer():
-    """Silence the quantizer's advice (logged on the root logger) for one block,
-    then give the root logger its level back: callers' logging is not ours."""
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        root.setLevel(level)
+    """The quantizer silenced for one block (graphscan_ort's one ``quiet``: its
+    advice off the root logger, its progress off stdout), imported when first used."""
+    from graphscan_ort.shared.sessions import quiet
+
+    return quiet()
 
 
 def quantize_qdq(source, target, seed, **scope):

@@ -21,9 +21,10 @@ from graphscan import (
     shown,
 )
 from graphscan_ort.shared.files import check_output_path, write_atomically
+from graphscan_ort.shared.graph import FLOAT_TYPES, declared_values, fresh_name
 from graphscan_ort.shared.inputs import model_samples, parse_shapes
-from graphscan_ort.shared.metrics import FUSE_RELATIVE_TOLERANCE, compare_outputs, np_size
-from graphscan_ort.shared.sessions import inputs_hint, run_model
+from graphscan_ort.shared.metrics import verify
+from graphscan_ort.shared.sessions import inputs_hint
 
 FUSE_SEED = 0
 
@@ -49,17 +50,12 @@ SKIP_C_NOT_BROADCAST = "C does not broadcast to (M, N)"
 SKIP_TYPE = "Gemm runs only FLOAT, FLOAT16 or DOUBLE"
 
 
-# The types onnx's Gemm accepts in every opset and onnxruntime's CPU Gemm runs
-# (it has no integer kernel, although Gemm-9 and later declare int32/int64).
-GEMM_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
-
-
 def static_shapes(model):
     """``{tensor: [dim_value or None, ...]}`` for every tensor whose rank is known."""
     inferred = onnx.shape_inference.infer_shapes(model)
     graph = inferred.graph
     shapes = {}
-    for info in list(graph.input) + list(graph.value_info) + list(graph.output):
+    for info in declared_values(graph):
         tensor_type = info.type.tensor_type
         if tensor_type.HasField("shape"):
             shapes[info.name] = [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
@@ -94,17 +90,9 @@ def gemm_plan(index, model, shapes, initializer_types, graph_outputs, matmul):
         return None, None, SKIP_B_NOT_2D
     if not broadcasts_to(shapes[others[0]], a_shape[0], shapes[b_name][1]):
         return None, None, SKIP_C_NOT_BROADCAST
-    if initializer_types[b_name] not in GEMM_TYPES:
+    if initializer_types[b_name] not in FLOAT_TYPES:
         return None, None, SKIP_TYPE
     return add, others[0], None
-
-
-def unique_name(wanted, taken):
-    name, n = wanted, 1
-    while name in taken:
-        name, n = f"{wanted}_{n}", n + 1
-    taken.add(name)
-    return name
 
 
 def fuse_matmul_add(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[dict], list[dict]]:
@@ -127,7 +115,7 @@ def fuse_matmul_add(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[dict]
             skipped.append({"node": index.names[i], "reason": reason})
             continue
         matmul = model.graph.node[i]
-        gemm_name = unique_name(f"{index.names[i]}_gemm", taken)
+        gemm_name = fresh_name(f"{index.names[i]}_gemm", taken)
         replace[add] = onnx.helper.make_node(
             "Gemm",
             [matmul.input[0], matmul.input[1], c_name],
@@ -188,23 +176,18 @@ def fuse(
     except Exception as exc:
         raise GraphscanError(f"{shown(path)}: fused model fails the checker ({one_line(exc)})", EXIT_MISMATCH)
     samples, _ = model_samples(model, [inputs] if inputs else None, parse_shapes(shape), seed, SYMBOLIC_DIM_SIZE)
-    feeds = samples[0]
     with inputs_hint(not inputs, SYMBOLIC_DIM_SIZE, [path]):
-        expected = run_model(model, feeds, f"{shown(path)}: model")
-    actual = run_model(fused_model, feeds, f"the fused model of {shown(path)}")
-    error, scale, compared, problem = compare_outputs(expected, actual)
-    if problem is None and not compared:
-        why = "all NaN or infinite" if any(np_size(e) for e in expected) else "empty"
+        result = verify(model, fused_model, samples[:1], (f"{shown(path)}: model", f"the fused model of {shown(path)}"))
+    if result.problem is None and not result.compared:
+        why = "empty" if result.empty else "all NaN or infinite"
         raise GraphscanError(
             f"{shown(path)}: cannot verify the fused model: the original's outputs are {why} on this "
             f"input (give others with --inputs); nothing written",
             EXIT_MISMATCH,
         )
-    if problem is None and error > FUSE_RELATIVE_TOLERANCE * max(scale, 1.0):
-        problem = f"by {error:.3g} (allowed {FUSE_RELATIVE_TOLERANCE:g} relative)"
-    if problem is not None:
+    if result.problem is not None:
         raise GraphscanError(
-            f"{shown(path)}: fused model differs from the original {problem}; nothing written", EXIT_MISMATCH
+            f"{shown(path)}: fused model differs from the original {result.problem}; nothing written", EXIT_MISMATCH
         )
     write_atomically(fused_model.SerializeToString(), output)
     return {
@@ -212,7 +195,7 @@ def fuse(
         "output": output,
         "fused": fused,
         "skipped": skipped,
-        "max_abs_error": error,
+        "max_abs_error": result.max_abs_error,
     }
 
 

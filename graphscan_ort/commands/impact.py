@@ -11,16 +11,15 @@ from __future__ import annotations
 import textwrap
 
 from graphscan import (
-    EXIT_USAGE,
     TABLE_WIDTH,
     Command,
-    GraphscanError,
     finite_float,
     finite_non_negative,
     format_fields,
     format_names,
     load_with_weights,
     non_negative_int,
+    only_with,
     page,
     samples_group,
     section,
@@ -53,10 +52,7 @@ def impact(
 
 def impact_answer(a, b, inputs, seed, shape, target_sqnr, max_exclude, top, min_gain):
     """``impact``'s work, every argument as given."""
-    if max_exclude is not None and target_sqnr is None:
-        raise GraphscanError("usage: --max-exclude needs --target-sqnr", EXIT_USAGE)
-    if min_gain is not None and target_sqnr is None:
-        raise GraphscanError("usage: --min-gain needs --target-sqnr", EXIT_USAGE)
+    only_with("--target-sqnr", target_sqnr is not None, {"--max-exclude": max_exclude, "--min-gain": min_gain})
     float_model, quant_model = load_with_weights(a), load_with_weights(b)
     check_same_inputs(float_model, quant_model, a, b)
     samples, defaulted = model_samples(float_model, inputs, parse_shapes(shape), seed, IMPACT_SYMBOLIC_DIM_SIZE)

@@ -33,7 +33,7 @@ from graphscan_ort.engines.classify import (
 from graphscan_ort.engines.timing import runtime_time
 from graphscan_ort.shared.inputs import model_samples, parse_shapes
 from graphscan_ort.shared.kernels import RUNTIME_CLASSES
-from graphscan_ort.shared.sessions import CPU, inputs_hint, runtime_environment
+from graphscan_ort.shared.sessions import CPU, environment, inputs_hint
 
 
 def runtime(
@@ -57,7 +57,7 @@ def runtime(
     found = classify(model, path, level, provider, int8_allowed)
     answer = {
         "model": path,
-        "environment": runtime_environment(level, provider, int8_allowed),
+        "environment": environment(level, provider, int8_allowed=int8_allowed),
         **found.counts,
         "nodes": found.rows,
         "unmapped": found.unmapped,

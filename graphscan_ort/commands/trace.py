@@ -8,7 +8,6 @@ chain (propagated). The measuring happens in one combined model (combined.py).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import math
 import os
@@ -39,11 +38,12 @@ from graphscan_ort.engines.measures import shapes_agree, type_problem, value_inf
 from graphscan_ort.shared.files import write_atomically
 from graphscan_ort.shared.graph import (
     QDQ_SUFFIX,
+    LazyArray,
+    declared_values,
     first_output,
     has_subgraph,
     output_chain,
-    q_output_type,
-    representable_range,
+    quant_range,
 )
 from graphscan_ort.shared.inputs import check_same_inputs, model_samples, parse_shapes
 from graphscan_ort.shared.metrics import output_pairs
@@ -92,7 +92,7 @@ def inferred_types(model, feeds):
     body.value_info.extend(graph.value_info)
     with contextlib.suppress(Exception):  # else what the model declares is all there is
         body = onnx.shape_inference.infer_shapes(shell, strict_mode=False, data_prop=True).graph
-    infos = itertools.chain(body.input, body.value_info, body.output)
+    infos = declared_values(body)
     return {info.name: info.type for info in infos if info.type.WhichOneof("value")}
 
 
@@ -181,48 +181,25 @@ class OpModel:
 
 
 class InitializerTable(dict):
-    """Initializers by name; each one-element value is read once (every Q and DQ asks)."""
+    """Initializers by name, each read into numpy once when asked (every Q and DQ asks)."""
 
     def __init__(self, graph):
-        super().__init__((init.name, init) for init in graph.initializer)
-        self.scalars = {}
-
-    def scalar(self, name):
-        if name not in self.scalars:
-            init = self.get(name)
-            values = None if init is None or math.prod(init.dims) != 1 else onnx.numpy_helper.to_array(init)
-            self.scalars[name] = None if values is None else (values.reshape(-1)[0], init.data_type)
-        return self.scalars[name]
-
-
-def scalar_initializer(initializer_protos, name):
-    """``(value, data_type)`` of a one-element initializer, else None."""
-    return initializer_protos.scalar(name)
+        super().__init__((init.name, LazyArray(init)) for init in graph.initializer)
 
 
 def output_scale(graph, out_chain, initializer_protos):
     """The output Q's scale as a float, when it is a scalar initializer."""
     if not out_chain:
         return None
-    scale = scalar_initializer(initializer_protos, graph.node[out_chain[0]].input[1])
-    return None if scale is None else float(scale[0])
+    scale = initializer_protos.get(graph.node[out_chain[0]].input[1])
+    return None if scale is None or scale.array.size != 1 else float(scale.array.reshape(-1)[0])
 
 
 def clip_range(graph, q_node, initializer_protos):
-    """``(lo, hi)``: what a per-tensor Q represents (``representable_range``);
-    None for a per-channel or non-integer Q, or one whose scale is not an initializer."""
-    node = graph.node[q_node]
-    scale = scalar_initializer(initializer_protos, node.input[1])
-    if scale is None:
-        return None
-    zero_point = None
-    if len(node.input) > 2 and node.input[2]:
-        zero_point = scalar_initializer(initializer_protos, node.input[2])
-        if zero_point is None:
-            return None
-    zero = int(zero_point[0]) if zero_point else 0
-    q_type = q_output_type(node, zero_point[1] if zero_point else None)
-    return representable_range(float(scale[0]), zero, q_type)
+    """``(lo, hi)``: what a per-tensor Q represents; None for a per-channel or
+    non-integer Q, or one whose scale or zero point is not an initializer."""
+    bounds = quant_range(graph.node[q_node], initializer_protos)
+    return None if bounds is None else bounds[:2]
 
 
 def tensor_reference(index, matcher, tensor, types=None):

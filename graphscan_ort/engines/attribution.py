@@ -17,7 +17,7 @@ from graphscan_ort.shared.graph import (
     fresh_prefix,
     quant_range,
 )
-from graphscan_ort.shared.metrics import OutputNoise, output_pairs, output_sqnr
+from graphscan_ort.shared.metrics import OutputNoise, count_outside, output_pairs, output_sqnr
 from graphscan_ort.shared.sessions import deployed_options, does_not_run, impact_options, model_outputs, open_session
 
 MIN_GAIN_DB = 0.01  # --min-gain's default: the least gain an operator added to exclude.nodes brings
@@ -326,8 +326,7 @@ class ValueStats:
         low, high = value.min(), value.max()
         self.low = low if self.low is None else min(self.low, low)
         self.high = high if self.high is None else max(self.high, high)
-        lo, hi, value = self.lo, self.hi, value.astype(np.float64)
-        self.outside += int(np.count_nonzero((value < lo) | (value > hi)))
+        self.outside += count_outside(value, self.lo, self.hi)
 
     @property
     def clipped(self):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from collections import Counter
 
@@ -22,6 +23,7 @@ from graphscan import (
     parse_model,
     shown,
 )
+from graphscan_ort.shared.graph import first_free
 from graphscan_ort.shared.kernels import (
     INT8_GATED_FUSIONS,
     PER_NODE_PROVIDERS,
@@ -62,9 +64,8 @@ def session_names(model):
     for i, node in enumerate(named.graph.node):
         name = node_name(node, i)
         if name in seen or (not node.name and name in taken):
-            name = f"{name}~{i}"
-            while name in seen or name in taken:
-                name += "~"
+            variants = (f"{name}~{i}" + "~" * k for k in itertools.count())
+            name = first_free(variants, lambda variant: variant in seen or variant in taken)
         seen.add(name)
         names.append(name)
         node.name = name

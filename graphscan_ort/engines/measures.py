@@ -8,7 +8,7 @@ import math
 import numpy as np
 import onnx
 
-from graphscan_ort.shared.metrics import float32_bounds, sqnr_db_of_norms
+from graphscan_ort.shared.metrics import count_outside, sqnr_db_of_norms
 
 # A tensor reduced in the graph is cut into flat slices of this many elements, and
 # numpy measures a fetched one this many elements at a time.
@@ -186,11 +186,7 @@ class ClipCount:
             array = values.get(self.tensor)
             if not isinstance(array, np.ndarray) or not np.issubdtype(array.dtype, np.number):
                 return None
-            if array.dtype == np.float32:
-                data, (low, high) = array, float32_bounds(self.lo, self.hi)
-            else:
-                data, (low, high) = array.astype(np.float64), (np.float64(self.lo), np.float64(self.hi))
-            count, size = int(np.count_nonzero((data < low) | (data > high))), array.size
+            count, size = count_outside(array, self.lo, self.hi), array.size
         else:
             count, size = (int(values[n]) if isinstance(n, str) else n for n in self.scalars)
         return count / size if size else None

@@ -5,12 +5,18 @@ from __future__ import annotations
 import functools
 import itertools
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import onnx
 
 from graphscan import GraphIndex, as_text, subgraphs
+
+
+def declared_values(graph: onnx.GraphProto) -> Iterator[onnx.ValueInfoProto]:
+    """Every value ``graph`` declares a type for: its inputs, value_info and outputs, in that
+    order (a later declaration of a name is the one the tables built from it keep)."""
+    return itertools.chain(graph.input, graph.value_info, graph.output)
 
 
 def graph_names(graph: onnx.GraphProto) -> Iterator[str]:
@@ -34,21 +40,22 @@ def fresh_prefix(*models: onnx.ModelProto, base: str = "graphscan") -> str:
     no name in ``models`` starts with, so no name graphscan derives can be one
     the models already use (a node named ``graphscan.where/x`` changed impact's answer)."""
     names = {as_text(name) for model in models for name in graph_names(model.graph)}
-    prefix, k = f"{base}.", 0
-    while any(name.startswith(prefix) for name in names):
-        k += 1
-        prefix = f"{base}~{k}."
-    return prefix
+    prefixes = (f"{base}." if k == 0 else f"{base}~{k}." for k in itertools.count())
+    return first_free(prefixes, lambda prefix: any(name.startswith(prefix) for name in names))
 
 
 def fresh_name(wanted: str, taken: set[str]) -> str:
-    """``wanted``, or ``wanted_1``, ``wanted_2``, ...: a name no tensor or node has yet."""
-    name, k = wanted, 0
-    while name in taken:
-        k += 1
-        name = f"{wanted}_{k}"
+    """``wanted``, or ``wanted_1``, ``wanted_2``, ...: a name not in ``taken`` (a set
+    of every tensor and node name), which it joins."""
+    name = first_free((wanted if k == 0 else f"{wanted}_{k}" for k in itertools.count()), taken.__contains__)
     taken.add(name)
     return name
+
+
+def first_free(candidates: Iterator[str], is_taken: Callable[[str], bool]) -> str:
+    """The first of ``candidates`` that is not taken: the one scheme behind every
+    name graphscan adds to a model (fresh names and prefixes, runtime's unique node names)."""
+    return next(candidate for candidate in candidates if not is_taken(candidate))
 
 
 def default_opset(model: onnx.ModelProto) -> int:
@@ -66,7 +73,7 @@ def element_types(model: onnx.ModelProto) -> dict[str, int]:
         typed = model
     graph = typed.graph
     types = {init.name: init.data_type for init in graph.initializer}
-    for info in [*graph.input, *graph.value_info, *graph.output]:
+    for info in declared_values(graph):
         if info.type.HasField("tensor_type"):
             types[info.name] = info.type.tensor_type.elem_type
     return types
@@ -97,12 +104,14 @@ class LazyArray:
 def quant_range(q_node, constants):
     """``(lo, hi, scale's elem_type)``: the float range a Q can represent
     (``representable_range``), or None when its scale or zero point is not a
-    scalar constant."""
+    scalar of ``constants`` (``{name: LazyArray}``: trace reads initializers only,
+    impact Constant nodes too). The one reader of a Q's range."""
     scale = constants.get(q_node.input[1]) if len(q_node.input) > 1 else None
     if scale is None or scale.array.size != 1:
         return None
-    zero = constants.get(q_node.input[2]) if len(q_node.input) > 2 and q_node.input[2] else None
-    if zero is not None and zero.array.size != 1:
+    named_zero = len(q_node.input) > 2 and q_node.input[2]
+    zero = constants.get(q_node.input[2]) if named_zero else None
+    if named_zero and (zero is None or zero.array.size != 1):  # computed, or per channel
         return None
     zp = float(zero.array.reshape(-1)[0]) if zero is not None else 0.0
     q_type = q_output_type(q_node, zero.proto.data_type if zero is not None else None)

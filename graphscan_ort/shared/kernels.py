@@ -7,7 +7,7 @@ import re
 import onnx
 
 from graphscan import DEQUANTIZE, QUANTIZE, GraphIndex
-from graphscan_ort.shared.graph import Q_RANGES
+from graphscan_ort.shared.graph import Q_RANGES, declared_values
 
 # The classes of the runtime answer: what a compute node runs as (docs/SPEC.md).
 RUNTIME_CLASSES = ["int8", "int8_data", "float", "absorbed"]
@@ -117,7 +117,7 @@ def tensor_types(graph):
     makes its zero point's type, integer kernels keep their first input's.
     """
     types = {}
-    for info in list(graph.input) + list(graph.value_info) + list(graph.output):
+    for info in declared_values(graph):
         if info.type.HasField("tensor_type"):
             types[info.name] = info.type.tensor_type.elem_type
     for init in graph.initializer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -172,20 +173,64 @@ def float32_bounds(lo, hi):
     return np.float32(low), np.float32(high)
 
 
-FUSE_RELATIVE_TOLERANCE = 1e-5
+# How far a changed model's outputs may move, relative to their magnitude (at least 1):
+# float reassociation, never a real change.
+VERIFY_RELATIVE_TOLERANCE = 1e-5
+
+
+def count_outside(values: np.ndarray, lo: float, hi: float) -> int:
+    """How many of ``values`` (a numeric array) lie outside ``[lo, hi]``, exactly,
+    NaN counting as inside: the one "clipped" counter of trace and impact. A
+    float32 array is compared with float32 bounds (no float64 copy), any other
+    as float64."""
+    if values.dtype == np.float32:
+        data, (low, high) = values, float32_bounds(lo, hi)
+    else:
+        data, (low, high) = values.astype(np.float64), (np.float64(lo), np.float64(hi))
+    return int(np.count_nonzero((data < low) | (data > high)))
+
+
+@dataclasses.dataclass
+class Verification:
+    """How a changed model compares with the original: the largest finite error,
+    how many values were compared, and the first problem no tolerance excuses
+    (None: none), with the sample it was found on and whether the original's
+    outputs held no value at all there."""
+
+    max_abs_error: float
+    compared: int
+    problem: str | None
+    sample: int | None
+    empty: bool
+
+
+def verify(
+    original: onnx.ModelProto,
+    changed: onnx.ModelProto,
+    samples: list[dict],
+    subjects: tuple[str, str] = ("the model before the rewrite", "graphscan's rewritten model"),
+) -> Verification:
+    """``changed`` against ``original`` on every sample, graph optimizations off: NaN and
+    infinities at the same places, then every finite output within
+    VERIFY_RELATIVE_TOLERANCE of the outputs' magnitude (at least 1). The one check of
+    a changed model: fuse's, the rewrites' and prepare's. ``subjects`` name the two
+    models when one does not run."""
+    worst, compared, empty = 0.0, 0, True
+    for k, feeds in enumerate(samples):
+        expected = run_model(original, feeds, subjects[0])
+        actual = run_model(changed, feeds, subjects[1])
+        error, scale, counted, problem = compare_outputs(expected, actual)
+        empty = empty and not any(np_size(e) for e in expected)
+        if problem is None and error > VERIFY_RELATIVE_TOLERANCE * max(scale, 1.0):
+            problem = f"by {error:.3g} (allowed {VERIFY_RELATIVE_TOLERANCE:g} relative)"
+        if problem is not None:
+            return Verification(error, compared + counted, problem, k, empty)
+        worst, compared = max(worst, error), compared + counted
+    return Verification(worst, compared, None, None, empty)
 
 
 def verified(original: onnx.ModelProto, rewritten: onnx.ModelProto, samples: list[dict]) -> tuple[float, str | None]:
-    """``(max_abs_error, problem or None)``: the rewritten model against the original on
-    every sample, as fuse verifies (NaN-aware, 1e-5 relative to the outputs' magnitude)."""
-    worst = 0.0
-    for k, feeds in enumerate(samples):
-        expected = run_model(original, feeds, "the model before the rewrite")
-        actual = run_model(rewritten, feeds, "graphscan's rewritten model")
-        error, scale, _, problem = compare_outputs(expected, actual)
-        if problem is None and error > FUSE_RELATIVE_TOLERANCE * max(scale, 1.0):
-            problem = f"by {error:.3g} (allowed {FUSE_RELATIVE_TOLERANCE:g} relative)"
-        if problem is not None:
-            return error, f"sample {k}: {problem}"
-        worst = max(worst, error)
-    return worst, None
+    """``(max_abs_error, problem or None)`` of ``verify``, the problem naming its sample."""
+    result = verify(original, rewritten, samples)
+    problem = None if result.problem is None else f"sample {result.sample}: {result.problem}"
+    return result.max_abs_error, problem

@@ -216,13 +216,16 @@ def quiet():
         root.setLevel(level)
 
 
-def runtime_environment(level, provider, int8_allowed):
+def environment(level: str, provider: str = CPU, threads: int | None = None, int8_allowed: bool | None = None) -> dict:
+    """What a command's sessions ran on, as its answer's ``environment`` lists it:
+    onnxruntime's version, the provider and level, tune's ``threads``, the machine,
+    runtime's ``int8_allowed`` (the last two keys only where given)."""
     import platform
 
-    return {
-        "onnxruntime": ort.__version__,
-        "provider": provider,
-        "level": level,
-        "machine": platform.machine(),
-        "int8_allowed": int8_allowed,
-    }
+    answer = {"onnxruntime": ort.__version__, "provider": provider, "level": level}
+    if threads is not None:
+        answer["threads"] = threads
+    answer["machine"] = platform.machine()
+    if int8_allowed is not None:
+        answer["int8_allowed"] = int8_allowed
+    return answer

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import os
-import platform
 import shutil
 import tempfile
 
@@ -55,6 +54,7 @@ from graphscan_ort.engines.attribution import MIN_GAIN_DB
 from graphscan_ort.engines.attribution import measure as impact_of
 from graphscan_ort.shared.files import check_out, place
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
+from graphscan_ort.shared.sessions import environment
 from graphscan_ort.tune.candidates import METHODS, SampleReader, candidate_settings, quantize_candidate
 from graphscan_ort.tune.deployed import measure_candidate
 from graphscan_ort.tune.prepare import prepared_base, with_rewrites
@@ -123,13 +123,7 @@ def tune(
         shutil.rmtree(work, ignore_errors=True)  # also on Ctrl-C: nothing half-written
     return {
         "model": path,
-        "environment": {
-            "onnxruntime": ort.__version__,
-            "provider": "CPUExecutionProvider",
-            "level": level,
-            "threads": threads,
-            "machine": platform.machine(),
-        },
+        "environment": environment(level, threads=threads),
         "calibration": {"samples": len(calibration), "methods": METHODS},
         "evaluation": {
             "samples": len(evaluation),
@@ -166,6 +160,31 @@ def refused_row(row, exc):
     return row
 
 
+class Trials:
+    """Every model tried, in order: ``rows`` (the candidate rows) and ``files``
+    (``{id: (model, prepared model, calibration cache)}`` of those the quantizer made)."""
+
+    def __init__(self, work, reader, measure):
+        self.work, self.reader, self.measure = work, reader, measure
+        self.rows, self.files = [], {}
+
+    def add(self, settings, rewrites, prepared_path, cache):
+        """Quantize ``prepared_path`` with ``settings`` and measure the model as deployed:
+        its row, also when the quantizer refused it (with its error, never a crash)."""
+        ident = len(self.rows)
+        target_path = os.path.join(self.work, f"candidate-{ident}.onnx")
+        row = {"id": ident, "quantize_static": settings, "rewrites": rewrites, "error": None}
+        try:
+            quantize_candidate(prepared_path, target_path, settings, self.reader, cache)
+        except Exception as exc:
+            row = refused_row(row, exc)
+        else:
+            row.update(self.measure(target_path))
+            self.files[ident] = (target_path, prepared_path, cache)
+        self.rows.append(row)
+        return row
+
+
 def tune_in(path, model, calibration, work, target, max_exclude, measure):
     """tune's work inside the temporary folder ``work``; leaves model.onnx and prepared.onnx there."""
     evaluation = measure.evaluation
@@ -174,24 +193,15 @@ def tune_in(path, model, calibration, work, target, max_exclude, measure):
     prepared = {"none": base}
     if rewritten is not base:
         prepared["rewrites"] = rewritten
-    rows, files, reader = [], {}, functools.partial(SampleReader, calibration)
+    trials = Trials(work, functools.partial(SampleReader, calibration), measure)
+    rows, files = trials.rows, trials.files
     for rewrites, prepared_model in prepared.items():
         prepared_path = os.path.join(work, f"prepared-{rewrites}.onnx")
         onnx.save(prepared_model, prepared_path)
         cache = os.path.join(work, f"cache-{rewrites}")
         os.mkdir(cache)
         for settings in candidate_settings():
-            ident = len(rows)
-            target_path = os.path.join(work, f"candidate-{ident}.onnx")
-            row = {"id": ident, "quantize_static": settings, "rewrites": rewrites != "none", "error": None}
-            try:
-                quantize_candidate(prepared_path, target_path, settings, reader, cache)
-            except Exception as exc:  # the quantizer refused it: kept with its error, never a crash
-                rows.append(refused_row(row, exc))
-                continue
-            row.update(measure(target_path))
-            files[ident] = (target_path, prepared_path, cache)
-            rows.append(row)
+            trials.add(settings, rewrites != "none", prepared_path, cache)
     if not files:
         raise GraphscanError(
             f"{shown(path)}: onnxruntime's quantize_static refused every candidate ({rows[0]['error']})", EXIT_RUNTIME
@@ -210,7 +220,7 @@ def tune_in(path, model, calibration, work, target, max_exclude, measure):
         target = default["sqnr_db"]
     chosen, reached = chosen_row(rows, target)
     if not reached:
-        exclusions(rows, files, chosen, target, max_exclude, reader, measure, work, prepared)
+        exclusions(trials, chosen, target, max_exclude, prepared)
         float_ms += popped_float_ms(rows)
         pareto(rows)
         chosen, reached = chosen_row(rows, target)
@@ -237,12 +247,13 @@ def popped_float_ms(rows: list[dict]) -> list[float]:
 DEFAULT_MAX_EXCLUDE = 8  # additions tried when --max-exclude is not given
 
 
-def exclusions(rows, files, best, target, max_exclude, reader, measure, work, prepared):
+def exclusions(trials, best, target, max_exclude, prepared):
     """Operators of ``best`` added to nodes_to_exclude one at a time in impact's order, each
     re-quantized and measured as deployed; an addition stays only if the SQNR rises.
     Every model tried is a candidate row of its own (the quantizer's, never a promise)."""
-    candidate_path, prepared_path, cache = files[best["id"]]
+    candidate_path, prepared_path, cache = trials.files[best["id"]]
     given = prepared["rewrites" if best["rewrites"] else "none"]  # the model the quantizer was given
+    measure = trials.measure
     candidate = measure.models[candidate_path]
     ranked = impact_of(given, candidate, measure.evaluation, prepared_path, candidate_path)["ops"]
     names = [r["node"] for r in ranked if r["gain_db"] is not None and r["gain_db"] >= MIN_GAIN_DB]
@@ -251,18 +262,8 @@ def exclusions(rows, files, best, target, max_exclude, reader, measure, work, pr
     for node in names[:limit]:
         if current["sqnr_db"] is not None and current["sqnr_db"] >= target:
             break
-        ident = len(rows)
         settings = {**best["quantize_static"], "nodes_to_exclude": [*kept, node]}
-        target_path = os.path.join(work, f"candidate-{ident}.onnx")
-        row = {"id": ident, "quantize_static": settings, "rewrites": best["rewrites"], "error": None}
-        try:
-            quantize_candidate(prepared_path, target_path, settings, reader, cache)
-        except Exception as exc:
-            rows.append(refused_row(row, exc))
-            continue
-        row.update(measure(target_path))
-        files[ident] = (target_path, prepared_path, cache)
-        rows.append(row)
+        row = trials.add(settings, best["rewrites"], prepared_path, cache)
         if row["sqnr_db"] is not None and (current["sqnr_db"] is None or row["sqnr_db"] > current["sqnr_db"]):
             kept.append(node)
             current = row
