@@ -58,7 +58,8 @@ import stat  # noqa: E402
 import unicodedata  # noqa: E402
 import warnings  # noqa: E402
 from collections import Counter  # noqa: E402
-from collections.abc import Callable, Iterable, Iterator  # noqa: E402
+from collections.abc import Callable, Iterable, Iterator, Mapping  # noqa: E402
+from typing import Any, TypedDict  # noqa: E402
 
 import onnx  # noqa: E402  (after the SIGINT handler on purpose)
 
@@ -466,7 +467,10 @@ class GraphIndex:
 
     def __init__(self, graph: onnx.GraphProto) -> None:
         self.graph = graph
-        self.op_types, self.inputs, self.outputs = op_types, inputs, outputs = [], [], []
+        op_types: list[str] = []
+        inputs: list[list[str]] = []
+        outputs: list[list[str]] = []
+        self.op_types, self.inputs, self.outputs = op_types, inputs, outputs
         self.inputs_with_gaps = {}  # nodes with absent ("") inputs, as written
         for i, node in enumerate(graph.node):
             op_types.append(node.op_type)
@@ -571,7 +575,7 @@ class GraphIndex:
         return self._consumers(readers)
 
     def _consumers(self, node_indices):
-        table = {}
+        table: dict[str, list[int]] = {}
         for i in node_indices:
             for tensor in self.inputs[i]:
                 users = table.get(tensor)
@@ -681,6 +685,99 @@ def count_weight_dequantize(index: GraphIndex) -> int:
 
 
 # --------------------------------------------------------------------------
+# The answers' types: what docs/SPEC.md promises, key for key
+
+
+class Island(TypedDict):
+    nodes: list[str]
+    size: int
+    op_types: list[str]
+
+
+class IslandBoundary(TypedDict):
+    nodes: list[str]
+    in_dequantize: int
+    out_quantize: int
+
+
+class QdqCounts(TypedDict):
+    quantize: int
+    dequantize: int
+    round_trips: int
+    weight_dequantize: int
+
+
+class IslandReport(TypedDict):
+    compute: int
+    wrapped: int
+    float: int
+    island_count: int
+    islands: list[Island]
+
+
+class BoundaryReport(TypedDict):
+    island_count: int
+    crossings: int
+    per_island: list[IslandBoundary]
+
+
+class NodesAnswer(TypedDict):
+    model: str
+    nodes: int
+    op_types: dict[str, int]
+    initializers: dict[str, int]
+
+
+class QdqAnswer(QdqCounts):
+    model: str
+
+
+class IslandsAnswer(IslandReport):
+    model: str
+
+
+class BoundaryAnswer(BoundaryReport):
+    model: str
+
+
+class Summary(TypedDict):
+    op_types: dict[str, int]
+    quantize: int
+    dequantize: int
+    round_trips: int
+    island_count: int
+    float: int
+
+
+class Deltas(TypedDict):
+    op_delta: dict[str, int]
+    quantize_delta: int
+    dequantize_delta: int
+    round_trip_delta: int
+    island_delta: int
+    float_delta: int
+
+
+class DiffAnswer(Deltas):
+    a: str
+    b: str
+
+
+class Budget(TypedDict):
+    name: str
+    value: float | None
+    limit: float
+    ok: bool
+
+
+class CheckAnswer(TypedDict):
+    model: str
+    float: str | None
+    budgets: list[Budget]
+    ok: bool
+
+
+# --------------------------------------------------------------------------
 # Answers from an index (used by the commands and by gen_models.py)
 
 
@@ -695,7 +792,7 @@ def initializer_census(graph: onnx.GraphProto) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def qdq_counts(index: GraphIndex) -> dict[str, int]:
+def qdq_counts(index: GraphIndex) -> QdqCounts:
     return {
         "quantize": len(index.q_nodes),
         "dequantize": len(index.dq_nodes),
@@ -704,10 +801,10 @@ def qdq_counts(index: GraphIndex) -> dict[str, int]:
     }
 
 
-def island_report(index: GraphIndex, islands: list[tuple[list[int], list[str]]]) -> dict:
+def island_report(index: GraphIndex, islands: list[tuple[list[int], list[str]]]) -> IslandReport:
     compute = len(index.compute_nodes)
     wrapped = compute - len(index.float_nodes)
-    entries = []
+    entries: list[Island] = []
     for members, names in islands:
         entries.append(
             {
@@ -725,8 +822,8 @@ def island_report(index: GraphIndex, islands: list[tuple[list[int], list[str]]])
     }
 
 
-def boundary_report(index: GraphIndex, islands: list[tuple[list[int], list[str]]]) -> dict:
-    per_island = []
+def boundary_report(index: GraphIndex, islands: list[tuple[list[int], list[str]]]) -> BoundaryReport:
+    per_island: list[IslandBoundary] = []
     for members, names in islands:
         in_dq, out_q = boundary_of(index, members)
         per_island.append(
@@ -752,7 +849,7 @@ def index_model(path: str) -> GraphIndex:
     return GraphIndex(load_model(path).graph)
 
 
-def nodes(path: str) -> dict:
+def nodes(path: str) -> NodesAnswer:
     """Op census and initializer dtype census."""
     model = load_model(path)
     op_types = as_texts([node.op_type for node in model.graph.node])  # no index needed
@@ -764,24 +861,24 @@ def nodes(path: str) -> dict:
     }
 
 
-def qdq(path: str) -> dict:
+def qdq(path: str) -> QdqAnswer:
     """Q and DQ counts, activation round trips and weight DQs."""
     return {"model": path, **qdq_counts(index_model(path))}
 
 
-def islands(path: str) -> dict:
+def islands(path: str) -> IslandsAnswer:
     """Wrapped versus float compute nodes and the float islands."""
     index = index_model(path)
     return {"model": path, **island_report(index, float_islands(index))}
 
 
-def boundary(path: str) -> dict:
+def boundary(path: str) -> BoundaryAnswer:
     """Per island, the distinct DQs entering it and Qs leaving it."""
     index = index_model(path)
     return {"model": path, **boundary_report(index, float_islands(index))}
 
 
-def summary(index: GraphIndex) -> dict:
+def summary(index: GraphIndex) -> Summary:
     """The numbers ``diff`` compares, from one index.
 
     Only what diff reports: islands need no names, weight DQs are not compared.
@@ -796,10 +893,10 @@ def summary(index: GraphIndex) -> dict:
     }
 
 
-def diff_summaries(a: dict, b: dict) -> dict:
+def diff_summaries(a: Summary, b: Summary) -> Deltas:
     """b minus a for two ``summary`` dicts; op_delta keeps non-zero entries."""
     op_types = sorted(set(a["op_types"]) | set(b["op_types"]))
-    op_delta = {}
+    op_delta: dict[str, int] = {}
     for op in op_types:
         delta = b["op_types"].get(op, 0) - a["op_types"].get(op, 0)
         if delta:
@@ -814,7 +911,7 @@ def diff_summaries(a: dict, b: dict) -> dict:
     }
 
 
-def diff(a: str, b: str) -> dict:
+def diff(a: str, b: str) -> DiffAnswer:
     """What changed from model ``a`` to model ``b`` (every delta is b - a)."""
     before = summary(index_model(a))
     after = summary(index_model(b))
@@ -929,7 +1026,7 @@ def budget_limit(name: str, value: object, where: str) -> float:
         finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
     except OverflowError:  # an integer too large for a float
         finite = False
-    if not finite:
+    if not finite or not isinstance(value, (int, float)):
         huge = isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64
         text = "an integer too large for a budget" if huge else repr(value)
         raise GraphscanError(f"usage: {where}: budget {name} must be a finite number, not {text}", EXIT_USAGE)
@@ -953,7 +1050,7 @@ def budget_values(
     path: str, names: list[str], float_path: str | None, samples: Samples, level: str = "all"
 ) -> dict[str, float]:
     """The measured value of each budget in ``names``; the model is read once."""
-    values = {}
+    values: dict[str, float] = {}
     measured = [name for name in names if name not in STRUCTURAL_BUDGETS]
     model = None
     if set(STRUCTURAL_BUDGETS) & set(names):
@@ -993,7 +1090,7 @@ def check(
     shape: list[str] | None = None,
     seed: int | None = None,
     level: str | None = None,
-) -> dict:
+) -> CheckAnswer:
     """Measure each budget given (options override the --budget file) and say which hold.
 
     ``float_path``, ``inputs``, ``shape``, ``seed`` and ``level`` apply to
@@ -1020,7 +1117,7 @@ def check(
     check_readable(path)
     names = [name for name in BUDGETS if name in limits]  # a fixed order, whatever the file's
     values = budget_values(path, names, float_path, Samples(inputs, shape, seed), level or "all")
-    budgets = [
+    budgets: list[Budget] = [
         {
             "name": name,
             "value": values[name] if math.isfinite(values[name]) else None,  # strict JSON
@@ -1349,7 +1446,7 @@ def folded_edges(index):
     label; chains from initializers are dropped. Distinct, in graph order."""
     graph = index.graph
     input_ids = {info.name: f"in{k}" for k, info in enumerate(value_inputs(graph))}
-    edges = {}
+    edges: dict[tuple[str, str, str], None] = {}
 
     def link(tensor, target):
         source, chain = data_source(index, graph, tensor)
@@ -1387,7 +1484,7 @@ def wrapped_runs(index, edges, kinds):
             p, i = int(source[1:]), int(target[1:])
             if p in group and i in group and kinds[p] == kinds[i]:
                 group[root(i)] = root(p)
-    members = {}
+    members: dict[int, list[int]] = {}
     for i in group:
         members.setdefault(root(i), []).append(i)
     return [group for group in members.values() if len(group) > 1]
@@ -1410,7 +1507,7 @@ def unlinked_groups(index, edges, kinds):
     """Wrapped compute nodes no edge of the picture touches (Constants that only
     set a Q's scale or zero point), grouped by kind in graph order; groups of two or more."""
     linked = {ident for source, target, _ in edges for ident in (source, target)}
-    groups = {}
+    groups: dict[str, list[int]] = {}
     for i in index.compute_nodes:
         if index.wrapped[i] and f"n{i}" not in linked:
             groups.setdefault(kinds[i], []).append(i)
@@ -1601,7 +1698,7 @@ class OnlyWith:
     dependents: tuple[str, ...]
 
 
-def only_with(flag: str, enabled: bool, given: dict[str, object]) -> None:
+def only_with(flag: str, enabled: bool, given: Mapping[str, object]) -> None:
     """Exit 2 when options of ``given`` (``{flag: value}``) that apply only with
     ``flag`` are set while it is not: the one check of every "only with" rule."""
     named = [name for name, value in given.items() if value is not None]
@@ -1622,7 +1719,7 @@ class Command:
     """
 
     name: str
-    run: Callable[..., object]
+    run: Callable[..., Any]  # its answer: a TypedDict of docs/SPEC.md (dot: text)
     paths: tuple[str, ...] = ("model",)
     options: tuple[Option, ...] = ()
     only_with: OnlyWith | None = None
@@ -1986,7 +2083,7 @@ def main(argv: list[str] | None = None) -> int:
     return exit_code
 
 
-INTERRUPTED = []  # [True] once Ctrl-C was pressed while main() ran
+INTERRUPTED: list[bool] = []  # [True] once Ctrl-C was pressed while main() ran
 
 
 def note_interrupt(signum: int, frame: object) -> None:

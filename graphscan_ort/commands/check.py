@@ -27,13 +27,13 @@ def measurements(
     read it with its weights); ``level``: the optimization level min_sqnr runs at."""
     values = {}
     if "min_int8" in names:
-        model = model or load_with_weights(path)
+        model = load_with_weights(path) if model is None else model
         values["min_int8"] = int8_fraction(classify(model, path).counts["classes"])
     if "min_sqnr" in names:
+        assert float_path is not None, "the core checks that --min-sqnr comes with --float"
         float_model = load_with_weights(float_path)
-        values["min_sqnr"] = measured_sqnr(
-            float_model, model or load_with_weights(path), float_path, path, samples, level
-        )
+        model = load_with_weights(path) if model is None else model
+        values["min_sqnr"] = measured_sqnr(float_model, model, float_path, path, samples, level)
     return values
 
 

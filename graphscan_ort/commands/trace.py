@@ -122,7 +122,7 @@ class ReferenceMatcher:
         tensor's type) is passed over: a name reused with another meaning.
         """
         stripped = QDQ_SUFFIX.sub("", tensor)
-        candidates = [stripped] if stripped in self.tensors else []
+        candidates: list[str | None] = [stripped] if stripped in self.tensors else []
         candidates.append(self.by_node.get((producer_name, output_index)))
         for candidate in candidates:
             if candidate is not None and shapes_agree(self.types.get(candidate), want) is not False:
@@ -153,7 +153,8 @@ class OpModel:
         out_chain, self.output = out_chain
         self.nodes = chain + [i] + out_chain
         produced = {t for j in self.nodes for t in index.outputs[j]}
-        self.initializers, self.feeds = [], {}
+        self.initializers: list[str] = []
+        self.feeds: dict[str, str | None] = {}
         for j in self.nodes:
             for tensor in index.inputs[j]:
                 if tensor in produced or tensor in self.feeds or tensor in self.initializers:
@@ -237,7 +238,7 @@ def unmatched_float_nodes(float_index, quant_index, rows):
     builds no single-op model for them (their bodies read outer tensors).
     """
     quant = {(quant_index.names[i], quant_index.op_types[i]) for i in range(len(quant_index))}
-    referenced = {}
+    referenced: dict[int, set[str]] = {}
     for row in rows:
         if row["reference"] is None:
             continue
@@ -415,7 +416,7 @@ def trace_models(a, b, inputs, seed, tolerance, save, shape):
     plan = plan_rows(quant_model, quant_index, matcher, quant_types)
 
     float_for_session = float_in_quant_opset(float_model, quant_model, a, b)
-    failed = {}  # row index -> onnxruntime's reason its single-op model failed
+    failed: dict[int, str] = {}  # row index -> onnxruntime's reason its single-op model failed
     while True:
         combined = CombinedModel(float_for_session, quant_model, feeds, float_types, quant_types)
         combined.keep = save is not None  # --save writes the arrays each row ran on

@@ -104,14 +104,14 @@ class ImpactPlan:
         for i in index.compute_nodes:
             edges = []
             for pos, tensor in enumerate(graph.node[i].input):
-                dq = index.producer_of(tensor) if tensor else None
-                if dq in self.pair_of:
-                    edges.append((pos, ("pair", dq)))
-                elif dq in self.weight_of:
-                    edges.append((pos, ("weight", self.weight_of[dq])))
+                reader_dq = index.producer_of(tensor) if tensor else None
+                if reader_dq in self.pair_of:
+                    edges.append((pos, ("pair", reader_dq)))
+                elif reader_dq in self.weight_of:
+                    edges.append((pos, ("weight", self.weight_of[reader_dq])))
             if edges:
                 self.op_rows.append((i, edges))
-        rows = {}
+        rows: dict[str, list[tuple[int, int]]] = {}
         for dq, (q, t) in sorted(self.pair_of.items(), key=lambda item: item[1][0]):
             producer = index.producer_of(t)
             if t in quant_inits or (producer is not None and index.op_types[producer] == "Constant"):
@@ -244,30 +244,30 @@ def switched_model(plan, quant_model, float_model, prefix=IMPACT_PREFIX):
         raw[dq] = f"{builder.prefix}dq/{graph.node[dq].output[0]}"
         graph.node[dq].output[0] = raw[dq]
     op_rows = {i: k for k, (i, _) in enumerate(plan.op_rows)}
-    op_variants = [{} for _ in plan.op_rows]
-    tensor_on = [{} for _ in plan.tensor_rows]
+    op_variants: list[dict[str, object]] = [{} for _ in plan.op_rows]
+    tensor_on: list[dict[str, object]] = [{} for _ in plan.tensor_rows]
     # Graph outputs and names If/Loop/Scan bodies read from outside keep the
     # DQ's name, now given to the switched value.
     kept_names = {o.name for o in graph.output}.union(*(body_reads(node) for node in graph.node))
     for dq, alternative in alternatives.items():
         output = quant_model.graph.node[dq].output[0]
-        m = row_of.get(dq)
+        row = row_of.get(dq)
         for reader in index.consumers_of(output):
-            if m is None and reader not in op_rows:
+            if row is None and reader not in op_rows:
                 continue  # nobody would switch it
             node = graph.node[reader]
             value, condition = builder.where(alternative, raw[dq], f"{builder.prefix}where/{reader}/{output}")
             node.input[:] = [value if t == output else t for t in node.input]
             if reader in op_rows:
                 op_variants[op_rows[reader]][condition] = True
-            if m is not None:
-                tensor_on[m][condition] = True
+            if row is not None:
+                tensor_on[row][condition] = True
         if output in kept_names:
-            if m is None:
+            if row is None:
                 builder.node("Identity", [raw[dq]], output)
             else:
                 _, condition = builder.where(alternative, raw[dq], output)
-                tensor_on[m][condition] = True
+                tensor_on[row][condition] = True
     for k, (i, edges) in enumerate(plan.op_rows):
         node = graph.node[i]
         for pos, (kind, source) in edges:
@@ -338,7 +338,8 @@ def exclusion(measure, candidates, baseline, target, max_exclude):
     """``{"target_sqnr_db", "nodes", "sqnr_db", "reached"}``: ``candidates``
     (``(node, variant)`` in rank order) are added one at a time and the combined
     model measured after each addition, until the target or ``max_exclude``."""
-    nodes, combined = [], {}
+    nodes: list[str] = []
+    combined: dict[str, object] = {}
     sqnr, exact = baseline
 
     def met():

@@ -146,7 +146,7 @@ def find_in_optimized(index, names, optimized, i):
     for tensor in index.inputs[i]:
         source, chain = data_source(index, graph, tensor)
         signature.add(graph.node[chain[-1]].input[0] if chain else source)
-    readers = set()
+    readers: set[int] = set()
     for tensor in signature:
         readers.update(j for j in optimized.index.consumers_of(tensor) if optimized.index.is_compute(j))
     if len(readers) == 1:
@@ -196,7 +196,7 @@ def map_to_kernels(index, names, optimized):
     found = {}
     for i in index.compute_nodes:
         found[i] = find_in_optimized(index, names, optimized, i)
-    runner = {}
+    runner: dict[int, int] = {}
     for i in index.compute_nodes:
         j, how = found[i]
         if j is None or not optimized.index.is_compute(j):
@@ -205,7 +205,7 @@ def map_to_kernels(index, names, optimized):
         if current is None or (how == "name" and found[current][1] != "name"):
             runner[j] = i
     absorbed_by_neighbours(index, found)
-    mapping = {}
+    mapping: dict[int, tuple[int | None, bool, str | None]] = {}
     for i in index.compute_nodes:
         j, how = found[i]
         if j is None:
@@ -230,7 +230,10 @@ def operand_types(optimized, j, op_type):
     went only to Qs, as a fusion needs.
     """
     live, graph = optimized.index, optimized.graph
-    inputs, weights, outputs, complete = [], [], [], True
+    inputs: list[str] = []
+    weights: list[str] = []
+    outputs: list[str] = []
+    complete = True
     for k, tensor in enumerate(graph.node[j].input):
         if not tensor:
             continue
@@ -316,7 +319,7 @@ def classify_nodes(index, names, optimized, level, provider, int8_allowed):
 
 def runtime_counts(rows):
     classes = Counter(row["class"] for row in rows)
-    by_op_type = {}
+    by_op_type: dict[str, dict[str, int]] = {}
     for row in rows:
         if row["class"]:
             counts = by_op_type.setdefault(row["op_type"], {})

@@ -94,7 +94,8 @@ def schedule(entries):
         writes.append([t for t in node.output if t])
         for t in writes[-1]:
             producers[t] = e
-    waiting, readers = [0] * len(entries), [[] for _ in entries]
+    waiting = [0] * len(entries)
+    readers: list[list[int]] = [[] for _ in entries]
     for e in range(len(entries)):
         needed = {producers[t] for t in reads[e] if t in producers} - {e}
         waiting[e] = len(needed)
@@ -134,8 +135,11 @@ class CombinedModel:
         # Nodes are kept inside GraphProtos (the models' own, graphscan's pool),
         # never as one Python object each: 100,000 rows cost megabytes.
         self.pool = onnx.GraphProto()
-        self.float_graph = None
-        self.entries = [(rank, quant_model.graph, rank, None) for rank in range(len(quant_model.graph.node))]
+        self.float_graph: onnx.GraphProto | None = None  # add_float_model() sets it
+        # (rank, graph, node index, the names it reads or None: its own inputs), until scheduled
+        self.entries: list[tuple[int, onnx.GraphProto, int, list[str] | None]] = [
+            (rank, quant_model.graph, rank, None) for rank in range(len(quant_model.graph.node))
+        ]
         self.fetch, self.fetch_set = [], set()
         self.fetch_rank = {}  # fetched float tensor -> lowest rank of a row that fetches it
         self.fetch_bytes = {}  # fetched tensor -> its bytes, where known
@@ -328,7 +332,8 @@ class CombinedModel:
                 seen_rank = max(rank, quant_index.producer.get(row.seen, rank))
                 propagated = self.compare(seen_rank, reference, row.seen, signal=True, fetch=fetch)
         if row.clip is not None:
-            clip = self.clip_count(rank, row.output, *row.clip, fetch=fetch)
+            lo, hi = row.clip
+            clip = self.clip_count(rank, row.output, lo, hi, fetch=fetch)
         if save and row.op is not None:
             self.fetched(rank, fed.values())
         return isolated, propagated, clip, op_output
@@ -339,10 +344,10 @@ class CombinedModel:
         graph = onnx.GraphProto()
         graph.CopyFrom(self.float_model.graph)
         rename_graph(graph, self.float_name, self.float_prefix)
-        wanted = {}  # float tensor -> lowest rank of a reader
+        wanted: dict[str, int] = {}  # float tensor -> lowest rank of a reader
         for rank, source, _, reads in self.entries:
-            if source is not self.pool:
-                continue  # only graphscan's own nodes read float tensors
+            if source is not self.pool or reads is None:
+                continue  # only graphscan's own nodes read float tensors (and list what they read)
             for tensor in reads:
                 if tensor.startswith(self.float_prefix):
                     wanted[tensor] = min(rank, wanted.get(tensor, rank))
@@ -391,6 +396,7 @@ class CombinedModel:
         graph.name = "graphscan_combined"
         graph.node.extend(self.quant_model.graph.node)
         graph.node.extend(self.pool.node)
+        assert self.float_graph is not None, "add_float_model() comes first"
         graph.node.extend([source.node[k] for _, source, k, _ in self.entries if source is self.float_graph])
         for source in (self.quant_model.graph, self.float_graph, self.pool):
             graph.initializer.extend(source.initializer)
@@ -407,7 +413,7 @@ class CombinedModel:
         """The scheduled nodes cut into runs of at most TRACE_SEGMENT_NODES nodes,
         each ending once what it fetches reaches TRACE_FETCH_BUDGET bytes."""
         order = schedule(self.entries)
-        self.entries = None
+        self.entries = []  # scheduled: freed
         segments, current, held = [], [], 0
         for entry in order:
             current.append(entry)
@@ -419,7 +425,7 @@ class CombinedModel:
 
     def initializer_protos(self):
         """``{name: TensorProto}`` of every initializer a node may read."""
-        protos = {}
+        protos: dict[str, onnx.TensorProto] = {}
         for graph in (self.quant_model.graph, self.float_graph, self.pool):
             if graph is not None:
                 protos.update((init.name, init) for init in graph.initializer)
@@ -460,7 +466,7 @@ def float_in_quant_opset(float_model, quant_model, a, b):
         )
 
 
-SHARED_ARENA = []  # [True] once this process registered onnxruntime's shared CPU arena, [False] if it cannot
+SHARED_ARENA: list[bool] = []  # [True] once this process registered onnxruntime's shared CPU arena, [False] if not
 
 
 def shared_arena():
@@ -515,7 +521,8 @@ class Settler:
     def __init__(self, measurements, feeds, keep):
         self.measurements, self.feeds, self.keep = measurements, feeds, keep
         self.held = {}  # fetched name -> array, until nothing unsettled reads it
-        self.missing, self.readers = [], {}
+        self.missing: list[int] = []
+        self.readers: dict[str, list[int]] = {}
         for m, measurement in enumerate(measurements):
             names = [n for n in dict.fromkeys(measurement.names()) if n not in feeds]
             self.missing.append(len(names))
@@ -663,8 +670,8 @@ def run_segment(model, feeds, outputs, options, ran_with, a, b, rows, names):
         text = str(exc)
         if OUT_OF_MEMORY.search(text):
             raise GraphscanError(f"{combined}: out of memory ({one_line(exc)})", EXIT_RUNTIME)
-        node = re.search(r"Name:'([^']*)'|[Nn]ode \(([^)]*)\)", text)
-        node = (node.group(1) or node.group(2) or "") if node else ""
+        found = re.search(r"Name:'([^']*)'|[Nn]ode \(([^)]*)\)", text)
+        node = (found.group(1) or found.group(2) or "") if found else ""
         row = names.row_node.match(node)
         if row:
             k = int(row.group(1))

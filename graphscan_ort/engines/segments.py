@@ -17,6 +17,7 @@ import contextlib
 import math
 import os
 import time
+from typing import Any
 
 import numpy as np
 import onnx
@@ -113,7 +114,7 @@ def node_work(node, shapes):
     if not outputs or None in outputs:
         return None
     elements = sum(math.prod(dims) for dims in outputs)
-    read = [shapes.get(t) if t else None for t in node.input]
+    read: list[Any] = [shapes.get(t) if t else None for t in node.input]
     if node.op_type in ("Conv", "ConvTranspose", "MatMul", "Gemm") and (len(read) < 2 or None in read[:2]):
         return None
     if node.op_type == "Conv":
@@ -189,13 +190,13 @@ class SegmentPlan:
             self.chunks = equal_work_chunks(dependent, [node_work(n, shapes) for n in dependent], count)
         self.segment_of = {id(node): j for j, chunk in enumerate(self.chunks) for node in chunk}
         self.made_by = {t: node for node in nodes for t in node.output if t}
-        self.consumers = {}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
         for node in nodes:
             for t in self.reads[id(node)]:
                 self.consumers.setdefault(t, []).append(node)
         graph_outputs = self.graph_outputs = [o.name for o in graph.output]
         wanted = set(graph_outputs) | {t for selection in self.selections for t in selection[2:]}
-        self.leaving = [[] for _ in self.chunks]
+        self.leaving: list[list[str]] = [[] for _ in self.chunks]
         for j in reversed(range(len(self.chunks))):
             made = [t for node in self.chunks[j] for t in node.output if t]
             self.leaving[j] = [t for t in made if t in wanted]
@@ -203,7 +204,7 @@ class SegmentPlan:
         # by now, wanted: every name a segment or a selection reads, and the outputs
         self.constant_outputs = [t for node in self.constant_nodes for t in node.output if t in wanted]
         self.groups = self.switch_groups(graph_outputs)
-        self.downstream = {}  # id(node) -> bit mask of the segments its value reaches
+        self.downstream: dict[int, int] = {}  # id(node) -> bit mask of the segments its value reaches
         for node in reversed(dependent):
             mask = 1 << self.segment_of[id(node)]
             for t in node.output:
@@ -218,19 +219,20 @@ class SegmentPlan:
         """``{id(machinery node): groups}``: the groups of the nodes of its own
         segment it feeds; every group when a later segment, a body or the graph
         outputs read it."""
-        groups, every = {}, frozenset(range(SWITCH_GROUPS))
+        groups: dict[int, frozenset[int]] = {}
+        every = frozenset(range(SWITCH_GROUPS))
         for chunk in self.chunks:
             readers = [node for node in chunk if node.name not in self.machinery]
             own = {id(node): k * SWITCH_GROUPS // len(readers) for k, node in enumerate(readers)}
             for node in reversed(chunk):
                 if node.name not in self.machinery:
                     continue
-                fed = set()
+                fed: set[int] = set()
                 for t in node.output:
                     for reader in self.consumers.get(t, ()):
                         fed.update([own[id(reader)]] if id(reader) in own else groups.get(id(reader), every))
                     if t in graph_outputs:
-                        fed = every
+                        fed.update(every)
                 groups[id(node)] = frozenset(fed) or every
         return groups
 
@@ -252,19 +254,20 @@ class SegmentPlan:
                         seen.add(t)
                         stack.append(t)
         # The machinery feeding active nodes (e.g. the Clip computing float(t)).
-        feeding, stack = {id(n): n for n in active}, list(active)
+        feeding: dict[int, Any] = {id(n): n for n in active}
+        stack = list(active)
         while stack:
             for t in self.reads[id(stack.pop())]:
-                node = self.made_by.get(t)
-                machine = node is not None and node.name in self.machinery and id(node) in self.segment_of
-                if machine and id(node) not in feeding:
-                    feeding[id(node)] = node
-                    stack.append(node)
-        versions = {}
+                maker = self.made_by.get(t)
+                machine = maker is not None and maker.name in self.machinery and id(maker) in self.segment_of
+                if machine and id(maker) not in feeding:
+                    feeding[id(maker)] = maker
+                    stack.append(maker)
+        shared: dict[int, frozenset[int]] = {}  # per segment: the groups all its active machinery is in
         for node in feeding.values():
             j = self.segment_of[id(node)]
-            versions[j] = versions.get(j, self.groups[id(node)]) & self.groups[id(node)]
-        versions = {j: min(common) if common else FULL for j, common in versions.items()}
+            shared[j] = shared.get(j, self.groups[id(node)]) & self.groups[id(node)]
+        versions: dict[int, int | str] = {j: min(common) if common else FULL for j, common in shared.items()}
         cone = 0
         for node in seeds + active:
             cone |= self.downstream[id(node)]
@@ -287,7 +290,7 @@ class SegmentPlan:
             leaving = [t for node in chunk for t in node.output if t in self.graph_outputs]
         else:
             chunk, leaving = self.chunks[j], self.leaving[j]
-        dropped = {}
+        dropped: dict[str, str] = {}
         for node in chunk:
             if node.name in self.machinery and not (version == FULL or version in self.groups[id(node)]):
                 source = node.input[2] if node.op_type == "Where" else node.input[0]

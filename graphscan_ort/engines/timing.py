@@ -77,7 +77,7 @@ def kernel_totals(profile, runs, floor):
         if event.get("cat") == "Session" and event.get("name") == "model_run":
             starts.append(event["ts"])
     starts.sort()
-    totals = {}
+    totals: dict[str, float] = {}
     for event in profile_events(profile):
         name = kernel_name(event)
         if name is not None and bisect.bisect_right(starts, event["ts"]) >= 2:  # after the warm-up run started
@@ -90,7 +90,8 @@ def profiled_totals(model_bytes, subject, make_options, provider, feeds, runs, k
     thread, spread over as many sessions (each with its warm-up run) as keep each
     profile far below PROFILER_EVENT_CAP: nothing is averaged over truncated data."""
     per_session = max(1, min(PROFILER_EVENT_CAP // 2, SESSION_EVENTS) // (kernels_per_run + 4) - 1)
-    totals, done = {}, 0
+    totals: dict[str, float] = {}
+    done = 0
     with temporary_folder("graphscan-profile-") as folder:
         while done < runs:
             chunk = min(per_session, runs - done)
@@ -205,7 +206,7 @@ def interleaved_wall_times(sessions, feeds, runs):
     import statistics
     import time as clock
 
-    times = [[] for _ in sessions]
+    times: list[list[float]] = [[] for _ in sessions]
     for session in sessions:
         session.run(None, feeds)  # warm-up
     for _ in range(runs):

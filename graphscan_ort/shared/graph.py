@@ -131,7 +131,7 @@ DQ_OUTPUT_SUFFIX = re.compile(r"_DequantizeLinear_Output(?:_\d+)?$")
 
 
 # Representable range of each integer type a QuantizeLinear can produce.
-Q_RANGES = {
+Q_RANGES: dict[int, tuple[int, int]] = {
     onnx.TensorProto.INT8: (-128, 127),
     onnx.TensorProto.UINT8: (0, 255),
     onnx.TensorProto.INT16: (-32768, 32767),

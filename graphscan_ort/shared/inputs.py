@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Literal
 
 import numpy as np
 import onnx
@@ -199,7 +200,7 @@ def read_npy_member(path, archive, info, spec):
     if len(data) != count * dtype.itemsize:
         raise GraphscanError(f"{shown(path)}: array {name!r} is truncated", EXIT_INPUTS)
     array = np.frombuffer(data, dtype=dtype)
-    order = "F" if fortran else "C"
+    order: Literal["C", "F"] = "F" if fortran else "C"
     # np.require, not np.ascontiguousarray: that one turns a 0-d array into shape [1].
     array = np.require(array.reshape(shape, order=order), requirements="C").astype(dtype.newbyteorder("="), copy=False)
     return array.astype(object) if spec.dtype == np.dtype(object) else array  # onnxruntime's strings

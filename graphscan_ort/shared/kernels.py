@@ -88,8 +88,8 @@ class OptimizedGraph:
     def __init__(self, graph):
         self.graph = graph
         self.index = GraphIndex(graph)
-        self.by_name = {}
-        self.by_stripped = {}
+        self.by_name: dict[str, int] = {}
+        self.by_stripped: dict[str, list[int]] = {}
         for i, node in enumerate(graph.node):
             self.by_name.setdefault(node.name, i)
             self.by_stripped.setdefault(strip_ort_suffixes(node.name), []).append(i)

@@ -258,7 +258,8 @@ def exclusions(trials, best, target, max_exclude, prepared):
     ranked = impact_of(given, candidate, measure.evaluation, prepared_path, candidate_path)["ops"]
     names = [r["node"] for r in ranked if r["gain_db"] is not None and r["gain_db"] >= MIN_GAIN_DB]
     limit = DEFAULT_MAX_EXCLUDE if max_exclude is None else max_exclude
-    kept, current = [], best
+    kept: list[str] = []
+    current = best
     for node in names[:limit]:
         if current["sqnr_db"] is not None and current["sqnr_db"] >= target:
             break
