@@ -58,10 +58,17 @@ import stat  # noqa: E402
 import unicodedata  # noqa: E402
 import warnings  # noqa: E402
 from collections import Counter  # noqa: E402
-from collections.abc import Callable, Iterable, Iterator, Mapping  # noqa: E402
-from typing import Any, TypedDict  # noqa: E402
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableSequence, Sequence  # noqa: E402
+from typing import TYPE_CHECKING, Any, TextIO, TypedDict  # noqa: E402
 
 import onnx  # noqa: E402  (after the SIGINT handler on purpose)
+
+if TYPE_CHECKING:  # names for annotations only: nothing here exists at runtime
+    from typing import TypeVar
+
+    from _typeshed import SupportsWrite
+
+    StrSequence = TypeVar("StrSequence", bound=Sequence[str])
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1
@@ -218,20 +225,20 @@ class FileBytes:
     WINDOW = 1 << 20
     FIELD_HEAD = 20  # a field's key and length varints take at most this many bytes
 
-    def __init__(self, fd, size):
+    def __init__(self, fd: int, size: int) -> None:
         self.fd, self.size = fd, size
         self.start, self.window = 0, b""
 
-    def __len__(self):
+    def __len__(self) -> int:
         return self.size
 
-    def _read(self, start, length):
+    def _read(self, start: int, length: int) -> bytes:
         data = os.pread(self.fd, length, start)
         if len(data) != length:
             raise ValueError("the file is shorter than when it was opened (changed while being read)")
         return data
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: int | slice) -> Any:  # int for an index, bytes for a slice
         if isinstance(key, slice):
             start, stop, _ = key.indices(self.size)
             if stop <= start:
@@ -250,11 +257,11 @@ class FileBytes:
             offset = 0
         return self.window[offset]
 
-    def _fill(self, start):
+    def _fill(self, start: int) -> None:
         self.start = start
         self.window = self._read(start, min(self.WINDOW, self.size - start))
 
-    def window_at(self, pos):
+    def window_at(self, pos: int) -> tuple[bytes, int]:
         """``(window, its start)`` holding the head of the field at ``pos``."""
         window_end = self.start + len(self.window)
         if pos < self.start or (pos + self.FIELD_HEAD > window_end and window_end < self.size):
@@ -271,7 +278,7 @@ TENSOR_PAYLOAD = {4, 5, 6, 7, 9, 10, 11}
 LENGTH_DELIMITED = 2
 
 
-def read_varint(buf, pos):
+def read_varint(buf: bytes | FileBytes, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
         byte = buf[pos]
@@ -284,7 +291,7 @@ def read_varint(buf, pos):
             raise ValueError("malformed varint")
 
 
-def encode_varint(value):
+def encode_varint(value: int) -> bytes:
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -293,7 +300,7 @@ def encode_varint(value):
     return bytes(out)
 
 
-def wire_fields(buf, start, end):
+def wire_fields(buf: bytes | FileBytes, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
     """Yield ``(field number, wire type, value start, value end, field start)`` for
     each field in ``buf[start:end]``; ``buf`` is ``bytes`` or a ``FileBytes``, whose
     fields are parsed inside its window of plain bytes."""
@@ -329,7 +336,7 @@ def wire_fields(buf, start, end):
         yield key >> 3, wire, value_start + base, pos, field_start
 
 
-def length_delimited(number, payload):
+def length_delimited(number: int, payload: bytes) -> bytes:
     return encode_varint(number << 3 | LENGTH_DELIMITED) + encode_varint(len(payload)) + payload
 
 
@@ -344,7 +351,7 @@ def skim_model(buf: bytes | FileBytes) -> bytes:
     return bytes(out)
 
 
-def skim_graph(buf, start, end):
+def skim_graph(buf: bytes | FileBytes, start: int, end: int) -> bytes:
     out = bytearray()
     kept_from = start  # fields other than initializers are copied in runs, not one by one
     for number, wire, value_start, value_end, field_start in wire_fields(buf, start, end):
@@ -398,7 +405,7 @@ def text_names(graph: onnx.GraphProto) -> None:
     U+FFFD spelling, in place, as the answers show it: onnxruntime and the
     commands that run models take names as text."""
 
-    def fixed(values):
+    def fixed(values: MutableSequence[str]) -> None:
         texts = as_texts(values)
         if texts is not values:
             values[:] = texts
@@ -434,7 +441,7 @@ def as_text(value: str | bytes) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
-def as_texts(values):
+def as_texts(values: StrSequence) -> StrSequence | list[str]:
     """``values`` with any ``bytes`` decoded; the list itself when all are ``str``."""
     if bytes in set(map(type, values)):
         return [as_text(v) for v in values]
@@ -491,30 +498,30 @@ class GraphIndex:
     def __len__(self) -> int:
         return len(self.op_types)
 
-    def _inputs_of(self, node_indices):
+    def _inputs_of(self, node_indices: Iterable[int]) -> Iterator[str]:
         inputs = self.inputs
         return itertools.chain.from_iterable(inputs[i] for i in node_indices)
 
-    def _outputs_of(self, node_indices):
+    def _outputs_of(self, node_indices: Iterable[int]) -> Iterator[str]:
         outputs = self.outputs
         return itertools.chain.from_iterable(outputs[i] for i in node_indices)
 
     # Who reads each tensor, as three sets over disjoint groups of readers;
     # each name is hashed once, and every rule below is a set operation in C.
     @functools.cached_property
-    def read_by_q(self):
+    def read_by_q(self) -> set[str]:
         return set(self._inputs_of(self.q_nodes))
 
     @functools.cached_property
-    def read_by_dq(self):
+    def read_by_dq(self) -> set[str]:
         return set(self._inputs_of(self.dq_nodes))
 
     @functools.cached_property
-    def read_by_compute(self):
+    def read_by_compute(self) -> set[str]:
         return set(self._inputs_of(self.compute_nodes))
 
     @functools.cached_property
-    def wrapped(self):
+    def wrapped(self) -> list[bool]:
         """Per node: every input comes from a DQ and every output goes to Qs only.
 
         An output nobody consumes (e.g. a bare graph output) is not wrapped.
@@ -529,52 +536,52 @@ class GraphIndex:
         return wrapped
 
     @functools.cached_property
-    def floating(self):
+    def floating(self) -> list[bool]:
         floating, wrapped = [False] * len(self), self.wrapped
         for i in self.compute_nodes:
             floating[i] = not wrapped[i]
         return floating
 
     @functools.cached_property
-    def float_nodes(self):
+    def float_nodes(self) -> list[int]:
         floating = self.floating
         return [i for i in self.compute_nodes if floating[i]]
 
     @functools.cached_property
-    def producer(self):
+    def producer(self) -> dict[str, int]:
         """``{tensor: index of the node producing it}``."""
         return {t: i for i, outs in enumerate(self.outputs) for t in outs}
 
     @functools.cached_property
-    def float_producer(self):
+    def float_producer(self) -> dict[str, int]:
         return self._producer_among(self.float_nodes)
 
     @functools.cached_property
-    def dq_producer(self):
+    def dq_producer(self) -> dict[str, int]:
         return self._producer_among(self.dq_nodes)
 
-    def _producer_among(self, node_indices):
+    def _producer_among(self, node_indices: Iterable[int]) -> dict[str, int]:
         outputs = self.outputs
         return {t: i for i in node_indices for t in outputs[i]}
 
     @functools.cached_property
-    def consumers(self):
+    def consumers(self) -> dict[str, list[int]]:
         """``{tensor: [node indices]}`` over every node."""
         return self._consumers(range(len(self)))
 
     @functools.cached_property
-    def float_consumers(self):
+    def float_consumers(self) -> dict[str, list[int]]:
         return self._consumers(self.float_nodes)
 
     @functools.cached_property
-    def q_consumers_of_float(self):
+    def q_consumers_of_float(self) -> dict[str, list[int]]:
         """``{tensor made by a float node: [Q nodes reading it]}``."""
         float_outputs = set(self._outputs_of(self.float_nodes))
         inputs = self.inputs
         readers = [i for i in self.q_nodes if not float_outputs.isdisjoint(inputs[i])]
         return self._consumers(readers)
 
-    def _consumers(self, node_indices):
+    def _consumers(self, node_indices: Iterable[int]) -> dict[str, list[int]]:
         table: dict[str, list[int]] = {}
         for i in node_indices:
             for tensor in self.inputs[i]:
@@ -586,12 +593,12 @@ class GraphIndex:
         return table
 
     @functools.cached_property
-    def initializers(self):
+    def initializers(self) -> set[str]:
         """Names of the graph's initializers."""
         return {init.name for init in self.graph.initializer}
 
     @functools.cached_property
-    def names(self):
+    def names(self) -> list[str]:
         """Every node's name; ``name(i)`` is cheaper when only a few are needed."""
         return [self.name(i) for i in range(len(self))]
 
@@ -652,6 +659,7 @@ def float_islands(index: GraphIndex) -> list[tuple[list[int], list[str]]]:
 
 def boundary_of(index: GraphIndex, island: Iterable[int]) -> tuple[set[int], set[int]]:
     """Distinct DQ nodes feeding the island and distinct Q nodes it feeds."""
+    out_quantize: set[int]
     in_dequantize, out_quantize = set(), set()
     dq_producer, q_consumers = index.dq_producer, index.q_consumers_of_float
     for i in island:
@@ -1199,7 +1207,7 @@ def padded(text: str, width: int, right: bool) -> str:
     return pad + text if right else text + pad
 
 
-def cell(value):
+def cell(value: object) -> str:
     """A value as table text: floats in 3 significant digits, None as '-'."""
     if value is None:
         return "-"
@@ -1212,12 +1220,14 @@ def cell(value):
     return visible(str(value))  # one row per line and no terminal control, whatever a name holds
 
 
-def is_number(value):
+def is_number(value: object) -> bool:
     """An int or float, not a bool: what a table aligns to the right."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def format_table(titles, rows, width=TABLE_WIDTH, cut_first=()):
+def format_table(
+    titles: Sequence[str], rows: Sequence[Sequence[object]], width: int = TABLE_WIDTH, cut_first: Sequence[str] = ()
+) -> str:
     """Aligned columns, numbers to the right. Until each line fits ``width``, the
     columns titled in ``cut_first`` and then the widest ones are cut in the middle
     (never below MIN_COLUMN)."""
@@ -1229,7 +1239,9 @@ def format_table(titles, rows, width=TABLE_WIDTH, cut_first=()):
     widths = [max([display_width(t)] + [display_width(row[k]) for row in texts]) for k, t in enumerate(titles)]
     first = [k for k, t in enumerate(titles) if t in cut_first]
 
-    def weight(k):  # cut_first columns go first; the first column (names) may keep twice any other's width
+    def weight(
+        k: int,
+    ) -> float:  # cut_first columns go first; the first column (names) may keep twice any other's width
         if widths[k] <= MIN_COLUMN:
             return 0
         return widths[k] * (1000 if k in first else 1) / (2 if k == 0 else 1)
@@ -1245,7 +1257,7 @@ def format_table(titles, rows, width=TABLE_WIDTH, cut_first=()):
     return "\n".join(lines)
 
 
-def format_fields(pairs, width=TABLE_WIDTH):
+def format_fields(pairs: Iterable[tuple[str, object]], width: int = TABLE_WIDTH) -> str:
     """``key value`` pairs on as few lines as fit ``width``; long values cut in the middle."""
     lines, line = [], ""
     for key, value in pairs:
@@ -1258,7 +1270,7 @@ def format_fields(pairs, width=TABLE_WIDTH):
     return "\n".join(lines + [line])
 
 
-def format_names(names, width=TABLE_WIDTH, indent="  "):
+def format_names(names: Iterable[str], width: int = TABLE_WIDTH, indent: str = "  ") -> str:
     """Names separated by commas, wrapped to ``width``, each cut to fit one line."""
     lines, line = [], ""
     for name in names:
@@ -1270,50 +1282,56 @@ def format_names(names, width=TABLE_WIDTH, indent="  "):
     return "\n".join(lines + [indent + line])
 
 
-def limited(rows, top):
+def limited(rows: Sequence[Sequence[Any]], top: int | None) -> tuple[Sequence[Sequence[Any]], str]:
     """The first ``top`` rows (all without ``--top``) and a note on what was left out."""
     if top is None or top >= len(rows):
         return rows, ""
     return rows[:top], f"({len(rows) - top} more not shown; --top {top})"
 
 
-def section(title, titles, rows, top=None, cut_first=()):
+def section(
+    title: str,
+    titles: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    top: int | None = None,
+    cut_first: Sequence[str] = (),
+) -> str:
     """A titled table of ``rows`` (``(none)`` when empty), cut to ``top`` rows with a note."""
     shown, note = limited(rows, top)
     parts = [title, format_table(titles, shown, cut_first=cut_first) if shown else "  (none)"]
     return "\n".join(parts + ([note] if note else []))
 
 
-def page(*blocks):
+def page(*blocks: str) -> str:
     """Blocks of text separated by blank lines; empty blocks left out."""
     return "\n\n".join(b for b in blocks if b)
 
 
-def by_count(counts):
+def by_count(counts: Mapping[str, int]) -> list[tuple[str, int]]:
     """``{key: count}`` items, largest count first, ties by key."""
     return sorted(counts.items(), key=lambda item: (-abs(item[1]), item[0]))
 
 
-def graph_positions(path):
+def graph_positions(path: str) -> dict[str, int]:
     """``{node name: position in graph.node}``, to show names in graph order."""
     return {name: i for i, name in enumerate(index_model(path).names)}
 
 
-def islands_by_size(members, positions):
+def islands_by_size(members: list[list[str]], positions: dict[str, int]) -> list[int]:
     """JSON positions of islands, largest first, ties by their first node in graph order."""
 
-    def first(k):
+    def first(k: int) -> int:
         return min(positions.get(name, -1) for name in members[k])
 
     return sorted(range(len(members)), key=lambda k: (-len(members[k]), first(k)))
 
 
-def op_summary(op_types):
+def op_summary(op_types: Iterable[str]) -> str:
     """``"Add 2, Relu"``: op types by count, largest first."""
     return ", ".join(f"{op} {n}" if n > 1 else op for op, n in by_count(Counter(op_types)))
 
 
-def nodes_table(answer, top):
+def nodes_table(answer: dict[str, Any], top: int | None) -> str:
     """Op types and initializer dtypes, largest count first."""
     return page(
         format_fields([("model", answer["model"]), ("nodes", answer["nodes"]), ("op types", len(answer["op_types"]))]),
@@ -1322,13 +1340,15 @@ def nodes_table(answer, top):
     )
 
 
-def qdq_table(answer, top):
+def qdq_table(answer: dict[str, Any], top: int | None) -> str:
     """The four Q/DQ counts."""
     counts = [(key, answer[key]) for key in ("quantize", "dequantize", "round_trips", "weight_dequantize")]
     return page(format_fields([("model", answer["model"])]), format_table(["Q/DQ", "count"], counts))
 
 
-def island_rows(members, positions, extra):
+def island_rows(
+    members: list[list[str]], positions: dict[str, int], extra: Callable[[int], Sequence[object]]
+) -> list[list[object]]:
     """One row per island, largest first: #, size, extra columns, first and last node in graph order."""
     rows = []
     for k in islands_by_size(members, positions):
@@ -1337,7 +1357,7 @@ def island_rows(members, positions, extra):
     return rows
 
 
-def islands_table(answer, top):
+def islands_table(answer: dict[str, Any], top: int | None) -> str:
     """Islands largest first, then each shown island's members in graph order."""
     positions = graph_positions(answer["model"])
     islands_list = answer["islands"]
@@ -1365,7 +1385,7 @@ def islands_table(answer, top):
     )
 
 
-def boundary_table(answer, top):
+def boundary_table(answer: dict[str, Any], top: int | None) -> str:
     """DQs in and Qs out per island, largest island first."""
     positions = graph_positions(answer["model"])
     per_island = answer["per_island"]
@@ -1379,7 +1399,7 @@ def boundary_table(answer, top):
     )
 
 
-def diff_table(answer, top):
+def diff_table(answer: dict[str, Any], top: int | None) -> str:
     """The count deltas, then op types by the size of their change."""
     deltas = [(key, answer[key]) for key in answer if key.endswith("_delta") and key != "op_delta"]
     return page(
@@ -1389,7 +1409,7 @@ def diff_table(answer, top):
     )
 
 
-def generic_table(answer, top):
+def generic_table(answer: dict[str, Any], top: int | None) -> str:
     """Any answer: scalars as header fields, then each list or mapping as a table."""
     blocks = [format_fields([(k, v) for k, v in answer.items() if not isinstance(v, (list, dict))])]
     for key, value in answer.items():
@@ -1427,7 +1447,7 @@ DOT_NAME_WIDTH = 32  # node labels cut in the middle beyond this
 COLLAPSE_HINT = 500  # compute nodes above which --collapse is worth it
 
 
-def dot_quote(text):
+def dot_quote(text: str) -> str:
     """A DOT string literal in ASCII: backslashes and quotes escaped, newlines as \\n,
     ``&`` and every non-ASCII character as an HTML entity (Graphviz decodes them), so
     the DOT prints on any terminal."""
@@ -1435,12 +1455,12 @@ def dot_quote(text):
     return '"' + text.encode("ascii", "xmlcharrefreplace").decode("ascii") + '"'
 
 
-def dot_attributes(**attributes):
+def dot_attributes(**attributes: object) -> str:
     """``[key="value", ...]`` with every value quoted."""
     return "[" + ", ".join(f"{key}={dot_quote(str(value))}" for key, value in attributes.items()) + "]"
 
 
-def folded_edges(index):
+def folded_edges(index: GraphIndex) -> list[tuple[str, str, str]]:
     """``[(source id, target id, label)]`` between compute nodes (``n<i>``), graph
     inputs (``in<k>``) and outputs (``out<k>``), each Q/DQ chain folded into the
     label; chains from initializers are dropped. Distinct, in graph order."""
@@ -1448,7 +1468,7 @@ def folded_edges(index):
     input_ids = {info.name: f"in{k}" for k, info in enumerate(value_inputs(graph))}
     edges: dict[tuple[str, str, str], None] = {}
 
-    def link(tensor, target):
+    def link(tensor: str, target: str) -> None:
         source, chain = data_source(index, graph, tensor)
         producer = index.producer_of(source)
         if producer is not None and index.is_compute(producer):
@@ -1468,12 +1488,12 @@ def folded_edges(index):
     return list(edges)
 
 
-def wrapped_runs(index, edges, kinds):
+def wrapped_runs(index: GraphIndex, edges: list[tuple[str, str, str]], kinds: dict[int, str]) -> list[list[int]]:
     """Groups of wrapped compute nodes of one kind joined by edges between them
     (a float node always ends a group), in graph order; only groups of two or more."""
     group = {i: i for i in index.compute_nodes if index.wrapped[i]}
 
-    def root(i):
+    def root(i: int) -> int:
         while group[i] != i:
             group[i] = group[group[i]]
             i = group[i]
@@ -1503,7 +1523,7 @@ def runtime_classes(model: onnx.ModelProto, path: str) -> list[str | None]:
     return [node["class"] for node in found.rows]
 
 
-def unlinked_groups(index, edges, kinds):
+def unlinked_groups(index: GraphIndex, edges: list[tuple[str, str, str]], kinds: dict[int, str]) -> list[list[int]]:
     """Wrapped compute nodes no edge of the picture touches (Constants that only
     set a Q's scale or zero point), grouped by kind in graph order; groups of two or more."""
     linked = {ident for source, target, _ in edges for ident in (source, target)}
@@ -1514,7 +1534,7 @@ def unlinked_groups(index, edges, kinds):
     return [members for members in groups.values() if len(members) > 1]
 
 
-def node_kinds(index, path, model=None):
+def node_kinds(index: GraphIndex, path: str, model: onnx.ModelProto | None = None) -> dict[int, str]:
     """``{compute node: kind}``: wrapped/float, or with ``model`` (the model with
     its weights) the runtime command's class."""
     if model is None:
@@ -1526,7 +1546,7 @@ def node_kinds(index, path, model=None):
     return {i: kind if kind in COLOURS else "unknown" for i, kind in kinds.items()}
 
 
-def dot_header(path, index, kinds, island_count):
+def dot_header(path: str, index: GraphIndex, kinds: dict[int, str], island_count: int) -> list[str]:
     """The picture's title (with its colour legend) and default styles."""
     counts = Counter(kinds.values())
     legend = ", ".join(f"{counts[kind]} {kind} ({COLOURS[kind][1]})" for kind in COLOURS if counts[kind])
@@ -1555,7 +1575,7 @@ def dot(path: str, runtime_colours: bool = False, collapse: bool = False) -> str
     boxes = unlinked_groups(index, edges, kinds) + (wrapped_runs(index, edges, kinds) if collapse else [])
     box_of = {i: k for k, members in enumerate(boxes) for i in members}
 
-    def node_line(i):
+    def node_line(i: int) -> str:
         label = middle_cut(names[i], DOT_NAME_WIDTH) + "\n" + index.op_types[i]
         return f"n{i} {dot_attributes(label=label, tooltip=names[i], fillcolor=COLOURS[kinds[i]][0])};"
 
@@ -1583,7 +1603,7 @@ def dot(path: str, runtime_colours: bool = False, collapse: bool = False) -> str
         colour = COLOURS[kinds[members[0]]][0]
         lines.append(f"  box{k} {dot_attributes(label=label, tooltip=tooltip, fillcolor=colour, penwidth='2')};")
 
-    def drawn_as(ident):
+    def drawn_as(ident: str) -> str:
         i = int(ident[1:]) if ident.startswith("n") else None
         return f"box{box_of[i]}" if i in box_of else ident
 
@@ -1889,7 +1909,7 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise GraphscanError(f"usage: {message}", EXIT_USAGE)
 
-    def print_help(self, file=None) -> None:
+    def print_help(self, file: SupportsWrite[str] | None = None) -> None:
         """Help on stdout like an answer: argparse would silently drop a failed write."""
         if file is None:
             write_answer(self.format_help())
@@ -1994,7 +2014,7 @@ def strict_json(answer: dict) -> str:
         return json.dumps(finite_or_null(answer), allow_nan=False)
 
 
-def finite_or_null(value):
+def finite_or_null(value: object) -> object:
     """``value`` with every non-finite float, at any depth, replaced by None."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
@@ -2033,7 +2053,7 @@ def write_answer(text: str) -> None:
         )
 
 
-def discard_stdout(stream):
+def discard_stdout(stream: TextIO) -> None:
     """Point stdout's descriptor at /dev/null, so the interpreter's final flush
     of what could not be written does not print an error of its own."""
     try:

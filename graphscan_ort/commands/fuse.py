@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import onnx
 
@@ -20,6 +21,7 @@ from graphscan import (
     section,
     shown,
 )
+from graphscan_ort.shared.answers import FuseAnswer, Fused, Skipped
 from graphscan_ort.shared.files import check_output_path, write_atomically
 from graphscan_ort.shared.graph import FLOAT_TYPES, declared_values, fresh_name
 from graphscan_ort.shared.inputs import model_samples, parse_shapes
@@ -50,7 +52,7 @@ SKIP_C_NOT_BROADCAST = "C does not broadcast to (M, N)"
 SKIP_TYPE = "Gemm runs only FLOAT, FLOAT16 or DOUBLE"
 
 
-def static_shapes(model):
+def static_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
     """``{tensor: [dim_value or None, ...]}`` for every tensor whose rank is known."""
     inferred = onnx.shape_inference.infer_shapes(model)
     graph = inferred.graph
@@ -64,14 +66,21 @@ def static_shapes(model):
     return shapes
 
 
-def broadcasts_to(c_shape, m, n):
+def broadcasts_to(c_shape: list[int | None], m: int | None, n: int | None) -> bool:
     """Whether C of ``c_shape`` unidirectionally broadcasts to (m, n); m may be unknown."""
     if len(c_shape) > 2:
         return False
     return all(dim == 1 or (target is not None and dim == target) for dim, target in zip(reversed(c_shape), (n, m)))
 
 
-def gemm_plan(index, model, shapes, initializer_types, graph_outputs, matmul):
+def gemm_plan(
+    index: GraphIndex,
+    model: onnx.ModelProto,
+    shapes: dict[str, list[int | None]],
+    initializer_types: dict[str, int],
+    graph_outputs: set[str],
+    matmul: int,
+) -> tuple[int, str, None] | tuple[None, None, str]:
     """``(add_index, c_name, None)`` if MatMul ``matmul`` can fuse, else ``(None, None, reason)``."""
     node = model.graph.node[matmul]
     product = node.output[0]
@@ -95,7 +104,7 @@ def gemm_plan(index, model, shapes, initializer_types, graph_outputs, matmul):
     return add, others[0], None
 
 
-def fuse_matmul_add(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[dict], list[dict]]:
+def fuse_matmul_add(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Fused], list[Skipped]]:
     """A copy of ``model`` with every legal MatMul+Add replaced by one Gemm.
 
     Returns ``(fused_model, fused, skipped)`` as the ``fuse`` answer lists them.
@@ -106,7 +115,11 @@ def fuse_matmul_add(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[dict]
     initializer_types = {init.name: init.data_type for init in model.graph.initializer}
     taken = set(index.names)
     graph_outputs = {output.name for output in model.graph.output}
-    replace, drop, fused, skipped = {}, set(), [], []
+    replace, drop = {}, set()
+    fused: list[Fused] = []
+    skipped: list[Skipped] = []
+    add: Any  # an int and c_name a str whenever reason is None (gemm_plan)
+    c_name: Any
     for i, op_type in enumerate(index.op_types):
         if op_type != "MatMul":
             continue
@@ -140,7 +153,7 @@ def fuse_matmul_add(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[dict]
 ORT_OLDEST_OPSET = 7  # onnxruntime has no kernel for older default-domain opsets
 
 
-def check_original(model, path):
+def check_original(model: onnx.ModelProto, path: str) -> None:
     """Exit 4 unless the model to fuse passes the checker itself: a broken original
     (a cycle, two producers of a tensor, an opset that does not exist) is the
     input's fault, not the fusion's."""
@@ -161,7 +174,7 @@ def check_original(model, path):
 
 def fuse(
     path: str, output: str, inputs: str | None = None, shape: list[str] | None = None, seed: int = FUSE_SEED
-) -> dict:
+) -> FuseAnswer:
     """Fuse MatMul+Add into Gemm, verify with onnxruntime, then write ``output``.
 
     The verification sample is ``inputs`` (an .npz) or seeded data whose
@@ -199,7 +212,7 @@ def fuse(
     }
 
 
-def fuse_table(answer, top):
+def fuse_table(answer: dict[str, Any], top: int | None) -> str:
     """What was fused and what was skipped, in graph order."""
     fused = [[f["matmul"], f["add"], f["gemm"]] for f in answer["fused"]]
     skipped = [[s["node"], s["reason"]] for s in answer["skipped"]]

@@ -9,6 +9,7 @@ segment sessions (segments.py); no session per variant.
 from __future__ import annotations
 
 import textwrap
+from typing import Any
 
 from graphscan import (
     TABLE_WIDTH,
@@ -26,6 +27,7 @@ from graphscan import (
     visible,
 )
 from graphscan_ort.engines.attribution import measure
+from graphscan_ort.shared.answers import ImpactAnswer
 from graphscan_ort.shared.inputs import check_same_inputs, inputs_answer, model_samples, parse_shapes
 from graphscan_ort.shared.sessions import inputs_hint
 from graphscan_ort.shared.tables import RED_FLAGS, input_fields, largest_first
@@ -43,14 +45,24 @@ def impact(
     max_exclude: int | None = None,
     top: int | None = None,
     min_gain: float | None = None,
-) -> dict:
+) -> ImpactAnswer:
     """Per operator and per activation tensor of ``b`` (quantized): the output
     SQNR against ``a`` (float) if it stayed float; optionally what to exclude."""
     with inputs_hint(not inputs, IMPACT_SYMBOLIC_DIM_SIZE, [a, b]):
         return impact_answer(a, b, inputs, seed, shape, target_sqnr, max_exclude, top, min_gain)
 
 
-def impact_answer(a, b, inputs, seed, shape, target_sqnr, max_exclude, top, min_gain):
+def impact_answer(
+    a: str,
+    b: str,
+    inputs: list[str] | None,
+    seed: int,
+    shape: list[str] | None,
+    target_sqnr: float | None,
+    max_exclude: int | None,
+    top: int | None,
+    min_gain: float | None,
+) -> ImpactAnswer:
     """``impact``'s work, every argument as given."""
     only_with("--target-sqnr", target_sqnr is not None, {"--max-exclude": max_exclude, "--min-gain": min_gain})
     float_model, quant_model = load_with_weights(a), load_with_weights(b)
@@ -60,7 +72,7 @@ def impact_answer(a, b, inputs, seed, shape, target_sqnr, max_exclude, top, min_
     return {"a": a, "b": b, "inputs": inputs_answer(samples), "defaulted": defaulted, **body}
 
 
-def impact_table(answer, top):
+def impact_table(answer: dict[str, Any], top: int | None) -> str:
     """Ops and tensors in the answer's order (largest gain first), and the exclusion found."""
     head = format_fields(
         [("a", answer["a"]), ("b", answer["b"])]

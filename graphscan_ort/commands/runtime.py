@@ -10,6 +10,7 @@ compute node is then found in the optimized graph and its kernel classified.
 from __future__ import annotations
 
 import textwrap
+from typing import Any
 
 from graphscan import (
     EXIT_USAGE,
@@ -31,6 +32,7 @@ from graphscan_ort.engines.classify import (
     classify,
 )
 from graphscan_ort.engines.timing import runtime_time
+from graphscan_ort.shared.answers import RuntimeAnswer
 from graphscan_ort.shared.inputs import model_samples, parse_shapes
 from graphscan_ort.shared.kernels import RUNTIME_CLASSES
 from graphscan_ort.shared.sessions import CPU, environment, inputs_hint
@@ -46,7 +48,7 @@ def runtime(
     shape: list[str] | None = None,
     seed: int = 0,
     runs: int = RUNTIME_DEFAULT_RUNS,
-) -> dict:
+) -> RuntimeAnswer:
     """Per compute node: the kernel onnxruntime runs for it and its class."""
     if level not in RUNTIME_LEVELS:
         raise GraphscanError(f"usage: --level must be one of {', '.join(RUNTIME_LEVELS)}", EXIT_USAGE)
@@ -55,7 +57,7 @@ def runtime(
     model = load_with_weights(path)
     shapes = parse_shapes(shape)
     found = classify(model, path, level, provider, int8_allowed)
-    answer = {
+    answer: RuntimeAnswer = {
         "model": path,
         "environment": environment(level, provider, int8_allowed=int8_allowed),
         **found.counts,
@@ -81,12 +83,12 @@ def runtime(
     return answer
 
 
-def node_us(answer, node):
+def node_us(answer: dict[str, Any], node: dict[str, Any]) -> float | None:
     """A node's kernel microseconds per run, when ``--time`` measured it."""
     return (answer.get("time") or {}).get("nodes", {}).get(node["node"])
 
 
-def runtime_table(answer, top):
+def runtime_table(answer: dict[str, Any], top: int | None) -> str:
     """Classes by op type and nodes in graph order (slowest first with ``top`` and ``--time``)."""
     env = answer["environment"]
     head = format_fields(

@@ -12,6 +12,8 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable, Container, Iterable, Mapping
+from typing import Any, cast
 
 import numpy as np
 import onnx
@@ -35,6 +37,7 @@ from graphscan import (
 )
 from graphscan_ort.engines.combined import CombinedModel, SingleOpModelError, float_in_quant_opset, run_combined
 from graphscan_ort.engines.measures import shapes_agree, type_problem, value_info_of
+from graphscan_ort.shared.answers import NodeError, TraceAnswer, TraceOp, Unmatched
 from graphscan_ort.shared.files import write_atomically
 from graphscan_ort.shared.graph import (
     QDQ_SUFFIX,
@@ -54,14 +57,14 @@ TRACE_SYMBOLIC_DIM_SIZE = 1
 TRACE_TOLERANCE = 1e-2  # --tolerance's default: the isolated error first_over names
 
 
-def value_names(graph):
+def value_names(graph: onnx.GraphProto) -> set[str]:
     """Graph inputs that are not initializers, and every node output."""
     names = {info.name for info in value_inputs(graph)}
     names.update(t for node in graph.node for t in node.output if t)
     return names
 
 
-def inferred_types(model, feeds):
+def inferred_types(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, onnx.TypeProto]:
     """``{tensor: TypeProto}`` from onnx shape inference with the graph inputs set
     to the shapes fed. Big initializers enter as typed inputs, so their payloads
     are never copied; a model inference cannot handle gives what it declares."""
@@ -81,7 +84,7 @@ def inferred_types(model, feeds):
         if copy.type.HasField("tensor_type") and hasattr(array, "shape"):
             copy.type.tensor_type.shape.Clear()
             copy.type.tensor_type.shape.SetInParent()
-            for size in array.shape:
+            for size in array.shape:  # type: ignore[union-attr]  # hasattr: not None
                 copy.type.tensor_type.shape.dim.add().dim_value = size
     for init in graph.initializer:
         if math.prod(init.dims) <= 64:  # small: shape inputs whose values inference reads
@@ -104,18 +107,24 @@ class ReferenceMatcher:
     quantized models, or a model with itself, then gives zeros where equal).
     """
 
-    def __init__(self, float_graph, types=None):
+    def __init__(self, float_graph: onnx.GraphProto, types: dict[str, onnx.TypeProto] | None = None) -> None:
         self.graph = float_graph
         self.types = types or {}
         self.index = GraphIndex(float_graph)
         self.tensors = value_names(float_graph)
-        self.by_node = {}
+        self.by_node: dict[tuple[str | None, int | None], str] = {}
         for i, node in enumerate(float_graph.node):
             for k, tensor in enumerate(node.output):
                 if tensor:
                     self.by_node[(self.index.names[i], k)] = tensor
 
-    def reference(self, tensor, producer_name=None, output_index=None, want=None):
+    def reference(
+        self,
+        tensor: str,
+        producer_name: str | None = None,
+        output_index: int | None = None,
+        want: onnx.TypeProto | None = None,
+    ) -> str | None:
         """Same name without ORT's QDQ suffixes, else the same node's same output.
 
         A candidate whose shape is known to differ from ``want`` (the quantized
@@ -142,7 +151,16 @@ class OpModel:
     is the quantized model's own, so the combined graph reuses it.
     """
 
-    def __init__(self, index, graph, i, matcher, initializer_protos, types, out_chain):
+    def __init__(
+        self,
+        index: GraphIndex,
+        graph: onnx.GraphProto,
+        i: int,
+        matcher: ReferenceMatcher,
+        initializer_protos: Mapping[str, LazyArray],
+        types: dict[str, onnx.TypeProto],
+        out_chain: Any,
+    ) -> None:
         self.index, self.graph, self.row = index, graph, i
         chain, self.weight_nodes = [], set()
         for tensor in index.inputs[i]:
@@ -165,7 +183,9 @@ class OpModel:
                     self.feeds[tensor] = tensor_reference(index, matcher, tensor, types)
         self.output_scale = output_scale(graph, out_chain, initializer_protos)
 
-    def node_protos(self, rename=None, name_prefix="", skip=()):
+    def node_protos(
+        self, rename: Callable[[str], str] | None = None, name_prefix: str = "", skip: Container[int] = ()
+    ) -> list[onnx.NodeProto]:
         """Copies of the model's nodes but ``skip``, every tensor passed through ``rename``."""
         rename = rename or (lambda t: t)
         protos = []
@@ -184,11 +204,13 @@ class OpModel:
 class InitializerTable(dict):
     """Initializers by name, each read into numpy once when asked (every Q and DQ asks)."""
 
-    def __init__(self, graph):
+    def __init__(self, graph: onnx.GraphProto) -> None:
         super().__init__((init.name, LazyArray(init)) for init in graph.initializer)
 
 
-def output_scale(graph, out_chain, initializer_protos):
+def output_scale(
+    graph: onnx.GraphProto, out_chain: list[int], initializer_protos: Mapping[str, LazyArray]
+) -> float | None:
     """The output Q's scale as a float, when it is a scalar initializer."""
     if not out_chain:
         return None
@@ -196,14 +218,18 @@ def output_scale(graph, out_chain, initializer_protos):
     return None if scale is None or scale.array.size != 1 else float(scale.array.reshape(-1)[0])
 
 
-def clip_range(graph, q_node, initializer_protos):
+def clip_range(
+    graph: onnx.GraphProto, q_node: int, initializer_protos: Mapping[str, LazyArray]
+) -> tuple[float, float] | None:
     """``(lo, hi)``: what a per-tensor Q represents; None for a per-channel or
     non-integer Q, or one whose scale or zero point is not an initializer."""
     bounds = quant_range(graph.node[q_node], initializer_protos)
     return None if bounds is None else bounds[:2]
 
 
-def tensor_reference(index, matcher, tensor, types=None):
+def tensor_reference(
+    index: GraphIndex, matcher: ReferenceMatcher, tensor: str, types: dict[str, onnx.TypeProto] | None = None
+) -> str | None:
     want = (types or {}).get(tensor)
     producer = index.producer_of(tensor)
     if producer is None:
@@ -231,7 +257,7 @@ REASON_SINGLE_OP = "graphscan's own single-op model of this node does not run in
 TRACE_RETRIES = 8
 
 
-def unmatched_float_nodes(float_index, quant_index, rows):
+def unmatched_float_nodes(float_index: GraphIndex, quant_index: GraphIndex, rows: list[TraceOp]) -> list[Unmatched]:
     """Float compute nodes with no quantized counterpart of the same name and op_type.
 
     Nodes with subgraphs are listed too: trace compares their outputs but
@@ -246,7 +272,7 @@ def unmatched_float_nodes(float_index, quant_index, rows):
         producer = float_index.producer_of(source)
         if producer is not None:
             referenced.setdefault(producer, set()).add(row["op_type"])
-    unmatched = []
+    unmatched: list[Unmatched] = []
     for i in range(len(float_index)):
         if not float_index.is_compute(i):
             continue
@@ -261,7 +287,7 @@ def unmatched_float_nodes(float_index, quant_index, rows):
     return unmatched
 
 
-def file_stems(names):
+def file_stems(names: Iterable[str]) -> list[str]:
     """A file stem per name, all different even on a case-insensitive file system.
 
     A name made only of ``[A-Za-z0-9._-]`` is its own stem; any other gets its
@@ -283,7 +309,9 @@ def file_stems(names):
     return stems
 
 
-def standalone_model(quant_model, op, input_arrays, output_array):
+def standalone_model(
+    quant_model: onnx.ModelProto, op: OpModel, input_arrays: dict[str, np.ndarray], output_array: np.ndarray
+) -> onnx.ModelProto:
     """``op`` as a model of its own, for ``--save``: typed from the arrays it ran on."""
     wanted = set(op.initializers)
     initializers = [init for init in quant_model.graph.initializer if init.name in wanted]
@@ -301,7 +329,7 @@ def standalone_model(quant_model, op, input_arrays, output_array):
     return model
 
 
-def npz_bytes(inputs, reference):
+def npz_bytes(inputs: dict[str, np.ndarray], reference: np.ndarray) -> bytes:
     """The ``--save`` .npz: arrays under generated keys (``input0``, ...,
     ``reference``) and ``names.json`` mapping each key back to its tensor name,
     so any tensor name round-trips."""
@@ -321,7 +349,13 @@ def npz_bytes(inputs, reference):
     return buffer.getvalue()
 
 
-def save_op_models(folder, quant_model, rows, op_models, arrays_by_row):
+def save_op_models(
+    folder: str,
+    quant_model: onnx.ModelProto,
+    rows: list[TraceOp],
+    op_models: list[OpModel | None],
+    arrays_by_row: list[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray] | None],
+) -> None:
     """Write ``<stem>.onnx`` and ``<stem>.npz`` for every row that has a single-op
     model, and ``index.json`` mapping each row's node to its stem."""
     try:
@@ -343,7 +377,15 @@ class TraceRow:
     model (None where it has no reference or has a subgraph), the tensor it
     writes and what the next op sees, and why it is not compared, if so."""
 
-    def __init__(self, index, graph, i, matcher, initializer_protos, types):
+    def __init__(
+        self,
+        index: GraphIndex,
+        graph: onnx.GraphProto,
+        i: int,
+        matcher: ReferenceMatcher,
+        initializer_protos: Mapping[str, LazyArray],
+        types: dict[str, onnx.TypeProto],
+    ) -> None:
         node = graph.node[i]
         self.i, self.name = i, index.names[i]
         self.output = first_output(node)
@@ -357,14 +399,22 @@ class TraceRow:
         self.clip = clip_range(graph, self.out_chain[0], initializer_protos) if self.out_chain else None
 
 
-def plan_rows(quant_model, quant_index, matcher, types):
+def plan_rows(
+    quant_model: onnx.ModelProto, quant_index: GraphIndex, matcher: ReferenceMatcher, types: dict[str, onnx.TypeProto]
+) -> list[TraceRow]:
     """A TraceRow per compute node of the quantized model, in graph order."""
     graph = quant_model.graph
     initializer_protos = InitializerTable(graph)
     return [TraceRow(quant_index, graph, i, matcher, initializer_protos, types) for i in quant_index.compute_nodes]
 
 
-def row_answer(index, row, isolated, propagated, clipped):
+def row_answer(
+    index: GraphIndex,
+    row: TraceRow,
+    isolated: tuple[float | None, float | None],
+    propagated: tuple[float | None, float | None],
+    clipped: float | None,
+) -> TraceOp:
     """One ``ops`` row of the trace answer."""
     isolated_max, _ = isolated
     propagated_max, sqnr = propagated
@@ -390,7 +440,7 @@ def trace(
     tolerance: float = TRACE_TOLERANCE,
     save: str | None = None,
     shape: list[str] | None = None,
-) -> dict:
+) -> TraceAnswer:
     """Per operator of ``b`` (quantized): isolated and propagated error against ``a`` (float)."""
     try:
         with inputs_hint(not inputs, TRACE_SYMBOLIC_DIM_SIZE, [a, b]):
@@ -401,7 +451,9 @@ def trace(
         )
 
 
-def trace_models(a, b, inputs, seed, tolerance, save, shape):
+def trace_models(
+    a: str, b: str, inputs: str | None, seed: int, tolerance: float, save: str | None, shape: list[str] | None
+) -> TraceAnswer:
     """``trace``'s work: plan the rows, run graphscan's combined model, answer."""
     float_model, quant_model = load_with_weights(a), load_with_weights(b)
     check_same_inputs(float_model, quant_model, a, b)
@@ -450,8 +502,8 @@ def trace_models(a, b, inputs, seed, tolerance, save, shape):
         )
         arrays = None
         if save is not None and isolated is not None and rows[-1]["isolated_max_abs"] is not None:
-            inputs_of_op = {t: kept[combined.float_name(r) if r is not None else t] for t, r in row.op.feeds.items()}
-            arrays = (inputs_of_op, kept[combined.float_name(row.reference)], kept[op_output])
+            inputs_of_op = {t: kept[combined.float_name(r) if r is not None else t] for t, r in row.op.feeds.items()}  # type: ignore[union-attr]
+            arrays = (inputs_of_op, kept[combined.float_name(row.reference)], kept[op_output])  # type: ignore[arg-type, index]
         saved.append(arrays)
     if save is not None:
         save_op_models(save, quant_model, rows, [row.op for row in plan], saved)
@@ -481,22 +533,23 @@ def trace_models(a, b, inputs, seed, tolerance, save, shape):
     }
 
 
-def worst_isolated(rows):
+def worst_isolated(rows: list[TraceOp]) -> NodeError | None:
     measured = [r for r in rows if r["isolated_max_abs"] is not None]
     if not measured:
         return None
-    worst = max(measured, key=lambda r: r["isolated_max_abs"])  # first of equals
-    return {"node": worst["node"], "max_abs": worst["isolated_max_abs"]}
+    worst = max(measured, key=lambda r: cast(float, r["isolated_max_abs"]))  # first of equals
+    return {"node": worst["node"], "max_abs": cast(float, worst["isolated_max_abs"])}
 
 
-def first_over(rows, tolerance):
+def first_over(rows: list[TraceOp], tolerance: float) -> NodeError | None:
     for r in rows:
-        if r["isolated_max_abs"] is not None and r["isolated_max_abs"] > tolerance:
-            return {"node": r["node"], "max_abs": r["isolated_max_abs"]}
+        error = r["isolated_max_abs"]
+        if error is not None and error > tolerance:
+            return {"node": r["node"], "max_abs": error}
     return None
 
 
-def trace_table(answer, top):
+def trace_table(answer: dict[str, Any], top: int | None) -> str:
     """Red flags first (worst SQNR, largest LSB error, most clipped), then rows in graph order;
     with ``top``, the N worst of each, and the largest isolated and propagated errors."""
     columns = ["node", "op_type", "wrap", "isolated", "propag.", "lsb", "sqnr_db"]  # short: 80 columns
@@ -505,10 +558,10 @@ def trace_table(answer, top):
         columns.append("clipped")
         keys.append("clipped")
 
-    def rows(ops):
+    def rows(ops: list[dict[str, Any]]) -> list[list[Any]]:
         return [[row.get(key) for key in keys] for row in ops]
 
-    def headline(key):
+    def headline(key: str) -> tuple[str, str | None]:
         value = answer.get(key)
         return (key, f"{value['node']} ({value['max_abs']:.3g})" if value else None)
 

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx
 
 from graphscan import EXIT_INPUTS, GraphIndex, GraphscanError, shown
 from graphscan_ort.engines.segments import IMPACT_PREFIX, segment_runner
+from graphscan_ort.shared.answers import Exclusion, ImpactMeasures, OpGain, TensorGain
 from graphscan_ort.shared.graph import (
     DQ_OUTPUT_SUFFIX,
     QDQ_SUFFIX,
+    LazyArray,
     body_reads,
     constant_arrays,
     fresh_prefix,
@@ -26,7 +30,7 @@ MIN_GAIN_DB = 0.01  # --min-gain's default: the least gain an operator added to 
 ACTIVATIONS = ("Relu", "Clip", "LeakyRelu")  # what the quantizer folds into a Q
 
 
-def float_activation(float_index, quant_index, tensor):
+def float_activation(float_index: GraphIndex, quant_index: GraphIndex, tensor: str) -> onnx.NodeProto | None:
     """The Relu/Clip/LeakyRelu the quantizer absorbed into the Q of ``tensor``.
 
     Returns the float model's node (None when nothing was absorbed): its
@@ -46,7 +50,7 @@ def float_activation(float_index, quant_index, tensor):
     return float_index.graph.node[float_producer]
 
 
-def activation_bounds(node, float_constants):
+def activation_bounds(node: onnx.NodeProto, float_constants: dict[str, LazyArray]) -> tuple[float, ...] | None:
     """``(lo, hi)`` such that Clip(t, lo, hi) is ``node`` (Relu or Clip); None otherwise."""
     if node.op_type == "Relu":
         return 0.0, math.inf
@@ -73,7 +77,7 @@ class ImpactPlan:
     ``tensor_rows``: ``[(t, [(q, dq)], first Q's range or None, absorbed node or None)]``.
     """
 
-    def __init__(self, float_model, quant_model):
+    def __init__(self, float_model: onnx.ModelProto, quant_model: onnx.ModelProto) -> None:
         graph, fgraph = quant_model.graph, float_model.graph
         self.index = index = GraphIndex(graph)
         self.float_index = GraphIndex(fgraph)
@@ -102,7 +106,7 @@ class ImpactPlan:
                 self.weight_of[dq] = twin.name
         self.op_rows = []
         for i in index.compute_nodes:
-            edges = []
+            edges: list[tuple[int, tuple[str, Any]]] = []  # ("pair", dq) or ("weight", name)
             for pos, tensor in enumerate(graph.node[i].input):
                 reader_dq = index.producer_of(tensor) if tensor else None
                 if reader_dq in self.pair_of:
@@ -122,7 +126,7 @@ class ImpactPlan:
             q_range = quant_range(graph.node[pairs[0][0]], self.constants)
             self.tensor_rows.append((t, pairs, q_range, self.absorbed(t)))
 
-    def absorbed(self, tensor):
+    def absorbed(self, tensor: str) -> onnx.NodeProto | None:
         return float_activation(self.float_index, self.index, tensor)
 
 
@@ -135,31 +139,31 @@ class SwitchedModelBuilder:
     each added input's value while no variant is on.
     """
 
-    def __init__(self, plan, quant_model, prefix=IMPACT_PREFIX):
+    def __init__(self, plan: ImpactPlan, quant_model: onnx.ModelProto, prefix: str = IMPACT_PREFIX) -> None:
         self.plan, self.prefix = plan, prefix
         self.model = onnx.ModelProto()
         self.model.CopyFrom(quant_model)
         self.graph = self.model.graph
-        self.nodes = []  # new nodes, appended after the graph (ORT sorts topologically)
-        self.defaults = {}
-        self.cache = {}
+        self.nodes: list[onnx.NodeProto] = []  # new nodes, appended after the graph (ORT sorts topologically)
+        self.defaults: dict[str, np.ndarray] = {}
+        self.cache: dict[tuple[str | None, ...], Any] = {}
 
-    def scalar_input(self, name, value, elem_type):
+    def scalar_input(self, name: str, value: float, elem_type: int) -> str:
         self.graph.input.append(onnx.helper.make_tensor_value_info(name, elem_type, []))
         self.defaults[name] = np.array(value, dtype=onnx.helper.tensor_dtype_to_np_dtype(elem_type))
         return name
 
-    def constant(self, name, value, elem_type):
+    def constant(self, name: str, value: np.ndarray | float, elem_type: int) -> str:
         dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
         self.graph.initializer.append(onnx.numpy_helper.from_array(np.array(value, dtype=dtype), name))
         return name
 
-    def node(self, op_type, inputs, output, **attributes):
+    def node(self, op_type: str, inputs: list[str], output: str, **attributes: Any) -> str:
         name = output if output.startswith(self.prefix) else f"{self.prefix}keep/{output}"
         self.nodes.append(onnx.helper.make_node(op_type, inputs, [output], name=name, **attributes))
         return output
 
-    def where(self, alternative, raw, output=None):
+    def where(self, alternative: str, raw: str, output: str | None = None) -> tuple[str, str]:
         """``Where(on, alternative, raw)`` with a new condition input; returns (output, condition)."""
         key = ("where", alternative, raw, output)
         if key not in self.cache:
@@ -169,7 +173,7 @@ class SwitchedModelBuilder:
         return self.cache[key]
 
 
-def float_value(builder, plan, t, absorbed):
+def float_value(builder: SwitchedModelBuilder, plan: ImpactPlan, t: str, absorbed: onnx.NodeProto | None) -> str:
     """float(t) as a tensor of the derived model: t, or the absorbed activation on t."""
     if absorbed is None:
         return t
@@ -191,7 +195,13 @@ def float_value(builder, plan, t, absorbed):
     return name
 
 
-def tensor_alternative(builder, plan, t, q_range, absorbed):
+def tensor_alternative(
+    builder: SwitchedModelBuilder,
+    plan: ImpactPlan,
+    t: str,
+    q_range: tuple[float, float, int] | None,
+    absorbed: onnx.NodeProto | None,
+) -> tuple[str, dict[str, Any] | None]:
     """``(value, rounding settings)``: what readers of DQ(Q(t)) take when their
     Where is on: float(t), or Clip(t, lo, hi) with the settings applied (None
     when the Q's range is unknown)."""
@@ -217,7 +227,11 @@ def tensor_alternative(builder, plan, t, q_range, absorbed):
     return builder.node("Clip", [t, low, high], f"{builder.prefix}alt/{t}"), rounding
 
 
-def switched_model(plan, quant_model, float_model, prefix=IMPACT_PREFIX):
+def switched_model(
+    plan: ImpactPlan, quant_model: onnx.ModelProto, float_model: onnx.ModelProto, prefix: str = IMPACT_PREFIX
+) -> tuple[
+    onnx.ModelProto, dict[str, np.ndarray], list[dict[str, Any]], list[tuple[dict[str, Any], dict[str, Any] | None]]
+]:
     """The derived model and its variants: ``(model, defaults, op_variants, tensor_variants)``.
 
     A variant is ``{input name: value}`` to bind instead of ``defaults``.
@@ -228,6 +242,7 @@ def switched_model(plan, quant_model, float_model, prefix=IMPACT_PREFIX):
     builder = SwitchedModelBuilder(plan, quant_model, prefix)
     graph, index = builder.graph, plan.index
     float_inits = {init.name: init for init in float_model.graph.initializer}
+    rounding: dict[int, Any]  # None for a row without a known range
     alternatives, rounding = {}, {}  # per dq: float(t) (or its Clip), per tensor row: settings
     row_of = {}
     for m, (t, pairs, q_range, absorbed) in enumerate(plan.tensor_rows):
@@ -287,21 +302,22 @@ def switched_model(plan, quant_model, float_model, prefix=IMPACT_PREFIX):
     return builder.model, builder.defaults, op_variants, tensor_variants
 
 
-def gain(sqnr, baseline):
+def gain(sqnr: float | None, baseline: float | None) -> float | None:
     return sqnr - baseline if sqnr is not None and baseline is not None else None
 
 
-def ranked(rows, exact, baseline_exact):
+def ranked(rows: list[OpGain] | list[TensorGain], exact: list[bool], baseline_exact: bool) -> list[int]:
     """Row order: larger gain first, graph order among equals. A variant whose
     output equals the float model's (sqnr null) while the baseline does not
     counts as the largest gain; rows without a gain come last."""
 
-    def key(k):
+    def key(k: int) -> tuple[int, float, int]:
         if exact[k] and not baseline_exact:
             return (0, 0.0, k)
-        if rows[k]["gain_db"] is None:
+        gained = rows[k]["gain_db"]
+        if gained is None:
             return (2, 0.0, k)
-        return (1, -rows[k]["gain_db"], k)
+        return (1, -gained, k)
 
     return sorted(range(len(rows)), key=key)
 
@@ -311,12 +327,15 @@ class ValueStats:
     the values: how many lie outside its Q's [lo, hi] (``clipped``), whether
     all are finite, and the smallest and largest in the tensor's own type."""
 
-    def __init__(self, q_range):
+    def __init__(self, q_range: tuple[float, float, int]) -> None:
         self.lo, self.hi, _ = q_range
         self.total = self.outside = 0
+        self.dtype: np.dtype | None
+        self.low: np.generic | None
+        self.high: np.generic | None
         self.finite, self.dtype, self.low, self.high = True, None, None, None
 
-    def add(self, value):
+    def add(self, value: np.ndarray) -> None:
         value = np.asarray(value)
         self.dtype = value.dtype  # the same for every sample: the model's type of the tensor
         self.total += value.size
@@ -329,12 +348,18 @@ class ValueStats:
         self.outside += count_outside(value, self.lo, self.hi)
 
     @property
-    def clipped(self):
+    def clipped(self) -> float | None:
         """Fraction of the values outside the Q's [lo, hi] (None without values)."""
         return self.outside / self.total if self.total else None
 
 
-def exclusion(measure, candidates, baseline, target, max_exclude):
+def exclusion(
+    measure: Callable[[dict[str, Any]], tuple[float | None, bool]],
+    candidates: list[tuple[str, dict[str, Any]]],
+    baseline: tuple[float | None, bool],
+    target: float,
+    max_exclude: int | None,
+) -> Exclusion:
     """``{"target_sqnr_db", "nodes", "sqnr_db", "reached"}``: ``candidates``
     (``(node, variant)`` in rank order) are added one at a time and the combined
     model measured after each addition, until the target or ``max_exclude``."""
@@ -342,7 +367,7 @@ def exclusion(measure, candidates, baseline, target, max_exclude):
     combined: dict[str, object] = {}
     sqnr, exact = baseline
 
-    def met():
+    def met() -> bool:
         return exact or (sqnr is not None and sqnr >= target)
 
     for name, variant in candidates:
@@ -354,7 +379,9 @@ def exclusion(measure, candidates, baseline, target, max_exclude):
     return {"target_sqnr_db": target, "nodes": nodes, "sqnr_db": sqnr, "reached": met()}
 
 
-def tensor_stats(model, samples, ranges, path):
+def tensor_stats(
+    model: onnx.ModelProto, samples: list[dict[str, np.ndarray]], ranges: dict[str, tuple[float, float, int]], path: str
+) -> dict[str, ValueStats]:
     """``{tensor: ValueStats}`` of ``model``'s own tensors (``ranges``: ``{tensor:
     Q range}``), one session; each sample's values are dropped once counted."""
     stats = {t: ValueStats(q_range) for t, q_range in ranges.items()}
@@ -380,14 +407,14 @@ def tensor_stats(model, samples, ranges, path):
     return stats
 
 
-def variant_key(variant):
+def variant_key(variant: dict[str, Any]) -> tuple[tuple[str, bool | tuple[str, bytes]], ...]:
     """A hashable ``variant``: equal keys set the same inputs to the same values."""
     return tuple(
         sorted((name, True if value is True else (value.dtype.str, value.tobytes())) for name, value in variant.items())
     )
 
 
-def same_clip(stats, kept, rounded):
+def same_clip(stats: ValueStats, kept: tuple[np.ndarray, np.ndarray], rounded: tuple[np.ndarray, np.ndarray]) -> bool:
     """Whether ``Clip(t, *kept)`` and ``Clip(t, *rounded)`` (bounds: numpy
     scalars of t's type) are equal bit for bit for every value of t (``stats``:
     its ValueStats): t is finite and, on each side, the two bounds are the
@@ -409,7 +436,15 @@ class ImpactRun:
     ``measure(variant)``: ``(sqnr_db, exact)`` with ``variant`` on, run once per distinct variant.
     """
 
-    def __init__(self, float_model, quant_model, samples, output_names, noise, path):
+    def __init__(
+        self,
+        float_model: onnx.ModelProto,
+        quant_model: onnx.ModelProto,
+        samples: list[dict[str, np.ndarray]],
+        output_names: list[str],
+        noise: OutputNoise,
+        path: str,
+    ) -> None:
         self.noise = noise
         self.plan = plan = ImpactPlan(float_model, quant_model)
         prefix = fresh_prefix(quant_model, float_model)
@@ -419,18 +454,18 @@ class ImpactRun:
         machinery = {node.name for node in derived.graph.node if node.name.startswith(prefix)}
         self.runner = segment_runner(derived, self.defaults, machinery, samples, output_names, path, prefix)
         del derived
-        self.measured = {}
+        self.measured: dict[tuple[tuple[str, bool | tuple[str, bytes]], ...], tuple[float | None, bool]] = {}
         self.baseline = self.measure({})
         ranges = {t: q_range for t, _, q_range, _ in plan.tensor_rows if q_range is not None}
         self.stats = tensor_stats(quant_model, samples, ranges, path)
 
-    def measure(self, variant):
+    def measure(self, variant: dict[str, Any]) -> tuple[float | None, bool]:
         key = variant_key(variant)
         if key not in self.measured:
             self.measured[key] = self.noise.measure(self.runner.run(variant))
         return self.measured[key]
 
-    def rounding_variant(self, m):
+    def rounding_variant(self, m: int) -> dict[str, Any] | None:
         """Tensor row m's rounding-only variant, or its float(t) variant when the
         two are the same run: t's values never reach the Clip bounds that differ."""
         kept, rounded = self.tensor_variants[m]
@@ -444,7 +479,7 @@ class ImpactRun:
         return kept if same_clip(stats, (self.defaults[low], self.defaults[high]), (lo, hi)) else rounded
 
 
-def weight_warnings(plan, a):
+def weight_warnings(plan: ImpactPlan, a: str) -> list[str]:
     """Why the answer may mislead: weights of b with no float twin in a are kept quantized in every row."""
     unmatched = plan.weight_dqs - len(plan.weight_of)
     if not unmatched:
@@ -467,7 +502,7 @@ def measure(
     max_exclude: int | None = None,
     top: int | None = None,
     min_gain: float | None = None,
-) -> dict:
+) -> ImpactMeasures:
     """impact's answer for two models in memory (``a`` and ``b`` name them in
     failures and warnings), from ``samples`` on: the output SQNR each operator
     and tensor of ``quant_model`` costs, and with ``target_sqnr`` what to exclude."""
@@ -484,14 +519,16 @@ def measure(
     op_variants, tensor_variants = measured.op_variants, measured.tensor_variants
 
     index = plan.index
-    op_rows, op_exact = [], []
+    op_rows: list[OpGain] = []
+    op_exact: list[bool] = []
     for (i, _), variant in zip(plan.op_rows, op_variants):
         sqnr, exact = measure(variant)
         op_rows.append(
             {"node": index.names[i], "op_type": index.op_types[i], "sqnr_db": sqnr, "gain_db": gain(sqnr, baseline[0])}
         )
         op_exact.append(exact)
-    tensor_rows, tensor_exact = [], []
+    tensor_rows: list[TensorGain] = []
+    tensor_exact: list[bool] = []
     for m, ((t, q_dq_pairs, q_range, _), (kept, _)) in enumerate(zip(plan.tensor_rows, tensor_variants)):
         sqnr, exact = measure(kept)
         rounded = measured.rounding_variant(m)
@@ -513,7 +550,7 @@ def measure(
         tensor_exact.append(exact)
     op_order = ranked(op_rows, op_exact, baseline[1])
     tensor_order = ranked(tensor_rows, tensor_exact, baseline[1])
-    answer = {
+    answer: ImpactMeasures = {
         "samples": len(samples),
         "output_sqnr_db": baseline[0],
         # As users run both models: onnxruntime may rewrite what impact measures as written.
@@ -527,7 +564,7 @@ def measure(
         # A gain of 1e-9 dB is noise, not a reason to keep an operator float.
         least = MIN_GAIN_DB if min_gain is None else min_gain
 
-        def helps(k):
+        def helps(k: int) -> bool:
             gained = op_rows[k]["gain_db"] or 0.0
             return (op_exact[k] and not baseline[1]) or (gained > 0 and gained >= least)
 

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import os
 from collections import Counter
+from typing import Any
 
 import onnx
 import onnxruntime as ort
@@ -23,6 +24,7 @@ from graphscan import (
     parse_model,
     shown,
 )
+from graphscan_ort.shared.answers import NodeRow, Reason, RuntimeCounts
 from graphscan_ort.shared.graph import first_free
 from graphscan_ort.shared.kernels import (
     INT8_GATED_FUSIONS,
@@ -50,7 +52,7 @@ REASON_INT8 = "int8_activations"
 REASON_OTHER = "other"
 
 
-def session_names(model):
+def session_names(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     """A copy of ``model`` in which every node has a unique name.
 
     Unnamed nodes get their SPEC name (``<op_type>_<i>``); a name that is taken
@@ -72,7 +74,7 @@ def session_names(model):
     return named, names
 
 
-def check_provider(provider):
+def check_provider(provider: str) -> None:
     """Exit 2 for a provider that is not here or cannot be mapped per node."""
     available = ort.get_available_providers()
     if provider not in available:
@@ -85,7 +87,7 @@ def check_provider(provider):
         )
 
 
-def optimized_model(model_bytes, path, level, provider, int8_allowed):
+def optimized_model(model_bytes: bytes, path: str, level: str, provider: str, int8_allowed: bool) -> onnx.ModelProto:
     """The model onnxruntime runs, as it saves it after optimizing ``model_bytes``."""
     with temporary_folder("graphscan-runtime-") as folder:
         options = session_options(level, int8_allowed=int8_allowed)
@@ -112,7 +114,9 @@ def optimized_model(model_bytes, path, level, provider, int8_allowed):
             )
 
 
-def find_in_optimized(index, names, optimized, i):
+def find_in_optimized(
+    index: GraphIndex, names: list[str], optimized: OptimizedGraph, i: int
+) -> tuple[int | None, str | None]:
     """``(optimized node index or None, how)`` for compute node ``i`` of the original.
 
     By name, by name without onnxruntime's suffixes, by output tensor (also
@@ -160,7 +164,7 @@ def find_in_optimized(index, names, optimized, i):
     return None, None
 
 
-def tensors_gone(index, optimized, i):
+def tensors_gone(index: GraphIndex, optimized: OptimizedGraph, i: int) -> bool:
     """Whether node ``i``'s outputs are gone from the optimized graph or were
     folded into constants (initializers)."""
     live = optimized.index
@@ -169,7 +173,7 @@ def tensors_gone(index, optimized, i):
     )
 
 
-def absorbed_by_neighbours(index, found):
+def absorbed_by_neighbours(index: GraphIndex, found: dict[int, tuple[int | None, str | None]]) -> None:
     """Nodes not found whose upstream and downstream neighbours run in one
     kernel were fused into it (a Cast and a Mul inside a fused MatMul).
     Repeated until nothing changes, so chains of such nodes resolve."""
@@ -187,7 +191,9 @@ def absorbed_by_neighbours(index, found):
                 changed = True
 
 
-def map_to_kernels(index, names, optimized):
+def map_to_kernels(
+    index: GraphIndex, names: list[str], optimized: OptimizedGraph
+) -> dict[int, tuple[int | None, bool, str | None]]:
     """Per compute node: ``(optimized node or None, absorbed?, unmapped reason or None)``.
 
     When several nodes land on one kernel, the one found by name runs it (else
@@ -222,7 +228,7 @@ def map_to_kernels(index, names, optimized):
     return mapping
 
 
-def operand_types(optimized, j, op_type):
+def operand_types(optimized: OptimizedGraph, j: int, op_type: str) -> tuple[list[str], list[str], list[str], bool]:
     """Integer types of kernel ``j``'s DQ-fed inputs and Q-read outputs in the optimized graph.
 
     Returns ``(inputs, weights, outputs, complete)``: lists of type names;
@@ -254,7 +260,9 @@ def operand_types(optimized, j, op_type):
     return inputs, weights, outputs, complete
 
 
-def float_reason(op_type, optimized, j, level, provider, int8_allowed):
+def float_reason(
+    op_type: str, optimized: OptimizedGraph, j: int | None, level: str, provider: str, int8_allowed: bool
+) -> Reason:
     """Why a wrapped node still runs a float kernel: ``{"code", "detail"}``."""
     if level == "basic":
         return {"code": REASON_LEVEL, "detail": "QDQ fusions run at the extended level and above"}
@@ -283,16 +291,20 @@ def float_reason(op_type, optimized, j, level, provider, int8_allowed):
     return {"code": REASON_OTHER, "detail": f"{detail}; the fusion's other conditions failed"}
 
 
-def classify_nodes(index, names, optimized, level, provider, int8_allowed):
+def classify_nodes(
+    index: GraphIndex, names: list[str], optimized: OptimizedGraph, level: str, provider: str, int8_allowed: bool
+) -> tuple[list[NodeRow], list[str]]:
     """The ``nodes`` rows of the runtime answer, in graph order, and the unmapped names."""
     mapping = map_to_kernels(index, names, optimized)
-    rows, unmapped = [], []
+    rows: list[NodeRow] = []
+    unmapped: list[str] = []
+    j: Any  # None only for a node unmapped or absorbed (removed)
     for i in index.compute_nodes:
         j, absorbed, unmapped_reason = mapping[i]
         wrapped = index.wrapped[i]
         kernel = optimized.op_type(j) if j is not None else None
         runs_in = optimized.graph.node[j].name if j is not None else None
-        reason = None
+        reason: Reason | None = None
         if unmapped_reason:
             kind = None
             reason = {"code": "unmapped", "detail": unmapped_reason}
@@ -317,7 +329,7 @@ def classify_nodes(index, names, optimized, level, provider, int8_allowed):
     return rows, unmapped
 
 
-def runtime_counts(rows):
+def runtime_counts(rows: list[NodeRow]) -> RuntimeCounts:
     classes = Counter(row["class"] for row in rows)
     by_op_type: dict[str, dict[str, int]] = {}
     for row in rows:
@@ -344,7 +356,7 @@ class Classification:
     the graph onnxruntime saved after optimizing it.
     """
 
-    rows: list[dict]
+    rows: list[NodeRow]
     unmapped: list[str]
     named: onnx.ModelProto
     named_bytes: bytes
@@ -352,7 +364,7 @@ class Classification:
     optimized: OptimizedGraph
 
     @property
-    def counts(self) -> dict:
+    def counts(self) -> RuntimeCounts:
         """The runtime answer's counts: compute, wrapped, classes, ..., by_op_type."""
         return runtime_counts(self.rows)
 

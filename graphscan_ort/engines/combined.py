@@ -19,12 +19,14 @@ import io
 import itertools
 import math
 import re
+from collections.abc import Callable, Collection, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
-from graphscan import EXIT_RUNTIME, GraphscanError, one_line, shown, subgraphs
+from graphscan import EXIT_RUNTIME, GraphIndex, GraphscanError, one_line, shown, subgraphs
 from graphscan_ort.engines.measures import (
     TRACE_CHUNK_ELEMENTS,
     ClipCount,
@@ -37,6 +39,13 @@ from graphscan_ort.engines.measures import (
 from graphscan_ort.shared.graph import fresh_prefix, node_reads
 from graphscan_ort.shared.metrics import float32_bounds
 from graphscan_ort.shared.sessions import OUT_OF_MEMORY, does_not_run, open_session, run_options, session_options
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+# trace's rows (commands/trace.py's TraceRow, a layer up): what the combined model reads of one.
+TraceRow = Any
+
 
 # A comparison whose tensors are of known size, with at most TRACE_FETCH_ELEMENTS
 # elements each, is fetched and measured in numpy; any other is reduced to scalars
@@ -63,7 +72,7 @@ TRACE_SEGMENT_NODES = 5000
 ROW_PART, FLOAT_PART, STATS_PART = "row{}/", "float/", "stats/"
 
 
-def rename_graph(graph, rename, node_prefix):
+def rename_graph(graph: onnx.GraphProto, rename: Callable[[str], str], node_prefix: str) -> None:
     """Rename every tensor of ``graph`` and of its subgraphs in place."""
     for node in graph.node:
         if node.name:
@@ -80,7 +89,9 @@ def rename_graph(graph, rename, node_prefix):
         sparse.values.name = rename(sparse.values.name)
 
 
-def schedule(entries):
+def schedule(
+    entries: list[tuple[int, onnx.GraphProto, int, list[str] | None]],
+) -> list[tuple[onnx.GraphProto, int, list[str], list[str]]]:
     """``entries`` (rank, graph, k, reads or None) for node ``graph.node[k]``, as ``(graph, k, reads, writes)``
     in an order that runs each node after its inputs, the ready node of lowest
     rank first (ties: as listed). onnxruntime's PRIORITY_BASED order then runs
@@ -125,7 +136,14 @@ class CombinedModel:
     All three start with a prefix that no name of either model starts with.
     """
 
-    def __init__(self, float_model, quant_model, feeds, float_types, quant_types):
+    def __init__(
+        self,
+        float_model: onnx.ModelProto,
+        quant_model: onnx.ModelProto,
+        feeds: dict[str, np.ndarray],
+        float_types: dict[str, onnx.TypeProto],
+        quant_types: dict[str, onnx.TypeProto],
+    ) -> None:
         self.float_model, self.quant_model, self.feeds = float_model, quant_model, feeds
         self.prefix = fresh_prefix(quant_model, float_model)
         self.row_prefix = self.prefix + ROW_PART
@@ -140,40 +158,43 @@ class CombinedModel:
         self.entries: list[tuple[int, onnx.GraphProto, int, list[str] | None]] = [
             (rank, quant_model.graph, rank, None) for rank in range(len(quant_model.graph.node))
         ]
+        self.fetch: list[str]
+        self.fetch_set: set[str]
         self.fetch, self.fetch_set = [], set()
-        self.fetch_rank = {}  # fetched float tensor -> lowest rank of a row that fetches it
-        self.fetch_bytes = {}  # fetched tensor -> its bytes, where known
+        self.fetch_rank: dict[str, int] = {}  # fetched float tensor -> lowest rank of a row that fetches it
+        self.fetch_bytes: dict[str, int] = {}  # fetched tensor -> its bytes, where known
+        self.measurements: list[Comparison | ClipCount]
         self.measurements = []  # every Comparison and ClipCount, settled as their tensors arrive
         self.keep = False  # whether run_combined keeps every fetched array (``--save`` reads them)
         self.reduced = False  # whether any measurement is reduced in the graph
         self.count = 0
-        self.types = dict(quant_types)
+        self.types: dict[str, onnx.TypeProto | None] = dict(quant_types)
         self.types.update((self.float_name(t), info) for t, info in float_types.items())
         self.end = len(quant_model.graph.node)
         self.feed_sizes = {
             name: declared_sizes(name, value, (float_model, quant_model)) for name, value in feeds.items()
         }
 
-    def float_name(self, tensor):
+    def float_name(self, tensor: str) -> str:
         return tensor if tensor in self.feeds else self.float_prefix + tensor
 
-    def fetched(self, rank, names):
+    def fetched(self, rank: int, names: Iterable[str]) -> None:
         for name in names:
             if name not in self.fetch_set and name not in self.feeds:
                 self.fetch.append(name)
                 self.fetch_set.add(name)
             self.fetch_rank[name] = min(rank, self.fetch_rank.get(name, rank))
 
-    def fits(self, names):
+    def fits(self, names: Iterable[str]) -> bool:
         """Whether ``names`` can be fetched: each of known size, at most
         TRACE_FETCH_ELEMENTS. If so, their bytes are noted for segments()."""
         sizes = {n: tensor_bytes(self.types.get(n)) for n in names if n not in self.feeds}
         if any(size is None or size[0] > TRACE_FETCH_ELEMENTS for size in sizes.values()):
             return False
-        self.fetch_bytes.update((n, size[1]) for n, size in sizes.items())
+        self.fetch_bytes.update((n, size[1]) for n, size in sizes.items())  # type: ignore[index]  # all known (above)
         return True
 
-    def add_node(self, rank, op_type, inputs, **attributes):
+    def add_node(self, rank: int, op_type: str, inputs: list[str], **attributes: Any) -> str:
         """One statistics node, made in place in the pool (thousands of them: no helper, no copy)."""
         self.count += 1
         output = f"{self.stats_prefix}{op_type}_{self.count}"
@@ -186,18 +207,18 @@ class CombinedModel:
         self.entries.append((rank, self.pool, len(self.pool.node) - 1, list(inputs)))
         return output
 
-    def add_nodes(self, rank, nodes):
+    def add_nodes(self, rank: int, nodes: Iterable[onnx.NodeProto]) -> None:
         for node in nodes:
             self.pool.node.append(node)
             self.entries.append((rank, self.pool, len(self.pool.node) - 1, node_reads(node)))
 
-    def add_constant(self, array):
+    def add_constant(self, array: npt.ArrayLike) -> str:
         self.count += 1
         name = f"{self.stats_prefix}constant_{self.count}"
         self.pool.initializer.append(onnx.numpy_helper.from_array(np.asarray(array), name))
         return name
 
-    def as_double(self, rank, tensor):
+    def as_double(self, rank: int, tensor: str) -> str:
         type_proto = self.types.get(tensor)
         if type_proto is not None and type_proto.tensor_type.elem_type in (FLOAT16, BFLOAT16):
             # onnxruntime computes many 16-bit ops in float32 between Casts it inserts, and
@@ -206,7 +227,9 @@ class CombinedModel:
             tensor = self.add_node(rank, "Identity", [tensor])
         return self.add_node(rank, "Cast", [tensor], to=onnx.TensorProto.DOUBLE)
 
-    def compare(self, rank, reference, value, signal=False, fetch=False):
+    def compare(
+        self, rank: int, reference: str, value: str, signal: bool = False, fetch: bool = False
+    ) -> Comparison | None:
         """A Comparison of two tensors (fetched when ``fetch``, else reduced in
         the graph), or None when their types rule it out."""
         first, second = self.types.get(reference), self.types.get(value)
@@ -217,7 +240,9 @@ class CombinedModel:
         if fetch:
             self.fetched(rank, [reference, value])
             return comparison
+        scalars: dict[str, str | list[str]]
         scalars, agree = {}, shapes_agree(first, second)
+        pieces: Iterable[tuple[str, ...]]
         if agree is None:
             # Shapes only known at run time: compare flat prefixes of one
             # length (each cut to the other's size), so the Sub always runs,
@@ -234,7 +259,7 @@ class CombinedModel:
             ]
             scalars["shapes"] = [self.add_node(rank, "Shape", [reference]), self.add_node(rank, "Shape", [value])]
         else:
-            pieces = self.chunks(rank, [reference, value], math.prod(tensor_dims(first)))
+            pieces = self.chunks(rank, [reference, value], math.prod(tensor_dims(first)))  # type: ignore[arg-type]
         maxima, noises, signals = [], [], []
         for ref_piece, val_piece in pieces:
             ref, val = self.as_double(rank, ref_piece), self.as_double(rank, val_piece)
@@ -252,7 +277,7 @@ class CombinedModel:
         self.fetched(rank, comparison.names())
         return comparison
 
-    def chunks(self, rank, tensors, elements):
+    def chunks(self, rank: int, tensors: list[str], elements: int) -> Iterator[tuple[str, ...]]:
         """Yield ``tensors`` (of ``elements`` values each) as tuples of flat slices
         of at most TRACE_CHUNK_ELEMENTS, each slice's nodes made as it is asked
         for, so each slice is measured and freed before the next is cut."""
@@ -265,10 +290,10 @@ class CombinedModel:
             starts, ends = self.add_constant([begin]), self.add_constant([begin + TRACE_CHUNK_ELEMENTS])
             yield tuple(self.add_node(rank, "Slice", [t, starts, ends]) for t in flats)
 
-    def combine(self, rank, op_type, scalars):
+    def combine(self, rank: int, op_type: str, scalars: list[str]) -> str:
         return scalars[0] if len(scalars) == 1 else self.add_node(rank, op_type, scalars)
 
-    def clip_count(self, rank, tensor, lo, hi, fetch):
+    def clip_count(self, rank: int, tensor: str, lo: float, hi: float, fetch: bool) -> ClipCount | None:
         """A ClipCount of ``tensor``; counted in numpy when ``fetch`` (its row is fetched)."""
         count = ClipCount(tensor, lo, hi)
         type_proto = self.types.get(tensor)
@@ -299,7 +324,9 @@ class CombinedModel:
         self.fetched(rank, count.names())
         return count
 
-    def add_row(self, k, row, quant_index, save):
+    def add_row(
+        self, k: int, row: TraceRow, quant_index: GraphIndex, save: bool
+    ) -> tuple[Comparison | None, Comparison | None, ClipCount | None, str | None]:
         """Row ``k``'s single-op model and measurements: ``(isolated, propagated,
         clip, single-op output)``, each None where it does not apply. A row's
         tensors are all fetched (``save`` fetches every row with a single-op model) or all
@@ -315,7 +342,7 @@ class CombinedModel:
             keep = set(row.op.initializers)
             keep.update(t for j in row.op.weight_nodes for t in quant_index.outputs[j])
 
-            def rename(tensor):
+            def rename(tensor: str) -> str:
                 return fed.get(tensor) or (tensor if tensor in keep else prefix + tensor)
 
             self.add_nodes(rank, row.op.node_protos(rename, prefix, skip=row.op.weight_nodes))
@@ -338,7 +365,7 @@ class CombinedModel:
             self.fetched(rank, fed.values())
         return isolated, propagated, clip, op_output
 
-    def add_float_model(self):
+    def add_float_model(self) -> None:
         """The float graph, renamed, each node ranked by the first row that needs it;
         nodes no row needs are left out."""
         graph = onnx.GraphProto()
@@ -368,7 +395,7 @@ class CombinedModel:
         self.entries.extend(reversed(ranked))
         self.float_graph = graph
 
-    def header(self):
+    def header(self) -> onnx.ModelProto:
         """An empty ModelProto with what every segment shares: IR, opsets, functions."""
         model = onnx.ModelProto()
         for field in ("ir_version", "producer_name", "producer_version", "domain", "model_version"):
@@ -384,7 +411,7 @@ class CombinedModel:
         model.functions.extend(f for f in self.float_model.functions if (f.domain, f.name) not in known)
         return model
 
-    def unscheduled(self):
+    def unscheduled(self) -> onnx.ModelProto | None:
         """When every row is fetched, all within one session's budget, and the
         nodes fit one segment, order cannot matter to memory: the whole combined
         model as built, copied in bulk, no schedule to pay for."""
@@ -405,11 +432,11 @@ class CombinedModel:
         graph.output.extend(onnx.ValueInfoProto(name=t) for t in self.fetch)
         return model
 
-    def fetched_bytes(self, names):
+    def fetched_bytes(self, names: Iterable[str]) -> int:
         """Bytes of the fetched tensors among ``names``, where known."""
         return sum(self.fetch_bytes.get(t, 0) for t in names if t in self.fetch_set)
 
-    def segments(self):
+    def segments(self) -> list[list[tuple[onnx.GraphProto, int, list[str], list[str]]]]:
         """The scheduled nodes cut into runs of at most TRACE_SEGMENT_NODES nodes,
         each ending once what it fetches reaches TRACE_FETCH_BUDGET bytes."""
         order = schedule(self.entries)
@@ -423,7 +450,7 @@ class CombinedModel:
                 current, held = [], 0
         return segments + [current] if current else segments
 
-    def initializer_protos(self):
+    def initializer_protos(self) -> dict[str, onnx.TensorProto]:
         """``{name: TensorProto}`` of every initializer a node may read."""
         protos: dict[str, onnx.TensorProto] = {}
         for graph in (self.quant_model.graph, self.float_graph, self.pool):
@@ -433,7 +460,7 @@ class CombinedModel:
         return protos
 
 
-def declared_sizes(name, value, models):
+def declared_sizes(name: str, value: object, models: Iterable[onnx.ModelProto]) -> list[int | None] | None:
     """The sizes to declare for a fed graph input: each one both models declare
     as that size, else unknown; None when the value is not a tensor."""
     if not isinstance(value, np.ndarray):
@@ -448,10 +475,10 @@ def declared_sizes(name, value, models):
     return sizes
 
 
-def float_in_quant_opset(float_model, quant_model, a, b):
+def float_in_quant_opset(float_model: onnx.ModelProto, quant_model: onnx.ModelProto, a: str, b: str) -> onnx.ModelProto:
     """The float model at the quantized model's default opset, so both run in one session."""
 
-    def default_opset(model):
+    def default_opset(model: onnx.ModelProto) -> int | None:
         return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
 
     wanted, have = default_opset(quant_model), default_opset(float_model)
@@ -469,7 +496,7 @@ def float_in_quant_opset(float_model, quant_model, a, b):
 SHARED_ARENA: list[bool] = []  # [True] once this process registered onnxruntime's shared CPU arena, [False] if not
 
 
-def shared_arena():
+def shared_arena() -> bool:
     """Whether every segment's session can allocate from one onnxruntime CPU arena
     that grows only by what is asked. Separate arenas would each keep their own
     high-water mark (and glibc the pages they free), so memory would grow with
@@ -484,7 +511,7 @@ def shared_arena():
     return SHARED_ARENA[0]
 
 
-def combined_options():
+def combined_options() -> Any:
     """onnxruntime options for graphscan's combined model: the graph as written, run in our order."""
     # Without disable_quant_qdq onnxruntime gives each DQ read by our statistics a copy of
     # its own, appended after every other node, which would run last and hold memory.
@@ -498,7 +525,7 @@ def combined_options():
     return options
 
 
-def declared_input(name, value, sizes=None):
+def declared_input(name: str, value: object, sizes: list[int | None] | None = None) -> onnx.ValueInfoProto:
     """A graph input typed from the value fed to it: its element type and rank,
     with ``sizes`` (None: every dimension unknown). Concrete sizes would let
     onnxruntime's shape inference refuse an If branch that never runs, which the
@@ -518,9 +545,9 @@ class Settler:
     it holds include every tensor it reads, then drops each array no unsettled
     measurement reads, unless ``keep``: what is fetched is freed as it is measured."""
 
-    def __init__(self, measurements, feeds, keep):
+    def __init__(self, measurements: list[Comparison | ClipCount], feeds: dict[str, np.ndarray], keep: bool) -> None:
         self.measurements, self.feeds, self.keep = measurements, feeds, keep
-        self.held = {}  # fetched name -> array, until nothing unsettled reads it
+        self.held: dict[str, Any] = {}  # fetched name -> array, until nothing unsettled reads it
         self.missing: list[int] = []
         self.readers: dict[str, list[int]] = {}
         for m, measurement in enumerate(measurements):
@@ -533,7 +560,7 @@ class Settler:
             if not missing:  # reads only the feeds
                 self.settle(m)
 
-    def arrived(self, fetched):
+    def arrived(self, fetched: dict[str, Any]) -> None:
         """``fetched`` (``{name: array}``) just came out of a session."""
         self.held.update(fetched)
         for name in fetched:
@@ -542,7 +569,7 @@ class Settler:
                 if not self.missing[m]:
                     self.settle(m)
 
-    def settle(self, m):
+    def settle(self, m: int) -> None:
         measurement = self.measurements[m]
         measurement.outcome = measurement.result(collections.ChainMap(self.held, self.feeds))
         for name in dict.fromkeys(measurement.names()):
@@ -552,7 +579,9 @@ class Settler:
                     self.held.pop(name, None)
 
 
-def run_combined(combined, feeds, a, b, rows):
+def run_combined(
+    combined: CombinedModel, feeds: dict[str, np.ndarray], a: str, b: str, rows: list[TraceRow]
+) -> dict[str, Any]:
     """Run graphscan's combined model, settling every measurement; returns
     ``{fetched name: value}`` of what is kept (everything with ``combined.keep``).
 
@@ -588,13 +617,22 @@ def run_combined(combined, feeds, a, b, rows):
     return settler.held
 
 
-def segment_results(combined, feeds, options, ran_with, a, b, rows):
+def segment_results(
+    combined: CombinedModel,
+    feeds: dict[str, np.ndarray],
+    options: Any,
+    ran_with: Any,
+    a: str,
+    b: str,
+    rows: list[TraceRow],
+) -> Iterator[dict[str, Any]]:
     """Run the scheduled segments one session each; yield what each fetches,
     ``{name: array}``, after the fetched initializers."""
     segments = combined.segments()
     initializers = combined.initializer_protos()
     fetch = combined.fetch_set
     last_reader, constants = {}, {}
+    reads: Collection[str]
     for s, segment in enumerate(segments):
         for graph, k, reads, writes in segment:
             for tensor in reads:
@@ -648,12 +686,22 @@ def segment_results(combined, feeds, options, ran_with, a, b, rows):
 class SingleOpModelError(GraphscanError):
     """graphscan's own single-op model of row ``row`` does not run (``reason``: onnxruntime's line)."""
 
-    def __init__(self, message, row, reason):
+    def __init__(self, message: str, row: int, reason: str) -> None:
         super().__init__(message, EXIT_RUNTIME)
         self.row, self.reason = row, reason
 
 
-def run_segment(model, feeds, outputs, options, ran_with, a, b, rows, names):
+def run_segment(
+    model: onnx.ModelProto,
+    feeds: dict[str, Any],
+    outputs: list[str],
+    options: Any,
+    ran_with: Any,
+    a: str,
+    b: str,
+    rows: list[TraceRow],
+    names: CombinedModel,
+) -> list[Any]:
     """One session of graphscan's combined model; blames failures as run_combined says."""
     combined = f"graphscan's combined model of {shown(a)} and {shown(b)}"
     try:
@@ -690,7 +738,7 @@ def run_segment(model, feeds, outputs, options, ran_with, a, b, rows, names):
         raise does_not_run(subject, exc)
 
 
-def culprit(names, a, b, combined):
+def culprit(names: CombinedModel, a: str, b: str, combined: str) -> str:
     """Who to blame for a failure of graphscan's combined model that names no
     node: the quantized or the float model when it cannot be built alone, else
     graphscan's combined model itself."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import onnx
@@ -15,7 +17,7 @@ from graphscan_ort.shared.metrics import count_outside, sqnr_db_of_norms
 TRACE_CHUNK_ELEMENTS = 2**19
 
 
-def tensor_dims(type_proto):
+def tensor_dims(type_proto: onnx.TypeProto | None) -> list[int | None] | None:
     """A tensor type's dims (None where unknown), or None without a shape."""
     if type_proto is None or type_proto.WhichOneof("value") != "tensor_type":
         return None
@@ -26,7 +28,7 @@ def tensor_dims(type_proto):
     return [d.dim_value if d.dim_value > 0 else None for d in tensor_type.shape.dim]
 
 
-def shapes_agree(first, second):
+def shapes_agree(first: onnx.TypeProto | None, second: onnx.TypeProto | None) -> bool | None:
     """True when two types' shapes are known and equal, False when known to differ, else None."""
     a, b = tensor_dims(first), tensor_dims(second)
     if a is None or b is None:
@@ -45,7 +47,7 @@ NOT_TENSOR_KINDS = {
 }
 
 
-def type_problem(type_proto):
+def type_problem(type_proto: onnx.TypeProto | None) -> str | None:
     """Why a tensor of this type cannot be compared (None: it can, or its type is unknown)."""
     if type_proto is None:
         return None
@@ -59,7 +61,7 @@ def type_problem(type_proto):
     return None
 
 
-def comparable_dtype(type_proto):
+def comparable_dtype(type_proto: onnx.TypeProto | None) -> bool:
     """Whether a tensor of this type is measured (numbers; unknown types are tried)."""
     if type_proto is None or not type_proto.tensor_type.elem_type:
         return type_problem(type_proto) is None
@@ -67,17 +69,17 @@ def comparable_dtype(type_proto):
     return elem_type not in (onnx.TensorProto.STRING, onnx.TensorProto.BOOL)
 
 
-def tensor_bytes(type_proto):
+def tensor_bytes(type_proto: onnx.TypeProto | None) -> tuple[int, int] | None:
     """Bytes of a tensor whose type and dims are all known, else None."""
-    dims = tensor_dims(type_proto)
+    dims: list[Any] | None = tensor_dims(type_proto)
     if dims is None or None in dims:
         return None
-    itemsize = item_size(type_proto.tensor_type.elem_type)
+    itemsize = item_size(type_proto.tensor_type.elem_type)  # type: ignore[union-attr]  # not None: it has dims
     return None if itemsize is None else (math.prod(dims), math.prod(dims) * itemsize)
 
 
 @functools.cache
-def item_size(elem_type):
+def item_size(elem_type: int) -> int | None:
     """Bytes per element of an ONNX tensor type, None when unknown."""
     try:
         return onnx.helper.tensor_dtype_to_np_dtype(elem_type).itemsize if elem_type else None
@@ -85,12 +87,12 @@ def item_size(elem_type):
         return None
 
 
-def value_info_of(name, array):
+def value_info_of(name: str, array: np.ndarray) -> onnx.ValueInfoProto:
     elem_type = onnx.helper.np_dtype_to_tensor_dtype(array.dtype)
     return onnx.helper.make_tensor_value_info(name, elem_type, list(array.shape))
 
 
-def error_stats(reference, value, signal):
+def error_stats(reference: object, value: object, signal: bool) -> tuple[float | None, float | None]:
     """(max |ref - value|, SQNR in dB, or None without ``signal``), or Nones when
     they cannot be compared. Measured in float64, TRACE_CHUNK_ELEMENTS values at
     a time, so the float64 copies stay small; sums of squares by sum_of_squares."""
@@ -122,7 +124,7 @@ def error_stats(reference, value, signal):
 DOT_ELEMENTS = 8192
 
 
-def sum_of_squares(values):
+def sum_of_squares(values: np.ndarray) -> float:
     """The sum of squares of a flat array, in float64."""
     if values.size <= DOT_ELEMENTS:
         wide = values.astype(np.float64, copy=False)
@@ -130,7 +132,7 @@ def sum_of_squares(values):
     return float(np.einsum("i,i->", values, values, dtype=np.float64))
 
 
-def real_numbers(array):
+def real_numbers(array: np.ndarray) -> bool:
     """Whether an array holds real numbers (integers or floats), what trace measures."""
     return np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)
 
@@ -139,18 +141,18 @@ class Comparison:
     """max |reference - value| (and, with ``signal``, the SQNR) of two tensors of
     the combined model: fetched and measured in numpy, or reduced in the graph."""
 
-    def __init__(self, reference, value, signal=False):
+    def __init__(self, reference: str, value: str, signal: bool = False) -> None:
         self.reference, self.value, self.signal = reference, value, signal
-        self.scalars = None  # names of the in-graph results when reduced
-        self.outcome = (None, None)  # result() once the session gave what it reads
+        self.scalars: dict[str, Any] | None = None  # names of the in-graph results when reduced
+        self.outcome: tuple[float | None, float | None] = (None, None)  # result() once the session gave what it reads
 
-    def names(self):
+    def names(self) -> list[str]:
         """The combined model's tensors result() reads."""
         if self.scalars is None:
             return [self.reference, self.value]
         return [n for group in self.scalars.values() for n in ([group] if isinstance(group, str) else group)]
 
-    def result(self, values):
+    def result(self, values: Mapping[str, Any]) -> tuple[float | None, float | None]:
         """``(max_abs, sqnr_db)`` from ``values``: the fetched arrays and the feeds."""
         if self.scalars is None:
             return error_stats(values.get(self.reference), values.get(self.value), self.signal)
@@ -171,17 +173,17 @@ class Comparison:
 class ClipCount:
     """Fraction of a tensor's values outside ``[lo, hi]``: counted in numpy or in the graph."""
 
-    def __init__(self, tensor, lo, hi):
+    def __init__(self, tensor: str, lo: float, hi: float) -> None:
         self.tensor, self.lo, self.hi = tensor, lo, hi
-        self.scalars = None
-        self.outcome = None
+        self.scalars: list[str | int] | None = None
+        self.outcome: float | None = None
 
-    def names(self):
+    def names(self) -> list[str]:
         if self.scalars is None:
             return [self.tensor]
         return [n for n in self.scalars if isinstance(n, str)]
 
-    def result(self, values):
+    def result(self, values: Mapping[str, Any]) -> float | None:
         if self.scalars is None:
             array = values.get(self.tensor)
             if not isinstance(array, np.ndarray) or not np.issubdtype(array.dtype, np.number):

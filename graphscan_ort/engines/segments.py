@@ -17,6 +17,7 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -55,12 +56,14 @@ class Unsegmentable(Exception):
     """A value crosses a segment boundary that a segment's inputs cannot declare (not a tensor)."""
 
 
-def outer_reads(node, defined):
+def outer_reads(node: onnx.NodeProto, defined: set[str]) -> list[str]:
     """The names ``node`` reads from its graph: its inputs, then the names from ``defined`` its bodies read."""
     return [t for t in node.input if t] + sorted(body_reads(node) & defined)
 
 
-def topological_nodes(nodes, reads):
+def topological_nodes(
+    nodes: list[onnx.NodeProto], reads: Callable[[onnx.NodeProto], list[str]]
+) -> list[onnx.NodeProto]:
     """``nodes`` in an order where every producer comes first; each node stays
     where it was unless a node it reads from comes later. ``reads(node)``: the
     names it reads, bodies included."""
@@ -84,7 +87,9 @@ def topological_nodes(nodes, reads):
     return [nodes[k] for k in order]
 
 
-def known_shapes(model, nodes, sample):
+def known_shapes(
+    model: onnx.ModelProto, nodes: list[onnx.NodeProto], sample: dict[str, np.ndarray]
+) -> dict[str, list[int]]:
     """``{tensor: dims}`` for every tensor whose shape inference gives in full,
     with the graph inputs shaped as in ``sample``."""
     typed = onnx.ModelProto()
@@ -107,10 +112,10 @@ def known_shapes(model, nodes, sample):
     return shapes
 
 
-def node_work(node, shapes):
+def node_work(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int | None:
     """A node's rough work: its output elements, times the length of the sums
     behind each for Conv, ConvTranspose, MatMul and Gemm; None when unknown."""
-    outputs = [shapes.get(t) for t in node.output if t]
+    outputs: list[Any] = [shapes.get(t) for t in node.output if t]
     if not outputs or None in outputs:
         return None
     elements = sum(math.prod(dims) for dims in outputs)
@@ -129,7 +134,9 @@ def node_work(node, shapes):
     return elements
 
 
-def equal_work_chunks(nodes, works, count):
+def equal_work_chunks(
+    nodes: list[onnx.NodeProto], works: list[int | None] | list[float], count: int
+) -> list[list[onnx.NodeProto]]:
     """``nodes`` (in order) cut into at most ``count`` runs of about equal work;
     a node of unknown work counts as the median node."""
     import statistics
@@ -137,6 +144,7 @@ def equal_work_chunks(nodes, works, count):
     known = [w for w in works if w is not None]
     fill = statistics.median(known) if known else 1
     works = [max(1, fill if w is None else w) for w in works]
+    done: float
     total, done, cut, starts = sum(works), 0, 1, [0]
     for i, work in enumerate(works):
         while cut < count and done >= total * cut / count:
@@ -159,7 +167,16 @@ class SegmentPlan:
     all of it, PLAIN none. With ``count`` 1 the one segment is the whole model.
     """
 
-    def __init__(self, model, data_inputs, switches, machinery, count, sample, prefix=IMPACT_PREFIX):
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        data_inputs: list[str],
+        switches: set[str],
+        machinery: set[str],
+        count: int,
+        sample: dict[str, np.ndarray],
+        prefix: str = IMPACT_PREFIX,
+    ) -> None:
         graph = self.graph = model.graph
         self.prefix = prefix  # of every name the derived model adds
         self.machinery = machinery  # names of the nodes graphscan added
@@ -215,7 +232,7 @@ class SegmentPlan:
         self.template.CopyFrom(model)
         self.template.ClearField("graph")
 
-    def switch_groups(self, graph_outputs):
+    def switch_groups(self, graph_outputs: list[str]) -> dict[int, frozenset[int]]:
         """``{id(machinery node): groups}``: the groups of the nodes of its own
         segment it feeds; every group when a later segment, a body or the graph
         outputs read it."""
@@ -236,10 +253,11 @@ class SegmentPlan:
                 groups[id(node)] = frozenset(fed) or every
         return groups
 
-    def needs(self, names):
+    def needs(self, names: list[str]) -> dict[int, int | str]:
         """``{segment: version}`` a variant setting the inputs ``names`` runs,
         in order: the segments of its cone, each PLAIN or switched as little as
         its own machinery needs."""
+        stack: list[Any]  # names, then nodes
         active, seeds, stack, seen = [], [], list(names), set(names)
         while stack:  # forward through constant nodes, selections and switch machinery
             for node in self.consumers.get(stack.pop(), ()):
@@ -276,7 +294,9 @@ class SegmentPlan:
                 versions.setdefault(j, PLAIN)
         return dict(sorted(versions.items()))
 
-    def segment_model(self, j, version, types):
+    def segment_model(
+        self, j: int | tuple[str, int] | None, version: int | str, types: dict[str, str]
+    ) -> tuple[onnx.ModelProto, list[str], list[str], list[tuple[str, str]]]:
         """``(model, inputs, outputs, aliases)`` of segment j in ``version``:
         ``j`` None is the constant nodes, ``("from", k)`` segments k to the last
         as one (making the graph outputs only). ``types``: ``{name: ORT type}``
@@ -338,7 +358,7 @@ class SegmentPlan:
         return model, inputs, outputs, aliases
 
 
-def segment_name(j):
+def segment_name(j: int | tuple[str, int] | None) -> str:
     """``constants``, ``3`` or ``from-3``: which nodes a segment model holds."""
     return "constants" if j is None else "-".join(map(str, j)) if isinstance(j, tuple) else str(j)
 
@@ -351,7 +371,14 @@ class SegmentRunner:
     per sample with ``settings`` bound instead of the defaults.
     """
 
-    def __init__(self, plan, defaults, samples, outputs, path):
+    def __init__(
+        self,
+        plan: SegmentPlan,
+        defaults: dict[str, np.ndarray],
+        samples: list[dict[str, np.ndarray]],
+        outputs: list[str],
+        path: str,
+    ) -> None:
         import concurrent.futures
         import threading
 
@@ -362,8 +389,12 @@ class SegmentRunner:
         threads = min(len(samples), os.cpu_count() or 1)
         self.threads = 1 if threads > 1 else 0  # samples run side by side instead
         self.pool = concurrent.futures.ThreadPoolExecutor(threads)
+        self.sessions: dict[
+            tuple[int | tuple[str, int] | None, int | str], tuple[Any, list[str], list[str], list[tuple[str, str]]]
+        ]
         self.sessions, self.lock = {}, threading.Lock()
-        self.seconds = {}  # ("build" or "run", segment, version) -> seconds of its build, of its last run
+        # ("build" or "run", segment, version) -> seconds of its build, of its last run
+        self.seconds: dict[tuple[str, int | tuple[str, int] | None, int | str], float] = {}
         shared = {name: self.value(array) for name, array in defaults.items()}
         for _, _, on, off in plan.selections:
             for name in (on, off):
@@ -379,7 +410,9 @@ class SegmentRunner:
         every = dict.fromkeys(range(len(plan.chunks)), PLAIN)
         self.baseline = list(self.pool.map(lambda values: self.chain(values, every), initial))
 
-    def session(self, j, version, values):
+    def session(
+        self, j: int | tuple[str, int] | None, version: int | str, values: dict[str, Any]
+    ) -> tuple[Any, list[str], list[str], list[tuple[str, str]]]:
         """The session of segment j (None: the constant nodes) in ``version``, built on first use."""
         with self.lock:
             if (j, version) not in self.sessions:
@@ -391,7 +424,7 @@ class SegmentRunner:
                 self.seconds["build", j, version] = time.perf_counter() - start
             return self.sessions[j, version]
 
-    def version(self, j, wanted):
+    def version(self, j: int, wanted: int | str) -> int | str:
         """The version of segment j to run for a variant that ``wanted`` it: a
         group's only once the full version is known to cost more per run (all
         samples, twice) than building the group's. Results are the same either
@@ -403,7 +436,7 @@ class SegmentRunner:
             return FULL
         return wanted if 2 * (full - plain) * len(self.baseline) > self.seconds["build", j, FULL] else FULL
 
-    def step(self, j, version, values):
+    def step(self, j: int | tuple[str, int] | None, version: int | str, values: dict[str, Any]) -> dict[str, Any]:
         """``{name: OrtValue}`` that segment j makes (aliases included) from ``values``."""
         session, inputs, outputs, aliases = self.session(j, version, values)
         start = time.perf_counter()
@@ -417,7 +450,7 @@ class SegmentRunner:
             made[t] = made[source] if source in made else values[source]
         return made
 
-    def merged(self, versions):
+    def merged(self, versions: dict[int, int | str]) -> dict[Any, int | str]:
         """``versions`` with its plain tail, when it runs every segment to the
         last, as one session: one run per sample instead of one per segment."""
         last, tail = len(self.plan.chunks) - 1, None
@@ -429,13 +462,13 @@ class SegmentRunner:
             return versions
         return {**{j: v for j, v in versions.items() if j < tail}, ("from", tail): PLAIN}
 
-    def chain(self, values, versions):
+    def chain(self, values: dict[str, Any], versions: Mapping[Any, int | str]) -> dict[str, Any]:
         values = dict(values)
         for j, version in versions.items():
             values.update(self.step(j, version, values))
         return values
 
-    def run(self, settings=None):
+    def run(self, settings: dict[str, Any] | None = None) -> list[list[np.ndarray]]:
         """Per sample, the graph outputs (numpy) with ``settings`` bound."""
         settings = settings or {}
         versions = {j: self.version(j, wanted) for j, wanted in self.plan.needs(list(settings)).items()}
@@ -445,7 +478,7 @@ class SegmentRunner:
             if settings.get(condition) is True:
                 bound[output] = self.constants[on]
 
-        def one(baseline):
+        def one(baseline: dict[str, Any]) -> list[np.ndarray]:
             values = self.chain({**baseline, **bound}, versions)
             return [values[name].numpy() for name in self.outputs]
 
@@ -454,11 +487,19 @@ class SegmentRunner:
         return list(self.pool.map(one, self.baseline))
 
 
-def segment_runner(model, defaults, machinery, samples, outputs, path, prefix=IMPACT_PREFIX):
+def segment_runner(
+    model: onnx.ModelProto,
+    defaults: dict[str, np.ndarray],
+    machinery: set[str],
+    samples: list[dict[str, np.ndarray]],
+    outputs: list[str],
+    path: str,
+    prefix: str = IMPACT_PREFIX,
+) -> SegmentRunner:
     """A SegmentRunner of the derived ``model``, cut in IMPACT_SEGMENTS, or in
     one segment when a value crossing a cut is not a tensor."""
 
-    def runner(count):
+    def runner(count: int) -> SegmentRunner:
         plan = SegmentPlan(model, list(samples[0]), set(defaults), machinery, count, samples[0], prefix)
         return SegmentRunner(plan, defaults, samples, outputs, path)
 

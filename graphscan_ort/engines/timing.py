@@ -5,13 +5,16 @@ from __future__ import annotations
 import bisect
 import json
 import os
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import onnx
 
 from graphscan import EXIT_NO_FILE, EXIT_RUNTIME, GraphIndex, GraphscanError, one_line, shown
+from graphscan_ort.shared.answers import NodeRow, RuntimeTime
 from graphscan_ort.shared.graph import body_reads
-from graphscan_ort.shared.kernels import TIME_CLASSES, tensor_types, time_class
+from graphscan_ort.shared.kernels import TIME_CLASSES, OptimizedGraph, tensor_types, time_class
 from graphscan_ort.shared.sessions import does_not_run, open_session, session_options, temporary_folder
 
 PROFILE_FLOOR_NODES = 200
@@ -29,7 +32,7 @@ PROFILER_EVENT_CAP = 1_000_000
 SESSION_EVENTS = 200_000
 
 
-def profile_events(path):
+def profile_events(path: str) -> Iterator[dict[str, Any]]:
     """The events of an onnxruntime profile file, one at a time: the file holds
     one event per line, so memory does not grow with the number of events."""
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -39,13 +42,15 @@ def profile_events(path):
                 yield json.loads(line)
 
 
-def kernel_name(event):
+def kernel_name(event: dict[str, Any]) -> str | None:
     """The node a kernel event timed, or None for any other event."""
     name = event.get("name", "")
     return name[: -len("_kernel_time")] if event.get("cat") == "Node" and name.endswith("_kernel_time") else None
 
 
-def profiled_session(model_bytes, subject, options, provider, feeds, runs, folder):
+def profiled_session(
+    model_bytes: bytes, subject: str, options: Any, provider: str, feeds: dict[str, np.ndarray], runs: int, folder: str
+) -> str:
     """Run a profiling session ``runs`` + 1 times (the first a warm-up); the path of its profile
     and how many events it holds."""
     options.enable_profiling = True
@@ -66,7 +71,7 @@ def profiled_session(model_bytes, subject, options, provider, feeds, runs, folde
         )
 
 
-def kernel_totals(profile, runs, floor):
+def kernel_totals(profile: str, runs: int, floor: float) -> tuple[dict[str, float], bool]:
     """``({node: microseconds}, complete)`` over the timed runs of a profile: each
     kernel event less ``floor`` (at least 0), the warm-up run left out. Streamed
     twice: once for the runs' start times, once for the kernels. ``complete``:
@@ -85,7 +90,16 @@ def kernel_totals(profile, runs, floor):
     return totals, len(starts) == runs + 1 and count < PROFILER_EVENT_CAP
 
 
-def profiled_totals(model_bytes, subject, make_options, provider, feeds, runs, kernels_per_run, floor):
+def profiled_totals(
+    model_bytes: bytes,
+    subject: str,
+    make_options: Callable[[], Any],
+    provider: str,
+    feeds: dict[str, np.ndarray],
+    runs: int,
+    kernels_per_run: int,
+    floor: float,
+) -> dict[str, float]:
     """``{node name: microseconds over all runs}`` of ``runs`` profiled runs on one
     thread, spread over as many sessions (each with its warm-up run) as keep each
     profile far below PROFILER_EVENT_CAP: nothing is averaged over truncated data."""
@@ -115,7 +129,7 @@ def profiled_totals(model_bytes, subject, make_options, provider, feeds, runs, k
     return totals
 
 
-def profiler_floor(provider, runs):
+def profiler_floor(provider: str, runs: int) -> float:
     """The profiler's own cost per kernel event, in microseconds.
 
     Measured as the median duration of a chain of Identity kernels on one
@@ -152,7 +166,7 @@ def profiler_floor(provider, runs):
     return float(np.median(durations)) if durations else 0.0
 
 
-def without_round_trips(model):
+def without_round_trips(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     """A copy of ``model`` with every activation Q -> DQ round trip removed.
 
     Applied to the optimized model, it removes exactly the round trips that
@@ -200,7 +214,7 @@ def without_round_trips(model):
     return ablated, len(drop)
 
 
-def interleaved_wall_times(sessions, feeds, runs):
+def interleaved_wall_times(sessions: list[Any], feeds: dict[str, np.ndarray], runs: int) -> list[float]:
     """Median seconds per run of each session, timed in alternation so that
     the machine's drift falls on all of them alike."""
     import statistics
@@ -218,8 +232,18 @@ def interleaved_wall_times(sessions, feeds, runs):
 
 
 def runtime_time(
-    named_bytes, optimized_proto, path, rows, optimized, feeds, defaulted, level, provider, int8_allowed, runs
-):
+    named_bytes: bytes,
+    optimized_proto: onnx.ModelProto,
+    path: str,
+    rows: list[NodeRow],
+    optimized: OptimizedGraph,
+    feeds: dict[str, np.ndarray],
+    defaulted: list[str],
+    level: str,
+    provider: str,
+    int8_allowed: bool,
+    runs: int,
+) -> RuntimeTime:
     """The ``time`` object of ``runtime --time``."""
     floor = profiler_floor(provider, runs)
     by_name = profiled_totals(
@@ -262,7 +286,18 @@ def runtime_time(
     return time_answer(floor, feeds, defaulted, runs, shares, node_us, removed, model_s, ablated_s, cost)
 
 
-def time_answer(floor, feeds, defaulted, runs, shares, node_us, removed, model_s, ablated_s, cost):
+def time_answer(
+    floor: float,
+    feeds: dict[str, np.ndarray],
+    defaulted: list[str],
+    runs: int,
+    shares: dict[str, float | None],
+    node_us: dict[str, float],
+    removed: int,
+    model_s: float | None,
+    ablated_s: float | None,
+    cost: float | None,
+) -> RuntimeTime:
     """The ``time`` object, with the method spelled out."""
     return {
         "method": (

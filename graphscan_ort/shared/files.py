@@ -21,7 +21,7 @@ TEMPORARY_PREFIX = ".graphscan-"
 TEMPORARY_SUFFIX = ".partial"
 
 
-def check_output_path(path):
+def check_output_path(path: str) -> int | None:
     """Exit 3 unless ``path`` can be replaced: it is absent or a regular file,
     in a folder that exists. A device, FIFO or folder there is left untouched."""
     try:
@@ -38,7 +38,7 @@ def check_output_path(path):
     return mode
 
 
-def write_atomically(data, path):
+def write_atomically(data: bytes, path: str) -> None:
     """Write ``data`` to ``path`` so that it is either the old file or all of the new one.
 
     The bytes go to a temporary file in the target's folder, are fsynced,
@@ -76,7 +76,7 @@ def write_atomically(data, path):
     fsync_folder(folder)
 
 
-def fsync_folder(folder):
+def fsync_folder(folder: str) -> None:
     """Make a rename in ``folder`` durable; file systems that cannot are not an error."""
     try:
         fd = os.open(folder, os.O_RDONLY)

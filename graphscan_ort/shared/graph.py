@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import onnx
@@ -79,7 +79,7 @@ def element_types(model: onnx.ModelProto) -> dict[str, int]:
     return types
 
 
-def constant_arrays(graph):
+def constant_arrays(graph: onnx.GraphProto) -> dict[str, LazyArray]:
     """``{tensor: LazyArray}`` for initializers and Constant nodes with a ``value``."""
     arrays = {init.name: init for init in graph.initializer}
     for node in graph.node:
@@ -93,15 +93,15 @@ def constant_arrays(graph):
 class LazyArray:
     """A TensorProto turned into numpy only when asked (most are never read)."""
 
-    def __init__(self, proto):
+    def __init__(self, proto: onnx.TensorProto) -> None:
         self.proto = proto
 
     @functools.cached_property
-    def array(self):
+    def array(self) -> np.ndarray:
         return onnx.numpy_helper.to_array(self.proto)
 
 
-def quant_range(q_node, constants):
+def quant_range(q_node: onnx.NodeProto, constants: Mapping[str, LazyArray]) -> tuple[float, float, int] | None:
     """``(lo, hi, scale's elem_type)``: the float range a Q can represent
     (``representable_range``), or None when its scale or zero point is not a
     scalar of ``constants`` (``{name: LazyArray}``: trace reads initializers only,

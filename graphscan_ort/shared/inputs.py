@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import onnx
@@ -24,12 +24,15 @@ from graphscan import (
     value_inputs,
 )
 
+if TYPE_CHECKING:
+    import zipfile
+
 
 class InputSpec:
     """One graph input a run must feed: name, numpy dtype (None when it is not
     a plain numeric tensor) and dims (None for a symbolic or -1 dimension)."""
 
-    def __init__(self, info):
+    def __init__(self, info: onnx.ValueInfoProto) -> None:
         self.name = info.name
         self.kind = info.type.WhichOneof("value")
         tensor_type = info.type.tensor_type
@@ -50,19 +53,19 @@ class InputSpec:
         )
 
     @property
-    def numeric(self):
+    def numeric(self) -> bool:
         return self.dtype is not None and (np.issubdtype(self.dtype, np.number) or np.issubdtype(self.dtype, np.bool_))
 
-    def describe(self):
+    def describe(self) -> str:
         dims = "?" if self.dims is None else "[" + ", ".join("?" if d is None else str(d) for d in self.dims) + "]"
         return f"{self.type_text} {dims}"
 
 
-def input_specs(model):
+def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
     return [InputSpec(info) for info in value_inputs(model.graph)]
 
 
-def parse_shapes(values):
+def parse_shapes(values: list[str] | None) -> dict[str, list[int]]:
     """``--shape NAME=D0,D1,...`` options as ``{name: [dims]}`` (exit 7 when unreadable)."""
     shapes = {}
     for text in values or ():
@@ -79,7 +82,7 @@ def parse_shapes(values):
     return shapes
 
 
-def resolve_shape(spec, shapes, default_size):
+def resolve_shape(spec: InputSpec, shapes: dict[str, list[int]], default_size: int) -> tuple[list[int], bool]:
     """The concrete shape to generate for ``spec``, and whether a default was used."""
     if spec.name in shapes:
         wanted = shapes[spec.name]
@@ -103,7 +106,7 @@ def resolve_shape(spec, shapes, default_size):
 GENERATION_CHUNK = 1 << 20  # values drawn at a time
 
 
-def seeded_array(rng, shape, dtype):
+def seeded_array(rng: np.random.Generator, shape: list[int], dtype: np.dtype | None) -> np.ndarray:
     """``rng.standard_normal(shape).astype(dtype)``, the same values, drawn a chunk
     at a time: no float64 copy of the whole input (it doubled a float32 input's memory)."""
     array = np.empty(shape, dtype)
@@ -114,7 +117,9 @@ def seeded_array(rng, shape, dtype):
     return array
 
 
-def seeded_feeds(specs, shapes, seed, default_size):
+def seeded_feeds(
+    specs: list[InputSpec], shapes: dict[str, list[int]], seed: int, default_size: int
+) -> tuple[dict[str, np.ndarray], list[str]]:
     """Seeded data for every input: normal for floats, small integers otherwise.
 
     Returns ``(feeds, defaulted)``; ``defaulted`` names the inputs whose
@@ -144,7 +149,7 @@ def seeded_feeds(specs, shapes, seed, default_size):
 MAX_INPUT_BYTES = 8 * 1024**3
 
 
-def read_npz_inputs(path, specs):
+def read_npz_inputs(path: str, specs: list[InputSpec]) -> dict[str, np.ndarray]:
     """The arrays ``specs`` need from the .npz at ``path``, each checked against
     its declared dtype and shape before its data is read; other members are
     never read."""
@@ -170,7 +175,7 @@ def read_npz_inputs(path, specs):
 NPY_HEADER_READERS = {(1, 0): "read_array_header_1_0", (2, 0): "read_array_header_2_0"}
 
 
-def read_npy_member(path, archive, info, spec):
+def read_npy_member(path: str, archive: zipfile.ZipFile, info: zipfile.ZipInfo, spec: InputSpec) -> np.ndarray:
     """One member's array, refused before its data is read when it cannot feed ``spec``."""
     name = spec.name
     try:
@@ -206,7 +211,7 @@ def read_npy_member(path, archive, info, spec):
     return array.astype(object) if spec.dtype == np.dtype(object) else array  # onnxruntime's strings
 
 
-def check_array_fits(path, spec, dtype, shape):
+def check_array_fits(path: str, spec: InputSpec, dtype: np.dtype, shape: tuple[int, ...]) -> None:
     """Exit 7 unless an array of ``dtype`` and ``shape`` can feed ``spec``."""
     # A string input takes a unicode or bytes array (onnxruntime converts it).
     is_text = spec.type_text == "STRING" and np.dtype(dtype).kind in "US"
@@ -225,7 +230,13 @@ def check_array_fits(path, spec, dtype, shape):
         )
 
 
-def model_samples(model, inputs=None, shapes=None, seed=0, default_size=1):
+def model_samples(
+    model: onnx.ModelProto,
+    inputs: list[str] | None = None,
+    shapes: dict[str, list[int]] | None = None,
+    seed: int = 0,
+    default_size: int = 1,
+) -> tuple[list[dict[str, np.ndarray]], list[str]]:
     """The samples a command runs on: ``(list of feeds, defaulted input names)``.
 
     ``inputs``: a list of .npz paths, one sample each; without any, one seeded
@@ -241,12 +252,12 @@ def model_samples(model, inputs=None, shapes=None, seed=0, default_size=1):
     return [feeds], defaulted
 
 
-def random_inputs(model, seed, symbolic_size):
+def random_inputs(model: onnx.ModelProto, seed: int, symbolic_size: int) -> dict[str, np.ndarray]:
     """Seeded normal data for every graph input, symbolic dims set to ``symbolic_size``."""
     return seeded_feeds(input_specs(model), {}, seed, symbolic_size)[0]
 
 
-def check_same_inputs(float_model, quant_model, a, b):
+def check_same_inputs(float_model: onnx.ModelProto, quant_model: onnx.ModelProto, a: str, b: str) -> None:
     """Exit 7 unless both models declare the same inputs (names, types, fixed dims)."""
     specs = [{s.name: s for s in input_specs(m)} for m in (float_model, quant_model)]
     if sorted(specs[0]) != sorted(specs[1]):
@@ -269,7 +280,7 @@ def check_same_inputs(float_model, quant_model, a, b):
             )
 
 
-def inputs_answer(samples):
+def inputs_answer(samples: list[dict[str, np.ndarray]]) -> dict[str, list[int] | list[list[int]]]:
     """``{input: shape}``; a list of shapes, one per sample, when the samples differ."""
     answer = {}
     for name in samples[0]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import onnx
 
@@ -73,7 +74,7 @@ LAYOUT_KERNELS = {"ReorderOutput", "ReorderInput"}
 ORT_NAME_SUFFIX = re.compile(r"(?:_token_\d+|_nchwc|/[A-Za-z0-9]*Fusion/?|/duplicated)$")
 
 
-def strip_ort_suffixes(name):
+def strip_ort_suffixes(name: str) -> str:
     """A node name without the suffixes onnxruntime appends when it rewrites a node."""
     while True:
         stripped = ORT_NAME_SUFFIX.sub("", name)
@@ -85,7 +86,7 @@ def strip_ort_suffixes(name):
 class OptimizedGraph:
     """The optimized graph with the lookups the mapping needs, and its tensor types."""
 
-    def __init__(self, graph):
+    def __init__(self, graph: onnx.GraphProto) -> None:
         self.graph = graph
         self.index = GraphIndex(graph)
         self.by_name: dict[str, int] = {}
@@ -95,21 +96,21 @@ class OptimizedGraph:
             self.by_stripped.setdefault(strip_ort_suffixes(node.name), []).append(i)
         self.types = tensor_types(graph)
 
-    def op_type(self, i):
+    def op_type(self, i: int) -> str:
         return self.index.op_types[i]
 
-    def kernel_producer(self, tensor):
+    def kernel_producer(self, tensor: str) -> int | None:
         """The node making ``tensor``, looking through inserted layout nodes."""
         producer = self.index.producer_of(tensor)
         while producer is not None and self.op_type(producer) in LAYOUT_KERNELS:
             producer = self.index.producer_of(self.graph.node[producer].input[0])
         return producer
 
-    def element_type(self, tensor):
+    def element_type(self, tensor: str) -> int:
         return self.types.get(tensor, onnx.TensorProto.UNDEFINED)
 
 
-def tensor_types(graph):
+def tensor_types(graph: onnx.GraphProto) -> dict[str, int]:
     """``{tensor: element type}`` for the optimized graph.
 
     onnxruntime saves value_info for most float tensors but not for the
@@ -132,7 +133,7 @@ def tensor_types(graph):
     return types
 
 
-def derived_output_type(node, types):
+def derived_output_type(node: onnx.NodeProto, types: dict[str, int]) -> int:
     op = node.op_type
     if op == QUANTIZE:
         return (
@@ -148,11 +149,11 @@ def derived_output_type(node, types):
         return onnx.TensorProto.INT32
     if op in ("Shape", "Size"):
         return onnx.TensorProto.INT64
-    first = next((t for t in node.input if t), None)
+    first: Any = next((t for t in node.input if t), None)  # None (no input): UNDEFINED
     return types.get(first, onnx.TensorProto.UNDEFINED)
 
 
-def kernel_class(optimized, j):
+def kernel_class(optimized: OptimizedGraph, j: int) -> str:
     """int8 / int8_data / float for a kernel of the optimized graph (Q and DQ excluded)."""
     op = optimized.op_type(j)
     if op in INT8_KERNELS or op.startswith(("QLinear", "NhwcQLinear")):
@@ -164,7 +165,7 @@ def kernel_class(optimized, j):
     return "float"
 
 
-def time_class(optimized, j):
+def time_class(optimized: OptimizedGraph, j: int) -> str:
     op = optimized.op_type(j)
     if op in QUANTIZE_KERNELS:
         return "quantize"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 import onnx
@@ -95,7 +96,7 @@ def decibels(signal_energy: float, noise_energy: float) -> float | None:
     return 10.0 * math.log10(signal_energy / noise_energy)
 
 
-def compare_outputs(expected, actual):
+def compare_outputs(expected: list[Any], actual: list[Any]) -> tuple[float, float, int, str | None]:
     """How far ``actual`` is from ``expected`` (two lists of onnxruntime outputs).
 
     Returns ``(max_abs_error, scale, compared, problem)``. Floats: NaN and
@@ -143,7 +144,7 @@ def compare_outputs(expected, actual):
     return error, scale, compared, None
 
 
-def np_size(value):
+def np_size(value: Any) -> int:
     """How many values an onnxruntime output holds (0 for an absent optional)."""
     if value is None:
         return 0
@@ -154,7 +155,7 @@ def np_size(value):
     return np.asarray(value).size
 
 
-def sqnr_db_of_norms(signal_norm, noise_norm):
+def sqnr_db_of_norms(signal_norm: float, noise_norm: float) -> float | None:
     """A tensor's SQNR in dB, ``20*log10(signal_norm / noise_norm)``, from two
     Euclidean norms (not energies: the output SQNR is common.decibels); None
     when either is 0 or not finite (an overflow to infinity in one model)."""
@@ -163,7 +164,7 @@ def sqnr_db_of_norms(signal_norm, noise_norm):
     return 20.0 * math.log10(signal_norm / noise_norm)
 
 
-def float32_bounds(lo, hi):
+def float32_bounds(lo: float, hi: float) -> tuple[np.floating, np.floating]:
     """``(low, high)`` as float32 such that a float32 t is below ``lo`` exactly when
     t < low, and above ``hi`` exactly when t > high: a count without a float64 copy."""
     low, high = np.float32(lo), np.float32(hi)

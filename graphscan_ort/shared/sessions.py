@@ -8,6 +8,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import onnx
 import onnxruntime as ort
@@ -20,6 +21,10 @@ from graphscan import (
     one_line,
     shown,
 )
+from graphscan_ort.shared.answers import Environment
+
+if TYPE_CHECKING:
+    import numpy as np
 
 CPU = "CPUExecutionProvider"
 
@@ -192,7 +197,7 @@ def impact_options(threads: int = 0) -> ort.SessionOptions:
     return session_options(threads=threads, config={"session.disable_prepacking": "1"}, arena=False)
 
 
-def run_model(model, feeds, subject):
+def run_model(model: onnx.ModelProto, feeds: dict[str, np.ndarray], subject: str) -> list[Any]:
     """All graph outputs of ``model`` on ``feeds``, with ORT's own fusions off;
     a failure blames ``subject``."""
     session = open_session(model, subject)
@@ -203,7 +208,7 @@ def run_model(model, feeds, subject):
 
 
 @contextlib.contextmanager
-def quiet():
+def quiet() -> Iterator[None]:
     """The quantizer prints progress on stdout (stdout is graphscan's answer) and logs
     advice on the root logger: neither reaches the user; a failure still raises."""
     root = logging.getLogger()
@@ -216,13 +221,15 @@ def quiet():
         root.setLevel(level)
 
 
-def environment(level: str, provider: str = CPU, threads: int | None = None, int8_allowed: bool | None = None) -> dict:
+def environment(
+    level: str, provider: str = CPU, threads: int | None = None, int8_allowed: bool | None = None
+) -> Environment:
     """What a command's sessions ran on, as its answer's ``environment`` lists it:
     onnxruntime's version, the provider and level, tune's ``threads``, the machine,
     runtime's ``int8_allowed`` (the last two keys only where given)."""
     import platform
 
-    answer = {"onnxruntime": ort.__version__, "provider": provider, "level": level}
+    answer: Environment = {"onnxruntime": ort.__version__, "provider": provider, "level": level}
     if threads is not None:
         answer["threads"] = threads
     answer["machine"] = platform.machine()

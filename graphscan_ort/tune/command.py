@@ -26,6 +26,8 @@ import functools
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import onnx
 import onnxruntime as ort
@@ -52,12 +54,16 @@ from graphscan import (
 )
 from graphscan_ort.engines.attribution import MIN_GAIN_DB
 from graphscan_ort.engines.attribution import measure as impact_of
+from graphscan_ort.shared.answers import Candidate, TuneAnswer, TuneChoice
 from graphscan_ort.shared.files import check_out, place
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
 from graphscan_ort.shared.sessions import environment
 from graphscan_ort.tune.candidates import METHODS, SampleReader, candidate_settings, quantize_candidate
 from graphscan_ort.tune.deployed import measure_candidate
 from graphscan_ort.tune.prepare import prepared_base, with_rewrites
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # onnxruntime's own defaults: what a user gets from quantize_static without options.
 DEFAULT_SETTINGS = {"activation_type": "QInt8", "per_channel": False, "calibrate_method": "MinMax"}
@@ -96,7 +102,7 @@ def tune(
     level: str = "all",
     threads: int = 1,
     runs: int = 20,
-) -> dict:
+) -> TuneAnswer:
     """Quantize ``path`` every way candidates.py knows, measure each as deployed, write the best into ``out``."""
     if not calibrate:
         raise GraphscanError("usage: tune needs --calibrate FILE.npz (one sample per file, repeatable)", EXIT_USAGE)
@@ -141,19 +147,27 @@ class Measure:
     samples, the session's level and threads, the timed runs. Each candidate is read once:
     ``models`` keeps it by path for the exclusions."""
 
-    def __init__(self, model, path, evaluation, level, threads, runs):
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        path: str,
+        evaluation: list[dict[str, np.ndarray]],
+        level: str,
+        threads: int,
+        runs: int,
+    ) -> None:
         self.model, self.path, self.evaluation = model, path, evaluation
         self.level, self.threads, self.runs = level, threads, runs
-        self.models = {}
+        self.models: dict[str, onnx.ModelProto] = {}
 
-    def __call__(self, candidate_path):
+    def __call__(self, candidate_path: str) -> dict[str, Any]:
         candidate = self.models[candidate_path] = onnx.load(candidate_path)
         return measure_candidate(
             self.model, candidate, self.path, candidate_path, self.evaluation, self.level, self.threads, self.runs
         )
 
 
-def refused_row(row, exc):
+def refused_row(row: dict[str, Any], exc: BaseException) -> dict[str, Any]:
     """A candidate the quantizer refused: kept with its error and nulls."""
     row.update(dict.fromkeys(["sqnr_db", "int8_fraction", "int8_kernels", "wrapped_but_float"]))
     row.update(ms=None, speedup=None, bytes=None, error=f"quantize_static: {one_line(exc)}")
@@ -164,11 +178,13 @@ class Trials:
     """Every model tried, in order: ``rows`` (the candidate rows) and ``files``
     (``{id: (model, prepared model, calibration cache)}`` of those the quantizer made)."""
 
-    def __init__(self, work, reader, measure):
+    def __init__(self, work: str, reader: Callable[[], SampleReader], measure: Measure) -> None:
         self.work, self.reader, self.measure = work, reader, measure
+        self.rows: list[dict[str, Any]]
+        self.files: dict[int, tuple[str, str, str]]
         self.rows, self.files = [], {}
 
-    def add(self, settings, rewrites, prepared_path, cache):
+    def add(self, settings: dict[str, Any], rewrites: bool, prepared_path: str, cache: str) -> dict[str, Any]:
         """Quantize ``prepared_path`` with ``settings`` and measure the model as deployed:
         its row, also when the quantizer refused it (with its error, never a crash)."""
         ident = len(self.rows)
@@ -185,7 +201,15 @@ class Trials:
         return row
 
 
-def tune_in(path, model, calibration, work, target, max_exclude, measure):
+def tune_in(
+    path: str,
+    model: onnx.ModelProto,
+    calibration: list[dict[str, np.ndarray]],
+    work: str,
+    target: float | None,
+    max_exclude: int | None,
+    measure: Measure,
+) -> TuneChoice:
     """tune's work inside the temporary folder ``work``; leaves model.onnx and prepared.onnx there."""
     evaluation = measure.evaluation
     base, steps = prepared_base(path, work, evaluation, model)
@@ -231,7 +255,7 @@ def tune_in(path, model, calibration, work, target, max_exclude, measure):
     return {
         "float": {"ms": sorted(float_ms)[len(float_ms) // 2]},
         "prepare": steps + rewrite_steps,
-        "candidates": [{key: row.get(key) for key in CANDIDATE_KEYS} for row in order],
+        "candidates": [cast(Candidate, {key: row.get(key) for key in CANDIDATE_KEYS}) for row in order],
         "target_sqnr_db": target,
         "chosen": chosen["id"],
         "reached": reached,
@@ -247,7 +271,13 @@ def popped_float_ms(rows: list[dict]) -> list[float]:
 DEFAULT_MAX_EXCLUDE = 8  # additions tried when --max-exclude is not given
 
 
-def exclusions(trials, best, target, max_exclude, prepared):
+def exclusions(
+    trials: Trials,
+    best: dict[str, Any],
+    target: float | None,
+    max_exclude: int | None,
+    prepared: dict[str, onnx.ModelProto],
+) -> None:
     """Operators of ``best`` added to nodes_to_exclude one at a time in impact's order, each
     re-quantized and measured as deployed; an addition stays only if the SQNR rises.
     Every model tried is a candidate row of its own (the quantizer's, never a promise)."""
@@ -286,7 +316,7 @@ CANDIDATE_KEYS = [
 ]
 
 
-def tune_table(answer, top):
+def tune_table(answer: dict[str, Any], top: int | None) -> str:
     """Candidates on the Pareto front first (the answer's order), then the choice."""
     head = format_fields(
         [("model", answer["model"]), ("float ms", answer["float"]["ms"]), ("target_sqnr_db", answer["target_sqnr_db"])]

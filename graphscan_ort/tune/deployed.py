@@ -33,7 +33,9 @@ def kernel_counts(model: onnx.ModelProto, path: str, level: str) -> dict:
     """int8 share, int8 kernels and the reasons wrapped nodes run float, from runtime's classification."""
     rows = classify(model, path, level=level).rows
     classes = runtime_counts(rows)["classes"]
-    reasons = Counter((row["reason"] or {}).get("code") for row in rows if row["wrapped"] and row["class"] == "float")
+    reasons = Counter(
+        row["reason"]["code"] if row["reason"] else None for row in rows if row["wrapped"] and row["class"] == "float"
+    )
     return {
         "int8_fraction": int8_fraction(classes),
         "int8_kernels": classes["int8"],

@@ -15,13 +15,18 @@ dropped with its reason and the next one starts from the last good model.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import onnx
 
 from graphscan import GraphscanError, one_line
+from graphscan_ort.shared.answers import PrepareStep
 from graphscan_ort.shared.graph import default_opset
 from graphscan_ort.shared.metrics import verified
 from graphscan_ort.tune.rewrites import REWRITES
+
+if TYPE_CHECKING:
+    import numpy as np
 
 PER_CHANNEL_OPSET = 13
 
@@ -44,7 +49,7 @@ def pre_processed(source: str, target: str) -> tuple[str | None, str]:
             )
 
 
-def step(name: str, ok: bool, detail: str, error: float | None) -> dict:
+def step(name: str, ok: bool, detail: str, error: float | None) -> PrepareStep:
     return {"step": name, "ok": ok, "detail": detail, "max_abs_error": error}
 
 
@@ -61,7 +66,7 @@ def checked(
         return None, f"fails the checker ({one_line(exc)})"
 
 
-def prepare(float_path: str, folder: str, samples: list[dict]) -> tuple[onnx.ModelProto, list[dict]]:
+def prepare(float_path: str, folder: str, samples: list[dict]) -> tuple[onnx.ModelProto, list[PrepareStep]]:
     """The prepared float model, rewrites included, and its steps (``{"step", "ok", "detail", "max_abs_error"}``)."""
     original = onnx.load(float_path)
     base, steps = prepared_base(float_path, folder, samples, original)
@@ -69,7 +74,9 @@ def prepare(float_path: str, folder: str, samples: list[dict]) -> tuple[onnx.Mod
     return rewritten, steps + rewrite_steps
 
 
-def prepared_base(float_path, folder, samples, original):
+def prepared_base(
+    float_path: str, folder: str, samples: list[dict[str, np.ndarray]], original: onnx.ModelProto
+) -> tuple[onnx.ModelProto, list[PrepareStep]]:
     """quant_pre_process and the opset, each verified: ``(model, steps)``."""
     steps, current = [], original
     path, detail = pre_processed(float_path, os.path.join(folder, "pre_processed.onnx"))
@@ -92,7 +99,9 @@ def prepared_base(float_path, folder, samples, original):
     return current, steps
 
 
-def with_rewrites(base, original, samples):
+def with_rewrites(
+    base: onnx.ModelProto, original: onnx.ModelProto, samples: list[dict[str, np.ndarray]]
+) -> tuple[onnx.ModelProto, list[PrepareStep]]:
     """``base`` with every rewrite that verifies: ``(model, steps)``."""
     steps, current = [], base
     for name, rewrite in REWRITES.items():

@@ -1,0 +1,252 @@
+"""Accuracy in the user's terms: how far a quantized model agrees with the float one.
+
+A metric compares the float model's outputs with a candidate's, sample by sample,
+and gives one number where higher is better, or None where it is undefined. The
+built-in ones are label-free agreements (docs/SPEC.md defines each exactly):
+
+- ``sqnr``: the output SQNR in dB (``metrics.OutputNoise``), the default;
+- ``top1``: the share of positions whose argmax over the class axis (the last
+  axis) agrees;
+- ``iou``: the IoU of the two outputs thresholded at ``threshold`` (probability maps);
+- ``ctc``: the share of sequences whose greedy CTC decoding agrees (argmax over the
+  last axis, repeats merged, ``blank`` dropped);
+- ``cosine``: the cosine similarity of all outputs, flattened.
+
+A user's metric is ``FILE.py:FUNCTION``, called as ``FUNCTION(reference, candidate)``
+with one ``{output name: array}`` per sample, in order, and returning a finite number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from graphscan import EXIT_INPUTS, EXIT_USAGE, GraphscanError, one_line, shown
+from graphscan_ort.shared.metrics import OutputNoise
+
+Outputs = list[dict[str, np.ndarray]]  # per sample: output name -> array
+
+BUILT_IN = ["sqnr", "top1", "iou", "ctc", "cosine"]
+DEFAULT_THRESHOLD = 0.5  # iou's, where --threshold is not given
+DEFAULT_BLANK = 0  # ctc's blank class, where --blank is not given
+# Below this many dB the default target (onnxruntime's defaults' SQNR) is poor: a
+# real recognizer at 5.5 dB read 1 line of 36, a detector at 10.1 dB lost 2 of 5.
+POOR_SQNR_DB = 20.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """A metric by name, with its parameters; ``function`` for a user's ``FILE.py:FUNCTION``."""
+
+    name: str
+    threshold: float | None = None
+    blank: int | None = None
+    function: Callable[[Outputs, Outputs], Any] | None = None
+
+    @property
+    def unit(self) -> str:
+        return "dB" if self.name == "sqnr" else "agreement" if self.function is None else "user"
+
+    def describe(self) -> dict[str, Any]:
+        """The answer's ``metric``: its name and the parameters it uses."""
+        answer: dict[str, Any] = {"name": self.name}
+        if self.name == "iou":
+            answer["threshold"] = self.threshold
+        if self.name == "ctc":
+            answer["blank"] = self.blank
+        return answer
+
+    def value(self, reference: Outputs, candidate: Outputs) -> float | None:
+        """The metric of ``candidate`` against ``reference`` (the float model's outputs)."""
+        if self.function is not None:
+            return user_value(self.name, self.function, reference, candidate)
+        check_fits(self, reference)
+        measure = {"sqnr": sqnr, "top1": top1, "iou": iou, "ctc": ctc, "cosine": cosine}[self.name]
+        if self.name == "iou":
+            return iou(reference, candidate, self.threshold if self.threshold is not None else DEFAULT_THRESHOLD)
+        if self.name == "ctc":
+            return ctc(reference, candidate, self.blank if self.blank is not None else DEFAULT_BLANK)
+        return measure(reference, candidate)
+
+
+def metric(name: str | None, threshold: float | None = None, blank: int | None = None) -> Metric:
+    """The metric ``--metric name`` asks for (None: sqnr); exit 2 for an unknown one, for
+    parameters of another metric, or a ``FILE.py:FUNCTION`` that cannot be loaded."""
+    name = name or "sqnr"
+    if threshold is not None and name != "iou":
+        raise GraphscanError("usage: --threshold: only with --metric iou", EXIT_USAGE)
+    if blank is not None and name != "ctc":
+        raise GraphscanError("usage: --blank: only with --metric ctc", EXIT_USAGE)
+    if threshold is not None and not math.isfinite(threshold):
+        raise GraphscanError(f"usage: --threshold must be a finite number, not {threshold!r}", EXIT_USAGE)
+    if blank is not None and blank < 0:
+        raise GraphscanError(f"usage: --blank must be a class index >= 0, not {blank}", EXIT_USAGE)
+    if name in BUILT_IN:
+        return Metric(name, threshold, blank)
+    path, sep, function = name.rpartition(":")
+    if not sep or not path.endswith(".py") or not function.isidentifier():
+        raise GraphscanError(
+            f"usage: --metric {name!r}: expected one of {', '.join(BUILT_IN)} or FILE.py:FUNCTION", EXIT_USAGE
+        )
+    return Metric(name, function=load_function(path, function, name))
+
+
+def load_function(path: str, function: str, name: str) -> Callable[[Outputs, Outputs], Any]:
+    """``function`` of the Python file at ``path``; exit 2 naming it when it cannot be had."""
+    if not os.path.isfile(path):
+        raise GraphscanError(f"usage: --metric {shown(name)}: no such file {shown(path)}", EXIT_USAGE)
+    spec = importlib.util.spec_from_file_location(f"graphscan_user_metric_{abs(hash(path))}", path)
+    if spec is None or spec.loader is None:
+        raise GraphscanError(f"usage: --metric {shown(name)}: {shown(path)} is not a Python file", EXIT_USAGE)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise GraphscanError(
+            f"usage: --metric {shown(name)}: {shown(path)} fails to load ({type(exc).__name__}: {one_line(exc)})",
+            EXIT_USAGE,
+        )
+    found = getattr(module, function, None)
+    if not callable(found):
+        raise GraphscanError(f"usage: --metric {shown(name)}: {shown(path)} has no function {function}", EXIT_USAGE)
+    return found
+
+
+def user_value(name: str, function: Callable[[Outputs, Outputs], Any], reference: Outputs, candidate: Outputs) -> float:
+    """A user's metric, called on copies (it cannot change what graphscan measures next)."""
+    try:
+        value = function([dict(r) for r in reference], [dict(c) for c in candidate])
+    except Exception as exc:
+        raise GraphscanError(
+            f"usage: --metric {shown(name)} raised {type(exc).__name__}: {one_line(exc)}", EXIT_USAGE
+        ) from None
+    finite = isinstance(value, (int, float, np.number)) and not isinstance(value, bool) and math.isfinite(value)
+    if not finite:
+        raise GraphscanError(
+            f"usage: --metric {shown(name)} returned {value!r}: a metric returns a finite number", EXIT_USAGE
+        )
+    return float(value)
+
+
+def check_fits(chosen: Metric, reference: Outputs) -> None:
+    """Exit 2 naming the output a built-in metric cannot measure (its shape or type)."""
+    for outputs in reference[:1]:
+        for name, array in outputs.items():
+            value = np.asarray(array)
+            if value.dtype.kind not in "biuf":
+                raise GraphscanError(
+                    f"usage: --metric {chosen.name}: output {name!r} is {value.dtype}, not numbers", EXIT_USAGE
+                )
+            least = {"top1": 1, "ctc": 2}.get(chosen.name, 0)
+            if value.ndim < least:
+                raise GraphscanError(
+                    f"usage: --metric {chosen.name}: output {name!r} has {value.ndim} dimensions; "
+                    f"{chosen.name} needs {least} or more (the class axis is the last"
+                    + (", time the one before it)" if chosen.name == "ctc" else ")"),
+                    EXIT_USAGE,
+                )
+
+
+def pairs(reference: Outputs, candidate: Outputs) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """Every (output name, float array, candidate array), samples in order, outputs by name."""
+    paired = []
+    for ref, cand in zip(reference, candidate, strict=True):
+        for name, value in ref.items():
+            f, q = np.asarray(value), np.asarray(cand[name])
+            if f.shape != q.shape:
+                raise GraphscanError(
+                    f"output {name!r} is {list(q.shape)} in the candidate and {list(f.shape)} in the float model",
+                    EXIT_INPUTS,
+                )
+            paired.append((name, f, q))
+    return paired
+
+
+def sqnr(reference: Outputs, candidate: Outputs) -> float | None:
+    """The output SQNR (``metrics.OutputNoise``: 10*log10(sum f^2 / sum (f - q)^2) over
+    every output and sample); ``inf`` when the outputs are equal, None when undefined
+    (no signal, or a value that is not finite)."""
+    pairs(reference, candidate)  # the shapes agree
+    noise = OutputNoise([list(sample.values()) for sample in reference])
+    value, exact = noise.measure([[c[name] for name in r] for r, c in zip(reference, candidate, strict=True)])
+    return math.inf if exact and value is None and 0 < noise.signal < math.inf else value
+
+
+def top1(reference: Outputs, candidate: Outputs) -> float | None:
+    """The share of positions (every index but the last axis, every output and sample)
+    where the argmax over the last axis agrees. Ties go to the first maximum, as numpy's
+    argmax; a position where the float model has a NaN is left out; None without any."""
+    agree = total = 0
+    for _, f, q in pairs(reference, candidate):
+        if f.shape[-1] == 0:
+            continue
+        valid = ~np.isnan(f.astype(np.float64)).any(axis=-1)
+        same = np.argmax(f, axis=-1) == np.argmax(np.nan_to_num(q, nan=-np.inf), axis=-1)
+        q_nan = np.isnan(q.astype(np.float64)).any(axis=-1)
+        agree += int(np.count_nonzero(same & valid & ~q_nan))
+        total += int(np.count_nonzero(valid))
+    return agree / total if total else None
+
+
+def iou(reference: Outputs, candidate: Outputs, threshold: float = DEFAULT_THRESHOLD) -> float | None:
+    """|F and Q| / |F or Q| of the masks f > threshold and q > threshold, pooled over every
+    output and sample (NaN is never above). Both masks empty everywhere: 1.0, they agree."""
+    both = either = 0
+    for _, f, q in pairs(reference, candidate):
+        with np.errstate(invalid="ignore"):
+            fm, qm = f > threshold, q > threshold
+        both += int(np.count_nonzero(fm & qm))
+        either += int(np.count_nonzero(fm | qm))
+    return both / either if either else 1.0
+
+
+def greedy_ctc(logits: np.ndarray, blank: int) -> list[tuple[int, ...]]:
+    """Every sequence's greedy CTC decoding: argmax over the last axis (time is the axis
+    before it), repeats merged, ``blank`` dropped."""
+    best = np.argmax(np.nan_to_num(logits, nan=-np.inf), axis=-1)
+    rows = best.reshape(-1, best.shape[-1])
+    decoded = []
+    for row in rows:
+        keep = np.ones(len(row), bool)
+        keep[1:] = row[1:] != row[:-1]
+        decoded.append(tuple(int(c) for c in row[keep & (row != blank)]))
+    return decoded
+
+
+def ctc(reference: Outputs, candidate: Outputs, blank: int = DEFAULT_BLANK) -> float | None:
+    """The share of sequences (every index before the last two axes, every output and
+    sample) whose greedy CTC decoding equals the float model's; None without any."""
+    agree = total = 0
+    for _, f, q in pairs(reference, candidate):
+        if f.shape[-1] == 0:
+            continue
+        for a, b in zip(greedy_ctc(f, blank), greedy_ctc(q, blank), strict=True):
+            agree += a == b
+            total += 1
+    return agree / total if total else None
+
+
+def cosine(reference: Outputs, candidate: Outputs) -> float | None:
+    """f.q / (|f| |q|) of every output of every sample flattened and concatenated, in
+    float64; None when a norm is 0 or a value is not finite."""
+    dot = ff = qq = 0.0
+    with np.errstate(all="ignore"):
+        for _, f, q in pairs(reference, candidate):
+            f64, q64 = f.astype(np.float64).reshape(-1), q.astype(np.float64).reshape(-1)
+            dot += float(np.dot(f64, q64))
+            ff += float(np.dot(f64, f64))
+            qq += float(np.dot(q64, q64))
+    if not (ff > 0 and qq > 0 and all(map(math.isfinite, (dot, ff, qq)))):
+        return None
+    return dot / math.sqrt(ff * qq)
+
+
+def named_outputs(outputs: Sequence[Sequence[np.ndarray]], names: Sequence[str]) -> Outputs:
+    """Per sample, ``{name: array}`` from onnxruntime's lists of outputs in ``names``' order."""
+    return [dict(zip(names, sample, strict=True)) for sample in outputs]

@@ -1,0 +1,243 @@
+"""The answers of the commands that run models, key for key as docs/SPEC.md lists them.
+
+Each command returns one of these (a TypedDict is a plain dict at run time, so the
+JSON is what it always was); a key SPEC.md adds or removes changes its type here.
+The counting commands' answers are typed in graphscan.py beside them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+# -- fuse
+
+
+class Fused(TypedDict):
+    matmul: str
+    add: str
+    gemm: str
+
+
+class Skipped(TypedDict):
+    node: str
+    reason: str
+
+
+class FuseAnswer(TypedDict):
+    model: str
+    output: str
+    fused: list[Fused]
+    skipped: list[Skipped]
+    max_abs_error: float
+
+
+# -- trace
+
+
+class NodeError(TypedDict):
+    node: str
+    max_abs: float
+
+
+class Unmatched(TypedDict):
+    node: str
+    op_type: str
+    reason: str
+
+
+class TraceOp(TypedDict, total=False):
+    node: str
+    op_type: str
+    wrapped: bool
+    reference: str | None
+    isolated_max_abs: float | None
+    propagated_max_abs: float | None
+    isolated_lsb: float | None
+    sqnr_db: float | None
+    clipped: float | None  # only on rows whose output has a Q
+
+
+class TraceAnswer(TypedDict):
+    a: str
+    b: str
+    inputs: dict[str, list[int]]
+    defaulted: list[str]
+    ops: list[TraceOp]
+    outputs: dict[str, float | None]
+    worst_isolated: NodeError | None
+    first_over: NodeError | None
+    unmatched: list[Unmatched]
+
+
+# -- runtime
+
+
+class Reason(TypedDict):
+    code: str
+    detail: str
+
+
+NodeRow = TypedDict(
+    "NodeRow",
+    {
+        "node": str,
+        "op_type": str,
+        "wrapped": bool,
+        "class": str | None,  # int8, int8_data, float, absorbed; None when unmapped
+        "kernel": str | None,
+        "runs_in": str | None,
+        "reason": Reason | None,
+    },
+)
+
+
+class Environment(TypedDict, total=False):
+    onnxruntime: str
+    provider: str
+    level: str
+    threads: int  # tune's
+    machine: str
+    int8_allowed: bool  # runtime's
+
+
+class WallMs(TypedDict):
+    model: float | None
+    without_round_trips: float | None
+
+
+class RuntimeTime(TypedDict):
+    method: str
+    inputs: dict[str, list[int]]
+    defaulted: list[str]
+    runs: int
+    profiler_floor_us: float
+    shares: dict[str, float | None]
+    nodes: dict[str, float]
+    wall_ms: WallMs
+    round_trip_cost: float | None
+
+
+class RuntimeCounts(TypedDict):
+    compute: int
+    wrapped: int
+    classes: dict[str, int]
+    wrapped_but_float: int
+    float_but_int8: int
+    by_op_type: dict[str, dict[str, int]]
+
+
+class RuntimeAnswer(RuntimeCounts, total=False):
+    model: str
+    environment: Environment
+    nodes: list[NodeRow]
+    unmapped: list[str]
+    time: RuntimeTime  # with --time only
+
+
+# -- impact
+
+
+class OpGain(TypedDict):
+    node: str
+    op_type: str
+    sqnr_db: float | None
+    gain_db: float | None
+
+
+class TensorGain(TypedDict):
+    tensor: str
+    producer: str | None
+    consumers: list[str]
+    sqnr_db: float | None
+    gain_db: float | None
+    rounding_sqnr_db: float | None
+    rounding_gain_db: float | None
+    clipped: float | None
+
+
+class Exclusion(TypedDict):
+    target_sqnr_db: float
+    nodes: list[str]
+    sqnr_db: float | None
+    reached: bool
+
+
+class WeightsMatched(TypedDict):
+    matched: int
+    total: int
+
+
+class ImpactMeasures(TypedDict, total=False):
+    samples: int
+    output_sqnr_db: float | None
+    deployed_output_sqnr_db: float | None
+    weights: WeightsMatched
+    warnings: list[str]
+    ops: list[OpGain]
+    tensors: list[TensorGain]
+    exclude: Exclusion  # with --target-sqnr only
+
+
+class ImpactAnswer(ImpactMeasures, total=False):
+    a: str
+    b: str
+    inputs: dict[str, Any]  # a shape per input, or a list of shapes when the samples differ
+    defaulted: list[str]
+
+
+# -- tune
+
+
+class PrepareStep(TypedDict):
+    step: str
+    ok: bool
+    detail: str
+    max_abs_error: float | None
+
+
+class Candidate(TypedDict):
+    id: int
+    quantize_static: dict[str, Any]  # quantize_static's keyword arguments, enums by name
+    rewrites: bool
+    sqnr_db: float | None
+    int8_fraction: float | None
+    int8_kernels: int | None
+    wrapped_but_float: dict[str, int] | None
+    ms: float | None
+    speedup: float | None
+    bytes: int | None
+    pareto: bool
+    error: str | None
+
+
+class Calibration(TypedDict):
+    samples: int
+    methods: list[str]
+
+
+class Evaluation(TypedDict):
+    samples: int
+    held_out: bool
+    inputs: dict[str, Any]
+    defaulted: list[str]
+
+
+class FloatTime(TypedDict):
+    ms: float
+
+
+class TuneChoice(TypedDict):
+    float: FloatTime
+    prepare: list[PrepareStep]
+    candidates: list[Candidate]
+    target_sqnr_db: float | None
+    chosen: int
+    reached: bool
+
+
+class TuneAnswer(TuneChoice):
+    model: str
+    environment: Environment
+    calibration: Calibration
+    evaluation: Evaluation
+    output: str
