@@ -37,7 +37,7 @@ from graphscan import (
 )
 from graphscan_ort.engines.combined import CombinedModel, SingleOpModelError, float_in_quant_opset, run_combined
 from graphscan_ort.engines.measures import shapes_agree, type_problem, value_info_of
-from graphscan_ort.shared.answers import NodeError, TraceAnswer, TraceOp, Unmatched
+from graphscan_ort.shared.answers import NodeError, TraceAnswer, TraceMeasures, TraceOp, Unmatched
 from graphscan_ort.shared.files import write_atomically
 from graphscan_ort.shared.graph import (
     QDQ_SUFFIX,
@@ -461,6 +461,22 @@ def trace_models(
         float_model, [inputs] if inputs else None, parse_shapes(shape), seed, TRACE_SYMBOLIC_DIM_SIZE
     )
     feeds = samples[0]
+    inputs_given = {name: list(array.shape) for name, array in feeds.items()}
+    measures = compare(float_model, quant_model, feeds, a, b, tolerance, save)
+    return {"a": a, "b": b, "inputs": inputs_given, "defaulted": defaulted, **measures}
+
+
+def compare(
+    float_model: onnx.ModelProto,
+    quant_model: onnx.ModelProto,
+    feeds: dict[str, np.ndarray],
+    a: str,
+    b: str,
+    tolerance: float = TRACE_TOLERANCE,
+    save: str | None = None,
+) -> TraceMeasures:
+    """trace's rows for two models in memory (``a`` and ``b`` name them in failures) on
+    one sample: every operator of ``quant_model`` against ``float_model``'s tensors."""
     pairs = output_pairs(float_model, quant_model, a, b)
     float_types, quant_types = inferred_types(float_model, feeds), inferred_types(quant_model, feeds)
     quant_index = GraphIndex(quant_model.graph)
@@ -508,10 +524,6 @@ def trace_models(
     if save is not None:
         save_op_models(save, quant_model, rows, [row.op for row in plan], saved)
     return {
-        "a": a,
-        "b": b,
-        "inputs": {name: list(array.shape) for name, array in feeds.items()},
-        "defaulted": defaulted,
         "ops": rows,
         "outputs": {f: (comparison.outcome[0] if comparison else None) for f, comparison in output_comparisons.items()},
         "worst_isolated": worst_isolated(rows),

@@ -57,16 +57,19 @@ class TraceOp(TypedDict, total=False):
     clipped: float | None  # only on rows whose output has a Q
 
 
-class TraceAnswer(TypedDict):
-    a: str
-    b: str
-    inputs: dict[str, list[int]]
-    defaulted: list[str]
+class TraceMeasures(TypedDict):
     ops: list[TraceOp]
     outputs: dict[str, float | None]
     worst_isolated: NodeError | None
     first_over: NodeError | None
     unmatched: list[Unmatched]
+
+
+class TraceAnswer(TraceMeasures):
+    a: str
+    b: str
+    inputs: dict[str, list[int]]
+    defaulted: list[str]
 
 
 # -- runtime
