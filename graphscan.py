@@ -28,18 +28,22 @@ import signal
 import sys
 
 EXIT_INTERRUPTED = 130  # SIGINT, as shells report it (128 + 2)
+EXIT_TERMINATED = 143  # SIGTERM (128 + 15): a CI timeout, a killed job
 
 
 def exit_on_interrupt(signum: int, frame: object) -> None:
-    """SIGINT where main() cannot catch it (importing, shutting down): one line, exit 130."""
+    """SIGINT or SIGTERM where main() cannot catch it (importing, shutting down): one
+    line, exit 130 or 143; nothing is written yet or everything already is."""
+    terminated = signum == signal.SIGTERM
     try:
-        os.write(2, b"graphscan: interrupted\n")
+        os.write(2, b"graphscan: terminated\n" if terminated else b"graphscan: interrupted\n")
     finally:
-        os._exit(EXIT_INTERRUPTED)
+        os._exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, exit_on_interrupt)
+    signal.signal(signal.SIGTERM, exit_on_interrupt)
     # The graphscan_ort package imports this file as ``graphscan``: it must find
     # this very module, not load a second copy with classes of its own.
     if getattr(sys.modules.get(__name__), "__dict__", None) is globals():  # not under a runner like cProfile
@@ -92,6 +96,7 @@ EXIT_CODES = {
     EXIT_INPUTS: "inputs do not match the models",
     EXIT_BUDGET: "check: a budget is broken",
     EXIT_INTERRUPTED: "interrupted",
+    EXIT_TERMINATED: "terminated",
 }
 
 QUANTIZE = "QuantizeLinear"
@@ -971,7 +976,7 @@ def package_needed(needed_by: str) -> Iterator[None]:
     except ImportError as exc:
         # Ctrl-C inside onnxruntime's C initialization comes back as "initialization failed".
         if any(isinstance(e, KeyboardInterrupt) for e in (exc.__cause__, exc.__context__)) or INTERRUPTED:
-            raise KeyboardInterrupt from None
+            raise interruption() from None
         missing = getattr(exc, "name", None) or ""
         absent = isinstance(exc, ModuleNotFoundError) and missing.split(".")[0] == PACKAGE
         if not absent and missing.split(".")[0] != "onnxruntime":
@@ -2086,9 +2091,10 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except SystemExit as exc:  # argparse after printing --help
         return exc.code if isinstance(exc.code, int) else EXIT_OK
-    except KeyboardInterrupt:
-        report("interrupted")
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated): unwound, nothing half-written
+        terminated = isinstance(exc, Terminated)
+        report("terminated" if terminated else "interrupted")
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except MemoryError:  # graphscan's own arrays or onnxruntime's: the model did not run here
         report(
             f"{argv[0] if argv else 'graphscan'}: out of memory (give smaller inputs with --shape, or fewer samples)"
@@ -2103,24 +2109,37 @@ def main(argv: list[str] | None = None) -> int:
     return exit_code
 
 
-INTERRUPTED: list[bool] = []  # [True] once Ctrl-C was pressed while main() ran
+INTERRUPTED: list[int] = []  # the signals (SIGINT, SIGTERM) that arrived while main() ran
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM while main() runs: it unwinds as Ctrl-C does, so every temporary file
+    and folder is removed and nothing is left half-written (exit 143, not 130)."""
 
 
 def note_interrupt(signum: int, frame: object) -> None:
-    """main()'s SIGINT handler: KeyboardInterrupt, remembered (onnxruntime's C
-    initialization turns it into an ImportError, which must not hide it)."""
-    INTERRUPTED.append(True)
-    raise KeyboardInterrupt
+    """main()'s SIGINT and SIGTERM handler: KeyboardInterrupt (Terminated), remembered
+    (onnxruntime's C initialization turns it into an ImportError, which must not hide it)."""
+    INTERRUPTED.append(signum)
+    raise interruption()
+
+
+def interruption() -> KeyboardInterrupt:
+    """What the signals that arrived ask for: Terminated after a SIGTERM, else Ctrl-C's."""
+    return Terminated() if signal.SIGTERM in INTERRUPTED else KeyboardInterrupt()
 
 
 def console_main() -> None:
-    """The ``graphscan`` command (and ``python graphscan.py``): main() with Ctrl-C as exit 130."""
-    signal.signal(signal.SIGINT, note_interrupt)  # main() reports it in one line
+    """The ``graphscan`` command (and ``python graphscan.py``): main() with Ctrl-C as exit
+    130 and SIGTERM as exit 143."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, note_interrupt)  # main() reports it in one line
     try:
         code = main()
-    except KeyboardInterrupt:  # in the instant between main()'s own handlers
-        code = EXIT_INTERRUPTED
-    signal.signal(signal.SIGINT, exit_on_interrupt)  # no traceback during shutdown either
+    except KeyboardInterrupt as exc:  # in the instant between main()'s own handlers
+        code = EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, exit_on_interrupt)  # no traceback during shutdown either
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

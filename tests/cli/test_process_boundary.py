@@ -20,7 +20,16 @@ from onnx import TensorProto, helper, numpy_helper
 import gen_models
 import graphscan
 import graphscan_ort.commands.trace as trace_command
-from tests.helpers import INTERRUPT_AT, describe, error_line, json_answer, replace_command, run_graphscan, strict_loads
+from tests.helpers import (
+    INTERRUPT_AT,
+    TERMINATE_AT,
+    describe,
+    error_line,
+    json_answer,
+    replace_command,
+    run_graphscan,
+    strict_loads,
+)
 
 NAN = float("nan")
 
@@ -88,7 +97,16 @@ def test_trace_of_a_nan_model_is_strict_json(tmp_path):
         pytest.param("fuse", "os.rename", "*", id="fuse-while-renaming-its-output"),
     ],
 )
-def test_sigint_is_one_line_and_exit_130(tmp_path, small_lab, command, event, argument):
+@pytest.mark.parametrize(
+    ("signal_at", "code", "line"),
+    [
+        pytest.param(INTERRUPT_AT, graphscan.EXIT_INTERRUPTED, b"graphscan: interrupted\n", id="sigint"),
+        pytest.param(TERMINATE_AT, graphscan.EXIT_TERMINATED, b"graphscan: terminated\n", id="sigterm"),
+    ],
+)
+def test_sigint_and_sigterm_are_one_line_and_their_exit_code(
+    tmp_path, small_lab, command, event, argument, signal_at, code, line
+):
     paths = {
         "nodes": [small_lab["full"]],
         "fuse": [small_lab["fp32"], tmp_path / "out.onnx"],
@@ -97,9 +115,9 @@ def test_sigint_is_one_line_and_exit_130(tmp_path, small_lab, command, event, ar
     args = [command, *paths[command]]
     if argument == "{model}":
         argument = str(paths[command][0])
-    proc = run_graphscan(args, python_flags=("-c", INTERRUPT_AT, event, argument))
-    assert proc.returncode == graphscan.EXIT_INTERRUPTED, proc.stderr
-    assert proc.stderr == b"graphscan: interrupted\n"
+    proc = run_graphscan(args, python_flags=("-c", signal_at, event, argument))
+    assert proc.returncode == code, proc.stderr
+    assert proc.stderr == line
     assert proc.stdout == b""
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output, no temporary file
 

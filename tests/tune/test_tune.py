@@ -12,7 +12,7 @@ import gen_models
 import graphscan
 import graphscan_ort.tune.candidates as candidates
 import graphscan_ort.tune.command as tune
-from tests.helpers import INTERRUPT_AT, error_line, json_answer, main_error_line, run_graphscan
+from tests.helpers import INTERRUPT_AT, TERMINATE_AT, error_line, json_answer, main_error_line, run_graphscan
 
 
 @pytest.fixture(scope="module")
@@ -174,14 +174,23 @@ def test_exclusions_are_realized_by_the_quantizer_and_measured(tuned, tmp_path, 
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.onnx", "prepared.onnx"]
 
 
-@pytest.mark.parametrize("event", ["os.mkdir", "os.rename"])
-def test_ctrl_c_leaves_nothing_half_written(tuned, tmp_path, event):
-    """Interrupted when its temporary folder is made, or while it is renamed into place:
-    exit 130 and one line; --out is absent or complete, and no temporary folder is left."""
+@pytest.mark.parametrize(
+    ("signal_at", "code", "line"),
+    [
+        pytest.param(INTERRUPT_AT, 130, b"graphscan: interrupted\n", id="ctrl-c"),
+        pytest.param(TERMINATE_AT, 143, b"graphscan: terminated\n", id="sigterm"),
+    ],
+)
+@pytest.mark.parametrize("event", ["os.mkdir", "open", "os.rename"])
+def test_ctrl_c_and_sigterm_leave_nothing_half_written(tuned, tmp_path, event, signal_at, code, line):
+    """Interrupted (Ctrl-C) or terminated (SIGTERM: a CI timeout) when its temporary folder is
+    made, while the quantizer runs, or while the folder is renamed into place: one line and
+    its exit code; --out is absent or complete, and no temporary folder is left."""
     out = tmp_path / "out"
     argv = ["tune", tuned["float"], "--calibrate", tuned["calibration"][0], "--out", out, "--runs", "1"]
-    proc = run_graphscan(argv, python_flags=("-c", INTERRUPT_AT, event, "*"))
-    assert proc.returncode == 130 and proc.stderr == b"graphscan: interrupted\n" and proc.stdout == b""
+    argument = "*candidate-0.onnx" if event == "open" else "*"  # "open": while the first candidate is made
+    proc = run_graphscan(argv, python_flags=("-c", signal_at, event, argument))
+    assert proc.returncode == code and proc.stderr == line and proc.stdout == b"", proc
     assert not out.exists() or sorted(p.name for p in out.iterdir()) == ["model.onnx", "prepared.onnx"]
     assert list(tmp_path.glob(".graphscan-tune-*")) == []
 
