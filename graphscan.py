@@ -1318,8 +1318,12 @@ def by_count(counts: Mapping[str, int]) -> list[tuple[str, int]]:
 
 
 def graph_positions(path: str) -> dict[str, int]:
-    """``{node name: position in graph.node}``, to show names in graph order."""
-    return {name: i for i, name in enumerate(index_model(path).names)}
+    """``{node name: position in graph.node}``, to show names in graph order; empty when
+    the model is no longer readable (a saved answer's table keeps the JSON's order)."""
+    try:
+        return {name: i for i, name in enumerate(index_model(path).names)}
+    except GraphscanError:
+        return {}
 
 
 def islands_by_size(members: list[list[str]], positions: dict[str, int]) -> list[int]:
@@ -1753,6 +1757,8 @@ class Command:
     table: Callable[[dict, int | None], str] | None = None
     text: bool = False
     exit_code: Callable[[dict], int] | None = None
+    answer: Any = None  # the TypedDict of its answer: which command a saved answer is from
+    path_help: str = "path to an .onnx file"
 
     @property
     def own_top(self) -> bool:
@@ -1760,11 +1766,11 @@ class Command:
         return any(flag == "--top" for flag, _ in self.options)
 
 
-NODES = Command("nodes", nodes, table=nodes_table)
-QDQ = Command("qdq", qdq, table=qdq_table)
-ISLANDS = Command("islands", islands, table=islands_table)
-BOUNDARY = Command("boundary", boundary, table=boundary_table)
-DIFF = Command("diff", diff, ("a", "b"), table=diff_table)
+NODES = Command("nodes", nodes, table=nodes_table, answer=NodesAnswer)
+QDQ = Command("qdq", qdq, table=qdq_table, answer=QdqAnswer)
+ISLANDS = Command("islands", islands, table=islands_table, answer=IslandsAnswer)
+BOUNDARY = Command("boundary", boundary, table=boundary_table, answer=BoundaryAnswer)
+DIFF = Command("diff", diff, ("a", "b"), table=diff_table, answer=DiffAnswer)
 
 CHECK = Command(
     "check",
@@ -1788,6 +1794,7 @@ CHECK = Command(
         *samples_group(1, samples="many", when="--min-sqnr: "),
     ),
     exit_code=lambda answer: EXIT_OK if answer["ok"] else EXIT_BUDGET,
+    answer=CheckAnswer,
 )
 
 DOT = Command(
@@ -1813,6 +1820,68 @@ DOT = Command(
         ),
     ),
     text=True,
+)
+
+
+def answer_keys(command: Command) -> tuple[frozenset[str], frozenset[str]]:
+    """``(required, all)`` keys of ``command``'s answer (empty without a declared type)."""
+    if command.answer is None:
+        return frozenset(), frozenset()
+    required = frozenset(command.answer.__required_keys__)
+    return required, required | frozenset(command.answer.__optional_keys__)
+
+
+def answer_command(answer: dict[str, Any], path: str) -> Command:
+    """The command whose answer ``answer`` is, by its keys (the counting commands first,
+    so a package command is imported only when no core one fits)."""
+    keys = set(answer)
+    for name in sorted(COMMANDS, key=lambda name: COMMANDS[name].package):
+        if name == "table":
+            continue
+        try:
+            command = load_command(name)
+        except GraphscanError:  # the package is missing: only the core's tables are here
+            raise GraphscanError(
+                f"usage: {shown(path)}: not the answer of a command of graphscan.py alone; the tables of the "
+                f"commands that run models need the {PACKAGE} package and onnxruntime",
+                EXIT_USAGE,
+            ) from None
+        required, known = answer_keys(command)
+        if required and required <= keys <= known:
+            return command
+    raise GraphscanError(f"usage: {shown(path)}: not the JSON answer of a graphscan command", EXIT_USAGE)
+
+
+def table(path: str, top: int | None = None) -> str:
+    """A saved JSON answer of any command rendered as that command's table (``--format table``)."""
+    check_readable(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            answer = json.load(f)
+    except OSError as exc:
+        raise GraphscanError(f"{shown(path)}: cannot read ({exc.strerror or exc})", EXIT_NO_FILE)
+    except (ValueError, RecursionError) as exc:
+        raise GraphscanError(f"usage: {shown(path)}: not a JSON answer ({one_line(exc)})", EXIT_USAGE)
+    if not isinstance(answer, dict):
+        raise GraphscanError(f"usage: {shown(path)}: not the JSON answer of a graphscan command", EXIT_USAGE)
+    command = answer_command(answer, path)
+    try:
+        return (command.table or generic_table)(answer, top)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # keys right, values not
+        raise GraphscanError(
+            f"usage: {shown(path)}: not a {command.name} answer ({type(exc).__name__}: {one_line(exc)})", EXIT_USAGE
+        )
+
+
+TABLE = Command(
+    "table",
+    table,
+    ("answer",),
+    options=(
+        ("--top", {"type": non_negative_int, "metavar": "N", "help": "only the N largest rows of each long list"}),
+    ),
+    text=True,
+    path_help="a saved JSON answer of any command",
 )
 
 
@@ -1877,6 +1946,7 @@ COMMANDS = {
         tune_command,
         True,
     ),
+    "table": Entry("a saved JSON answer of any command, shown as that command's table", lambda: TABLE),
 }
 
 
@@ -1935,7 +2005,7 @@ def exit_code_epilog() -> str:
 def add_arguments(parser: argparse.ArgumentParser, command: Command) -> None:
     """``command``'s paths and options, then the output group (--format, --top)."""
     for path in command.paths:
-        parser.add_argument(path, help="path to an .onnx file")
+        parser.add_argument(path, help=command.path_help)
     for flag, settings in command.options:
         parser.add_argument(flag, **settings)
     if command.text:

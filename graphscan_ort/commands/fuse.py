@@ -239,4 +239,5 @@ COMMAND = Command(
     absent={"seed": FUSE_SEED},
     one_sample=True,
     table=fuse_table,
+    answer=FuseAnswer,
 )

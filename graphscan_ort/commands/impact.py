@@ -153,4 +153,5 @@ COMMAND = Command(
     ),
     absent={"seed": 0},
     table=impact_table,
+    answer=ImpactAnswer,
 )

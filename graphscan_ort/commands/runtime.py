@@ -156,4 +156,5 @@ COMMAND = Command(
     absent={"seed": 0, "runs": RUNTIME_DEFAULT_RUNS},
     one_sample=True,
     table=runtime_table,
+    answer=RuntimeAnswer,
 )

@@ -617,4 +617,5 @@ COMMAND = Command(
     absent={"seed": 0},
     one_sample=True,
     table=trace_table,
+    answer=TraceAnswer,
 )

@@ -2,12 +2,11 @@
 
 Each command returns one of these (a TypedDict is a plain dict at run time, so the
 JSON is what it always was); a key SPEC.md adds or removes changes its type here.
-The counting commands' answers are typed in graphscan.py beside them.
+The counting commands' answers are typed in graphscan.py beside them. (No
+``from __future__ import annotations`` here: TypedDict reads NotRequired at run time.)
 """
 
-from __future__ import annotations
-
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 # -- fuse
 
@@ -45,7 +44,7 @@ class Unmatched(TypedDict):
     reason: str
 
 
-class TraceOp(TypedDict, total=False):
+class TraceOp(TypedDict):
     node: str
     op_type: str
     wrapped: bool
@@ -54,7 +53,7 @@ class TraceOp(TypedDict, total=False):
     propagated_max_abs: float | None
     isolated_lsb: float | None
     sqnr_db: float | None
-    clipped: float | None  # only on rows whose output has a Q
+    clipped: NotRequired[float | None]  # only on rows whose output has a Q
 
 
 class TraceMeasures(TypedDict):
@@ -94,13 +93,13 @@ NodeRow = TypedDict(
 )
 
 
-class Environment(TypedDict, total=False):
+class Environment(TypedDict):
     onnxruntime: str
     provider: str
     level: str
-    threads: int  # tune's
+    threads: NotRequired[int]  # tune's
     machine: str
-    int8_allowed: bool  # runtime's
+    int8_allowed: NotRequired[bool]  # runtime's
 
 
 class WallMs(TypedDict):
@@ -129,12 +128,12 @@ class RuntimeCounts(TypedDict):
     by_op_type: dict[str, dict[str, int]]
 
 
-class RuntimeAnswer(RuntimeCounts, total=False):
+class RuntimeAnswer(RuntimeCounts):
     model: str
     environment: Environment
     nodes: list[NodeRow]
     unmapped: list[str]
-    time: RuntimeTime  # with --time only
+    time: NotRequired[RuntimeTime]  # with --time only
 
 
 # -- impact
@@ -170,7 +169,7 @@ class WeightsMatched(TypedDict):
     total: int
 
 
-class ImpactMeasures(TypedDict, total=False):
+class ImpactMeasures(TypedDict):
     samples: int
     output_sqnr_db: float | None
     deployed_output_sqnr_db: float | None
@@ -178,10 +177,10 @@ class ImpactMeasures(TypedDict, total=False):
     warnings: list[str]
     ops: list[OpGain]
     tensors: list[TensorGain]
-    exclude: Exclusion  # with --target-sqnr only
+    exclude: NotRequired[Exclusion]  # with --target-sqnr only
 
 
-class ImpactAnswer(ImpactMeasures, total=False):
+class ImpactAnswer(ImpactMeasures):
     a: str
     b: str
     inputs: dict[str, Any]  # a shape per input, or a list of shapes when the samples differ
@@ -229,13 +228,17 @@ class FloatTime(TypedDict):
     ms: float
 
 
-class TuneChoice(TypedDict):
-    float: FloatTime
-    prepare: list[PrepareStep]
-    candidates: list[Candidate]
-    target_sqnr_db: float | None
-    chosen: int
-    reached: bool
+TuneChoice = TypedDict(  # noqa: UP013 (a class body's "float" key would shadow the builtin below it)
+    "TuneChoice",
+    {
+        "float": FloatTime,
+        "prepare": list[PrepareStep],
+        "candidates": list[Candidate],
+        "target_sqnr_db": float | None,
+        "chosen": int,
+        "reached": bool,
+    },
+)
 
 
 class TuneAnswer(TuneChoice):

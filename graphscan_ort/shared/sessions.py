@@ -8,7 +8,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import onnx
 import onnxruntime as ort
@@ -226,13 +226,13 @@ def environment(
 ) -> Environment:
     """What a command's sessions ran on, as its answer's ``environment`` lists it:
     onnxruntime's version, the provider and level, tune's ``threads``, the machine,
-    runtime's ``int8_allowed`` (the last two keys only where given)."""
+    runtime's ``int8_allowed`` (those two only where given), in that order."""
     import platform
 
-    answer: Environment = {"onnxruntime": ort.__version__, "provider": provider, "level": level}
+    answer: dict[str, Any] = {"onnxruntime": ort.__version__, "provider": provider, "level": level}
     if threads is not None:
         answer["threads"] = threads
     answer["machine"] = platform.machine()
     if int8_allowed is not None:
         answer["int8_allowed"] = int8_allowed
-    return answer
+    return cast(Environment, answer)  # built key by key: threads comes before machine

@@ -390,4 +390,5 @@ COMMAND = Command(
         ),
     ),
     table=tune_table,
+    answer=TuneAnswer,
 )

@@ -511,3 +511,66 @@ def test_red_flags_lead_where_absolute_errors_hide_them():
     assert first_column(graphscan.render_table("impact", impact), "tensors by clipped share, largest first") == [
         "all_clipped"
     ]
+
+
+# --------------------------------------------------------------------------
+# graphscan table ANSWER.json: a saved answer shown as its command's table
+
+
+SAVED = [
+    pytest.param(["nodes", "{full}"], id="nodes"),
+    pytest.param(["qdq", "{full}"], id="qdq"),
+    pytest.param(["islands", "{matmul_only}"], id="islands"),
+    pytest.param(["boundary", "{matmul_only}"], id="boundary"),
+    pytest.param(["diff", "{fp32}", "{full}"], id="diff"),
+    pytest.param(["check", "{full}", "--max-islands", "0"], id="check-broken"),
+    pytest.param(["runtime", "{full}"], id="runtime"),
+    pytest.param(["trace", "{fp32}", "{full}"], id="trace"),
+    pytest.param(["impact", "{fp32}", "{full}", "--target-sqnr", "60"], id="impact"),
+]
+
+
+@pytest.mark.parametrize("argv", SAVED)
+@pytest.mark.parametrize("top", [None, "2"])
+def test_a_saved_answer_is_shown_as_its_commands_table(argv, top, default_lab, tmp_path, capsys):
+    argv = [str(a).format(**{k: str(v) for k, v in default_lab.items()}) for a in argv]
+    limit = ["--top", top] if top else []
+    own_top = graphscan.load_command(argv[0]).own_top  # impact's --top limits its JSON too
+    graphscan.main([*argv, *(limit if own_top else [])])
+    saved = tmp_path / "answer.json"
+    saved.write_text(capsys.readouterr().out)
+    graphscan.main([*argv, "--format", "table", *limit])
+    expected = capsys.readouterr().out
+    assert graphscan.main(["table", str(saved), *limit]) == 0
+    assert capsys.readouterr().out == expected
+
+
+@pytest.mark.parametrize(
+    ("content", "code", "said"),
+    [
+        pytest.param(None, 3, "no such file", id="missing"),
+        pytest.param("{not json", 2, "not a JSON answer", id="not-json"),
+        pytest.param("[1, 2]", 2, "not the JSON answer of a graphscan command", id="a-list"),
+        pytest.param('{"model": "m.onnx"}', 2, "not the JSON answer of a graphscan command", id="unknown-keys"),
+        pytest.param(
+            '{"model": "m", "quantize": "six", "dequantize": 1, "round_trips": 1, "weight_dequantize": 1}',
+            0,
+            "",
+            id="a-string-count-is-shown-as-it-is",
+        ),
+        pytest.param(
+            '{"model": "gone.onnx", "compute": 1, "wrapped": 1, "float": 0, "island_count": 1, "islands": 3}',
+            2,
+            "not a islands answer",
+            id="keys-right-values-not",
+        ),
+    ],
+)
+def test_a_file_that_is_not_an_answer_is_one_line(content, code, said, tmp_path, capsys):
+    path = tmp_path / "answer.json"
+    if content is not None:
+        path.write_text(content)
+    assert graphscan.main(["table", str(path)]) == code
+    out, err = capsys.readouterr()
+    if code:
+        assert out == "" and err.count("\n") == 1 and said in err, err
