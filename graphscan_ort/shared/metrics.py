@@ -191,18 +191,40 @@ def count_outside(values: np.ndarray, lo: float, hi: float) -> int:
     return int(np.count_nonzero((data < low) | (data > high)))
 
 
+# A prepared model (quant_pre_process, the opset, a rewrite) must reproduce the
+# original's outputs to at least this output SQNR. Float reassociation (BatchNorm and
+# constant folding, a reciprocal) costs 1e-7 to 1e-5 of the signal, 100 dB and more;
+# int8 quantization noise is 20-50 dB, and any real change of a model far worse than 80.
+PREPARE_MIN_SQNR_DB = 80.0
+
+
 @dataclasses.dataclass
 class Verification:
-    """How a changed model compares with the original: the largest finite error,
-    how many values were compared, and the first problem no tolerance excuses
-    (None: none), with the sample it was found on and whether the original's
-    outputs held no value at all there."""
+    """How a changed model compares with the original: the largest finite error, the
+    output SQNR over the finite float values (None when undefined: no noise or no
+    signal), how many values were compared, and the first problem no tolerance excuses
+    (None: none), with the sample it was found on and whether the original's outputs
+    held no value at all there."""
 
     max_abs_error: float
     compared: int
     problem: str | None
     sample: int | None
     empty: bool
+    sqnr_db: float | None = None
+
+
+def finite_energies(expected: list[Any], actual: list[Any]) -> tuple[float, float]:
+    """``(sum f^2, sum (f - a)^2)`` over the finite values of the float outputs (the
+    others compare_outputs holds equal), in float64."""
+    signal = noise = 0.0
+    for e, a in zip(expected, actual, strict=True):
+        if isinstance(e, np.ndarray) and isinstance(a, np.ndarray) and e.dtype.kind == "f" and e.shape == a.shape:
+            finite = np.isfinite(e) & np.isfinite(a)
+            e64, a64 = e[finite].astype(np.float64), a[finite].astype(np.float64)
+            signal += energy(e64)
+            noise += energy(e64 - a64)
+    return signal, noise
 
 
 def verify(
@@ -210,28 +232,46 @@ def verify(
     changed: onnx.ModelProto,
     samples: list[dict],
     subjects: tuple[str, str] = ("the model before the rewrite", "graphscan's rewritten model"),
+    min_sqnr_db: float | None = None,
 ) -> Verification:
     """``changed`` against ``original`` on every sample, graph optimizations off: NaN and
-    infinities at the same places, then every finite output within
-    VERIFY_RELATIVE_TOLERANCE of the outputs' magnitude (at least 1). The one check of
-    a changed model: fuse's, the rewrites' and prepare's. ``subjects`` name the two
-    models when one does not run."""
+    infinities at the same places, integers equal, then the finite outputs within the
+    tolerance: VERIFY_RELATIVE_TOLERANCE of the outputs' magnitude (at least 1) for each
+    value (fuse's rule), or with ``min_sqnr_db`` an output SQNR of at least that (prepare's:
+    float reassociation passes, a real change does not). The one check of a changed model.
+    ``subjects`` name the two models when one does not run."""
     worst, compared, empty = 0.0, 0, True
+    signal = noise = 0.0
     for k, feeds in enumerate(samples):
         expected = run_model(original, feeds, subjects[0])
         actual = run_model(changed, feeds, subjects[1])
         error, scale, counted, problem = compare_outputs(expected, actual)
         empty = empty and not any(np_size(e) for e in expected)
-        if problem is None and error > VERIFY_RELATIVE_TOLERANCE * max(scale, 1.0):
+        if problem is None:
+            more_signal, more_noise = finite_energies(expected, actual)
+            signal, noise = signal + more_signal, noise + more_noise
+        if problem is None and min_sqnr_db is None and error > VERIFY_RELATIVE_TOLERANCE * max(scale, 1.0):
             problem = f"by {error:.3g} (allowed {VERIFY_RELATIVE_TOLERANCE:g} relative)"
         if problem is not None:
-            return Verification(error, compared + counted, problem, k, empty)
+            return Verification(error, compared + counted, problem, k, empty, decibels(signal, noise))
         worst, compared = max(worst, error), compared + counted
-    return Verification(worst, compared, None, None, empty)
+    sqnr = decibels(signal, noise)
+    if min_sqnr_db is not None and noise > 0 and (sqnr is None or sqnr < min_sqnr_db):
+        shown_sqnr = "undefined" if sqnr is None else f"{sqnr:.3g} dB"
+        problem = f"by {worst:.3g}: an output SQNR of {shown_sqnr} (allowed {min_sqnr_db:g} dB and more)"
+        return Verification(worst, compared, problem, None, empty, sqnr)
+    return Verification(worst, compared, None, None, empty, sqnr)
 
 
 def verified(original: onnx.ModelProto, rewritten: onnx.ModelProto, samples: list[dict]) -> tuple[float, str | None]:
-    """``(max_abs_error, problem or None)`` of ``verify``, the problem naming its sample."""
-    result = verify(original, rewritten, samples)
-    problem = None if result.problem is None else f"sample {result.sample}: {result.problem}"
-    return result.max_abs_error, problem
+    """``(max_abs_error, problem or None)`` of a prepared model (a step of tune's prepare,
+    a rewrite) against the original: ``verify`` at PREPARE_MIN_SQNR_DB, the problem naming
+    its sample. Outputs with nothing finite to compare verify nothing: a problem too."""
+    result = verify(original, rewritten, samples, min_sqnr_db=PREPARE_MIN_SQNR_DB)
+    if result.problem is not None:
+        where = "" if result.sample is None else f"sample {result.sample}: "
+        return result.max_abs_error, where + result.problem
+    if not result.compared:
+        why = "empty" if result.empty else "all NaN or infinite"
+        return result.max_abs_error, f"nothing to compare: the original's outputs are {why} on these samples"
+    return result.max_abs_error, None

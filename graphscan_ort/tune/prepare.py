@@ -8,7 +8,10 @@
 3. The rewrites of ``rewrites.py``.
 
 Every step's model is verified against the original model on the evaluation
-samples, as fuse verifies (NaN-aware, 1e-5 relative); a step that fails is
+samples (``metrics.verified``): NaN and infinities where the original has them,
+then an output SQNR of at least PREPARE_MIN_SQNR_DB (80 dB), which float
+reassociation (BatchNorm and constant folding) passes and a real change does not;
+outputs with nothing finite to compare verify nothing. A step that fails is
 dropped with its reason and the next one starts from the last good model.
 """
 

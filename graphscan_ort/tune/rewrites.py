@@ -12,7 +12,7 @@ that leaves every graph output's name and value alone (up to float rounding):
   is folded into the Q after it.
 
 They are measured, not trusted: a caller verifies the rewritten model against
-the original (``verified``, as fuse verifies) before using it.
+the original (``metrics.verified``: prepare's 80 dB rule) before using it.
 """
 
 from __future__ import annotations
