@@ -107,6 +107,10 @@ def place(work: str, out: str) -> None:
             target = os.path.join(work, name)
             shutil.rmtree(target) if os.path.isdir(target) else os.unlink(target)
     try:
+        # A folder the user gets has the umask's mode, as mkdir gives it, not mkdtemp's 0700.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(work, 0o777 & ~umask)
         if os.path.isdir(out):
             os.rmdir(out)  # empty, as check_out saw it
         os.rename(work, out)

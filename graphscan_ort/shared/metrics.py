@@ -237,10 +237,11 @@ def verify(
     """``changed`` against ``original`` on every sample, graph optimizations off: NaN and
     infinities at the same places, integers equal, then the finite outputs within the
     tolerance: VERIFY_RELATIVE_TOLERANCE of the outputs' magnitude (at least 1) for each
-    value (fuse's rule), or with ``min_sqnr_db`` an output SQNR of at least that (prepare's:
-    float reassociation passes, a real change does not). The one check of a changed model.
+    value (fuse's rule); with ``min_sqnr_db``, that or an output SQNR of at least
+    ``min_sqnr_db`` (prepare's: float reassociation passes one or the other, on big outputs
+    and on tiny ones, a real change neither). The one check of a changed model.
     ``subjects`` name the two models when one does not run."""
-    worst, compared, empty = 0.0, 0, True
+    worst, compared, empty, per_value = 0.0, 0, True, True
     signal = noise = 0.0
     for k, feeds in enumerate(samples):
         expected = run_model(original, feeds, subjects[0])
@@ -250,24 +251,35 @@ def verify(
         if problem is None:
             more_signal, more_noise = finite_energies(expected, actual)
             signal, noise = signal + more_signal, noise + more_noise
-        if problem is None and min_sqnr_db is None and error > VERIFY_RELATIVE_TOLERANCE * max(scale, 1.0):
-            problem = f"by {error:.3g} (allowed {VERIFY_RELATIVE_TOLERANCE:g} relative)"
+        if problem is None and error > VERIFY_RELATIVE_TOLERANCE * max(scale, 1.0):
+            per_value = False
+            if min_sqnr_db is None:
+                problem = f"by {error:.3g} (allowed {VERIFY_RELATIVE_TOLERANCE:g} relative)"
         if problem is not None:
             return Verification(error, compared + counted, problem, k, empty, decibels(signal, noise))
         worst, compared = max(worst, error), compared + counted
     sqnr = decibels(signal, noise)
-    if min_sqnr_db is not None and noise > 0 and (sqnr is None or sqnr < min_sqnr_db):
+    if min_sqnr_db is not None and not per_value and (sqnr is None or sqnr < min_sqnr_db):
         shown_sqnr = "undefined" if sqnr is None else f"{sqnr:.3g} dB"
-        problem = f"by {worst:.3g}: an output SQNR of {shown_sqnr} (allowed {min_sqnr_db:g} dB and more)"
+        problem = (
+            f"by {worst:.3g} (allowed {VERIFY_RELATIVE_TOLERANCE:g} relative), an output SQNR of {shown_sqnr} "
+            f"(allowed {min_sqnr_db:g} dB and more)"
+        )
         return Verification(worst, compared, problem, None, empty, sqnr)
     return Verification(worst, compared, None, None, empty, sqnr)
 
 
-def verified(original: onnx.ModelProto, rewritten: onnx.ModelProto, samples: list[dict]) -> tuple[float, str | None]:
+def verified(
+    original: onnx.ModelProto,
+    rewritten: onnx.ModelProto,
+    samples: list[dict],
+    min_sqnr_db: float = PREPARE_MIN_SQNR_DB,
+) -> tuple[float, str | None]:
     """``(max_abs_error, problem or None)`` of a prepared model (a step of tune's prepare,
-    a rewrite) against the original: ``verify`` at PREPARE_MIN_SQNR_DB, the problem naming
-    its sample. Outputs with nothing finite to compare verify nothing: a problem too."""
-    result = verify(original, rewritten, samples, min_sqnr_db=PREPARE_MIN_SQNR_DB)
+    a rewrite) against the original: ``verify`` at ``min_sqnr_db`` (``inf``: bit-exact), the
+    problem naming its sample. Outputs with nothing finite to compare verify nothing: a
+    problem too."""
+    result = verify(original, rewritten, samples, min_sqnr_db=min_sqnr_db)
     if result.problem is not None:
         where = "" if result.sample is None else f"sample {result.sample}: "
         return result.max_abs_error, where + result.problem

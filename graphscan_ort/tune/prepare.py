@@ -3,9 +3,11 @@
 1. onnxruntime's own ``quant_pre_process``; when it fails on a model (its
    symbolic shape inference needs sympy, and gives up on some graphs), once
    more without symbolic shape inference. Which path was taken is recorded.
-2. The default-domain opset raised to 13 with onnx's version converter when it
+2. Every Constant node holding a tensor made an initializer (bit-exact): the
+   quantizer stores only initializers as int8.
+3. The default-domain opset raised to 13 with onnx's version converter when it
    is older: per-channel weights need it.
-3. The rewrites of ``rewrites.py``.
+4. The rewrites of ``rewrites.py``.
 
 Every step's model is verified against the original model on the evaluation
 samples (``metrics.verified``): NaN and infinities where the original has them,
@@ -17,7 +19,9 @@ dropped with its reason and the next one starts from the last good model.
 
 from __future__ import annotations
 
+import math
 import os
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import onnx
@@ -25,7 +29,7 @@ import onnx
 from graphscan import GraphscanError, one_line
 from graphscan_ort.shared.answers import PrepareStep
 from graphscan_ort.shared.graph import default_opset
-from graphscan_ort.shared.metrics import verified
+from graphscan_ort.shared.metrics import PREPARE_MIN_SQNR_DB, verified
 from graphscan_ort.tune.rewrites import REWRITES
 
 if TYPE_CHECKING:
@@ -52,17 +56,64 @@ def pre_processed(source: str, target: str) -> tuple[str | None, str]:
             )
 
 
+def constants_as_initializers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """A copy of ``model`` with every top-level Constant node that holds a tensor made an
+    initializer of its output's name, and how many: onnxruntime's quantizer stores only
+    initializers as int8, and quantizes a weight a Constant makes at run time, like an
+    activation (PP-OCR's models keep every weight so)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    outputs = {o.name for o in graph.output}
+    taken = {init.name for init in graph.initializer}
+    kept, count = [], 0
+    for node in graph.node:
+        value = next((a for a in node.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None)
+        name = node.output[0] if node.output else ""
+        if (
+            node.op_type != "Constant"
+            or node.domain not in ("", "ai.onnx")
+            or value is None
+            or not name
+            or name in outputs
+            or name in taken
+        ):
+            kept.append(node)
+        else:
+            tensor = onnx.TensorProto()
+            tensor.CopyFrom(value.t)
+            tensor.name = name
+            graph.initializer.append(tensor)
+            if out.ir_version < 4:  # before IR 4 an initializer is also a graph input
+                graph.input.append(onnx.helper.make_tensor_value_info(name, tensor.data_type, list(tensor.dims)))
+            count += 1
+    del graph.node[:]
+    graph.node.extend(kept)
+    return out, count
+
+
+def folding_lost(original: onnx.ModelProto, pre_processed: onnx.ModelProto) -> str:
+    """What dropping quant_pre_process costs: the nodes it had folded away, by op type."""
+    before = Counter(node.op_type for node in original.graph.node)
+    after = Counter(node.op_type for node in pre_processed.graph.node)
+    lost = before - after
+    if not lost:
+        return "nothing it folds"
+    folded = ", ".join(f"{count} {op}" for op, count in sorted(lost.items(), key=lambda item: (-item[1], item[0])))
+    return f"the {sum(lost.values())} nodes it folds ({folded})"
+
+
 def step(name: str, ok: bool, detail: str, error: float | None) -> PrepareStep:
     return {"step": name, "ok": ok, "detail": detail, "max_abs_error": error}
 
 
 def checked(
-    original: onnx.ModelProto, candidate: onnx.ModelProto, samples: list[dict]
+    original: onnx.ModelProto, candidate: onnx.ModelProto, samples: list[dict], min_sqnr_db: float = PREPARE_MIN_SQNR_DB
 ) -> tuple[float | None, str | None]:
     """``verified``, with a model that cannot even be run counted as a failure of the step."""
     try:
         onnx.checker.check_model(candidate, full_check=True)
-        return verified(original, candidate, samples)
+        return verified(original, candidate, samples, min_sqnr_db)
     except GraphscanError as exc:
         return None, str(exc)
     except Exception as exc:
@@ -88,7 +139,17 @@ def prepared_base(
     else:
         model = onnx.load(path)
         error, problem = checked(original, model, samples)
-        steps.append(step("quant_pre_process", problem is None, f"{detail}; {problem}" if problem else detail, error))
+        if problem:
+            detail = f"{detail}; {problem}; dropped, it costs {folding_lost(original, model)}"
+        steps.append(step("quant_pre_process", problem is None, detail, error))
+        current = model if problem is None else current
+    model, count = constants_as_initializers(current)
+    if count:  # even when quant_pre_process failed: the quantizer quantizes initializers only
+        error, problem = checked(original, model, samples, min_sqnr_db=math.inf)
+        if problem is None and error:  # the same tensors, moved: any difference is a bug
+            problem = f"by {error:.3g}: moving constants must change nothing"
+        detail = f"{count} Constant nodes as initializers (the quantizer quantizes initializer weights only)"
+        steps.append(step("constants", problem is None, problem or detail, error))
         current = model if problem is None else current
     if default_opset(current) < PER_CHANNEL_OPSET:
         try:

@@ -92,3 +92,39 @@ def test_a_step_with_nothing_finite_to_compare_is_not_verified():
     samples = [{"x": np.full((1, 4), np.nan, np.float32)}]
     _, problem = metrics.verified(scaled_model(1.0), scaled_model(2.0), samples)
     assert problem is not None and "nothing to compare" in problem
+
+
+def constant_weight_model():
+    """A Conv whose weight and bias are Constant nodes, as PP-OCR's models keep them."""
+    weight = np.random.default_rng(0).standard_normal((2, 1, 3, 3)).astype(np.float32)
+    nodes = [
+        helper.make_node("Constant", [], ["w"], value=onnx.numpy_helper.from_array(weight, "w")),
+        helper.make_node("Constant", [], ["b"], value=onnx.numpy_helper.from_array(np.ones(2, np.float32), "b")),
+        helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "constant_weights",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 4, 4])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def test_constant_weights_become_initializers_bit_exact_even_without_quant_pre_process(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare, "pre_processed", lambda source, target: (None, "quant_pre_process failed (test)"))
+    source = tmp_path / "float.onnx"
+    onnx.save(constant_weight_model(), source)
+    samples = [{"x": np.random.default_rng(1).standard_normal((1, 1, 4, 4)).astype(np.float32)}]
+    prepared, steps = prepare.prepare(str(source), str(tmp_path), samples)
+    (constants,) = [s for s in steps if s["step"] == "constants"]
+    assert constants["ok"] and constants["max_abs_error"] == 0.0 and constants["detail"].startswith("2 Constant")
+    assert "Constant" not in [n.op_type for n in prepared.graph.node]
+    assert sorted(init.name for init in prepared.graph.initializer) == ["b", "w"]
+
+
+def test_a_dropped_quant_pre_process_says_what_it_costs():
+    folded = onnx.ModelProto()
+    folded.CopyFrom(constant_weight_model())
+    del folded.graph.node[:2]  # as if both Constants were folded away
+    assert prepare.folding_lost(constant_weight_model(), folded) == "the 2 nodes it folds (2 Constant)"

@@ -1,6 +1,8 @@
 """The tune command (issue 18, first version): every figure checked against an independent
 measurement of the written model, the choice against the definition, the exit codes."""
 
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +43,9 @@ def test_the_answer_has_the_issues_keys_and_writes_two_files(tuned):
         "candidates", "target_sqnr_db", "chosen", "reached", "output",
     ]  # fmt: skip
     assert sorted(p.name for p in tuned["out"].iterdir()) == ["model.onnx", "prepared.onnx"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(tuned["out"].stat().st_mode) == 0o777 & ~umask  # as mkdir makes it, not 0700
     assert answer["evaluation"]["held_out"] is True and answer["calibration"]["samples"] == 2
     assert len(answer["candidates"]) == 8  # no Div or HardSigmoid here: no rewritten variant
     assert list(tuned["out"].parent.glob(".graphscan-tune-*")) == []
