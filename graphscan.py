@@ -1713,6 +1713,34 @@ def level_option(choices: list[str], default: str | None, help_text: str) -> Opt
     return ("--level", {"choices": choices, "default": default, "help": help_text})
 
 
+# Bounds of --runs and --threads: beyond them onnxruntime fails, crashes (100,000
+# threads segfaulted after 52 s) or takes forever, so they are usage errors at once.
+MAX_RUNS = 100_000
+MAX_THREADS = 1024
+
+
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer from ``low`` to ``high`` (exit 2 otherwise)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {text!r}")
+        return value
+
+    parse.__name__ = f"integer from {low} to {high}"
+    return parse
+
+
+def check_between(flag: str, value: int, low: int, high: int) -> None:
+    """Exit 2 unless ``value`` (of option ``flag``, given in-process) is from ``low`` to ``high``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise GraphscanError(f"usage: {flag} must be an integer from {low} to {high}, not {value!r}", EXIT_USAGE)
+
+
 # The output group (--format, --top) is added to every command that answers JSON (add_arguments).
 FORMATS = ["json", "table"]
 

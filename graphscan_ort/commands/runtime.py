@@ -14,13 +14,16 @@ from typing import Any
 
 from graphscan import (
     EXIT_USAGE,
+    MAX_RUNS,
     RUNTIME_DEFAULT_RUNS,
     RUNTIME_LEVELS,
     TABLE_WIDTH,
     Command,
     GraphscanError,
     OnlyWith,
+    check_between,
     format_fields,
+    int_between,
     level_option,
     load_with_weights,
     page,
@@ -52,8 +55,7 @@ def runtime(
     """Per compute node: the kernel onnxruntime runs for it and its class."""
     if level not in RUNTIME_LEVELS:
         raise GraphscanError(f"usage: --level must be one of {', '.join(RUNTIME_LEVELS)}", EXIT_USAGE)
-    if runs < 1:
-        raise GraphscanError("usage: --runs must be at least 1", EXIT_USAGE)
+    check_between("--runs", runs, 1, MAX_RUNS)
     model = load_with_weights(path)
     shapes = parse_shapes(shape)
     found = classify(model, path, level, provider, int8_allowed)
@@ -150,7 +152,13 @@ COMMAND = Command(
             },
         ),
         *samples_group(1, when="--time: "),
-        ("--runs", {"type": int, "help": f"--time: timed runs (default: {RUNTIME_DEFAULT_RUNS})"}),
+        (
+            "--runs",
+            {
+                "type": int_between(1, MAX_RUNS),
+                "help": f"--time: timed runs, 1 to {MAX_RUNS} (default: {RUNTIME_DEFAULT_RUNS})",
+            },
+        ),
     ),
     only_with=OnlyWith("--time", "timed", ("inputs", "shape", "seed", "runs")),
     absent={"seed": 0, "runs": RUNTIME_DEFAULT_RUNS},

@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import shutil
 import tempfile
@@ -36,18 +37,21 @@ from graphscan import (
     EXIT_NO_FILE,
     EXIT_RUNTIME,
     EXIT_USAGE,
+    MAX_RUNS,
+    MAX_THREADS,
     RUNTIME_DEFAULT_RUNS,
     RUNTIME_LEVELS,
     Command,
     GraphscanError,
+    check_between,
     finite_float,
     format_fields,
+    int_between,
     level_option,
     load_with_weights,
     non_negative_int,
     one_line,
     page,
-    positive_int,
     samples_group,
     section,
     shown,
@@ -69,6 +73,11 @@ if TYPE_CHECKING:
 DEFAULT_SETTINGS = {"activation_type": "QInt8", "per_channel": False, "calibrate_method": "MinMax"}
 
 
+def accuracy(row: dict) -> float:
+    """A row's SQNR for ranking: ``inf`` when its outputs equal float's, ``-inf`` when undefined."""
+    return -math.inf if row["sqnr_db"] is None else row["sqnr_db"]
+
+
 def pareto(rows: list[dict]) -> None:
     """Mark each measured row on the front of (fastest, most accurate): no other is at least as fast and as
     accurate, and better in one."""
@@ -77,8 +86,8 @@ def pareto(rows: list[dict]) -> None:
         row["pareto"] = row["error"] is None and not any(
             other is not row
             and other["ms"] <= row["ms"]
-            and (other["sqnr_db"] or -1e300) >= (row["sqnr_db"] or -1e300)
-            and (other["ms"] < row["ms"] or (other["sqnr_db"] or -1e300) > (row["sqnr_db"] or -1e300))
+            and accuracy(other) >= accuracy(row)
+            and (other["ms"] < row["ms"] or accuracy(other) > accuracy(row))
             for other in measured
         )
 
@@ -86,10 +95,10 @@ def pareto(rows: list[dict]) -> None:
 def chosen_row(rows: list[dict], target: float | None) -> tuple[dict, bool]:
     """The fastest row meeting ``target``, else the most accurate; and whether the target was met."""
     measured = [r for r in rows if r["error"] is None]
-    meeting = [r for r in measured if target is None or (r["sqnr_db"] is not None and r["sqnr_db"] >= target)]
+    meeting = [r for r in measured if target is None or accuracy(r) >= target]
     if meeting:
-        return min(meeting, key=lambda r: (r["ms"], -(r["sqnr_db"] or -1e300))), True
-    return max(measured, key=lambda r: (r["sqnr_db"] if r["sqnr_db"] is not None else -1e300, -r["ms"])), False
+        return min(meeting, key=lambda r: (r["ms"], -accuracy(r))), True
+    return max(measured, key=lambda r: (accuracy(r), -r["ms"])), False
 
 
 def tune(
@@ -108,8 +117,10 @@ def tune(
         raise GraphscanError("usage: tune needs --calibrate FILE.npz (one sample per file, repeatable)", EXIT_USAGE)
     if out is None:
         raise GraphscanError("usage: tune needs --out DIR", EXIT_USAGE)
-    if runs < 1 or threads < 0:
-        raise GraphscanError("usage: --runs must be at least 1 and --threads at least 0", EXIT_USAGE)
+    check_between("--runs", runs, 1, MAX_RUNS)
+    check_between("--threads", threads, 1, MAX_THREADS)
+    if level not in RUNTIME_LEVELS:  # "disabled" is no deployment
+        raise GraphscanError(f"usage: --level must be one of {', '.join(RUNTIME_LEVELS)}", EXIT_USAGE)
     calibrate, inputs = sample_files(calibrate), sample_files(inputs) if inputs else None
     parent = check_out(out)
     ort.set_default_logger_severity(4)  # the quantizer's own sessions log warnings on stderr
@@ -379,14 +390,22 @@ COMMAND = Command(
                 "help": "exclusions tried when the target is not met (default: 8)",
             },
         ),
-        level_option(["disabled", *RUNTIME_LEVELS], "all", "deployed optimization level (default: all)"),
+        level_option(list(RUNTIME_LEVELS), "all", "deployed optimization level (default: all)"),
         (
             "--threads",
-            {"type": non_negative_int, "default": 1, "help": "intra-op threads of the measurements (default: 1)"},
+            {
+                "type": int_between(1, MAX_THREADS),
+                "default": 1,
+                "help": f"intra-op threads of the measurements, 1 to {MAX_THREADS} (default: 1)",
+            },
         ),
         (
             "--runs",
-            {"type": positive_int, "default": RUNTIME_DEFAULT_RUNS, "help": "timed runs per candidate (default: 20)"},
+            {
+                "type": int_between(1, MAX_RUNS),
+                "default": RUNTIME_DEFAULT_RUNS,
+                "help": f"timed runs per candidate, 1 to {MAX_RUNS} (default: 20)",
+            },
         ),
     ),
     table=tune_table,

@@ -16,6 +16,7 @@ level users run (default: onnxruntime's own default, all optimizations) with
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 
@@ -57,7 +58,9 @@ def measure_candidate(
     of ``quant_model`` (written at ``quant_path``) against ``float_model`` (read from ``float_path``)."""
     options = session_options(level, threads=threads)
     pairs = output_pairs(float_model, quant_model, float_path, quant_path)
-    sqnr, _, _ = output_sqnr(float_model, quant_model, samples, pairs, float_path, quant_path, options)
+    sqnr, exact, _ = output_sqnr(float_model, quant_model, samples, pairs, float_path, quant_path, options)
+    if exact:  # outputs equal to float's: infinitely accurate (null in the JSON), never the worst
+        sqnr = math.inf
     sessions = [
         open_session(float_model, f"{shown(float_path)}: model", session_options(level, threads=threads)),
         open_session(quant_model, f"{shown(quant_path)}: model", session_options(level, threads=threads)),

@@ -77,7 +77,8 @@ def hard_sigmoid(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         attrs = {a.name: a.f for a in node.attribute}
         alpha, beta = attrs.get("alpha", 0.2), attrs.get("beta", 0.5)
         dtype = onnx.helper.tensor_dtype_to_np_dtype(kind)
-        name = node_name(node, i)
+        # An unnamed node's SPEC name may be another node's: the Clip takes a fresh one.
+        name = node.name or fresh_name(node_name(node, i), taken)
         constants = {}
         for key, value in (("alpha", alpha), ("beta", beta), ("zero", 0.0), ("one", 1.0)):
             constants[key] = fresh_name(f"{name}_{key}", taken)

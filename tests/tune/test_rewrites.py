@@ -97,3 +97,27 @@ def test_a_rewrite_that_changes_the_outputs_is_caught():
             init.CopyFrom(numpy_helper.from_array(np.array(0.3, np.float32), init.name))
     _, problem = metrics.verified(model, broken, SAMPLES)
     assert problem is not None and "output SQNR of 14 dB" in problem  # a wrong reciprocal: far below 80 dB
+
+
+SAMPLES_1x4 = [{"x": np.array([[-4.0, -1.0, 0.5, 3.0]], np.float32)}]
+
+
+def test_an_unnamed_hard_sigmoids_clip_takes_a_fresh_name():
+    """An unnamed HardSigmoid at position 1 is HardSigmoid_1 by the SPEC; when another node
+    already has that name, the Clip must not take it (the rewritten model was invalid)."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Relu", ["x"], ["r"], name="HardSigmoid_1"),
+            helper.make_node("HardSigmoid", ["r"], ["y"]),
+        ],
+        "clash",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    rewritten, count = rewrites.hard_sigmoid(model)
+    names = [n.name for n in rewritten.graph.node]
+    assert count == 1 and len(names) == len(set(names)), names
+    onnx.checker.check_model(rewritten, full_check=True)
+    _, problem = metrics.verified(model, rewritten, SAMPLES_1x4)
+    assert problem is None

@@ -1,6 +1,7 @@
 """The tune command (issue 18, first version): every figure checked against an independent
 measurement of the written model, the choice against the definition, the exit codes."""
 
+import math
 import os
 import stat
 from pathlib import Path
@@ -120,6 +121,44 @@ def test_the_pareto_front_and_the_choice_follow_their_definitions():
     assert tune.chosen_row(rows, 8.0)[0]["id"] == 1 and tune.chosen_row(rows, 9.0)[0]["id"] == 0
     chosen, reached = tune.chosen_row(rows, 50.0)
     assert chosen["id"] == 0 and reached is False  # unreachable: the most accurate
+
+
+def test_an_exact_candidate_ranks_first_and_undefined_or_zero_db_ones_keep_their_place():
+    """A candidate whose outputs equal float's is infinitely accurate (null in the JSON): it
+    reaches any target and is on the front. An undefined SQNR is the least accurate, and an
+    SQNR of exactly 0 dB is a number like any other (not the worst)."""
+    rows = [
+        {"id": 0, "ms": 5.0, "sqnr_db": 39.0, "error": None},
+        {"id": 1, "ms": 6.0, "sqnr_db": math.inf, "error": None},  # exact
+        {"id": 2, "ms": 1.0, "sqnr_db": None, "error": None},  # undefined
+        {"id": 3, "ms": 2.0, "sqnr_db": 0.0, "error": None},
+    ]
+    tune.pareto(rows)
+    assert [r["pareto"] for r in rows] == [True, True, True, True]
+    chosen, reached = tune.chosen_row(rows, 200.0)
+    assert chosen["id"] == 1 and reached is True
+    assert tune.chosen_row(rows, -10.0)[0]["id"] == 3  # the fastest that meets it: 0 dB >= -10 dB
+    assert tune.chosen_row([rows[2], rows[3]], 50.0)[0]["id"] == 3  # unreachable: 0 dB beats undefined
+
+
+def test_a_candidate_equal_to_float_is_measured_as_infinitely_accurate(tuned):
+    """measure_candidate on the float model itself: no noise, so inf, never None (which ranked
+    an exact exclusion row as the least accurate of all)."""
+    model = onnx.load(tuned["float"])
+    samples = [dict(np.load(tuned["held"]))]
+    measured = tune.measure_candidate(model, model, tuned["float"], tuned["float"], samples, runs=1)
+    assert measured["sqnr_db"] == math.inf
+
+
+def test_out_of_range_runs_threads_and_level_are_refused_before_any_work(tuned, tmp_path, capsys):
+    base = ["tune", tuned["float"], "--calibrate", str(tuned["calibration"][0]), "--out", str(tmp_path / "o")]
+    for extra in (["--threads", "2147483648"], ["--threads", "0"], ["--runs", "100001"], ["--level", "disabled"]):
+        line = main_error_line(capsys, [*base, *extra], 2)
+        assert extra[0] in line
+    assert not (tmp_path / "o").exists() and list(tmp_path.glob(".graphscan-tune-*")) == []
+    with pytest.raises(graphscan.GraphscanError) as raised:  # in-process too
+        tune.tune(tuned["float"], calibrate=[str(tuned["calibration"][0])], out=str(tmp_path / "o"), threads=10**6)
+    assert raised.value.exit_code == graphscan.EXIT_USAGE
 
 
 def test_every_candidate_refused_is_exit_5(tuned, tmp_path, monkeypatch, capsys):
