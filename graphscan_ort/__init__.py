@@ -17,3 +17,32 @@ layers, never sideways between commands (``tests/cli/test_layout.py``):
 
 docs/DESIGN.md's layout section names every module.
 """
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 pointed at /dev/null for one block, then given back."""
+    try:
+        saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    except OSError:  # no stderr to silence
+        yield
+        return
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+# onnxruntime logs from C++ while it is imported, straight to descriptor 2: with an
+# unwritable $HOME/.cache (HOME=/dev/null, a CI user) a coloured telemetry warning, two
+# lines with raw escape codes. stderr is graphscan's one line, so the import is silenced
+# here, before any module of the package imports onnxruntime; an ImportError still rises.
+with _stderr_silenced():
+    import onnxruntime  # noqa: F401

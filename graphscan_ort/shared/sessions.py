@@ -209,16 +209,17 @@ def run_model(model: onnx.ModelProto, feeds: dict[str, np.ndarray], subject: str
 
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
-    """The quantizer prints progress on stdout (stdout is graphscan's answer) and logs
-    advice on the root logger: neither reaches the user; a failure still raises."""
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)
+    """The quantizer and quant_pre_process print progress on stdout (stdout is graphscan's
+    answer) and log advice, and whole tracebacks of what they refuse, through Python's
+    logging: none of it reaches the user, whose stderr is graphscan's one line. A failure
+    still raises, and graphscan reports it."""
+    disabled = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             yield
     finally:
-        root.setLevel(level)
+        logging.disable(disabled)
 
 
 def environment(

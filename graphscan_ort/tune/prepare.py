@@ -30,6 +30,7 @@ from graphscan import GraphscanError, one_line
 from graphscan_ort.shared.answers import PrepareStep
 from graphscan_ort.shared.graph import default_opset
 from graphscan_ort.shared.metrics import PREPARE_MIN_SQNR_DB, verified
+from graphscan_ort.shared.sessions import quiet
 from graphscan_ort.tune.rewrites import REWRITES
 
 if TYPE_CHECKING:
@@ -43,11 +44,13 @@ def pre_processed(source: str, target: str) -> tuple[str | None, str]:
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     try:
-        quant_pre_process(source, target)
+        with quiet():
+            quant_pre_process(source, target)
         return target, "quant_pre_process"
     except Exception as first:
         try:
-            quant_pre_process(source, target, skip_symbolic_shape=True)
+            with quiet():
+                quant_pre_process(source, target, skip_symbolic_shape=True)
             return target, (f"quant_pre_process failed ({one_line(first)}); retried with skip_symbolic_shape=True")
         except Exception as second:
             return (

@@ -401,3 +401,22 @@ def test_infinite_outputs_give_null_and_nothing_on_stderr(tmp_path, command):
     proc = run_graphscan(argv)
     assert proc.returncode == (8 if command == "check" else 0), describe(proc)
     assert proc.stderr == b"", describe(proc)
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        pytest.param(["fuse", "{fp32}", "{out}"], 0, id="fuse-answers"),
+        pytest.param(["runtime", "{missing}"], 3, id="runtime-fails"),
+    ],
+)
+def test_an_unwritable_home_cache_leaves_stderr_to_graphscan(tmp_path, small_lab, argv, code):
+    """With HOME=/dev/null (a CI user without a home), onnxruntime 1.32 logged a coloured
+    telemetry warning on stderr as it was imported: two lines of raw escape codes before
+    graphscan's own one line, or instead of a clean stderr."""
+    paths = {"fp32": small_lab["fp32"], "out": tmp_path / "out.onnx", "missing": tmp_path / "missing.onnx"}
+    argv = [str(a).format(**{k: str(v) for k, v in paths.items()}) for a in argv]
+    proc = run_graphscan(argv, env={**os.environ, "HOME": "/dev/null"})
+    assert proc.returncode == code, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == (1 if code else 0) and b"\x1b" not in proc.stderr, proc.stderr

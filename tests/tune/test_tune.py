@@ -287,3 +287,23 @@ def test_a_folder_of_samples_is_every_npz_in_it(tuned, tmp_path, capsys):
         capsys, ["tune", tuned["float"], "--calibrate", str(tmp_path / "empty"), "--out", str(tmp_path / "o")], 7
     )
     assert "without .npz" in line
+
+
+def test_a_model_onnxruntime_refuses_is_one_line_without_the_quantizers_traceback(tmp_path):
+    """Two nodes with one name: quant_pre_process logged a 30-line traceback on stderr (Python's
+    logging) before graphscan's own line."""
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Relu", ["x"], ["a"], name="same"),
+            onnx.helper.make_node("Neg", ["a"], ["y"], name="same"),
+        ],
+        "two_names",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])],
+    )
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)]), tmp_path / "m.onnx")
+    np.savez(tmp_path / "s.npz", x=np.ones((1, 4), np.float32))
+    argv = ["tune", tmp_path / "m.onnx", "--calibrate", tmp_path / "s.npz", "--out", tmp_path / "o", "--runs", "1"]
+    proc = run_graphscan(argv)
+    assert proc.stdout == b"" and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(b"graphscan: ") and not (tmp_path / "o").exists()
