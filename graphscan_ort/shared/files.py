@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import shutil
 import stat
 
@@ -95,9 +97,26 @@ def check_out(out: str) -> str:
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise GraphscanError(f"{shown(out)}: cannot write (no folder {shown(parent)})", EXIT_NO_FILE)
-    if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+    try:
+        occupied = os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out))
+    except OSError as exc:  # an unreadable folder: it cannot be checked empty, so it is not written
+        raise GraphscanError(f"{shown(out)}: cannot read ({exc.strerror or exc}); left untouched", EXIT_NO_FILE)
+    if occupied:
         raise GraphscanError(f"{shown(out)}: exists and is not an empty folder; left untouched", EXIT_NO_FILE)
     return parent
+
+
+# What a failure to write says (a full disk, a read-only or quota-bound file system):
+# never a refusal of the quantizer's or a model's fault.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EIO}
+WRITE_FAILURE = re.compile(r"No space left|Disk quota|Read-only file system|File too large", re.I)
+
+
+def write_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (from onnx, the quantizer or onnxruntime) says that a file could not be written."""
+    if isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS:
+        return True
+    return bool(WRITE_FAILURE.search(str(exc)))
 
 
 def place(work: str, out: str) -> None:

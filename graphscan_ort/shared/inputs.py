@@ -16,6 +16,7 @@ import onnx
 
 from graphscan import (
     EXIT_INPUTS,
+    EXIT_NO_FILE,
     GraphscanError,
     check_readable,
     dtype_name,
@@ -295,7 +296,11 @@ def sample_files(paths: list[str]) -> list[str]:
     files = []
     for path in paths:
         if os.path.isdir(path):
-            found = sorted(os.path.join(path, name) for name in os.listdir(path) if name.endswith(".npz"))
+            try:
+                names = os.listdir(path)
+            except OSError as exc:  # unreadable: as a file that cannot be read
+                raise GraphscanError(f"{shown(path)}: cannot read ({exc.strerror or exc})", EXIT_NO_FILE)
+            found = sorted(os.path.join(path, name) for name in names if name.endswith(".npz"))
             if not found:
                 raise GraphscanError(f"{shown(path)}: a folder without .npz samples", EXIT_INPUTS)
             files += found

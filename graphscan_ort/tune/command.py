@@ -59,7 +59,7 @@ from graphscan import (
 from graphscan_ort.engines.attribution import MIN_GAIN_DB
 from graphscan_ort.engines.attribution import measure as impact_of
 from graphscan_ort.shared.answers import Candidate, TuneAnswer, TuneChoice
-from graphscan_ort.shared.files import check_out, place
+from graphscan_ort.shared.files import check_out, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
 from graphscan_ort.shared.sessions import environment
 from graphscan_ort.tune.candidates import METHODS, SampleReader, candidate_settings, quantize_candidate
@@ -136,6 +136,10 @@ def tune(
         measure = Measure(model, path, evaluation, level, threads, runs)
         answer = tune_in(path, model, calibration, work, target_sqnr, max_exclude, measure)
         place(work, out)
+    except Exception as exc:
+        if isinstance(exc, GraphscanError) or not write_failure(exc):
+            raise
+        raise GraphscanError(f"{shown(out)}: cannot write ({one_line(exc)})", EXIT_NO_FILE) from None
     finally:
         shutil.rmtree(work, ignore_errors=True)  # also on Ctrl-C: nothing half-written
     return {
@@ -204,6 +208,8 @@ class Trials:
         try:
             quantize_candidate(prepared_path, target_path, settings, self.reader, cache)
         except Exception as exc:
+            if write_failure(exc):  # a full disk is not the quantizer refusing a candidate
+                raise
             row = refused_row(row, exc)
         else:
             row.update(self.measure(target_path))

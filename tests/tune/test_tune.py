@@ -1,6 +1,7 @@
 """The tune command (issue 18, first version): every figure checked against an independent
 measurement of the written model, the choice against the definition, the exit codes."""
 
+import errno
 import math
 import os
 import stat
@@ -13,6 +14,8 @@ from onnxruntime.quantization import quantize_static
 
 import gen_models
 import graphscan
+import graphscan_ort.shared.files
+import graphscan_ort.shared.inputs
 import graphscan_ort.tune.candidates as candidates
 import graphscan_ort.tune.command as tune
 from tests.helpers import INTERRUPT_AT, TERMINATE_AT, error_line, json_answer, main_error_line, run_graphscan
@@ -307,3 +310,46 @@ def test_a_model_onnxruntime_refuses_is_one_line_without_the_quantizers_tracebac
     proc = run_graphscan(argv)
     assert proc.stdout == b"" and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith(b"graphscan: ") and not (tmp_path / "o").exists()
+
+
+def refuse_to_list(forbidden):
+    """os.listdir that cannot read ``forbidden``, as for a user without the permission (the
+    suite runs as root, where chmod 000 reads all the same)."""
+    real = os.listdir
+
+    def listdir(path="."):
+        if os.path.abspath(path) == os.path.abspath(forbidden):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path)
+
+    return listdir
+
+
+@pytest.mark.parametrize("what", ["calibrate", "out"])
+def test_an_unreadable_folder_is_exit_3(tuned, tmp_path, monkeypatch, capsys, what):
+    """It was exit 1, an internal error (PermissionError)."""
+    folder = tmp_path / what
+    folder.mkdir()
+    np.savez(folder / "s.npz", **dict(np.load(tuned["held"])))
+    calibrate = folder if what == "calibrate" else tuned["calibration"][0]
+    out = folder if what == "out" else tmp_path / "o"
+    module = graphscan_ort.shared.inputs if what == "calibrate" else graphscan_ort.shared.files
+    monkeypatch.setattr(module.os, "listdir", refuse_to_list(folder))
+    line = main_error_line(capsys, ["tune", tuned["float"], "--calibrate", str(calibrate), "--out", str(out)], 3)
+    assert str(folder) in line and "cannot read" in line
+    assert list(tmp_path.glob(".graphscan-tune-*")) == []
+
+
+def test_a_full_disk_is_exit_3_never_blamed_on_the_quantizer(tuned, tmp_path, monkeypatch, capsys):
+    """Every candidate refused (exit 5, "quantize_static refused every candidate") was what a
+    full disk said; the disk, not the quantizer, is what failed."""
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tune, "quantize_candidate", full)
+    out = tmp_path / "o"
+    argv = ["tune", tuned["float"], "--calibrate", str(tuned["calibration"][0]), "--out", str(out), "--runs", "1"]
+    line = main_error_line(capsys, argv, 3)
+    assert str(out) in line and "No space left" in line and "quantize_static" not in line
+    assert not out.exists() and list(tmp_path.glob(".graphscan-tune-*")) == []
