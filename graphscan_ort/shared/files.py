@@ -94,6 +94,11 @@ def fsync_folder(folder: str) -> None:
 
 def check_out(out: str) -> str:
     """The folder ``out`` goes in; exit 3 unless ``out`` is absent or an empty folder there."""
+    name = os.path.basename(os.path.normpath(out)) if out else ""
+    if not out or name in ("", ".", "..") or os.path.normpath(out) in (os.sep, os.curdir):
+        raise GraphscanError(f"{shown(out)}: not a folder name tune can create and rename into place", EXIT_NO_FILE)
+    if os.path.islink(out):  # renamed over, the link would go and its folder stay empty
+        raise GraphscanError(f"{shown(out)}: a symbolic link; give the folder itself", EXIT_NO_FILE)
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise GraphscanError(f"{shown(out)}: cannot write (no folder {shown(parent)})", EXIT_NO_FILE)

@@ -28,17 +28,20 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 
 from graphscan import (
+    DEQUANTIZE,
     EXIT_NO_FILE,
     EXIT_RUNTIME,
     EXIT_USAGE,
     MAX_RUNS,
     MAX_THREADS,
+    QUANTIZE,
     RUNTIME_DEFAULT_RUNS,
     RUNTIME_LEVELS,
     Command,
@@ -65,9 +68,6 @@ from graphscan_ort.shared.sessions import environment
 from graphscan_ort.tune.candidates import METHODS, SampleReader, candidate_settings, quantize_candidate
 from graphscan_ort.tune.deployed import measure_candidate
 from graphscan_ort.tune.prepare import prepared_base, with_rewrites
-
-if TYPE_CHECKING:
-    import numpy as np
 
 # onnxruntime's own defaults: what a user gets from quantize_static without options.
 DEFAULT_SETTINGS = {"activation_type": "QInt8", "per_channel": False, "calibrate_method": "MinMax"}
@@ -125,6 +125,7 @@ def tune(
     parent = check_out(out)
     ort.set_default_logger_severity(4)  # the quantizer's own sessions log warnings on stderr
     model = load_with_weights(path)
+    refuse_quantized(model, path)
     specs = input_specs(model)
     calibration = [read_npz_inputs(p, specs) for p in calibrate]
     evaluation = [read_npz_inputs(p, specs) for p in inputs] if inputs else calibration
@@ -148,13 +149,37 @@ def tune(
         "calibration": {"samples": len(calibration), "methods": METHODS},
         "evaluation": {
             "samples": len(evaluation),
-            "held_out": bool(inputs),
+            "held_out": held_out(calibration, evaluation) if inputs else False,
             "inputs": inputs_answer(evaluation),
             "defaulted": [],
         },
         **answer,
         "output": out,
     }
+
+
+def refuse_quantized(model: onnx.ModelProto, path: str) -> None:
+    """Exit 2 for a model that holds Q or DQ nodes: tune quantizes a float model, and a
+    quantized one given as the float reference would make every figure a comparison of
+    two quantized models."""
+    if any(node.op_type in (QUANTIZE, DEQUANTIZE) for node in model.graph.node):
+        raise GraphscanError(
+            f"usage: {shown(path)} is already quantized (it holds QuantizeLinear/DequantizeLinear): "
+            "give tune the float model",
+            EXIT_USAGE,
+        )
+
+
+def sample_key(sample: dict[str, np.ndarray]) -> tuple[tuple[str, str, tuple[int, ...], bytes], ...]:
+    """A sample's contents (names, dtypes, shapes and bytes), to compare samples by value."""
+    return tuple((name, a.dtype.str, a.shape, np.ascontiguousarray(a).tobytes()) for name, a in sorted(sample.items()))
+
+
+def held_out(calibration: list[dict[str, np.ndarray]], evaluation: list[dict[str, np.ndarray]]) -> bool:
+    """Whether no evaluation sample is also a calibration sample, by content, not by path:
+    the same arrays given to --calibrate and --inputs are not held out."""
+    calibrated = {sample_key(sample) for sample in calibration}
+    return not any(sample_key(sample) in calibrated for sample in evaluation)
 
 
 class Measure:

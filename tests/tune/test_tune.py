@@ -353,3 +353,37 @@ def test_a_full_disk_is_exit_3_never_blamed_on_the_quantizer(tuned, tmp_path, mo
     line = main_error_line(capsys, argv, 3)
     assert str(out) in line and "No space left" in line and "quantize_static" not in line
     assert not out.exists() and list(tmp_path.glob(".graphscan-tune-*")) == []
+
+
+def test_held_out_compares_contents_not_paths(tuned, tmp_path):
+    """The same arrays given to --calibrate and --inputs (another file) are not held out."""
+    copy = tmp_path / "copy.npz"
+    np.savez(copy, **dict(np.load(tuned["calibration"][0])))
+    answer = tune.tune(
+        tuned["float"], calibrate=[str(tuned["calibration"][0])], inputs=[str(copy)], out=str(tmp_path / "o"), runs=1
+    )
+    assert answer["evaluation"]["held_out"] is False
+    assert tuned["answer"]["evaluation"]["held_out"] is True  # a sample of its own is
+
+
+@pytest.mark.parametrize("kind", ["quantized-float-model", "dot", "empty", "symlink-to-an-empty-folder"])
+def test_what_would_fail_is_refused_before_any_work(tuned, tmp_path, monkeypatch, capsys, kind):
+    float_path, out, code = tuned["float"], str(tmp_path / "o"), 3
+    if kind == "quantized-float-model":
+        float_path, code = str(tuned["out"] / "model.onnx"), 2
+    elif kind == "dot":
+        (tmp_path / "sub").mkdir()
+        monkeypatch.chdir(tmp_path / "sub")
+        out = "."
+    elif kind == "empty":
+        out = ""
+    else:
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "link").symlink_to(tmp_path / "empty")
+        out = str(tmp_path / "link")
+    started = []
+    monkeypatch.setattr(tune, "tune_in", lambda *args: started.append(True))
+    argv = ["tune", float_path, "--calibrate", str(tuned["calibration"][0]), "--out", out]
+    line = main_error_line(capsys, argv, code)
+    assert line and started == []
+    assert list(tmp_path.rglob(".graphscan-tune-*")) == []
