@@ -78,6 +78,12 @@ def accuracy(row: dict) -> float:
     return -math.inf if row["sqnr_db"] is None else row["sqnr_db"]
 
 
+def speed(row: dict) -> float:
+    """A row's speed for ranking: its speedup, interleaved with the float model in one
+    measurement (never ``ms`` values timed minutes apart on a loaded machine)."""
+    return 0.0 if row["speedup"] is None else row["speedup"]
+
+
 def pareto(rows: list[dict]) -> None:
     """Mark each measured row on the front of (fastest, most accurate): no other is at least as fast and as
     accurate, and better in one."""
@@ -85,9 +91,9 @@ def pareto(rows: list[dict]) -> None:
     for row in rows:
         row["pareto"] = row["error"] is None and not any(
             other is not row
-            and other["ms"] <= row["ms"]
+            and speed(other) >= speed(row)
             and accuracy(other) >= accuracy(row)
-            and (other["ms"] < row["ms"] or accuracy(other) > accuracy(row))
+            and (speed(other) > speed(row) or accuracy(other) > accuracy(row))
             for other in measured
         )
 
@@ -97,8 +103,8 @@ def chosen_row(rows: list[dict], target: float | None) -> tuple[dict, bool]:
     measured = [r for r in rows if r["error"] is None]
     meeting = [r for r in measured if target is None or accuracy(r) >= target]
     if meeting:
-        return min(meeting, key=lambda r: (r["ms"], -accuracy(r))), True
-    return max(measured, key=lambda r: (accuracy(r), -r["ms"])), False
+        return max(meeting, key=lambda r: (speed(r), accuracy(r))), True
+    return max(measured, key=lambda r: (accuracy(r), speed(r))), False
 
 
 def tune(
@@ -293,7 +299,7 @@ def tune_in(
     model_path, prepared_path, _ = files[chosen["id"]]
     os.replace(model_path, os.path.join(work, "model.onnx"))
     os.replace(prepared_path, os.path.join(work, "prepared.onnx"))
-    order = sorted(rows, key=lambda r: (not r["pareto"], r["error"] is not None, r["ms"] or 0.0, r["id"]))
+    order = sorted(rows, key=lambda r: (not r["pareto"], r["error"] is not None, -speed(r), r["id"]))
     return {
         "float": {"ms": sorted(float_ms)[len(float_ms) // 2]},
         "prepare": steps + rewrite_steps,

@@ -67,7 +67,7 @@ def test_the_choice_is_on_the_front_and_meets_the_default_target(tuned):
     assert answer["target_sqnr_db"] == default["sqnr_db"]
     assert chosen["pareto"] and answer["reached"] and chosen["sqnr_db"] >= answer["target_sqnr_db"]
     meeting = [c for c in rows.values() if c["sqnr_db"] >= answer["target_sqnr_db"]]
-    assert chosen["ms"] == min(c["ms"] for c in meeting)
+    assert chosen["speedup"] == max(c["speedup"] for c in meeting)  # the fastest by its interleaved speedup
 
 
 def test_the_written_model_is_reproduced_and_measured_independently(tuned, tmp_path):
@@ -113,15 +113,18 @@ def test_refusals(tuned, tmp_path, capsys):
 
 
 def test_the_pareto_front_and_the_choice_follow_their_definitions():
-    rows = [
-        {"id": 0, "ms": 5.0, "sqnr_db": 10.0, "error": None},
-        {"id": 1, "ms": 3.0, "sqnr_db": 8.0, "error": None},
-        {"id": 2, "ms": 4.0, "sqnr_db": 7.0, "error": None},  # slower and worse than 1
-        {"id": 3, "ms": None, "sqnr_db": None, "error": "quantize_static: refused"},
+    rows = [  # speedup: interleaved against float, in one measurement each (ms are not comparable)
+        {"id": 0, "ms": 5.0, "speedup": 2.0, "sqnr_db": 10.0, "error": None},
+        {"id": 1, "ms": 3.0, "speedup": 3.3, "sqnr_db": 8.0, "error": None},
+        {"id": 2, "ms": 4.0, "speedup": 2.5, "sqnr_db": 7.0, "error": None},  # slower and worse than 1
+        {"id": 3, "ms": None, "speedup": None, "sqnr_db": None, "error": "quantize_static: refused"},
     ]
     tune.pareto(rows)
     assert [r["pareto"] for r in rows] == [True, True, False, False]
     assert tune.chosen_row(rows, 8.0)[0]["id"] == 1 and tune.chosen_row(rows, 9.0)[0]["id"] == 0
+    # Fast by speedup, not by ms: timed minutes apart, a slower ms can be the faster model.
+    later = [{**rows[0], "ms": 1.0, "speedup": 0.9}, rows[1]]
+    assert tune.chosen_row(later, 5.0)[0]["id"] == 1
     chosen, reached = tune.chosen_row(rows, 50.0)
     assert chosen["id"] == 0 and reached is False  # unreachable: the most accurate
 
@@ -131,10 +134,10 @@ def test_an_exact_candidate_ranks_first_and_undefined_or_zero_db_ones_keep_their
     reaches any target and is on the front. An undefined SQNR is the least accurate, and an
     SQNR of exactly 0 dB is a number like any other (not the worst)."""
     rows = [
-        {"id": 0, "ms": 5.0, "sqnr_db": 39.0, "error": None},
-        {"id": 1, "ms": 6.0, "sqnr_db": math.inf, "error": None},  # exact
-        {"id": 2, "ms": 1.0, "sqnr_db": None, "error": None},  # undefined
-        {"id": 3, "ms": 2.0, "sqnr_db": 0.0, "error": None},
+        {"id": 0, "ms": 5.0, "speedup": 1.2, "sqnr_db": 39.0, "error": None},
+        {"id": 1, "ms": 6.0, "speedup": 1.0, "sqnr_db": math.inf, "error": None},  # exact
+        {"id": 2, "ms": 1.0, "speedup": 6.0, "sqnr_db": None, "error": None},  # undefined
+        {"id": 3, "ms": 2.0, "speedup": 3.0, "sqnr_db": 0.0, "error": None},
     ]
     tune.pareto(rows)
     assert [r["pareto"] for r in rows] == [True, True, True, True]
