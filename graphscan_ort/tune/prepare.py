@@ -7,7 +7,8 @@
    quantizer stores only initializers as int8.
 3. The default-domain opset raised to 13 with onnx's version converter when it
    is older: per-channel weights need it.
-4. The rewrites of ``rewrites.py``.
+4. Every unnamed node named ``<op_type>_<position>``: exclusions name nodes.
+5. The rewrites of ``rewrites.py``.
 
 Every step's model is verified against the original model on the evaluation
 samples (``metrics.verified``): NaN and infinities where the original has them,
@@ -26,9 +27,9 @@ from typing import TYPE_CHECKING
 
 import onnx
 
-from graphscan import GraphscanError, one_line
+from graphscan import GraphscanError, node_name, one_line
 from graphscan_ort.shared.answers import PrepareStep
-from graphscan_ort.shared.graph import default_opset
+from graphscan_ort.shared.graph import default_opset, fresh_name, graph_names
 from graphscan_ort.shared.metrics import PREPARE_MIN_SQNR_DB, verified
 from graphscan_ort.shared.sessions import quiet
 from graphscan_ort.tune.rewrites import REWRITES
@@ -92,6 +93,21 @@ def constants_as_initializers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, 
             count += 1
     del graph.node[:]
     graph.node.extend(kept)
+    return out, count
+
+
+def named_nodes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """A copy of ``model`` in which every unnamed top-level node has its SPEC name
+    (``<op_type>_<position>``, made unique), and how many: the quantizer keeps node names,
+    and ``nodes_to_exclude`` names nodes, so an unnamed one could never be excluded."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    taken = set(graph_names(out.graph))
+    count = 0
+    for i, node in enumerate(out.graph.node):
+        if not node.name:
+            node.name = fresh_name(node_name(node, i), taken)
+            count += 1
     return out, count
 
 
@@ -162,6 +178,12 @@ def prepared_base(
             error, problem = None, f"the version converter failed ({one_line(exc)})"
         detail = f"opset {default_opset(current)} -> {PER_CHANNEL_OPSET} (per-channel weights need it)"
         steps.append(step("opset", problem is None, problem or detail, error))
+        current = model if problem is None else current
+    model, count = named_nodes(current)
+    if count:  # exclusions name nodes: an unnamed one could not be excluded
+        error, problem = checked(original, model, samples, min_sqnr_db=math.inf)
+        detail = f"{count} unnamed nodes named <op_type>_<position> (so that nodes_to_exclude can name them)"
+        steps.append(step("names", problem is None, problem or detail, error))
         current = model if problem is None else current
     return current, steps
 

@@ -128,3 +128,34 @@ def test_a_dropped_quant_pre_process_says_what_it_costs():
     folded.CopyFrom(constant_weight_model())
     del folded.graph.node[:2]  # as if both Constants were folded away
     assert prepare.folding_lost(constant_weight_model(), folded) == "the 2 nodes it folds (2 Constant)"
+
+
+def test_unnamed_nodes_are_named_so_that_an_exclusion_excludes_them(tmp_path):
+    """Without names, nodes_to_exclude got graphscan's derived names, which name nothing in
+    prepared.onnx: every exclusion rebuilt the same model."""
+    from onnxruntime.quantization import QuantFormat, quantize_static
+
+    unnamed = onnx.ModelProto()
+    unnamed.CopyFrom(constant_weight_model())
+    for node in unnamed.graph.node:
+        node.name = ""
+    source = tmp_path / "float.onnx"
+    onnx.save(unnamed, source)
+    samples = [{"x": np.random.default_rng(k).standard_normal((1, 1, 4, 4)).astype(np.float32)} for k in range(2)]
+    prepared, steps = prepare.prepare(str(source), str(tmp_path), samples)
+    names = [node.name for node in prepared.graph.node]
+    assert all(names) and len(set(names)) == len(names)
+    assert [s["ok"] for s in steps if s["step"] == "names"] == [True]
+    onnx.save(prepared, tmp_path / "prepared.onnx")
+    conv = next(node.name for node in prepared.graph.node if node.op_type == "Conv")
+
+    def quantized(exclude):
+        target = tmp_path / f"q{len(exclude)}.onnx"
+        reader = iter(samples)
+        calibration = type("R", (), {"get_next": lambda self: next(reader, None)})()
+        quantize_static(
+            tmp_path / "prepared.onnx", target, calibration, quant_format=QuantFormat.QDQ, nodes_to_exclude=exclude
+        )
+        return [n.op_type for n in onnx.load(target).graph.node]
+
+    assert quantized([]).count("QuantizeLinear") > quantized([conv]).count("QuantizeLinear")  # it is excluded
