@@ -68,6 +68,7 @@ from graphscan_ort.shared.sessions import environment
 from graphscan_ort.tune.candidates import METHODS, SampleReader, candidate_settings, quantize_candidate
 from graphscan_ort.tune.deployed import measure_candidate
 from graphscan_ort.tune.prepare import prepared_base, with_rewrites
+from graphscan_ort.tune.progress import Progress
 
 # onnxruntime's own defaults: what a user gets from quantize_static without options.
 DEFAULT_SETTINGS = {"activation_type": "QInt8", "per_channel": False, "calibrate_method": "MinMax"}
@@ -139,15 +140,17 @@ def tune(
         work = tempfile.mkdtemp(prefix=".graphscan-tune-", dir=parent)
     except OSError as exc:
         raise GraphscanError(f"{shown(out)}: cannot write ({exc.strerror or exc})", EXIT_NO_FILE)
+    progress = Progress()
     try:
         measure = Measure(model, path, evaluation, level, threads, runs)
-        answer = tune_in(path, model, calibration, work, target_sqnr, max_exclude, measure)
+        answer = tune_in(path, model, calibration, work, target_sqnr, max_exclude, measure, progress)
         place(work, out)
     except Exception as exc:
         if isinstance(exc, GraphscanError) or not write_failure(exc):
             raise
         raise GraphscanError(f"{shown(out)}: cannot write ({one_line(exc)})", EXIT_NO_FILE) from None
     finally:
+        progress.close()
         shutil.rmtree(work, ignore_errors=True)  # also on Ctrl-C: nothing half-written
     return {
         "model": path,
@@ -257,9 +260,12 @@ def tune_in(
     target: float | None,
     max_exclude: int | None,
     measure: Measure,
+    progress: Progress | None = None,
 ) -> TuneChoice:
     """tune's work inside the temporary folder ``work``; leaves model.onnx and prepared.onnx there."""
+    progress = progress or Progress()
     evaluation = measure.evaluation
+    progress.show("preparing the float model")
     base, steps = prepared_base(path, work, evaluation, model)
     rewritten, rewrite_steps = with_rewrites(base, model, evaluation)
     prepared = {"none": base}
@@ -267,12 +273,14 @@ def tune_in(
         prepared["rewrites"] = rewritten
     trials = Trials(work, functools.partial(SampleReader, calibration), measure)
     rows, files = trials.rows, trials.files
+    planned = len(prepared) * len(candidate_settings())
     for rewrites, prepared_model in prepared.items():
         prepared_path = os.path.join(work, f"prepared-{rewrites}.onnx")
         onnx.save(prepared_model, prepared_path)
         cache = os.path.join(work, f"cache-{rewrites}")
         os.mkdir(cache)
         for settings in candidate_settings():
+            progress.show("quantizing and measuring candidate", len(rows) + 1, planned)
             trials.add(settings, rewrites != "none", prepared_path, cache)
     if not files:
         raise GraphscanError(
@@ -292,7 +300,8 @@ def tune_in(
         target = default["sqnr_db"]
     chosen, reached = chosen_row(rows, target)
     if not reached:
-        exclusions(trials, chosen, target, max_exclude, prepared)
+        progress.show("ranking the operators to exclude")
+        exclusions(trials, chosen, target, max_exclude, prepared, progress)
         float_ms += popped_float_ms(rows)
         pareto(rows)
         chosen, reached = chosen_row(rows, target)
@@ -325,6 +334,7 @@ def exclusions(
     target: float | None,
     max_exclude: int | None,
     prepared: dict[str, onnx.ModelProto],
+    progress: Progress | None = None,
 ) -> None:
     """Operators of ``best`` added to nodes_to_exclude one at a time in impact's order, each
     re-quantized and measured as deployed; an addition stays only if the SQNR rises.
@@ -338,9 +348,11 @@ def exclusions(
     limit = DEFAULT_MAX_EXCLUDE if max_exclude is None else max_exclude
     kept: list[str] = []
     current = best
-    for node in names[:limit]:
+    for k, node in enumerate(names[:limit]):
         if current["sqnr_db"] is not None and current["sqnr_db"] >= target:
             break
+        if progress is not None:
+            progress.show("trying exclusion", k + 1, min(limit, len(names)))
         settings = {**best["quantize_static"], "nodes_to_exclude": [*kept, node]}
         row = trials.add(settings, best["rewrites"], prepared_path, cache)
         if row["sqnr_db"] is not None and (current["sqnr_db"] is None or row["sqnr_db"] > current["sqnr_db"]):

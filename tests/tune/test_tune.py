@@ -2,9 +2,11 @@
 measurement of the written model, the choice against the definition, the exit codes."""
 
 import errno
+import io
 import math
 import os
 import stat
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -390,3 +392,25 @@ def test_what_would_fail_is_refused_before_any_work(tuned, tmp_path, monkeypatch
     line = main_error_line(capsys, argv, code)
     assert line and started == []
     assert list(tmp_path.rglob(".graphscan-tune-*")) == []
+
+
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal."""
+
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "pipe"])
+def test_a_progress_line_on_a_terminal_only(tuned, tmp_path, monkeypatch, terminal):
+    stream = Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    tune.tune(tuned["float"], calibrate=[str(tuned["calibration"][0])], out=str(tmp_path / "o"), runs=1)
+    text = stream.getvalue()
+    if not terminal:
+        assert text == ""  # in a pipe or in CI, stderr stays as the contract says
+        return
+    shown = [line for line in text.split("\r") if line]
+    assert shown[0].startswith("graphscan: tune: preparing the float model, 0:")
+    assert any(line.startswith("graphscan: tune: quantizing and measuring candidate 8/8, ") for line in shown)
+    assert text.endswith("\r\x1b[K")  # erased at the end: what follows starts clean
