@@ -25,8 +25,10 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import shutil
 import tempfile
+import textwrap
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -44,6 +46,7 @@ from graphscan import (
     QUANTIZE,
     RUNTIME_DEFAULT_RUNS,
     RUNTIME_LEVELS,
+    TABLE_WIDTH,
     Command,
     GraphscanError,
     check_between,
@@ -58,6 +61,7 @@ from graphscan import (
     samples_group,
     section,
     shown,
+    visible,
 )
 from graphscan_ort.engines.attribution import MIN_GAIN_DB
 from graphscan_ort.engines.attribution import measure as impact_of
@@ -216,11 +220,22 @@ class Measure:
         )
 
 
-def refused_row(row: dict[str, Any], exc: BaseException) -> dict[str, Any]:
+def refused_row(row: dict[str, Any], exc: BaseException, work: str, path: str) -> dict[str, Any]:
     """A candidate the quantizer refused: kept with its error and nulls."""
     row.update(dict.fromkeys(["sqnr_db", "int8_fraction", "int8_kernels", "wrapped_but_float"]))
-    row.update(ms=None, speedup=None, bytes=None, error=f"quantize_static: {one_line(exc)}")
+    row.update(ms=None, speedup=None, bytes=None, error=f"quantize_static: {users_terms(one_line(exc), work, path)}")
     return row
+
+
+# onnxruntime's quantizer names the temporary copies it makes (ort.quant.*/augmented_model.onnx).
+ORT_TEMPORARY = re.compile(r"\S*ort\.quant\.\w+/\S*?\.onnx")
+
+
+def users_terms(text: str, work: str, path: str) -> str:
+    """``text`` naming the user's model instead of a temporary file: tune's own copies in
+    ``work`` and onnxruntime's calibration copies are files the user never saw."""
+    text = ORT_TEMPORARY.sub(f"onnxruntime's calibration copy of {shown(path)}", text)
+    return re.sub(re.escape(work) + r"/\S*?\.onnx", f"graphscan's prepared copy of {shown(path)}", text)
 
 
 class Trials:
@@ -244,7 +259,7 @@ class Trials:
         except Exception as exc:
             if write_failure(exc):  # a full disk is not the quantizer refusing a candidate
                 raise
-            row = refused_row(row, exc)
+            row = refused_row(row, exc, self.work, self.measure.path)
         else:
             row.update(self.measure(target_path))
             self.files[ident] = (target_path, prepared_path, cache)
@@ -400,10 +415,15 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
         for c in answer["candidates"]
     ]
     titles = ["id", "act", "pc", "method", "rw", "sqnr_db", "int8", "ms", "speedup", "pareto", "error"]
+    # The detail that matters is often cut in its column: each is shown whole below.
+    whole = [f"{s['step']}: {s['detail']}" for s in answer["prepare"] if not s["ok"]]
+    whole += [f"candidate {c['id']}: {c['error']}" for c in answer["candidates"] if c["error"]]
+    notes = "\n".join(textwrap.fill(visible(text), TABLE_WIDTH, subsequent_indent="  ") for text in whole)
     return page(
         head,
         section("prepare", ["step", "ok", "detail"], steps),
         section("candidates, Pareto-best first", titles, rows, top, cut_first=["error"]),
+        *([f"in full:\n{notes}"] if notes else []),
     )
 
 

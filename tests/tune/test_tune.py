@@ -315,6 +315,9 @@ def test_a_model_onnxruntime_refuses_is_one_line_without_the_quantizers_tracebac
     proc = run_graphscan(argv)
     assert proc.stdout == b"" and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith(b"graphscan: ") and not (tmp_path / "o").exists()
+    # The line names the user's model, never a temporary copy of it (ort.quant.*, .graphscan-tune-*).
+    assert b"ort.quant." not in proc.stderr and b".graphscan-tune-" not in proc.stderr, proc.stderr
+    assert str(tmp_path / "m.onnx").encode() in proc.stderr
 
 
 def refuse_to_list(forbidden):
