@@ -39,37 +39,22 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 GRAPHSCAN = REPO_ROOT / "graphscan.py"
 BOUND = 0.3  # issue 9: impact seconds / brute-force seconds
 BUILT_CNN_SIZE = 32  # bench_runtime.built_cnn's input is 1x3x32x32
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def text_page(rng, size):
-    """A white page with lines of dark character-sized blocks, as a normalized 1x3xHxW array."""
-    import numpy as np
-
-    page = np.ones((size, size, 3), np.float32)
-    line = size // 16
-    for top in range(line, size - 2 * line, 3 * line):
-        x = int(rng.integers(0, size // 8))
-        end = int(rng.integers(size // 2, size))
-        while x < end:
-            width = int(rng.integers(line // 2, line + 1))
-            page[top : top + line, x : x + width] = rng.uniform(0.0, 0.3)
-            x += width + int(rng.integers(1, line // 2 + 2))
-    page += rng.normal(0, 0.02, page.shape).astype(np.float32)
-    normalized = (page - np.array(MEAN, np.float32)) / np.array(STD, np.float32)
-    return normalized.transpose(2, 0, 1)[None].astype(np.float32)
+    """The tour's text-like page (docs/tour_model.py: one page generator for the tour and the bench)."""
+    return tour_model().text_page(rng, size)
 
 
 def write_samples(folder, count, size):
-    import numpy as np
+    return tour_model().write_samples(folder, count, size)
 
-    rng = np.random.default_rng(0)
-    paths = []
-    for k in range(count):
-        path = folder / f"page{k}.npz"
-        np.savez(path, x=text_page(rng, size))
-        paths.append(path)
-    return paths
+
+def tour_model():
+    sys.path.insert(0, str(REPO_ROOT / "docs"))
+    import tour_model
+
+    return tour_model
 
 
 def brute(float_path, quant_path, sample_paths):
