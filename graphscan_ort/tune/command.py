@@ -38,6 +38,7 @@ import onnxruntime as ort
 
 from graphscan import (
     DEQUANTIZE,
+    EXIT_INPUTS,
     EXIT_NO_FILE,
     EXIT_RUNTIME,
     EXIT_USAGE,
@@ -68,7 +69,7 @@ from graphscan_ort.engines.attribution import measure as impact_of
 from graphscan_ort.shared.answers import Candidate, TuneAnswer, TuneChoice
 from graphscan_ort.shared.files import check_out, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
-from graphscan_ort.shared.sessions import environment
+from graphscan_ort.shared.sessions import environment, model_outputs
 from graphscan_ort.tune.candidates import METHODS, SampleReader, candidate_settings, quantize_candidate
 from graphscan_ort.tune.deployed import measure_candidate
 from graphscan_ort.tune.prepare import prepared_base, with_rewrites
@@ -140,6 +141,7 @@ def tune(
     specs = input_specs(model)
     calibration = [read_npz_inputs(p, specs) for p in calibrate]
     evaluation = [read_npz_inputs(p, specs) for p in inputs] if inputs else calibration
+    check_measurable(model, evaluation, path, inputs or calibrate)
     try:
         work = tempfile.mkdtemp(prefix=".graphscan-tune-", dir=parent)
     except OSError as exc:
@@ -169,6 +171,23 @@ def tune(
         **answer,
         "output": out,
     }
+
+
+def check_measurable(model: onnx.ModelProto, samples: list[dict[str, np.ndarray]], path: str, files: list[str]) -> None:
+    """Exit 7 unless the float model's outputs on the evaluation samples hold a finite value:
+    NaN or infinity everywhere, or nothing at all (a zero-size input), measures no candidate."""
+    outputs = model_outputs(model, samples, path)
+    values = [np.asarray(value) for sample in outputs for value in sample]
+    if not any(value.size for value in values):
+        why = "empty"
+    elif not any(value.dtype.kind in "biuf" and np.isfinite(value.astype(np.float64)).any() for value in values):
+        why = "NaN or infinite everywhere"
+    else:
+        return
+    raise GraphscanError(
+        f"{', '.join(map(shown, files))}: the float model's outputs are {why} on these samples: nothing to measure",
+        EXIT_INPUTS,
+    )
 
 
 def refuse_quantized(model: onnx.ModelProto, path: str) -> None:
@@ -394,7 +413,8 @@ CANDIDATE_KEYS = [
 def tune_table(answer: dict[str, Any], top: int | None) -> str:
     """Candidates on the Pareto front first (the answer's order), then the choice."""
     head = format_fields(
-        [("model", answer["model"]), ("float ms", answer["float"]["ms"]), ("target_sqnr_db", answer["target_sqnr_db"])]
+        [("model", answer["model"]), ("level", answer["environment"]["level"]), ("float ms", answer["float"]["ms"])]
+        + [("target_sqnr_db", answer["target_sqnr_db"])]
         + [("chosen", answer["chosen"]), ("reached", answer["reached"]), ("output", answer["output"])]
     )
     steps = [[s["step"], s["ok"], s["detail"]] for s in answer["prepare"]]

@@ -417,3 +417,14 @@ def test_a_progress_line_on_a_terminal_only(tuned, tmp_path, monkeypatch, termin
     assert shown[0].startswith("graphscan: tune: preparing the float model, 0:")
     assert any(line.startswith("graphscan: tune: quantizing and measuring candidate 8/8, ") for line in shown)
     assert text.endswith("\r\x1b[K")  # erased at the end: what follows starts clean
+
+
+@pytest.mark.parametrize("values", ["nan", "inf"])
+def test_samples_that_measure_nothing_are_exit_7(tuned, tmp_path, capsys, values):
+    """NaN or infinity everywhere in the float model's outputs: no candidate can be measured
+    (a prepare step verified on such samples kept a rewrite that was really wrong)."""
+    sample = tmp_path / "bad.npz"
+    np.savez(sample, x=np.full((1, 3, 8, 8), float(values), np.float32))
+    argv = ["tune", tuned["float"], "--calibrate", str(sample), "--out", str(tmp_path / "o")]
+    line = main_error_line(capsys, argv, 7)
+    assert "nothing to measure" in line and str(sample) in line and not (tmp_path / "o").exists()
