@@ -149,6 +149,8 @@ def derived_output_type(node: onnx.NodeProto, types: dict[str, int]) -> int:
         return onnx.TensorProto.INT32
     if op in ("Shape", "Size"):
         return onnx.TensorProto.INT64
+    if op == "Cast":  # its own type: onnxruntime casts float16 weights and scales to float
+        return next((a.i for a in node.attribute if a.name == "to"), onnx.TensorProto.UNDEFINED)
     first: Any = next((t for t in node.input if t), None)  # None (no input): UNDEFINED
     return types.get(first, onnx.TensorProto.UNDEFINED)
 
