@@ -583,18 +583,19 @@ def test_a_q_that_feeds_another_node_as_well_is_no_round_trip():
         helper.make_node("Relu", ["x"], ["a"], name="r1"),
         helper.make_node("QuantizeLinear", ["a", "s", "zp"], ["a_q"], name="q1"),
         helper.make_node("DequantizeLinear", ["a_q", "s", "zp"], ["a_dq"], name="dq1"),
-        helper.make_node("Identity", ["a_q"], ["raw"], name="also"),  # reads the integers too
-        helper.make_node("Relu", ["a_dq"], ["y"], name="r2"),
+        helper.make_node("Cast", ["a_q"], ["c"], name="also", to=TensorProto.FLOAT),  # reads the integers too
+        helper.make_node("Relu", ["a_dq"], ["b"], name="r2"),
+        helper.make_node("Add", ["b", "c"], ["y"], name="add"),
     ]
     graph = helper.make_graph(
         nodes,
         "g",
         [helper.make_tensor_value_info("x", 1, [4])],
-        [helper.make_tensor_value_info("y", 1, [4]), helper.make_tensor_value_info("raw", TensorProto.UINT8, [4])],
+        [helper.make_tensor_value_info("y", 1, [4])],
         [f32("s", 0.1), u8("zp", 128)],
     )
     ablated, removed = timing.without_round_trips(helper.make_model(graph))
-    assert removed == 0 and [n.name for n in ablated.graph.node] == ["r1", "q1", "dq1", "also", "r2"]
+    assert removed == 0 and [n.name for n in ablated.graph.node] == ["r1", "q1", "dq1", "also", "r2", "add"]
     onnx.checker.check_model(ablated, full_check=True)
 
 
