@@ -108,7 +108,9 @@ def compare_outputs(expected: list[Any], actual: list[Any]) -> tuple[float, floa
     """
     error = scale = 0.0
     compared = 0
-    pending = [(f"output {k}", e, a) for k, (e, a) in enumerate(zip(expected, actual))]
+    if len(expected) != len(actual):  # zip would compare the first ones only, and pass
+        return error, scale, compared, f"{len(actual)} outputs instead of {len(expected)}"
+    pending = [(f"output {k}", e, a) for k, (e, a) in enumerate(zip(expected, actual, strict=True))]
     while pending:
         where, e, a = pending.pop()
         if isinstance(e, (list, tuple)) or isinstance(a, (list, tuple)):

@@ -545,3 +545,11 @@ def test_untyped_input_or_output_is_a_clear_exit_4(tmp_path, capsys, untyped):
     code, out, err = fuse_main(capsys, source, tmp_path / "out.onnx")
     assert (code, out, len(err)) == (graphscan.EXIT_NOT_ONNX, "", 1)
     assert "not a valid ONNX model" in err[0] and "type" in err[0]
+
+
+def test_a_changed_model_with_fewer_outputs_is_a_mismatch():
+    """compare_outputs zipped the two lists: a model that lost an output compared only the
+    outputs both had, and passed."""
+    kept = np.array([1.0, 2.0], np.float32)
+    problem = metrics.compare_outputs([kept, kept], [kept])[3]
+    assert problem == "1 outputs instead of 2"
