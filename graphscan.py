@@ -1650,14 +1650,6 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def positive_int(text: str) -> int:
-    """argparse type of ``--runs``: an integer >= 1."""
-    value = non_negative_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
 def finite_float(text: str) -> float:
     """argparse type: a finite number (NaN and infinities are usage errors)."""
     try:

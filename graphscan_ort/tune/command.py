@@ -69,6 +69,7 @@ from graphscan_ort.engines.attribution import measure as impact_of
 from graphscan_ort.shared.answers import Candidate, TuneAnswer, TuneChoice
 from graphscan_ort.shared.files import check_out, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
+from graphscan_ort.shared.metrics import OutputNoise
 from graphscan_ort.shared.sessions import environment, model_outputs
 from graphscan_ort.tune.candidates import METHODS, SampleReader, candidate_settings, quantize_candidate
 from graphscan_ort.tune.deployed import measure_candidate
@@ -231,11 +232,20 @@ class Measure:
         self.model, self.path, self.evaluation = model, path, evaluation
         self.level, self.threads, self.runs = level, threads, runs
         self.models: dict[str, onnx.ModelProto] = {}
+        self.references: dict[tuple[str, ...], OutputNoise] = {}  # the float model's outputs, run once
 
     def __call__(self, candidate_path: str) -> dict[str, Any]:
         candidate = self.models[candidate_path] = onnx.load(candidate_path)
         return measure_candidate(
-            self.model, candidate, self.path, candidate_path, self.evaluation, self.level, self.threads, self.runs
+            self.model,
+            candidate,
+            self.path,
+            candidate_path,
+            self.evaluation,
+            self.level,
+            self.threads,
+            self.runs,
+            self.references,
         )
 
 

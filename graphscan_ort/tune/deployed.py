@@ -26,8 +26,8 @@ from graphscan import shown
 from graphscan_ort.engines.classify import classify, runtime_counts
 from graphscan_ort.engines.timing import interleaved_wall_times
 from graphscan_ort.shared.kernels import int8_fraction
-from graphscan_ort.shared.metrics import output_pairs, output_sqnr
-from graphscan_ort.shared.sessions import open_session, session_options
+from graphscan_ort.shared.metrics import OutputNoise, output_pairs
+from graphscan_ort.shared.sessions import model_outputs, open_session, session_options
 
 
 def kernel_counts(model: onnx.ModelProto, path: str, level: str) -> dict:
@@ -53,12 +53,21 @@ def measure_candidate(
     level: str = "all",
     threads: int = 1,
     runs: int = 20,
+    references: dict[tuple[str, ...], OutputNoise] | None = None,
 ) -> dict:
     """``{"sqnr_db", "int8_fraction", "int8_kernels", "wrapped_but_float", "ms", "float_ms", "speedup", "bytes"}``
-    of ``quant_model`` (written at ``quant_path``) against ``float_model`` (read from ``float_path``)."""
+    of ``quant_model`` (written at ``quant_path``) against ``float_model`` (read from ``float_path``);
+    ``references`` keeps the float model's outputs from one candidate to the next."""
     options = session_options(level, threads=threads)
     pairs = output_pairs(float_model, quant_model, float_path, quant_path)
-    sqnr, exact, _ = output_sqnr(float_model, quant_model, samples, pairs, float_path, quant_path, options)
+    # output_sqnr's definition, with the float model's outputs kept in ``references``
+    # (by the outputs paired): they are the same for every candidate, so they run once.
+    references = {} if references is None else references
+    wanted = tuple(f for f, _ in pairs)
+    if wanted not in references:
+        references[wanted] = OutputNoise(model_outputs(float_model, samples, float_path, list(wanted), options))
+    quant_outputs = model_outputs(quant_model, samples, quant_path, [q for _, q in pairs], options)
+    sqnr, exact = references[wanted].measure(quant_outputs)
     if exact:  # outputs equal to float's: infinitely accurate (null in the JSON), never the worst
         sqnr = math.inf
     sessions = [
