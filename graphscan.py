@@ -63,7 +63,7 @@ import unicodedata  # noqa: E402
 import warnings  # noqa: E402
 from collections import Counter  # noqa: E402
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableSequence, Sequence  # noqa: E402
-from typing import TYPE_CHECKING, Any, TextIO, TypedDict  # noqa: E402
+from typing import TYPE_CHECKING, Any, NotRequired, TextIO, TypedDict  # noqa: E402
 
 import onnx  # noqa: E402  (after the SIGINT handler on purpose)
 
@@ -781,6 +781,7 @@ class Budget(TypedDict):
     value: float | None
     limit: float
     ok: bool
+    metric: NotRequired[dict[str, Any]]  # min_metric's: the metric's name and parameters
 
 
 class CheckAnswer(TypedDict):
@@ -999,6 +1000,7 @@ BUDGETS = {
     "max_crossings": ("boundary crossings (boundary)", "max"),
     "min_int8": ("fraction of the nodes that run a kernel which run an int8 or int8_data kernel (runtime)", "min"),
     "min_sqnr": ("output SQNR in dB against --float (impact's definition)", "min"),
+    "min_metric": ("the --metric agreement with --float (a built-in metric or FILE.py:FUNCTION)", "min"),
 }
 # Budgets counted from the graph here; the others run the model (graphscan_ort.check).
 STRUCTURAL_BUDGETS = ("max_float", "max_islands", "max_crossings")
@@ -1059,11 +1061,30 @@ class Samples:
     seed: int | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class MetricChoice:
+    """The metric ``--metric``, ``--threshold`` and ``--blank`` name (checked by the package)."""
+
+    name: str | None = None
+    threshold: float | None = None
+    blank: int | None = None
+
+
+NO_METRIC = MetricChoice()  # no --metric given
+
+
 def budget_values(
-    path: str, names: list[str], float_path: str | None, samples: Samples, level: str = "all"
-) -> dict[str, float]:
-    """The measured value of each budget in ``names``; the model is read once."""
+    path: str,
+    names: list[str],
+    float_path: str | None,
+    samples: Samples,
+    level: str = "all",
+    chosen: MetricChoice = NO_METRIC,
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """The measured value of each budget in ``names`` (the model is read once), and
+    the metric min_metric measured (its name and parameters; empty without it)."""
     values: dict[str, float] = {}
+    described: dict[str, Any] = {}
     measured = [name for name in names if name not in STRUCTURAL_BUDGETS]
     model = None
     if set(STRUCTURAL_BUDGETS) & set(names):
@@ -1074,14 +1095,16 @@ def budget_values(
         values["max_float"] = len(index.float_nodes)
         values["max_islands"] = len(islands_found)
         values["max_crossings"] = boundary_report(index, islands_found)["crossings"]
-    if "min_sqnr" in names and float_path is None:
-        raise GraphscanError("usage: --min-sqnr needs --float F.onnx", EXIT_USAGE)
+    for name in ("min_sqnr", "min_metric"):
+        if name in names and float_path is None:
+            raise GraphscanError(f"usage: --{name.replace('_', '-')} needs --float F.onnx", EXIT_USAGE)
     if measured:
         options = " and ".join(f"--{name.replace('_', '-')}" for name in measured)
         with package_needed(f"check {options}"):
             from graphscan_ort.commands.check import measurements
-        values.update(measurements(path, measured, float_path, samples, level, model))
-    return values
+        measured_values, described = measurements(path, measured, float_path, samples, level, model, chosen)
+        values.update(measured_values)
+    return values, described
 
 
 def budget_holds(name: str, value: float, limit: float) -> bool:
@@ -1103,11 +1126,17 @@ def check(
     shape: list[str] | None = None,
     seed: int | None = None,
     level: str | None = None,
+    metric: str | None = None,
+    threshold: float | None = None,
+    blank: int | None = None,
+    min_metric: float | None = None,
 ) -> CheckAnswer:
     """Measure each budget given (options override the --budget file) and say which hold.
 
-    ``float_path``, ``inputs``, ``shape``, ``seed`` and ``level`` apply to
-    min_sqnr only: given without it they are a usage error, never ignored."""
+    ``float_path``, ``inputs``, ``shape``, ``seed`` and ``level`` apply to the
+    budgets that run both models (min_sqnr, min_metric), and ``metric``,
+    ``threshold`` and ``blank`` to min_metric: given without them they are a
+    usage error, never ignored."""
     limits = read_budget_file(budget) if budget is not None else {}
     given = {
         "max_float": max_float,
@@ -1115,6 +1144,7 @@ def check(
         "max_crossings": max_crossings,
         "min_int8": min_int8,
         "min_sqnr": min_sqnr,
+        "min_metric": min_metric,
     }
     for name, value in given.items():
         if value is not None:
@@ -1126,19 +1156,26 @@ def check(
             EXIT_USAGE,
         )
     sample = {"--float": float_path, "--inputs": inputs, "--shape": shape, "--seed": seed, "--level": level}
-    only_with("--min-sqnr", "min_sqnr" in limits, sample)
+    only_with("--min-sqnr or --min-metric", bool({"min_sqnr", "min_metric"} & set(limits)), sample)
+    only_with("--min-metric", "min_metric" in limits, {"--metric": metric, "--threshold": threshold, "--blank": blank})
+    if "min_metric" in limits and metric is None:
+        raise GraphscanError("usage: the min_metric budget needs --metric NAME|FILE.py:FUNCTION", EXIT_USAGE)
     check_readable(path)
     names = [name for name in BUDGETS if name in limits]  # a fixed order, whatever the file's
-    values = budget_values(path, names, float_path, Samples(inputs, shape, seed), level or "all")
-    budgets: list[Budget] = [
-        {
-            "name": name,
-            "value": values[name] if math.isfinite(values[name]) else None,  # strict JSON
-            "limit": limits[name],
-            "ok": budget_holds(name, values[name], limits[name]),
-        }
-        for name in names
-    ]
+    chosen = MetricChoice(metric, threshold, blank)
+    values, described = budget_values(path, names, float_path, Samples(inputs, shape, seed), level or "all", chosen)
+    budgets: list[Budget] = []
+    for name in names:
+        budgets.append(
+            {
+                "name": name,
+                "value": values[name] if math.isfinite(values[name]) else None,  # strict JSON
+                "limit": limits[name],
+                "ok": budget_holds(name, values[name], limits[name]),
+            }
+        )
+        if name == "min_metric":
+            budgets[-1]["metric"] = described
     return {"model": path, "float": float_path, "budgets": budgets, "ok": all(b["ok"] for b in budgets)}
 
 
@@ -1432,6 +1469,22 @@ def generic_table(answer: dict[str, Any], top: int | None) -> str:
     return page(*blocks)
 
 
+def check_table(answer: dict[str, Any], top: int | None) -> str:
+    """The budgets, min_metric's naming its metric and parameters."""
+    head = format_fields([("model", answer["model"]), ("float", answer["float"]), ("ok", answer["ok"])])
+    rows = [[budget_title(b), b["value"], b["limit"], b["ok"]] for b in answer["budgets"]]
+    return page(head, section("budgets", ["name", "value", "limit", "ok"], rows, top))
+
+
+def budget_title(budget: dict[str, Any]) -> str:
+    """``min_metric (iou, threshold 0.3)`` for min_metric; any other budget's name."""
+    described = budget.get("metric")
+    if not described:
+        return budget["name"]
+    parameters = [f"{key} {value}" for key, value in described.items() if key != "name"]
+    return f"{budget['name']} ({', '.join([described['name'], *parameters])})"
+
+
 def render_table(command: str, answer: dict, top: int | None = None) -> str:
     """The answer of ``command`` as text for a terminal: its own table, else a generic one."""
     return (load_command(command).table or generic_table)(answer, top)
@@ -1700,6 +1753,32 @@ def samples_group(default_size: int, samples: str = "one", when: str = "") -> li
     ]
 
 
+METRIC_NAMES = "sqnr, top1, iou, ctc, cosine"  # the built-in metrics (graphscan_ort.shared.agreement)
+
+
+def metric_group(when: str = "", default: str = "") -> list[Option]:
+    """``--metric``, ``--threshold`` and ``--blank``: accuracy in the user's terms.
+    ``when``: the option these apply with, for the help; ``default``: what no --metric means."""
+    return [
+        (
+            "--metric",
+            {
+                "metavar": "NAME|FILE.py:FUNCTION",
+                "help": f"{when}agreement with the float model: {METRIC_NAMES}, or FUNCTION(reference, candidate) "
+                f"of a Python file{default}",
+            },
+        ),
+        (
+            "--threshold",
+            {"type": finite_float, "metavar": "T", "help": "--metric iou: the probability threshold (default: 0.5)"},
+        ),
+        (
+            "--blank",
+            {"type": non_negative_int, "metavar": "CLASS", "help": "--metric ctc: the blank class (default: 0)"},
+        ),
+    ]
+
+
 def level_option(choices: list[str], default: str | None, help_text: str) -> Option:
     """``--level``: the onnxruntime optimization level a command's sessions run at."""
     return ("--level", {"choices": choices, "default": default, "help": help_text})
@@ -1806,14 +1885,20 @@ CHECK = Command(
             {"type": float, "metavar": "FRACTION", "help": "at least this fraction of kernels run int8 (runtime)"},
         ),
         ("--min-sqnr", {"type": float, "metavar": "DB", "help": "output SQNR against --float of at least DB"}),
+        (
+            "--min-metric",
+            {"type": float, "metavar": "X", "help": "the --metric agreement with --float of at least X"},
+        ),
+        *metric_group("--min-metric: "),
         level_option(
             ["disabled", *RUNTIME_LEVELS],
             None,
-            "--min-sqnr: onnxruntime optimization level both models run at (default: all, its default)",
+            "--min-sqnr, --min-metric: onnxruntime optimization level both models run at (default: all)",
         ),
-        *samples_group(1, samples="many", when="--min-sqnr: "),
+        *samples_group(1, samples="many", when="--min-sqnr, --min-metric: "),
     ),
     exit_code=lambda answer: EXIT_OK if answer["ok"] else EXIT_BUDGET,
+    table=check_table,
     answer=CheckAnswer,
 )
 

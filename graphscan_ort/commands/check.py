@@ -1,17 +1,20 @@
-"""check's budgets that run the model: the int8 share (runtime) and the output SQNR."""
+"""check's budgets that run the model: the int8 share (runtime), the output SQNR and the
+``--metric`` agreement (shared.agreement)."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import onnx
 
-from graphscan import Samples, load_with_weights
+from graphscan import NO_METRIC, MetricChoice, Samples, load_with_weights
 from graphscan_ort.engines.classify import classify
+from graphscan_ort.shared.agreement import Metric, metric, named_outputs
 from graphscan_ort.shared.inputs import check_same_inputs, model_samples, parse_shapes
 from graphscan_ort.shared.kernels import int8_fraction
 from graphscan_ort.shared.metrics import output_pairs, output_sqnr
-from graphscan_ort.shared.sessions import deployed_options, inputs_hint
+from graphscan_ort.shared.sessions import deployed_options, inputs_hint, model_outputs
 
 
 def measurements(
@@ -21,11 +24,15 @@ def measurements(
     samples: Samples,
     level: str = "all",
     model: onnx.ModelProto | None = None,
-) -> dict[str, float]:
-    """The value of each budget in ``names`` (``min_int8``, ``min_sqnr``) for the
-    quantized model at ``path`` (``model``: that model, when the caller already
-    read it with its weights); ``level``: the optimization level min_sqnr runs at."""
+    chosen: MetricChoice = NO_METRIC,
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """The value of each budget in ``names`` (``min_int8``, ``min_sqnr``, ``min_metric``)
+    for the quantized model at ``path`` (``model``: that model, when the caller already
+    read it with its weights), and min_metric's metric described; ``level``: the
+    optimization level min_sqnr and min_metric run at."""
     values = {}
+    # The metric is checked before any model runs: a bad --metric is exit 2 at once.
+    agreement = metric(chosen.name, chosen.threshold, chosen.blank) if "min_metric" in names else None
     if "min_int8" in names:
         model = load_with_weights(path) if model is None else model
         values["min_int8"] = int8_fraction(classify(model, path).counts["classes"])
@@ -34,7 +41,35 @@ def measurements(
         float_model = load_with_weights(float_path)
         model = load_with_weights(path) if model is None else model
         values["min_sqnr"] = measured_sqnr(float_model, model, float_path, path, samples, level)
-    return values
+    if agreement is not None:
+        assert float_path is not None, "the core checks that --min-metric comes with --float"
+        float_model = load_with_weights(float_path)
+        model = load_with_weights(path) if model is None else model
+        values["min_metric"] = measured_metric(float_model, model, float_path, path, samples, level, agreement)
+    return values, agreement.describe() if agreement is not None else {}
+
+
+def measured_metric(
+    float_model: onnx.ModelProto,
+    quant_model: onnx.ModelProto,
+    float_path: str,
+    quant_path: str,
+    given: Samples,
+    level: str,
+    agreement: Metric,
+) -> float:
+    """``agreement`` of the quantized model with the float one, both run as users run
+    them (a session at ``level``) on the same samples as min_sqnr; ``nan`` when undefined."""
+    check_same_inputs(float_model, quant_model, float_path, quant_path)
+    pairs = output_pairs(float_model, quant_model, float_path, quant_path)
+    samples, _ = model_samples(float_model, given.inputs, parse_shapes(given.shape), given.seed or 0, 1)
+    options = deployed_options(level)
+    names = [f for f, _ in pairs]  # both models' outputs under the float model's names
+    with inputs_hint(not given.inputs, 1, [float_path, quant_path]):
+        reference = model_outputs(float_model, samples, float_path, names, options)
+        candidate = model_outputs(quant_model, samples, quant_path, [q for _, q in pairs], options)
+    value = agreement.value(named_outputs(reference, names), named_outputs(candidate, names))
+    return math.nan if value is None else value
 
 
 def measured_sqnr(
