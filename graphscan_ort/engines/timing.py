@@ -218,6 +218,13 @@ def interleaved_wall_times(sessions: list[Any], feeds: dict[str, np.ndarray], ru
     """Median seconds per run of each session, timed in alternation so that
     the machine's drift falls on all of them alike."""
     import statistics
+
+    return [statistics.median(t) for t in interleaved_runs(sessions, feeds, runs)]
+
+
+def interleaved_runs(sessions: list[Any], feeds: dict[str, np.ndarray], runs: int) -> list[list[float]]:
+    """Seconds of each of ``runs`` runs of each session (after one warm-up run each),
+    the sessions run in alternation: run k of every session was timed at one moment."""
     import time as clock
 
     times: list[list[float]] = [[] for _ in sessions]
@@ -228,7 +235,7 @@ def interleaved_wall_times(sessions: list[Any], feeds: dict[str, np.ndarray], ru
             start = clock.perf_counter()
             session.run(None, feeds)
             times[k].append(clock.perf_counter() - start)
-    return [statistics.median(t) for t in times]
+    return times
 
 
 def runtime_time(

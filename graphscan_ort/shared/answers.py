@@ -201,13 +201,19 @@ class Candidate(TypedDict):
     id: int
     quantize_static: dict[str, Any]  # quantize_static's keyword arguments, enums by name
     rewrites: bool
+    post_step: dict[str, list[str]] | None  # applied after quantize_static: {"float_inputs": [node, ...]}
+    excluded: dict[str, str] | None  # per excluded node, what it runs: float, float_inputs or int8
     sqnr_db: float | None
+    metric_value: float | None  # the --metric agreement (sqnr: the SQNR again)
     int8_fraction: float | None
     int8_kernels: int | None
     wrapped_but_float: dict[str, int] | None
     ms: float | None
     speedup: float | None
+    speedup_spread: list[float] | None  # quartiles of the run-by-run speedups
     bytes: int | None
+    float_weights: int | None  # Conv/ConvTranspose/MatMul/Gemm weights not stored as integers
+    fails: list[str] | None  # the guards broken: slower, larger, float_weights
     pareto: bool
     error: str | None
 
@@ -226,6 +232,18 @@ class Evaluation(TypedDict):
 
 class FloatTime(TypedDict):
     ms: float
+    bytes: int
+
+
+class Target(TypedDict):
+    value: float | None  # in the metric's unit; None: undefined, never reached
+    source: str  # "user", "defaults" (onnxruntime's default settings) or "float" (its own agreement)
+
+
+class Latency(TypedDict):
+    inputs: dict[str, Any]  # the shapes timed
+    samples: int
+    min_speedup: float
 
 
 TuneChoice = TypedDict(  # noqa: UP013 (a class body's "float" key would shadow the builtin below it)
@@ -234,9 +252,14 @@ TuneChoice = TypedDict(  # noqa: UP013 (a class body's "float" key would shadow 
         "float": FloatTime,
         "prepare": list[PrepareStep],
         "candidates": list[Candidate],
+        "metric": dict[str, Any],
+        "target": Target,
         "target_sqnr_db": float | None,
-        "chosen": int,
+        "latency": Latency,
+        "chosen": int | None,
         "reached": bool,
+        "written": list[str],
+        "warnings": list[str],
     },
 )
 

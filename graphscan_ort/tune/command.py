@@ -8,16 +8,19 @@
    without the rewrites, calibrating once per model and method.
 3. Measure each as deployed (deployed.py) on the --inputs samples, held out
    from calibration (or the calibration samples, said so).
-4. Choose the fastest candidate whose SQNR meets the target (default: the SQNR
-   of onnxruntime's default settings on this model), else the most accurate.
-5. Write model.onnx and prepared.onnx into --out: built in a temporary folder
-   beside it and renamed into place, so --out is absent or complete.
-
-6. When no candidate reaches the target: exclusions realized by the quantizer.
-   impact ranks the operators of the most accurate candidate; each is added to
+4. Choose the fastest candidate that passes the guards (guards.py: faster and no
+   larger than float, integer weights) and whose --metric meets the target
+   (default: sqnr, and the SQNR of onnxruntime's default settings on this model;
+   an agreement metric's default target is float's own agreement, 1.0).
+5. When none does: exclusions realized by the quantizer. impact ranks the
+   operators of the most accurate candidate; each is added to
    ``nodes_to_exclude`` in turn, the model re-quantized (same calibration) and
    measured as deployed, and an addition is kept only if it helps, until the
    target or --max-exclude (default 8 additions tried).
+6. Write model.onnx and prepared.onnx into --out: built in a temporary folder
+   beside it and renamed into place, so --out is absent or complete. Target not
+   met: the most accurate candidate that passes the guards is written (exit 8);
+   none passes: only prepared.onnx, ``chosen`` null (exit 8).
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ import onnxruntime as ort
 
 from graphscan import (
     DEQUANTIZE,
+    EXIT_BUDGET,
     EXIT_INPUTS,
     EXIT_NO_FILE,
+    EXIT_OK,
     EXIT_RUNTIME,
     EXIT_USAGE,
     MAX_RUNS,
@@ -56,6 +61,7 @@ from graphscan import (
     int_between,
     level_option,
     load_with_weights,
+    metric_group,
     non_negative_int,
     one_line,
     page,
@@ -66,13 +72,15 @@ from graphscan import (
 )
 from graphscan_ort.engines.attribution import MIN_GAIN_DB
 from graphscan_ort.engines.attribution import measure as impact_of
-from graphscan_ort.shared.answers import Candidate, TuneAnswer, TuneChoice
+from graphscan_ort.shared.agreement import POOR_SQNR_DB, Metric, metric, named_outputs
+from graphscan_ort.shared.answers import Candidate, Target, TuneAnswer, TuneChoice
 from graphscan_ort.shared.files import check_out, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
-from graphscan_ort.shared.metrics import OutputNoise
 from graphscan_ort.shared.sessions import environment, model_outputs
 from graphscan_ort.tune.candidates import METHODS, SampleReader, candidate_settings, quantize_candidate
-from graphscan_ort.tune.deployed import measure_candidate
+from graphscan_ort.tune.deployed import Reference, measure_candidate
+from graphscan_ort.tune.fallback import STILL_INT8, honoured
+from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
 from graphscan_ort.tune.prepare import prepared_base, with_rewrites
 from graphscan_ort.tune.progress import Progress
 
@@ -81,8 +89,10 @@ DEFAULT_SETTINGS = {"activation_type": "QInt8", "per_channel": False, "calibrate
 
 
 def accuracy(row: dict) -> float:
-    """A row's SQNR for ranking: ``inf`` when its outputs equal float's, ``-inf`` when undefined."""
-    return -math.inf if row["sqnr_db"] is None else row["sqnr_db"]
+    """A row's metric for ranking (``metric_value``; ``sqnr_db`` in rows without one):
+    ``inf`` when an SQNR's outputs equal float's, ``-inf`` when undefined."""
+    value = row["metric_value"] if "metric_value" in row else row["sqnr_db"]
+    return -math.inf if value is None else value
 
 
 def speed(row: dict) -> float:
@@ -105,13 +115,17 @@ def pareto(rows: list[dict]) -> None:
         )
 
 
-def chosen_row(rows: list[dict], target: float | None) -> tuple[dict, bool]:
-    """The fastest row meeting ``target``, else the most accurate; and whether the target was met."""
-    measured = [r for r in rows if r["error"] is None]
-    meeting = [r for r in measured if target is None or accuracy(r) >= target]
+def chosen_row(rows: list[dict], target: float | None) -> tuple[dict | None, bool]:
+    """The fastest row that passes the guards and meets ``target``, else the most accurate
+    that passes them (None: none does); and whether the target was met. An undefined
+    target (None) is never met."""
+    passing = [r for r in rows if r["error"] is None and not r.get("fails")]
+    meeting = [r for r in passing if target is not None and accuracy(r) >= target]
     if meeting:
         return max(meeting, key=lambda r: (speed(r), accuracy(r))), True
-    return max(measured, key=lambda r: (accuracy(r), speed(r))), False
+    if passing:
+        return max(passing, key=lambda r: (accuracy(r), speed(r))), False
+    return None, False
 
 
 def tune(
@@ -124,6 +138,12 @@ def tune(
     level: str = "all",
     threads: int = 1,
     runs: int = 20,
+    metric: str | None = None,
+    threshold: float | None = None,
+    blank: int | None = None,
+    target: float | None = None,
+    min_speedup: float = 1.0,
+    latency_inputs: list[str] | None = None,
 ) -> TuneAnswer:
     """Quantize ``path`` every way candidates.py knows, measure each as deployed, write the best into ``out``."""
     if not calibrate:
@@ -134,7 +154,12 @@ def tune(
     check_between("--threads", threads, 1, MAX_THREADS)
     if level not in RUNTIME_LEVELS:  # "disabled" is no deployment
         raise GraphscanError(f"usage: --level must be one of {', '.join(RUNTIME_LEVELS)}", EXIT_USAGE)
+    chosen_metric = metric_of(metric, threshold, blank, target, target_sqnr)
+    target = target_sqnr if target is None else target
+    if not (isinstance(min_speedup, (int, float)) and math.isfinite(min_speedup) and min_speedup >= 0):
+        raise GraphscanError(f"usage: --min-speedup must be a finite number >= 0, not {min_speedup!r}", EXIT_USAGE)
     calibrate, inputs = sample_files(calibrate), sample_files(inputs) if inputs else None
+    latency_files = sample_files(latency_inputs) if latency_inputs else None
     parent = check_out(out)
     ort.set_default_logger_severity(4)  # the quantizer's own sessions log warnings on stderr
     model = load_with_weights(path)
@@ -142,7 +167,9 @@ def tune(
     specs = input_specs(model)
     calibration = [read_npz_inputs(p, specs) for p in calibrate]
     evaluation = [read_npz_inputs(p, specs) for p in inputs] if inputs else calibration
-    check_measurable(model, evaluation, path, inputs or calibrate)
+    latency = [read_npz_inputs(p, specs) for p in latency_files] if latency_files else evaluation[:1]
+    reference = check_measurable(model, evaluation, path, inputs or calibrate)
+    own = chosen_metric.value(reference, reference)  # fits every output, and float's own agreement
     try:
         work = tempfile.mkdtemp(prefix=".graphscan-tune-", dir=parent)
     except OSError as exc:
@@ -150,7 +177,9 @@ def tune(
     progress = Progress()
     try:
         measure = Measure(model, path, evaluation, level, threads, runs)
-        answer = tune_in(path, model, calibration, work, target_sqnr, max_exclude, measure, progress)
+        measure.metric, measure.latency, measure.min_speedup = chosen_metric, latency, float(min_speedup)
+        goal = Goal(chosen_metric, target, own)
+        answer = tune_in(path, model, calibration, work, goal, max_exclude, measure, progress)
         place(work, out)
     except Exception as exc:
         if isinstance(exc, GraphscanError) or not write_failure(exc):
@@ -159,6 +188,10 @@ def tune(
     finally:
         progress.close()
         shutil.rmtree(work, ignore_errors=True)  # also on Ctrl-C: nothing half-written
+    if not inputs:
+        answer["warnings"].insert(
+            0, "the evaluation samples are the calibration samples: give held-out --inputs to measure accuracy"
+        )
     return {
         "model": path,
         "environment": environment(level, threads=threads),
@@ -174,9 +207,61 @@ def tune(
     }
 
 
-def check_measurable(model: onnx.ModelProto, samples: list[dict[str, np.ndarray]], path: str, files: list[str]) -> None:
-    """Exit 7 unless the float model's outputs on the evaluation samples hold a finite value:
-    NaN or infinity everywhere, or nothing at all (a zero-size input), measures no candidate."""
+def metric_of(
+    name: str | None, threshold: float | None, blank: int | None, target: float | None, target_sqnr: float | None
+) -> Metric:
+    """The --metric asked for, with --target and its alias --target-sqnr checked (exit 2)."""
+    chosen = metric(name, threshold, blank)
+    if target is not None and target_sqnr is not None:
+        raise GraphscanError("usage: give --target or --target-sqnr, not both", EXIT_USAGE)
+    if target_sqnr is not None and chosen.name != "sqnr":
+        raise GraphscanError(
+            f"usage: --target-sqnr is the target of --metric sqnr; give --target for {chosen.name}", EXIT_USAGE
+        )
+    for flag, value in (("--target", target), ("--target-sqnr", target_sqnr)):
+        if value is not None and not math.isfinite(value):
+            raise GraphscanError(f"usage: {flag} must be a finite number, not {value!r}", EXIT_USAGE)
+    return chosen
+
+
+class Goal:
+    """What tune aims at: the metric, the target the user gave (None: the default one),
+    and float's own agreement (the metric of the float model against itself)."""
+
+    def __init__(self, chosen: Metric, given: float | None, own: float | None) -> None:
+        self.metric, self.given, self.own = chosen, given, own
+
+    def target(self, default: dict[str, Any] | None) -> tuple[Target, list[str]]:
+        """The target and where it came from, with the warnings it deserves; ``default``:
+        the row of onnxruntime's default settings (None when it was not measured)."""
+        if self.given is not None:
+            return {"value": self.given, "source": "user"}, []
+        if self.metric.name != "sqnr":
+            value = self.own
+            warnings = [] if value is not None else [f"{self.metric.name} of float against itself is undefined"]
+            return {"value": value, "source": "float"}, warnings
+        value = None if default is None or default["error"] is not None else default["sqnr_db"]
+        if value is None:
+            why = (
+                "the default target, the SQNR of onnxruntime's default settings, is undefined here: "
+                "give --target; no candidate can reach an undefined target"
+            )
+            return {"value": None, "source": "defaults"}, [why]
+        if value < POOR_SQNR_DB:
+            why = (
+                f"the default target, onnxruntime's default settings' {value:.2f} dB, is poor (below "
+                f"{POOR_SQNR_DB:g} dB: models that far from float lose their task); give --target or --metric"
+            )
+            return {"value": value, "source": "defaults"}, [why]
+        return {"value": value, "source": "defaults"}, []
+
+
+def check_measurable(
+    model: onnx.ModelProto, samples: list[dict[str, np.ndarray]], path: str, files: list[str]
+) -> list[dict[str, np.ndarray]]:
+    """The float model's outputs on the evaluation samples, by name. Exit 7 unless they hold
+    a finite value: NaN or infinity everywhere, or nothing at all (a zero-size input),
+    measures no candidate."""
     outputs = model_outputs(model, samples, path)
     values = [np.asarray(value) for sample in outputs for value in sample]
     if not any(value.size for value in values):
@@ -184,7 +269,7 @@ def check_measurable(model: onnx.ModelProto, samples: list[dict[str, np.ndarray]
     elif not any(value.dtype.kind in "biuf" and np.isfinite(value.astype(np.float64)).any() for value in values):
         why = "NaN or infinite everywhere"
     else:
-        return
+        return named_outputs(outputs, [o.name for o in model.graph.output])
     raise GraphscanError(
         f"{', '.join(map(shown, files))}: the float model's outputs are {why} on these samples: nothing to measure",
         EXIT_INPUTS,
@@ -232,11 +317,16 @@ class Measure:
         self.model, self.path, self.evaluation = model, path, evaluation
         self.level, self.threads, self.runs = level, threads, runs
         self.models: dict[str, onnx.ModelProto] = {}
-        self.references: dict[tuple[str, ...], OutputNoise] = {}  # the float model's outputs, run once
+        self.references: dict[tuple[str, ...], Reference] = {}  # the float model's outputs, run once
+        self.metric: Metric | None = None  # None: the SQNR
+        self.latency: list[dict[str, np.ndarray]] | None = None  # None: the first evaluation sample
+        self.min_speedup = 1.0
+        self.float_bytes = file_bytes(path, model)
 
-    def __call__(self, candidate_path: str) -> dict[str, Any]:
+    def __call__(self, candidate_path: str, excluded: list[str] | None = None) -> dict[str, Any]:
+        """A candidate's figures as deployed, with its weights' storage and the guards it breaks."""
         candidate = self.models[candidate_path] = onnx.load(candidate_path)
-        return measure_candidate(
+        row = measure_candidate(
             self.model,
             candidate,
             self.path,
@@ -246,13 +336,19 @@ class Measure:
             self.threads,
             self.runs,
             self.references,
+            self.metric,
+            self.latency,
         )
+        row["float_weights"] = len(float_weight_nodes(candidate, excluded))
+        row["fails"] = failed_guards(row, self.float_bytes, self.min_speedup)
+        return row
 
 
 def refused_row(row: dict[str, Any], exc: BaseException, work: str, path: str) -> dict[str, Any]:
     """A candidate the quantizer refused: kept with its error and nulls."""
-    row.update(dict.fromkeys(["sqnr_db", "int8_fraction", "int8_kernels", "wrapped_but_float"]))
-    row.update(ms=None, speedup=None, bytes=None, error=f"quantize_static: {users_terms(one_line(exc), work, path)}")
+    row.update(dict.fromkeys(["sqnr_db", "metric_value", "int8_fraction", "int8_kernels", "wrapped_but_float"]))
+    row.update(dict.fromkeys(["ms", "speedup", "speedup_spread", "bytes", "float_weights", "fails"]))
+    row["error"] = f"quantize_static: {users_terms(one_line(exc), work, path)}"
     return row
 
 
@@ -283,6 +379,7 @@ class Trials:
         ident = len(self.rows)
         target_path = os.path.join(self.work, f"candidate-{ident}.onnx")
         row = {"id": ident, "quantize_static": settings, "rewrites": rewrites, "error": None}
+        row.update(post_step=None, excluded=None)
         try:
             quantize_candidate(prepared_path, target_path, settings, self.reader, cache)
         except Exception as exc:
@@ -290,7 +387,13 @@ class Trials:
                 raise
             row = refused_row(row, exc, self.work, self.measure.path)
         else:
-            row.update(self.measure(target_path))
+            excluded = settings.get("nodes_to_exclude")
+            if excluded:  # checked in the deployed session, made real where onnxruntime undid it
+                model = onnx.load(target_path)
+                _, status, fixed = honoured(model, target_path, self.measure.level, excluded)
+                row["excluded"] = status
+                row["post_step"] = {"float_inputs": fixed} if fixed else None
+            row.update(self.measure(target_path, excluded))
             self.files[ident] = (target_path, prepared_path, cache)
         self.rows.append(row)
         return row
@@ -301,12 +404,13 @@ def tune_in(
     model: onnx.ModelProto,
     calibration: list[dict[str, np.ndarray]],
     work: str,
-    target: float | None,
+    goal: Goal,
     max_exclude: int | None,
     measure: Measure,
     progress: Progress | None = None,
 ) -> TuneChoice:
-    """tune's work inside the temporary folder ``work``; leaves model.onnx and prepared.onnx there."""
+    """tune's work inside the temporary folder ``work``; leaves prepared.onnx there, and
+    model.onnx when a candidate passes the guards."""
     progress = progress or Progress()
     evaluation = measure.evaluation
     progress.show("preparing the float model")
@@ -340,27 +444,74 @@ def tune_in(
         ),
         None,
     )
-    if target is None and default is not None and default["error"] is None:
-        target = default["sqnr_db"]
-    chosen, reached = chosen_row(rows, target)
-    if not reached:
+    target, warnings = goal.target(default)
+    chosen, reached = chosen_row(rows, target["value"])
+    if not reached and target["value"] is not None:
         progress.show("ranking the operators to exclude")
-        exclusions(trials, chosen, target, max_exclude, prepared, progress)
+        exclusions(trials, start_row(rows), target["value"], max_exclude, prepared, progress)
         float_ms += popped_float_ms(rows)
         pareto(rows)
-        chosen, reached = chosen_row(rows, target)
-    model_path, prepared_path, _ = files[chosen["id"]]
-    os.replace(model_path, os.path.join(work, "model.onnx"))
-    os.replace(prepared_path, os.path.join(work, "prepared.onnx"))
+        chosen, reached = chosen_row(rows, target["value"])
+    written = write_choice(work, files, rows, chosen)
+    warnings += choice_warnings(rows, chosen, reached, target["value"])
+    if all(accuracy(r) == -math.inf for r in rows if r["error"] is None):
+        warnings.append(f"every candidate's {goal.metric.name} is undefined on these samples: none can be reached")
     order = sorted(rows, key=lambda r: (not r["pareto"], r["error"] is not None, -speed(r), r["id"]))
     return {
-        "float": {"ms": sorted(float_ms)[len(float_ms) // 2]},
+        "float": {"ms": sorted(float_ms)[len(float_ms) // 2], "bytes": measure.float_bytes},
         "prepare": steps + rewrite_steps,
         "candidates": [cast(Candidate, {key: row.get(key) for key in CANDIDATE_KEYS}) for row in order],
-        "target_sqnr_db": target,
-        "chosen": chosen["id"],
+        "metric": goal.metric.describe(),
+        "target": target,
+        "target_sqnr_db": target["value"] if goal.metric.name == "sqnr" else None,
+        "latency": {
+            "inputs": inputs_answer(measure.latency or evaluation[:1]),
+            "samples": len(measure.latency or evaluation[:1]),
+            "min_speedup": measure.min_speedup,
+        },
+        "chosen": None if chosen is None else chosen["id"],
         "reached": reached,
+        "written": written,
+        "warnings": warnings,
     }
+
+
+def start_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where the exclusions start: the most accurate row with integer weights (each
+    exclusion only makes a model slower), else the most accurate of all."""
+    measured = [r for r in rows if r["error"] is None]
+    stored = [r for r in measured if not r["float_weights"]] or measured
+    return max(stored, key=lambda r: (accuracy(r), speed(r)))
+
+
+def write_choice(
+    work: str, files: dict[int, tuple[str, str, str]], rows: list[dict[str, Any]], chosen: dict | None
+) -> list[str]:
+    """Leave model.onnx (``chosen``'s) and prepared.onnx in ``work``; without a choice,
+    prepared.onnx alone (the one of the most accurate row). The names written."""
+    if chosen is not None:
+        model_path, prepared_path, _ = files[chosen["id"]]
+        os.replace(model_path, os.path.join(work, "model.onnx"))
+        os.replace(prepared_path, os.path.join(work, "prepared.onnx"))
+        return ["model.onnx", "prepared.onnx"]
+    best = max((r for r in rows if r["id"] in files), key=lambda r: (accuracy(r), speed(r)))
+    os.replace(files[best["id"]][1], os.path.join(work, "prepared.onnx"))
+    return ["prepared.onnx"]
+
+
+def choice_warnings(rows: list[dict[str, Any]], chosen: dict | None, reached: bool, target: float | None) -> list[str]:
+    """What a user would otherwise find out later about the choice."""
+    measured = [r for r in rows if r["error"] is None]
+    counts = {guard: sum(guard in r["fails"] for r in measured) for guard in ("slower", "larger", "float_weights")}
+    broken = ", ".join(f"{n} {WHY[guard]}" for guard, n in counts.items() if n)
+    if chosen is None:
+        return [f"no candidate passes the guards ({broken} of {len(measured)}): only prepared.onnx is written"]
+    if not reached and target is not None:
+        return ["no candidate that passes the guards meets the target: the most accurate of them is written"]
+    return []
+
+
+WHY = {"slower": "not faster than float", "larger": "larger than float", "float_weights": "with float weights"}
 
 
 def popped_float_ms(rows: list[dict]) -> list[float]:
@@ -381,9 +532,10 @@ def exclusions(
     progress: Progress | None = None,
 ) -> None:
     """Operators of ``best`` added to nodes_to_exclude one at a time in impact's order, each
-    re-quantized and measured as deployed; an addition stays only if the SQNR rises.
+    re-quantized and measured as deployed; an addition stays only if the metric rises.
     Every model tried is a candidate row of its own (the quantizer's, never a promise)."""
     candidate_path, prepared_path, cache = trials.files[best["id"]]
+    assert target is not None, "an undefined target is never searched for"
     given = prepared["rewrites" if best["rewrites"] else "none"]  # the model the quantizer was given
     measure = trials.measure
     candidate = measure.models[candidate_path]
@@ -393,13 +545,14 @@ def exclusions(
     kept: list[str] = []
     current = best
     for k, node in enumerate(names[:limit]):
-        if current["sqnr_db"] is not None and current["sqnr_db"] >= target:
+        if accuracy(current) >= target:  # met: more exclusions would only make it slower
             break
         if progress is not None:
             progress.show("trying exclusion", k + 1, min(limit, len(names)))
         settings = {**best["quantize_static"], "nodes_to_exclude": [*kept, node]}
         row = trials.add(settings, best["rewrites"], prepared_path, cache)
-        if row["sqnr_db"] is not None and (current["sqnr_db"] is None or row["sqnr_db"] > current["sqnr_db"]):
+        real = row["error"] is None and row["excluded"][node] != STILL_INT8  # it does run float
+        if real and accuracy(row) > accuracy(current):
             kept.append(node)
             current = row
 
@@ -408,13 +561,19 @@ CANDIDATE_KEYS = [
     "id",
     "quantize_static",
     "rewrites",
+    "post_step",
+    "excluded",
     "sqnr_db",
+    "metric_value",
     "int8_fraction",
     "int8_kernels",
     "wrapped_but_float",
     "ms",
     "speedup",
+    "speedup_spread",
     "bytes",
+    "float_weights",
+    "fails",
     "pareto",
     "error",
 ]
@@ -422,9 +581,15 @@ CANDIDATE_KEYS = [
 
 def tune_table(answer: dict[str, Any], top: int | None) -> str:
     """Candidates on the Pareto front first (the answer's order), then the choice."""
+    target = answer["target"]
+    described = answer["metric"]
+    parameters = [f"{key} {value}" for key, value in described.items() if key != "name"]
+    latency = answer["latency"]
     head = format_fields(
         [("model", answer["model"]), ("level", answer["environment"]["level"]), ("float ms", answer["float"]["ms"])]
-        + [("target_sqnr_db", answer["target_sqnr_db"])]
+        + [("metric", " ".join([described["name"], *parameters]))]
+        + [("target", target["value"]), ("from", target["source"])]
+        + [("latency at", shapes_text(latency["inputs"])), ("min speedup", latency["min_speedup"])]
         + [("chosen", answer["chosen"]), ("reached", answer["reached"]), ("output", answer["output"])]
     )
     steps = [[s["step"], s["ok"], s["detail"]] for s in answer["prepare"]]
@@ -435,19 +600,20 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
             "yes" if c["quantize_static"]["per_channel"] else "no",
             c["quantize_static"]["calibrate_method"],
             c["rewrites"],
-            c["sqnr_db"],
+            c["metric_value"],
             c["int8_kernels"],
-            c["ms"],
             c["speedup"],
+            ",".join(c["fails"] or []) or ("-" if c["fails"] is None else "none"),
             c["pareto"],
             c["error"],
         ]
         for c in answer["candidates"]
     ]
-    titles = ["id", "act", "pc", "method", "rw", "sqnr_db", "int8", "ms", "speedup", "pareto", "error"]
+    titles = ["id", "act", "pc", "method", "rw", described["name"], "int8", "speedup", "fails", "pareto", "error"]
     # The detail that matters is often cut in its column: each is shown whole below.
     whole = [f"{s['step']}: {s['detail']}" for s in answer["prepare"] if not s["ok"]]
     whole += [f"candidate {c['id']}: {c['error']}" for c in answer["candidates"] if c["error"]]
+    whole += [f"warning: {w}" for w in answer["warnings"]]
     notes = "\n".join(textwrap.fill(visible(text), TABLE_WIDTH, subsequent_indent="  ") for text in whole)
     return page(
         head,
@@ -455,6 +621,17 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
         section("candidates, Pareto-best first", titles, rows, top, cut_first=["error"]),
         *([f"in full:\n{notes}"] if notes else []),
     )
+
+
+def shapes_text(inputs: dict[str, Any]) -> str:
+    """``x 1x3x736x1472`` for each input (several shapes: joined by ``|``)."""
+
+    def dims(shape: list) -> str:
+        if shape and isinstance(shape[0], list):
+            return "|".join(dims(s) for s in shape)
+        return "x".join(map(str, shape)) or "scalar"
+
+    return " ".join(f"{name} {dims(shape)}" for name, shape in inputs.items())
 
 
 COMMAND = Command(
@@ -477,9 +654,34 @@ COMMAND = Command(
             },
         ),
         ("--out", {"metavar": "DIR", "help": "absent or empty folder for model.onnx and prepared.onnx"}),
+        *metric_group(default=" (default: sqnr)"),
         (
-            "--target-sqnr",
-            {"metavar": "DB", "type": finite_float, "help": "default: onnxruntime's default settings' SQNR"},
+            "--target",
+            {
+                "metavar": "X",
+                "type": finite_float,
+                "help": "the --metric to reach, in its unit (default: sqnr's is the SQNR of onnxruntime's default "
+                "settings; an agreement's is float's own, 1.0)",
+            },
+        ),
+        ("--target-sqnr", {"metavar": "DB", "type": finite_float, "help": "--target of --metric sqnr"}),
+        (
+            "--min-speedup",
+            {
+                "metavar": "X",
+                "type": finite_float,
+                "default": 1.0,
+                "help": "a model written must be faster than float by more than this (default: 1, faster; 0: any)",
+            },
+        ),
+        (
+            "--latency-inputs",
+            {
+                "metavar": "FILE.npz",
+                "action": "append",
+                "help": "a sample at the deployed shape, timed for the speedup (repeatable; default: the first "
+                "--inputs sample)",
+            },
         ),
         (
             "--max-exclude",
@@ -508,5 +710,6 @@ COMMAND = Command(
         ),
     ),
     table=tune_table,
+    exit_code=lambda answer: EXIT_OK if answer["reached"] else EXIT_BUDGET,
     answer=TuneAnswer,
 )

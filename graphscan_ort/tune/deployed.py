@@ -6,25 +6,32 @@ level users run (default: onnxruntime's own default, all optimizations) with
 
 - ``sqnr_db``: the output SQNR against the float model, by the one definition
   impact and check use (``metrics.OutputNoise``, outputs paired by name);
+- ``metric_value``: the ``--metric`` agreement with the float model (shared.agreement)
+  over every evaluation sample;
 - ``int8_fraction``, ``int8_kernels`` and ``wrapped_but_float`` by reason, from
   the runtime command's classes at that level;
-- ``ms``: the median wall time of ``runs`` runs on the first sample, timed in
-  alternation with the float model in this process; ``speedup`` is the float
-  model's ms over the candidate's;
+- ``ms``: the median wall time of ``runs`` runs on the latency samples (default: the
+  first evaluation sample; several: the sum of their medians), timed in alternation
+  with the float model in this process; ``speedup`` is the float model's ms over the
+  candidate's, and ``speedup_spread`` the quartiles of the run-by-run ratios;
 - ``bytes``: the file's size.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import statistics
 from collections import Counter
 
+import numpy as np
 import onnx
 
 from graphscan import shown
 from graphscan_ort.engines.classify import classify, runtime_counts
-from graphscan_ort.engines.timing import interleaved_wall_times
+from graphscan_ort.engines.timing import interleaved_runs
+from graphscan_ort.shared.agreement import Metric, named_outputs
 from graphscan_ort.shared.kernels import int8_fraction
 from graphscan_ort.shared.metrics import OutputNoise, output_pairs
 from graphscan_ort.shared.sessions import model_outputs, open_session, session_options
@@ -44,6 +51,15 @@ def kernel_counts(model: onnx.ModelProto, path: str, level: str) -> dict:
     }
 
 
+@dataclasses.dataclass
+class Reference:
+    """The float model's outputs on the evaluation samples (run once for every candidate):
+    as ``OutputNoise`` for the SQNR and by output name for the metric."""
+
+    noise: OutputNoise
+    outputs: list[dict[str, np.ndarray]]
+
+
 def measure_candidate(
     float_model: onnx.ModelProto,
     quant_model: onnx.ModelProto,
@@ -53,11 +69,15 @@ def measure_candidate(
     level: str = "all",
     threads: int = 1,
     runs: int = 20,
-    references: dict[tuple[str, ...], OutputNoise] | None = None,
+    references: dict[tuple[str, ...], Reference] | None = None,
+    metric: Metric | None = None,
+    latency: list[dict] | None = None,
 ) -> dict:
-    """``{"sqnr_db", "int8_fraction", "int8_kernels", "wrapped_but_float", "ms", "float_ms", "speedup", "bytes"}``
-    of ``quant_model`` (written at ``quant_path``) against ``float_model`` (read from ``float_path``);
-    ``references`` keeps the float model's outputs from one candidate to the next."""
+    """``{"sqnr_db", "metric_value", "int8_fraction", "int8_kernels", "wrapped_but_float", "ms",
+    "float_ms", "speedup", "speedup_spread", "bytes"}`` of ``quant_model`` (written at
+    ``quant_path``) against ``float_model`` (read from ``float_path``); ``references`` keeps
+    the float model's outputs from one candidate to the next; ``latency``: the samples
+    timed (default: the first of ``samples``); no ``metric``: ``metric_value`` is the SQNR."""
     options = session_options(level, threads=threads)
     pairs = output_pairs(float_model, quant_model, float_path, quant_path)
     # output_sqnr's definition, with the float model's outputs kept in ``references``
@@ -65,21 +85,60 @@ def measure_candidate(
     references = {} if references is None else references
     wanted = tuple(f for f, _ in pairs)
     if wanted not in references:
-        references[wanted] = OutputNoise(model_outputs(float_model, samples, float_path, list(wanted), options))
+        outputs = model_outputs(float_model, samples, float_path, list(wanted), options)
+        references[wanted] = Reference(OutputNoise(outputs), named_outputs(outputs, wanted))
+    reference = references[wanted]
     quant_outputs = model_outputs(quant_model, samples, quant_path, [q for _, q in pairs], options)
-    sqnr, exact = references[wanted].measure(quant_outputs)
+    sqnr, exact = reference.noise.measure(quant_outputs)
     if exact:  # outputs equal to float's: infinitely accurate (null in the JSON), never the worst
         sqnr = math.inf
+    value = sqnr if metric is None else metric.value(reference.outputs, named_outputs(quant_outputs, wanted))
+    return {
+        "sqnr_db": sqnr,
+        "metric_value": value,
+        **kernel_counts(quant_model, quant_path, level),
+        **latency_figures(
+            float_model, quant_model, float_path, quant_path, latency or samples[:1], level, threads, runs
+        ),
+        "bytes": os.path.getsize(quant_path),
+    }
+
+
+def latency_figures(
+    float_model: onnx.ModelProto,
+    quant_model: onnx.ModelProto,
+    float_path: str,
+    quant_path: str,
+    latency: list[dict],
+    level: str,
+    threads: int,
+    runs: int,
+) -> dict:
+    """``ms``, ``float_ms``, ``speedup`` and ``speedup_spread`` of the two models timed in
+    alternation on each latency sample."""
     sessions = [
         open_session(float_model, f"{shown(float_path)}: model", session_options(level, threads=threads)),
         open_session(quant_model, f"{shown(quant_path)}: model", session_options(level, threads=threads)),
     ]
-    float_s, quant_s = interleaved_wall_times(sessions, samples[0], runs)
+    float_s = quant_s = 0.0
+    ratios: list[float] = []
+    for feeds in latency:
+        float_runs, quant_runs = interleaved_runs(sessions, feeds, runs)
+        float_s += statistics.median(float_runs)
+        quant_s += statistics.median(quant_runs)
+        ratios += [f / q for f, q in zip(float_runs, quant_runs, strict=True) if q > 0]
+    spread = quartiles(ratios)
     return {
-        "sqnr_db": sqnr,
-        **kernel_counts(quant_model, quant_path, level),
         "ms": quant_s * 1e3,
         "float_ms": float_s * 1e3,
         "speedup": float_s / quant_s if quant_s > 0 else None,
-        "bytes": os.path.getsize(quant_path),
+        "speedup_spread": spread,
     }
+
+
+def quartiles(values: list[float]) -> list[float] | None:
+    """``[25th, 75th]`` percentiles of ``values`` (None without any)."""
+    if not values:
+        return None
+    low, high = np.percentile(np.asarray(values, dtype=np.float64), [25, 75])
+    return [float(low), float(high)]

@@ -1,0 +1,117 @@
+"""Float fallback onnxruntime honours: an excluded Conv between quantized neighbours is
+quantized again by a default session (WeightBiasQuantization); tune sees it with
+runtime's classes and makes the exclusion real by unquantizing the node's inputs."""
+
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from onnxruntime.quantization import CalibrationDataReader, quantize_static
+from onnxruntime.quantization.shape_inference import quant_pre_process
+
+import gen_models
+import graphscan
+import graphscan_ort.tune.command as tune
+from graphscan_ort.tune import fallback
+from graphscan_ort.tune.candidates import keyword_arguments, quiet
+
+EXCLUDED = ["b1_conv2", "b2_merge"]  # each reads a DQ and feeds a Q: onnxruntime quantizes them anyway
+
+
+class Samples(CalibrationDataReader):
+    def __init__(self, paths):
+        self.left = iter([dict(np.load(p)) for p in paths])
+
+    def get_next(self):
+        return next(self.left, None)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fallback")
+    onnx.save(gen_models.build_cnn(2, channels=16, size=8, seed=0), folder / "cnn.onnx")
+    with quiet():
+        quant_pre_process(str(folder / "cnn.onnx"), str(folder / "prepared.onnx"), skip_symbolic_shape=True)
+    rng = np.random.default_rng(5)
+    files = []
+    for k in range(3):
+        files.append(str(folder / f"s{k}.npz"))
+        np.savez(files[-1], x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    return {
+        "folder": folder,
+        "float": str(folder / "cnn.onnx"),
+        "prepared": str(folder / "prepared.onnx"),
+        "files": files,
+    }
+
+
+def quantized(prepared, path, excluded):
+    with quiet():
+        quantize_static(prepared["prepared"], str(path), Samples(prepared["files"][:2]), nodes_to_exclude=excluded)
+    return onnx.load(path)
+
+
+def runtime_classes(path):
+    answer = graphscan.runtime(str(path), level="all")
+    return {row["node"]: row["class"] for row in answer["nodes"]}
+
+
+def test_an_excluded_conv_between_quantized_neighbours_runs_int8_until_its_inputs_are_float(prepared, tmp_path):
+    model = quantized(prepared, tmp_path / "q.onnx", EXCLUDED)
+    before = runtime_classes(tmp_path / "q.onnx")
+    assert [before[n] for n in EXCLUDED] == ["int8", "int8"]  # nodes_to_exclude alone is not honoured
+    fixed, status, applied = fallback.honoured(model, str(tmp_path / "q.onnx"), "all", EXCLUDED)
+    assert status == {"b1_conv2": "float_inputs", "b2_merge": "float_inputs"} and applied == EXCLUDED
+    assert onnx.load(tmp_path / "q.onnx").SerializeToString() == fixed.SerializeToString()
+    after = runtime_classes(tmp_path / "q.onnx")  # the file was rewritten: runtime confirms
+    assert [after[n] for n in EXCLUDED] == ["float", "float"]
+    assert {n: c for n, c in after.items() if n not in EXCLUDED and before[n] == "int8"} == {
+        n: "int8" for n, c in before.items() if n not in EXCLUDED and c == "int8"
+    }  # every other int8 node still runs int8
+
+
+def test_a_node_that_runs_float_as_excluded_is_left_alone(prepared, tmp_path):
+    model = quantized(prepared, tmp_path / "q.onnx", ["b1_conv1"])  # its output goes to a Relu, not a Q
+    data = (tmp_path / "q.onnx").read_bytes()
+    same, status, applied = fallback.honoured(model, str(tmp_path / "q.onnx"), "all", ["b1_conv1"])
+    assert status == {"b1_conv1": "float"} and applied == [] and same is model
+    assert (tmp_path / "q.onnx").read_bytes() == data
+
+
+def test_tune_reports_each_exclusion_and_its_row_reproduces_the_model(prepared, tmp_path, monkeypatch):
+    """The search tries b1_conv2 (a fixed ranking): its row says it runs float only with
+    float inputs, and quantize_static with the row's arguments, then the post-step the
+    row names, gives the model tune measured, byte for byte."""
+    monkeypatch.setattr(tune, "impact_of", lambda *a, **k: {"ops": [{"node": "b1_conv2", "gain_db": 1.0}]})
+    measured = {}
+    real_honoured = tune.honoured
+
+    def keep_copy(model, path, level, excluded):
+        result = real_honoured(model, path, level, excluded)
+        measured[tuple(excluded)] = tmp_path / f"measured-{len(measured)}.onnx"
+        shutil.copy(path, measured[tuple(excluded)])
+        return result
+
+    monkeypatch.setattr(tune, "honoured", keep_copy)
+    answer = tune.tune(
+        prepared["float"],
+        calibrate=prepared["files"][:2],
+        inputs=prepared["files"][2:],
+        out=str(tmp_path / "out"),
+        target=500.0,
+        runs=1,
+        min_speedup=0,
+    )
+    (row,) = [c for c in answer["candidates"] if c["quantize_static"].get("nodes_to_exclude")]
+    assert row["excluded"] == {"b1_conv2": "float_inputs"} and row["post_step"] == {"float_inputs": ["b1_conv2"]}
+    assert all(c["excluded"] is None and c["post_step"] is None for c in answer["candidates"] if c is not row)
+    again = tmp_path / "again.onnx"
+    prepared_path = tmp_path / "out" / "prepared.onnx"
+    with quiet():
+        quantize_static(
+            str(prepared_path), str(again), Samples(prepared["files"][:2]),
+            **keyword_arguments(row["quantize_static"]),
+        )  # fmt: skip
+    onnx.save(fallback.float_inputs(onnx.load(again), row["post_step"]["float_inputs"]), again)
+    assert again.read_bytes() == measured[("b1_conv2",)].read_bytes()

@@ -1,0 +1,257 @@
+"""tune never writes a model worse than float: the guards (faster, no larger, integer
+weights), the choice they shape, exit 8 when the target is not met, and the metric,
+target and latency options that say what "better" means."""
+
+import json
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+from onnxruntime.quantization import CalibrationDataReader, quantize_static
+
+import gen_models
+import graphscan
+import graphscan_ort.tune.command as tune
+import graphscan_ort.tune.deployed as deployed
+from graphscan_ort.shared.agreement import metric
+from graphscan_ort.tune.candidates import quiet
+from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
+from tests.helpers import main_error_line, run_main
+
+
+@pytest.fixture(scope="module")
+def cnn(tmp_path_factory):
+    """A 16-channel residual CNN (int8 is smaller than float), two calibration samples
+    and two held-out ones."""
+    folder = tmp_path_factory.mktemp("guards")
+    fp32 = folder / "cnn.onnx"
+    onnx.save(gen_models.build_cnn(2, channels=16, size=8, seed=0), fp32)
+    rng = np.random.default_rng(9)
+    files = []
+    for k in range(4):
+        files.append(str(folder / f"s{k}.npz"))
+        np.savez(files[-1], x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    return {"float": str(fp32), "calibrate": files[:2], "inputs": files[2:], "folder": folder}
+
+
+def run_tune(cnn, out, **options):
+    options = {"runs": 2, "min_speedup": 0, **options}
+    return tune.tune(cnn["float"], calibrate=cnn["calibrate"], inputs=cnn["inputs"], out=str(out), **options)
+
+
+def constant_weight_model(path):
+    """Conv whose weight is a Constant node (as PP-OCR ships its weights), then a MatMul
+    of two activations (no weight at all)."""
+    w = np.random.default_rng(0).standard_normal((8, 3, 3, 3)).astype(np.float32)
+    nodes = [
+        helper.make_node("Constant", [], ["w"], value=numpy_helper.from_array(w, "w"), name="cw"),
+        helper.make_node("Conv", ["x", "w"], ["y"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["y"], ["r"], name="relu"),
+        helper.make_node("MatMul", ["r", "r"], ["z"], name="activations"),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", 1, [1, 3, 8, 8])], [helper.make_tensor_value_info("z", 1, None)]
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+class OneSample(CalibrationDataReader):
+    def __init__(self):
+        self.left = iter([{"x": np.ones((1, 3, 8, 8), np.float32)}])
+
+    def get_next(self):
+        return next(self.left, None)
+
+
+def test_a_weight_quantized_at_run_time_from_a_constant_is_a_float_weight(tmp_path):
+    constant_weight_model(tmp_path / "f.onnx")
+    with quiet():
+        quantize_static(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), OneSample())
+    quantized = onnx.load(tmp_path / "q.onnx")
+    assert float_weight_nodes(quantized) == ["conv"]  # Q then DQ of the Constant, in the graph
+    assert float_weight_nodes(quantized, ["conv"]) == []  # excluded nodes apart
+    # The same weight as an initializer is stored as int8 by the quantizer: an integer weight.
+    model = onnx.load(tmp_path / "f.onnx")
+    constant = model.graph.node[0]
+    model.graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(constant.attribute[0].t), "w"))
+    model.graph.node.remove(constant)
+    onnx.save(model, tmp_path / "f2.onnx")
+    with quiet():
+        quantize_static(str(tmp_path / "f2.onnx"), str(tmp_path / "q2.onnx"), OneSample())
+    assert float_weight_nodes(onnx.load(tmp_path / "q2.onnx")) == []
+    assert float_weight_nodes(model) == ["conv"]  # the float model itself: every weight float
+
+
+def test_the_guards_are_named_in_their_order():
+    row = {"speedup": 1.0, "bytes": 101, "float_weights": 2}
+    assert failed_guards(row, 100, 1.0) == ["slower", "larger", "float_weights"]  # 1.0 is not faster
+    assert failed_guards({"speedup": 1.01, "bytes": 100, "float_weights": 0}, 100, 1.0) == []
+    assert failed_guards({"speedup": None, "bytes": 10, "float_weights": 0}, 100, 0.0) == ["slower"]
+    assert failed_guards({"speedup": 0.5, "bytes": 10, "float_weights": 0}, 100, 0.0) == []
+
+
+def test_file_bytes_counts_external_data(tmp_path):
+    model = gen_models.build_cnn(1, channels=16, size=8, seed=0)
+    onnx.save(model, tmp_path / "m.onnx", save_as_external_data=True, location="m.data", size_threshold=0)
+    loaded = onnx.load(tmp_path / "m.onnx", load_external_data=False)
+    total = (tmp_path / "m.onnx").stat().st_size + (tmp_path / "m.data").stat().st_size
+    assert file_bytes(str(tmp_path / "m.onnx"), loaded) == total
+
+
+def test_the_choice_never_takes_a_row_that_breaks_a_guard():
+    rows = [
+        {"id": 0, "speedup": 3.0, "metric_value": 40.0, "fails": ["larger"], "error": None},
+        {"id": 1, "speedup": 2.0, "metric_value": 30.0, "fails": ["float_weights"], "error": None},
+        {"id": 2, "speedup": 0.9, "metric_value": 50.0, "fails": ["slower"], "error": None},
+        {"id": 3, "speedup": 1.2, "metric_value": 20.0, "fails": [], "error": None},
+        {"id": 4, "speedup": 1.1, "metric_value": 25.0, "fails": [], "error": None},
+    ]
+    assert tune.chosen_row(rows, 10.0) == (rows[3], True)  # the fastest of those passing
+    assert tune.chosen_row(rows, 22.0) == (rows[4], True)
+    assert tune.chosen_row(rows, 45.0) == (rows[4], False)  # not met: the most accurate passing
+    assert tune.chosen_row(rows[:3], 10.0) == (None, False)  # none passes: nothing chosen
+    assert tune.chosen_row(rows, None) == (rows[4], False)  # an undefined target is never met
+
+
+def slow(*args, **kwargs):
+    """Timings where every candidate is twice as slow as float."""
+    return {"ms": 2.0, "float_ms": 1.0, "speedup": 0.5, "speedup_spread": [0.5, 0.5]}
+
+
+def test_when_every_candidate_is_slower_only_prepared_onnx_is_written_and_exit_8(cnn, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(deployed, "latency_figures", slow)
+    out = tmp_path / "out"
+    argv = ["tune", cnn["float"], "--out", str(out), "--runs", "1"]
+    argv += [a for p in cnn["calibrate"] for a in ("--calibrate", p)] + [
+        a for p in cnn["inputs"] for a in ("--inputs", p)
+    ]
+    code, text, err = run_main(capsys, argv)
+    answer = json.loads(text)
+    assert code == 8 and err == ""
+    assert answer["chosen"] is None and answer["reached"] is False and answer["written"] == ["prepared.onnx"]
+    assert sorted(p.name for p in out.iterdir()) == ["prepared.onnx"]
+    assert all(c["fails"] == ["slower"] for c in answer["candidates"])
+    assert any("only prepared.onnx" in w for w in answer["warnings"])
+    assert "chosen -" in graphscan.render_table("tune", answer)
+
+
+def test_a_target_out_of_reach_writes_the_most_accurate_passing_model_and_exits_8(cnn, tmp_path, monkeypatch):
+    monkeypatch.setattr(tune, "impact_of", lambda *args, **kwargs: {"ops": []})  # no exclusion to try
+    answer = run_tune(cnn, tmp_path / "out", target=500.0)
+    assert answer["reached"] is False and answer["target"] == {"value": 500.0, "source": "user"}
+    passing = [c for c in answer["candidates"] if c["fails"] == []]
+    chosen = next(c for c in answer["candidates"] if c["id"] == answer["chosen"])
+    assert chosen["metric_value"] == max(c["metric_value"] for c in passing)
+    assert answer["written"] == ["model.onnx", "prepared.onnx"]
+    assert tune.COMMAND.exit_code(answer) == 8
+
+
+def test_an_agreement_metric_aims_at_floats_own_and_is_recomputed_by_check(cnn, tmp_path):
+    answer = run_tune(cnn, tmp_path / "out", metric="cosine", target=0.99)
+    assert answer["metric"] == {"name": "cosine"} and answer["target_sqnr_db"] is None
+    chosen = next(c for c in answer["candidates"] if c["id"] == answer["chosen"])
+    budget = graphscan.check(
+        str(tmp_path / "out" / "model.onnx"),
+        float_path=cnn["float"],
+        inputs=cnn["inputs"],
+        metric="cosine",
+        min_metric=0,
+    )
+    assert chosen["metric_value"] == pytest.approx(budget["budgets"][0]["value"], abs=1e-9)
+    default = run_tune(cnn, tmp_path / "out2", metric="top1", runs=1)
+    assert default["target"] == {"value": 1.0, "source": "float"}
+
+
+def test_a_poor_or_undefined_default_target_is_a_warning():
+    goal = tune.Goal(metric("sqnr"), None, math.inf)
+    target, warnings = goal.target({"sqnr_db": 12.5, "error": None})
+    assert target == {"value": 12.5, "source": "defaults"} and "poor" in warnings[0] and "12.50 dB" in warnings[0]
+    assert goal.target({"sqnr_db": 31.0, "error": None}) == ({"value": 31.0, "source": "defaults"}, [])
+    target, warnings = goal.target({"sqnr_db": None, "error": None})
+    assert target["value"] is None and "undefined" in warnings[0]
+    target, warnings = goal.target(None)  # the defaults were refused by the quantizer
+    assert target["value"] is None and warnings
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["--target", "1", "--target-sqnr", "1"], "not both"),
+        (["--metric", "iou", "--target-sqnr", "1"], "--target-sqnr is the target of --metric sqnr"),
+        (["--metric", "top1", "--threshold", "0.3"], "--threshold: only with --metric iou"),
+        (["--metric", "nope.py:f"], "no such file"),
+        (["--min-speedup", "-1"], "--min-speedup"),
+        (["--metric", "ctc"], "ctc needs 2 or more"),
+    ],
+    ids=["both-targets", "sqnr-alias", "threshold", "missing-file", "negative-speedup", "shape"],
+)
+def test_usage_errors_before_any_work(cnn, tmp_path, capsys, extra, words):
+    path = cnn["float"]
+    if "ctc" in extra:  # a scalar output: ctc needs [..., time, classes]
+        path = str(tmp_path / "flat.onnx")
+        model = onnx.helper.make_model(
+            onnx.helper.make_graph(
+                [onnx.helper.make_node("ReduceSum", ["x"], ["y"], keepdims=0)],
+                "g",
+                [onnx.helper.make_tensor_value_info("x", 1, [2, 3])],
+                [onnx.helper.make_tensor_value_info("y", 1, [])],
+            ),
+            opset_imports=[onnx.helper.make_opsetid("", 13)],
+        )
+        onnx.save(model, path)
+        np.savez(tmp_path / "c.npz", x=np.ones((2, 3), np.float32))
+        calibrate = [str(tmp_path / "c.npz")]
+    else:
+        calibrate = cnn["calibrate"]
+    argv = ["tune", path, "--out", str(tmp_path / "o"), *[a for p in calibrate for a in ("--calibrate", p)], *extra]
+    assert words in main_error_line(capsys, argv, 2)
+    assert not (tmp_path / "o").exists() and list(tmp_path.glob(".graphscan-tune-*")) == []
+
+
+def test_latency_is_measured_at_the_deployed_shape_and_named(tmp_path, build_case):
+    """The lab's MLP has a symbolic batch: --inputs mix batch sizes (the metric pools them),
+    and the speedup is timed at the --latency-inputs batch, which the header names."""
+    from tests.lab import Case
+
+    lab = build_case(Case(3, ("N",), "fc2_matmul", dim=64))
+    rng = np.random.default_rng(3)
+    files = []
+    for k, batch in enumerate([4, 4, 2, 7, 32]):
+        files.append(str(tmp_path / f"s{k}.npz"))
+        np.savez(files[-1], x=rng.standard_normal((batch, 64)).astype(np.float32))
+    answer = tune.tune(
+        lab["fp32"],
+        calibrate=files[:2],
+        inputs=files[2:4],
+        latency_inputs=files[4:],
+        out=str(tmp_path / "o"),
+        runs=2,
+        min_speedup=0,
+    )
+    assert answer["evaluation"]["inputs"] == {"x": [[2, 64], [7, 64]]}
+    assert answer["latency"] == {"inputs": {"x": [32, 64]}, "samples": 1, "min_speedup": 0.0}
+    assert "latency at x 32x64" in graphscan.render_table("tune", answer)
+    chosen = next(c for c in answer["candidates"] if c["id"] == answer["chosen"])
+    budget = graphscan.check(
+        str(tmp_path / "o" / "model.onnx"), float_path=lab["fp32"], inputs=files[2:4], min_sqnr=-100
+    )
+    assert chosen["sqnr_db"] == pytest.approx(budget["budgets"][0]["value"], abs=1e-6)  # both samples pooled
+
+
+def test_when_every_metric_is_undefined_the_target_is_never_reached(cnn, tmp_path, monkeypatch):
+    """The ruling: an undefined target (here the defaults' SQNR) is never reached, and tune
+    says why; exit 8, never a "reached" over nothing."""
+    measured = tune.measure_candidate
+
+    def undefined(*args, **kwargs):
+        return {**measured(*args, **kwargs), "sqnr_db": None, "metric_value": None}
+
+    monkeypatch.setattr(tune, "measure_candidate", undefined)
+    monkeypatch.setattr(tune, "impact_of", lambda *args, **kwargs: {"ops": []})
+    answer = run_tune(cnn, tmp_path / "out", runs=1)
+    assert answer["target"] == {"value": None, "source": "defaults"} and answer["reached"] is False
+    assert any("undefined" in w for w in answer["warnings"])
+    assert any("every candidate's sqnr is undefined" in w for w in answer["warnings"])
+    assert tune.COMMAND.exit_code(answer) == 8
