@@ -201,6 +201,7 @@ class Candidate(TypedDict):
     id: int
     quantize_static: dict[str, Any]  # quantize_static's keyword arguments, enums by name
     rewrites: bool
+    trial: dict[str, Any] | None  # the fallback search's block: {"block": kind, "added": [node, ...]}
     post_step: dict[str, list[str]] | None  # applied after quantize_static: {"float_inputs": [node, ...]}
     excluded: dict[str, str] | None  # per excluded node, what it runs: float, float_inputs or int8
     sqnr_db: float | None

@@ -13,10 +13,11 @@
    (default: sqnr, and the SQNR of onnxruntime's default settings on this model;
    an agreement metric's default target is float's own agreement, 1.0).
 5. When none does: exclusions realized by the quantizer. impact ranks the
-   operators of the most accurate candidate; each is added to
-   ``nodes_to_exclude`` in turn, the model re-quantized (same calibration) and
-   measured as deployed, and an addition is kept only if it helps, until the
-   target or --max-exclude (default 8 additions tried).
+   operators of the most accurate candidate; blocks of them (blocks.py) are
+   added to ``nodes_to_exclude`` in turn, the model re-quantized (same
+   calibration), its exclusions made real (fallback.py) and measured as
+   deployed, and an addition is kept only if it helps, until the target,
+   --max-trials (default 8) or --max-exclude nodes.
 6. Write model.onnx and prepared.onnx into --out: built in a temporary folder
    beside it and renamed into place, so --out is absent or complete. Target not
    met: the most accurate candidate that passes the guards is written (exit 8);
@@ -77,6 +78,7 @@ from graphscan_ort.shared.answers import Candidate, Target, TuneAnswer, TuneChoi
 from graphscan_ort.shared.files import check_out, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
 from graphscan_ort.shared.sessions import environment, model_outputs
+from graphscan_ort.tune.blocks import next_block, search_blocks
 from graphscan_ort.tune.candidates import METHODS, SampleReader, candidate_settings, quantize_candidate
 from graphscan_ort.tune.deployed import Reference, measure_candidate
 from graphscan_ort.tune.fallback import STILL_INT8, honoured
@@ -144,6 +146,7 @@ def tune(
     target: float | None = None,
     min_speedup: float = 1.0,
     latency_inputs: list[str] | None = None,
+    max_trials: int | None = None,
 ) -> TuneAnswer:
     """Quantize ``path`` every way candidates.py knows, measure each as deployed, write the best into ``out``."""
     if not calibrate:
@@ -179,7 +182,7 @@ def tune(
         measure = Measure(model, path, evaluation, level, threads, runs)
         measure.metric, measure.latency, measure.min_speedup = chosen_metric, latency, float(min_speedup)
         goal = Goal(chosen_metric, target, own)
-        answer = tune_in(path, model, calibration, work, goal, max_exclude, measure, progress)
+        answer = tune_in(path, model, calibration, work, goal, max_exclude, measure, progress, max_trials)
         place(work, out)
     except Exception as exc:
         if isinstance(exc, GraphscanError) or not write_failure(exc):
@@ -372,14 +375,23 @@ class Trials:
         self.rows: list[dict[str, Any]]
         self.files: dict[int, tuple[str, str, str]]
         self.rows, self.files = [], {}
+        self.given: dict[str, onnx.ModelProto] = {}  # the prepared models the quantizer is given, by path
 
-    def add(self, settings: dict[str, Any], rewrites: bool, prepared_path: str, cache: str) -> dict[str, Any]:
+    def add(
+        self,
+        settings: dict[str, Any],
+        rewrites: bool,
+        prepared_path: str,
+        cache: str,
+        trial: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """Quantize ``prepared_path`` with ``settings`` and measure the model as deployed:
-        its row, also when the quantizer refused it (with its error, never a crash)."""
+        its row, also when the quantizer refused it (with its error, never a crash);
+        ``trial``: the fallback search's block (its kind and the nodes it added)."""
         ident = len(self.rows)
         target_path = os.path.join(self.work, f"candidate-{ident}.onnx")
         row = {"id": ident, "quantize_static": settings, "rewrites": rewrites, "error": None}
-        row.update(post_step=None, excluded=None)
+        row.update(trial=trial, post_step=None, excluded=None)
         try:
             quantize_candidate(prepared_path, target_path, settings, self.reader, cache)
         except Exception as exc:
@@ -390,7 +402,8 @@ class Trials:
             excluded = settings.get("nodes_to_exclude")
             if excluded:  # checked in the deployed session, made real where onnxruntime undid it
                 model = onnx.load(target_path)
-                _, status, fixed = honoured(model, target_path, self.measure.level, excluded)
+                given = self.given[prepared_path]
+                _, status, fixed = honoured(model, target_path, self.measure.level, excluded, given)
                 row["excluded"] = status
                 row["post_step"] = {"float_inputs": fixed} if fixed else None
             row.update(self.measure(target_path, excluded))
@@ -408,6 +421,7 @@ def tune_in(
     max_exclude: int | None,
     measure: Measure,
     progress: Progress | None = None,
+    max_trials: int | None = None,
 ) -> TuneChoice:
     """tune's work inside the temporary folder ``work``; leaves prepared.onnx there, and
     model.onnx when a candidate passes the guards."""
@@ -425,6 +439,7 @@ def tune_in(
     for rewrites, prepared_model in prepared.items():
         prepared_path = os.path.join(work, f"prepared-{rewrites}.onnx")
         onnx.save(prepared_model, prepared_path)
+        trials.given[prepared_path] = prepared_model
         cache = os.path.join(work, f"cache-{rewrites}")
         os.mkdir(cache)
         for settings in candidate_settings():
@@ -448,7 +463,8 @@ def tune_in(
     chosen, reached = chosen_row(rows, target["value"])
     if not reached and target["value"] is not None:
         progress.show("ranking the operators to exclude")
-        exclusions(trials, start_row(rows), target["value"], max_exclude, prepared, progress)
+        limits = (max_exclude, max_trials)
+        exclusions(trials, start_row(rows), target["value"], limits, prepared, goal.metric.name == "sqnr", progress)
         float_ms += popped_float_ms(rows)
         pareto(rows)
         chosen, reached = chosen_row(rows, target["value"])
@@ -520,40 +536,54 @@ def popped_float_ms(rows: list[dict]) -> list[float]:
     return [row.pop("float_ms") for row in rows if "float_ms" in row]
 
 
-DEFAULT_MAX_EXCLUDE = 8  # additions tried when --max-exclude is not given
+DEFAULT_MAX_TRIALS = 8  # re-quantizations of the fallback search when --max-trials is not given
 
 
 def exclusions(
     trials: Trials,
     best: dict[str, Any],
-    target: float | None,
-    max_exclude: int | None,
+    target: float,
+    limits: tuple[int | None, int | None],
     prepared: dict[str, onnx.ModelProto],
+    in_db: bool,
     progress: Progress | None = None,
 ) -> None:
-    """Operators of ``best`` added to nodes_to_exclude one at a time in impact's order, each
-    re-quantized and measured as deployed; an addition stays only if the metric rises.
-    Every model tried is a candidate row of its own (the quantizer's, never a promise)."""
+    """Blocks of operators of ``best`` (blocks.py) added to nodes_to_exclude, the next one
+    chosen by its estimated gain per cost, each re-quantized and measured as deployed; an
+    addition stays only if the metric rises and its nodes really run float. ``limits``:
+    (--max-exclude nodes, --max-trials re-quantizations); ``in_db``: the metric is the SQNR,
+    so impact's estimates are in its unit. Every model tried is a candidate row of its own
+    (the quantizer's, never a promise)."""
     candidate_path, prepared_path, cache = trials.files[best["id"]]
-    assert target is not None, "an undefined target is never searched for"
     given = prepared["rewrites" if best["rewrites"] else "none"]  # the model the quantizer was given
     measure = trials.measure
     candidate = measure.models[candidate_path]
     ranked = impact_of(given, candidate, measure.evaluation, prepared_path, candidate_path)["ops"]
-    names = [r["node"] for r in ranked if r["gain_db"] is not None and r["gain_db"] >= MIN_GAIN_DB]
-    limit = DEFAULT_MAX_EXCLUDE if max_exclude is None else max_exclude
+    blocks = search_blocks(given, ranked, MIN_GAIN_DB)
+    max_exclude, max_trials = limits
+    budget = DEFAULT_MAX_TRIALS if max_trials is None else max_trials
     kept: list[str] = []
+    kept_share = 0.0
+    tried: set[tuple[str, ...]] = set()
     current = best
-    for k, node in enumerate(names[:limit]):
+    for k in range(budget):
         if accuracy(current) >= target:  # met: more exclusions would only make it slower
             break
+        needed = target - accuracy(current) if in_db and math.isfinite(accuracy(current)) else None
+        room = None if max_exclude is None else max_exclude - len(kept)
+        block = next_block(blocks, tried, frozenset(kept), kept_share, needed, room)
+        if block is None:
+            break
+        tried.add(block.nodes)
+        added = [n for n in block.nodes if n not in kept]
         if progress is not None:
-            progress.show("trying exclusion", k + 1, min(limit, len(names)))
-        settings = {**best["quantize_static"], "nodes_to_exclude": [*kept, node]}
-        row = trials.add(settings, best["rewrites"], prepared_path, cache)
-        real = row["error"] is None and row["excluded"][node] != STILL_INT8  # it does run float
+            progress.show("trying exclusion", k + 1, budget)
+        settings = {**best["quantize_static"], "nodes_to_exclude": [*kept, *added]}
+        row = trials.add(settings, best["rewrites"], prepared_path, cache, {"block": block.kind, "added": added})
+        real = row["error"] is None and all(row["excluded"][n] != STILL_INT8 for n in added)  # they run float
         if real and accuracy(row) > accuracy(current):
-            kept.append(node)
+            kept_share += sum(s for n, s in zip(block.nodes, block.shares, strict=True) if n in added)
+            kept += added
             current = row
 
 
@@ -561,6 +591,7 @@ CANDIDATE_KEYS = [
     "id",
     "quantize_static",
     "rewrites",
+    "trial",
     "post_step",
     "excluded",
     "sqnr_db",
@@ -688,7 +719,15 @@ COMMAND = Command(
             {
                 "metavar": "N",
                 "type": non_negative_int,
-                "help": "exclusions tried when the target is not met (default: 8)",
+                "help": "at most N nodes kept float by the fallback search (default: no limit)",
+            },
+        ),
+        (
+            "--max-trials",
+            {
+                "metavar": "N",
+                "type": non_negative_int,
+                "help": f"at most N re-quantizations in the fallback search (default: {DEFAULT_MAX_TRIALS})",
             },
         ),
         level_option(list(RUNTIME_LEVELS), "all", "deployed optimization level (default: all)"),

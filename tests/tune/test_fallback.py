@@ -61,12 +61,13 @@ def test_an_excluded_conv_between_quantized_neighbours_runs_int8_until_its_input
     model = quantized(prepared, tmp_path / "q.onnx", EXCLUDED)
     before = runtime_classes(tmp_path / "q.onnx")
     assert [before[n] for n in EXCLUDED] == ["int8", "int8"]  # nodes_to_exclude alone is not honoured
-    fixed, status, applied = fallback.honoured(model, str(tmp_path / "q.onnx"), "all", EXCLUDED)
+    given = onnx.load(prepared["prepared"])
+    fixed, status, applied = fallback.honoured(model, str(tmp_path / "q.onnx"), "all", EXCLUDED, given)
     assert status == {"b1_conv2": "float_inputs", "b2_merge": "float_inputs"} and applied == EXCLUDED
     assert onnx.load(tmp_path / "q.onnx").SerializeToString() == fixed.SerializeToString()
     after = runtime_classes(tmp_path / "q.onnx")  # the file was rewritten: runtime confirms
     assert [after[n] for n in EXCLUDED] == ["float", "float"]
-    assert {n: c for n, c in after.items() if n not in EXCLUDED and before[n] == "int8"} == {
+    assert {n: c for n, c in after.items() if n in before and n not in EXCLUDED and before[n] == "int8"} == {
         n: "int8" for n, c in before.items() if n not in EXCLUDED and c == "int8"
     }  # every other int8 node still runs int8
 
@@ -74,7 +75,8 @@ def test_an_excluded_conv_between_quantized_neighbours_runs_int8_until_its_input
 def test_a_node_that_runs_float_as_excluded_is_left_alone(prepared, tmp_path):
     model = quantized(prepared, tmp_path / "q.onnx", ["b1_conv1"])  # its output goes to a Relu, not a Q
     data = (tmp_path / "q.onnx").read_bytes()
-    same, status, applied = fallback.honoured(model, str(tmp_path / "q.onnx"), "all", ["b1_conv1"])
+    given = onnx.load(prepared["prepared"])
+    same, status, applied = fallback.honoured(model, str(tmp_path / "q.onnx"), "all", ["b1_conv1"], given)
     assert status == {"b1_conv1": "float"} and applied == [] and same is model
     assert (tmp_path / "q.onnx").read_bytes() == data
 
@@ -87,8 +89,8 @@ def test_tune_reports_each_exclusion_and_its_row_reproduces_the_model(prepared, 
     measured = {}
     real_honoured = tune.honoured
 
-    def keep_copy(model, path, level, excluded):
-        result = real_honoured(model, path, level, excluded)
+    def keep_copy(model, path, level, excluded, given):
+        result = real_honoured(model, path, level, excluded, given)
         measured[tuple(excluded)] = tmp_path / f"measured-{len(measured)}.onnx"
         shutil.copy(path, measured[tuple(excluded)])
         return result
@@ -113,5 +115,7 @@ def test_tune_reports_each_exclusion_and_its_row_reproduces_the_model(prepared, 
             str(prepared_path), str(again), Samples(prepared["files"][:2]),
             **keyword_arguments(row["quantize_static"]),
         )  # fmt: skip
-    onnx.save(fallback.float_inputs(onnx.load(again), row["post_step"]["float_inputs"]), again)
+    fixed, changed = fallback.float_inputs(onnx.load(again), row["post_step"]["float_inputs"], onnx.load(prepared_path))
+    assert changed == row["post_step"]["float_inputs"]
+    onnx.save(fixed, again)
     assert again.read_bytes() == measured[("b1_conv2",)].read_bytes()
