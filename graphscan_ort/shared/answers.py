@@ -204,6 +204,7 @@ class Candidate(TypedDict):
     trial: dict[str, Any] | None  # the fallback search's block: {"block": kind, "added": [node, ...]}
     post_step: dict[str, list[str]] | None  # applied after quantize_static: {"float_inputs": [node, ...]}
     excluded: dict[str, str] | None  # per excluded node, what it runs: float, float_inputs or int8
+    same_as: int | None  # the candidate whose model the quantizer made byte for byte: measured once
     sqnr_db: float | None
     metric_value: float | None  # the --metric agreement (sqnr: the SQNR again)
     int8_fraction: float | None

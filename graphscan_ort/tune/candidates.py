@@ -7,13 +7,20 @@ Calibration runs once per prepared model and calibration method: the ranges
 go into onnxruntime's own calibration cache (``calibration_cache_path``) and
 every candidate of that method reuses them. Neither the activation type nor
 per-channel weights change the ranges, so the cache is exact for all of them.
+
+The calibration refinements (``refinements``) change only the ranges: Entropy,
+Percentile at other percentiles, MinMax with a moving average. They are tried on
+the best candidate when no candidate meets the target, each with a cache of its own.
+(Per-channel weights are already symmetric: ``WeightSymmetric`` defaults to True.)
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 from collections.abc import Callable
+from typing import Any
 
 from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
 
@@ -46,6 +53,39 @@ def candidate_settings() -> list[dict]:
     ]
 
 
+# Calibration settings that change only the ranges: (calibrate_method, extra_options).
+REFINEMENTS: list[tuple[str, dict[str, Any]]] = [
+    ("Entropy", {}),
+    ("Percentile", {"CalibPercentile": 99.99}),
+    ("Percentile", {"CalibPercentile": 99.9}),
+    ("MinMax", {"CalibMovingAverage": True}),
+]
+
+
+def refinements(base: dict) -> list[dict]:
+    """``base``'s settings with each calibration refinement instead of its own calibration."""
+    plain = {k: v for k, v in base.items() if k not in ("calibrate_method", "extra_options", "nodes_to_exclude")}
+    return [
+        {**plain, "calibrate_method": method, **({"extra_options": options} if options else {})}
+        for method, options in REFINEMENTS
+    ]
+
+
+def calibration_key(settings: dict) -> str:
+    """What decides a candidate's ranges: its method and calibration options (one cache each)."""
+    options = {k: v for k, v in (settings.get("extra_options") or {}).items() if k.startswith("Calib")}
+    return settings["calibrate_method"] + "".join(f"-{k}={v}" for k, v in sorted(options.items()))
+
+
+def file_digest(path: str) -> str:
+    """The SHA-256 of a file's bytes: two candidates the quantizer made identical are measured once."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def keyword_arguments(settings: dict) -> dict:
     """``settings`` (JSON form) as the keyword arguments quantize_static takes."""
     arguments = {}
@@ -59,9 +99,9 @@ def keyword_arguments(settings: dict) -> dict:
     return arguments
 
 
-def cache_path(folder: str, method: str) -> str:
-    """Where the calibration ranges of ``method`` are kept for every candidate."""
-    return os.path.join(folder, f"calibration-{method}.json")
+def cache_path(folder: str, key: str) -> str:
+    """Where the calibration ranges of ``key`` (``calibration_key``) are kept for every candidate."""
+    return os.path.join(folder, f"calibration-{key}.json")
 
 
 class SampleReader(CalibrationDataReader):
@@ -84,7 +124,7 @@ def quantize_candidate(
     """``quantize_static(prepared, output, **settings)``; the first candidate of a
     calibration method calibrates (a new reader each time: a consumed one yields
     nothing) and fills the cache, the others read the ranges from it."""
-    cache = cache_path(cache_folder, settings["calibrate_method"])
+    cache = cache_path(cache_folder, calibration_key(settings))
     reader = None if os.path.isfile(cache) else make_reader()
     with quiet():
         quantize_static(prepared, output, reader, calibration_cache_path=cache, **keyword_arguments(settings))

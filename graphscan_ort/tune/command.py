@@ -79,7 +79,14 @@ from graphscan_ort.shared.files import check_out, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
 from graphscan_ort.shared.sessions import environment, model_outputs
 from graphscan_ort.tune.blocks import next_block, search_blocks
-from graphscan_ort.tune.candidates import METHODS, SampleReader, candidate_settings, quantize_candidate
+from graphscan_ort.tune.candidates import (
+    METHODS,
+    SampleReader,
+    candidate_settings,
+    file_digest,
+    quantize_candidate,
+    refinements,
+)
 from graphscan_ort.tune.deployed import Reference, measure_candidate
 from graphscan_ort.tune.fallback import STILL_INT8, honoured
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
@@ -376,6 +383,7 @@ class Trials:
         self.files: dict[int, tuple[str, str, str]]
         self.rows, self.files = [], {}
         self.given: dict[str, onnx.ModelProto] = {}  # the prepared models the quantizer is given, by path
+        self.digests: dict[str, dict[str, Any]] = {}  # a model's SHA-256: the row that measured it
 
     def add(
         self,
@@ -391,7 +399,7 @@ class Trials:
         ident = len(self.rows)
         target_path = os.path.join(self.work, f"candidate-{ident}.onnx")
         row = {"id": ident, "quantize_static": settings, "rewrites": rewrites, "error": None}
-        row.update(trial=trial, post_step=None, excluded=None)
+        row.update(trial=trial, post_step=None, excluded=None, same_as=None)
         try:
             quantize_candidate(prepared_path, target_path, settings, self.reader, cache)
         except Exception as exc:
@@ -406,7 +414,13 @@ class Trials:
                 _, status, fixed = honoured(model, target_path, self.measure.level, excluded, given)
                 row["excluded"] = status
                 row["post_step"] = {"float_inputs": fixed} if fixed else None
-            row.update(self.measure(target_path, excluded))
+            digest = file_digest(target_path)
+            twin = self.digests.get(digest)
+            if twin is not None:  # the quantizer made the very same model: measured once
+                row.update({k: v for k, v in twin.items() if k in MEASURED}, same_as=twin["id"])
+            else:
+                row.update(self.measure(target_path, excluded))
+                self.digests[digest] = row
             self.files[ident] = (target_path, prepared_path, cache)
         self.rows.append(row)
         return row
@@ -462,6 +476,11 @@ def tune_in(
     target, warnings = goal.target(default)
     chosen, reached = chosen_row(rows, target["value"])
     if not reached and target["value"] is not None:
+        refine(trials, start_row(rows), progress)
+        float_ms += popped_float_ms(rows)
+        pareto(rows)
+        chosen, reached = chosen_row(rows, target["value"])
+    if not reached and target["value"] is not None:
         progress.show("ranking the operators to exclude")
         limits = (max_exclude, max_trials)
         exclusions(trials, start_row(rows), target["value"], limits, prepared, goal.metric.name == "sqnr", progress)
@@ -490,6 +509,16 @@ def tune_in(
         "written": written,
         "warnings": warnings,
     }
+
+
+def refine(trials: Trials, base: dict[str, Any], progress: Progress) -> None:
+    """``base``'s settings calibrated each other way (candidates.refinements): they change
+    only the ranges, so they are tried on the best candidate alone."""
+    _, prepared_path, cache = trials.files[base["id"]]
+    settings = refinements(base["quantize_static"])
+    for k, refined in enumerate(settings):
+        progress.show("refining the calibration", k + 1, len(settings))
+        trials.add(refined, base["rewrites"], prepared_path, cache)
 
 
 def start_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -587,6 +616,23 @@ def exclusions(
             current = row
 
 
+# What a candidate's measurement gives (a twin of a measured model copies them).
+MEASURED = [
+    "sqnr_db",
+    "metric_value",
+    "int8_fraction",
+    "int8_kernels",
+    "wrapped_but_float",
+    "ms",
+    "float_ms",
+    "speedup",
+    "speedup_spread",
+    "bytes",
+    "float_weights",
+    "fails",
+]
+
+
 CANDIDATE_KEYS = [
     "id",
     "quantize_static",
@@ -594,6 +640,7 @@ CANDIDATE_KEYS = [
     "trial",
     "post_step",
     "excluded",
+    "same_as",
     "sqnr_db",
     "metric_value",
     "int8_fraction",

@@ -1,0 +1,100 @@
+"""Calibration refinements (Entropy, other percentiles, a moving average) tried on the best
+candidate when the target is not met, each reproducible; models the quantizer makes
+identical are measured once and said to be the same."""
+
+import numpy as np
+import onnx
+import pytest
+from onnxruntime.quantization import CalibrationDataReader, quantize_static
+
+import gen_models
+import graphscan_ort.tune.command as tune
+from graphscan_ort.tune.candidates import REFINEMENTS, calibration_key, keyword_arguments, quiet, refinements
+
+
+class Calibration(CalibrationDataReader):
+    def __init__(self, paths):
+        self.left = iter([dict(np.load(p)) for p in paths])
+
+    def get_next(self):
+        return next(self.left, None)
+
+
+@pytest.fixture(scope="module")
+def unreachable(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("refine")
+    onnx.save(gen_models.build_mlp(3, 64, 0, ("N",)), folder / "mlp.onnx")
+    rng = np.random.default_rng(8)
+    files = []
+    for k in range(3):
+        files.append(str(folder / f"s{k}.npz"))
+        np.savez(files[-1], x=rng.standard_normal((16, 64)).astype(np.float32))
+    answer = tune.tune(
+        str(folder / "mlp.onnx"),
+        calibrate=files[:2],
+        inputs=files[2:],
+        out=str(folder / "out"),
+        target=500.0,
+        runs=1,
+        min_speedup=0,
+        max_trials=0,
+    )
+    return {"answer": answer, "files": files, "out": folder / "out", "float": str(folder / "mlp.onnx")}
+
+
+def test_each_refinement_is_tried_on_the_best_candidate(unreachable):
+    rows = unreachable["answer"]["candidates"]
+    refined = [c for c in rows if c["id"] >= 8]  # after the 8 candidates of the first stage
+    assert len(refined) == len(REFINEMENTS)
+    base = {k: v for k, v in refined[0]["quantize_static"].items() if k not in ("calibrate_method", "extra_options")}
+    assert [(c["quantize_static"]["calibrate_method"], c["quantize_static"].get("extra_options", {})) for c in
+            sorted(refined, key=lambda c: c["id"])] == REFINEMENTS  # fmt: skip
+    assert all({k: c["quantize_static"][k] for k in base} == base for c in refined)  # one base for all
+
+
+def test_a_refined_row_is_reproduced_by_its_arguments(unreachable, tmp_path):
+    answer = unreachable["answer"]
+    chosen = next(c for c in answer["candidates"] if c["id"] == answer["chosen"])
+    with quiet():
+        quantize_static(
+            str(unreachable["out"] / "prepared.onnx"), str(tmp_path / "again.onnx"),
+            Calibration(unreachable["files"][:2]), **keyword_arguments(chosen["quantize_static"]),
+        )  # fmt: skip
+    assert (tmp_path / "again.onnx").read_bytes() == (unreachable["out"] / "model.onnx").read_bytes()
+
+
+def test_identical_models_are_measured_once_and_said_to_be_the_same(unreachable):
+    rows = {c["id"]: c for c in unreachable["answer"]["candidates"]}
+    for row in rows.values():
+        if row["same_as"] is not None:
+            twin = rows[row["same_as"]]
+            assert twin["same_as"] is None and twin["id"] < row["id"]
+            assert (row["sqnr_db"], row["bytes"], row["int8_kernels"]) == (
+                twin["sqnr_db"],
+                twin["bytes"],
+                twin["int8_kernels"],
+            )
+
+
+def test_twins_are_found_by_content(tmp_path, monkeypatch):
+    """The same settings twice give one model: the second row names the first, unmeasured."""
+    onnx.save(gen_models.build_mlp(3, 64, 0, ("N",)), tmp_path / "mlp.onnx")
+    np.savez(tmp_path / "s.npz", x=np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32))
+    plain = [{"quant_format": "QDQ", "activation_type": "QUInt8", "weight_type": "QInt8", "per_channel": False,
+              "calibrate_method": "MinMax"}]  # fmt: skip
+    monkeypatch.setattr(tune, "candidate_settings", lambda: plain * 2)
+    calls = []
+    measured = tune.measure_candidate
+    monkeypatch.setattr(tune, "measure_candidate", lambda *a, **k: calls.append(1) or measured(*a, **k))
+    answer = tune.tune(
+        str(tmp_path / "mlp.onnx"), calibrate=[str(tmp_path / "s.npz")], out=str(tmp_path / "o"),
+        runs=1, min_speedup=0, target=-100.0,
+    )  # fmt: skip
+    assert sorted(c["same_as"] for c in answer["candidates"] if c["same_as"] is not None) == [0]
+    assert len(answer["candidates"]) == 2 and len(calls) == 1
+
+
+def test_the_calibration_cache_is_one_per_way_of_calibrating():
+    assert calibration_key({"calibrate_method": "Percentile"}) == "Percentile"
+    keys = {calibration_key(s) for s in refinements({"calibrate_method": "MinMax", "per_channel": True})}
+    assert len(keys) == len(REFINEMENTS)
