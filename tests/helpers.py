@@ -6,8 +6,11 @@ working directory), and every answer is parsed as strict JSON.
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
+import sysconfig
+import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -402,3 +405,36 @@ def replace_command(monkeypatch, name, run):
     entry = graphscan.COMMANDS[name]
     command = dataclasses.replace(graphscan.load_command(name), run=run)
     monkeypatch.setitem(graphscan.COMMANDS, name, dataclasses.replace(entry, declared=lambda: command))
+
+
+def install_into_fresh_venv(folder, index):
+    """A new venv under ``folder`` with graphscan installed from a copy of the
+    repository; returns its bin folder. ``index``: use the package registry
+    (fresh dependencies), else the dependencies already installed here."""
+    source = folder / "source"
+    source.mkdir()
+    for name in ("graphscan.py", "graphscan_pytest.py", "pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, source / name)
+    shutil.copytree(ROOT / "graphscan_ort", source / "graphscan_ort", ignore=shutil.ignore_patterns("__pycache__"))
+    env_dir = folder / "venv"
+    bin_dir = env_dir / "bin"
+    if index:
+        venv.create(env_dir, with_pip=True)
+        # pip runs the build backend from the new venv; its bundled setuptools is too old to build wheels.
+        shutil.rmtree(next((env_dir / "lib").glob("python3*/site-packages/setuptools")), ignore_errors=True)
+        pip = [str(bin_dir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        subprocess.run([*pip, str(source)], check=True, capture_output=True, timeout=900)
+        return bin_dir
+    # No pip of its own (ensurepip is most of the time): this venv's pip installs into it,
+    # and this venv's packages (onnx, onnxruntime, numpy, setuptools) are visible to it.
+    venv.create(env_dir, with_pip=False)
+    purelib = next((env_dir / "lib").glob("python3*/site-packages"))
+    (purelib / "outer.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    pip = [sys.executable, "-m", "pip", "--python", str(bin_dir / "python"), "install", "-q"]
+    subprocess.run(
+        [*pip, "--disable-pip-version-check", "--no-deps", "--no-build-isolation", "--no-index", str(source)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return bin_dir

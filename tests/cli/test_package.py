@@ -12,13 +12,19 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
-import venv
 
 import pytest
 
 import graphscan
-from tests.helpers import ROOT, error_line, json_answer, main_error_line, run_graphscan, run_main
+from tests.helpers import (
+    ROOT,
+    error_line,
+    install_into_fresh_venv,
+    json_answer,
+    main_error_line,
+    run_graphscan,
+    run_main,
+)
 
 MODEL_COMMANDS = [
     pytest.param(["fuse", "{fp32}", "{out}"], id="fuse"),
@@ -177,39 +183,6 @@ def test_help_lists_every_exit_code_from_the_one_table():
 
 # --------------------------------------------------------------------------
 # pip install .
-
-
-def install_into_fresh_venv(folder, index):
-    """A new venv under ``folder`` with graphscan installed from a copy of the
-    repository; returns its bin folder. ``index``: use the package registry
-    (fresh dependencies), else the dependencies already installed here."""
-    source = folder / "source"
-    source.mkdir()
-    for name in ("graphscan.py", "pyproject.toml", "README.md"):
-        shutil.copy2(ROOT / name, source / name)
-    shutil.copytree(ROOT / "graphscan_ort", source / "graphscan_ort", ignore=shutil.ignore_patterns("__pycache__"))
-    env_dir = folder / "venv"
-    bin_dir = env_dir / "bin"
-    if index:
-        venv.create(env_dir, with_pip=True)
-        # pip runs the build backend from the new venv; its bundled setuptools is too old to build wheels.
-        shutil.rmtree(next((env_dir / "lib").glob("python3*/site-packages/setuptools")), ignore_errors=True)
-        pip = [str(bin_dir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        subprocess.run([*pip, str(source)], check=True, capture_output=True, timeout=900)
-        return bin_dir
-    # No pip of its own (ensurepip is most of the time): this venv's pip installs into it,
-    # and this venv's packages (onnx, onnxruntime, numpy, setuptools) are visible to it.
-    venv.create(env_dir, with_pip=False)
-    purelib = next((env_dir / "lib").glob("python3*/site-packages"))
-    (purelib / "outer.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    pip = [sys.executable, "-m", "pip", "--python", str(bin_dir / "python"), "install", "-q"]
-    subprocess.run(
-        [*pip, "--disable-pip-version-check", "--no-deps", "--no-build-isolation", "--no-index", str(source)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return bin_dir
 
 
 def assert_console_script_is_graphscan_py(bin_dir, tmp_path):
