@@ -1473,7 +1473,16 @@ def check_table(answer: dict[str, Any], top: int | None) -> str:
     """The budgets, min_metric's naming its metric and parameters."""
     head = format_fields([("model", answer["model"]), ("float", answer["float"]), ("ok", answer["ok"])])
     rows = [[budget_title(b), b["value"], b["limit"], b["ok"]] for b in answer["budgets"]]
-    return page(head, section("budgets", ["name", "value", "limit", "ok"], rows, top))
+    names = {b["name"] for b in answer["budgets"]}
+    levels = "\n".join(note for budgets, note in LEVEL_NOTES if names & budgets)
+    return page(head, section("budgets", ["name", "value", "limit", "ok"], rows, top), *([levels] if levels else []))
+
+
+# Which level each measured budget ran at: runtime's default differs from a session's default.
+LEVEL_NOTES = [
+    ({"min_int8"}, "min_int8: what runs at level extended (runtime's default: its classes map back to the model)"),
+    ({"min_sqnr", "min_metric"}, "min_sqnr, min_metric: both models in sessions at --level (default all)"),
+]
 
 
 def budget_title(budget: dict[str, Any]) -> str:

@@ -135,3 +135,11 @@ def test_a_budget_file_may_hold_min_metric(default_lab, tmp_path, capsys):
     assert "needs --metric" in main_error_line(capsys, argv, 2)
     code, out, _ = run_main(capsys, [*argv, "--metric", "cosine"])
     assert code == 0 and metric_budget(json.loads(out))["limit"] == 0.5
+
+
+def test_the_table_says_which_level_each_measured_budget_ran_at(default_lab, capsys):
+    argv = ["check", default_lab["full"], "--float", default_lab["fp32"], "--min-int8", "0", "--min-sqnr", "-99"]
+    _, table, _ = run_main(capsys, [*argv, "--format", "table"])
+    assert "min_int8: what runs at level extended" in table and "sessions at --level (default all)" in table
+    _, plain, _ = run_main(capsys, ["check", default_lab["full"], "--max-islands", "9", "--format", "table"])
+    assert "level" not in plain  # counted from the graph: no session, no level
