@@ -587,7 +587,9 @@ def exclusions(
     given = prepared["rewrites" if best["rewrites"] else "none"]  # the model the quantizer was given
     measure = trials.measure
     candidate = measure.models[candidate_path]
-    ranked = impact_of(given, candidate, measure.evaluation, prepared_path, candidate_path)["ops"]
+    # A ranking, not a measurement (every trial is measured on every sample): impact runs the
+    # model once per operator, so it ranks on the first evaluation sample alone.
+    ranked = impact_of(given, candidate, measure.evaluation[:1], prepared_path, candidate_path)["ops"]
     blocks = search_blocks(given, ranked, MIN_GAIN_DB)
     max_exclude, max_trials = limits
     budget = DEFAULT_MAX_TRIALS if max_trials is None else max_trials
