@@ -101,7 +101,9 @@ def folded_input(activation: onnx.NodeProto, made_before: dict[str, onnx.NodePro
 
 
 def remove_unused_round_trips(graph: onnx.GraphProto) -> None:
-    """Remove Q and DQ nodes whose outputs nothing reads (repeated: a DQ's Q goes next)."""
+    """Remove Q and DQ nodes whose outputs nothing reads (repeated: a DQ's Q goes next),
+    then the scales and zero points only they read."""
+    left_behind: set[str] = set()
     while True:
         read = {tensor for node in graph.node for tensor in node.input} | {o.name for o in graph.output}
         unused = [
@@ -110,9 +112,13 @@ def remove_unused_round_trips(graph: onnx.GraphProto) -> None:
             if node.op_type in (QUANTIZE, DEQUANTIZE) and not any(output in read for output in node.output)
         ]
         if not unused:
-            return
+            break
         for node in unused:
+            left_behind.update(node.input[1:])
             graph.node.remove(node)
+    read = {tensor for node in graph.node for tensor in node.input} | {o.name for o in graph.output}
+    for initializer in [t for t in graph.initializer if t.name in left_behind and t.name not in read]:
+        graph.initializer.remove(initializer)
 
 
 def int8_nodes(model: onnx.ModelProto, path: str, level: str, nodes: list[str]) -> list[str]:

@@ -3,6 +3,7 @@ quantized again by a default session (WeightBiasQuantization); tune sees it with
 runtime's classes and makes the exclusion real by unquantizing the node's inputs."""
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -119,3 +120,32 @@ def test_tune_reports_each_exclusion_and_its_row_reproduces_the_model(prepared, 
     assert changed == row["post_step"]["float_inputs"]
     onnx.save(fixed, again)
     assert again.read_bytes() == measured[("b1_conv2",)].read_bytes()
+
+
+def kernels_of(path, nodes):
+    """onnxruntime's profiler: the op each kernel that ran for ``nodes`` was (default session)."""
+    import json
+
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(path) + ".profile"
+    session = ort.InferenceSession(str(path), options)
+    session.run(None, {"x": np.ones((1, 3, 8, 8), np.float32)})
+    events = json.loads(Path(session.end_profiling()).read_text())
+    return {
+        event["args"].get("op_name")
+        for event in events
+        if event.get("cat") == "Node" and any(event["name"].startswith(f"{node}_") for node in nodes)
+    }
+
+
+def test_the_profiler_agrees_the_excluded_convs_run_float_and_nothing_is_left_dangling(prepared, tmp_path):
+    model = quantized(prepared, tmp_path / "q.onnx", EXCLUDED)
+    assert "QLinearConv" in kernels_of(tmp_path / "q.onnx", EXCLUDED)
+    fixed, _, _ = fallback.honoured(model, str(tmp_path / "q.onnx"), "all", EXCLUDED, onnx.load(prepared["prepared"]))
+    assert "QLinearConv" not in kernels_of(tmp_path / "q.onnx", EXCLUDED)
+    assert "Conv" in kernels_of(tmp_path / "q.onnx", EXCLUDED)
+    read = {tensor for node in fixed.graph.node for tensor in node.input}
+    assert all(t.name in read for t in fixed.graph.initializer)  # no scale or zero point left unread
