@@ -77,6 +77,19 @@ AREA_TESTS = {
     "runtime": ["tests/runtime/test_runtime.py", "tests/check/test_check.py"],
     "check": ["tests/check/test_check.py"],
     "impact": ["tests/impact/test_impact.py"],
+    "tune": [
+        "tests/tune/test_laws.py",
+        "tests/tune/test_guards.py",
+        "tests/tune/test_blocks.py",
+        "tests/tune/test_fallback.py",
+        "tests/tune/test_refine.py",
+        "tests/tune/test_tune.py",
+        "tests/tune/test_agreement.py",
+        "tests/tune/test_rewrites.py",
+        "tests/tune/test_prepare.py",
+        "tests/tune/test_deployed.py",
+        "tests/check/test_metric.py",
+    ],
 }
 IGNORED = shutil.ignore_patterns(
     ".git", ".venv*", "__pycache__", ".pytest_cache", ".hypothesis", "*.pyc", ".benchmarks"
