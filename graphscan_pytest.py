@@ -12,9 +12,10 @@ quantized model, its budgets as keys. Each budget is one test item,
 ``graphscan.toml::det.int8.onnx::min_int8``; a broken one fails with one sentence.
 Each model is measured once per test session (per xdist worker), however many
 budgets it has. ``snapshot = true`` pins what onnxruntime runs, node by node, in a
-JSON file beside the config (``graphscan_snapshots/<model>.json``): a changed class
-is a failure that lists the nodes that changed, and ``--snapshot-update`` (syrupy's
-flag when syrupy is installed, else ``--graphscan-snapshot-update``) rewrites it.
+JSON file beside the config (``graphscan_snapshots/<model>.json``, written by syrupy's
+JSON extension when syrupy is installed, by json otherwise, the same text): a changed
+class is a failure that lists the nodes that changed, and ``--snapshot-update``
+(syrupy's flag when syrupy is installed) or ``--graphscan-snapshot-update`` rewrites it.
 
 The ``graphscan`` fixture runs the commands in-process for hand-written tests,
 answers cached per test session by the models' file contents.
@@ -369,6 +370,16 @@ def runtime_snapshot(answer: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def snapshot_text(snapshot: dict[str, Any]) -> str:
+    """The snapshot file's text: syrupy's JSON extension when syrupy is installed (the format
+    its users review), else the same JSON (sorted keys, two-space indent) from json itself."""
+    try:
+        from syrupy.extensions.json import JSONSnapshotExtension
+    except ImportError:
+        return json.dumps(snapshot, indent=2, sort_keys=True) + "\n"
+    return str(JSONSnapshotExtension().serialize(snapshot)).rstrip("\n") + "\n"
+
+
 def updating(config: pytest.Config) -> bool:
     return bool(config.getoption("graphscan_snapshot_update") or config.getoption("update_snapshots", False))
 
@@ -381,7 +392,7 @@ def compare_snapshot(config: pytest.Config, gate: Gate) -> None:
     if updating(config):
         path.parent.mkdir(exist_ok=True)
         temporary = path.with_suffix(".json.tmp")
-        temporary.write_text(json.dumps(now, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        temporary.write_text(snapshot_text(now), encoding="utf-8")
         os.replace(temporary, path)
         return
     try:

@@ -270,3 +270,18 @@ def test_the_readmes_config_is_valid_and_gates_as_it_says(tmp_path, build_case):
     budgets = ["max_islands", "max_crossings", "min_int8", "min_sqnr", "min_metric", "snapshot"]
     assert set(item_outcomes(output)) == {f"graphscan.toml::det.int8.onnx::{b}" for b in budgets}, output
     assert "error" not in item_outcomes(output).values() and code in (0, 1)
+
+
+def test_the_snapshot_file_is_syrupys_json_and_the_same_without_syrupy(monkeypatch):
+    snapshot = {
+        "level": "extended",
+        "nodes": {"b": {"class": "int8", "reason": None}},
+        "onnxruntime": "1",
+        "provider": "p",
+    }
+    with_syrupy = graphscan_pytest.snapshot_text(snapshot)
+    from syrupy.extensions.json import JSONSnapshotExtension
+
+    assert with_syrupy.rstrip("\n") == str(JSONSnapshotExtension().serialize(snapshot)).rstrip("\n")
+    monkeypatch.setitem(sys.modules, "syrupy.extensions.json", None)  # as if syrupy were not installed
+    assert graphscan_pytest.snapshot_text(snapshot) == with_syrupy
