@@ -368,9 +368,21 @@ ORT_TEMPORARY = re.compile(r"\S*ort\.quant\.\w+/\S*?\.onnx")
 
 def users_terms(text: str, work: str, path: str) -> str:
     """``text`` naming the user's model instead of a temporary file: tune's own copies in
-    ``work`` and onnxruntime's calibration copies are files the user never saw."""
+    ``work`` and onnxruntime's calibration copies are files the user never saw; numpy's
+    words for onnxruntime stacking samples of several shapes said in the user's terms."""
     text = ORT_TEMPORARY.sub(f"onnxruntime's calibration copy of {shown(path)}", text)
-    return re.sub(re.escape(work) + r"/\S*?\.onnx", f"graphscan's prepared copy of {shown(path)}", text)
+    text = re.sub(re.escape(work) + r"/\S*?\.onnx", f"graphscan's prepared copy of {shown(path)}", text)
+    if "inhomogeneous shape" in text:
+        text = f"{HISTOGRAM_SHAPES} ({text})"
+    return text
+
+
+# onnxruntime's histogram calibrators (Percentile, Entropy, Distribution) stack every
+# calibration output into one array, so samples of several shapes fail in numpy.
+HISTOGRAM_SHAPES = (
+    "onnxruntime's histogram calibration (Percentile, Entropy) needs calibration samples of one shape; "
+    "these have several"
+)
 
 
 class Trials:
@@ -489,6 +501,8 @@ def tune_in(
         chosen, reached = chosen_row(rows, target["value"])
     written = write_choice(work, files, rows, chosen)
     warnings += choice_warnings(rows, chosen, reached, target["value"])
+    if any(HISTOGRAM_SHAPES in (r["error"] or "") for r in rows):
+        warnings.append(f"{HISTOGRAM_SHAPES}: give --calibrate samples of one shape to try Percentile and Entropy")
     if all(accuracy(r) == -math.inf for r in rows if r["error"] is None):
         warnings.append(f"every candidate's {goal.metric.name} is undefined on these samples: none can be reached")
     order = sorted(rows, key=lambda r: (not r["pareto"], r["error"] is not None, -speed(r), r["id"]))
@@ -522,10 +536,13 @@ def refine(trials: Trials, base: dict[str, Any], progress: Progress) -> None:
 
 
 def start_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Where the exclusions start: the most accurate row with integer weights (each
-    exclusion only makes a model slower), else the most accurate of all."""
+    """Where the refinements and exclusions start: the most accurate row that passes the
+    guards (each exclusion only makes a model slower and larger: one that fails them
+    already can never be written), else the most accurate with integer weights, else the
+    most accurate of all."""
     measured = [r for r in rows if r["error"] is None]
-    stored = [r for r in measured if not r["float_weights"]] or measured
+    passing = [r for r in measured if not r["fails"]]
+    stored = passing or [r for r in measured if not r["float_weights"]] or measured
     return max(stored, key=lambda r: (accuracy(r), speed(r)))
 
 

@@ -185,3 +185,14 @@ def test_no_two_blocks_of_one_search_repeat_and_all_sizes_are_powers_of_two():
     assert [len(b.nodes) for b in tails] == [2**k for k in range(1, len(tails) + 1)]
     assert all(b.nodes == tuple(names[-len(b.nodes) :]) for b in tails)
     assert len(list(itertools.combinations(tails, 2))) == len(tails) * (len(tails) - 1) // 2
+
+
+def test_the_search_starts_from_the_most_accurate_row_that_can_still_be_written():
+    rows = [
+        {"id": 0, "speedup": 0.6, "metric_value": 0.84, "fails": ["slower"], "float_weights": 0, "error": None},
+        {"id": 1, "speedup": 1.5, "metric_value": 0.83, "fails": [], "float_weights": 0, "error": None},
+        {"id": 2, "speedup": 1.9, "metric_value": 0.70, "fails": [], "float_weights": 0, "error": None},
+    ]
+    assert tune.start_row(rows)["id"] == 1  # exclusions only slow a model: 0 can never pass
+    slow = [{**r, "fails": ["slower"]} for r in rows]
+    assert tune.start_row(slow)["id"] == 0  # none passes: the most accurate with integer weights

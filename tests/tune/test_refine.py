@@ -98,3 +98,21 @@ def test_the_calibration_cache_is_one_per_way_of_calibrating():
     assert calibration_key({"calibrate_method": "Percentile"}) == "Percentile"
     keys = {calibration_key(s) for s in refinements({"calibrate_method": "MinMax", "per_channel": True})}
     assert len(keys) == len(REFINEMENTS)
+
+
+def test_calibration_samples_of_several_shapes_are_said_to_stop_histogram_methods(tmp_path):
+    """onnxruntime's Percentile and Entropy calibrators stack every sample: with batches of 4
+    and 7 they fail in numpy; the rows and a warning say why in the user's terms."""
+    onnx.save(gen_models.build_mlp(3, 64, 0, ("N",)), tmp_path / "mlp.onnx")
+    files = []
+    for k, batch in enumerate([4, 7]):
+        files.append(str(tmp_path / f"s{k}.npz"))
+        np.savez(files[-1], x=np.random.default_rng(k).standard_normal((batch, 64)).astype(np.float32))
+    answer = tune.tune(
+        str(tmp_path / "mlp.onnx"), calibrate=files, out=str(tmp_path / "o"), runs=1, min_speedup=0, target=-100.0
+    )
+    refused = [c for c in answer["candidates"] if c["error"]]
+    assert refused and all(c["quantize_static"]["calibrate_method"] != "MinMax" for c in refused)
+    assert all(tune.HISTOGRAM_SHAPES in c["error"] for c in refused)
+    assert any(w.startswith(tune.HISTOGRAM_SHAPES) for w in answer["warnings"])
+    assert any(c["error"] is None for c in answer["candidates"])  # MinMax takes them
