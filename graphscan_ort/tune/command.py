@@ -354,11 +354,11 @@ class Measure:
         return row
 
 
-def refused_row(row: dict[str, Any], exc: BaseException, work: str, path: str) -> dict[str, Any]:
-    """A candidate the quantizer refused: kept with its error and nulls."""
+def refused_row(row: dict[str, Any], error: str) -> dict[str, Any]:
+    """A candidate the quantizer (or onnxruntime) refused: kept with its error and nulls."""
     row.update(dict.fromkeys(["sqnr_db", "metric_value", "int8_fraction", "int8_kernels", "wrapped_but_float"]))
     row.update(dict.fromkeys(["ms", "speedup", "speedup_spread", "bytes", "float_weights", "fails"]))
-    row["error"] = f"quantize_static: {users_terms(one_line(exc), work, path)}"
+    row["error"] = error
     return row
 
 
@@ -417,7 +417,7 @@ class Trials:
         except Exception as exc:
             if write_failure(exc):  # a full disk is not the quantizer refusing a candidate
                 raise
-            row = refused_row(row, exc, self.work, self.measure.path)
+            row = refused_row(row, f"quantize_static: {users_terms(one_line(exc), self.work, self.measure.path)}")
         else:
             excluded = settings.get("nodes_to_exclude")
             if excluded:  # checked in the deployed session, made real where onnxruntime undid it
@@ -431,9 +431,20 @@ class Trials:
             if twin is not None:  # the quantizer made the very same model: measured once
                 row.update({k: v for k, v in twin.items() if k in MEASURED}, same_as=twin["id"])
             else:
-                row.update(self.measure(target_path, excluded))
+                try:
+                    row.update(self.measure(target_path, excluded))
+                except GraphscanError as exc:  # a model the quantizer made that onnxruntime refuses
+                    if exc.exit_code != EXIT_RUNTIME:
+                        raise
+                    return self.refused(row, f"onnxruntime: {users_terms(str(exc), self.work, self.measure.path)}")
                 self.digests[digest] = row
             self.files[ident] = (target_path, prepared_path, cache)
+        self.rows.append(row)
+        return row
+
+    def refused(self, row: dict[str, Any], error: str) -> dict[str, Any]:
+        """A model onnxruntime refuses to run: a row with its error, no file to write."""
+        row = refused_row(row, error)
         self.rows.append(row)
         return row
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import onnx
 
-from graphscan import DEQUANTIZE, QUANTIZE
+from graphscan import DEQUANTIZE, QUANTIZE, GraphscanError
 from graphscan_ort.engines.classify import classify
 from graphscan_ort.shared.graph import fresh_name, graph_names
 
@@ -64,6 +64,10 @@ def float_inputs(model: onnx.ModelProto, nodes: list[str], given: onnx.ModelProt
             if read_before == x and (before.name if before is not None else None) == maker:
                 node.input[k] = x  # the very tensor it read
             elif before is not None and before.op_type in FOLDED_INTO_Q and folded_input(before, made_before) == maker:
+                constants = activation_constants(before, graph, given.graph)
+                if constants is None:  # its min or max is computed: it cannot be copied alone
+                    continue
+                graph.initializer.extend(constants)
                 again = onnx.NodeProto()
                 again.CopyFrom(before)
                 again.name = fresh_name(f"{before.name}/float", taken)
@@ -81,6 +85,28 @@ def float_inputs(model: onnx.ModelProto, nodes: list[str], given: onnx.ModelProt
         graph.node.extend(order)
     remove_unused_round_trips(graph)
     return changed, changed_nodes
+
+
+def activation_constants(
+    activation: onnx.NodeProto, graph: onnx.GraphProto, given: onnx.GraphProto
+) -> list[onnx.TensorProto] | None:
+    """The initializers of ``given`` that ``activation`` (a Clip's min and max) reads and
+    ``graph`` lacks (the quantizer drops those of the Clip it folds); None when one of its
+    inputs is neither in ``graph`` nor an initializer of ``given``."""
+    present = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output}
+    present |= {i.name for i in graph.input}
+    initializers = {t.name: t for t in given.initializer}
+    missing = []
+    for tensor in activation.input[1:]:
+        if not tensor or tensor in present:
+            continue
+        if tensor not in initializers:
+            return None
+        copy = onnx.TensorProto()
+        copy.CopyFrom(initializers[tensor])
+        missing.append(copy)
+        present.add(tensor)
+    return missing
 
 
 def round_trip_source(producers: dict[str, onnx.NodeProto], tensor: str) -> str | None:
@@ -143,7 +169,11 @@ def honoured(
     still = set(quantized) - set(changed)
     if changed:
         onnx.save(fixed, path)
-        still |= set(int8_nodes(fixed, path, level, changed))
+        try:
+            still |= set(int8_nodes(fixed, path, level, changed))
+        except GraphscanError:  # the rewritten model does not run: the exclusion stays as it was
+            onnx.save(model, path)
+            return model, {**status, **dict.fromkeys(quantized, STILL_INT8)}, []
     for node in quantized:
         status[node] = STILL_INT8 if node in still else WITH_FLOAT_INPUTS
     return (fixed if changed else model), status, changed

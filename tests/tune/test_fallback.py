@@ -149,3 +149,47 @@ def test_the_profiler_agrees_the_excluded_convs_run_float_and_nothing_is_left_da
     assert "Conv" in kernels_of(tmp_path / "q.onnx", EXCLUDED)
     read = {tensor for node in fixed.graph.node for tensor in node.input}
     assert all(t.name in read for t in fixed.graph.initializer)  # no scale or zero point left unread
+
+
+def test_a_folded_clip_with_initializer_bounds_is_applied_again_with_them(tmp_path):
+    """Clip(x, lo, hi) before an excluded Conv: the quantizer folds the Clip into its Q and
+    drops lo and hi; float_inputs copies them back with the Clip, and the model runs (a
+    PP-OCR recognizer made tune stop with 'p2o.helper.constant.142 is not a graph input')."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32), "w1"),
+        numpy_helper.from_array(rng.standard_normal((8, 8, 3, 3)).astype(np.float32), "w2"),
+        numpy_helper.from_array(np.array(0.0, np.float32), "lo"),
+        numpy_helper.from_array(np.array(6.0, np.float32), "hi"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Clip", ["c1", "lo", "hi"], ["r1"], name="clip"),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c2", "r1"], ["y"], name="add"),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8])], inits,
+    )  # fmt: skip
+    given = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    onnx.save(given, tmp_path / "f.onnx")
+    np.savez(tmp_path / "s.npz", x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    from onnxruntime.quantization import QuantType
+
+    with quiet():
+        quantize_static(
+            str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), Samples([str(tmp_path / "s.npz")]),
+            nodes_to_exclude=["conv2"], activation_type=QuantType.QUInt8,
+        )  # fmt: skip
+    quantized = onnx.load(tmp_path / "q.onnx")
+    fixed, status, applied = fallback.honoured(quantized, str(tmp_path / "q.onnx"), "all", ["conv2"], given)
+    assert status == {"conv2": "float_inputs"} and applied == ["conv2"]
+    assert any(n.op_type == "Clip" for n in fixed.graph.node)  # the folded Clip, applied again
+    budget = graphscan.check(str(tmp_path / "q.onnx"), float_path=str(tmp_path / "f.onnx"), min_sqnr=-100,
+                             inputs=[str(tmp_path / "s.npz")])  # fmt: skip
+    assert budget["budgets"][0]["value"] is not None  # it runs, and is measured
+    names = {t.name for t in fixed.graph.initializer} | {o for n in fixed.graph.node for o in n.output}
+    assert all(i in names or i == "" for n in fixed.graph.node if n.op_type == "Clip" for i in n.input[1:])

@@ -255,3 +255,19 @@ def test_when_every_metric_is_undefined_the_target_is_never_reached(cnn, tmp_pat
     assert any("undefined" in w for w in answer["warnings"])
     assert any("every candidate's sqnr is undefined" in w for w in answer["warnings"])
     assert tune.COMMAND.exit_code(answer) == 8
+
+
+def test_a_trial_onnxruntime_refuses_is_a_row_never_the_end_of_tune(cnn, tmp_path, monkeypatch):
+    measured = tune.measure_candidate
+
+    def refuse_exclusions(float_model, quant_model, float_path, quant_path, *args, **kwargs):
+        if float_weight_nodes(quant_model) == ["b1_conv1"]:  # the trial that keeps b1_conv1 float
+            raise graphscan.GraphscanError(f"{quant_path}: model does not run in onnxruntime (invalid)", 5)
+        return measured(float_model, quant_model, float_path, quant_path, *args, **kwargs)
+
+    monkeypatch.setattr(tune, "measure_candidate", refuse_exclusions)
+    monkeypatch.setattr(tune, "impact_of", lambda *a, **k: {"ops": [{"node": "b1_conv1", "gain_db": 1.0}]})
+    answer = run_tune(cnn, tmp_path / "out", target=500.0, max_trials=1)
+    (row,) = [c for c in answer["candidates"] if c["trial"] is not None]
+    assert row["error"].startswith("onnxruntime: ") and row["fails"] is None and row["sqnr_db"] is None
+    assert answer["chosen"] is not None and answer["chosen"] != row["id"]
