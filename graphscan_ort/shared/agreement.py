@@ -54,12 +54,12 @@ class Metric:
         return "dB" if self.name == "sqnr" else "agreement" if self.function is None else "user"
 
     def describe(self) -> dict[str, Any]:
-        """The answer's ``metric``: its name and the parameters it uses."""
+        """The answer's ``metric``: its name and the parameters it uses (defaults filled in)."""
         answer: dict[str, Any] = {"name": self.name}
         if self.name == "iou":
-            answer["threshold"] = self.threshold
+            answer["threshold"] = DEFAULT_THRESHOLD if self.threshold is None else self.threshold
         if self.name == "ctc":
-            answer["blank"] = self.blank
+            answer["blank"] = DEFAULT_BLANK if self.blank is None else self.blank
         return answer
 
     def value(self, reference: Outputs, candidate: Outputs) -> float | None:

@@ -164,7 +164,9 @@ def prepared_base(
         current = model if problem is None else current
     model, count = constants_as_initializers(current)
     if count:  # even when quant_pre_process failed: the quantizer quantizes initializers only
-        error, problem = checked(original, model, samples, min_sqnr_db=math.inf)
+        # Bit-exact against the model before the step (not the original: quant_pre_process's
+        # folding already reassociated the float sums, which no rename or move can undo).
+        error, problem = checked(current, model, samples, min_sqnr_db=math.inf)
         if problem is None and error:  # the same tensors, moved: any difference is a bug
             problem = f"by {error:.3g}: moving constants must change nothing"
         detail = f"{count} Constant nodes as initializers (the quantizer quantizes initializer weights only)"
@@ -181,7 +183,7 @@ def prepared_base(
         current = model if problem is None else current
     model, count = named_nodes(current)
     if count:  # exclusions name nodes: an unnamed one could not be excluded
-        error, problem = checked(original, model, samples, min_sqnr_db=math.inf)
+        error, problem = checked(current, model, samples, min_sqnr_db=math.inf)  # bit-exact, as above
         detail = f"{count} unnamed nodes named <op_type>_<position> (so that nodes_to_exclude can name them)"
         steps.append(step("names", problem is None, problem or detail, error))
         current = model if problem is None else current

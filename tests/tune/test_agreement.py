@@ -143,3 +143,12 @@ def test_parameters_of_another_metric_are_usage_errors():
     for call in (lambda: agreement.metric("top1", threshold=0.3), lambda: agreement.metric("iou", blank=0)):
         with pytest.raises(graphscan.GraphscanError):
             call()
+
+
+def test_a_metric_describes_the_parameters_it_used_defaults_included():
+    from graphscan_ort.shared.agreement import metric
+
+    assert metric("iou").describe() == {"name": "iou", "threshold": 0.5}
+    assert metric("ctc").describe() == {"name": "ctc", "blank": 0}
+    assert metric("ctc", blank=3).describe() == {"name": "ctc", "blank": 3}
+    assert metric(None).describe() == {"name": "sqnr"}

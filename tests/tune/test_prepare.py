@@ -159,3 +159,30 @@ def test_unnamed_nodes_are_named_so_that_an_exclusion_excludes_them(tmp_path):
         return [n.op_type for n in onnx.load(target).graph.node]
 
     assert quantized([]).count("QuantizeLinear") > quantized([conv]).count("QuantizeLinear")  # it is excluded
+
+
+def test_a_bit_exact_step_is_checked_against_the_step_before_not_the_original(tmp_path, monkeypatch):
+    """quant_pre_process's folding reassociates sums (here: one weight changed by 1e-7, about
+    110 dB); naming the unnamed nodes after it changes nothing more and is kept. Compared
+    with the original, as on the PP-OCR recognizer, it was dropped at 'allowed inf dB'."""
+    unnamed = onnx.ModelProto()
+    unnamed.CopyFrom(conv_block_model(DIV))
+    for node in unnamed.graph.node:
+        node.name = ""
+    source = tmp_path / "float.onnx"
+    onnx.save(unnamed, source)
+
+    def reassociated(src, target):
+        model = onnx.load(src)
+        weight = next(t for t in model.graph.initializer if t.name == "w")
+        values = onnx.numpy_helper.to_array(weight) * np.float32(1 + 1e-7)
+        weight.CopyFrom(onnx.numpy_helper.from_array(values.astype(np.float32), "w"))
+        onnx.save(model, target)
+        return target, "quant_pre_process ran"
+
+    monkeypatch.setattr(prepare, "pre_processed", reassociated)
+    prepared, steps = prepare.prepare(str(source), str(tmp_path), SAMPLES)
+    by_step = {s["step"]: s for s in steps}
+    assert by_step["quant_pre_process"]["ok"] and by_step["quant_pre_process"]["max_abs_error"] > 0
+    assert by_step["names"]["ok"] and by_step["names"]["max_abs_error"] == 0.0
+    assert all(node.name for node in prepared.graph.node)
