@@ -32,7 +32,6 @@ import os
 import re
 import shutil
 import tempfile
-import textwrap
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -53,23 +52,18 @@ from graphscan import (
     QUANTIZE,
     RUNTIME_DEFAULT_RUNS,
     RUNTIME_LEVELS,
-    TABLE_WIDTH,
     Command,
     GraphscanError,
     check_between,
     finite_float,
-    format_fields,
     int_between,
     level_option,
     load_with_weights,
     metric_group,
     non_negative_int,
     one_line,
-    page,
     samples_group,
-    section,
     shown,
-    visible,
 )
 from graphscan_ort.engines.attribution import MIN_GAIN_DB
 from graphscan_ort.engines.attribution import measure as impact_of
@@ -92,6 +86,7 @@ from graphscan_ort.tune.fallback import STILL_INT8, honoured
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
 from graphscan_ort.tune.prepare import prepared_base, with_rewrites
 from graphscan_ort.tune.progress import Progress
+from graphscan_ort.tune.table import tune_table
 
 # onnxruntime's own defaults: what a user gets from quantize_static without options.
 DEFAULT_SETTINGS = {"activation_type": "QInt8", "per_channel": False, "calibrate_method": "MinMax"}
@@ -685,61 +680,6 @@ CANDIDATE_KEYS = [
     "pareto",
     "error",
 ]
-
-
-def tune_table(answer: dict[str, Any], top: int | None) -> str:
-    """Candidates on the Pareto front first (the answer's order), then the choice."""
-    target = answer["target"]
-    described = answer["metric"]
-    parameters = [f"{key} {value}" for key, value in described.items() if key != "name"]
-    latency = answer["latency"]
-    head = format_fields(
-        [("model", answer["model"]), ("level", answer["environment"]["level"]), ("float ms", answer["float"]["ms"])]
-        + [("metric", " ".join([described["name"], *parameters]))]
-        + [("target", target["value"]), ("from", target["source"])]
-        + [("latency at", shapes_text(latency["inputs"])), ("min speedup", latency["min_speedup"])]
-        + [("chosen", answer["chosen"]), ("reached", answer["reached"]), ("output", answer["output"])]
-    )
-    steps = [[s["step"], s["ok"], s["detail"]] for s in answer["prepare"]]
-    rows = [
-        [
-            c["id"],
-            c["quantize_static"]["activation_type"],
-            "yes" if c["quantize_static"]["per_channel"] else "no",
-            c["quantize_static"]["calibrate_method"],
-            c["rewrites"],
-            c["metric_value"],
-            c["int8_kernels"],
-            c["speedup"],
-            ",".join(c["fails"] or []) or ("-" if c["fails"] is None else "none"),
-            c["pareto"],
-            c["error"],
-        ]
-        for c in answer["candidates"]
-    ]
-    titles = ["id", "act", "pc", "method", "rw", described["name"], "int8", "speedup", "fails", "pareto", "error"]
-    # The detail that matters is often cut in its column: each is shown whole below.
-    whole = [f"{s['step']}: {s['detail']}" for s in answer["prepare"] if not s["ok"]]
-    whole += [f"candidate {c['id']}: {c['error']}" for c in answer["candidates"] if c["error"]]
-    whole += [f"warning: {w}" for w in answer["warnings"]]
-    notes = "\n".join(textwrap.fill(visible(text), TABLE_WIDTH, subsequent_indent="  ") for text in whole)
-    return page(
-        head,
-        section("prepare", ["step", "ok", "detail"], steps),
-        section("candidates, Pareto-best first", titles, rows, top, cut_first=["error"]),
-        *([f"in full:\n{notes}"] if notes else []),
-    )
-
-
-def shapes_text(inputs: dict[str, Any]) -> str:
-    """``x 1x3x736x1472`` for each input (several shapes: joined by ``|``)."""
-
-    def dims(shape: list) -> str:
-        if shape and isinstance(shape[0], list):
-            return "|".join(dims(s) for s in shape)
-        return "x".join(map(str, shape)) or "scalar"
-
-    return " ".join(f"{name} {dims(shape)}" for name, shape in inputs.items())
 
 
 COMMAND = Command(

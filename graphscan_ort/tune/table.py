@@ -1,0 +1,64 @@
+"""tune's table: the candidates Pareto-best first, the choice, and every detail a column
+would cut, shown whole below it (rendered from the JSON answer, never the reverse)."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+from graphscan import TABLE_WIDTH, format_fields, page, section, visible
+
+
+def tune_table(answer: dict[str, Any], top: int | None) -> str:
+    """Candidates on the Pareto front first (the answer's order), then the choice."""
+    target = answer["target"]
+    described = answer["metric"]
+    parameters = [f"{key} {value}" for key, value in described.items() if key != "name"]
+    latency = answer["latency"]
+    head = format_fields(
+        [("model", answer["model"]), ("level", answer["environment"]["level"]), ("float ms", answer["float"]["ms"])]
+        + [("metric", " ".join([described["name"], *parameters]))]
+        + [("target", target["value"]), ("from", target["source"])]
+        + [("latency at", shapes_text(latency["inputs"])), ("min speedup", latency["min_speedup"])]
+        + [("chosen", answer["chosen"]), ("reached", answer["reached"]), ("output", answer["output"])]
+    )
+    steps = [[s["step"], s["ok"], s["detail"]] for s in answer["prepare"]]
+    rows = [
+        [
+            c["id"],
+            c["quantize_static"]["activation_type"],
+            "yes" if c["quantize_static"]["per_channel"] else "no",
+            c["quantize_static"]["calibrate_method"],
+            c["rewrites"],
+            c["metric_value"],
+            c["int8_kernels"],
+            c["speedup"],
+            ",".join(c["fails"] or []) or ("-" if c["fails"] is None else "none"),
+            c["pareto"],
+            c["error"],
+        ]
+        for c in answer["candidates"]
+    ]
+    titles = ["id", "act", "pc", "method", "rw", described["name"], "int8", "speedup", "fails", "pareto", "error"]
+    # The detail that matters is often cut in its column: each is shown whole below.
+    whole = [f"{s['step']}: {s['detail']}" for s in answer["prepare"] if not s["ok"]]
+    whole += [f"candidate {c['id']}: {c['error']}" for c in answer["candidates"] if c["error"]]
+    whole += [f"warning: {w}" for w in answer["warnings"]]
+    notes = "\n".join(textwrap.fill(visible(text), TABLE_WIDTH, subsequent_indent="  ") for text in whole)
+    return page(
+        head,
+        section("prepare", ["step", "ok", "detail"], steps),
+        section("candidates, Pareto-best first", titles, rows, top, cut_first=["error"]),
+        *([f"in full:\n{notes}"] if notes else []),
+    )
+
+
+def shapes_text(inputs: dict[str, Any]) -> str:
+    """``x 1x3x736x1472`` for each input (several shapes: joined by ``|``)."""
+
+    def dims(shape: list) -> str:
+        if shape and isinstance(shape[0], list):
+            return "|".join(dims(s) for s in shape)
+        return "x".join(map(str, shape)) or "scalar"
+
+    return " ".join(f"{name} {dims(shape)}" for name, shape in inputs.items())
