@@ -271,3 +271,40 @@ def test_a_trial_onnxruntime_refuses_is_a_row_never_the_end_of_tune(cnn, tmp_pat
     (row,) = [c for c in answer["candidates"] if c["trial"] is not None]
     assert row["error"].startswith("onnxruntime: ") and row["fails"] is None and row["sqnr_db"] is None
     assert answer["chosen"] is not None and answer["chosen"] != row["id"]
+
+
+def test_the_search_stops_as_soon_as_the_target_is_met(cnn, tmp_path, monkeypatch):
+    """A stubbed metric: every model with an exclusion meets the target. One trial, then stop."""
+    measured = tune.measure_candidate
+
+    def exclusions_meet_it(float_model, quant_model, *args, **kwargs):
+        row = measured(float_model, quant_model, *args, **kwargs)
+        return {**row, "metric_value": 1000.0} if float_weight_nodes(quant_model) else row
+
+    monkeypatch.setattr(tune, "measure_candidate", exclusions_meet_it)
+    ranking = [{"node": name, "gain_db": 1.0} for name in ("b1_conv1", "b1_conv2", "b2_conv1")]
+    monkeypatch.setattr(tune, "impact_of", lambda *a, **k: {"ops": ranking})
+    answer = run_tune(cnn, tmp_path / "out", target=500.0, max_trials=5)
+    trials = [c for c in answer["candidates"] if c["trial"] is not None]
+    assert len(trials) == 1 and answer["reached"] is True and answer["chosen"] == trials[0]["id"]
+
+
+def test_an_exclusion_onnxruntime_still_runs_int8_is_never_kept(cnn, tmp_path, monkeypatch):
+    """The first block's node is reported int8 even after float_inputs (a stub of honoured):
+    however much it helps, the next trial does not build on it."""
+    real = tune.honoured
+
+    def first_stays_int8(model, path, level, excluded, given):
+        fixed, status, applied = real(model, path, level, excluded, given)
+        if "b1_conv1" in status:
+            status = {**status, "b1_conv1": "int8"}
+        return fixed, status, applied
+
+    monkeypatch.setattr(tune, "honoured", first_stays_int8)
+    ranking = [{"node": "b1_conv1", "gain_db": 5.0}, {"node": "b2_conv1", "gain_db": 1.0}]
+    monkeypatch.setattr(tune, "impact_of", lambda *a, **k: {"ops": ranking})
+    answer = run_tune(cnn, tmp_path / "out", target=500.0, max_trials=2, max_exclude=1)
+    trials = sorted((c for c in answer["candidates"] if c["trial"] is not None), key=lambda c: c["id"])
+    assert trials[0]["quantize_static"]["nodes_to_exclude"] == ["b1_conv1"]
+    assert trials[0]["excluded"] == {"b1_conv1": "int8"}
+    assert len(trials) == 2 and "b1_conv1" not in trials[1]["quantize_static"]["nodes_to_exclude"]
