@@ -143,3 +143,18 @@ def test_the_table_says_which_level_each_measured_budget_ran_at(default_lab, cap
     assert "min_int8: what runs at level extended" in table and "sessions at --level (default all)" in table
     _, plain, _ = run_main(capsys, ["check", default_lab["full"], "--max-islands", "9", "--format", "table"])
     assert "level" not in plain  # counted from the graph: no session, no level
+
+
+def test_an_undefined_metric_is_null_and_never_holds(tmp_path):
+    """cosine of all-zero outputs is undefined (no norm): null, and not even a limit of -1 holds."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+    graph = helper.make_graph([helper.make_node("Sub", ["x", "x"], ["y"])], "zeros", [x], [y])
+    import onnx
+
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "zeros.onnx")
+    zeros = str(tmp_path / "zeros.onnx")
+    answer = graphscan.check(zeros, float_path=zeros, metric="cosine", min_metric=-1.0, shape=["x=2,3"])
+    assert metric_budget(answer)["value"] is None and metric_budget(answer)["ok"] is False and answer["ok"] is False
