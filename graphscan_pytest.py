@@ -399,20 +399,25 @@ def compare_snapshot(config: pytest.Config, gate: Gate) -> None:
         pinned = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as exc:
         raise GateFailed(f"snapshot: {path} is not JSON ({exc}); rewrite it with --snapshot-update") from None
+    verdict = snapshot_verdict(pinned, now, path.name)
+    if verdict is not None:
+        raise GateFailed(verdict)
+
+
+def snapshot_verdict(pinned: dict[str, Any], now: dict[str, Any], name: str) -> str | None:
+    """Why the snapshot ``pinned`` (file ``name``) no longer holds for ``now``; None when it holds."""
     for key in ("onnxruntime", "provider", "level"):
         if pinned.get(key) != now[key]:
-            raise GateFailed(
+            return (
                 f"snapshot: taken with {key} {pinned.get(key)}, this session has {now[key]}: "
                 "classes are only comparable on one onnxruntime version and provider; "
                 "review with --snapshot-update"
             )
     changes = snapshot_changes(pinned.get("nodes", {}), now["nodes"])
-    if changes:
-        shown = "\n".join(changes[:50]) + (f"\n  ... and {len(changes) - 50} more" if len(changes) > 50 else "")
-        raise GateFailed(
-            f"snapshot: {len(changes)} node(s) changed what they run ({path.name}; accept with --snapshot-update)\n"
-            + shown
-        )
+    if not changes:
+        return None
+    shown = "\n".join(changes[:50]) + (f"\n  ... and {len(changes) - 50} more" if len(changes) > 50 else "")
+    return f"snapshot: {len(changes)} node(s) changed what they run ({name}; accept with --snapshot-update)\n" + shown
 
 
 def snapshot_changes(pinned: dict[str, Any], now: dict[str, Any]) -> list[str]:
