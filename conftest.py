@@ -89,3 +89,12 @@ def case(request):
 def variants(build_case, case):
     """The built variants of the current case."""
     return build_case(case)
+
+
+@pytest.fixture(scope="session")
+def fresh_install(tmp_path_factory):
+    """graphscan ``pip install``-ed from a copy of the repository into a new venv (its bin
+    folder), once per test session: the package's tests and the plugin's share it."""
+    from tests.helpers import install_into_fresh_venv
+
+    return install_into_fresh_venv(tmp_path_factory.mktemp("fresh_install"), index=False)

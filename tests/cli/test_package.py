@@ -201,8 +201,8 @@ def assert_console_script_is_graphscan_py(bin_dir, tmp_path):
 
 
 @pytest.mark.skipif(os.name != "posix", reason="venv layout with bin/")
-def test_pip_install_gives_a_graphscan_command_equal_to_the_script(tmp_path):
-    assert_console_script_is_graphscan_py(install_into_fresh_venv(tmp_path, index=False), tmp_path)
+def test_pip_install_gives_a_graphscan_command_equal_to_the_script(fresh_install, tmp_path):
+    assert_console_script_is_graphscan_py(fresh_install, tmp_path)
 
 
 @pytest.mark.slow

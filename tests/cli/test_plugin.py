@@ -22,7 +22,7 @@ import gen_models
 import graphscan
 import graphscan_pytest
 from graphscan_ort.tune.candidates import quiet
-from tests.helpers import ROOT, install_into_fresh_venv
+from tests.helpers import ROOT
 from tests.lab import DEFAULT_LAB
 
 
@@ -142,23 +142,22 @@ def item_outcomes(output):
 def test_each_budget_is_an_item_that_passes_or_fails_as_graphscan_check_says(repository):
     folder = repository["folder"]
     run_pytest(folder, "--graphscan", "--snapshot-update")  # takes the snapshots first
-    code, output = run_pytest(folder, "--graphscan", "-rA")
-    assert item_outcomes(output) == repository["expected"], output
-    assert code == 1
-    islands = repository["islands"]
-    assert f"max_islands: {islands} > {islands - 1} (float islands)" in output  # a sentence, no traceback
-    assert "Traceback" not in output and "def runtest" not in output
-    assert "nodes that run a kernel run int8 kernels" in output
-    # A class that changed: a reviewable diff of node names and classes, then accepted.
     snapshot = folder / "graphscan_snapshots" / "cnn.s8.onnx.json"
     taken = snapshot.read_bytes()
     pinned = json.loads(taken)
     assert pinned["onnxruntime"] and pinned["provider"] == "CPUExecutionProvider"
     node = next(name for name, entry in pinned["nodes"].items() if entry["class"] == "int8")
-    pinned["nodes"][node] = {"class": "float", "reason": "mixed_types"}
+    pinned["nodes"][node] = {"class": "float", "reason": "mixed_types"}  # as if a class had changed
     snapshot.write_text(json.dumps(pinned))
-    code, output = run_pytest(folder, "--graphscan", "-k", "cnn.s8 and snapshot")
-    assert code == 1 and f"{node}: float (mixed_types) -> int8" in output and "1 node(s) changed" in output
+    code, output = run_pytest(folder, "--graphscan", "-rA")
+    expected = {**repository["expected"], "graphscan.toml::cnn.s8.onnx::snapshot": "failed"}
+    assert item_outcomes(output) == expected, output
+    assert code == 1
+    islands = repository["islands"]
+    assert f"max_islands: {islands} > {islands - 1} (float islands)" in output  # a sentence, no traceback
+    assert "Traceback" not in output and "def runtest" not in output
+    assert "nodes that run a kernel run int8 kernels" in output
+    assert f"{node}: float (mixed_types) -> int8" in output and "1 node(s) changed" in output  # a reviewable diff
     code, _ = run_pytest(folder, "--graphscan", "--graphscan-snapshot-update", "-k", "cnn.s8 and snapshot")
     assert code == 0 and snapshot.read_bytes() == taken  # accepted, and stable from run to run
 
@@ -248,10 +247,10 @@ def test_the_plugin_imports_nothing_heavy_until_asked():
 
 
 @pytest.mark.skipif(os.name != "posix", reason="venv layout with bin/")
-def test_after_pip_install_the_entry_point_gates_the_repository(repository, tmp_path):
+def test_after_pip_install_the_entry_point_gates_the_repository(repository, fresh_install):
     """``pip install .`` into a fresh venv: ``pytest --graphscan -n 2`` there finds the plugin
     by its pytest11 entry point (no -p), and passes and fails exactly the expected items."""
-    bin_dir = install_into_fresh_venv(tmp_path, index=False)
+    bin_dir = fresh_install
     folder = repository["folder"]
     run_pytest(folder, "--graphscan", "--snapshot-update")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
