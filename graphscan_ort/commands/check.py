@@ -10,10 +10,10 @@ import onnx
 
 from graphscan import NO_METRIC, MetricChoice, Samples, load_with_weights
 from graphscan_ort.engines.classify import classify
-from graphscan_ort.shared.agreement import Metric, metric, named_outputs
+from graphscan_ort.shared.agreement import metric, named_outputs
 from graphscan_ort.shared.inputs import check_same_inputs, model_samples, parse_shapes
 from graphscan_ort.shared.kernels import int8_fraction
-from graphscan_ort.shared.metrics import output_pairs, output_sqnr
+from graphscan_ort.shared.metrics import OutputNoise, output_pairs
 from graphscan_ort.shared.sessions import deployed_options, inputs_hint, model_outputs
 
 
@@ -36,62 +36,49 @@ def measurements(
     if "min_int8" in names:
         model = load_with_weights(path) if model is None else model
         values["min_int8"] = int8_fraction(classify(model, path).counts["classes"])
-    if "min_sqnr" in names:
-        assert float_path is not None, "the core checks that --min-sqnr comes with --float"
+    if {"min_sqnr", "min_metric"} & set(names):
+        assert float_path is not None, "the core checks that --min-sqnr and --min-metric come with --float"
         float_model = load_with_weights(float_path)
         model = load_with_weights(path) if model is None else model
-        values["min_sqnr"] = measured_sqnr(float_model, model, float_path, path, samples, level)
-    if agreement is not None:
-        assert float_path is not None, "the core checks that --min-metric comes with --float"
-        float_model = load_with_weights(float_path)
-        model = load_with_weights(path) if model is None else model
-        values["min_metric"] = measured_metric(float_model, model, float_path, path, samples, level, agreement)
+        reference, candidate = deployed_outputs(float_model, model, float_path, path, samples, level)
+        if "min_sqnr" in names:
+            values["min_sqnr"] = measured_sqnr(reference, candidate)
+        if agreement is not None:
+            value = agreement.value(reference, candidate)
+            values["min_metric"] = math.nan if value is None else value
     return values, agreement.describe() if agreement is not None else {}
 
 
-def measured_metric(
-    float_model: onnx.ModelProto,
-    quant_model: onnx.ModelProto,
-    float_path: str,
-    quant_path: str,
-    given: Samples,
-    level: str,
-    agreement: Metric,
-) -> float:
-    """``agreement`` of the quantized model with the float one, both run as users run
-    them (a session at ``level``) on the same samples as min_sqnr; ``nan`` when undefined."""
-    check_same_inputs(float_model, quant_model, float_path, quant_path)
-    pairs = output_pairs(float_model, quant_model, float_path, quant_path)
-    samples, _ = model_samples(float_model, given.inputs, parse_shapes(given.shape), given.seed or 0, 1)
-    options = deployed_options(level)
-    names = [f for f, _ in pairs]  # both models' outputs under the float model's names
-    with inputs_hint(not given.inputs, 1, [float_path, quant_path]):
-        reference = model_outputs(float_model, samples, float_path, names, options)
-        candidate = model_outputs(quant_model, samples, quant_path, [q for _, q in pairs], options)
-    value = agreement.value(named_outputs(reference, names), named_outputs(candidate, names))
-    return math.nan if value is None else value
-
-
-def measured_sqnr(
+def deployed_outputs(
     float_model: onnx.ModelProto,
     quant_model: onnx.ModelProto,
     float_path: str,
     quant_path: str,
     given: Samples,
     level: str = "all",
-) -> float:
-    """The quantized model's output SQNR against the float one as users run
-    them (both in a session at ``level``, onnxruntime's default "all"), by
-    impact's definition and pairing: ``inf`` when the outputs are equal, ``nan``
-    when the SQNR is undefined (NaN or Inf in the outputs, all-zero float
-    outputs, an empty sample)."""
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Both models' outputs as users run them (a session at ``level``, onnxruntime's
+    default "all"), on the ``--inputs`` samples or one seeded sample, paired as impact
+    pairs them and named by the float model's outputs: run once for min_sqnr and
+    min_metric alike."""
     check_same_inputs(float_model, quant_model, float_path, quant_path)
     pairs = output_pairs(float_model, quant_model, float_path, quant_path)
     samples, _ = model_samples(float_model, given.inputs, parse_shapes(given.shape), given.seed or 0, 1)
     options = deployed_options(level)
+    names = [f for f, _ in pairs]
     with inputs_hint(not given.inputs, 1, [float_path, quant_path]):
-        sqnr, exact, empty = output_sqnr(float_model, quant_model, samples, pairs, float_path, quant_path, options)
-    if empty:  # an empty sample verifies nothing: the budget does not hold
+        reference = model_outputs(float_model, samples, float_path, names, options)
+        candidate = model_outputs(quant_model, samples, quant_path, [q for _, q in pairs], options)
+    return named_outputs(reference, names), named_outputs(candidate, names)
+
+
+def measured_sqnr(reference: list[dict[str, Any]], candidate: list[dict[str, Any]]) -> float:
+    """The quantized model's output SQNR against the float one by impact's definition
+    (``metrics.OutputNoise``): ``inf`` when the outputs are equal, ``nan`` when the SQNR
+    is undefined (NaN or Inf in the outputs, all-zero float outputs, an empty sample)."""
+    noise = OutputNoise([list(sample.values()) for sample in reference])
+    sqnr, exact = noise.measure([list(sample.values()) for sample in candidate])
+    if noise.empty:  # an empty sample verifies nothing: the budget does not hold
         return math.nan
     if exact:
         return math.inf
