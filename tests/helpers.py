@@ -438,3 +438,13 @@ def install_into_fresh_venv(folder, index):
         timeout=300,
     )
     return bin_dir
+
+
+def calibration_reader(paths):
+    """onnxruntime's calibration reader over the ``.npz`` samples at ``paths``: tune's own
+    ``SampleReader``, so the tests calibrate as tune does."""
+    import numpy as np
+
+    from graphscan_ort.tune.candidates import SampleReader
+
+    return SampleReader([dict(np.load(p)) for p in paths])

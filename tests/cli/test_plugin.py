@@ -16,22 +16,14 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize_static
+from onnxruntime.quantization import QuantType, quantize_static
 
 import gen_models
 import graphscan
 import graphscan_pytest
-from graphscan_ort.tune.candidates import quiet
+from graphscan_ort.tune.candidates import SampleReader, quiet
 from tests.helpers import ROOT
 from tests.lab import DEFAULT_LAB
-
-
-class OneSample(CalibrationDataReader):
-    def __init__(self, sample):
-        self.left = iter([sample])
-
-    def get_next(self):
-        return next(self.left, None)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +45,7 @@ def repository(tmp_path_factory, build_case):
     for name, activation in (("cnn.s8", QuantType.QInt8), ("cnn.u8", QuantType.QUInt8)):
         with quiet():
             quantize_static(
-                str(folder / "models" / "cnn.onnx"), str(folder / "models" / f"{name}.onnx"), OneSample(sample),
+                str(folder / "models" / "cnn.onnx"), str(folder / "models" / f"{name}.onnx"), SampleReader([sample]),
                 activation_type=activation,
             )  # fmt: skip
     models = folder / "models"

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import onnx
 import pytest
-from onnxruntime.quantization import CalibrationDataReader, quantize_static
+from onnxruntime.quantization import quantize_static
 
 import gen_models
 import graphscan
@@ -14,6 +14,7 @@ import graphscan_ort.tune.command as tune
 from graphscan_ort.tune import fallback
 from graphscan_ort.tune.blocks import Block, next_block, noise_share, search_blocks
 from graphscan_ort.tune.candidates import keyword_arguments, quiet
+from tests.helpers import calibration_reader
 
 
 def test_noise_shares_add_in_power():
@@ -56,14 +57,6 @@ def test_blocks_cover_single_nodes_tails_and_neighbourhoods():
     assert len(around.nodes) > 1 and set(around.nodes) <= set(names)
 
 
-class Calibration(CalibrationDataReader):
-    def __init__(self, paths):
-        self.left = iter([dict(np.load(p)) for p in paths])
-
-    def get_next(self):
-        return next(self.left, None)
-
-
 def test_a_target_no_single_exclusion_reaches_is_reached_by_a_set_of_them(tmp_path):
     """An 8-layer MLP, 64 wide. Measured: every Gemm kept float alone (as deployed, its
     exclusion made real) stays below the target; tune's search reaches it with more."""
@@ -97,7 +90,7 @@ def test_a_target_no_single_exclusion_reaches_is_reached_by_a_set_of_them(tmp_pa
         single = tmp_path / "single.onnx"
         with quiet():
             settings = {**start["quantize_static"], "nodes_to_exclude": [name]}
-            quantize_static(prepared, str(single), Calibration(files[:2]), **keyword_arguments(settings))
+            quantize_static(prepared, str(single), calibration_reader(files[:2]), **keyword_arguments(settings))
         fallback.honoured(onnx.load(single), str(single), "all", [name], given)
         budget = graphscan.check(str(single), float_path=str(tmp_path / "mlp.onnx"), inputs=files[2:], min_sqnr=-100)
         assert budget["budgets"][0]["value"] < target, name

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnxruntime.quantization import CalibrationDataReader, quantize_static
+from onnxruntime.quantization import quantize_static
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
 import gen_models
@@ -16,16 +16,9 @@ import graphscan
 import graphscan_ort.tune.command as tune
 from graphscan_ort.tune import fallback
 from graphscan_ort.tune.candidates import keyword_arguments, quiet
+from tests.helpers import calibration_reader
 
 EXCLUDED = ["b1_conv2", "b2_merge"]  # each reads a DQ and feeds a Q: onnxruntime quantizes them anyway
-
-
-class Samples(CalibrationDataReader):
-    def __init__(self, paths):
-        self.left = iter([dict(np.load(p)) for p in paths])
-
-    def get_next(self):
-        return next(self.left, None)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +42,9 @@ def prepared(tmp_path_factory):
 
 def quantized(prepared, path, excluded):
     with quiet():
-        quantize_static(prepared["prepared"], str(path), Samples(prepared["files"][:2]), nodes_to_exclude=excluded)
+        quantize_static(
+            prepared["prepared"], str(path), calibration_reader(prepared["files"][:2]), nodes_to_exclude=excluded
+        )
     return onnx.load(path)
 
 
@@ -113,7 +108,7 @@ def test_tune_reports_each_exclusion_and_its_row_reproduces_the_model(prepared, 
     prepared_path = tmp_path / "out" / "prepared.onnx"
     with quiet():
         quantize_static(
-            str(prepared_path), str(again), Samples(prepared["files"][:2]),
+            str(prepared_path), str(again), calibration_reader(prepared["files"][:2]),
             **keyword_arguments(row["quantize_static"]),
         )  # fmt: skip
     fixed, changed = fallback.float_inputs(onnx.load(again), row["post_step"]["float_inputs"], onnx.load(prepared_path))
@@ -181,7 +176,7 @@ def test_a_folded_clip_with_initializer_bounds_is_applied_again_with_them(tmp_pa
 
     with quiet():
         quantize_static(
-            str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), Samples([str(tmp_path / "s.npz")]),
+            str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), calibration_reader([tmp_path / "s.npz"]),
             nodes_to_exclude=["conv2"], activation_type=QuantType.QUInt8,
         )  # fmt: skip
     quantized = onnx.load(tmp_path / "q.onnx")

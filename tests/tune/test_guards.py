@@ -9,14 +9,14 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper, numpy_helper
-from onnxruntime.quantization import CalibrationDataReader, quantize_static
+from onnxruntime.quantization import quantize_static
 
 import gen_models
 import graphscan
 import graphscan_ort.tune.command as tune
 import graphscan_ort.tune.deployed as deployed
 from graphscan_ort.shared.agreement import metric
-from graphscan_ort.tune.candidates import quiet
+from graphscan_ort.tune.candidates import SampleReader, quiet
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
 from tests.helpers import main_error_line, run_main
 
@@ -57,18 +57,13 @@ def constant_weight_model(path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
 
 
-class OneSample(CalibrationDataReader):
-    def __init__(self):
-        self.left = iter([{"x": np.ones((1, 3, 8, 8), np.float32)}])
-
-    def get_next(self):
-        return next(self.left, None)
+ONES = {"x": np.ones((1, 3, 8, 8), np.float32)}  # one calibration sample
 
 
 def test_a_weight_quantized_at_run_time_from_a_constant_is_a_float_weight(tmp_path):
     constant_weight_model(tmp_path / "f.onnx")
     with quiet():
-        quantize_static(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), OneSample())
+        quantize_static(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), SampleReader([ONES]))
     quantized = onnx.load(tmp_path / "q.onnx")
     assert float_weight_nodes(quantized) == ["conv"]  # Q then DQ of the Constant, in the graph
     assert float_weight_nodes(quantized, ["conv"]) == []  # excluded nodes apart
@@ -79,7 +74,11 @@ def test_a_weight_quantized_at_run_time_from_a_constant_is_a_float_weight(tmp_pa
     model.graph.node.remove(constant)
     onnx.save(model, tmp_path / "f2.onnx")
     with quiet():
-        quantize_static(str(tmp_path / "f2.onnx"), str(tmp_path / "q2.onnx"), OneSample())
+        quantize_static(
+            str(tmp_path / "f2.onnx"),
+            str(tmp_path / "q2.onnx"),
+            SampleReader([ONES]),
+        )
     assert float_weight_nodes(onnx.load(tmp_path / "q2.onnx")) == []
     assert float_weight_nodes(model) == ["conv"]  # the float model itself: every weight float
 

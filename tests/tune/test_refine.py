@@ -5,19 +5,12 @@ identical are measured once and said to be the same."""
 import numpy as np
 import onnx
 import pytest
-from onnxruntime.quantization import CalibrationDataReader, quantize_static
+from onnxruntime.quantization import quantize_static
 
 import gen_models
 import graphscan_ort.tune.command as tune
 from graphscan_ort.tune.candidates import REFINEMENTS, calibration_key, keyword_arguments, quiet, refinements
-
-
-class Calibration(CalibrationDataReader):
-    def __init__(self, paths):
-        self.left = iter([dict(np.load(p)) for p in paths])
-
-    def get_next(self):
-        return next(self.left, None)
+from tests.helpers import calibration_reader
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +51,7 @@ def test_a_refined_row_is_reproduced_by_its_arguments(unreachable, tmp_path):
     with quiet():
         quantize_static(
             str(unreachable["out"] / "prepared.onnx"), str(tmp_path / "again.onnx"),
-            Calibration(unreachable["files"][:2]), **keyword_arguments(chosen["quantize_static"]),
+            calibration_reader(unreachable["files"][:2]), **keyword_arguments(chosen["quantize_static"]),
         )  # fmt: skip
     assert (tmp_path / "again.onnx").read_bytes() == (unreachable["out"] / "model.onnx").read_bytes()
 
