@@ -25,6 +25,8 @@ from typing import Any
 
 import onnx
 
+from graphscan import DEQUANTIZE, QUANTIZE
+
 TOP_AROUND = 3  # the best-ranked operators that get an "around" block
 
 
@@ -101,7 +103,7 @@ def adjacency(model: onnx.ModelProto, names: set[str]) -> dict[str, set[str]]:
             continue
         for tensor in node.input:
             producer = producers.get(tensor)
-            while producer is not None and producer.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            while producer is not None and producer.op_type in (QUANTIZE, DEQUANTIZE):
                 producer = producers.get(producer.input[0])
             if producer is not None and producer.name in names and producer.name != node.name:
                 neighbours[node.name].add(producer.name)
