@@ -25,7 +25,7 @@ from typing import Any
 
 import onnx
 
-from graphscan import DEQUANTIZE, QUANTIZE
+from graphscan import GraphIndex, data_source
 
 TOP_AROUND = 3  # the best-ranked operators that get an "around" block
 
@@ -94,20 +94,20 @@ def search_blocks(model: onnx.ModelProto, ranked: Sequence[Mapping[str, Any]], m
 
 def adjacency(model: onnx.ModelProto, names: set[str]) -> dict[str, set[str]]:
     """Per operator of ``names``, the operators of ``names`` it reads from or feeds,
-    looking through Q and DQ nodes (the quantized model's round trips are not the
-    given model's, but a given model may hold some)."""
-    producers = {output: node for node in model.graph.node for output in node.output}
+    looking through Q and DQ nodes (the core's ``data_source``: a given model may hold
+    some)."""
+    graph = model.graph
+    index = GraphIndex(graph)
     neighbours: dict[str, set[str]] = {name: set() for name in names}
-    for node in model.graph.node:
+    for node in graph.node:
         if node.name not in names:
             continue
         for tensor in node.input:
-            producer = producers.get(tensor)
-            while producer is not None and producer.op_type in (QUANTIZE, DEQUANTIZE):
-                producer = producers.get(producer.input[0])
-            if producer is not None and producer.name in names and producer.name != node.name:
-                neighbours[node.name].add(producer.name)
-                neighbours[producer.name].add(node.name)
+            j = index.producer_of(data_source(index, graph, tensor)[0])
+            producer = graph.node[j].name if j is not None else None
+            if producer in names and producer != node.name:
+                neighbours[node.name].add(producer)
+                neighbours[producer].add(node.name)
     return neighbours
 
 
