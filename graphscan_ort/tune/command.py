@@ -307,8 +307,8 @@ def held_out(calibration: list[dict[str, np.ndarray]], evaluation: list[dict[str
 
 class Measure:
     """How every candidate is measured: the float model (and its path), the evaluation
-    samples, the session's level and threads, the timed runs. Each candidate is read once:
-    ``models`` keeps it by path for the exclusions."""
+    samples, the session's level and threads, the timed runs. ``models`` keeps every candidate
+    written, read once by Trials.add, by path for the exclusions."""
 
     def __init__(
         self,
@@ -328,9 +328,9 @@ class Measure:
         self.min_speedup = 1.0
         self.float_bytes = file_bytes(path, model)
 
-    def __call__(self, candidate_path: str, excluded: list[str] | None = None) -> dict[str, Any]:
-        """A candidate's figures as deployed, with its weights' storage and the guards it breaks."""
-        candidate = self.models[candidate_path] = onnx.load(candidate_path)
+    def __call__(self, candidate: onnx.ModelProto, candidate_path: str, excluded: list[str] | None = None) -> dict:
+        """A candidate's figures as deployed (``candidate``, read from ``candidate_path``), with
+        its weights' storage and the guards it breaks."""
         row = measure_candidate(
             self.model,
             candidate,
@@ -415,10 +415,10 @@ class Trials:
             row = refused_row(row, f"quantize_static: {users_terms(one_line(exc), self.work, self.measure.path)}")
         else:
             excluded = settings.get("nodes_to_exclude")
+            model = onnx.load(target_path)  # read once: checked, measured and kept for the exclusions
             if excluded:  # checked in the deployed session, made real where onnxruntime undid it
-                model = onnx.load(target_path)
                 given = self.given[prepared_path]
-                _, status, fixed = honoured(model, target_path, self.measure.level, excluded, given)
+                model, status, fixed = honoured(model, target_path, self.measure.level, excluded, given)
                 row["excluded"] = status
                 row["post_step"] = {"float_inputs": fixed} if fixed else None
             digest = file_digest(target_path)
@@ -427,13 +427,14 @@ class Trials:
                 row.update({k: v for k, v in twin.items() if k in MEASURED}, same_as=twin["id"])
             else:
                 try:
-                    row.update(self.measure(target_path, excluded))
+                    row.update(self.measure(model, target_path, excluded))
                 except GraphscanError as exc:  # a model the quantizer made that onnxruntime refuses
                     if exc.exit_code != EXIT_RUNTIME:
                         raise
                     return self.refused(row, f"onnxruntime: {users_terms(str(exc), self.work, self.measure.path)}")
                 self.digests[digest] = row
             self.files[ident] = (target_path, prepared_path, cache)
+            self.measure.models[target_path] = model
         self.rows.append(row)
         return row
 
