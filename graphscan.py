@@ -1490,8 +1490,13 @@ def budget_title(budget: dict[str, Any]) -> str:
     described = budget.get("metric")
     if not described:
         return budget["name"]
-    parameters = [f"{key} {value}" for key, value in described.items() if key != "name"]
-    return f"{budget['name']} ({', '.join([described['name'], *parameters])})"
+    return f"{budget['name']} ({', '.join(metric_words(described))})"
+
+
+def metric_words(described: Mapping[str, Any]) -> list[str]:
+    """A metric as an answer describes it (``{"name": "iou", "threshold": 0.3}``), in words:
+    ``["iou", "threshold 0.3"]``, for the tables and the pytest plugin's sentences."""
+    return [described.get("name", "?"), *(f"{key} {value}" for key, value in described.items() if key != "name")]
 
 
 def render_table(command: str, answer: dict, top: int | None = None) -> str:

@@ -334,11 +334,8 @@ def budget_sentence(row: dict[str, Any], config: pytest.Config, gate: Gate) -> s
         integer = classes["int8"] + classes["int8_data"]
         sentence += f" ({integer} of {integer + classes['float']} nodes that run a kernel run int8 kernels)"
     elif name == "min_metric":
-        described = row.get("metric", {})
-        parameters = [f"{k} {v}" for k, v in described.items() if k != "name"]
-        sentence += (
-            f" ({', '.join([described.get('name', '?'), *parameters])} against {Path(gate.settings['float']).name})"
-        )
+        words = graphscan_core().metric_words(row.get("metric", {}))
+        sentence += f" ({', '.join(words)} against {Path(gate.settings['float']).name})"
     elif name == "min_sqnr":
         sentence += f" (dB, against {Path(gate.settings['float']).name})"
     else:

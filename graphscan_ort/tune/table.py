@@ -6,18 +6,17 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from graphscan import TABLE_WIDTH, format_fields, page, section, visible
+from graphscan import TABLE_WIDTH, format_fields, metric_words, page, section, visible
 
 
 def tune_table(answer: dict[str, Any], top: int | None) -> str:
     """Candidates on the Pareto front first (the answer's order), then the choice."""
     target = answer["target"]
     described = answer["metric"]
-    parameters = [f"{key} {value}" for key, value in described.items() if key != "name"]
     latency = answer["latency"]
     head = format_fields(
         [("model", answer["model"]), ("level", answer["environment"]["level"]), ("float ms", answer["float"]["ms"])]
-        + [("metric", " ".join([described["name"], *parameters]))]
+        + [("metric", " ".join(metric_words(described)))]
         + [("target", target["value"]), ("from", target["source"])]
         + [("latency at", shapes_text(latency["inputs"])), ("min speedup", latency["min_speedup"])]
         + [("chosen", answer["chosen"]), ("reached", answer["reached"]), ("output", answer["output"])]
