@@ -67,12 +67,11 @@ class Metric:
         if self.function is not None:
             return user_value(self.name, self.function, reference, candidate)
         check_fits(self, reference)
-        measure = {"sqnr": sqnr, "top1": top1, "iou": iou, "ctc": ctc, "cosine": cosine}[self.name]
         if self.name == "iou":
             return iou(reference, candidate, self.threshold if self.threshold is not None else DEFAULT_THRESHOLD)
         if self.name == "ctc":
             return ctc(reference, candidate, self.blank if self.blank is not None else DEFAULT_BLANK)
-        return measure(reference, candidate)
+        return {"sqnr": sqnr, "top1": top1, "cosine": cosine}[self.name](reference, candidate)
 
 
 def metric(name: str | None, threshold: float | None = None, blank: int | None = None) -> Metric:
