@@ -2138,8 +2138,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: Command) -> None:
 
 
 def build_parser(chosen: str | None = None) -> OneLineParser:
-    """The command line; only the ``chosen`` command's options are declared (and
-    its module imported): --help lists the others by their summaries."""
+    """The command line. With a ``chosen`` command only its parser is built (and its
+    module imported): a parser costs milliseconds, and a run needs one. Without one,
+    every command is declared by its summary, for --help and the usage errors."""
     parser = OneLineParser(
         prog="graphscan.py",
         description="Count what quantization did to an ONNX graph; one JSON object on stdout.",
@@ -2147,9 +2148,10 @@ def build_parser(chosen: str | None = None) -> OneLineParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=OneLineParser)
     for name, entry in COMMANDS.items():
-        command_parser = sub.add_parser(name, help=entry.summary, description=entry.summary)
-        if name == chosen:
-            add_arguments(command_parser, load_command(name))
+        if chosen is None:
+            sub.add_parser(name, help=entry.summary, description=entry.summary)
+        elif name == chosen:
+            add_arguments(sub.add_parser(name, help=entry.summary, description=entry.summary), load_command(name))
     return parser
 
 
