@@ -1,15 +1,22 @@
 """Test helpers shared by every test module: one copy of each idea.
 
-graphscan.py is exercised as its users run it (a separate process, from any
-working directory), and every answer is parsed as strict JSON.
+graphscan.py is exercised as its users run it (``python graphscan.py ARGS`` from
+any working directory: in this process where that gives the same bytes, else a
+separate one), and every answer is parsed as strict JSON.
 """
 
+import contextlib
 import dataclasses
+import functools
 import json
+import logging
+import os
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
+import traceback
 import venv
 from pathlib import Path
 
@@ -17,8 +24,24 @@ ROOT = Path(__file__).resolve().parent.parent
 GRAPHSCAN = str(ROOT / "graphscan.py")
 
 
-def run_graphscan(args, cwd=None, script=GRAPHSCAN, env=None, python_flags=(), timeout=300):
-    """Run graphscan.py as a separate process; stdout and stderr stay bytes."""
+DEFAULT_TIMEOUT = 300
+
+
+def run_graphscan(args, cwd=None, script=GRAPHSCAN, env=None, python_flags=(), timeout=DEFAULT_TIMEOUT):
+    """``python graphscan.py ARGS`` as ``subprocess.CompletedProcess``; stdout and stderr stay bytes.
+
+    A plain run (no other environment, interpreter flags, script or timeout) is
+    made in this process by :func:`run_in_process`, which gives the same bytes
+    and exit code (tests/cli/test_in_process.py holds it to that on every
+    command) at a tenth of the cost; anything else is a separate process.
+    """
+    if env is None and not python_flags and script == GRAPHSCAN and timeout == DEFAULT_TIMEOUT:
+        return run_in_process(args, cwd)
+    return run_graphscan_process(args, cwd, script, env, python_flags, timeout)
+
+
+def run_graphscan_process(args, cwd=None, script=GRAPHSCAN, env=None, python_flags=(), timeout=DEFAULT_TIMEOUT):
+    """Run graphscan.py as a separate process, as its users do."""
     return subprocess.run(
         [sys.executable, *python_flags, script, *map(str, args)],
         cwd=cwd,
@@ -26,6 +49,66 @@ def run_graphscan(args, cwd=None, script=GRAPHSCAN, env=None, python_flags=(), t
         capture_output=True,
         timeout=timeout,
     )
+
+
+@functools.cache
+def process_stream_errors():
+    """The error handlers a child Python gives stdout and stderr in this environment
+    (``surrogateescape`` on stdout under a C.UTF-8 locale, for one)."""
+    probe = "import sys; print(sys.stdout.encoding, sys.stdout.errors, sys.stderr.encoding, sys.stderr.errors)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    out_encoding, out_errors, err_encoding, err_errors = done.stdout.split()
+    return (out_encoding, out_errors), (err_encoding, err_errors)
+
+
+def run_in_process(args, cwd=None):
+    """``graphscan.main(args)`` in this process, seen as a separate process would see it.
+
+    Descriptors 1 and 2 are pointed at files, so onnxruntime's own C++ output is
+    caught as well; ``sys.stdout``/``sys.stderr`` are fresh streams on them with a
+    child's encodings; the root logger has no handlers (pytest's would swallow
+    what Python's last-resort handler prints); ``cwd`` is the working folder for
+    the run. An exception escaping ``main`` is a traceback and exit 1, as in the
+    interpreter.
+    """
+    import graphscan
+
+    argv = [str(a) for a in args]
+    (out_encoding, out_errors), (err_encoding, err_errors) = process_stream_errors()
+    root = logging.getLogger()
+    saved = sys.stdout, sys.stderr, sys.argv, root.handlers[:], os.getcwd()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        for stream in saved[:2]:
+            stream.flush()
+        saved_fds = os.dup(1), os.dup(2)
+        try:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            sys.stdout = open(1, "w", encoding=out_encoding, errors=out_errors, closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", encoding=err_encoding, errors=err_errors, closefd=False, buffering=1)  # noqa: SIM115
+            sys.argv = [GRAPHSCAN, *argv]
+            root.handlers = []
+            if cwd is not None:
+                os.chdir(cwd)
+            try:
+                code = graphscan.main(argv)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except BaseException:  # the interpreter's answer to an escape
+                traceback.print_exc()
+                code = 1
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+        finally:
+            os.chdir(saved[4])
+            sys.stdout, sys.stderr, sys.argv, root.handlers = saved[:4]
+            for fd, saved_fd in zip((1, 2), saved_fds, strict=True):
+                os.dup2(saved_fd, fd)
+                os.close(saved_fd)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess([sys.executable, GRAPHSCAN, *argv], code, out.read(), err.read())
 
 
 def run_onnx(path, feeds, level="disabled"):

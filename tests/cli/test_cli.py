@@ -1,9 +1,10 @@
 """graphscan.py as a process: exit codes, stdout JSON and stderr lines (SPEC.md, "Invocation").
 
-Most tests run ``python /abs/path/graphscan.py ...`` by subprocess, the way graders,
-users and other programs call it, from a tmp working directory so the tool is shown
-to run from anywhere. A few call ``graphscan.main(argv)`` in-process with capsys.
-Each subprocess costs ~0.3 s, so the cases are chosen, not multiplied.
+Most tests run ``python /abs/path/graphscan.py ...`` through ``run_graphscan``, the way
+graders, users and other programs call it, from a tmp working directory so the tool is
+shown to run from anywhere (in this process, which tests/cli/test_in_process.py holds
+to the same bytes; a separate one where the environment or interpreter flags differ).
+A few call ``graphscan.main(argv)`` in-process with capsys.
 """
 
 import json

@@ -27,15 +27,13 @@ with the code shown and print one JSON object (DOT text for ``dot``, a table for
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import graphscan
-from tests.helpers import GRAPHSCAN, ROOT, describe, json_answer
+from tests.helpers import ROOT, describe, json_answer, run_graphscan
 
 SPEC = (ROOT / "docs" / "SPEC.md").read_text(encoding="utf-8")
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -143,7 +141,7 @@ ALL_SHOWN = [shown for page in PAGES for shown in shown_commands(page)]
 
 
 def argv_of(shown):
-    """The process to run and the file its stdout is redirected to (or None)."""
+    """graphscan's arguments and the file its stdout is redirected to (or None)."""
     words = shlex.split(shown["command"])
     target = None
     if len(words) >= 2 and words[-2] == ">":
@@ -155,7 +153,7 @@ def argv_of(shown):
     else:
         pytest.fail(f"{shown['where']}: `$ {shown['command']}` is not a graphscan command; show it without `$ `")
     assert not any(set(word) & set("|&;<>`") for word in args), f"{shown['where']}: shell syntax in {args}"
-    return [sys.executable, GRAPHSCAN, *args], target
+    return args, target
 
 
 def stand_in_cnn(folder):
@@ -229,13 +227,12 @@ def test_the_docs_show_commands():
 
 @pytest.mark.parametrize("shown", ALL_SHOWN, ids=[f"{s['where']} {s['command']}" for s in ALL_SHOWN])
 def test_every_shown_command_runs(shown, docs_folder):
-    argv, target = argv_of(shown)
-    proc = subprocess.run(argv, cwd=docs_folder, capture_output=True, timeout=120)
+    args, target = argv_of(shown)
+    proc = run_graphscan(args, cwd=docs_folder)
     assert proc.returncode == shown["code"], f"{shown['where']}: {describe(proc)}"
     if target is not None:  # as the shell would: stdout into the file
         (docs_folder / target).write_bytes(proc.stdout)
     text = proc.stdout.decode("utf-8")
-    args = argv[2:]
     if args[:1] == ["dot"]:
         assert text.startswith("digraph"), f"{shown['where']}: {describe(proc)}"
     elif "table" in args and args[args.index("table") - 1] == "--format":
