@@ -13,6 +13,8 @@ from hypothesis import HealthCheck, settings
 import gen_models
 from tests.lab import DEFAULT_LAB, SMALL_LAB, TRACE_LAB, case_params
 
+pytest_plugins = ["pytester"]  # tests/cli/test_plugin.py runs the graphscan plugin in pytest, in process
+
 # Hypothesis profiles for tests/counting/test_properties.py. Registered here because the plugin
 # loads `--hypothesis-profile NAME` in pytest_configure, before test modules import.
 # database=None: tests never write into the repository (no .hypothesis/ folder); a failure

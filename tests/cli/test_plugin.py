@@ -2,9 +2,10 @@
 model and budget, sentences for failures, snapshots of what runs, the fixture, and a
 plugin that is inert unless asked.
 
-Each run is pytest in a separate process in a temporary model repository, as users run
-it: with ``-p graphscan_pytest`` (the repository on PYTHONPATH), and once after
-``pip install .`` into a fresh venv, where the pytest11 entry point loads it.
+Each run is pytest in a temporary model repository with ``-p graphscan_pytest``, in this
+process (pytester); once in a separate process after ``pip install .`` into a fresh venv,
+where the pytest11 entry point loads it as users run it, and once in a bare interpreter
+to show that loading the plugin imports nothing heavy.
 """
 
 import json
@@ -111,14 +112,18 @@ snapshot = true
     return {"folder": folder, "expected": expected, "islands": islands}
 
 
-def run_pytest(folder, *args):
-    """pytest in ``folder`` in a new process, the plugin loaded with -p: ``(exit code, output)``."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "graphscan_pytest", "-p", "no:cacheprovider", *args],
-        cwd=folder, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    return proc.returncode, proc.stdout + proc.stderr
+@pytest.fixture
+def run_pytest(pytester, monkeypatch):
+    """``run(folder, *args)``: pytest in ``folder``, in this process (pytester's run, which
+    restores every module and option after it), the plugin loaded with -p:
+    ``(exit code, output)``."""
+
+    def run(folder, *args):
+        monkeypatch.chdir(folder)
+        result = pytester.runpytest("-p", "graphscan_pytest", "-p", "no:cacheprovider", *args)
+        return int(result.ret), "\n".join(result.outlines + result.errlines)
+
+    return run
 
 
 def item_outcomes(output):
@@ -131,7 +136,7 @@ def item_outcomes(output):
     return found
 
 
-def test_each_budget_is_an_item_that_passes_or_fails_as_graphscan_check_says(repository):
+def test_each_budget_is_an_item_that_passes_or_fails_as_graphscan_check_says(repository, run_pytest):
     folder = repository["folder"]
     run_pytest(folder, "--graphscan", "--snapshot-update")  # takes the snapshots first
     snapshot = folder / "graphscan_snapshots" / "cnn.s8.onnx.json"
@@ -174,7 +179,7 @@ def test_a_snapshot_names_each_change_and_refuses_another_onnxruntime():
         assert f"taken with {key} {value}, this session has {same[key]}" in verdict
 
 
-def test_without_the_flag_nothing_is_collected(repository):
+def test_without_the_flag_nothing_is_collected(repository, run_pytest):
     code, output = run_pytest(repository["folder"], "--collect-only", "-q")
     assert code == 5 and "graphscan.toml" not in output  # no tests: the plugin added none
 
@@ -200,7 +205,7 @@ def test_a_bad_config_names_file_line_and_key(repository, body, line, words, tmp
     assert f"bad.toml:{line}: [[model]] 1: " in str(raised.value) and words in str(raised.value)
 
 
-def test_a_bad_config_is_one_collection_error(repository):
+def test_a_bad_config_is_one_collection_error(repository, run_pytest):
     folder = repository["folder"]
     (folder / "bad.toml").write_text('[[model]]\npath = "models/full.onnx"\nmax_islnds = 3\n')
     code, output = run_pytest(folder, "--graphscan", "--graphscan-config", "bad.toml")
@@ -209,7 +214,7 @@ def test_a_bad_config_is_one_collection_error(repository):
     assert "bad.toml:3: [[model]] 1: unknown key 'max_islnds'" in output and "Traceback" not in output
 
 
-def test_the_fixture_answers_in_process_cached_by_file_content(repository, tmp_path):
+def test_the_fixture_answers_in_process_cached_by_file_content(repository, tmp_path, run_pytest):
     folder = repository["folder"]
     (folder / "test_hand.py").write_text(
         "import shutil\n"
@@ -239,7 +244,7 @@ def test_the_plugin_imports_nothing_heavy_until_asked():
 
 
 @pytest.mark.skipif(os.name != "posix", reason="venv layout with bin/")
-def test_after_pip_install_the_entry_point_gates_the_repository(repository, fresh_install):
+def test_after_pip_install_the_entry_point_gates_the_repository(repository, fresh_install, run_pytest):
     """``pip install .`` into a fresh venv: ``pytest --graphscan -n 2`` there finds the plugin
     by its pytest11 entry point (no -p), and passes and fails exactly the expected items."""
     bin_dir = fresh_install
@@ -254,7 +259,7 @@ def test_after_pip_install_the_entry_point_gates_the_repository(repository, fres
     assert proc.returncode == 1
 
 
-def test_the_readmes_config_is_valid_and_gates_as_it_says(tmp_path, build_case):
+def test_the_readmes_config_is_valid_and_gates_as_it_says(tmp_path, build_case, run_pytest):
     """README's "Gate your models in pytest" graphscan.toml, copied as a user would, with the
     lab's models at its paths: one item per budget and the snapshot, every one run."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
