@@ -235,25 +235,7 @@ def test_help_prints_usage_and_exits_0(workdir, prefix):
 
 
 # --------------------------------------------------------------------------
-# 7. Determinism
-
-
-@pytest.mark.parametrize(
-    ("command", "variants"),
-    [
-        pytest.param("nodes", ["full"], id="nodes-full"),
-        pytest.param("islands", ["matmul_only"], id="islands-matmul_only"),
-        pytest.param("diff", ["full", "matmul_only"], id="diff-full-to-matmul_only"),
-    ],
-)
-def test_same_command_gives_identical_bytes(default_lab, workdir, command, variants):
-    """Two runs under different string-hash seeds: no set or dict order leaks out."""
-    args = [command, *(default_lab[v] for v in variants)]
-    first, second = (run_graphscan(args, workdir, env={**os.environ, "PYTHONHASHSEED": seed}) for seed in ["1", "2"])
-
-    json_answer(first)
-    assert first.stdout == second.stdout
-    assert second.stderr == b""
+# 7. Determinism: tests/cli/test_determinism.py (every counting command, several hash seeds)
 
 
 # --------------------------------------------------------------------------
