@@ -69,32 +69,37 @@ def test_missing_external_data_file_is_never_needed(tmp_path, command):
     assert {**answer, "model": ""} == {**reference, "model": ""}
 
 
-def opened_files(argv):
-    """Exit code and every path graphscan opens, seen by a Python audit hook."""
+def opened_files(runs):
+    """Per argv of ``runs``: its exit code and every path graphscan opens, seen by a Python
+    audit hook, all in one separate process (a hook cannot be removed again)."""
     script = (
-        "import json, sys\n"
+        "import contextlib, io, json, sys\n"
         "opened = []\n"
         "sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == 'open' else None)\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
         "import graphscan\n"
-        "code = graphscan.main(sys.argv[1:])\n"
-        "sys.stderr.write(json.dumps(opened))\n"
-        "sys.exit(code)\n"
+        "seen = []\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    opened.clear()\n"
+        "    with contextlib.redirect_stdout(io.StringIO()):\n"
+        "        code = graphscan.main(argv)\n"
+        "    seen.append([code, list(opened)])\n"
+        "sys.stderr.write(json.dumps(seen))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True)
-    return done.returncode, json.loads(done.stderr.splitlines()[-1])
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(runs)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return [tuple(run) for run in json.loads(done.stderr.splitlines()[-1])]
 
 
-@pytest.mark.parametrize("command", SINGLE_MODEL_COMMANDS)
-def test_location_outside_the_folder_is_never_opened(tmp_path, command):
+def test_location_outside_the_folder_is_never_opened(tmp_path):
     (tmp_path / "weights.bin").write_bytes(bytes(256))
     evil = with_external_weights(tmp_path / "evil.onnx", "../../etc/shadow", 1024)
     local = with_external_weights(tmp_path / "local.onnx", "weights.bin", 256)
-    for path in [evil, local]:
-        code, opened = opened_files([command, str(path)])
-        assert code == 0
-        assert str(path) in opened  # the hook sees graphscan's own open
-        assert not [p for p in opened if "shadow" in p or "weights.bin" in p]
+    runs = [[command, str(path)] for command in SINGLE_MODEL_COMMANDS for path in (evil, local)]
+    for argv, (code, opened) in zip(runs, opened_files(runs), strict=True):
+        assert code == 0, argv
+        assert argv[1] in opened, argv  # the hook sees graphscan's own open
+        assert not [p for p in opened if "shadow" in p or "weights.bin" in p], (argv, opened)
 
 
 def test_trace_refuses_a_location_outside_the_folder(tmp_path, capsys):
