@@ -151,9 +151,20 @@ def close(actual, expected):
     return abs(actual - expected) <= TOLERANCE_DB
 
 
+BRUTE_FORCES = {}  # one reference per (models, samples): several tests check the same one
+
+
+def brute_force(a, b, sample_paths):
+    """reference.py's impact of ``b`` against ``a``, computed once per files and samples."""
+    key = (str(a), str(b), tuple(map(str, sample_paths)))
+    if key not in BRUTE_FORCES:
+        BRUTE_FORCES[key] = reference.reference_impact(onnx.load(a), onnx.load(b), load_samples(sample_paths))
+    return BRUTE_FORCES[key]
+
+
 def assert_equals_brute_force(a, b, sample_paths):
     answer = graphscan.impact(str(a), str(b), inputs=[str(p) for p in sample_paths])
-    brute = reference.reference_impact(onnx.load(a), onnx.load(b), load_samples(sample_paths))
+    brute = brute_force(a, b, sample_paths)
     baseline = brute["baseline"]
     assert close(answer["output_sqnr_db"], baseline), (answer["output_sqnr_db"], baseline)
     assert sorted(r["node"] for r in answer["ops"]) == sorted(brute["ops"])
