@@ -147,7 +147,7 @@ def profiler_floor(provider: str, runs: int) -> float:
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)])
     runs = max(1, min(runs, 5))
     with temporary_folder("graphscan-profile-") as folder:
-        options = session_options(threads=1)
+        options = session_options(threads=1, spinning=True)
         profile = profiled_session(
             model.SerializeToString(),
             "graphscan's profiler-floor model",
@@ -256,7 +256,7 @@ def runtime_time(
     by_name = profiled_totals(
         named_bytes,
         f"{shown(path)}: model",
-        lambda: session_options(level, threads=1, int8_allowed=int8_allowed),
+        lambda: session_options(level, threads=1, int8_allowed=int8_allowed, spinning=True),
         provider,
         feeds,
         runs,
@@ -280,7 +280,7 @@ def runtime_time(
     ablated, removed = without_round_trips(optimized_proto)
     if not removed:
         return time_answer(floor, feeds, defaulted, runs, shares, node_us, removed, None, None, 0.0)
-    frozen = session_options(threads=1)
+    frozen = session_options(threads=1, spinning=True)
     sessions = [
         open_session(optimized_proto, f"{shown(path)} (as optimized by onnxruntime)", frozen, provider),
         open_session(ablated, f"graphscan's copy of {shown(path)} without Q/DQ round trips", frozen, provider),

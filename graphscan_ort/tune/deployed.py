@@ -117,8 +117,8 @@ def latency_figures(
     """``ms``, ``float_ms``, ``speedup`` and ``speedup_spread`` of the two models timed in
     alternation on each latency sample."""
     sessions = [
-        open_session(float_model, f"{shown(float_path)}: model", session_options(level, threads=threads)),
-        open_session(quant_model, f"{shown(quant_path)}: model", session_options(level, threads=threads)),
+        open_session(float_model, f"{shown(float_path)}: model", session_options(level, threads, spinning=True)),
+        open_session(quant_model, f"{shown(quant_path)}: model", session_options(level, threads, spinning=True)),
     ]
     float_s = quant_s = 0.0
     ratios: list[float] = []
