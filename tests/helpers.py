@@ -120,6 +120,8 @@ def run_onnx(path, feeds, level="disabled"):
     options = ort.SessionOptions()
     if level == "disabled":
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    # Threads idle between runs instead of spinning: the same outputs, and a test opens many sessions.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     return session.run(None, feeds)
 
