@@ -4,6 +4,8 @@ Calibrating once through onnxruntime's calibration cache must give the same mode
 byte for byte, as a plain quantize_static call with a fresh reader of the same data.
 """
 
+import hashlib
+
 import numpy as np
 import onnx
 import pytest
@@ -60,3 +62,14 @@ def test_every_candidate_is_reproduced_by_its_own_arguments(cnn, tmp_path):
             quantize_static(cnn, str(plain), Pages(shape), **candidates.keyword_arguments(settings))
         assert cached.read_bytes() == plain.read_bytes(), settings
     assert len(calibrations) == 2  # once per calibration method
+
+
+def test_files_that_differ_only_after_the_first_mib_have_different_digests(tmp_path):
+    """Two quantized models the same for their first MiB (a big model's weights) are not
+    twins: the digest is of every byte, hashlib's own SHA-256 of the whole file."""
+    head = np.random.default_rng(0).bytes(3 << 19)  # 1.5 MiB
+    a, b = tmp_path / "a.onnx", tmp_path / "b.onnx"
+    a.write_bytes(head + b"a")
+    b.write_bytes(head + b"b")
+    assert candidates.file_digest(str(a)) == hashlib.sha256(a.read_bytes()).hexdigest()
+    assert candidates.file_digest(str(a)) != candidates.file_digest(str(b))

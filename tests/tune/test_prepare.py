@@ -186,3 +186,133 @@ def test_a_bit_exact_step_is_checked_against_the_step_before_not_the_original(tm
     assert by_step["quant_pre_process"]["ok"] and by_step["quant_pre_process"]["max_abs_error"] > 0
     assert by_step["names"]["ok"] and by_step["names"]["max_abs_error"] == 0.0
     assert all(node.name for node in prepared.graph.node)
+
+
+def with_weight_scaled(model, factor, name="w"):
+    """A copy of ``model`` with the initializer ``name`` times ``factor`` (a linear model's
+    outputs scale with it: an output SQNR of -20*log10(factor - 1) dB)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    weight = next(t for t in out.graph.initializer if t.name == name)
+    values = onnx.numpy_helper.to_array(weight) * np.float32(factor)
+    weight.CopyFrom(onnx.numpy_helper.from_array(values.astype(np.float32), name))
+    return out
+
+
+def pre_processed_as(change):
+    """A stand-in for quant_pre_process that saves ``change(model)``."""
+
+    def run(source, target):
+        onnx.save(change(onnx.load(source)), target)
+        return target, "quant_pre_process ran"
+
+    return run
+
+
+def test_a_quant_pre_process_that_fails_its_verification_is_dropped_and_the_original_goes_on(tmp_path, monkeypatch):
+    """A pre-processed model 60 dB from the original (a weight changed by 1e-3): the step
+    fails and every later step starts from the original's weights."""
+    monkeypatch.setattr(prepare, "pre_processed", pre_processed_as(lambda m: with_weight_scaled(m, 1 + 1e-3)))
+    source = tmp_path / "float.onnx"
+    onnx.save(conv_block_model(DIV), source)
+    prepared, steps = prepare.prepare(str(source), str(tmp_path), SAMPLES)
+    assert [(s["step"], s["ok"]) for s in steps] == [("quant_pre_process", False), ("div_by_constant", True)]
+    assert "dropped" in steps[0]["detail"]
+    weight = next(t for t in prepared.graph.initializer if t.name == "w")
+    original = next(t for t in onnx.load(source).graph.initializer if t.name == "w")
+    assert weight.SerializeToString() == original.SerializeToString()
+
+
+def test_every_step_is_verified_against_the_original_so_small_changes_cannot_add_up(tmp_path, monkeypatch):
+    """Two steps each 84 dB from the model before them are 78 dB from the original, below
+    the 80 dB rule: the second is dropped."""
+    step_change = 1 + 6e-5  # -20*log10(6e-5) = 84.4 dB; twice: 78.4 dB
+    monkeypatch.setattr(prepare, "pre_processed", pre_processed_as(lambda m: with_weight_scaled(m, step_change)))
+    monkeypatch.setattr(prepare, "REWRITES", {"scaled": lambda m: (with_weight_scaled(m, step_change), 1)})
+    source = tmp_path / "float.onnx"
+    onnx.save(conv_block_model(DIV), source)
+    _, steps = prepare.prepare(str(source), str(tmp_path), SAMPLES)
+    assert [(s["step"], s["ok"]) for s in steps] == [("quant_pre_process", True), ("scaled", False)]
+    assert "80 dB" in steps[1]["detail"]
+
+
+def test_constants_are_moved_bit_exact_against_the_pre_processed_model_not_the_original(tmp_path, monkeypatch):
+    """quant_pre_process reassociated a Constant's weight (by one float32 ulp) and kept the
+    Constant: moving it to an initializer changes nothing more, and is kept."""
+
+    def reassociated(model):
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+        value = out.graph.node[0].attribute[0]
+        values = onnx.numpy_helper.to_array(value.t) * np.float32(1 + 1e-7)
+        value.t.CopyFrom(onnx.numpy_helper.from_array(values.astype(np.float32), "w"))
+        return out
+
+    monkeypatch.setattr(prepare, "pre_processed", pre_processed_as(reassociated))
+    source = tmp_path / "float.onnx"
+    onnx.save(constant_weight_model(), source)
+    samples = [{"x": np.random.default_rng(1).standard_normal((1, 1, 4, 4)).astype(np.float32)}]
+    _, steps = prepare.prepare(str(source), str(tmp_path), samples)
+    by_step = {s["step"]: s for s in steps}
+    assert by_step["quant_pre_process"]["ok"] and by_step["quant_pre_process"]["max_abs_error"] > 0
+    assert by_step["constants"]["ok"] and by_step["constants"]["max_abs_error"] == 0.0, by_step["constants"]
+
+
+def test_an_ir_3_models_constants_become_initializers_that_are_also_graph_inputs(tmp_path, monkeypatch):
+    """Before IR 4 every initializer must be a graph input (onnx's checker says so)."""
+    monkeypatch.setattr(prepare, "pre_processed", lambda source, target: (None, "quant_pre_process failed (test)"))
+    old = constant_weight_model()
+    old.ir_version = 3
+    old.opset_import[0].version = 8
+    source = tmp_path / "float.onnx"
+    onnx.save(old, source)
+    samples = [{"x": np.random.default_rng(1).standard_normal((1, 1, 4, 4)).astype(np.float32)}]
+    _, steps = prepare.prepared_base(str(source), str(tmp_path), samples, onnx.load(source))
+    (constants,) = [s for s in steps if s["step"] == "constants"]
+    assert constants["ok"] and constants["max_abs_error"] == 0.0, constants
+    moved, count = prepare.constants_as_initializers(old)
+    assert count == 2 and {"w", "b"} <= {i.name for i in moved.graph.input}
+    onnx.checker.check_model(moved, full_check=True)
+
+
+def test_an_unnamed_node_whose_spec_name_is_taken_gets_a_fresh_one():
+    """Node 1 unnamed is Relu_1 by the SPEC; node 0 already has that name."""
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"], name="Relu_1"), helper.make_node("Relu", ["r"], ["y"])],
+        "clash",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    named, count = prepare.named_nodes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+    names = [node.name for node in named.graph.node]
+    assert count == 1 and names[0] == "Relu_1" and names[1] not in ("", "Relu_1")
+
+
+@pytest.mark.parametrize(("opset", "converted"), [(12, True), (13, False)])
+def test_only_a_model_below_opset_13_is_converted(tmp_path, monkeypatch, opset, converted):
+    monkeypatch.setattr(prepare, "pre_processed", lambda source, target: (source, "quant_pre_process (test)"))
+    source = tmp_path / "float.onnx"
+    onnx.save(conv_block_model(DIV, opset=opset), source)
+    model, steps = prepare.prepared_base(str(source), str(tmp_path), SAMPLES, onnx.load(source))
+    assert ("opset" in [s["step"] for s in steps]) is converted
+    assert graph_edit.default_opset(model) == 13
+
+
+def test_quant_pre_process_is_retried_once_without_symbolic_shapes_and_says_so(tmp_path, monkeypatch):
+    """A stub that records its calls and fails while symbolic shape inference is on."""
+    import onnxruntime.quantization.shape_inference as shape_inference
+
+    calls = []
+
+    def recording(source, target, **options):
+        calls.append(options)
+        if not options.get("skip_symbolic_shape"):
+            raise RuntimeError("symbolic shape inference gave up")
+        onnx.save(onnx.load(source), target)
+
+    monkeypatch.setattr(shape_inference, "quant_pre_process", recording)
+    source = tmp_path / "float.onnx"
+    onnx.save(conv_block_model(DIV), source)
+    path, detail = prepare.pre_processed(str(source), str(tmp_path / "pre.onnx"))
+    assert path == str(tmp_path / "pre.onnx") and calls == [{}, {"skip_symbolic_shape": True}]
+    assert "symbolic shape inference gave up" in detail and "retried with skip_symbolic_shape=True" in detail

@@ -121,3 +121,48 @@ def test_an_unnamed_hard_sigmoids_clip_takes_a_fresh_name():
     onnx.checker.check_model(rewritten, full_check=True)
     _, problem = metrics.verified(model, rewritten, SAMPLES_1x4)
     assert problem is None
+
+
+def one_op_model(op, elem_type, opset=13, constant=None, **attributes):
+    """x -> op(x[, c]) -> y on [1, 4] tensors of ``elem_type``; ``c`` an initializer when given."""
+    inits = [numpy_helper.from_array(constant, "c")] if constant is not None else []
+    graph = helper.make_graph(
+        [helper.make_node(op, ["x", "c"] if inits else ["x"], ["y"], name="op", **attributes)],
+        "g",
+        [helper.make_tensor_value_info("x", elem_type, [1, 4])],
+        [helper.make_tensor_value_info("y", elem_type, [1, 4])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def test_an_integer_division_is_never_rewritten():
+    """7 / 2 is 3 in int32: no Mul by a reciprocal computes that."""
+    model = one_op_model("Div", TensorProto.INT32, constant=np.array(2, np.int32))
+    rewritten, count = rewrites.div_by_constant(model)
+    assert count == 0 and [n.op_type for n in rewritten.graph.node] == ["Div"]
+
+
+def test_a_float16_hard_sigmoid_is_rewritten_in_float16():
+    from onnx.reference import ReferenceEvaluator
+
+    model = one_op_model("HardSigmoid", TensorProto.FLOAT16, alpha=0.25, beta=0.4)
+    rewritten, count = rewrites.hard_sigmoid(model)
+    assert count == 1
+    onnx.checker.check_model(rewritten, full_check=True)
+    assert {init.data_type for init in rewritten.graph.initializer} == {TensorProto.FLOAT16}
+    x = np.array([[-4.0, -1.0, 0.5, 3.0]], np.float16)
+    expected = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    np.testing.assert_allclose(ReferenceEvaluator(rewritten).run(None, {"x": x})[0], expected, atol=1e-3)
+
+
+@pytest.mark.parametrize(("opset", "rewritten"), [(10, False), (11, True)])
+def test_hard_sigmoid_is_rewritten_from_opset_11_on(opset, rewritten):
+    """Clip reads its bounds as inputs from opset 11 on: 11 itself is rewritten."""
+    model = one_op_model("HardSigmoid", TensorProto.FLOAT, opset=opset, alpha=0.25, beta=0.4)
+    out, count = rewrites.hard_sigmoid(model)
+    assert count == int(rewritten)
+    onnx.checker.check_model(out, full_check=True)
+    if rewritten:
+        _, problem = metrics.verified(model, out, SAMPLES_1x4)
+        assert problem is None

@@ -446,3 +446,39 @@ def test_samples_that_measure_nothing_are_exit_7(tuned, tmp_path, capsys, values
     argv = ["tune", tuned["float"], "--calibrate", str(sample), "--out", str(tmp_path / "o")]
     line = main_error_line(capsys, argv, 7)
     assert "nothing to measure" in line and str(sample) in line and not (tmp_path / "o").exists()
+
+
+def test_the_table_shows_each_failed_prepare_step_in_full_and_no_passed_one(tuned):
+    """A failed step's reason is cut in its column; it is the one written out below."""
+    reason = "quant_pre_process failed (symbolic shape inference gave up on node Resize_12 of the decoder); dropped"
+    prepare = [
+        {"step": "quant_pre_process", "ok": False, "detail": reason, "max_abs_error": None},
+        {"step": "opset", "ok": True, "detail": "opset 11 -> 13 (per-channel weights need it)", "max_abs_error": 0.0},
+    ]
+    text = graphscan.render_table("tune", {**tuned["answer"], "prepare": prepare, "warnings": []})
+    notes = " ".join(line.strip() for line in text.split("in full:\n", 1)[1].splitlines())
+    assert f"quant_pre_process: {reason}" in notes and "opset: opset 11" not in notes
+
+
+def test_the_progress_line_counts_minutes_and_seconds(monkeypatch):
+    import types
+
+    import graphscan_ort.tune.progress as progress
+
+    clock = types.SimpleNamespace(monotonic=lambda: 100.0)
+    monkeypatch.setattr(progress, "time", clock)
+    line = progress.Progress(Terminal())
+    for now, shown in ((159.0, "0:59"), (225.0, "2:05"), (3700.0, "60:00")):
+        clock.monotonic = lambda now=now: now
+        line.show("measuring candidate", 3, 8)
+        assert line.stream.getvalue().endswith(f"\rgraphscan: tune: measuring candidate 3/8, {shown}\x1b[K")
+
+
+def test_a_terminal_closed_under_the_progress_line_only_turns_it_off():
+    import graphscan_ort.tune.progress as progress
+
+    line = progress.Progress(Terminal())
+    line.stream.close()  # writing now raises ValueError
+    line.show("measuring candidate", 1, 8)
+    line.close()
+    assert line.enabled is False
