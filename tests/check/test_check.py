@@ -252,3 +252,68 @@ def test_sample_options_without_min_sqnr_are_refused(default_lab, tmp_path, extr
     if extra[0] != "--float":
         extra += ["--float", str(default_lab["fp32"])]
     assert run_main(capsys, ["check", default_lab["full"], "--budget", str(budget), *extra])[0] == 0
+
+
+def relu_model(path, dims):
+    """y = Relu(x) on ``dims``."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
+    return str(path)
+
+
+def test_models_with_other_inputs_are_exit_7_never_blamed_on_a_model(tmp_path, capsys):
+    """x [1, 4] in the float model, [1, 5] in the quantized one: no sample feeds both."""
+    float_path, quant_path = relu_model(tmp_path / "f.onnx", [1, 4]), relu_model(tmp_path / "q.onnx", [1, 5])
+    line = main_error_line(capsys, ["check", quant_path, "--float", float_path, "--min-sqnr", "10"], 7)
+    assert "input 'x'" in line and "[1, 4]" in line and "[1, 5]" in line
+
+
+def test_min_sqnr_is_measured_on_the_sample_the_seed_generates(default_lab):
+    """The sample is seeded normal data (symbolic dimensions 1), drawn here with numpy."""
+    values = []
+    for seed in (1, 2):
+        x = np.random.default_rng(seed).standard_normal((1, DEFAULT_LAB.dim)).astype(np.float32)
+        expected = direct_sqnr(default_lab["fp32"], default_lab["full"], [x], "all")
+        answer = graphscan.check(default_lab["full"], float_path=default_lab["fp32"], min_sqnr=-100, seed=seed)
+        ((value, _limit, _ok),) = budget_rows(answer).values()
+        assert value == pytest.approx(expected, abs=1e-6), seed
+        values.append(value)
+    assert values[0] != values[1]
+
+
+def test_an_empty_sample_never_holds_min_sqnr(default_lab):
+    """A zero-size input compares nothing: the SQNR is undefined (null) and the gate closed."""
+    answer = graphscan.check(
+        str(default_lab["full"]), float_path=str(default_lab["fp32"]), min_sqnr=-1000, shape=[f"x=0,{DEFAULT_LAB.dim}"]
+    )
+    assert budget_rows(answer) == {"min_sqnr": (None, -1000.0, False)}
+
+
+@pytest.mark.parametrize(("value", "accepted"), [(0, True), (1, True), (0.5, True), (-0.01, False), (1.01, False)])
+def test_min_int8_takes_every_fraction_from_0_to_1_both_ends_included(value, accepted):
+    if accepted:
+        assert graphscan.budget_limit("min_int8", value, "--min-int8") == value
+        return
+    with pytest.raises(graphscan.GraphscanError) as raised:
+        graphscan.budget_limit("min_int8", value, "--min-int8")
+    assert raised.value.exit_code == graphscan.EXIT_USAGE
+
+
+def test_a_model_with_its_weights_beside_it_runs_with_them_beside_a_counting_budget(tmp_path):
+    """One read serves both kinds of budget: it must be the one with the external weights."""
+    import gen_models
+    from tests.helpers import mlp_with_weights_beside
+
+    beside = mlp_with_weights_beside(tmp_path / "beside", "mlp.onnx", seed=0)
+    inline = tmp_path / "inline.onnx"
+    onnx.save(gen_models.build_mlp(3, 8, seed=0), inline)
+    answer = graphscan.check(str(beside), float_path=str(inline), max_float=100, min_sqnr=100)
+    assert budget_rows(answer)["min_sqnr"] == (None, 100.0, True)  # the same weights: equal outputs
+    assert answer["ok"] is True
