@@ -88,7 +88,19 @@ AREA_TESTS = {
         "tests/tune/test_rewrites.py",
         "tests/tune/test_prepare.py",
         "tests/tune/test_deployed.py",
+        "tests/tune/test_candidates.py",
         "tests/check/test_metric.py",
+    ],
+    "shared": [
+        "tests/shared/test_inputs.py",
+        "tests/shared/test_tables.py",
+        "tests/shared/test_files.py",
+        "tests/shared/test_graph.py",
+        "tests/shared/test_sessions.py",
+        "tests/cli/test_inputs.py",
+        "tests/fuse/test_write_verify_inputs.py",
+        "tests/trace/test_awkward_pairs.py",
+        "tests/views/test_tables.py",
     ],
 }
 IGNORED = shutil.ignore_patterns(
