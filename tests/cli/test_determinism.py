@@ -1,14 +1,17 @@
-"""Determinism: byte-identical stdout across runs and ``PYTHONHASHSEED`` values."""
+"""Determinism: byte-identical stdout across runs and ``PYTHONHASHSEED`` values (one
+interpreter per seed, every counting command run in it)."""
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
 import graphscan
-from tests.helpers import COMMANDS, process_result, run_graphscan
+from tests.helpers import COMMANDS, ROOT
 
 OPSET = [helper.make_opsetid("", 13)]
 
@@ -71,16 +74,47 @@ def many_islands_files(tmp_path_factory):
     return str(a), str(b)
 
 
+# One process per hash seed runs every counting command through graphscan.main in turn
+# (the seed is fixed when an interpreter starts): ``[[code, stdout, stderr], ...]``.
+EVERY_COMMAND = f"""
+import contextlib, io, json, sys
+sys.path.insert(0, {str(ROOT)!r})
+import graphscan
+runs = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = graphscan.main(argv)
+    runs.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(runs))
+"""
+
+
+@pytest.fixture(scope="module")
+def runs_by_seed(many_islands_files, tmp_path_factory):
+    """``{seed: {command: (exit code, stdout, stderr)}}``, each seed in its own process."""
+    a, b = many_islands_files
+    argvs = [[command, a, b] if command == "diff" else [command, a] for command in COMMANDS]
+    found = {}
+    for k, hash_seed in enumerate(HASH_SEEDS):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        done = subprocess.run(
+            [sys.executable, "-c", EVERY_COMMAND, json.dumps(argvs)],
+            cwd=tmp_path_factory.mktemp("seed"), env=env, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        found[f"{k}:{hash_seed}"] = dict(zip(COMMANDS, map(tuple, json.loads(done.stdout)), strict=True))
+    return found
+
+
 @pytest.mark.parametrize("command", COMMANDS)
-def test_same_bytes_across_runs_and_hash_seeds(many_islands_files, tmp_path, command):
+def test_same_bytes_across_runs_and_hash_seeds(many_islands_files, runs_by_seed, command):
     a, b = many_islands_files
     paths = [a, b] if command == "diff" else [a]
     outputs = {}
-    for k, hash_seed in enumerate(HASH_SEEDS):
-        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
-        code, out, err = process_result(run_graphscan([command, *paths], cwd=tmp_path, env=env))
-        assert (code, err) == (0, ""), f"PYTHONHASHSEED={hash_seed}: exit {code} {err!r}"
-        outputs[f"{k}:{hash_seed}"] = out
+    for seed, runs in runs_by_seed.items():
+        code, out, err = runs[command]
+        assert (code, err) == (0, ""), f"PYTHONHASHSEED={seed}: exit {code} {err!r}"
+        outputs[seed] = out
     assert len(set(outputs.values())) == 1, {seed: out[:200] for seed, out in outputs.items()}
 
     answer = json.loads(next(iter(outputs.values())))
