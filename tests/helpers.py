@@ -51,6 +51,37 @@ def run_graphscan_process(args, cwd=None, script=GRAPHSCAN, env=None, python_fla
     )
 
 
+MAIN_RUNS = """
+import contextlib, io, json, sys
+{prelude}
+sys.path.insert(0, {root!r})
+import graphscan
+runs = []
+for argv in json.loads(sys.argv[1]):
+    {before_each}
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = graphscan.main(argv)
+    runs.append([code, out.getvalue(), err.getvalue(), {after_each}])
+sys.stdout.write(json.dumps(runs))
+"""
+
+
+def main_runs_in_one_process(argvs, cwd=None, env=None, prelude="", before_each="pass", after_each="None"):
+    """Each argv of ``argvs`` through ``graphscan.main`` in turn, in one new interpreter:
+    for what only a fresh process has (a hash seed, a blocked import, an audit hook that
+    cannot be removed) at one start-up for many runs. ``prelude`` runs before graphscan
+    is imported, ``before_each`` before every run; per run ``(code, stdout, stderr,
+    after_each's value)``."""
+    script = MAIN_RUNS.format(prelude=prelude, root=str(ROOT), before_each=before_each, after_each=after_each)
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps([[str(a) for a in argv] for argv in argvs])],
+        cwd=cwd, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    return [tuple(run) for run in json.loads(done.stdout)]
+
+
 @functools.cache
 def process_stream_errors():
     """The error handlers a child Python gives stdout and stderr in this environment

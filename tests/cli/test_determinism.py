@@ -3,15 +3,13 @@ interpreter per seed, every counting command run in it)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
 import graphscan
-from tests.helpers import COMMANDS, ROOT
+from tests.helpers import COMMANDS, main_runs_in_one_process
 
 OPSET = [helper.make_opsetid("", 13)]
 
@@ -74,35 +72,16 @@ def many_islands_files(tmp_path_factory):
     return str(a), str(b)
 
 
-# One process per hash seed runs every counting command through graphscan.main in turn
-# (the seed is fixed when an interpreter starts): ``[[code, stdout, stderr], ...]``.
-EVERY_COMMAND = f"""
-import contextlib, io, json, sys
-sys.path.insert(0, {str(ROOT)!r})
-import graphscan
-runs = []
-for argv in json.loads(sys.argv[1]):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = graphscan.main(argv)
-    runs.append([code, out.getvalue(), err.getvalue()])
-print(json.dumps(runs))
-"""
-
-
 @pytest.fixture(scope="module")
 def runs_by_seed(many_islands_files, tmp_path_factory):
     """``{seed: {command: (exit code, stdout, stderr)}}``, each seed in its own process."""
     a, b = many_islands_files
     argvs = [[command, a, b] if command == "diff" else [command, a] for command in COMMANDS]
     found = {}
-    for k, hash_seed in enumerate(HASH_SEEDS):
+    for k, hash_seed in enumerate(HASH_SEEDS):  # the seed is fixed when an interpreter starts
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
-        done = subprocess.run(
-            [sys.executable, "-c", EVERY_COMMAND, json.dumps(argvs)],
-            cwd=tmp_path_factory.mktemp("seed"), env=env, capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        found[f"{k}:{hash_seed}"] = dict(zip(COMMANDS, map(tuple, json.loads(done.stdout)), strict=True))
+        runs = main_runs_in_one_process(argvs, cwd=tmp_path_factory.mktemp("seed"), env=env)
+        found[f"{k}:{hash_seed}"] = {command: run[:3] for command, run in zip(COMMANDS, runs, strict=True)}
     return found
 
 

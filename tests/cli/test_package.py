@@ -22,6 +22,7 @@ from tests.helpers import (
     install_into_fresh_venv,
     json_answer,
     main_error_line,
+    main_runs_in_one_process,
     run_graphscan,
     run_main,
 )
@@ -91,25 +92,16 @@ def test_model_commands_without_onnxruntime_say_what_they_need(argv, tmp_path):
     assert "onnxruntime" in line, line
 
 
-# Every counting command in turn in one process in which ``import onnxruntime`` fails,
-# the package beside graphscan.py: each answers (exit 0) and onnxruntime is never imported.
-COUNTING_WITHOUT_ORT = (
-    "import contextlib, io, json, sys; sys.modules['onnxruntime'] = None; "
-    f"sys.path.insert(0, {str(ROOT)!r}); import graphscan; codes = []\n"
-    "for argv in json.loads(sys.argv[1]):\n"
-    "    with contextlib.redirect_stdout(io.StringIO()):\n"
-    "        codes.append(graphscan.main(argv))\n"
-    "print(json.dumps([codes, sorted(m for m in sys.modules if m.startswith('onnxruntime'))]))"
-)
-
-
 def test_counting_commands_never_import_onnxruntime(tmp_path):
-    runs = [filled(param.values[0], tmp_path) for param in COUNTING]
-    done = subprocess.run(
-        [sys.executable, "-c", COUNTING_WITHOUT_ORT, json.dumps(runs)], capture_output=True, text=True, cwd=tmp_path
+    """Every counting command in turn in one process in which ``import onnxruntime`` fails,
+    the package beside graphscan.py: each answers, and onnxruntime is never imported."""
+    runs = main_runs_in_one_process(
+        [filled(param.values[0], tmp_path) for param in COUNTING],
+        cwd=tmp_path,
+        prelude="sys.modules['onnxruntime'] = None",
+        after_each="sorted(m for m in sys.modules if m.startswith('onnxruntime'))",
     )
-    assert done.returncode == 0 and done.stderr == "", done.stderr
-    assert json.loads(done.stdout) == [[0] * len(COUNTING), ["onnxruntime"]]  # only the blocked entry
+    assert [(code, err, imported) for code, _, err, imported in runs] == [(0, "", ["onnxruntime"])] * len(COUNTING)
 
 
 def test_package_errors_are_one_class_when_graphscan_py_is_main(tmp_path):

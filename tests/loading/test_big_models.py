@@ -4,8 +4,6 @@ The multi-GiB cases are marked ``slow`` (deselected by default; run them with
 ``pytest -m slow -p no:xdist -s`` to see the peak-memory table).
 """
 
-import json
-import subprocess
 import sys
 
 import pytest
@@ -15,9 +13,9 @@ import gen_models
 import graphscan
 from tests.helpers import (
     GRAPHSCAN,
-    ROOT,
     SINGLE_MODEL_COMMANDS,
     load_bench_script,
+    main_runs_in_one_process,
     strict_loads,
     varint,
     with_external_weights,
@@ -70,25 +68,18 @@ def test_missing_external_data_file_is_never_needed(tmp_path, command):
 
 
 def opened_files(runs):
-    """Per argv of ``runs``: its exit code and every path graphscan opens, seen by a Python
-    audit hook, all in one separate process (a hook cannot be removed again)."""
-    script = (
-        "import contextlib, io, json, sys\n"
-        "opened = []\n"
-        "sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == 'open' else None)\n"
-        f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "import graphscan\n"
-        "seen = []\n"
-        "for argv in json.loads(sys.argv[1]):\n"
-        "    opened.clear()\n"
-        "    with contextlib.redirect_stdout(io.StringIO()):\n"
-        "        code = graphscan.main(argv)\n"
-        "    seen.append([code, list(opened)])\n"
-        "sys.stderr.write(json.dumps(seen))\n"
+    """Per argv of ``runs``: its exit code and every path graphscan opens during it, seen by
+    a Python audit hook (which cannot be removed, so all in one separate process)."""
+    seen = main_runs_in_one_process(
+        runs,
+        prelude=(
+            "opened = []\n"
+            "sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == 'open' else None)"
+        ),
+        before_each="opened.clear()",
+        after_each="list(opened)",
     )
-    done = subprocess.run([sys.executable, "-c", script, json.dumps(runs)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    return [tuple(run) for run in json.loads(done.stderr.splitlines()[-1])]
+    return [(code, opened) for code, _, _, opened in seen]
 
 
 def test_location_outside_the_folder_is_never_opened(tmp_path):
