@@ -351,8 +351,7 @@ class Measure:
 
 def refused_row(row: dict[str, Any], error: str) -> dict[str, Any]:
     """A candidate the quantizer (or onnxruntime) refused: kept with its error and nulls."""
-    row.update(dict.fromkeys(["sqnr_db", "metric_value", "int8_fraction", "int8_kernels", "wrapped_but_float"]))
-    row.update(dict.fromkeys(["ms", "speedup", "speedup_spread", "bytes", "float_weights", "fails"]))
+    row.update(dict.fromkeys(MEASURED))
     row["error"] = error
     return row
 
