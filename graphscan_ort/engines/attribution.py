@@ -554,7 +554,7 @@ def measure(
         "samples": len(samples),
         "output_sqnr_db": baseline[0],
         # As users run both models: onnxruntime may rewrite what impact measures as written.
-        "deployed_output_sqnr_db": output_sqnr(float_model, quant_model, samples, pairs, a, b, deployed_options())[0],
+        "deployed_output_sqnr_db": output_sqnr(float_model, quant_model, samples, pairs, a, b, deployed_options()),
         "weights": {"matched": len(plan.weight_of), "total": plan.weight_dqs},
         "warnings": weight_warnings(plan, a),
         "ops": [op_rows[k] for k in op_order][:top],
