@@ -10,11 +10,11 @@ import onnx
 
 from graphscan import NO_METRIC, MetricChoice, Samples, load_with_weights
 from graphscan_ort.engines.classify import classify
-from graphscan_ort.shared.agreement import metric, named_outputs
+from graphscan_ort.shared.agreement import metric
 from graphscan_ort.shared.inputs import check_same_inputs, model_samples, parse_shapes
 from graphscan_ort.shared.kernels import int8_fraction
-from graphscan_ort.shared.metrics import OutputNoise, output_pairs
-from graphscan_ort.shared.sessions import deployed_options, inputs_hint, model_outputs
+from graphscan_ort.shared.metrics import PairedOutputs, output_pairs, paired_outputs
+from graphscan_ort.shared.sessions import deployed_options, inputs_hint
 
 
 def measurements(
@@ -40,11 +40,11 @@ def measurements(
         assert float_path is not None, "the core checks that --min-sqnr and --min-metric come with --float"
         float_model = load_with_weights(float_path)
         model = load_with_weights(path) if model is None else model
-        reference, candidate = deployed_outputs(float_model, model, float_path, path, samples, level)
+        outputs = deployed_outputs(float_model, model, float_path, path, samples, level)
         if "min_sqnr" in names:
-            values["min_sqnr"] = measured_sqnr(reference, candidate)
+            values["min_sqnr"] = measured_sqnr(outputs)
         if agreement is not None:
-            value = agreement.value(reference, candidate)
+            value = agreement.value(outputs.reference.by_name, outputs.candidate_by_name())
             values["min_metric"] = math.nan if value is None else value
     return values, agreement.describe() if agreement is not None else {}
 
@@ -56,29 +56,23 @@ def deployed_outputs(
     quant_path: str,
     given: Samples,
     level: str = "all",
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+) -> PairedOutputs:
     """Both models' outputs as users run them (a session at ``level``, onnxruntime's
     default "all"), on the ``--inputs`` samples or one seeded sample, paired as impact
-    pairs them and named by the float model's outputs: run once for min_sqnr and
-    min_metric alike."""
+    pairs them: run once for min_sqnr and min_metric alike."""
     check_same_inputs(float_model, quant_model, float_path, quant_path)
     pairs = output_pairs(float_model, quant_model, float_path, quant_path)
     samples, _ = model_samples(float_model, given.inputs, parse_shapes(given.shape), given.seed or 0, 1)
-    options = deployed_options(level)
-    names = [f for f, _ in pairs]
     with inputs_hint(not given.inputs, 1, [float_path, quant_path]):
-        reference = model_outputs(float_model, samples, float_path, names, options)
-        candidate = model_outputs(quant_model, samples, quant_path, [q for _, q in pairs], options)
-    return named_outputs(reference, names), named_outputs(candidate, names)
+        return paired_outputs(float_model, quant_model, float_path, quant_path, samples, pairs, deployed_options(level))
 
 
-def measured_sqnr(reference: list[dict[str, Any]], candidate: list[dict[str, Any]]) -> float:
+def measured_sqnr(outputs: PairedOutputs) -> float:
     """The quantized model's output SQNR against the float one by impact's definition
     (``metrics.OutputNoise``): ``inf`` when the outputs are equal, ``nan`` when the SQNR
     is undefined (NaN or Inf in the outputs, all-zero float outputs, an empty sample)."""
-    noise = OutputNoise([list(sample.values()) for sample in reference])
-    sqnr, exact = noise.measure([list(sample.values()) for sample in candidate])
-    if noise.empty:  # an empty sample verifies nothing: the budget does not hold
+    sqnr, exact = outputs.sqnr()
+    if outputs.reference.noise.empty:  # an empty sample verifies nothing: the budget does not hold
         return math.nan
     if exact:
         return math.inf

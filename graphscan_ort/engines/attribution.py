@@ -21,7 +21,7 @@ from graphscan_ort.shared.graph import (
     fresh_prefix,
     quant_range,
 )
-from graphscan_ort.shared.metrics import OutputNoise, count_outside, output_pairs, output_sqnr
+from graphscan_ort.shared.metrics import OutputNoise, count_outside, output_pairs, paired_outputs
 from graphscan_ort.shared.sessions import deployed_options, does_not_run, impact_options, model_outputs, open_session
 
 MIN_GAIN_DB = 0.01  # --min-gain's default: the least gain an operator added to exclude.nodes brings
@@ -550,11 +550,12 @@ def measure(
         tensor_exact.append(exact)
     op_order = ranked(op_rows, op_exact, baseline[1])
     tensor_order = ranked(tensor_rows, tensor_exact, baseline[1])
+    # As users run both models: onnxruntime may rewrite what impact measures as written.
+    deployed = paired_outputs(float_model, quant_model, a, b, samples, pairs, deployed_options())
     answer: ImpactMeasures = {
         "samples": len(samples),
         "output_sqnr_db": baseline[0],
-        # As users run both models: onnxruntime may rewrite what impact measures as written.
-        "deployed_output_sqnr_db": output_sqnr(float_model, quant_model, samples, pairs, a, b, deployed_options()),
+        "deployed_output_sqnr_db": deployed.sqnr()[0],
         "weights": {"matched": len(plan.weight_of), "total": plan.weight_dqs},
         "warnings": weight_warnings(plan, a),
         "ops": [op_rows[k] for k in op_order][:top],

@@ -22,15 +22,13 @@ import dataclasses
 import importlib.util
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from graphscan import EXIT_INPUTS, EXIT_USAGE, GraphscanError, one_line, shown
-from graphscan_ort.shared.metrics import OutputNoise
-
-Outputs = list[dict[str, np.ndarray]]  # per sample: output name -> array
+from graphscan_ort.shared.metrics import OutputNoise, Outputs
 
 BUILT_IN = ["sqnr", "top1", "iou", "ctc", "cosine"]
 DEFAULT_THRESHOLD = 0.5  # iou's, where --threshold is not given
@@ -244,8 +242,3 @@ def cosine(reference: Outputs, candidate: Outputs) -> float | None:
     if not (ff > 0 and qq > 0 and all(map(math.isfinite, (dot, ff, qq)))):
         return None
     return dot / math.sqrt(ff * qq)
-
-
-def named_outputs(outputs: Sequence[Sequence[np.ndarray]], names: Sequence[str]) -> Outputs:
-    """Per sample, ``{name: array}`` from onnxruntime's lists of outputs in ``names``' order."""
-    return [dict(zip(names, sample, strict=True)) for sample in outputs]

@@ -1,9 +1,12 @@
-"""Comparing outputs: pairing, the output SQNR, verification of a changed model."""
+"""Comparing outputs: pairing, both models' paired outputs, the output SQNR, verification
+of a changed model."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -34,21 +37,70 @@ def output_pairs(float_model: onnx.ModelProto, quant_model: onnx.ModelProto, a: 
     )
 
 
-def output_sqnr(
+Outputs = list[dict[str, np.ndarray]]  # per sample: output name -> array
+
+
+def named_outputs(outputs: Sequence[Sequence[np.ndarray]], names: Sequence[str]) -> Outputs:
+    """Per sample, ``{name: array}`` from onnxruntime's lists of outputs in ``names``' order."""
+    return [dict(zip(names, sample, strict=True)) for sample in outputs]
+
+
+class FloatOutputs:
+    """The float model's outputs on some samples, run once and kept: as ``OutputNoise``
+    for the SQNR and by name for a metric, each made when first asked for."""
+
+    def __init__(self, outputs: list, names: tuple[str, ...]) -> None:
+        self.outputs, self.names = outputs, names
+
+    @functools.cached_property
+    def noise(self) -> OutputNoise:
+        return OutputNoise(self.outputs)
+
+    @functools.cached_property
+    def by_name(self) -> Outputs:
+        return named_outputs(self.outputs, self.names)
+
+
+@dataclasses.dataclass
+class PairedOutputs:
+    """Both models' outputs on the same samples: the quantized ones (``candidate``) in
+    the order of the float ones they are paired with."""
+
+    reference: FloatOutputs
+    candidate: list
+
+    def sqnr(self) -> tuple[float | None, bool]:
+        """``OutputNoise.measure``'s ``(sqnr_db, exact)`` of the quantized outputs."""
+        return self.reference.noise.measure(self.candidate)
+
+    def candidate_by_name(self) -> Outputs:
+        """The quantized outputs named by the float outputs they are paired with."""
+        return named_outputs(self.candidate, self.reference.names)
+
+
+def paired_outputs(
     float_model: onnx.ModelProto,
     quant_model: onnx.ModelProto,
-    samples: list[dict],
-    pairs: list[tuple[str, str]],
     float_path: str,
     quant_path: str,
+    samples: list[dict],
+    pairs: list[tuple[str, str]],
     options: ort.SessionOptions,
-) -> float | None:
-    """The output SQNR (OutputNoise's definition; None when undefined or exact) of the
-    quantized model against the float one, outputs paired by ``pairs``, both run at
-    ``options``: impact's deployed figure. (check and tune keep the outputs to measure
-    a metric as well, and run the models themselves.)"""
-    noise = OutputNoise(model_outputs(float_model, samples, float_path, [f for f, _ in pairs], options))
-    return noise.measure(model_outputs(quant_model, samples, quant_path, [q for _, q in pairs], options))[0]
+    kept: dict[tuple[str, ...], FloatOutputs] | None = None,
+) -> PairedOutputs:
+    """Both models run on ``samples`` in sessions at ``options``, the outputs paired by
+    ``pairs`` (``output_pairs``): the one run behind impact's deployed SQNR, check's
+    min_sqnr and min_metric, and every tune candidate's accuracy. ``kept``: the float
+    model's outputs already run, by the float outputs wanted; a new run is added to it
+    (tune runs the float model once for all its candidates)."""
+    names = tuple(f for f, _ in pairs)
+    reference = kept.get(names) if kept is not None else None
+    if reference is None:
+        reference = FloatOutputs(model_outputs(float_model, samples, float_path, list(names), options), names)
+        if kept is not None:
+            kept[names] = reference
+    candidate = model_outputs(quant_model, samples, quant_path, [q for _, q in pairs], options)
+    return PairedOutputs(reference, candidate)
 
 
 class OutputNoise:

@@ -67,10 +67,11 @@ from graphscan import (
 )
 from graphscan_ort.engines.attribution import MIN_GAIN_DB
 from graphscan_ort.engines.attribution import measure as impact_of
-from graphscan_ort.shared.agreement import POOR_SQNR_DB, Metric, metric, named_outputs
+from graphscan_ort.shared.agreement import POOR_SQNR_DB, Metric, metric
 from graphscan_ort.shared.answers import Candidate, Target, TuneAnswer, TuneChoice
 from graphscan_ort.shared.files import check_out, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
+from graphscan_ort.shared.metrics import FloatOutputs, named_outputs
 from graphscan_ort.shared.sessions import environment, model_outputs
 from graphscan_ort.tune.blocks import next_block, search_blocks
 from graphscan_ort.tune.candidates import (
@@ -81,7 +82,7 @@ from graphscan_ort.tune.candidates import (
     quantize_candidate,
     refinements,
 )
-from graphscan_ort.tune.deployed import Reference, measure_candidate
+from graphscan_ort.tune.deployed import measure_candidate
 from graphscan_ort.tune.fallback import STILL_INT8, honoured
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
 from graphscan_ort.tune.prepare import prepared_base, with_rewrites
@@ -322,7 +323,7 @@ class Measure:
         self.model, self.path, self.evaluation = model, path, evaluation
         self.level, self.threads, self.runs = level, threads, runs
         self.models: dict[str, onnx.ModelProto] = {}
-        self.references: dict[tuple[str, ...], Reference] = {}  # the float model's outputs, run once
+        self.references: dict[tuple[str, ...], FloatOutputs] = {}  # the float model's outputs, run once
         self.metric: Metric | None = None  # None: the SQNR
         self.latency: list[dict[str, np.ndarray]] | None = None  # None: the first evaluation sample
         self.min_speedup = 1.0

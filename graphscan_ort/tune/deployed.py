@@ -19,7 +19,6 @@ level users run (default: onnxruntime's own default, all optimizations) with
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import statistics
@@ -31,10 +30,10 @@ import onnx
 from graphscan import shown
 from graphscan_ort.engines.classify import classify, runtime_counts
 from graphscan_ort.engines.timing import interleaved_runs
-from graphscan_ort.shared.agreement import Metric, named_outputs
+from graphscan_ort.shared.agreement import Metric
 from graphscan_ort.shared.kernels import int8_fraction
-from graphscan_ort.shared.metrics import OutputNoise, output_pairs
-from graphscan_ort.shared.sessions import model_outputs, open_session, session_options
+from graphscan_ort.shared.metrics import FloatOutputs, output_pairs, paired_outputs
+from graphscan_ort.shared.sessions import open_session, session_options
 
 
 def kernel_counts(model: onnx.ModelProto, path: str, level: str) -> dict:
@@ -51,15 +50,6 @@ def kernel_counts(model: onnx.ModelProto, path: str, level: str) -> dict:
     }
 
 
-@dataclasses.dataclass
-class Reference:
-    """The float model's outputs on the evaluation samples (run once for every candidate):
-    as ``OutputNoise`` for the SQNR and by output name for the metric."""
-
-    noise: OutputNoise
-    outputs: list[dict[str, np.ndarray]]
-
-
 def measure_candidate(
     float_model: onnx.ModelProto,
     quant_model: onnx.ModelProto,
@@ -69,7 +59,7 @@ def measure_candidate(
     level: str = "all",
     threads: int = 1,
     runs: int = 20,
-    references: dict[tuple[str, ...], Reference] | None = None,
+    references: dict[tuple[str, ...], FloatOutputs] | None = None,
     metric: Metric | None = None,
     latency: list[dict] | None = None,
 ) -> dict:
@@ -78,21 +68,14 @@ def measure_candidate(
     ``quant_path``) against ``float_model`` (read from ``float_path``); ``references`` keeps
     the float model's outputs from one candidate to the next; ``latency``: the samples
     timed (default: the first of ``samples``); no ``metric``: ``metric_value`` is the SQNR."""
-    options = session_options(level, threads=threads)
     pairs = output_pairs(float_model, quant_model, float_path, quant_path)
-    # output_sqnr's definition, with the float model's outputs kept in ``references``
-    # (by the outputs paired): they are the same for every candidate, so they run once.
-    references = {} if references is None else references
-    wanted = tuple(f for f, _ in pairs)
-    if wanted not in references:
-        outputs = model_outputs(float_model, samples, float_path, list(wanted), options)
-        references[wanted] = Reference(OutputNoise(outputs), named_outputs(outputs, wanted))
-    reference = references[wanted]
-    quant_outputs = model_outputs(quant_model, samples, quant_path, [q for _, q in pairs], options)
-    sqnr, exact = reference.noise.measure(quant_outputs)
+    outputs = paired_outputs(
+        float_model, quant_model, float_path, quant_path, samples, pairs, session_options(level, threads), references
+    )
+    sqnr, exact = outputs.sqnr()
     if exact:  # outputs equal to float's: infinitely accurate (null in the JSON), never the worst
         sqnr = math.inf
-    value = sqnr if metric is None else metric.value(reference.outputs, named_outputs(quant_outputs, wanted))
+    value = sqnr if metric is None else metric.value(outputs.reference.by_name, outputs.candidate_by_name())
     return {
         "sqnr_db": sqnr,
         "metric_value": value,

@@ -1,0 +1,71 @@
+"""Both models' paired outputs (graphscan_ort/shared/metrics.py: paired_outputs), the one
+run behind impact's deployed SQNR, check's min_sqnr and min_metric and tune's candidates:
+outputs are paired by name whatever order the quantized model lists them in, and the float
+model runs once for every candidate that shares what it keeps."""
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from graphscan_ort.shared import metrics, sessions
+
+SAMPLES = [{"x": np.array([[-2.0, -0.5, 0.5, 3.0]], dtype=np.float32)}]
+
+
+def two_outputs(shift: float, reversed_outputs: bool) -> onnx.ModelProto:
+    """``y = Relu(x) + shift`` and ``z = -x``, its outputs listed as (y, z) or (z, y)."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Add", ["r", "shift"], ["y"]),
+        helper.make_node("Neg", ["x"], ["z"]),
+    ]
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 4]) for name in ("y", "z")]
+    graph = helper.make_graph(
+        nodes,
+        "two_outputs",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        outputs[::-1] if reversed_outputs else outputs,
+        [helper.make_tensor("shift", TensorProto.FLOAT, [], [shift])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def paired(float_model, quant_model, kept=None):
+    pairs = metrics.output_pairs(float_model, quant_model, "f.onnx", "q.onnx")
+    options = sessions.deployed_options()
+    return metrics.paired_outputs(float_model, quant_model, "f.onnx", "q.onnx", SAMPLES, pairs, options, kept)
+
+
+def test_outputs_are_paired_by_name_whatever_order_the_quantized_model_lists_them_in():
+    outputs = paired(two_outputs(0.0, False), two_outputs(0.25, True))
+    by_name = outputs.candidate_by_name()[0]
+    np.testing.assert_array_equal(by_name["y"], [[0.25, 0.25, 0.75, 3.25]])  # y, not z, though z is listed first
+    np.testing.assert_array_equal(by_name["z"], [[2.0, 0.5, -0.5, -3.0]])
+    signal = (0.5**2 + 3.0**2) + (2.0**2 + 0.5**2 + 0.5**2 + 3.0**2)  # y = Relu(x), then z = -x
+    noise = 4 * 0.25**2  # only y moved, by 0.25 everywhere
+    sqnr, exact = outputs.sqnr()
+    assert sqnr == pytest.approx(10 * math.log10(signal / noise)) and not exact
+
+
+def test_equal_outputs_are_exact_with_no_sqnr():
+    assert paired(two_outputs(0.0, False), two_outputs(0.0, True)).sqnr() == (None, True)
+
+
+def test_the_float_model_runs_once_for_every_candidate_that_shares_what_is_kept(monkeypatch):
+    runs = []
+    real = metrics.model_outputs
+    monkeypatch.setattr(
+        metrics,
+        "model_outputs",
+        lambda model, samples, path, *rest: runs.append(path) or real(model, samples, path, *rest),
+    )
+    float_model, kept = two_outputs(0.0, False), {}
+    figures = [paired(float_model, two_outputs(shift, True), kept).sqnr()[0] for shift in (0.25, 0.5)]
+    assert runs == ["f.onnx", "q.onnx", "q.onnx"]
+    assert figures[0] > figures[1]  # the second candidate still measured against the float outputs
+    # Without anything kept, every call runs the float model again.
+    paired(float_model, two_outputs(0.25, True))
+    assert runs[3:] == ["f.onnx", "q.onnx"]
