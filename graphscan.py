@@ -1703,7 +1703,6 @@ def dot(path: str, runtime_colours: bool = False, collapse: bool = False) -> str
 # function that returns its declaration.
 
 RUNTIME_LEVELS = {"basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
-RUNTIME_DEFAULT_RUNS = 20
 
 
 def non_negative_int(text: str) -> int:
@@ -1725,14 +1724,6 @@ def finite_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"invalid float value: {text!r}")
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
-def finite_non_negative(text: str) -> float:
-    """argparse type of ``--tolerance``: a finite number >= 0 (NaN would never be exceeded)."""
-    value = finite_float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
 
 
@@ -1796,34 +1787,6 @@ def metric_group(when: str = "", default: str = "") -> list[Option]:
 def level_option(choices: list[str], default: str | None, help_text: str) -> Option:
     """``--level``: the onnxruntime optimization level a command's sessions run at."""
     return ("--level", {"choices": choices, "default": default, "help": help_text})
-
-
-# Bounds of --runs and --threads: beyond them onnxruntime fails, crashes (100,000
-# threads segfaulted after 52 s) or takes forever, so they are usage errors at once.
-MAX_RUNS = 100_000
-MAX_THREADS = 1024
-
-
-def int_between(low: int, high: int) -> Callable[[str], int]:
-    """An argparse type: an integer from ``low`` to ``high`` (exit 2 otherwise)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {text!r}")
-        return value
-
-    parse.__name__ = f"integer from {low} to {high}"
-    return parse
-
-
-def check_between(flag: str, value: int, low: int, high: int) -> None:
-    """Exit 2 unless ``value`` (of option ``flag``, given in-process) is from ``low`` to ``high``."""
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise GraphscanError(f"usage: {flag} must be an integer from {low} to {high}, not {value!r}", EXIT_USAGE)
 
 
 # The output group (--format, --top) is added to every command that answers JSON (add_arguments).
@@ -2002,7 +1965,6 @@ TABLE = Command(
     text=True,
     path_help="a saved JSON answer of any command",
 )
-
 
 # The commands of the graphscan_ort package, each imported only when it is asked for.
 

@@ -5,8 +5,8 @@ commands, the command registry and the exit codes; it imports a module of this
 package only when a command that runs models is asked for. Imports go down the
 layers, never sideways between commands (``tests/cli/test_layout.py``):
 
-- ``shared``: sessions, inputs, metrics, graph editing, files and the kernel
-  vocabulary of onnxruntime's optimized graph;
+- ``shared``: sessions, inputs, metrics, graph editing, files, option types and
+  the kernel vocabulary of onnxruntime's optimized graph;
 - ``engines``: what the commands measure with: runtime's mapping back from the
   optimized graph (``classify``), trace's combined model (``combined``,
   ``measures``), impact's derived model and its segments (``attribution``,

@@ -15,7 +15,6 @@ from graphscan import (
     TABLE_WIDTH,
     Command,
     finite_float,
-    finite_non_negative,
     format_fields,
     format_names,
     load_with_weights,
@@ -29,6 +28,7 @@ from graphscan import (
 from graphscan_ort.engines.attribution import measure
 from graphscan_ort.shared.answers import ImpactAnswer
 from graphscan_ort.shared.inputs import check_same_inputs, inputs_answer, model_samples, parse_shapes
+from graphscan_ort.shared.options import finite_non_negative
 from graphscan_ort.shared.sessions import inputs_hint
 from graphscan_ort.shared.tables import RED_FLAGS, input_fields, largest_first
 

@@ -14,16 +14,12 @@ from typing import Any
 
 from graphscan import (
     EXIT_USAGE,
-    MAX_RUNS,
-    RUNTIME_DEFAULT_RUNS,
     RUNTIME_LEVELS,
     TABLE_WIDTH,
     Command,
     GraphscanError,
     OnlyWith,
-    check_between,
     format_fields,
-    int_between,
     level_option,
     load_with_weights,
     page,
@@ -38,6 +34,7 @@ from graphscan_ort.engines.timing import runtime_time
 from graphscan_ort.shared.answers import RuntimeAnswer
 from graphscan_ort.shared.inputs import model_samples, parse_shapes
 from graphscan_ort.shared.kernels import RUNTIME_CLASSES
+from graphscan_ort.shared.options import MAX_RUNS, RUNTIME_DEFAULT_RUNS, check_between, int_between
 from graphscan_ort.shared.sessions import CPU, environment, inputs_hint
 
 

@@ -25,7 +25,6 @@ from graphscan import (
     GraphIndex,
     GraphscanError,
     data_source,
-    finite_non_negative,
     format_fields,
     load_with_weights,
     one_line,
@@ -50,6 +49,7 @@ from graphscan_ort.shared.graph import (
 )
 from graphscan_ort.shared.inputs import check_same_inputs, model_samples, parse_shapes
 from graphscan_ort.shared.metrics import output_pairs
+from graphscan_ort.shared.options import finite_non_negative
 from graphscan_ort.shared.sessions import inputs_hint
 from graphscan_ort.shared.tables import RED_FLAGS, input_fields, largest_first, smallest_first
 

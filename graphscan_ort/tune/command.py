@@ -47,16 +47,11 @@ from graphscan import (
     EXIT_OK,
     EXIT_RUNTIME,
     EXIT_USAGE,
-    MAX_RUNS,
-    MAX_THREADS,
     QUANTIZE,
-    RUNTIME_DEFAULT_RUNS,
     RUNTIME_LEVELS,
     Command,
     GraphscanError,
-    check_between,
     finite_float,
-    int_between,
     level_option,
     load_with_weights,
     metric_group,
@@ -72,6 +67,7 @@ from graphscan_ort.shared.answers import Candidate, Target, TuneAnswer, TuneChoi
 from graphscan_ort.shared.files import check_out, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
 from graphscan_ort.shared.metrics import FloatOutputs, named_outputs
+from graphscan_ort.shared.options import MAX_RUNS, MAX_THREADS, RUNTIME_DEFAULT_RUNS, check_between, int_between
 from graphscan_ort.shared.sessions import environment, model_outputs
 from graphscan_ort.tune.blocks import next_block, search_blocks
 from graphscan_ort.tune.candidates import (

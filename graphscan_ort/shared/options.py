@@ -1,0 +1,46 @@
+"""Argument types and bounds that only the commands that run models take (--runs,
+--threads, --tolerance); the ones check and the counting commands share with them are
+the core's (graphscan.py: ``non_negative_int``, ``finite_float``, the argument groups)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from graphscan import EXIT_USAGE, GraphscanError, finite_float
+
+RUNTIME_DEFAULT_RUNS = 20  # runtime --time's runs, and tune's per candidate
+# Bounds of --runs and --threads: beyond them onnxruntime fails, crashes (100,000
+# threads segfaulted after 52 s) or takes forever, so they are usage errors at once.
+MAX_RUNS = 100_000
+MAX_THREADS = 1024
+
+
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer from ``low`` to ``high`` (exit 2 otherwise)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {text!r}")
+        return value
+
+    parse.__name__ = f"integer from {low} to {high}"
+    return parse
+
+
+def check_between(flag: str, value: int, low: int, high: int) -> None:
+    """Exit 2 unless ``value`` (of option ``flag``, given in-process) is from ``low`` to ``high``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise GraphscanError(f"usage: {flag} must be an integer from {low} to {high}, not {value!r}", EXIT_USAGE)
+
+
+def finite_non_negative(text: str) -> float:
+    """argparse type of ``--tolerance``: a finite number >= 0 (NaN would never be exceeded)."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
