@@ -1501,7 +1501,7 @@ def metric_words(described: Mapping[str, Any]) -> list[str]:
 
 def render_table(command: str, answer: dict, top: int | None = None) -> str:
     """The answer of ``command`` as text for a terminal: its own table, else a generic one."""
-    return (load_command(command).table or generic_table)(answer, top)
+    return load_command(command).render(answer, top)
 
 
 # --------------------------------------------------------------------------
@@ -1836,6 +1836,10 @@ class Command:
     answer: Any = None  # the TypedDict of its answer: which command a saved answer is from
     path_help: str = "path to an .onnx file"
 
+    def render(self, answer: dict, top: int | None = None) -> str:
+        """The answer as text for a terminal: the command's own table, else the generic one."""
+        return (self.table or generic_table)(answer, top)
+
     @property
     def own_top(self) -> bool:
         """Whether the command has a --top of its own (which also limits its JSON)."""
@@ -1948,7 +1952,7 @@ def table(path: str, top: int | None = None) -> str:
         raise GraphscanError(f"usage: {shown(path)}: not the JSON answer of a graphscan command", EXIT_USAGE)
     command = answer_command(answer, path)
     try:
-        return (command.table or generic_table)(answer, top)
+        return command.render(answer, top)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # keys right, values not
         raise GraphscanError(
             f"usage: {shown(path)}: not a {command.name} answer ({type(exc).__name__}: {one_line(exc)})", EXIT_USAGE
@@ -2156,7 +2160,7 @@ def answer_text(argv: list[str]) -> tuple[str, int]:
         return answer.rstrip("\n"), EXIT_OK
     exit_code = command.exit_code(answer) if command.exit_code else EXIT_OK
     if fmt == "table":
-        return (command.table or generic_table)(answer, top), exit_code
+        return command.render(answer, top), exit_code
     return strict_json(answer), exit_code
 
 
