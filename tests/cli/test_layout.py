@@ -110,3 +110,26 @@ def test_no_docstring_or_comment_tells_history():
     for path in [ROOT / "graphscan.py", *MODULES.values()]:
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             assert not re.search(r"\bissue \d+", line, re.I), f"{path.name}:{number}: {line.strip()}"
+
+
+# The core's in-process API: the package's commands as functions of graphscan
+# (graphscan.trace(a, b)) and render_table; nothing in the core calls them.
+CORE_API = {"fuse", "trace", "runtime", "impact", "tune", "render_table"}
+
+
+def test_the_core_holds_only_what_it_uses_itself():
+    """Copied alone, graphscan.py is the onnx-only core: a top-level function, class or
+    constant that only the package uses belongs in the package (graphscan_ort/shared)."""
+    tree = ast.parse((ROOT / "graphscan.py").read_text(encoding="utf-8"))
+    defined = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined[node.name] = node
+        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            defined[node.targets[0].id] = node
+    unused = []
+    for name, definition in defined.items():
+        elsewhere = (part for node in tree.body if node is not definition for part in ast.walk(node))
+        if not any(getattr(part, "id", None) == name or getattr(part, "attr", None) == name for part in elsewhere):
+            unused.append(name)
+    assert sorted(unused) == sorted(CORE_API)
