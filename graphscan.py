@@ -952,8 +952,14 @@ def input_chain(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> list[
     producer = index.producer_of(tensor)
     while producer is not None and not index.is_compute(producer) and producer not in chain:
         chain.append(producer)
-        producer = index.producer_of(graph.node[producer].input[0])
+        producer = index.producer_of(written_input(graph.node[producer]))
     return chain[::-1]
+
+
+def written_input(node: onnx.NodeProto) -> str:
+    """A node's input 0 as written: "" when it has none (a Q or DQ without inputs is
+    malformed, but counted and drawn like any other: its chain starts nowhere)."""
+    return node.input[0] if node.input else ""
 
 
 def data_source(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> tuple[str, list[int]]:
@@ -961,7 +967,7 @@ def data_source(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> tuple
     every Q/DQ in front of it is skipped (a compute output, a graph input or an
     initializer), and the Q/DQ nodes skipped, source first."""
     chain = input_chain(index, graph, tensor)
-    return (graph.node[chain[0]].input[0] if chain else tensor), chain
+    return (written_input(graph.node[chain[0]]) if chain else tensor), chain
 
 
 # --------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from graphscan import EXIT_INPUTS, GraphIndex, GraphscanError, shown
+from graphscan import EXIT_INPUTS, EXIT_USAGE, GraphIndex, GraphscanError, shown
 from graphscan_ort.engines.segments import IMPACT_PREFIX, segment_runner
 from graphscan_ort.shared.answers import Exclusion, ImpactMeasures, OpGain, TensorGain
 from graphscan_ort.shared.graph import (
@@ -492,6 +492,9 @@ def weight_warnings(plan: ImpactPlan, a: str) -> list[str]:
     return [warning]
 
 
+NOT_TENSORS: dict[type, str] = {list: "sequence", dict: "map"}  # how onnxruntime hands them to Python
+
+
 def measure(
     float_model: onnx.ModelProto,
     quant_model: onnx.ModelProto,
@@ -509,7 +512,16 @@ def measure(
     pairs = output_pairs(float_model, quant_model, a, b)
     output_names = [q for _, q in pairs]
 
-    noise = OutputNoise(model_outputs(float_model, samples, a, [f for f, _ in pairs]))
+    float_outputs = model_outputs(float_model, samples, a, [f for f, _ in pairs])
+    for (name, _), value in zip(pairs, float_outputs[0], strict=True):
+        if not isinstance(value, np.ndarray):
+            raise GraphscanError(
+                f"usage: {shown(a)}: output {name} is a {NOT_TENSORS.get(type(value), type(value).__name__)}, "
+                "not a tensor: "
+                "impact measures tensor outputs",
+                EXIT_USAGE,
+            )
+    noise = OutputNoise(float_outputs)
     if noise.empty:
         raise GraphscanError(
             f"{shown(a)}: the float model's outputs are empty on these inputs: nothing to measure", EXIT_INPUTS

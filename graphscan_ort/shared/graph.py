@@ -187,10 +187,17 @@ def body_reads(node: onnx.NodeProto) -> set[str]:
 
 
 def output_chain(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> tuple[list[int], str]:
-    """The Q->DQ pair right after ``tensor`` and the tensor the next op sees."""
+    """The Q->DQ pair right after ``tensor`` and the tensor the next op sees (a Q or DQ
+    that writes no output 0, which is malformed, makes no pair)."""
     for q in index.consumers_of(tensor):
         if index.is_q[q]:
-            for dq in index.consumers_of(graph.node[q].output[0]):
-                if index.is_dq[dq]:
-                    return [q, dq], graph.node[dq].output[0]
+            for dq in index.consumers_of(written_output(graph.node[q])):
+                seen = written_output(graph.node[dq])
+                if index.is_dq[dq] and seen:
+                    return [q, dq], seen
     return [], tensor
+
+
+def written_output(node: onnx.NodeProto) -> str:
+    """A node's output 0 as written: "" when it has none or leaves it out."""
+    return node.output[0] if node.output else ""
