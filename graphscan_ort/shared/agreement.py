@@ -18,11 +18,13 @@ with one ``{output name: array}`` per sample, in order, and returning a finite n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -103,8 +105,9 @@ def load_function(path: str, function: str, name: str) -> Callable[[Outputs, Out
         raise GraphscanError(f"usage: --metric {shown(name)}: {shown(path)} is not a Python file", EXIT_USAGE)
     module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
+        with user_code():
+            spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:
         raise GraphscanError(
             f"usage: --metric {shown(name)}: {shown(path)} fails to load ({type(exc).__name__}: {one_line(exc)})",
             EXIT_USAGE,
@@ -115,15 +118,27 @@ def load_function(path: str, function: str, name: str) -> Callable[[Outputs, Out
     return found
 
 
+@contextlib.contextmanager
+def user_code() -> Iterator[None]:
+    """Around a user's metric file or function: what it prints goes to stderr, so stdout
+    stays graphscan's one answer (a SystemExit it raises is caught by the caller)."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
 def user_value(name: str, function: Callable[[Outputs, Outputs], Any], reference: Outputs, candidate: Outputs) -> float:
     """A user's metric, called on copies (it cannot change what graphscan measures next)."""
     try:
-        value = function([dict(r) for r in reference], [dict(c) for c in candidate])
-    except Exception as exc:
+        with user_code():
+            value = function([dict(r) for r in reference], [dict(c) for c in candidate])
+    except (Exception, SystemExit) as exc:
         raise GraphscanError(
             f"usage: --metric {shown(name)} raised {type(exc).__name__}: {one_line(exc)}", EXIT_USAGE
         ) from None
-    finite = isinstance(value, (int, float, np.number)) and not isinstance(value, bool) and math.isfinite(value)
+    try:
+        finite = isinstance(value, (int, float, np.number)) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
     if not finite:
         raise GraphscanError(
             f"usage: --metric {shown(name)} returned {value!r}: a metric returns a finite number", EXIT_USAGE

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import graphscan
-from tests.helpers import json_answer, main_error_line, run_graphscan, run_main, run_onnx
+from tests.helpers import error_line, json_answer, main_error_line, run_graphscan, run_main, run_onnx
 from tests.lab import DEFAULT_LAB
 
 
@@ -126,6 +126,40 @@ def test_a_failing_users_function_is_one_line_naming_it(default_lab, tmp_path, c
     argv = ["check", default_lab["full"], "--float", default_lab["fp32"], "--metric", f"{metric_file}:f1"]
     line = main_error_line(capsys, [*argv, "--min-metric", "0.5"], 2)
     assert "f1" in line and "KeyError" in line
+
+
+USER_CODE = """
+import sys
+print("loading")
+def exits(reference, candidate):
+    sys.exit(0)
+def exits_3(reference, candidate):
+    sys.exit(3)
+def huge(reference, candidate):
+    return 10 ** 400
+def chatty(reference, candidate):
+    print("measuring")
+    return 0.5
+"""
+
+
+@pytest.mark.parametrize(
+    ("function", "words"),
+    [("exits", "raised SystemExit: 0"), ("exits_3", "raised SystemExit: 3"), ("huge", "a metric returns a finite")],
+)
+def test_a_users_function_that_exits_or_overflows_is_one_line_exit_2(default_lab, tmp_path, function, words):
+    (tmp_path / "user.py").write_text(USER_CODE.replace('print("loading")\n', ""))  # the one line is graphscan's
+    argv = ["check", default_lab["full"], "--float", default_lab["fp32"], "--metric", f"{tmp_path}/user.py:{function}"]
+    line = error_line(run_graphscan([*argv, "--min-metric", "0.5"]), 2)
+    assert function in line and words in line
+
+
+def test_what_a_users_metric_prints_goes_to_stderr_and_stdout_stays_one_answer(default_lab, tmp_path):
+    (tmp_path / "user.py").write_text(USER_CODE)
+    argv = ["check", default_lab["full"], "--float", default_lab["fp32"], "--metric", f"{tmp_path}/user.py:chatty"]
+    proc = run_graphscan([*argv, "--min-metric", "0.5"])
+    assert proc.returncode == 0 and proc.stderr.decode().splitlines() == ["loading", "measuring"]
+    assert metric_budget(json.loads(proc.stdout))["value"] == 0.5
 
 
 def test_a_budget_file_may_hold_min_metric(default_lab, tmp_path, capsys):
