@@ -142,6 +142,12 @@ def seeded_feeds(
         shape, was_defaulted = resolve_shape(spec, shapes, default_size)
         if was_defaulted:
             defaulted.append(spec.name)
+        size = math.prod(shape) * np.dtype(spec.dtype).itemsize
+        if size > MAX_INPUT_BYTES:  # numpy cannot even allocate some: dims of 2**63 and more
+            raise GraphscanError(
+                f"input {spec.name!r} at {shape}: {size:,} bytes, above the {MAX_INPUT_BYTES:,} graphscan generates",
+                EXIT_INPUTS,
+            )
         feeds[spec.name] = seeded_array(rng, shape, spec.dtype)
     return feeds, defaulted
 

@@ -123,3 +123,15 @@ def test_a_folder_of_samples_is_read_in_sorted_order_whatever_the_file_system_li
     monkeypatch.setattr(os, "listdir", unsorted)
     expected = [str(folder / name) for name in ("a.npz", "b.npz", "c.npz")]
     assert inputs.sample_files([str(folder), "z.npz"]) == [*expected, "z.npz"]
+
+
+@pytest.mark.parametrize("size", [2**63, 10**23, 2**31])
+def test_a_generated_input_above_the_bound_is_exit_7_before_anything_is_allocated(size):
+    """numpy cannot allocate some shapes at all (a dimension of 2**63: ValueError, once exit 1);
+    the others would take the machine's memory. The bound is the one --inputs files have."""
+    with pytest.raises(graphscan.GraphscanError) as raised:
+        inputs.seeded_feeds([spec("x", ["N", 4])], {"x": [size, 4]}, 0, 1)
+    assert raised.value.exit_code == graphscan.EXIT_INPUTS
+    assert f"{inputs.MAX_INPUT_BYTES:,}" in str(raised.value)
+    feeds, _ = inputs.seeded_feeds([spec("x", ["N", 4])], {"x": [inputs.MAX_INPUT_BYTES // 16 // 1024, 4]}, 0, 1)
+    assert feeds["x"].nbytes <= inputs.MAX_INPUT_BYTES
