@@ -1363,6 +1363,8 @@ def by_count(counts: Mapping[str, int]) -> list[tuple[str, int]]:
 def graph_positions(path: str) -> dict[str, int]:
     """``{node name: position in graph.node}``, to show names in graph order; empty when
     the model is no longer readable (a saved answer's table keeps the JSON's order)."""
+    if not isinstance(path, str):  # open() would take an int as a file descriptor
+        raise TypeError(f"model is {type(path).__name__}, not a path")
     try:
         return {name: i for i, name in enumerate(index_model(path).names)}
     except GraphscanError:

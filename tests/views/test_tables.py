@@ -574,3 +574,16 @@ def test_a_file_that_is_not_an_answer_is_one_line(content, code, said, tmp_path,
     out, err = capsys.readouterr()
     if code:
         assert out == "" and err.count("\n") == 1 and said in err, err
+
+
+@pytest.mark.parametrize("command", ["islands", "boundary"])
+@pytest.mark.parametrize("model", [2, 10**30])
+def test_a_saved_answer_whose_model_is_not_a_path_is_refused_in_one_line(tmp_path, command, model):
+    """islands' and boundary's tables read the model for its graph order; open() takes an
+    int as a file descriptor (2 closed graphscan's own stderr; 10**30 overflowed: exit 1)."""
+    path = chain_model(tmp_path / "m.onnx", ["Q", "DQ"])
+    answer = json.loads(run_graphscan([command, path]).stdout)
+    saved = tmp_path / "answer.json"
+    saved.write_text(json.dumps({**answer, "model": model}))
+    line = error_line(run_graphscan(["table", str(saved)]), 2)
+    assert f"not a {command} answer (TypeError: model is int, not a path)" in line
