@@ -25,7 +25,7 @@ import onnx
 import onnxruntime as ort
 
 from graphscan import shown
-from graphscan_ort.shared.graph import body_reads
+from graphscan_ort.shared.graph import body_reads, dense_initializer
 from graphscan_ort.shared.sessions import does_not_run, impact_options, open_session
 
 # A variant changes the graph only from its sites on, and only along their
@@ -180,7 +180,8 @@ class SegmentPlan:
         graph = self.graph = model.graph
         self.prefix = prefix  # of every name the derived model adds
         self.machinery = machinery  # names of the nodes graphscan added
-        self.initializers = {init.name: init for init in graph.initializer if init.name not in data_inputs}
+        initializers = [*graph.initializer, *map(dense_initializer, graph.sparse_initializer)]
+        self.initializers = {init.name: init for init in initializers if init.name not in data_inputs}
         defined = {t for node in graph.node for t in node.output if t}
         defined |= {i.name for i in graph.input} | set(self.initializers)
         nodes = list(graph.node)  # one wrapper per node: ids below name them

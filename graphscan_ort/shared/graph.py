@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import re
 from collections.abc import Callable, Iterator, Mapping
 
@@ -201,3 +202,18 @@ def output_chain(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> tupl
 def written_output(node: onnx.NodeProto) -> str:
     """A node's output 0 as written: "" when it has none or leaves it out."""
     return node.output[0] if node.output else ""
+
+
+def dense_initializer(sparse: onnx.SparseTensorProto) -> onnx.TensorProto:
+    """A sparse initializer as the dense tensor it stands for, under its name: a model
+    cut into segments lists the initializers each segment reads, and they are dense."""
+    from onnx import numpy_helper
+
+    values = numpy_helper.to_array(sparse.values)
+    indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
+    dims = tuple(sparse.dims)
+    if indices.ndim == 2:  # one row of coordinates per value, not linear positions
+        indices = np.ravel_multi_index(tuple(indices.T), dims)
+    dense = np.zeros(math.prod(dims), dtype=values.dtype)
+    dense[indices] = values
+    return numpy_helper.from_array(dense.reshape(dims), sparse.values.name)

@@ -63,3 +63,14 @@ def test_a_qs_range_follows_the_type_the_onnx_spec_gives_its_output(with_zero_po
     assert graph.q_output_type(q, zero) == helper.np_dtype_to_tensor_dtype(y.dtype)
     assert (lo, hi) == pytest.approx((float(y[0]) * 0.1, float(y[2]) * 0.1))
     assert scale_type == TensorProto.FLOAT
+
+
+@pytest.mark.parametrize("coordinates", [False, True])
+def test_a_sparse_initializer_densifies_to_the_tensor_it_stands_for(coordinates):
+    """Linear positions ([NNZ]) and coordinates ([NNZ, rank]) alike, under the values' name."""
+    values = numpy_helper.from_array(np.array([1.5, -2.0], dtype=np.float32), "w")
+    positions = np.array([[0, 1], [1, 2]]) if coordinates else np.array([1, 5])
+    sparse = helper.make_sparse_tensor(values, numpy_helper.from_array(positions.astype(np.int64), "w_i"), [2, 3])
+    dense = graph.dense_initializer(sparse)
+    assert dense.name == "w"
+    np.testing.assert_array_equal(numpy_helper.to_array(dense), [[0, 1.5, 0], [0, 0, -2.0]])
