@@ -59,6 +59,8 @@ import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 import stat  # noqa: E402
+import types  # noqa: E402
+import typing  # noqa: E402
 import unicodedata  # noqa: E402
 import warnings  # noqa: E402
 from collections import Counter  # noqa: E402
@@ -1925,6 +1927,50 @@ def answer_keys(command: Command) -> tuple[frozenset[str], frozenset[str]]:
     return required, required | frozenset(command.answer.__optional_keys__)
 
 
+# The Python types a JSON value of each annotated type may have (a float may be written 3).
+JSON_TYPES: dict[object, tuple[type, ...]] = {
+    type(None): (type(None),),
+    bool: (bool,),
+    int: (int,),
+    float: (int, float),
+    str: (str,),
+}
+
+
+def misfit(value: object, hint: Any, where: str) -> str | None:
+    """Where a JSON value is not of its answer's annotated type (``None``: it is). Types
+    this does not know pass: the table renderer still refuses what it cannot show."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return None
+    if origin in (typing.Union, types.UnionType):
+        problems = [misfit(value, option, where) for option in args]
+        return None if None in problems else next(p for p in problems if p)
+    if origin in (NotRequired, typing.Required):
+        return misfit(value, args[0], where)
+    if typing.is_typeddict(hint):
+        hints = typing.get_type_hints(hint, include_extras=True)
+        # Stringized annotations hide NotRequired from __required_keys__: read it here.
+        required = {key for key in hint.__required_keys__ if typing.get_origin(hints[key]) is not NotRequired}
+        if not isinstance(value, dict) or not required <= value.keys() <= hints.keys():
+            return f"{where} is not an object of the keys {', '.join(sorted(hints))}"
+        return next((p for key in value if (p := misfit(value[key], hints[key], f"{where}.{key}"))), None)
+    if origin is list:
+        if not isinstance(value, list):
+            return f"{where} is not a list"
+        return next((p for k, item in enumerate(value) if (p := misfit(item, args[0], f"{where}[{k}]"))), None)
+    if origin is dict:
+        if not isinstance(value, dict):
+            return f"{where} is not an object"
+        return next((p for key, item in value.items() if (p := misfit(item, args[1], f"{where}.{key}"))), None)
+    expected = JSON_TYPES.get(hint)
+    if expected is None:
+        return None
+    if isinstance(value, expected) and (hint is bool or not isinstance(value, bool)):
+        return None
+    return f"{where} is {json.dumps(value)[:40]}, not {getattr(hint, '__name__', hint)}"
+
+
 def answer_command(answer: dict[str, Any], path: str) -> Command:
     """The command whose answer ``answer`` is, by its keys (the counting commands first,
     so a package command is imported only when no core one fits)."""
@@ -1942,6 +1988,9 @@ def answer_command(answer: dict[str, Any], path: str) -> Command:
             ) from None
         required, known = answer_keys(command)
         if required and required <= keys <= known:
+            problem = misfit(answer, command.answer, "answer")
+            if problem is not None:
+                raise GraphscanError(f"usage: {shown(path)}: not a {command.name} answer ({problem})", EXIT_USAGE)
             return command
     raise GraphscanError(f"usage: {shown(path)}: not the JSON answer of a graphscan command", EXIT_USAGE)
 
@@ -1951,7 +2000,7 @@ def table(path: str, top: int | None = None) -> str:
     check_readable(path)
     try:
         with open(path, encoding="utf-8") as f:
-            answer = json.load(f)
+            answer = json.load(f, parse_constant=not_strict_json)
     except OSError as exc:
         raise GraphscanError(f"{shown(path)}: cannot read ({exc.strerror or exc})", EXIT_NO_FILE)
     except (ValueError, RecursionError) as exc:
@@ -1965,6 +2014,12 @@ def table(path: str, top: int | None = None) -> str:
         raise GraphscanError(
             f"usage: {shown(path)}: not a {command.name} answer ({type(exc).__name__}: {one_line(exc)})", EXIT_USAGE
         )
+
+
+def not_strict_json(token: str) -> None:
+    """json's hook for NaN and +-Infinity: no answer holds them (strict_json), so a file that
+    does was not written by graphscan."""
+    raise ValueError(f"{token} is not strict JSON")
 
 
 TABLE = Command(

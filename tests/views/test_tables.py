@@ -551,12 +551,28 @@ def test_a_saved_answer_is_shown_as_its_commands_table(argv, top, default_lab, t
         pytest.param(None, 3, "no such file", id="missing"),
         pytest.param("{not json", 2, "not a JSON answer", id="not-json"),
         pytest.param("[1, 2]", 2, "not the JSON answer of a graphscan command", id="a-list"),
+        pytest.param(
+            '{"model": "m", "a": "a", "b": "b", "max_abs_error": NaN}', 2, "(NaN is not strict JSON)", id="nan"
+        ),
         pytest.param('{"model": "m.onnx"}', 2, "not the JSON answer of a graphscan command", id="unknown-keys"),
         pytest.param(
             '{"model": "m", "quantize": "six", "dequantize": 1, "round_trips": 1, "weight_dequantize": 1}',
-            0,
-            "",
-            id="a-string-count-is-shown-as-it-is",
+            2,
+            'not a qdq answer (answer.quantize is "six", not int)',
+            id="a-string-count",
+        ),
+        pytest.param(
+            '{"model": "m", "compute": 1, "wrapped": 0, "float": 1, "island_count": 1,'
+            ' "islands": [{"nodes": ["r"], "size": "1", "op_types": ["Relu"]}]}',
+            2,
+            'not a islands answer (answer.islands[0].size is "1", not int)',
+            id="a-nested-string-count",
+        ),
+        pytest.param(
+            '{"model": "m", "island_count": {}, "crossings": 0, "per_island": []}',
+            2,
+            "not a boundary answer (answer.island_count is {}, not int)",
+            id="an-object-for-a-count",
         ),
         pytest.param(
             '{"model": "gone.onnx", "compute": 1, "wrapped": 1, "float": 0, "island_count": 1, "islands": 3}',
@@ -580,10 +596,12 @@ def test_a_file_that_is_not_an_answer_is_one_line(content, code, said, tmp_path,
 @pytest.mark.parametrize("model", [2, 10**30])
 def test_a_saved_answer_whose_model_is_not_a_path_is_refused_in_one_line(tmp_path, command, model):
     """islands' and boundary's tables read the model for its graph order; open() takes an
-    int as a file descriptor (2 closed graphscan's own stderr; 10**30 overflowed: exit 1)."""
+    int as a file descriptor (2 closed graphscan's own stderr; 10**30 overflowed: exit 1).
+    The answer's types refuse it first; graph_positions refuses it too, for a caller of
+    render_table."""
     path = chain_model(tmp_path / "m.onnx", ["Q", "DQ"])
     answer = json.loads(run_graphscan([command, path]).stdout)
     saved = tmp_path / "answer.json"
     saved.write_text(json.dumps({**answer, "model": model}))
     line = error_line(run_graphscan(["table", str(saved)]), 2)
-    assert f"not a {command} answer (TypeError: model is int, not a path)" in line
+    assert f"not a {command} answer (answer.model is {model}, not str)" in line
