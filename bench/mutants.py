@@ -59,6 +59,7 @@ AREA_TESTS = {
         "tests/counting/test_properties.py",
         "tests/fuse/test_fusion.py",
         "tests/fuse/test_tolerance_names_weights.py",
+        "tests/loading/test_malformed_graphs.py",
     ],
     "fuse": [
         "tests/fuse/test_fusion.py",
@@ -76,7 +77,7 @@ AREA_TESTS = {
     ],
     "runtime": ["tests/runtime/test_runtime.py", "tests/check/test_check.py"],
     "check": ["tests/check/test_check.py"],
-    "impact": ["tests/impact/test_impact.py"],
+    "impact": ["tests/impact/test_impact.py", "tests/loading/test_malformed_graphs.py"],
     "tune": [
         "tests/tune/test_laws.py",
         "tests/tune/test_guards.py",
@@ -101,6 +102,7 @@ AREA_TESTS = {
         "tests/fuse/test_write_verify_inputs.py",
         "tests/trace/test_awkward_pairs.py",
         "tests/views/test_tables.py",
+        "tests/shared/test_metrics.py",
     ],
 }
 IGNORED = shutil.ignore_patterns(

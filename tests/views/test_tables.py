@@ -575,6 +575,12 @@ def test_a_saved_answer_is_shown_as_its_commands_table(argv, top, default_lab, t
             id="an-object-for-a-count",
         ),
         pytest.param(
+            '{"model": "m", "quantize": true, "dequantize": 1, "round_trips": 1, "weight_dequantize": 1}',
+            2,
+            "not a qdq answer (answer.quantize is true, not int)",
+            id="a-boolean-count",  # Python's True is an int: JSON's true is not a count
+        ),
+        pytest.param(
             '{"model": "gone.onnx", "compute": 1, "wrapped": 1, "float": 0, "island_count": 1, "islands": 3}',
             2,
             "not a islands answer",
