@@ -1937,6 +1937,16 @@ JSON_TYPES: dict[object, tuple[type, ...]] = {
 }
 
 
+@functools.cache
+def typed_fields(hint: Any) -> tuple[dict[str, Any], frozenset[str]]:
+    """A TypedDict's field types and required keys, read once per type (get_type_hints
+    evaluates the annotations again on every call: 2.6 s for 100,000 island rows)."""
+    hints = typing.get_type_hints(hint, include_extras=True)
+    # Stringized annotations hide NotRequired from __required_keys__: read it here.
+    required = frozenset(key for key in hint.__required_keys__ if typing.get_origin(hints[key]) is not NotRequired)
+    return hints, required
+
+
 def misfit(value: object, hint: Any, where: str) -> str | None:
     """Where a JSON value is not of its answer's annotated type (``None``: it is). Types
     this does not know pass: the table renderer still refuses what it cannot show."""
@@ -1949,9 +1959,7 @@ def misfit(value: object, hint: Any, where: str) -> str | None:
     if origin in (NotRequired, typing.Required):
         return misfit(value, args[0], where)
     if typing.is_typeddict(hint):
-        hints = typing.get_type_hints(hint, include_extras=True)
-        # Stringized annotations hide NotRequired from __required_keys__: read it here.
-        required = {key for key in hint.__required_keys__ if typing.get_origin(hints[key]) is not NotRequired}
+        hints, required = typed_fields(hint)
         if not isinstance(value, dict) or not required <= value.keys() <= hints.keys():
             return f"{where} is not an object of the keys {', '.join(sorted(hints))}"
         return next((p for key in value if (p := misfit(value[key], hints[key], f"{where}.{key}"))), None)

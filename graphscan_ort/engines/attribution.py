@@ -517,8 +517,7 @@ def measure(
         if not isinstance(value, np.ndarray):
             raise GraphscanError(
                 f"usage: {shown(a)}: output {name} is a {NOT_TENSORS.get(type(value), type(value).__name__)}, "
-                "not a tensor: "
-                "impact measures tensor outputs",
+                "not a tensor: impact measures tensor outputs",
                 EXIT_USAGE,
             )
     noise = OutputNoise(float_outputs)
