@@ -142,6 +142,7 @@ def runtime_table(answer: dict[str, Any], top: int | None) -> str:
             ("provider", env.get("provider")),
             ("level", env.get("level")),
             ("machine", env.get("machine")),
+            *([("cpu", answer["cpu"].get("name"))] if "cpu" in answer else []),
             ("int8_allowed", env.get("int8_allowed")),
             ("compute", answer["compute"]),
             ("wrapped", answer["wrapped"]),
@@ -168,6 +169,9 @@ def runtime_table(answer: dict[str, Any], top: int | None) -> str:
         section("by op_type", ["op_type"] + RUNTIME_CLASSES, op_rows),
         section(title, node_titles, node_rows, top, ["op_type"]),
     ]
+    if "differs_from_native" in answer:
+        changes = [[c["node"], c["op_type"], c["native"], c["cpu"]] for c in answer["differs_from_native"]]
+        blocks.append(section("classes that differ from native", ["node", "op_type", "native", "cpu"], changes, top))
     if timed:
         timing = answer["time"]
         numbers = [[key, timing[key]] for key in ("runs", "profiler_floor_us", "round_trip_cost")]

@@ -320,3 +320,21 @@ def test_arm64_computes_the_exact_u8s8_conv_outputs(tmp_path):
     model, feeds, exact = u8s8_conv(tmp_path)
     arm64 = np.array(targets.run("arm64", "tests.targets.probe:outputs", [model, feeds])["result"][0])
     np.testing.assert_array_equal(arm64, exact)
+
+
+def test_the_table_names_the_target_and_the_changed_classes(capsys, tmp_path):
+    """A target's answer read back by ``table``: its CPU in the head, each changed node a row."""
+    answer = json.loads(run_main(capsys, ["runtime", "ops/full.onnx"])[1])
+    first = answer["nodes"][0]
+    answer["cpu"] = {"name": "arm64", "onnxruntime": ort.__version__, "machine": "aarch64"}
+    answer["differs_from_native"] = [
+        {"node": first["node"], "op_type": first["op_type"], "native": "float", "cpu": "int8"}
+    ]
+    saved = tmp_path / "arm64.json"
+    saved.write_text(json.dumps(answer))
+    code, out, err = run_main(capsys, ["table", saved])
+    assert code == 0, err
+    assert re.search(r"\bcpu arm64\b", out)
+    tail = out.split("classes that differ from native\n", 1)[1].splitlines()
+    assert tail[0].split() == ["node", "op_type", "native", "cpu"]
+    assert tail[1].split() == [first["node"], first["op_type"], "float", "int8"] and len(tail) == 2
