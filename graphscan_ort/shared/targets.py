@@ -31,13 +31,14 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any, TypedDict
 
-from graphscan import EXIT_RUNTIME, EXIT_USAGE, GraphscanError, one_line, report, shown
+from graphscan import EXIT_INTERNAL, EXIT_RUNTIME, EXIT_USAGE, GraphscanError, one_line, report, shown
 
 __all__ = ["INSTALL_COMMAND", "NATIVE", "TARGETS", "Facts", "installed", "missing", "require", "root", "run", "status"]
 
@@ -205,16 +206,24 @@ def run(target: str, function: str, args: list[Any] | None = None, kwargs: dict[
             with open(answer, encoding="utf-8") as f:
                 reply = json.load(f)
         except (OSError, ValueError):
-            last = [line for line in done.stderr.splitlines() if line.strip()]
-            raise GraphscanError(
-                f"CPU target {target}: its interpreter stopped (exit {done.returncode})"
-                + (f": {last[-1].strip()}" if last else ""),
-                EXIT_RUNTIME,
-            ) from None
+            raise GraphscanError(f"CPU target {target}: {stopped(done)}", EXIT_RUNTIME) from None
     if "error" in reply:
         raise GraphscanError(reply["error"], reply["exit_code"])
     reply["cpu"]["name"] = target
     return reply
+
+
+def stopped(done: subprocess.CompletedProcess) -> str:
+    """How a target's interpreter ended without an answer: its signal or exit code, its last words."""
+    if done.returncode < 0:
+        try:
+            how = f"killed by {signal.Signals(-done.returncode).name}"
+        except ValueError:
+            how = f"killed by signal {-done.returncode}"
+    else:
+        how = f"stopped (exit {done.returncode})"
+    last = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+    return f"its interpreter was {how} without an answer" + (f": {last[-1]}" if last else "")
 
 
 def resolve(function: str) -> Any:
@@ -233,6 +242,10 @@ def call(request: str, answer: str) -> None:
         }
     except GraphscanError as exc:
         reply = {"error": str(exc), "exit_code": exc.exit_code}
+    except MemoryError:
+        reply = {"error": f"{asked['function']}: out of memory", "exit_code": EXIT_RUNTIME}
+    except Exception as exc:  # a bug: one line there as here, never a traceback
+        reply = {"error": f"internal error: {type(exc).__name__}: {one_line(exc)}", "exit_code": EXIT_INTERNAL}
     with open(answer, "w", encoding="utf-8") as f:
         json.dump(reply, f)
 

@@ -13,6 +13,7 @@ import os
 import platform
 import re
 import stat
+import sys
 
 import numpy as np
 import onnx
@@ -338,3 +339,60 @@ def test_the_table_names_the_target_and_the_changed_classes(capsys, tmp_path):
     tail = out.split("classes that differ from native\n", 1)[1].splitlines()
     assert tail[0].split() == ["node", "op_type", "native", "cpu"]
     assert tail[1].split() == [first["node"], first["op_type"], "float", "int8"] and len(tail) == 2
+
+
+# -- the runner's protocol, with this interpreter standing in for a target's
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """``x86-avx2`` run by this interpreter without qemu, its command line replaceable:
+    the protocol (request and answer files, errors, crashes) is the same on every target."""
+    interpreter = {"argv": None}
+
+    def command(target, argv):
+        env = dict(os.environ, PYTHONPATH=str(targets.repository()))
+        return [sys.executable, *(interpreter["argv"] or argv)], env
+
+    monkeypatch.setattr(targets, "missing", lambda target: None)
+    monkeypatch.setattr(targets, "command", command)
+    return interpreter
+
+
+def test_a_function_runs_in_the_targets_interpreter_and_answers_json(stand_in, tmp_path):
+    reply = targets.run("x86-avx2", "os.path:join", [str(tmp_path), "a"])
+    assert reply["result"] == str(tmp_path / "a")
+    assert reply["cpu"] == {"name": "x86-avx2", "onnxruntime": ort.__version__, "machine": platform.machine()}
+
+
+@pytest.mark.parametrize(
+    ("function", "args", "code", "words"),
+    [
+        pytest.param("graphscan:load_model", ["absent.onnx"], graphscan.EXIT_NO_FILE, "absent.onnx", id="user-error"),
+        pytest.param("json:loads", ["{"], graphscan.EXIT_INTERNAL, "internal error: JSONDecodeError", id="bug"),
+    ],
+)
+def test_an_error_in_the_target_comes_back_as_its_line_and_code(stand_in, function, args, code, words):
+    with pytest.raises(graphscan.GraphscanError) as raised:
+        targets.run("x86-avx2", function, args)
+    assert raised.value.exit_code == code and words in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        pytest.param("import os; os.abort()", r"killed by SIGABRT without an answer", id="crash"),
+        pytest.param(
+            "import sys; sys.exit('qemu: no such file')",
+            r"stopped \(exit 1\) without an answer: qemu: no such file",
+            id="exit",
+        ),
+    ],
+)
+def test_an_interpreter_that_dies_is_one_line_naming_the_target(stand_in, code, expected):
+    stand_in["argv"] = ["-c", code]
+    with pytest.raises(graphscan.GraphscanError) as raised:
+        targets.run("x86-avx2", "os:getcwd")
+    assert raised.value.exit_code == graphscan.EXIT_RUNTIME
+    assert re.fullmatch(rf"CPU target x86-avx2: its interpreter was {expected}", str(raised.value)), raised.value
