@@ -10,7 +10,7 @@ compute node is then found in the optimized graph and its kernel classified.
 from __future__ import annotations
 
 import textwrap
-from typing import Any
+from typing import Any, cast
 
 from graphscan import (
     EXIT_USAGE,
@@ -31,11 +31,33 @@ from graphscan_ort.engines.classify import (
     classify,
 )
 from graphscan_ort.engines.timing import runtime_time
-from graphscan_ort.shared.answers import RuntimeAnswer
+from graphscan_ort.shared.answers import ClassChange, NodeRow, RuntimeAnswer
 from graphscan_ort.shared.inputs import model_samples, parse_shapes
 from graphscan_ort.shared.kernels import RUNTIME_CLASSES
 from graphscan_ort.shared.options import MAX_RUNS, RUNTIME_DEFAULT_RUNS, check_between, int_between
 from graphscan_ort.shared.sessions import CPU, environment, inputs_hint
+from graphscan_ort.shared.targets import NATIVE, TARGETS, require, run
+
+
+def classes(path: str, level: str, provider: str, int8_allowed: bool) -> dict[str, Any]:
+    """The runtime answer's classes, without its model and timing: what a CPU target
+    computes in its own interpreter and hands back as JSON."""
+    found = classify(load_with_weights(path), path, level, provider, int8_allowed)
+    return {
+        "environment": environment(level, provider, int8_allowed=int8_allowed),
+        **found.counts,
+        "nodes": found.rows,
+        "unmapped": found.unmapped,
+    }
+
+
+def differs(native: list[NodeRow], target: list[NodeRow]) -> list[ClassChange]:
+    """The nodes whose class on the target is not their class natively, in graph order."""
+    return [
+        {"node": here["node"], "op_type": here["op_type"], "native": here["class"], "cpu": there["class"]}
+        for here, there in zip(native, target, strict=True)
+        if here["class"] != there["class"]
+    ]
 
 
 def runtime(
@@ -48,14 +70,26 @@ def runtime(
     shape: list[str] | None = None,
     seed: int = 0,
     runs: int = RUNTIME_DEFAULT_RUNS,
+    cpu: str = NATIVE,
 ) -> RuntimeAnswer:
-    """Per compute node: the kernel onnxruntime runs for it and its class."""
+    """Per compute node: the kernel onnxruntime runs for it and its class (on ``cpu``)."""
     if level not in RUNTIME_LEVELS:
         raise GraphscanError(f"usage: --level must be one of {', '.join(RUNTIME_LEVELS)}", EXIT_USAGE)
     check_between("--runs", runs, 1, MAX_RUNS)
+    if cpu not in TARGETS:
+        raise GraphscanError(f"usage: --cpu must be one of {', '.join(TARGETS)}", EXIT_USAGE)
+    if cpu != NATIVE and timed:
+        raise GraphscanError(
+            f"usage: --time measures this machine's latency; under --cpu {cpu} onnxruntime is emulated, "
+            "so its time is no latency (leave out --cpu to time natively)",
+            EXIT_USAGE,
+        )
+    require(cpu)
     model = load_with_weights(path)
     shapes = parse_shapes(shape)
     found = classify(model, path, level, provider, int8_allowed)
+    if cpu != NATIVE:
+        return on_target(path, found.rows, level, provider, int8_allowed, cpu)
     answer: RuntimeAnswer = {
         "model": path,
         "environment": environment(level, provider, int8_allowed=int8_allowed),
@@ -82,6 +116,17 @@ def runtime(
     return answer
 
 
+def on_target(
+    path: str, native: list[NodeRow], level: str, provider: str, int8_allowed: bool, cpu: str
+) -> RuntimeAnswer:
+    """runtime's answer from ``cpu``'s own session, with the nodes whose class differs from ``native``."""
+    reply = run(cpu, f"{__name__}:classes", [path, level, provider, int8_allowed])
+    there = reply["result"]
+    answer = {"model": path, "environment": there.pop("environment"), "cpu": reply["cpu"], **there}
+    answer["differs_from_native"] = differs(native, there["nodes"])
+    return cast(RuntimeAnswer, answer)
+
+
 def node_us(answer: dict[str, Any], node: dict[str, Any]) -> float | None:
     """A node's kernel microseconds per run, when ``--time`` measured it."""
     return (answer.get("time") or {}).get("nodes", {}).get(node["node"])
@@ -97,6 +142,7 @@ def runtime_table(answer: dict[str, Any], top: int | None) -> str:
             ("provider", env.get("provider")),
             ("level", env.get("level")),
             ("machine", env.get("machine")),
+            *([("cpu", answer["cpu"].get("name"))] if "cpu" in answer else []),
             ("int8_allowed", env.get("int8_allowed")),
             ("compute", answer["compute"]),
             ("wrapped", answer["wrapped"]),
@@ -123,6 +169,9 @@ def runtime_table(answer: dict[str, Any], top: int | None) -> str:
         section("by op_type", ["op_type"] + RUNTIME_CLASSES, op_rows),
         section(title, node_titles, node_rows, top, ["op_type"]),
     ]
+    if "differs_from_native" in answer:
+        changes = [[c["node"], c["op_type"], c["native"], c["cpu"]] for c in answer["differs_from_native"]]
+        blocks.append(section("classes that differ from native", ["node", "op_type", "native", "cpu"], changes, top))
     if timed:
         timing = answer["time"]
         numbers = [[key, timing[key]] for key in ("runs", "profiler_floor_us", "round_trip_cost")]
@@ -146,6 +195,15 @@ COMMAND = Command(
                 "action": "store_true",
                 "dest": "timed",
                 "help": "profile kernel time per class and measure the Q/DQ round trips' cost",
+            },
+        ),
+        (
+            "--cpu",
+            {
+                "choices": list(TARGETS),
+                "default": NATIVE,
+                "help": "classify in onnxruntime built for this CPU, emulated (default: native; "
+                "install the others: python -m graphscan_ort.shared.targets install)",
             },
         ),
         *samples_group(1, when="--time: "),

@@ -128,11 +128,26 @@ class RuntimeCounts(TypedDict):
     by_op_type: dict[str, dict[str, int]]
 
 
+class CpuFacts(TypedDict):
+    name: str
+    onnxruntime: str
+    machine: str
+
+
+class ClassChange(TypedDict):
+    node: str
+    op_type: str
+    native: str | None
+    cpu: str | None
+
+
 class RuntimeAnswer(RuntimeCounts):
     model: str
     environment: Environment
+    cpu: NotRequired[CpuFacts]  # with --cpu other than native only
     nodes: list[NodeRow]
     unmapped: list[str]
+    differs_from_native: NotRequired[list[ClassChange]]  # with --cpu other than native only
     time: NotRequired[RuntimeTime]  # with --time only
 
 

@@ -1,0 +1,30 @@
+"""What the target tests ask a target's own interpreter, without graphscan's code.
+
+Each function is called inside a target by ``targets.run`` and answers in JSON:
+plain onnxruntime sessions, as a user on that CPU would open them.
+"""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+
+def optimized_op_types(path: str) -> list[str]:
+    """The op types of the graph onnxruntime saves after optimizing ``path`` (extended level)."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        options.optimized_model_filepath = os.path.join(folder, "optimized.onnx")
+        ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        return [node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node]
+
+
+def outputs(path: str, feeds: str) -> list[list[float]]:
+    """Every output of ``path`` for the inputs saved in ``feeds`` (.npz), flattened, in a default session."""
+    with np.load(feeds) as saved:
+        inputs = {name: saved[name] for name in saved.files}
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    return [np.asarray(value, dtype=np.float64).ravel().tolist() for value in session.run(None, inputs)]
