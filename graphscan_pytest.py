@@ -486,7 +486,10 @@ def compare_snapshot(config: pytest.Config, gate: Gate) -> None:
     if not updating(config) and not path.is_file():
         raise GateFailed(f"snapshot: no {path}: take it with {UPDATE}, review, commit")
     if updating(config):
-        write_atomically(path, snapshot_text(now))
+        try:
+            write_atomically(path, snapshot_text(now))
+        except OSError as exc:  # a full disk, a read-only checkout: not a bug of the plugin
+            raise GateFailed(f"snapshot: cannot write {path} ({exc.strerror or exc})") from None
         return
     try:
         pinned = json.loads(path.read_text(encoding="utf-8"))

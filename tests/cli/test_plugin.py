@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import numpy as np
 import onnx
@@ -206,12 +207,13 @@ def test_without_the_flag_nothing_is_collected(repository, run_pytest):
     [
         ('path = "models/full.onnx"\nmax_islnds = 3', 3, "unknown key 'max_islnds'"),
         ('path = "models/full.onnx"\nmax_islands = "3"', 3, "max_islands must be int"),
+        ('path = "models/full.onnx"\nmax_islands = true', 3, "max_islands must be int"),
         ('path = "models/gone.onnx"\nmax_islands = 3', 2, "no such file 'models/gone.onnx'"),
         ('path = "models/full.onnx"\nmin_sqnr = 3', 3, "min_sqnr needs float"),
         ('path = "models/full.onnx"\nmax_islands = -1', 3, "whole number >= 0"),
         ('path = "models/full.onnx"\nmin_metric = 0.5\nfloat = "models/fp32.onnx"', 3, "needs metric"),
     ],
-    ids=["unknown-key", "wrong-type", "missing-file", "needs-float", "negative", "needs-metric"],
+    ids=["unknown-key", "wrong-type", "boolean-count", "missing-file", "needs-float", "negative", "needs-metric"],
 )
 def test_a_bad_config_names_file_line_and_key(repository, body, line, words, tmp_path):
     for name in ("models", "lab_sample.npz"):
@@ -339,7 +341,7 @@ LAB_ARGV = ["models/full.onnx", "--float", "models/fp32.onnx"]
                      None, id="shape-not-strings"),
         pytest.param(f"[[model]]\n{LAB}min_sqnr = 3\nshape = [\"x\"]\n", 5, "shape 'x': expected NAME=D0,D1",
                      [*LAB_ARGV, "--min-sqnr", "3", "--shape", "x"], id="shape-malformed"),
-        pytest.param("model = [1, 2]\n", 1, "[[model]] 1: must be a table", None, id="model-not-tables"),
+        pytest.param("# gates\nmodel = [1, 2]\n", 2, "[[model]] 1: must be a table", None, id="model-not-tables"),
         pytest.param(f"[[model]]\n{LAB}max_islands = 3\n", 3, "float: only with min_sqnr or min_metric",
                      [*LAB_ARGV, "--max-islands", "3"], id="float-without-sqnr"),
         pytest.param('[[model]]\npath = "models/full.onnx"\ninputs = ["lab_sample.npz"]\nmax_islands = 3\n', 3,
@@ -490,8 +492,6 @@ def test_snapshot_writers_never_share_a_temporary_file(tmp_path, monkeypatch):
     """Two writers of one snapshot (xdist workers under --graphscan-snapshot-update), the
     second writing whole while the first is about to rename: both succeed, the file is the
     last writer's whole text, and no temporary file is left."""
-    import types
-
     (tmp_path / "m.onnx").touch()
     (tmp_path / "graphscan.toml").write_text('[[model]]\npath = "m.onnx"\nsnapshot = true\n')
     (gate,) = graphscan_pytest.read_config(tmp_path / "graphscan.toml")
@@ -523,6 +523,41 @@ def test_snapshot_writers_never_share_a_temporary_file(tmp_path, monkeypatch):
     written = tmp_path / "graphscan_snapshots" / "m.onnx.json"
     assert json.loads(written.read_text())["nodes"] == {"a": {"class": "int8", "reason": None}}
     assert [p.name for p in written.parent.iterdir()] == ["m.onnx.json"]
+
+
+def test_a_snapshot_that_cannot_be_written_fails_saying_so_and_leaves_nothing(tmp_path, monkeypatch):
+    """A full disk while the file is renamed into place: the item fails in one sentence and
+    no temporary file is left beside the snapshots."""
+    import errno
+
+    (tmp_path / "m.onnx").touch()
+    (tmp_path / "graphscan.toml").write_text('[[model]]\npath = "m.onnx"\nsnapshot = true\n')
+    (gate,) = graphscan_pytest.read_config(tmp_path / "graphscan.toml")
+    options = {"graphscan_config": str(tmp_path / "graphscan.toml"), "graphscan_snapshot_update": True}
+    config = types.SimpleNamespace(getoption=lambda name, default=None: options.get(name, default), rootpath=tmp_path)
+    config._graphscan_cache = {
+        ("runtime", 0): {"environment": {"onnxruntime": "1", "provider": "p", "level": "l"}, "nodes": []}
+    }
+
+    def full(source, target):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(graphscan_pytest.GateFailed, match=r"^snapshot: cannot write .*m\.onnx\.json \(No space left"):
+        graphscan_pytest.compare_snapshot(config, gate)
+    assert list((tmp_path / "graphscan_snapshots").iterdir()) == []
+
+
+def test_the_gates_run_once_wherever_pytest_is_pointed(repository, tmp_path, run_pytest):
+    """Pointed at a test file, a folder above the config, or the config itself: every gate
+    runs, each once."""
+    folder = gate_folder(tmp_path, repository, '[[model]]\npath = "models/cnn.s8.onnx"\nmax_islands = 1000\n')
+    (folder / "test_other.py").write_text("def test_other():\n    pass\n")
+    gate = "graphscan.toml::cnn.s8.onnx::max_islands"
+    for pointed in (["test_other.py"], ["."], ["graphscan.toml"], []):
+        code, output = run_pytest(folder, "--graphscan", "-rA", *pointed)
+        assert code == 0 and item_outcomes(output).get(gate) == "passed", (pointed, output)
+        assert output.count(f"PASSED {gate}") == 1, (pointed, output)
 
 
 NOW = {
