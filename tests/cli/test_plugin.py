@@ -14,7 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
-import types
+import tomllib
 
 import numpy as np
 import onnx
@@ -488,27 +488,31 @@ def test_a_folder_of_inputs_never_fails_a_count(repository, tmp_path, run_pytest
     assert item_outcomes(output)["graphscan.toml::full.onnx::min_sqnr"] == "passed", output
 
 
+def updating_session(folder, classes):
+    """One model ``m.onnx`` with a snapshot in ``folder``, and what compare_snapshot reads of
+    a pytest session under --graphscan-snapshot-update whose runtime answer has ``classes``
+    (``{node: class}``): ``(gate, config)``, nothing measured."""
+    import types
+
+    (folder / "m.onnx").touch()
+    (folder / "graphscan.toml").write_text('[[model]]\npath = "m.onnx"\nsnapshot = true\n')
+    (gate,) = graphscan_pytest.read_config(folder / "graphscan.toml")
+    answer = {
+        "environment": {"onnxruntime": "1", "provider": "p", "level": "extended"},
+        "nodes": [{"node": node, "class": kind, "reason": None} for node, kind in classes.items()],
+    }
+    options = {"graphscan_config": str(folder / "graphscan.toml"), "graphscan_snapshot_update": True}
+    config = types.SimpleNamespace(getoption=lambda name, default=None: options.get(name, default), rootpath=folder)
+    config._graphscan_cache = {("runtime", gate.index): answer}
+    return gate, config
+
+
 def test_snapshot_writers_never_share_a_temporary_file(tmp_path, monkeypatch):
     """Two writers of one snapshot (xdist workers under --graphscan-snapshot-update), the
     second writing whole while the first is about to rename: both succeed, the file is the
     last writer's whole text, and no temporary file is left."""
-    (tmp_path / "m.onnx").touch()
-    (tmp_path / "graphscan.toml").write_text('[[model]]\npath = "m.onnx"\nsnapshot = true\n')
-    (gate,) = graphscan_pytest.read_config(tmp_path / "graphscan.toml")
-
-    def worker(kind):
-        answer = {
-            "environment": {"onnxruntime": "1", "provider": "p", "level": "extended"},
-            "nodes": [{"node": "a", "class": kind, "reason": None}],
-        }
-        options = {"graphscan_config": str(tmp_path / "graphscan.toml"), "graphscan_snapshot_update": True}
-        config = types.SimpleNamespace(
-            getoption=lambda name, default=None: options.get(name, default), rootpath=tmp_path
-        )
-        config._graphscan_cache = {("runtime", gate.index): answer}
-        return config
-
-    first, second = worker("int8"), worker("float")
+    gate, first = updating_session(tmp_path, {"a": "int8"})
+    _, second = updating_session(tmp_path, {"a": "float"})
     rename = os.replace
     interleaved = []
 
@@ -530,14 +534,7 @@ def test_a_snapshot_that_cannot_be_written_fails_saying_so_and_leaves_nothing(tm
     no temporary file is left beside the snapshots."""
     import errno
 
-    (tmp_path / "m.onnx").touch()
-    (tmp_path / "graphscan.toml").write_text('[[model]]\npath = "m.onnx"\nsnapshot = true\n')
-    (gate,) = graphscan_pytest.read_config(tmp_path / "graphscan.toml")
-    options = {"graphscan_config": str(tmp_path / "graphscan.toml"), "graphscan_snapshot_update": True}
-    config = types.SimpleNamespace(getoption=lambda name, default=None: options.get(name, default), rootpath=tmp_path)
-    config._graphscan_cache = {
-        ("runtime", 0): {"environment": {"onnxruntime": "1", "provider": "p", "level": "l"}, "nodes": []}
-    }
+    gate, config = updating_session(tmp_path, {"a": "int8"})
 
     def full(source, target):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -634,8 +631,6 @@ def test_every_snapshot_message_names_a_command_that_works_without_syrupy(reposi
 def test_the_readmes_pytest_commands_come_with_what_they_need():
     """``-n`` is pytest-xdist's: the plugin's section says to install the extra that brings
     it and pytest, and pyproject.toml's extra does."""
-    import tomllib
-
     section = (ROOT / "README.md").read_text(encoding="utf-8").split("## Gate your models in pytest", 1)[1]
     section = section.split("\n## ", 1)[0]
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
