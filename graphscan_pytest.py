@@ -14,8 +14,8 @@ Each model is measured once per test session (per xdist worker), however many
 budgets it has. ``snapshot = true`` pins what onnxruntime runs, node by node, in a
 JSON file beside the config (``graphscan_snapshots/<model>.json``, written by syrupy's
 JSON extension when syrupy is installed, by json otherwise, the same text): a changed
-class is a failure that lists the nodes that changed, and ``--snapshot-update``
-(syrupy's flag when syrupy is installed) or ``--graphscan-snapshot-update`` rewrites it.
+class is a failure that lists the nodes that changed, and ``--graphscan-snapshot-update``
+(or syrupy's ``--snapshot-update`` when syrupy is installed) rewrites it.
 
 The ``graphscan`` fixture runs the commands in-process for hand-written tests,
 answers cached per test session by the models' file contents.
@@ -23,12 +23,15 @@ answers cached per test session by the models' file contents.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import os
 import re
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -115,6 +118,7 @@ class Gate:
     index: int
     name: str  # the model's id part: its file name, or its path when two share a name
     settings: dict[str, Any]
+    snapshot_name: str = ""  # its snapshot's file name without .json (snapshot_names)
 
     @property
     def budgets(self) -> list[str]:
@@ -126,7 +130,8 @@ def key_line(text: str, index: int, key: str | None) -> int:
     lines = text.splitlines()
     headers = [k for k, line in enumerate(lines) if re.match(r"\s*\[\[\s*model\s*\]\]", line)]
     if index >= len(headers):
-        return 1
+        # model = [...] written as an array: its line
+        return next((k + 1 for k, line in enumerate(lines) if re.match(r"\s*model\s*=", line)), 1)
     start = headers[index]
     end = next((k for k in range(start + 1, len(lines)) if re.match(r"\s*\[", lines[k])), len(lines))
     if key is not None:
@@ -140,7 +145,10 @@ def read_config(path: Path) -> list[Gate]:
     """The gates of ``path``; ConfigError for an unknown key, a wrong type or a missing file."""
     import tomllib
 
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 (byte {exc.start}: {exc.reason}); TOML is UTF-8") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -153,16 +161,43 @@ def read_config(path: Path) -> list[Gate]:
         raise ConfigError(f"{path}: no [[model]] table")
     gates = [checked_gate(path, text, k, entry) for k, entry in enumerate(models)]
     names = [Path(g.settings["path"]).name for g in gates]
-    return [
+    gates = [
         dataclasses.replace(g, name=n if names.count(n) == 1 else os.path.relpath(g.settings["path"], path.parent))
         for g, n in zip(gates, names, strict=True)
     ]
+    return [
+        dataclasses.replace(g, snapshot_name=n) for g, n in zip(gates, snapshot_names(gates, path.parent), strict=True)
+    ]
 
 
-def checked_gate(path: Path, text: str, index: int, entry: dict[str, Any]) -> Gate:
+PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
+
+
+def snapshot_names(gates: list[Gate], folder: Path) -> list[str]:
+    """Each gate's snapshot file name (without ``.json``), never one for two models: its
+    name where that is PLAIN_NAME and no other model's name equals it regardless of case
+    (committed snapshots keep their names), else that name squeezed, ``~`` and a hash of
+    the model's path from ``folder``. One path (``..`` resolved, links not followed), one name."""
+    where = [Path(os.path.relpath(g.settings["path"], folder)).as_posix() for g in gates]
+    paths_of: dict[str, set[str]] = {}
+    for gate, relative in zip(gates, where, strict=True):
+        paths_of.setdefault(gate.name.casefold(), set()).add(relative)
+    names = []
+    for gate, relative in zip(gates, where, strict=True):
+        if PLAIN_NAME.fullmatch(gate.name) and len(paths_of[gate.name.casefold()]) == 1:
+            names.append(gate.name)
+        else:
+            digest = hashlib.sha256(relative.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+            names.append(f"{re.sub(r'[^A-Za-z0-9._-]+', '_', gate.name)[:100]}~{digest}")
+    return names
+
+
+def checked_gate(path: Path, text: str, index: int, entry: Any) -> Gate:
     def fail(key: str | None, why: str) -> ConfigError:
         return ConfigError(f"{path}:{key_line(text, index, key)}: [[model]] {index + 1}: {why}")
 
+    if not isinstance(entry, dict):
+        raise fail(None, f"must be a table of keys (path = ..., budgets), not {entry!r}")
     for key, value in entry.items():
         if key not in KEYS:
             raise fail(key, f"unknown key {key!r} (known: {', '.join(KEYS)})")
@@ -174,7 +209,8 @@ def checked_gate(path: Path, text: str, index: int, entry: dict[str, Any]) -> Ga
     settings = dict(entry)
     for key in PATH_KEYS:
         if key in settings:
-            settings[key] = str((path.parent / settings[key]).resolve())
+            # Named as given: ".." resolved, a link kept (its name is the model's name).
+            settings[key] = os.path.normpath(path.parent / settings[key])
             if not os.path.isfile(settings[key]):
                 raise fail(key, f"{key}: no such file {entry[key]!r}")
     if "inputs" in settings:
@@ -183,7 +219,7 @@ def checked_gate(path: Path, text: str, index: int, entry: dict[str, Any]) -> Ga
         for item in given:
             if not isinstance(item, str):
                 raise fail("inputs", f"inputs must be paths, not {item!r}")
-            full = str((path.parent / item).resolve())
+            full = os.path.normpath(path.parent / item)
             if not os.path.exists(full):
                 raise fail("inputs", f"inputs: no such file or folder {item!r}")
             resolved.append(full)
@@ -202,7 +238,60 @@ def checked_gate(path: Path, text: str, index: int, entry: dict[str, Any]) -> Ga
             raise fail(key, f"{key} needs float = the float model")
     if "min_metric" in settings and "metric" not in settings:
         raise fail("min_metric", "min_metric needs metric = NAME or FILE.py:FUNCTION")
+    try:
+        command_line_rules(settings)
+        metric_file = user_metric_file(settings.get("metric"))
+        if metric_file is not None:  # code the gate imports and runs: found beside the config
+            full = os.path.normpath(path.parent / metric_file[0])
+            if not os.path.isfile(full):
+                raise core.GraphscanError(f"--metric: no such file {metric_file[0]!r}", core.EXIT_USAGE)
+            settings["metric"] = f"{full}:{metric_file[1]}"
+    except core.GraphscanError as exc:
+        # check's own words, its flags written as the config's keys (--min-sqnr: min_sqnr)
+        why = re.sub(r"--([a-z0-9-]+)", lambda m: m[1].replace("-", "_"), str(exc).removeprefix("usage: "))
+        named = next((key for key in re.findall(r"[a-z0-9_]+", why) if key in entry), None)
+        raise fail(named, why) from None
     return Gate(index, Path(settings["path"]).name, settings)
+
+
+def command_line_rules(settings: dict[str, Any]) -> None:
+    """GraphscanError where ``graphscan check`` would refuse the same options: each rule is
+    the command line's own function, so a config and check never disagree. A user metric is
+    not loaded here (its file runs when the gate runs)."""
+    core = graphscan_core()
+    sample = {f"--{key}": settings.get(key) for key in ("float", "inputs", "shape", "seed", "level")}
+    core.only_with("--min-sqnr or --min-metric", "min_sqnr" in settings or "min_metric" in settings, sample)
+    metric_keys = {f"--{key}": settings.get(key) for key in ("metric", "threshold", "blank")}
+    core.only_with("--min-metric", "min_metric" in settings, metric_keys)
+    types = {"seed": core.non_negative_int, "blank": core.non_negative_int, "threshold": core.finite_float}
+    for key, parse in types.items():
+        if key in settings:
+            try:
+                parse(str(settings[key]))
+            except argparse.ArgumentTypeError as exc:
+                raise core.GraphscanError(f"--{key}: {exc}", core.EXIT_USAGE) from None
+    levels = dict(core.CHECK.options)["--level"]["choices"]
+    if "level" in settings and settings["level"] not in levels:
+        raise core.GraphscanError(f"--level: {settings['level']!r} is not one of {', '.join(levels)}", core.EXIT_USAGE)
+    if "shape" in settings:
+        bad = [item for item in settings["shape"] if not isinstance(item, str)]
+        if bad:
+            raise core.GraphscanError(f"--shape: {bad[0]!r} is not a string NAME=D0,D1,...", core.EXIT_USAGE)
+        from graphscan_ort.shared.inputs import parse_shapes
+
+        parse_shapes(settings["shape"])
+    if "metric" in settings:
+        from graphscan_ort.shared.agreement import metric
+
+        user = user_metric_file(settings["metric"]) is not None
+        # A built-in or a malformed name is checked whole; a user's takes neither threshold nor blank.
+        metric("sqnr" if user else settings["metric"], settings.get("threshold"), settings.get("blank"))
+
+
+def user_metric_file(name: str | None) -> tuple[str, str] | None:
+    """``(FILE.py, FUNCTION)`` of a user's metric ``FILE.py:FUNCTION``; None for any other name."""
+    file, sep, function = (name or "").rpartition(":")
+    return (file, function) if sep and file.endswith(".py") and function.isidentifier() else None
 
 
 # ---------------------------------------------------------------------------
@@ -255,7 +344,7 @@ class BudgetItem(GateItem):
         self.budget = budget
 
     def runtest(self) -> None:
-        answer = measured(self.config, self.gate)
+        answer = measured(self.config, self.gate, self.budget)
         (row,) = [b for b in answer["budgets"] if b["name"] == self.budget]
         if not row["ok"]:
             raise GateFailed(budget_sentence(row, self.config, self.gate))
@@ -295,20 +384,25 @@ def in_process(run: Callable[[], Any]) -> Any:
         raise GateFailed(f"graphscan: {exc} (exit {exc.exit_code})") from None
 
 
-def measured(config: pytest.Config, gate: Gate) -> dict[str, Any]:
-    """graphscan check's answer for every budget of ``gate``, measured once per session."""
+SAMPLED = ("min_sqnr", "min_metric")  # the budgets that run the model on samples
+
+
+def measured(config: pytest.Config, gate: Gate, budget: str) -> dict[str, Any]:
+    """graphscan check's answer for ``budget`` and the other budgets of ``gate`` measured
+    alike, once per session: those that run samples apart, so a sample that fails them
+    never fails a count (max_islands needs no inputs)."""
     cache = session_cache(config)
-    key = ("check", gate.index)
+    sampled = budget in SAMPLED
+    key = ("check", gate.index, sampled)
     if key not in cache:
         core = graphscan_core()
         s = gate.settings
-        options = {name: s[name] for name in gate.budgets}
-        for name in ("shape", "seed", "level", "metric", "threshold", "blank"):
-            if name in s:
-                options[name] = s[name]
-        if "inputs" in s:
-            options["inputs"] = s["inputs"]
-        cache[key] = in_process(lambda: core.check(s["path"], float_path=s.get("float"), **options))
+        options = {name: s[name] for name in gate.budgets if (name in SAMPLED) == sampled}
+        if sampled:
+            for name in ("float", "inputs", "shape", "seed", "level", "metric", "threshold", "blank"):
+                if name in s:
+                    options["float_path" if name == "float" else name] = s[name]
+        cache[key] = in_process(lambda: core.check(s["path"], **options))
     answer: dict[str, Any] = cache[key]
     return answer
 
@@ -324,7 +418,7 @@ def runtime_answer(config: pytest.Config, gate: Gate) -> dict[str, Any]:
 
 
 def budget_sentence(row: dict[str, Any], config: pytest.Config, gate: Gate) -> str:
-    """``min_int8: 0.18 < 0.8 (51 of 292 compute nodes run int8 kernels)``."""
+    """``min_int8: 0.1849 < 0.8 (54 of 292 nodes run int8 or int8_data kernels)``."""
     name, value, limit = row["name"], row["value"], row["limit"]
     sign = ">" if name.startswith("max_") else "<"
     shown = "undefined" if value is None else f"{value:.4g}"
@@ -332,9 +426,12 @@ def budget_sentence(row: dict[str, Any], config: pytest.Config, gate: Gate) -> s
     if name == "min_int8":
         classes = runtime_answer(config, gate)["classes"]
         integer = classes["int8"] + classes["int8_data"]
-        sentence += f" ({integer} of {integer + classes['float']} nodes that run a kernel run int8 kernels)"
+        sentence += f" ({integer} of {integer + classes['float']} nodes run int8 or int8_data kernels)"
     elif name == "min_metric":
-        words = graphscan_core().metric_words(row.get("metric", {}))
+        described = row.get("metric", {})
+        if user_metric_file(described.get("name")) is not None:  # the file as the config's folder sees it
+            described = {**described, "name": os.path.relpath(described["name"], config_path(config).parent)}
+        words = graphscan_core().metric_words(described)
         sentence += f" ({', '.join(words)} against {Path(gate.settings['float']).name})"
     elif name == "min_sqnr":
         sentence += f" (dB, against {Path(gate.settings['float']).name})"
@@ -348,8 +445,7 @@ def budget_sentence(row: dict[str, Any], config: pytest.Config, gate: Gate) -> s
 
 
 def snapshot_file(config: pytest.Config, gate: Gate) -> Path:
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", gate.name)
-    return config_path(config).parent / SNAPSHOT_FOLDER / f"{safe}.json"
+    return config_path(config).parent / SNAPSHOT_FOLDER / f"{gate.snapshot_name}.json"
 
 
 def runtime_snapshot(answer: dict[str, Any]) -> dict[str, Any]:
@@ -377,6 +473,9 @@ def snapshot_text(snapshot: dict[str, Any]) -> str:
     return str(JSONSnapshotExtension().serialize(snapshot)).rstrip("\n") + "\n"
 
 
+UPDATE = "pytest --graphscan --graphscan-snapshot-update"  # works with or without syrupy
+
+
 def updating(config: pytest.Config) -> bool:
     return bool(config.getoption("graphscan_snapshot_update") or config.getoption("update_snapshots", False))
 
@@ -385,36 +484,79 @@ def compare_snapshot(config: pytest.Config, gate: Gate) -> None:
     now = runtime_snapshot(runtime_answer(config, gate))
     path = snapshot_file(config, gate)
     if not updating(config) and not path.is_file():
-        raise GateFailed(f"snapshot: no {path}: take it with pytest --graphscan --snapshot-update, review, commit")
+        raise GateFailed(f"snapshot: no {path}: take it with {UPDATE}, review, commit")
     if updating(config):
-        path.parent.mkdir(exist_ok=True)
-        temporary = path.with_suffix(".json.tmp")
-        temporary.write_text(snapshot_text(now), encoding="utf-8")
-        os.replace(temporary, path)
+        try:
+            write_atomically(path, snapshot_text(now))
+        except OSError as exc:  # a full disk, a read-only checkout: not a bug of the plugin
+            raise GateFailed(f"snapshot: cannot write {path} ({exc.strerror or exc})") from None
         return
     try:
         pinned = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as exc:
-        raise GateFailed(f"snapshot: {path} is not JSON ({exc}); rewrite it with --snapshot-update") from None
+        raise GateFailed(f"snapshot: {path} is not JSON ({exc}); retake it with {UPDATE}, review, commit") from None
     verdict = snapshot_verdict(pinned, now, path.name)
     if verdict is not None:
         raise GateFailed(verdict)
 
 
-def snapshot_verdict(pinned: dict[str, Any], now: dict[str, Any], name: str) -> str | None:
+def write_atomically(path: Path, text: str) -> None:
+    """``text`` as the file ``path``, through a temporary file of this writer's own renamed
+    into place: another writer (an xdist worker) or a reader sees a whole file, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(temporary, 0o644)  # mkstemp's 0600 would keep the file from its readers
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def snapshot_damage(pinned: Any) -> str | None:
+    """What is wrong with ``pinned``, read from a snapshot file, as a snapshot; None when nothing is."""
+    if not isinstance(pinned, dict):
+        return f"{json_kind(pinned)}, not an object"
+    if set(pinned) != {"onnxruntime", "provider", "level", "nodes"}:
+        return f"keys {sorted(pinned)}, not onnxruntime, provider, level and nodes"
+    if not isinstance(pinned["nodes"], dict):
+        return f"nodes is {json_kind(pinned['nodes'])}, not an object"
+    for node, entry in pinned["nodes"].items():
+        if not isinstance(entry, dict) or set(entry) != {"class", "reason"}:
+            return f"node {node!r} is {json.dumps(entry)[:80]}, not {{class, reason}}"
+        if not all(value is None or isinstance(value, str) for value in entry.values()):
+            return f"node {node!r} has a class or reason that is neither a string nor null"
+    return None
+
+
+def json_kind(value: Any) -> str:
+    """``an array``, ``null``...: what a value read by json is, in JSON's words."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    kinds = {list: "an array", str: "a string", int: "a number", float: "a number"}
+    return next((kind for t, kind in kinds.items() if isinstance(value, t)), "an object")
+
+
+def snapshot_verdict(pinned: Any, now: dict[str, Any], name: str) -> str | None:
     """Why the snapshot ``pinned`` (file ``name``) no longer holds for ``now``; None when it holds."""
+    damage = snapshot_damage(pinned)
+    if damage is not None:
+        return f"snapshot: {name} is damaged ({damage}); retake it with {UPDATE}, review, commit"
     for key in ("onnxruntime", "provider", "level"):
-        if pinned.get(key) != now[key]:
+        if pinned[key] != now[key]:
             return (
-                f"snapshot: taken with {key} {pinned.get(key)}, this session has {now[key]}: "
+                f"snapshot: taken with {key} {pinned[key]}, this session has {now[key]}: "
                 "classes are only comparable on one onnxruntime version and provider; "
-                "review with --snapshot-update"
+                f"review with {UPDATE}"
             )
-    changes = snapshot_changes(pinned.get("nodes", {}), now["nodes"])
+    changes = snapshot_changes(pinned["nodes"], now["nodes"])
     if not changes:
         return None
     shown = "\n".join(changes[:50]) + (f"\n  ... and {len(changes) - 50} more" if len(changes) > 50 else "")
-    return f"snapshot: {len(changes)} node(s) changed what they run ({name}; accept with --snapshot-update)\n" + shown
+    return f"snapshot: {len(changes)} node(s) changed what they run ({name}; accept with {UPDATE})\n" + shown
 
 
 def snapshot_changes(pinned: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -423,7 +565,8 @@ def snapshot_changes(pinned: dict[str, Any], now: dict[str, Any]) -> list[str]:
     def shown(entry: dict[str, Any] | None) -> str:
         if entry is None:
             return "(absent)"
-        return entry["class"] + (f" ({entry['reason']})" if entry.get("reason") else "")
+        kind = "null" if entry["class"] is None else entry["class"]  # runtime's class of an unmapped node
+        return kind + (f" ({entry['reason']})" if entry.get("reason") else "")
 
     lines = []
     for node in sorted(set(pinned) | set(now)):
