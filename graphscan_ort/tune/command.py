@@ -478,7 +478,6 @@ def tune_in(
         raise GraphscanError(
             f"{shown(path)}: onnxruntime's quantize_static refused every candidate ({rows[0]['error']})", EXIT_RUNTIME
         )
-    float_ms = popped_float_ms(rows)
     pareto(rows)
     default = next(
         (
@@ -492,14 +491,12 @@ def tune_in(
     chosen, reached = chosen_row(rows, target["value"])
     if not reached and target["value"] is not None:
         refine(trials, start_row(rows), progress)
-        float_ms += popped_float_ms(rows)
         pareto(rows)
         chosen, reached = chosen_row(rows, target["value"])
     if not reached and target["value"] is not None:
         progress.show("ranking the operators to exclude")
         limits = (max_exclude, max_trials)
         exclusions(trials, start_row(rows), target["value"], limits, prepared, goal.metric.name == "sqnr", progress)
-        float_ms += popped_float_ms(rows)
         pareto(rows)
         chosen, reached = chosen_row(rows, target["value"])
     written = write_choice(work, files, rows, chosen)
@@ -508,6 +505,7 @@ def tune_in(
         warnings.append(f"{HISTOGRAM_SHAPES}: give --calibrate samples of one shape to try Percentile and Entropy")
     if all(accuracy(r) == -math.inf for r in rows if r["error"] is None):
         warnings.append(f"every candidate's {goal.metric.name} is undefined on these samples: none can be reached")
+    float_ms = sorted(row["float_ms"] for row in rows if row["float_ms"] is not None)
     order = sorted(rows, key=lambda r: (not r["pareto"], r["error"] is not None, -speed(r), r["id"]))
     return {
         "float": {"ms": sorted(float_ms)[len(float_ms) // 2], "bytes": measure.float_bytes},
@@ -579,12 +577,6 @@ def choice_warnings(rows: list[dict[str, Any]], chosen: dict | None, reached: bo
 WHY = {"slower": "not faster than float", "larger": "larger than float", "float_weights": "with float weights"}
 
 
-def popped_float_ms(rows: list[dict]) -> list[float]:
-    """The float model's times measured beside each new candidate, taken out of
-    its row: the answer reports their median once, as ``float.ms``."""
-    return [row.pop("float_ms") for row in rows if "float_ms" in row]
-
-
 DEFAULT_MAX_TRIALS = 8  # re-quantizations of the fallback search when --max-trials is not given
 
 
@@ -638,8 +630,8 @@ def exclusions(
             current = row
 
 
-# What a candidate's measurement gives (a twin of a measured model copies them; not
-# float_ms, the float model's time beside it, which the twin did not measure).
+# What a candidate's measurement gives (a twin of a measured model copies them, float_ms
+# too: its speedup is that float time over its ms).
 MEASURED = [
     "sqnr_db",
     "metric_value",
@@ -647,6 +639,7 @@ MEASURED = [
     "int8_kernels",
     "wrapped_but_float",
     "ms",
+    "float_ms",
     "speedup",
     "speedup_spread",
     "bytes",

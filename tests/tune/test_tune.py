@@ -191,6 +191,26 @@ def test_table_fits_80_columns(tuned):
     assert "candidates, Pareto-best first" in text and all(len(line) <= 80 for line in text.splitlines())
 
 
+def test_each_speedup_is_its_rows_float_ms_over_its_ms_and_float_ms_their_median(tuned):
+    """Every figure a reader divides agrees (issue 31 item 14): the answer's float.ms was the
+    median of all the float times while each speedup used its own, up to 50% apart on a loaded
+    machine. Each row now carries its own float time, right after its ms, in the table too."""
+    answer = tuned["answer"]
+    rows = [c for c in answer["candidates"] if c["error"] is None]
+    for row in rows:
+        keys = list(row)
+        assert keys.index("float_ms") == keys.index("ms") + 1
+        assert row["speedup"] == pytest.approx(row["float_ms"] / row["ms"], rel=1e-12)
+    times = sorted(row["float_ms"] for row in rows)
+    assert answer["float"]["ms"] == times[len(times) // 2]  # the upper median of an even count
+    lines = graphscan.render_table("tune", answer).split("\ntimes (ms)")[1].splitlines()[2:]
+    shown = {int(line.split()[0]): [float(v) for v in line.split()[1:4]] for line in lines if line.strip()}
+    assert sorted(shown) == sorted(c["id"] for c in answer["candidates"])
+    for row in rows:
+        expected = [row["ms"], row["float_ms"], row["speedup"]]
+        assert shown[row["id"]] == pytest.approx(expected, rel=5e-3)  # three significant digits
+
+
 def test_as_a_process_a_bad_file_is_one_line(tmp_path):
     line = error_line(
         run_graphscan(["tune", tmp_path / "none.onnx", "--calibrate", "c.npz", "--out", tmp_path / "o"]), 3
