@@ -68,7 +68,7 @@ from graphscan_ort.shared.files import check_out, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
 from graphscan_ort.shared.metrics import FloatOutputs, named_outputs
 from graphscan_ort.shared.options import MAX_RUNS, MAX_THREADS, RUNTIME_DEFAULT_RUNS, check_between, int_between
-from graphscan_ort.shared.sessions import environment, model_outputs
+from graphscan_ort.shared.sessions import environment, sample_outputs
 from graphscan_ort.tune.blocks import next_block, search_blocks
 from graphscan_ort.tune.candidates import (
     METHODS,
@@ -170,7 +170,12 @@ def tune(
     calibration = [read_npz_inputs(p, specs) for p in calibrate]
     evaluation = [read_npz_inputs(p, specs) for p in inputs] if inputs else calibration
     latency = [read_npz_inputs(p, specs) for p in latency_files] if latency_files else evaluation[:1]
-    reference = check_measurable(model, evaluation, path, inputs or calibrate)
+    # Every sample the user gave is run once before any work: one that does not run is named.
+    calibrated = sample_outputs(model, calibration, path, calibrate, "--calibrate")
+    evaluated = sample_outputs(model, evaluation, path, inputs, "--inputs") if inputs else calibrated
+    if latency_files:
+        sample_outputs(model, latency, path, latency_files, "--latency-inputs")
+    reference = check_measurable(model, evaluated, path, inputs or calibrate)
     own = chosen_metric.value(reference, reference)  # fits every output, and float's own agreement
     try:
         work = tempfile.mkdtemp(prefix=".graphscan-tune-", dir=parent)
@@ -258,13 +263,10 @@ class Goal:
         return {"value": value, "source": "defaults"}, []
 
 
-def check_measurable(
-    model: onnx.ModelProto, samples: list[dict[str, np.ndarray]], path: str, files: list[str]
-) -> list[dict[str, np.ndarray]]:
-    """The float model's outputs on the evaluation samples, by name. Exit 7 unless they hold
-    a finite value: NaN or infinity everywhere, or nothing at all (a zero-size input),
+def check_measurable(model: onnx.ModelProto, outputs: list, path: str, files: list[str]) -> list[dict[str, np.ndarray]]:
+    """The float model's ``outputs`` on the evaluation samples, by name. Exit 7 unless they
+    hold a finite value: NaN or infinity everywhere, or nothing at all (a zero-size input),
     measures no candidate."""
-    outputs = model_outputs(model, samples, path)
     values = [np.asarray(value) for sample in outputs for value in sample]
     if not any(value.size for value in values):
         why = "empty"

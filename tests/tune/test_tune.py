@@ -502,3 +502,34 @@ def test_a_terminal_closed_under_the_progress_line_only_turns_it_off():
     line.show("measuring candidate", 1, 8)
     line.close()
     assert line.enabled is False
+
+
+def symbolic_matmul(folder):
+    """x [N, K] @ W [4, 3]: every x of shape [n, k] fits the declared inputs, and only k = 4 runs."""
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", "K"])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 3])
+    w = onnx.numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(4, 3) / 12, "w")
+    graph = onnx.helper.make_graph([onnx.helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g", [x], [y], [w])
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)]), folder / "mm.onnx")
+    return str(folder / "mm.onnx")
+
+
+@pytest.mark.parametrize("flag", ["--calibrate", "--inputs", "--latency-inputs"])
+def test_a_sample_that_fits_the_declared_shape_but_does_not_run_is_exit_7_naming_it(tmp_path, capsys, flag):
+    """A sample of [1, 5] fits x [N, K] but not the weights: --latency-inputs was exit 1 (onnxruntime's
+    MatMul dimension mismatch while timing), --calibrate exit 5 ("quantize_static refused every
+    candidate"), --inputs exit 5 blaming the model. They are the user's samples: exit 7 naming the
+    option and the file, before any work, nothing left."""
+    model = symbolic_matmul(tmp_path)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "good.npz", x=rng.standard_normal((2, 4)).astype(np.float32))
+    np.savez(tmp_path / "other.npz", x=rng.standard_normal((3, 4)).astype(np.float32))
+    np.savez(tmp_path / "wide.npz", x=rng.standard_normal((1, 5)).astype(np.float32))
+    given = {"--calibrate": ["good.npz"], "--inputs": ["other.npz"], "--latency-inputs": ["good.npz"]}
+    given[flag] = [given[flag][0], "wide.npz"]  # the bad sample after a good one: each is tried
+    argv = ["tune", model, "--out", str(tmp_path / "o"), "--runs", "1"]
+    argv += [a for option, names in given.items() for name in names for a in (option, str(tmp_path / name))]
+    line = main_error_line(capsys, argv, 7)
+    assert f"{flag} {tmp_path / 'wide.npz'}:" in line and "does not run" in line, line
+    assert "good.npz" not in line and "other.npz" not in line
+    assert not (tmp_path / "o").exists() and list(tmp_path.glob(".graphscan-tune-*")) == []
