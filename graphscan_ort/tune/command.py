@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import math
 import os
@@ -64,7 +65,7 @@ from graphscan_ort.engines.attribution import MIN_GAIN_DB
 from graphscan_ort.engines.attribution import measure as impact_of
 from graphscan_ort.shared.agreement import POOR_SQNR_DB, Metric, metric
 from graphscan_ort.shared.answers import Candidate, Target, TuneAnswer, TuneChoice
-from graphscan_ort.shared.files import check_out, place, write_failure
+from graphscan_ort.shared.files import check_out, in_folder, out_of_room, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
 from graphscan_ort.shared.metrics import FloatOutputs, named_outputs
 from graphscan_ort.shared.options import MAX_RUNS, MAX_THREADS, RUNTIME_DEFAULT_RUNS, check_between, int_between
@@ -191,7 +192,8 @@ def tune(
     except Exception as exc:
         if isinstance(exc, GraphscanError) or not write_failure(exc):
             raise
-        raise GraphscanError(f"{shown(out)}: cannot write ({one_line(exc)})", EXIT_NO_FILE) from None
+        why = getattr(exc, "strerror", None) or one_line(exc)
+        raise GraphscanError(f"--out {shown(out)}: cannot write ({why})", EXIT_NO_FILE) from None
     finally:
         progress.close()
         shutil.rmtree(work, ignore_errors=True)  # also on Ctrl-C: nothing half-written
@@ -348,6 +350,28 @@ class Measure:
         return row
 
 
+def blame_the_disk(exc: Exception, work: str, needed: int) -> None:
+    """Raise when the quantizer failed for want of room, never a refusal of the candidate:
+    ``work`` (in --out's folder) or the temporary folder (TMPDIR, where the quantizer keeps
+    its calibration copies) said so, or has less room left than ``needed`` (the model the
+    quantizer was given: what it writes is about that size)."""
+    temporary = tempfile.gettempdir()
+    if out_of_room(work, needed) or (write_failure(exc) and in_folder(exc, work)):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), work) from exc
+    # Beside work, the quantizer writes only into the temporary folder (its copies, removed
+    # again by the time this runs: a failure that names no file was there).
+    unnamed = getattr(exc, "filename", None) is None
+    if (write_failure(exc) and (unnamed or in_folder(exc, temporary))) or out_of_room(temporary, needed):
+        why = getattr(exc, "strerror", None) if write_failure(exc) else None
+        raise GraphscanError(
+            f"cannot write into the temporary folder {shown(temporary)} ({why or 'no space left on its file system'}): "
+            "is it full? set TMPDIR to a folder with room",
+            EXIT_NO_FILE,
+        ) from None
+    if write_failure(exc):
+        raise exc
+
+
 def refused_row(row: dict[str, Any], error: str) -> dict[str, Any]:
     """A candidate the quantizer (or onnxruntime) refused: kept with its error and nulls."""
     row.update(dict.fromkeys(MEASURED))
@@ -408,8 +432,7 @@ class Trials:
         try:
             quantize_candidate(prepared_path, target_path, settings, self.reader, cache)
         except Exception as exc:
-            if write_failure(exc):  # a full disk is not the quantizer refusing a candidate
-                raise
+            blame_the_disk(exc, self.work, os.path.getsize(prepared_path))
             row = refused_row(row, f"quantize_static: {users_terms(one_line(exc), self.work, self.measure.path)}")
         else:
             excluded = settings.get("nodes_to_exclude")

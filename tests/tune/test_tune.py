@@ -7,6 +7,7 @@ import math
 import os
 import stat
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -386,19 +387,43 @@ def test_an_unreadable_folder_is_exit_3(tuned, tmp_path, monkeypatch, capsys, wh
     assert list(tmp_path.glob(".graphscan-tune-*")) == []
 
 
-def test_a_full_disk_is_exit_3_never_blamed_on_the_quantizer(tuned, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "said",
+    [
+        pytest.param(OSError(errno.ENOSPC, "No space left on device"), id="enospc"),
+        # What quantize_static says when the model it wrote was cut short and it reads it back.
+        pytest.param(ValueError("Error parsing message: Wire format was corrupt"), id="cut"),
+    ],
+)
+@pytest.mark.parametrize("full", ["out", "tmpdir"])
+def test_a_full_disk_is_exit_3_never_blamed_on_the_quantizer(tuned, tmp_path, monkeypatch, capsys, full, said):
     """Every candidate refused (exit 5, "quantize_static refused every candidate") was what a
-    full disk said; the disk, not the quantizer, is what failed."""
+    full disk said, and a full $TMPDIR was blamed on --out. Law: when the quantizer fails and
+    a file system it writes on has no room, the disk is named, --out's or the temporary
+    folder's (TMPDIR), exit 3, and nothing is left. The disk is made full by its free space
+    (statvfs), the quantizer's failure injected."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "t").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "t"))
+    no_room = tmp_path / ("a" if full == "out" else "t")
 
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def free_bytes(folder):
+        return 0 if Path(folder).resolve().is_relative_to(no_room) else 10**15
 
-    monkeypatch.setattr(tune, "quantize_candidate", full)
-    out = tmp_path / "o"
+    def quantizer(*args, **kwargs):
+        raise said
+
+    monkeypatch.setattr(graphscan_ort.shared.files, "free_bytes", free_bytes, raising=False)
+    monkeypatch.setattr(tune, "quantize_candidate", quantizer)
+    out = tmp_path / "a" / "o"
     argv = ["tune", tuned["float"], "--calibrate", str(tuned["calibration"][0]), "--out", str(out), "--runs", "1"]
     line = main_error_line(capsys, argv, 3)
-    assert str(out) in line and "No space left" in line and "quantize_static" not in line
-    assert not out.exists() and list(tmp_path.glob(".graphscan-tune-*")) == []
+    assert "quantize_static" not in line
+    if full == "out":
+        assert f"--out {out}: cannot write" in line and "No space left" in line
+    else:
+        assert f"temporary folder {tmp_path / 't'}" in line and "TMPDIR" in line and str(out) not in line
+    assert not out.exists() and list(tmp_path.rglob(".graphscan-tune-*")) == []
 
 
 def test_held_out_compares_contents_not_paths(tuned, tmp_path):
