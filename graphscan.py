@@ -2213,7 +2213,17 @@ def command_keywords(command: Command, args: argparse.Namespace) -> dict:
         if len(given_inputs) > 1:
             raise GraphscanError(f"usage: {command.name} runs one sample: give --inputs once", EXIT_USAGE)
         keywords["inputs"] = given_inputs[0] if given_inputs else None
+        one_sample_file(command, keywords["inputs"], "--inputs")
     return keywords
+
+
+def one_sample_file(command: Command, path: object, name: str) -> None:
+    """Exit 7 when ``path``, the sample of a command that runs one (option or keyword
+    ``name``), is a folder: the commands that take several take a folder of them."""
+    if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+        raise GraphscanError(
+            f"{name} {shown(path)}: a folder; {command.name} runs one sample: give one .npz file", EXIT_INPUTS
+        )
 
 
 def in_process_keywords(command: Command, keywords: dict[str, Any]) -> dict[str, Any]:
@@ -2229,6 +2239,8 @@ def in_process_keywords(command: Command, keywords: dict[str, Any]) -> dict[str,
         if settings is not None and value is not None:
             one_path = command.one_sample and key == "inputs"
             checked[key] = keyword_value(key, value, settings, one_path)
+            if one_path:
+                one_sample_file(command, value, f"{key}=")
     return checked
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import graphscan
 import graphscan_pytest
-from tests.helpers import ROOT, main_error_line
+from tests.helpers import ROOT, main_error_line, run_main
 
 FLOAT, QUANT = str(ROOT / "ops" / "fp32.onnx"), str(ROOT / "ops" / "full.onnx")
 CHECK = {"float_path": FLOAT, "min_sqnr": -100.0}
@@ -75,3 +75,53 @@ def test_one_path_where_a_list_of_paths_is_taken_is_that_path(tmp_path):
         assert raised.value.exit_code == graphscan.EXIT_USAGE and "argument inputs=: expected a list" in str(
             raised.value
         )
+
+
+def sample_folder(folder, count=3):
+    """``count`` samples of ops/fp32.onnx's input x [N, 16] in ``folder``, and the files in name order."""
+    folder.mkdir()
+    rng = np.random.default_rng(7)
+    for k in range(count):
+        np.savez(folder / f"s{k}.npz", x=rng.standard_normal((2, 16)).astype(np.float32))
+    return [str(folder / f"s{k}.npz") for k in range(count)]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(["check", QUANT, "--float", FLOAT, "--min-sqnr", "-100"], id="check"),
+        pytest.param(["impact", FLOAT, QUANT], id="impact"),
+    ],
+)
+def test_a_folder_where_several_samples_are_taken_is_its_npz_files_in_name_order(capsys, tmp_path, argv):
+    """check --inputs DIR was "not a regular file" (exit 3) while tune took folders: a folder is
+    every .npz in it, sorted by name, the same answer as the files given one by one."""
+    files = sample_folder(tmp_path / "samples")
+    (tmp_path / "samples" / "notes.txt").write_text("not a sample")
+    by_folder = run_main(capsys, [*argv, "--inputs", str(tmp_path / "samples")])
+    one_by_one = run_main(capsys, [*argv, *[a for f in files for a in ("--inputs", f)]])
+    assert by_folder[0] == 0 and by_folder == one_by_one
+
+
+@pytest.mark.parametrize(
+    ("argv", "name", "paths"),
+    [
+        pytest.param(["trace", FLOAT, QUANT], "trace", (FLOAT, QUANT), id="trace"),
+        pytest.param(["runtime", QUANT, "--time", "--runs", "1"], "runtime", (QUANT,), id="runtime"),
+        pytest.param(["fuse", FLOAT, "OUT"], "fuse", (FLOAT, "OUT"), id="fuse"),
+    ],
+)
+def test_a_folder_given_where_one_sample_is_taken_is_one_line_exit_7(capsys, tmp_path, argv, name, paths):
+    sample_folder(tmp_path / "samples")
+    out = str(tmp_path / "fused.onnx")
+    argv = [out if a == "OUT" else a for a in argv]
+    line = main_error_line(capsys, [*argv, "--inputs", str(tmp_path / "samples")], graphscan.EXIT_INPUTS)
+    assert f"--inputs {tmp_path / 'samples'}: a folder" in line and "one sample" in line
+    extra = {"time": True} if name == "runtime" else {}
+    given = [out if p == "OUT" else p for p in paths]
+    with pytest.raises(graphscan.GraphscanError) as raised:
+        getattr(graphscan, name)(*given, inputs=str(tmp_path / "samples"), **extra)
+    assert raised.value.exit_code == graphscan.EXIT_INPUTS and f"inputs= {tmp_path / 'samples'}: a folder" in str(
+        raised.value
+    )
+    assert not (tmp_path / "fused.onnx").exists()
