@@ -117,6 +117,12 @@ def pareto(rows: list[dict]) -> None:
         )
 
 
+def listing_order(rows: list[dict]) -> list[dict]:
+    """The answer's order of the candidates: the Pareto front first, then the other measured
+    rows, then the refused ones; in each, the fastest (by speedup) first, ties by id."""
+    return sorted(rows, key=lambda r: (not r["pareto"], r["error"] is not None, -speed(r), r["id"]))
+
+
 def chosen_row(rows: list[dict], target: float | None) -> tuple[dict | None, bool]:
     """The fastest row that passes the guards and meets ``target``, else the most accurate
     that passes them (None: none does); and whether the target was met. An undefined
@@ -531,7 +537,7 @@ def tune_in(
     if all(accuracy(r) == -math.inf for r in rows if r["error"] is None):
         warnings.append(f"every candidate's {goal.metric.name} is undefined on these samples: none can be reached")
     float_ms = sorted(row["float_ms"] for row in rows if row["float_ms"] is not None)
-    order = sorted(rows, key=lambda r: (not r["pareto"], r["error"] is not None, -speed(r), r["id"]))
+    order = listing_order(rows)
     return {
         "float": {"ms": sorted(float_ms)[len(float_ms) // 2], "bytes": measure.float_bytes},
         "prepare": steps + rewrite_steps,

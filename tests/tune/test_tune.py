@@ -3,6 +3,7 @@ measurement of the written model, the choice against the definition, the exit co
 
 import errno
 import io
+import itertools
 import math
 import os
 import stat
@@ -558,3 +559,34 @@ def test_a_sample_that_fits_the_declared_shape_but_does_not_run_is_exit_7_naming
     assert f"{flag} {tmp_path / 'wide.npz'}:" in line and "does not run" in line, line
     assert "good.npz" not in line and "other.npz" not in line
     assert not (tmp_path / "o").exists() and list(tmp_path.glob(".graphscan-tune-*")) == []
+
+
+def assert_listed_in_order(listed):
+    """SPEC's order of tune's candidates, checked pair by pair: Pareto-best first, then the other
+    measured rows, then the refused ones; within each, speedup from fastest, then id."""
+    group = [(not c["pareto"], c["error"] is not None) for c in listed]
+    assert group == sorted(group), [(c["id"], c["pareto"], c["error"]) for c in listed]
+    for first, second in itertools.pairwise(listed):
+        if (first["pareto"], first["error"] is None) == (second["pareto"], second["error"] is None):
+            faster = (first["speedup"] or 0.0) > (second["speedup"] or 0.0)
+            tie = (first["speedup"] or 0.0) == (second["speedup"] or 0.0) and first["id"] < second["id"]
+            assert faster or tie, (first["id"], first["speedup"], second["id"], second["speedup"])
+
+
+def test_candidates_are_listed_pareto_first_then_by_speedup_and_refused_last(tuned):
+    """Law on every listing: the answer's own (real timings) and random rows with ties and refusals."""
+    listed = tuned["answer"]["candidates"]
+    assert sorted(c["id"] for c in listed) == list(range(len(listed)))
+    assert_listed_in_order(listed)
+    assert any(c["pareto"] for c in listed) and not all(c["pareto"] for c in listed)
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        rows = []
+        for ident in rng.permutation(12):
+            refused = rng.random() < 0.25
+            speedup = None if refused else float(rng.choice([0.5, 1.0, 1.5, 2.0]))
+            rows.append({"id": int(ident), "speedup": speedup, "pareto": not refused and rng.random() < 0.4,
+                         "error": "refused" if refused else None})  # fmt: skip
+        listed = tune.listing_order(rows)
+        assert sorted(r["id"] for r in listed) == list(range(12))
+        assert_listed_in_order(listed)
