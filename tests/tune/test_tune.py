@@ -584,7 +584,8 @@ def test_candidates_are_listed_pareto_first_then_by_speedup_and_refused_last(tun
         rows = []
         for ident in rng.permutation(12):
             refused = rng.random() < 0.25
-            speedup = None if refused else float(rng.choice([0.5, 1.0, 1.5, 2.0]))
+            # A measured row's speedup may be undefined too (null: no time measured), ranked as 0.
+            speedup = None if refused else [None, 0.5, 1.0, 1.5, 2.0][rng.integers(5)]
             rows.append({"id": int(ident), "speedup": speedup, "pareto": not refused and rng.random() < 0.4,
                          "error": "refused" if refused else None})  # fmt: skip
         listed = tune.listing_order(rows)
