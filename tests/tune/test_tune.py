@@ -388,28 +388,35 @@ def test_an_unreadable_folder_is_exit_3(tuned, tmp_path, monkeypatch, capsys, wh
     assert list(tmp_path.glob(".graphscan-tune-*")) == []
 
 
+ENOSPC = OSError(errno.ENOSPC, "No space left on device")
+# What quantize_static says when the model it wrote was cut short and it reads it back.
+CUT = ValueError("Error parsing message: Wire format was corrupt")
+
+
 @pytest.mark.parametrize(
-    "said",
+    ("full", "said"),
     [
-        pytest.param(OSError(errno.ENOSPC, "No space left on device"), id="enospc"),
-        # What quantize_static says when the model it wrote was cut short and it reads it back.
-        pytest.param(ValueError("Error parsing message: Wire format was corrupt"), id="cut"),
+        pytest.param("out", ENOSPC, id="out-enospc"),
+        pytest.param("out", CUT, id="out-cut"),
+        pytest.param("tmpdir", ENOSPC, id="tmpdir-enospc"),
+        pytest.param("tmpdir", CUT, id="tmpdir-cut"),
+        # The quantizer's temporary folder is gone by the time the failure is seen: room again.
+        pytest.param("tmpdir-emptied", ENOSPC, id="tmpdir-emptied-enospc"),
     ],
 )
-@pytest.mark.parametrize("full", ["out", "tmpdir"])
 def test_a_full_disk_is_exit_3_never_blamed_on_the_quantizer(tuned, tmp_path, monkeypatch, capsys, full, said):
     """Every candidate refused (exit 5, "quantize_static refused every candidate") was what a
     full disk said, and a full $TMPDIR was blamed on --out. Law: when the quantizer fails and
-    a file system it writes on has no room, the disk is named, --out's or the temporary
-    folder's (TMPDIR), exit 3, and nothing is left. The disk is made full by its free space
-    (statvfs), the quantizer's failure injected."""
+    a file system it writes on has no room, or it failed to write where --out has room, the
+    disk is named, --out's or the temporary folder's (TMPDIR), exit 3, and nothing is left.
+    The disk is made full by its free space (statvfs), the quantizer's failure injected."""
     (tmp_path / "a").mkdir()
     (tmp_path / "t").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "t"))
-    no_room = tmp_path / ("a" if full == "out" else "t")
+    no_room = {"out": tmp_path / "a", "tmpdir": tmp_path / "t"}.get(full)
 
     def free_bytes(folder):
-        return 0 if Path(folder).resolve().is_relative_to(no_room) else 10**15
+        return 0 if no_room is not None and Path(folder).resolve().is_relative_to(no_room) else 10**15
 
     def quantizer(*args, **kwargs):
         raise said
