@@ -1145,6 +1145,11 @@ def check(
     budgets that run both models (min_sqnr, min_metric), and ``metric``,
     ``threshold`` and ``blank`` to min_metric: given without them they are a
     usage error, never ignored."""
+    # The command line's rules, for in-process calls (the command line has applied them already).
+    rules = {"inputs": inputs, "shape": shape, "seed": seed, "level": level, "threshold": threshold, "blank": blank}
+    checked = in_process_keywords(CHECK, rules)
+    inputs, shape, seed, level = checked["inputs"], checked["shape"], checked["seed"], checked["level"]
+    threshold, blank = checked["threshold"], checked["blank"]
     limits = read_budget_file(budget) if budget is not None else {}
     given = {
         "max_float": max_float,
@@ -2120,7 +2125,8 @@ def package_function(name: str) -> Callable[..., object]:
     module (``graphscan.trace(a, b, ...)``), its module imported when it is first called."""
 
     def command(*args: object, **keywords: object) -> object:
-        return load_command(name).run(*args, **keywords)
+        declared = load_command(name)
+        return declared.run(*args, **in_process_keywords(declared, keywords))
 
     command.__name__ = command.__qualname__ = name
     command.__doc__ = f"The {name} command (docs/SPEC.md), run in this process."
@@ -2207,7 +2213,59 @@ def command_keywords(command: Command, args: argparse.Namespace) -> dict:
         if len(given_inputs) > 1:
             raise GraphscanError(f"usage: {command.name} runs one sample: give --inputs once", EXIT_USAGE)
         keywords["inputs"] = given_inputs[0] if given_inputs else None
+        one_sample_file(command, keywords["inputs"], "--inputs")
     return keywords
+
+
+def one_sample_file(command: Command, path: object, name: str) -> None:
+    """Exit 7 when ``path``, the sample of a command that runs one (option or keyword
+    ``name``), is a folder: the commands that take several take a folder of them."""
+    if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+        raise GraphscanError(
+            f"{name} {shown(path)}: a folder; {command.name} runs one sample: give one .npz file", EXIT_INPUTS
+        )
+
+
+def in_process_keywords(command: Command, keywords: dict[str, Any]) -> dict[str, Any]:
+    """``keywords`` of an in-process call (``graphscan.check(...)``, the pytest plugin) checked
+    by the command line's own rule for each option (its argparse type or choices): a call
+    refuses what the command line refuses, in the same words, naming the keyword (``level=``)
+    where the command line names the flag. A path where a list of paths is taken is that
+    one path."""
+    settings_of = {option_dest(flag, settings): settings for flag, settings in command.options}
+    checked = dict(keywords)
+    for key, value in keywords.items():
+        settings = settings_of.get(key)
+        if settings is not None and value is not None:
+            one_path = command.one_sample and key == "inputs"
+            checked[key] = keyword_value(key, value, settings, one_path)
+            if one_path:
+                one_sample_file(command, value, f"{key}=")
+    return checked
+
+
+def keyword_value(key: str, value: object, settings: dict, one_path: bool) -> object:
+    """``value`` of keyword ``key`` by its option's ``settings``; exit 2 as the command line."""
+    if settings.get("action") == "append" and not one_path:
+        values = [value] if isinstance(value, (str, os.PathLike)) else value
+        if not isinstance(values, (list, tuple)) or not all(isinstance(v, (str, os.PathLike)) for v in values):
+            raise GraphscanError(
+                f"usage: argument {key}=: expected a list of strings or paths, not {value!r}", EXIT_USAGE
+            )
+        return [os.fspath(v) for v in values]
+    rule = settings.get("type")
+    if rule is not None and rule not in (int, float):  # plain numbers: budget_limit's own rule
+        try:
+            value = rule(str(value))
+        except argparse.ArgumentTypeError as exc:
+            raise GraphscanError(f"usage: argument {key}=: {exc}", EXIT_USAGE) from None
+    choices = settings.get("choices")
+    if choices is not None and value not in choices:
+        shown_choices = ", ".join(map(repr, choices))
+        raise GraphscanError(
+            f"usage: argument {key}=: invalid choice: {value!r} (choose from {shown_choices})", EXIT_USAGE
+        )
+    return value
 
 
 def answer_text(argv: list[str]) -> tuple[str, int]:

@@ -60,6 +60,7 @@ AREA_TESTS = {
         "tests/fuse/test_fusion.py",
         "tests/fuse/test_tolerance_names_weights.py",
         "tests/loading/test_malformed_graphs.py",
+        "tests/cli/test_keyword_rules.py",
     ],
     "fuse": [
         "tests/fuse/test_fusion.py",
@@ -91,6 +92,7 @@ AREA_TESTS = {
         "tests/tune/test_deployed.py",
         "tests/tune/test_candidates.py",
         "tests/check/test_metric.py",
+        "tests/tune/test_users_code.py",
     ],
     "shared": [
         "tests/shared/test_inputs.py",
@@ -103,6 +105,7 @@ AREA_TESTS = {
         "tests/trace/test_awkward_pairs.py",
         "tests/views/test_tables.py",
         "tests/shared/test_metrics.py",
+        "tests/cli/test_keyword_rules.py",
     ],
     "plugin": ["tests/cli/test_plugin.py"],
 }

@@ -19,6 +19,7 @@ with one ``{output name: array}`` per sample, in order, and returning a finite n
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import importlib.util
 import math
@@ -29,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from graphscan import EXIT_INPUTS, EXIT_USAGE, GraphscanError, one_line, shown
+from graphscan import EXIT_INPUTS, EXIT_USAGE, INTERRUPTED, GraphscanError, interruption, one_line, shown
 from graphscan_ort.shared.metrics import OutputNoise, Outputs
 
 BUILT_IN = ["sqnr", "top1", "iou", "ctc", "cosine"]
@@ -121,16 +122,36 @@ def load_function(path: str, function: str, name: str) -> Callable[[Outputs, Out
 @contextlib.contextmanager
 def user_code() -> Iterator[None]:
     """Around a user's metric file or function: what it prints goes to stderr, so stdout
-    stays graphscan's one answer (a SystemExit it raises is caught by the caller)."""
-    with contextlib.redirect_stdout(sys.stderr):
-        yield
+    stays graphscan's one answer, also what reaches file descriptor 1 (a subprocess, C
+    code); a Ctrl-C or SIGTERM that arrived while it ran is acted on, even when its code
+    swallowed the interrupt (a bare ``except:``). A SystemExit it raises is the caller's."""
+    interrupts = len(INTERRUPTED)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()  # graphscan's own text, if any, before the descriptor moves
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # no descriptor 1 or 2 to move: sys.stdout alone is redirected
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+        if len(INTERRUPTED) > interrupts:
+            raise interruption()
 
 
 def user_value(name: str, function: Callable[[Outputs, Outputs], Any], reference: Outputs, candidate: Outputs) -> float:
-    """A user's metric, called on copies (it cannot change what graphscan measures next)."""
+    """A user's metric, called on fresh copies of every list, dict and array: a function
+    that writes into its arguments (``out=``) cannot change what graphscan measures next."""
     try:
         with user_code():
-            value = function([dict(r) for r in reference], [dict(c) for c in candidate])
+            value = function(copy.deepcopy(reference), copy.deepcopy(candidate))
     except (Exception, SystemExit) as exc:
         raise GraphscanError(
             f"usage: --metric {shown(name)} raised {type(exc).__name__}: {one_line(exc)}", EXIT_USAGE

@@ -226,6 +226,7 @@ class Candidate(TypedDict):
     int8_kernels: int | None
     wrapped_but_float: dict[str, int] | None
     ms: float | None
+    float_ms: float | None  # the float model's time, interleaved with this candidate's: speedup = float_ms / ms
     speedup: float | None
     speedup_spread: list[float] | None  # quartiles of the run-by-run speedups
     bytes: int | None

@@ -124,6 +124,30 @@ def write_failure(exc: BaseException) -> bool:
     return bool(WRITE_FAILURE.search(str(exc)))
 
 
+def free_bytes(folder: str) -> int | None:
+    """The bytes a user may still write on ``folder``'s file system (None: unknown)."""
+    try:
+        st = os.statvfs(folder)
+    except (OSError, AttributeError):  # AttributeError: no statvfs on this system
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def out_of_room(folder: str, needed: int) -> bool:
+    """Whether ``folder``'s file system has fewer than ``needed`` bytes left: a file of that
+    size written there failed for want of room, whatever the writer said (the quantizer
+    writes a truncated model on a full disk and fails later, reading it back)."""
+    free = free_bytes(folder)
+    return free is not None and free < needed
+
+
+def in_folder(exc: BaseException, folder: str) -> bool:
+    """Whether ``exc`` names a file inside ``folder``."""
+    names = [getattr(exc, "filename", None), getattr(exc, "filename2", None)]
+    inside = os.path.join(os.path.abspath(folder), "")
+    return any(isinstance(n, str) and os.path.abspath(n).startswith(inside) for n in names) or inside in str(exc)
+
+
 def place(work: str, out: str) -> None:
     """Keep model.onnx and prepared.onnx in ``work`` and rename it to ``out`` (absent or empty)."""
     for name in os.listdir(work):

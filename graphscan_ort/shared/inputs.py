@@ -246,15 +246,16 @@ def model_samples(
 ) -> tuple[list[dict[str, np.ndarray]], list[str]]:
     """The samples a command runs on: ``(list of feeds, defaulted input names)``.
 
-    ``inputs``: a list of .npz paths, one sample each; without any, one seeded
-    sample with symbolic dimensions from ``shapes`` (``--shape``) or ``default_size``.
+    ``inputs``: a list of .npz paths, one sample each, or folders of them (``sample_files``);
+    without any, one seeded sample with symbolic dimensions from ``shapes`` (``--shape``) or
+    ``default_size``.
     """
     specs = input_specs(model)
     shapes = shapes or {}
     if inputs:
         if shapes:
             raise GraphscanError("--shape and --inputs: give one or the other", EXIT_INPUTS)
-        return [read_npz_inputs(path, specs) for path in inputs], []
+        return [read_npz_inputs(path, specs) for path in sample_files(inputs)], []
     feeds, defaulted = seeded_feeds(specs, shapes, seed, default_size)
     return [feeds], defaulted
 

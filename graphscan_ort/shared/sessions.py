@@ -14,6 +14,7 @@ import onnx
 import onnxruntime as ort
 
 from graphscan import (
+    EXIT_INPUTS,
     EXIT_NO_FILE,
     EXIT_RUNTIME,
     RUNTIME_LEVELS,
@@ -181,6 +182,28 @@ def model_outputs(
             outputs.append(session.run(names, feeds))
         except Exception as exc:
             raise does_not_run(f"{shown(path)}: model", exc)
+    return outputs
+
+
+def sample_outputs(model: onnx.ModelProto, samples: list[dict], path: str, files: list[str], flag: str) -> list:
+    """``model_outputs`` of the float model on the user's samples, read from ``files``
+    (given with ``flag``): a sample it does not run on, though it fits the declared inputs
+    (a symbolic dimension the weights fix), is exit 7 naming that sample; the model ran
+    nothing wrong. A session that cannot be built, or memory that runs out, still blames
+    the model (exit 5)."""
+    session = open_session(model, f"{shown(path)}: model", impact_options())
+    outputs = []
+    for feeds, file in zip(samples, files, strict=True):
+        try:
+            outputs.append(session.run(None, feeds))
+        except Exception as exc:
+            if isinstance(exc, MemoryError) or OUT_OF_MEMORY.search(str(exc)):
+                raise does_not_run(f"{shown(path)}: model", exc)
+            raise GraphscanError(
+                f"{flag} {shown(file)}: {shown(path)} does not run on this sample, though it fits the declared "
+                f"inputs ({one_line(exc)})",
+                EXIT_INPUTS,
+            )
     return outputs
 
 

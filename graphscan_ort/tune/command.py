@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import math
 import os
@@ -64,11 +65,11 @@ from graphscan_ort.engines.attribution import MIN_GAIN_DB
 from graphscan_ort.engines.attribution import measure as impact_of
 from graphscan_ort.shared.agreement import POOR_SQNR_DB, Metric, metric
 from graphscan_ort.shared.answers import Candidate, Target, TuneAnswer, TuneChoice
-from graphscan_ort.shared.files import check_out, place, write_failure
+from graphscan_ort.shared.files import check_out, in_folder, out_of_room, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
 from graphscan_ort.shared.metrics import FloatOutputs, named_outputs
 from graphscan_ort.shared.options import MAX_RUNS, MAX_THREADS, RUNTIME_DEFAULT_RUNS, check_between, int_between
-from graphscan_ort.shared.sessions import environment, model_outputs
+from graphscan_ort.shared.sessions import environment, sample_outputs
 from graphscan_ort.tune.blocks import next_block, search_blocks
 from graphscan_ort.tune.candidates import (
     METHODS,
@@ -114,6 +115,12 @@ def pareto(rows: list[dict]) -> None:
             and (speed(other) > speed(row) or accuracy(other) > accuracy(row))
             for other in measured
         )
+
+
+def listing_order(rows: list[dict]) -> list[dict]:
+    """The answer's order of the candidates: the Pareto front first, then the other measured
+    rows, then the refused ones; in each, the fastest (by speedup) first, ties by id."""
+    return sorted(rows, key=lambda r: (not r["pareto"], r["error"] is not None, -speed(r), r["id"]))
 
 
 def chosen_row(rows: list[dict], target: float | None) -> tuple[dict | None, bool]:
@@ -170,7 +177,12 @@ def tune(
     calibration = [read_npz_inputs(p, specs) for p in calibrate]
     evaluation = [read_npz_inputs(p, specs) for p in inputs] if inputs else calibration
     latency = [read_npz_inputs(p, specs) for p in latency_files] if latency_files else evaluation[:1]
-    reference = check_measurable(model, evaluation, path, inputs or calibrate)
+    # Every sample the user gave is run once before any work: one that does not run is named.
+    calibrated = sample_outputs(model, calibration, path, calibrate, "--calibrate")
+    evaluated = sample_outputs(model, evaluation, path, inputs, "--inputs") if inputs else calibrated
+    if latency_files:
+        sample_outputs(model, latency, path, latency_files, "--latency-inputs")
+    reference = check_measurable(model, evaluated, path, inputs or calibrate)
     own = chosen_metric.value(reference, reference)  # fits every output, and float's own agreement
     try:
         work = tempfile.mkdtemp(prefix=".graphscan-tune-", dir=parent)
@@ -186,7 +198,8 @@ def tune(
     except Exception as exc:
         if isinstance(exc, GraphscanError) or not write_failure(exc):
             raise
-        raise GraphscanError(f"{shown(out)}: cannot write ({one_line(exc)})", EXIT_NO_FILE) from None
+        why = getattr(exc, "strerror", None) or one_line(exc)
+        raise GraphscanError(f"--out {shown(out)}: cannot write ({why})", EXIT_NO_FILE) from None
     finally:
         progress.close()
         shutil.rmtree(work, ignore_errors=True)  # also on Ctrl-C: nothing half-written
@@ -258,13 +271,10 @@ class Goal:
         return {"value": value, "source": "defaults"}, []
 
 
-def check_measurable(
-    model: onnx.ModelProto, samples: list[dict[str, np.ndarray]], path: str, files: list[str]
-) -> list[dict[str, np.ndarray]]:
-    """The float model's outputs on the evaluation samples, by name. Exit 7 unless they hold
-    a finite value: NaN or infinity everywhere, or nothing at all (a zero-size input),
+def check_measurable(model: onnx.ModelProto, outputs: list, path: str, files: list[str]) -> list[dict[str, np.ndarray]]:
+    """The float model's ``outputs`` on the evaluation samples, by name. Exit 7 unless they
+    hold a finite value: NaN or infinity everywhere, or nothing at all (a zero-size input),
     measures no candidate."""
-    outputs = model_outputs(model, samples, path)
     values = [np.asarray(value) for sample in outputs for value in sample]
     if not any(value.size for value in values):
         why = "empty"
@@ -346,6 +356,28 @@ class Measure:
         return row
 
 
+def blame_the_disk(exc: Exception, work: str, needed: int) -> None:
+    """Raise when the quantizer failed for want of room, never a refusal of the candidate:
+    ``work`` (in --out's folder) or the temporary folder (TMPDIR, where the quantizer keeps
+    its calibration copies) said so, or has less room left than ``needed`` (the model the
+    quantizer was given: what it writes is about that size)."""
+    temporary = tempfile.gettempdir()
+    if out_of_room(work, needed) or (write_failure(exc) and in_folder(exc, work)):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), work) from exc
+    # Beside work, the quantizer writes only into the temporary folder (its copies, removed
+    # again by the time this runs: a failure that names no file was there).
+    unnamed = getattr(exc, "filename", None) is None
+    if (write_failure(exc) and (unnamed or in_folder(exc, temporary))) or out_of_room(temporary, needed):
+        why = getattr(exc, "strerror", None) if write_failure(exc) else None
+        raise GraphscanError(
+            f"cannot write into the temporary folder {shown(temporary)} ({why or 'no space left on its file system'}): "
+            "is it full? set TMPDIR to a folder with room",
+            EXIT_NO_FILE,
+        ) from None
+    if write_failure(exc):
+        raise exc
+
+
 def refused_row(row: dict[str, Any], error: str) -> dict[str, Any]:
     """A candidate the quantizer (or onnxruntime) refused: kept with its error and nulls."""
     row.update(dict.fromkeys(MEASURED))
@@ -406,8 +438,7 @@ class Trials:
         try:
             quantize_candidate(prepared_path, target_path, settings, self.reader, cache)
         except Exception as exc:
-            if write_failure(exc):  # a full disk is not the quantizer refusing a candidate
-                raise
+            blame_the_disk(exc, self.work, os.path.getsize(prepared_path))
             row = refused_row(row, f"quantize_static: {users_terms(one_line(exc), self.work, self.measure.path)}")
         else:
             excluded = settings.get("nodes_to_exclude")
@@ -478,7 +509,6 @@ def tune_in(
         raise GraphscanError(
             f"{shown(path)}: onnxruntime's quantize_static refused every candidate ({rows[0]['error']})", EXIT_RUNTIME
         )
-    float_ms = popped_float_ms(rows)
     pareto(rows)
     default = next(
         (
@@ -492,14 +522,12 @@ def tune_in(
     chosen, reached = chosen_row(rows, target["value"])
     if not reached and target["value"] is not None:
         refine(trials, start_row(rows), progress)
-        float_ms += popped_float_ms(rows)
         pareto(rows)
         chosen, reached = chosen_row(rows, target["value"])
     if not reached and target["value"] is not None:
         progress.show("ranking the operators to exclude")
         limits = (max_exclude, max_trials)
         exclusions(trials, start_row(rows), target["value"], limits, prepared, goal.metric.name == "sqnr", progress)
-        float_ms += popped_float_ms(rows)
         pareto(rows)
         chosen, reached = chosen_row(rows, target["value"])
     written = write_choice(work, files, rows, chosen)
@@ -508,7 +536,8 @@ def tune_in(
         warnings.append(f"{HISTOGRAM_SHAPES}: give --calibrate samples of one shape to try Percentile and Entropy")
     if all(accuracy(r) == -math.inf for r in rows if r["error"] is None):
         warnings.append(f"every candidate's {goal.metric.name} is undefined on these samples: none can be reached")
-    order = sorted(rows, key=lambda r: (not r["pareto"], r["error"] is not None, -speed(r), r["id"]))
+    float_ms = sorted(row["float_ms"] for row in rows if row["float_ms"] is not None)
+    order = listing_order(rows)
     return {
         "float": {"ms": sorted(float_ms)[len(float_ms) // 2], "bytes": measure.float_bytes},
         "prepare": steps + rewrite_steps,
@@ -579,12 +608,6 @@ def choice_warnings(rows: list[dict[str, Any]], chosen: dict | None, reached: bo
 WHY = {"slower": "not faster than float", "larger": "larger than float", "float_weights": "with float weights"}
 
 
-def popped_float_ms(rows: list[dict]) -> list[float]:
-    """The float model's times measured beside each new candidate, taken out of
-    its row: the answer reports their median once, as ``float.ms``."""
-    return [row.pop("float_ms") for row in rows if "float_ms" in row]
-
-
 DEFAULT_MAX_TRIALS = 8  # re-quantizations of the fallback search when --max-trials is not given
 
 
@@ -638,8 +661,8 @@ def exclusions(
             current = row
 
 
-# What a candidate's measurement gives (a twin of a measured model copies them; not
-# float_ms, the float model's time beside it, which the twin did not measure).
+# What a candidate's measurement gives (a twin of a measured model copies them, float_ms
+# too: its speedup is that float time over its ms).
 MEASURED = [
     "sqnr_db",
     "metric_value",
@@ -647,6 +670,7 @@ MEASURED = [
     "int8_kernels",
     "wrapped_but_float",
     "ms",
+    "float_ms",
     "speedup",
     "speedup_spread",
     "bytes",

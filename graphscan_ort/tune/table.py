@@ -48,8 +48,18 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
         head,
         section("prepare", ["step", "ok", "detail"], steps),
         section("candidates, Pareto-best first", titles, rows, top, cut_first=["error"]),
+        section("times (ms), each candidate's beside its own float run", TIME_TITLES, time_rows(answer), top),
         *([f"in full:\n{notes}"] if notes else []),
     )
+
+
+TIME_TITLES = ["id", "ms", "float ms", "speedup"]
+
+
+def time_rows(answer: dict[str, Any]) -> list[list[Any]]:
+    """Each candidate's ms beside the float model's own time in the same interleaved runs
+    (speedup = float ms / ms), in the candidates' order."""
+    return [[c["id"], c["ms"], c["float_ms"], c["speedup"]] for c in answer["candidates"]]
 
 
 def shapes_text(inputs: dict[str, Any]) -> str:

@@ -135,3 +135,42 @@ def test_a_generated_input_above_the_bound_is_exit_7_before_anything_is_allocate
     assert f"{inputs.MAX_INPUT_BYTES:,}" in str(raised.value)
     feeds, _ = inputs.seeded_feeds([spec("x", ["N", 4])], {"x": [inputs.MAX_INPUT_BYTES // 16 // 1024, 4]}, 0, 1)
     assert feeds["x"].nbytes <= inputs.MAX_INPUT_BYTES
+
+
+def npz_member(path, shape_text, payload):
+    """An .npz holding one member x.npy whose header declares ``shape_text`` of float32 and whose
+    data is ``payload``, written by hand (numpy writes only honest headers); the member's bytes."""
+    import zipfile
+
+    header = f"{{'descr': '<f4', 'fortran_order': False, 'shape': {shape_text}, }}"
+    header += " " * (63 - (10 + len(header)) % 64) + "\n"
+    member = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode("latin1") + payload
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("x.npy", member)
+    return member
+
+
+def test_a_member_declaring_more_bytes_than_it_holds_is_refused_before_its_data_is_read(tmp_path):
+    """(1000, 16) float32 declares 64,000 bytes; the member holds its header and 64 bytes."""
+    member = npz_member(tmp_path / "s.npz", "(1000, 16)", bytes(64))
+    with pytest.raises(graphscan.GraphscanError) as raised:
+        inputs.read_npz_inputs(str(tmp_path / "s.npz"), [spec("x", ["N", 16])])
+    assert raised.value.exit_code == graphscan.EXIT_INPUTS
+    assert f"declares 64000 bytes but the member holds {len(member)}" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("bound", "refused"),
+    [pytest.param(127, True, id="one-byte-below"), pytest.param(128, False, id="at-the-bound")],
+)
+def test_a_member_is_refused_above_the_bound_even_when_it_holds_every_byte(tmp_path, monkeypatch, bound, refused):
+    """The bound on a member's declared bytes (8 GiB, made 127 or 128 here) holds for an honest
+    member too: a (2, 16) float32 array is 128 bytes, refused above the bound, read at it."""
+    values = np.arange(32, dtype="<f4")
+    npz_member(tmp_path / "s.npz", "(2, 16)", values.tobytes())
+    monkeypatch.setattr(inputs, "MAX_INPUT_BYTES", bound)
+    read = lambda: inputs.read_npz_inputs(str(tmp_path / "s.npz"), [spec("x", ["N", 16])])  # noqa: E731
+    if refused:
+        assert exit_code_of(read) == graphscan.EXIT_INPUTS
+    else:
+        np.testing.assert_array_equal(read()["x"], values.reshape(2, 16))

@@ -69,3 +69,32 @@ def test_the_float_model_runs_once_for_every_candidate_that_shares_what_is_kept(
     # Without anything kept, every call runs the float model again.
     paired(float_model, two_outputs(0.25, True))
     assert runs[3:] == ["f.onnx", "q.onnx"]
+
+
+def scaled(factor: float) -> onnx.ModelProto:
+    """``y = x * factor``."""
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "k"], ["y"])],
+        "scaled",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor("k", TensorProto.FLOAT, [], [factor])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("magnitude", [1e3, 1.0, 1e-3])
+@pytest.mark.parametrize("share", [0.5, 2.0])
+def test_the_tolerance_is_relative_to_the_original_outputs_largest_magnitude_at_least_1(magnitude, share):
+    """A change of y = x to y = x (1 + d) moves the largest output (magnitude M) by M d; fuse's rule
+    allows 1e-5 max(M, 1). So d = share * 1e-5 max(M, 1) / M passes at half the allowance and
+    fails at twice it, whatever the magnitude (a tolerance relative to the error, to 1, or to M
+    alone breaks one of them)."""
+    allowed = metrics.VERIFY_RELATIVE_TOLERANCE * max(magnitude, 1.0)
+    d = share * allowed / magnitude
+    x = np.array([[1.0, 0.5, -0.25, 0.75]], np.float32) * np.float32(magnitude)
+    result = metrics.verify(scaled(1.0), scaled(1.0 + d), [{"x": x}])
+    assert (result.problem is None) == (share < 1), (result.max_abs_error, allowed)
+    assert result.max_abs_error == pytest.approx(magnitude * d, rel=1e-2)
+    _, scale, _, _ = metrics.compare_outputs([x], [x * np.float32(1 + d)])
+    assert scale == float(np.max(np.abs(x)))  # the original's largest magnitude, never the changed one's

@@ -316,3 +316,81 @@ def test_quant_pre_process_is_retried_once_without_symbolic_shapes_and_says_so(t
     path, detail = prepare.pre_processed(str(source), str(tmp_path / "pre.onnx"))
     assert path == str(tmp_path / "pre.onnx") and calls == [{}, {"skip_symbolic_shape": True}]
     assert "symbolic shape inference gave up" in detail and "retried with skip_symbolic_shape=True" in detail
+
+
+def every_step_model():
+    """An opset-11 model that every step of prepare changes: an unnamed Constant weight (constants,
+    names), a Div by a constant and a HardSigmoid (the rewrites)."""
+    weight = np.random.default_rng(3).standard_normal((4, 4)).astype(np.float32)
+    nodes = [
+        helper.make_node("Constant", [], ["w"], value=onnx.numpy_helper.from_array(weight, "w")),
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Div", ["h", "four"], ["d"], name="div"),
+        helper.make_node("HardSigmoid", ["d"], ["y"], name="hs", alpha=0.25, beta=0.4),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "every_step",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        [onnx.numpy_helper.from_array(np.array(4.0, np.float32), "four")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+
+
+EVERY_STEP = ["quant_pre_process", "constants", "opset", "names", "div_by_constant", "hard_sigmoid"]
+EVERY_STEP_SAMPLES = [{"x": np.random.default_rng(k).standard_normal((1, 4)).astype(np.float32)} for k in range(2)]
+
+
+@pytest.mark.parametrize("failing", EVERY_STEP)
+def test_a_step_whose_verification_fails_leaves_no_trace_in_the_prepared_model(tmp_path, monkeypatch, failing):
+    """Law, for every step: when it and every step after it fail their verification, the prepared
+    model is exactly the model that step was given (the last one verified, or the original).
+    quant_pre_process is made a copy, so that every later step has something to change."""
+
+    def copied(source, target):
+        onnx.save(onnx.load(source), target)
+        return target, "quant_pre_process ran"
+
+    calls, given = [], []
+    real = prepare.checked
+
+    def checked(original, candidate, samples, min_sqnr_db=metrics.PREPARE_MIN_SQNR_DB):
+        calls.append(candidate)
+        if len(calls) > EVERY_STEP.index(failing):
+            return None, "made to fail"
+        given.append(candidate)
+        return real(original, candidate, samples, min_sqnr_db)
+
+    monkeypatch.setattr(prepare, "pre_processed", copied)
+    monkeypatch.setattr(prepare, "checked", checked)
+    source = tmp_path / "float.onnx"
+    onnx.save(every_step_model(), source)
+    prepared, steps = prepare.prepare(str(source), str(tmp_path), EVERY_STEP_SAMPLES)
+    assert [s["step"] for s in steps] == EVERY_STEP
+    assert [s["ok"] for s in steps] == [k < EVERY_STEP.index(failing) for k in range(len(EVERY_STEP))]
+    before = given[-1] if given else onnx.load(source)
+    assert prepared.SerializeToString() == before.SerializeToString()
+
+
+def test_a_step_whose_model_fails_onnxs_full_checker_is_dropped(tmp_path, monkeypatch):
+    """A rewrite that leaves a value_info contradicting shape inference: onnxruntime runs the model
+    (it merges shapes leniently) and its outputs are the original's, but onnx's full checker (shape
+    inference, strict) refuses it: the step is dropped saying so, the model before it goes on."""
+
+    def contradicting(model):
+        out, count = rewrites.div_by_constant(model)
+        out.graph.value_info.append(helper.make_tensor_value_info("c0", TensorProto.FLOAT, [1, 4, 8, 7]))
+        return out, count
+
+    monkeypatch.setattr(prepare, "REWRITES", {"div_by_constant": contradicting})
+    source = tmp_path / "float.onnx"
+    onnx.save(conv_block_model(DIV), source)
+    changed, _ = contradicting(onnx.load(source))
+    onnx.checker.check_model(changed)  # the structural check alone passes it
+    assert metrics.verified(onnx.load(source), changed, SAMPLES)[1] is None  # and it verifies
+    prepared, steps = prepare.prepare(str(source), str(tmp_path), SAMPLES)
+    (div,) = [s for s in steps if s["step"] == "div_by_constant"]
+    assert div["ok"] is False and "fails the checker" in div["detail"]
+    assert "Div" in [n.op_type for n in prepared.graph.node]
+    onnx.checker.check_model(prepared, full_check=True)

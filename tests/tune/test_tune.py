@@ -3,10 +3,12 @@ measurement of the written model, the choice against the definition, the exit co
 
 import errno
 import io
+import itertools
 import math
 import os
 import stat
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -191,6 +193,26 @@ def test_table_fits_80_columns(tuned):
     assert "candidates, Pareto-best first" in text and all(len(line) <= 80 for line in text.splitlines())
 
 
+def test_each_speedup_is_its_rows_float_ms_over_its_ms_and_float_ms_their_median(tuned):
+    """Every figure a reader divides agrees (issue 31 item 14): the answer's float.ms was the
+    median of all the float times while each speedup used its own, up to 50% apart on a loaded
+    machine. Each row now carries its own float time, right after its ms, in the table too."""
+    answer = tuned["answer"]
+    rows = [c for c in answer["candidates"] if c["error"] is None]
+    for row in rows:
+        keys = list(row)
+        assert keys.index("float_ms") == keys.index("ms") + 1
+        assert row["speedup"] == pytest.approx(row["float_ms"] / row["ms"], rel=1e-12)
+    times = sorted(row["float_ms"] for row in rows)
+    assert answer["float"]["ms"] == times[len(times) // 2]  # the upper median of an even count
+    lines = graphscan.render_table("tune", answer).split("\ntimes (ms)")[1].splitlines()[2:]
+    shown = {int(line.split()[0]): [float(v) for v in line.split()[1:4]] for line in lines if line.strip()}
+    assert sorted(shown) == sorted(c["id"] for c in answer["candidates"])
+    for row in rows:
+        expected = [row["ms"], row["float_ms"], row["speedup"]]
+        assert shown[row["id"]] == pytest.approx(expected, rel=5e-3)  # three significant digits
+
+
 def test_as_a_process_a_bad_file_is_one_line(tmp_path):
     line = error_line(
         run_graphscan(["tune", tmp_path / "none.onnx", "--calibrate", "c.npz", "--out", tmp_path / "o"]), 3
@@ -366,19 +388,50 @@ def test_an_unreadable_folder_is_exit_3(tuned, tmp_path, monkeypatch, capsys, wh
     assert list(tmp_path.glob(".graphscan-tune-*")) == []
 
 
-def test_a_full_disk_is_exit_3_never_blamed_on_the_quantizer(tuned, tmp_path, monkeypatch, capsys):
+ENOSPC = OSError(errno.ENOSPC, "No space left on device")
+# What quantize_static says when the model it wrote was cut short and it reads it back.
+CUT = ValueError("Error parsing message: Wire format was corrupt")
+
+
+@pytest.mark.parametrize(
+    ("full", "said"),
+    [
+        pytest.param("out", ENOSPC, id="out-enospc"),
+        pytest.param("out", CUT, id="out-cut"),
+        pytest.param("tmpdir", ENOSPC, id="tmpdir-enospc"),
+        pytest.param("tmpdir", CUT, id="tmpdir-cut"),
+        # The quantizer's temporary folder is gone by the time the failure is seen: room again.
+        pytest.param("tmpdir-emptied", ENOSPC, id="tmpdir-emptied-enospc"),
+    ],
+)
+def test_a_full_disk_is_exit_3_never_blamed_on_the_quantizer(tuned, tmp_path, monkeypatch, capsys, full, said):
     """Every candidate refused (exit 5, "quantize_static refused every candidate") was what a
-    full disk said; the disk, not the quantizer, is what failed."""
+    full disk said, and a full $TMPDIR was blamed on --out. Law: when the quantizer fails and
+    a file system it writes on has no room, or it failed to write where --out has room, the
+    disk is named, --out's or the temporary folder's (TMPDIR), exit 3, and nothing is left.
+    The disk is made full by its free space (statvfs), the quantizer's failure injected."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "t").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "t"))
+    no_room = {"out": tmp_path / "a", "tmpdir": tmp_path / "t"}.get(full)
 
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def free_bytes(folder):
+        return 0 if no_room is not None and Path(folder).resolve().is_relative_to(no_room) else 10**15
 
-    monkeypatch.setattr(tune, "quantize_candidate", full)
-    out = tmp_path / "o"
+    def quantizer(*args, **kwargs):
+        raise said
+
+    monkeypatch.setattr(graphscan_ort.shared.files, "free_bytes", free_bytes, raising=False)
+    monkeypatch.setattr(tune, "quantize_candidate", quantizer)
+    out = tmp_path / "a" / "o"
     argv = ["tune", tuned["float"], "--calibrate", str(tuned["calibration"][0]), "--out", str(out), "--runs", "1"]
     line = main_error_line(capsys, argv, 3)
-    assert str(out) in line and "No space left" in line and "quantize_static" not in line
-    assert not out.exists() and list(tmp_path.glob(".graphscan-tune-*")) == []
+    assert "quantize_static" not in line
+    if full == "out":
+        assert f"--out {out}: cannot write" in line and "No space left" in line
+    else:
+        assert f"temporary folder {tmp_path / 't'}" in line and "TMPDIR" in line and str(out) not in line
+    assert not out.exists() and list(tmp_path.rglob(".graphscan-tune-*")) == []
 
 
 def test_held_out_compares_contents_not_paths(tuned, tmp_path):
@@ -482,3 +535,66 @@ def test_a_terminal_closed_under_the_progress_line_only_turns_it_off():
     line.show("measuring candidate", 1, 8)
     line.close()
     assert line.enabled is False
+
+
+def symbolic_matmul(folder):
+    """x [N, K] @ W [4, 3]: every x of shape [n, k] fits the declared inputs, and only k = 4 runs."""
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", "K"])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 3])
+    w = onnx.numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(4, 3) / 12, "w")
+    graph = onnx.helper.make_graph([onnx.helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g", [x], [y], [w])
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)]), folder / "mm.onnx")
+    return str(folder / "mm.onnx")
+
+
+@pytest.mark.parametrize("flag", ["--calibrate", "--inputs", "--latency-inputs"])
+def test_a_sample_that_fits_the_declared_shape_but_does_not_run_is_exit_7_naming_it(tmp_path, capsys, flag):
+    """A sample of [1, 5] fits x [N, K] but not the weights: --latency-inputs was exit 1 (onnxruntime's
+    MatMul dimension mismatch while timing), --calibrate exit 5 ("quantize_static refused every
+    candidate"), --inputs exit 5 blaming the model. They are the user's samples: exit 7 naming the
+    option and the file, before any work, nothing left."""
+    model = symbolic_matmul(tmp_path)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "good.npz", x=rng.standard_normal((2, 4)).astype(np.float32))
+    np.savez(tmp_path / "other.npz", x=rng.standard_normal((3, 4)).astype(np.float32))
+    np.savez(tmp_path / "wide.npz", x=rng.standard_normal((1, 5)).astype(np.float32))
+    given = {"--calibrate": ["good.npz"], "--inputs": ["other.npz"], "--latency-inputs": ["good.npz"]}
+    given[flag] = [given[flag][0], "wide.npz"]  # the bad sample after a good one: each is tried
+    argv = ["tune", model, "--out", str(tmp_path / "o"), "--runs", "1"]
+    argv += [a for option, names in given.items() for name in names for a in (option, str(tmp_path / name))]
+    line = main_error_line(capsys, argv, 7)
+    assert f"{flag} {tmp_path / 'wide.npz'}:" in line and "does not run" in line, line
+    assert "good.npz" not in line and "other.npz" not in line
+    assert not (tmp_path / "o").exists() and list(tmp_path.glob(".graphscan-tune-*")) == []
+
+
+def assert_listed_in_order(listed):
+    """SPEC's order of tune's candidates, checked pair by pair: Pareto-best first, then the other
+    measured rows, then the refused ones; within each, speedup from fastest, then id."""
+    group = [(not c["pareto"], c["error"] is not None) for c in listed]
+    assert group == sorted(group), [(c["id"], c["pareto"], c["error"]) for c in listed]
+    for first, second in itertools.pairwise(listed):
+        if (first["pareto"], first["error"] is None) == (second["pareto"], second["error"] is None):
+            faster = (first["speedup"] or 0.0) > (second["speedup"] or 0.0)
+            tie = (first["speedup"] or 0.0) == (second["speedup"] or 0.0) and first["id"] < second["id"]
+            assert faster or tie, (first["id"], first["speedup"], second["id"], second["speedup"])
+
+
+def test_candidates_are_listed_pareto_first_then_by_speedup_and_refused_last(tuned):
+    """Law on every listing: the answer's own (real timings) and random rows with ties and refusals."""
+    listed = tuned["answer"]["candidates"]
+    assert sorted(c["id"] for c in listed) == list(range(len(listed)))
+    assert_listed_in_order(listed)
+    assert any(c["pareto"] for c in listed) and not all(c["pareto"] for c in listed)
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        rows = []
+        for ident in rng.permutation(12):
+            refused = rng.random() < 0.25
+            # A measured row's speedup may be undefined too (null: no time measured), ranked as 0.
+            speedup = None if refused else [None, 0.5, 1.0, 1.5, 2.0][rng.integers(5)]
+            rows.append({"id": int(ident), "speedup": speedup, "pareto": not refused and rng.random() < 0.4,
+                         "error": "refused" if refused else None})  # fmt: skip
+        listed = tune.listing_order(rows)
+        assert sorted(r["id"] for r in listed) == list(range(12))
+        assert_listed_in_order(listed)
