@@ -96,7 +96,7 @@ EXIT_CODES = {
     EXIT_RUNTIME: "model does not run in onnxruntime",
     EXIT_MISMATCH: "fused model does not reproduce the original",
     EXIT_INPUTS: "inputs do not match the models",
-    EXIT_BUDGET: "check: a budget is broken",
+    EXIT_BUDGET: "check: a budget is broken; tune: the target is not met",
     EXIT_INTERRUPTED: "interrupted",
     EXIT_TERMINATED: "terminated",
 }
@@ -1195,7 +1195,7 @@ def check(
 
 TABLE_WIDTH = 80
 CUT = "..."
-MIN_COLUMN = 12  # a column is never cut narrower than this: words (Percentile, QLinearConv) stay whole
+MIN_COLUMN = 10  # a column is never cut narrower than this: words (Percentile, Sigmoid) stay whole
 
 
 # What a terminal must never be sent raw: C0 and C1 controls and DEL (ESC can
@@ -2202,12 +2202,18 @@ def add_arguments(parser: argparse.ArgumentParser, command: Command) -> None:
         )
 
 
+def invoked_as() -> str:
+    """The name --help gives the program: ``graphscan`` as the console script
+    (``pip install .``), else ``graphscan.py`` (run as a file, or main() in process)."""
+    return "graphscan" if os.path.basename(sys.argv[0]) == "graphscan" else "graphscan.py"
+
+
 def build_parser(chosen: str | None = None) -> OneLineParser:
     """The command line. With a ``chosen`` command only its parser is built (and its
     module imported): a parser costs milliseconds, and a run needs one. Without one,
     every command is declared by its summary, for --help and the usage errors."""
     parser = OneLineParser(
-        prog="graphscan.py",
+        prog=invoked_as(),
         description="Count what quantization did to an ONNX graph; one JSON object on stdout.",
         epilog=exit_code_epilog(),
     )

@@ -74,6 +74,16 @@ def test_the_docs_list_exactly_the_codes_of_the_one_table(page):
     assert sorted(exit_table((ROOT / page).read_text(encoding="utf-8"))) == sorted(graphscan.EXIT_CODES)
 
 
+def test_help_names_every_command_the_readme_names_for_a_code():
+    """--help's epilog and the README's table agree on whose code it is: a command named in
+    backticks in a README row (`tune` beside 8) is named in that code's --help meaning."""
+    rows = exit_table(README)
+    assert "tune" in rows[graphscan.EXIT_BUDGET]  # the README names the commands the test reads
+    for code, meaning in rows.items():
+        for command in re.findall(r"`([a-z]+)`", meaning):
+            assert command in graphscan.EXIT_CODES[code], f"exit {code}: --help does not name {command}"
+
+
 def test_the_exit_code_constants_were_found():
     # A renamed prefix would make the test above vacuous.
     assert {value for _, value in EXIT_CODES} >= {0, 1, 2, 3, 4, 5, 6, 7, 8, 130}

@@ -191,6 +191,63 @@ def test_table_fits_80_columns(tuned):
     assert "candidates, Pareto-best first" in text and all(len(line) <= 80 for line in text.splitlines())
 
 
+# sympy's real message when quant_pre_process runs without it (PP-OCRv4 det, the README's tour).
+SYMPY = (
+    "sympy is required for symbolic shape inference in quantization preprocessing. "
+    "Install with: 'pip install sympy' or pass skip_symbolic_shape=True to quant_pre_process()."
+)
+
+
+def test_a_step_that_ran_after_a_failure_says_what_ran_and_the_whole_reason(tuned, tmp_path, monkeypatch):
+    """quant_pre_process fails, then runs without symbolic shapes: its row never puts ``yes``
+    beside ``failed``, and the reason is shown whole below the table, never cut."""
+    import onnxruntime.quantization.shape_inference as shape_inference
+
+    from graphscan_ort.tune import prepare
+
+    def without_sympy(source, target, **options):
+        if not options.get("skip_symbolic_shape"):
+            raise ImportError(SYMPY)
+        onnx.save(onnx.load(source), target)
+
+    monkeypatch.setattr(shape_inference, "quant_pre_process", without_sympy)
+    _, detail = prepare.pre_processed(tuned["float"], str(tmp_path / "pre.onnx"))
+    step = {"step": "quant_pre_process", "ok": True, "detail": detail, "max_abs_error": 0.0}
+    text = graphscan.render_table("tune", {**tuned["answer"], "prepare": [step]})
+    row = next(line for line in text.splitlines() if line.startswith("quant_pre_process "))
+    assert row.split()[1] == "yes" and "fail" not in row, row
+    assert SYMPY in " ".join(text.split()), text  # whole, once the notes' line breaks are undone
+    assert all(len(line) <= 80 for line in text.splitlines())
+
+
+def test_each_exclusion_trial_says_what_it_kept_float(tuned):
+    """Trials that exclude different nodes from one candidate: each row counts its excluded
+    nodes, and the table names every one with how it runs, under the row's id."""
+    base = tuned["answer"]["candidates"][0]
+    kept = [["conv_0"], ["relu_1"], ["conv_0", "relu_1"]]
+    trials = [
+        {
+            **base,
+            "id": 100 + k,
+            "quantize_static": {**base["quantize_static"], "nodes_to_exclude": nodes},
+            "trial": {"block": "node", "added": nodes[-1:]},
+            "excluded": dict.fromkeys(nodes, "float"),
+            "pareto": False,
+        }
+        for k, nodes in enumerate(kept)
+    ]
+    text = graphscan.render_table("tune", {**tuned["answer"], "candidates": [base, *trials]})
+    titles = next(line.split() for line in text.splitlines() if line.split()[:2] == ["id", "act"])
+    rows = {
+        line.split()[0]: line.split() for line in text.splitlines() if line.split()[:1] in (["100"], ["101"], ["102"])
+    }
+    assert [rows[str(100 + k)][titles.index("excl")] for k in range(3)] == [str(len(nodes)) for nodes in kept]
+    notes = " ".join(text.split("in full:", 1)[1].split())
+    for k, nodes in enumerate(kept):
+        said = notes.split(f"candidate {100 + k} keeps float: ", 1)[1].split("candidate ", 1)[0]
+        assert all(f"{node} (float)" in said for node in nodes), said
+
+
 def test_as_a_process_a_bad_file_is_one_line(tmp_path):
     line = error_line(
         run_graphscan(["tune", tmp_path / "none.onnx", "--calibrate", "c.npz", "--out", tmp_path / "o"]), 3
