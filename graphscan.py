@@ -1260,21 +1260,33 @@ def end_cut(text: str, width: int) -> str:
     """
     if display_width(text) <= width:
         return text
-    if width <= len(CUT):
-        return fitted(text[::-1], width)[::-1]
-    return CUT + fitted(text[::-1], width - len(CUT))[::-1]
+    keep = max(0, width - len(CUT))
+    mark = CUT if width > len(CUT) else ""
+    if text.isascii():  # one column per character
+        return mark + text[len(text) - (keep if mark else width) :]
+    return mark + fitted(text[::-1], keep if mark else width)[::-1]
 
 
 def distinct_width(texts: Collection[str], width: int) -> int:
     """The least width from ``width`` up at which end_cut keeps ``texts`` apart: a table never
-    shows two different names as one (the whole text always tells them apart)."""
-    long = {text for text in texts if display_width(text) > width}
+    shows two different names as one (the whole text always tells them apart). A longer end
+    tells apart what a shorter one does, so the width is found by bisection."""
+    distinct = set(texts)
+    long = {text for text in distinct if display_width(text) > width}
     if not long:
         return width
-    widest = max(map(display_width, long))
-    while width < widest and len({end_cut(text, width) for text in texts}) < len(set(texts)):
-        width += 1
-    return width
+
+    def apart(w: int) -> bool:
+        return len({end_cut(text, w) for text in distinct}) == len(distinct)
+
+    low, high = width, max(map(display_width, long))  # apart(high): nothing is cut
+    while low < high:
+        middle = (low + high) // 2
+        if apart(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return high
 
 
 def padded(text: str, width: int, right: bool) -> str:

@@ -86,6 +86,20 @@ EXPORTER_NAMES = st.lists(
 )
 
 
+@pytest.mark.parametrize(
+    ("text", "width", "expected"),
+    [
+        pytest.param("abcdefghij", 10, "abcdefghij", id="fits-exactly"),
+        pytest.param("abcdefghij", 7, "...ghij", id="ascii"),
+        pytest.param("abc表格", 5, "...格", id="wide-characters-take-two-columns"),
+        pytest.param("abc表格", 4, "...", id="no-room-for-a-wide-character"),
+        pytest.param("abcdefghij", 3, "hij", id="no-room-for-the-marker"),
+    ],
+)
+def test_end_cut(text, width, expected):
+    assert graphscan.end_cut(text, width) == expected
+
+
 @given(names=EXPORTER_NAMES, width=st.integers(min_value=20, max_value=80))
 def test_a_cut_column_keeps_each_names_end_and_tells_different_names_apart(names, width):
     rows = [[name, k, "Percentile"] for k, name in enumerate(names)]
