@@ -7,6 +7,7 @@ import textwrap
 from typing import Any
 
 from graphscan import TABLE_WIDTH, format_fields, metric_words, page, section, visible
+from graphscan_ort.shared.agreement import BUILT_IN
 
 
 def tune_table(answer: dict[str, Any], top: int | None) -> str:
@@ -38,7 +39,8 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
         ]
         for c in answer["candidates"]
     ]
-    titles = ["id", "act", "pc", "method", "rw", "excl", described["name"], "int8", "speedup", "fails", "pareto"]
+    metric = described["name"] if described["name"] in BUILT_IN else "metric"  # a FILE.py:FUNCTION: whole above
+    titles = ["id", "act", "pc", "method", "rw", "excl", metric, "int8", "speedup", "fails", "pareto"]
     # What a column would cut is shown whole below: long details, exclusions, errors.
     whole = [
         f"{s['step']}: {s['detail']}" for s in answer["prepare"] if not s["ok"] or briefly(s["detail"]) != s["detail"]

@@ -220,6 +220,20 @@ def test_a_step_that_ran_after_a_failure_says_what_ran_and_the_whole_reason(tune
     assert all(len(line) <= 80 for line in text.splitlines())
 
 
+@pytest.mark.parametrize(
+    "metric",
+    [pytest.param("scripts/evaluation/detector_f1.py:f1", id="user-metric"), pytest.param("iou", id="built-in")],
+)
+def test_the_metric_is_named_whole(tuned, metric):
+    """A user's metric is a path (``FILE.py:FUNCTION``): the table names it whole in its
+    header and never shows a cut of it (``scr...:f1``) as a column title."""
+    text = graphscan.render_table("tune", {**tuned["answer"], "metric": {"name": metric}})
+    assert f"metric {metric}" in text
+    titles = next(line.split() for line in text.splitlines() if line.split()[:2] == ["id", "act"])
+    assert not any("..." in title for title in titles), titles
+    assert all(len(line) <= 80 for line in text.splitlines())
+
+
 def test_each_exclusion_trial_says_what_it_kept_float(tuned):
     """Trials that exclude different nodes from one candidate: each row counts its excluded
     nodes, and the table names every one with how it runs, under the row's id."""
