@@ -17,7 +17,16 @@ import gen_models
 from tests.helpers import ROOT
 
 MEMBER = "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx"
-IMAGES = ["page.png", "text.png", "camera.png", "astronaut.png", "coffee.png", "chelsea.png", "motorcycle_left.png"]
+IMAGES = [
+    "page.png",
+    "text.png",
+    "camera.png",
+    "astronaut.png",
+    "coffee.png",
+    "chelsea.png",
+    "motorcycle_left.png",
+    "coins.png",
+]
 COLOUR_TYPES = {1: 0, 3: 2, 4: 6}  # channels -> PNG colour type (gray, RGB, RGBA)
 
 
@@ -66,9 +75,11 @@ def test_the_png_reader_inverts_every_filter(channels):
 
 def test_the_tour_runs_isolated_and_writes_only_its_own_folder(tmp_path):
     """Stand-in wheels: a small CNN where the real one holds PP-OCRv4 det (same input: x,
-    [N, 3, H, W]), and constant images where scikit-image's are: pure red photographs, so
-    each sample is known by hand (rapidocr's BGR order, ``(v / 255 - 0.5) / 0.5``: B -1,
-    G -1, R +1). ``python -I`` puts neither the script's folder nor the clone on sys.path."""
+    [N, 3, H, W]), and images known by hand where scikit-image's are: pure red photographs
+    (rapidocr's BGR order, ``(v / 255 - 0.5) / 0.5``: B -1, G -1, R +1) and two pages that
+    are gray ramps from left to right over ranges of their own, so that a held-out cut that
+    shares a column with a calibration cut would share values with it.
+    ``python -I`` puts neither the script's folder nor the clone on sys.path."""
     model = gen_models.build_cnn(2, channels=4, size=8, seed=0)
     model.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "H"
     model.graph.input[0].type.tensor_type.shape.dim[3].dim_param = "W"
@@ -79,9 +90,12 @@ def test_the_tour_runs_isolated_and_writes_only_its_own_folder(tmp_path):
         archive.writestr(MEMBER, model.SerializeToString())
     red = np.zeros((24, 40, 3), np.uint8)
     red[:, :, 0] = 255
+    ramps = {"page.png": (0, 120), "text.png": (135, 255)}  # 24x48: 640 wide at height 320
     with zipfile.ZipFile(wheels / "scikit_image-0.26.0-cp311-cp311-manylinux_2_28_x86_64.whl", "w") as archive:
         for name in IMAGES:
-            archive.writestr(f"skimage/data/{name}", png(red))
+            low, high = ramps.get(name, (0, 0))
+            ramp = np.broadcast_to(np.linspace(low, high, 48).round().astype(np.uint8), (24, 48))[:, :, None]
+            archive.writestr(f"skimage/data/{name}", png(ramp if name in ramps else red))
     work = tmp_path / "work"
     work.mkdir()
     proc = subprocess.run(
@@ -98,11 +112,19 @@ def test_the_tour_runs_isolated_and_writes_only_its_own_folder(tmp_path):
     written = sorted(p.relative_to(work / "tour").as_posix() for p in (work / "tour").rglob("*") if p.is_file())
     calibration = [f"calibration/cal{k}.npz" for k in range(8)]
     assert written == sorted([*calibration, "det.int8.onnx", "det.onnx", "page0.npz", "page1.npz"])
-    for sample in ["page0.npz", "page1.npz", *calibration]:
-        x = np.load(work / "tour" / sample)["x"]
-        assert x.shape == (1, 3, 320, 320) and x.dtype == np.float32
+    samples = {name: np.load(work / "tour" / name)["x"] for name in ["page0.npz", "page1.npz", *calibration]}
+    assert all(x.shape == (1, 3, 320, 320) and x.dtype == np.float32 for x in samples.values())
+    photos = [x for x in samples.values() if not np.allclose(x[0, 0], x[0, 2])]  # red: B and R differ
+    assert len(photos) == 6
+    for x in photos:
         np.testing.assert_allclose(x[0, :, 0, 0], [-1.0, -1.0, 1.0], atol=1e-6)
         np.testing.assert_allclose(x, np.broadcast_to(x[:, :, :1, :1], x.shape), atol=1e-6)
+    spans = {name: (x.min(), x.max()) for name, x in samples.items() if np.allclose(x[0, 0], x[0, 2])}
+    seen_pages = [name for name in spans if name.startswith("calibration/")]
+    assert len(spans) == 4 and len(seen_pages) == 2  # the two pages: a half each for calibration
+    for held in ["page0.npz", "page1.npz"]:
+        for seen in seen_pages:
+            assert spans[held][1] < spans[seen][0] or spans[seen][1] < spans[held][0], (held, seen, spans)
     assert any(n.op_type == "QuantizeLinear" for n in onnx.load(work / "tour" / "det.int8.onnx").graph.node)
     ignored = (ROOT / ".gitignore").read_text().splitlines()
     assert "/tour/" in ignored and "/wheels/" in ignored  # what the README's two lines leave in a clone
