@@ -64,7 +64,7 @@ import typing  # noqa: E402
 import unicodedata  # noqa: E402
 import warnings  # noqa: E402
 from collections import Counter  # noqa: E402
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableSequence, Sequence  # noqa: E402
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, MutableSequence, Sequence  # noqa: E402
 from typing import TYPE_CHECKING, Any, NotRequired, TextIO, TypedDict  # noqa: E402
 
 import onnx  # noqa: E402  (after the SIGINT handler on purpose)
@@ -96,7 +96,7 @@ EXIT_CODES = {
     EXIT_RUNTIME: "model does not run in onnxruntime",
     EXIT_MISMATCH: "fused model does not reproduce the original",
     EXIT_INPUTS: "inputs do not match the models",
-    EXIT_BUDGET: "check: a budget is broken",
+    EXIT_BUDGET: "check: a budget is broken; tune: the target is not met",
     EXIT_INTERRUPTED: "interrupted",
     EXIT_TERMINATED: "terminated",
 }
@@ -1200,7 +1200,7 @@ def check(
 
 TABLE_WIDTH = 80
 CUT = "..."
-MIN_COLUMN = 8  # a column is never cut narrower than this
+MIN_COLUMN = 10  # a column is never cut narrower than this: words (Percentile, Sigmoid) stay whole
 
 
 # What a terminal must never be sent raw: C0 and C1 controls and DEL (ESC can
@@ -1256,6 +1256,44 @@ def middle_cut(text: str, width: int) -> str:
     return head + CUT + tail
 
 
+def end_cut(text: str, width: int) -> str:
+    """``text`` in at most ``width`` columns: ``...`` and its end.
+
+    Exporters put what tells names apart at the end (``/model.22/cv3.0/conv/Conv`` and
+    ``/model.22/cv2.1/conv/Conv`` differ in their last part, ``p2o.Conv.41`` in its number);
+    a file's name and a metric's function are at the end of their paths too.
+    """
+    if display_width(text) <= width:
+        return text
+    keep = max(0, width - len(CUT))
+    mark = CUT if width > len(CUT) else ""
+    if text.isascii():  # one column per character
+        return mark + text[len(text) - (keep if mark else width) :]
+    return mark + fitted(text[::-1], keep if mark else width)[::-1]
+
+
+def distinct_width(texts: Collection[str], width: int) -> int:
+    """The least width from ``width`` up at which end_cut keeps ``texts`` apart: a table never
+    shows two different names as one (the whole text always tells them apart). A longer end
+    tells apart what a shorter one does, so the width is found by bisection."""
+    distinct = set(texts)
+    long = {text for text in distinct if display_width(text) > width}
+    if not long:
+        return width
+
+    def apart(w: int) -> bool:
+        return len({end_cut(text, w) for text in distinct}) == len(distinct)
+
+    low, high = width, max(map(display_width, long))  # apart(high): nothing is cut
+    while low < high:
+        middle = (low + high) // 2
+        if apart(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return high
+
+
 def padded(text: str, width: int, right: bool) -> str:
     """``text`` padded with spaces to ``width`` columns, on the left when ``right``."""
     pad = " " * max(0, width - display_width(text))
@@ -1284,8 +1322,9 @@ def format_table(
     titles: Sequence[str], rows: Sequence[Sequence[object]], width: int = TABLE_WIDTH, cut_first: Sequence[str] = ()
 ) -> str:
     """Aligned columns, numbers to the right. Until each line fits ``width``, the
-    columns titled in ``cut_first`` and then the widest ones are cut in the middle
-    (never below MIN_COLUMN)."""
+    columns titled in ``cut_first`` and then the widest ones are cut, keeping the end of
+    each text (never below MIN_COLUMN); a column cut so far that two of its different
+    texts would look the same widens again until they do not."""
     texts = [[cell(v) for v in row] for row in rows]
     right = [
         any(is_number(row[k]) for row in rows) and all(is_number(row[k]) or row[k] is None for row in rows)
@@ -1303,21 +1342,22 @@ def format_table(
 
     while sum(widths) + 2 * (len(widths) - 1) > width and max(widths) > MIN_COLUMN:
         widths[max(range(len(widths)), key=weight)] -= 1
+    widths = [distinct_width([row[k] for row in texts], w) for k, w in enumerate(widths)]
     lines = []
     for row in [list(titles)] + texts:
         parts = []
         for k, text in enumerate(row):
-            parts.append(padded(middle_cut(text, widths[k]), widths[k], right[k]))
+            parts.append(padded(end_cut(text, widths[k]), widths[k], right[k]))
         lines.append("  ".join(parts).rstrip())
     return "\n".join(lines)
 
 
 def format_fields(pairs: Iterable[tuple[str, object]], width: int = TABLE_WIDTH) -> str:
-    """``key value`` pairs on as few lines as fit ``width``; long values cut in the middle."""
+    """``key value`` pairs on as few lines as fit ``width``; long values keep their end."""
     lines, line = [], ""
     for key, value in pairs:
-        key = middle_cut(cell(key), width // 2)  # an input's name can be long too
-        text = f"{key} {middle_cut(cell(value), width - display_width(key) - 1)}"
+        key = end_cut(cell(key), width // 2)  # an input's name can be long too
+        text = f"{key} {end_cut(cell(value), width - display_width(key) - 1)}"
         if line and display_width(line) + 3 + display_width(text) > width:
             lines.append(line)
             line = ""
@@ -1329,7 +1369,7 @@ def format_names(names: Iterable[str], width: int = TABLE_WIDTH, indent: str = "
     """Names separated by commas, wrapped to ``width``, each cut to fit one line."""
     lines, line = [], ""
     for name in names:
-        name = middle_cut(cell(name), width - len(indent) - 1)
+        name = end_cut(cell(name), width - len(indent) - 1)
         if line and len(indent) + display_width(line) + display_width(name) + 3 > width:  # 3: ', ' now, ',' if wrapped
             lines.append(indent + line + ",")
             line = ""
@@ -2180,12 +2220,18 @@ def add_arguments(parser: argparse.ArgumentParser, command: Command) -> None:
         )
 
 
+def invoked_as() -> str:
+    """The name --help gives the program: ``graphscan`` as the console script
+    (``pip install .``), else ``graphscan.py`` (run as a file, or main() in process)."""
+    return "graphscan" if os.path.basename(sys.argv[0]) == "graphscan" else "graphscan.py"
+
+
 def build_parser(chosen: str | None = None) -> OneLineParser:
     """The command line. With a ``chosen`` command only its parser is built (and its
     module imported): a parser costs milliseconds, and a run needs one. Without one,
     every command is declared by its summary, for --help and the usage errors."""
     parser = OneLineParser(
-        prog="graphscan.py",
+        prog=invoked_as(),
         description="Count what quantization did to an ONNX graph; one JSON object on stdout.",
         epilog=exit_code_epilog(),
     )

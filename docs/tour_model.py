@@ -1,26 +1,35 @@
-"""Build the README tour's models: PP-OCRv4 text detection, float and int8 QDQ.
+"""Build the README tour's models and samples: PP-OCRv4 text detection, float and int8 QDQ,
+on real scans and photographs.
 
-    pip download rapidocr-onnxruntime==1.4.4 --no-deps -d wheels
-    python docs/tour_model.py wheels/rapidocr_onnxruntime-1.4.4-py3-none-any.whl [--out tour]
+    pip download rapidocr-onnxruntime==1.4.4 scikit-image==0.26.0 --no-deps -d wheels
+    python docs/tour_model.py wheels [--out tour]
 
 Needs only onnx, onnxruntime and numpy (a clone's bench/ is not needed: it runs after
-``pip install .`` too). Writes into its own folder, ``tour/`` (git ignores it):
+``pip install .`` too; the PNG files are decoded here, with zlib). Reads two wheels from the
+folder: the model from rapidocr-onnxruntime's, the images from scikit-image's sample images
+(``skimage/data/``). Writes into its own folder, ``tour/`` (git ignores it):
 
 - det.onnx: the wheel's ch_PP-OCRv4_det_infer.onnx after onnxruntime's quant_pre_process
   (skip_symbolic_shape=True: the symbolic pass needs sympy, which graphscan does not install);
 - det.int8.onnx: quantize_static(det.onnx, quant_format=QDQ) with onnxruntime 1.32's other
-  defaults (int8 activations and weights, per tensor, MinMax), calibrated on 8 text-like
-  pages 1x3x320x320 (seed 1);
-- page0.npz, page1.npz: two more pages (seed 0) for trace, impact, check and tune;
-- calibration/cal0.npz ... cal7.npz: the eight calibration pages, for tune.
+  defaults (int8 activations and weights, per tensor, MinMax), calibrated on calibration/;
+- calibration/cal0.npz ... cal7.npz: 1x3x320x320 cuts of the scanned book page ``page.png``
+  and the photographed page ``text.png`` (one half each) and of six photographs;
+- page0.npz, page1.npz: the other halves of the two pages, which calibration never sees, for
+  trace, impact, check and tune.
+
+Each image is scaled to a height of 320 pixels (bilinear), cut 320 wide, and normalized as
+rapidocr 1.4.4 feeds the model: BGR, ``(pixel / 255 - 0.5) / 0.5``.
 """
 
 from __future__ import annotations
 
 import argparse
+import struct
 import sys
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -28,12 +37,102 @@ from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantiz
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
 MEMBER = "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx"
+MODEL_WHEEL = "rapidocr_onnxruntime-1.4.4-*.whl"
+IMAGES_WHEEL = "scikit_image-*.whl"
+IMAGES = "skimage/data/"
 SIZE = 320
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # PP-OCR's normalization
+MEAN, STD = 0.5, 0.5  # rapidocr 1.4.4's config.yaml for det, on pixel / 255
+# (sample file, image, where the 320-wide cut starts: 0 left, 1 right, 0.5 centre)
+# Each scan is over 640 pixels wide once scaled: its left and right cuts do not overlap.
+HELD_OUT = [("page0.npz", "page.png", 0.0), ("page1.npz", "text.png", 1.0)]
+CALIBRATION = [
+    ("cal0.npz", "page.png", 1.0),
+    ("cal1.npz", "text.png", 0.0),
+    ("cal2.npz", "camera.png", 0.5),
+    ("cal3.npz", "astronaut.png", 0.5),
+    ("cal4.npz", "coffee.png", 0.5),
+    ("cal5.npz", "chelsea.png", 0.5),
+    ("cal6.npz", "motorcycle_left.png", 0.5),
+    ("cal7.npz", "coins.png", 0.5),
+]
+CHANNELS = {0: 1, 2: 3, 4: 2, 6: 4}  # PNG colour type: gray, RGB, gray+alpha, RGBA
+
+
+def read_png(data: bytes) -> np.ndarray:
+    """An 8-bit, non-interlaced PNG (what scikit-image ships) as an HxWxC uint8 array."""
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        raise ValueError("not a PNG file")
+    chunks, offset = {}, 8
+    while offset < len(data):
+        (length,) = struct.unpack(">I", data[offset : offset + 4])
+        kind = data[offset + 4 : offset + 8]
+        chunks.setdefault(kind, []).append(data[offset + 8 : offset + 8 + length])
+        offset += 12 + length
+    width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", chunks[b"IHDR"][0])
+    if depth != 8 or interlace or colour not in CHANNELS:
+        raise ValueError(f"unsupported PNG: depth {depth}, colour type {colour}, interlace {interlace}")
+    step = CHANNELS[colour]
+    raw = np.frombuffer(zlib.decompress(b"".join(chunks[b"IDAT"])), np.uint8).reshape(height, 1 + width * step)
+    rows = np.zeros((height + 1, width * step), np.int32)  # row -1 is zeros
+    for y in range(height):
+        kind, line, up = raw[y, 0], raw[y, 1:].astype(np.int32), rows[y]
+        if kind == 0:
+            rows[y + 1] = line
+        elif kind == 2:
+            rows[y + 1] = (line + up) & 255
+        else:  # 1 (sub), 3 (average), 4 (Paeth) depend on the pixel to the left: one pass
+            out = rows[y + 1]
+            for x in range(width * step):
+                left = out[x - step] if x >= step else 0
+                corner = up[x - step] if x >= step else 0
+                if kind == 1:
+                    guess = left
+                elif kind == 3:
+                    guess = (left + up[x]) // 2
+                else:
+                    p = left + up[x] - corner
+                    pa, pb, pc = abs(p - left), abs(p - up[x]), abs(p - corner)
+                    guess = left if pa <= pb and pa <= pc else (up[x] if pb <= pc else corner)
+                out[x] = (line[x] + guess) & 255
+    return rows[1:].reshape(height, width, step).astype(np.uint8)
+
+
+def resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Bilinear resize of an HxWxC float array (pixel centres aligned, as OpenCV's INTER_LINEAR)."""
+
+    def axis(new: int, old: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        where = np.clip((np.arange(new) + 0.5) * old / new - 0.5, 0, old - 1)
+        low = np.floor(where).astype(int)
+        return low, np.minimum(low + 1, old - 1), (where - low).astype(np.float32)
+
+    y0, y1, wy = axis(height, image.shape[0])
+    x0, x1, wx = axis(width, image.shape[1])
+    rows = image[y0] * (1 - wy)[:, None, None] + image[y1] * wy[:, None, None]
+    return rows[:, x0] * (1 - wx)[None, :, None] + rows[:, x1] * wx[None, :, None]
+
+
+def sample(image: np.ndarray, where: float, size: int = SIZE) -> np.ndarray:
+    """A size x size cut of ``image`` scaled to a height of ``size``, as the model's input x."""
+    gray = image.shape[2] < 3
+    rgb = np.repeat(image[:, :, :1], 3, axis=2) if gray else image[:, :, :3]
+    width = max(size, round(image.shape[1] * size / image.shape[0]))
+    scaled = resize(rgb.astype(np.float32), size, width)
+    left = round((width - size) * where)
+    bgr = scaled[:, left : left + size, ::-1] / 255.0
+    return ((bgr - MEAN) / STD).transpose(2, 0, 1)[None].astype(np.float32)
+
+
+def find_wheel(folder: Path, pattern: str) -> Path:
+    """The one wheel in ``folder`` matching ``pattern``."""
+    found = sorted(folder.glob(pattern))
+    if not found:
+        raise SystemExit(f"tour_model.py: no {pattern} in {folder} (see the pip download line above)")
+    return found[-1]
 
 
 def text_page(rng: np.random.Generator, size: int) -> np.ndarray:
-    """A white page with lines of dark character-sized blocks, as a normalized 1x3xHxW array."""
+    """A synthetic white page with lines of dark character-sized blocks, as a normalized
+    1x3xHxW array (bench/bench_impact.py's workload; the tour uses real images)."""
     page = np.ones((size, size, 3), np.float32)
     line = size // 16
     for top in range(line, size - 2 * line, 3 * line):
@@ -44,12 +143,12 @@ def text_page(rng: np.random.Generator, size: int) -> np.ndarray:
             page[top : top + line, x : x + width] = rng.uniform(0.0, 0.3)
             x += width + int(rng.integers(1, line // 2 + 2))
     page += rng.normal(0, 0.02, page.shape).astype(np.float32)
-    normalized = (page - np.array(MEAN, np.float32)) / np.array(STD, np.float32)
+    normalized = (page - np.array((0.485, 0.456, 0.406), np.float32)) / np.array((0.229, 0.224, 0.225), np.float32)
     return normalized.transpose(2, 0, 1)[None].astype(np.float32)
 
 
 def write_samples(folder: Path, count: int, size: int) -> list[Path]:
-    """``page0.npz`` ... in ``folder``: text-like pages, seed 0 (the tour's and the bench's)."""
+    """``page0.npz`` ... in ``folder``: synthetic pages, seed 0 (bench/bench_impact.py's)."""
     rng = np.random.default_rng(0)
     paths = []
     for k in range(count):
@@ -59,34 +158,35 @@ def write_samples(folder: Path, count: int, size: int) -> list[Path]:
     return paths
 
 
-class Pages(CalibrationDataReader):
-    """Eight seeded text-like pages; a new reader for every quantize_static call."""
+class Samples(CalibrationDataReader):
+    """The calibration files, read in order; a new reader for every quantize_static call."""
 
-    def __init__(self, count: int = 8, seed: int = 1) -> None:
-        rng = np.random.default_rng(seed)
-        self.pages = iter([{"x": text_page(rng, SIZE)} for _ in range(count)])
+    def __init__(self, paths: list[Path]) -> None:
+        self.samples = iter([dict(np.load(path)) for path in paths])
 
     def get_next(self) -> dict | None:
-        return next(self.pages, None)
+        return next(self.samples, None)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("wheel", help="the rapidocr-onnxruntime 1.4.4 wheel")
+    parser.add_argument("wheels", type=Path, help="the folder pip download wrote the two wheels into")
     parser.add_argument("--out", default="tour", type=Path, help="the folder written (default: tour)")
     args = parser.parse_args(argv)
     out = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    calibration = out / "calibration"
+    calibration.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(find_wheel(args.wheels, IMAGES_WHEEL)) as images:
+        for folder, plan in [(out, HELD_OUT), (calibration, CALIBRATION)]:
+            for name, image, where in plan:
+                np.savez(folder / name, x=sample(read_png(images.read(IMAGES + image)), where))
     with tempfile.TemporaryDirectory() as scratch:
         original = Path(scratch) / "det_infer.onnx"
-        original.write_bytes(zipfile.ZipFile(args.wheel).read(MEMBER))
+        original.write_bytes(zipfile.ZipFile(find_wheel(args.wheels, MODEL_WHEEL)).read(MEMBER))
         quant_pre_process(str(original), str(out / "det.onnx"), skip_symbolic_shape=True)
-    quantize_static(str(out / "det.onnx"), str(out / "det.int8.onnx"), Pages(), quant_format=QuantFormat.QDQ)
-    write_samples(out, 2, SIZE)
-    calibration = out / "calibration"  # the same eight pages, as files, for tune
-    calibration.mkdir(exist_ok=True)
-    for k, page in enumerate(Pages().pages):
-        np.savez(calibration / f"cal{k}.npz", **page)
+    cal_paths = [calibration / name for name, _, _ in CALIBRATION]
+    quantize_static(str(out / "det.onnx"), str(out / "det.int8.onnx"), Samples(cal_paths), quant_format=QuantFormat.QDQ)
+    print(f"tour_model.py: wrote det.onnx, det.int8.onnx, page0.npz, page1.npz and calibration/ into {out}/")
     return 0
 
 

@@ -186,7 +186,12 @@ COMMAND = Command(
     "runtime",
     runtime,
     options=(
-        level_option(list(RUNTIME_LEVELS), "extended", "onnxruntime graph optimization level (default: extended)"),
+        level_option(
+            list(RUNTIME_LEVELS),
+            "extended",
+            "onnxruntime graph optimization level (default: extended, where each kernel maps back to a node;"
+            " tune, and check's --min-sqnr and --min-metric, measure at all, as deployed)",
+        ),
         ("--provider", {"default": CPU, "help": f"execution provider (default: {CPU})"}),
         ("--int8-allowed", {"action": "store_true", "help": "set session.qdqisint8allowed=1"}),
         (

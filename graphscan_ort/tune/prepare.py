@@ -52,7 +52,7 @@ def pre_processed(source: str, target: str) -> tuple[str | None, str]:
         try:
             with quiet():
                 quant_pre_process(source, target, skip_symbolic_shape=True)
-            return target, (f"quant_pre_process failed ({one_line(first)}); retried with skip_symbolic_shape=True")
+            return target, f"with skip_symbolic_shape=True; without it, it failed ({one_line(first)})"
         except Exception as second:
             return (
                 None,

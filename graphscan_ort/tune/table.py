@@ -7,6 +7,7 @@ import textwrap
 from typing import Any
 
 from graphscan import TABLE_WIDTH, format_fields, metric_words, page, section, visible
+from graphscan_ort.shared.agreement import BUILT_IN
 
 
 def tune_table(answer: dict[str, Any], top: int | None) -> str:
@@ -21,7 +22,7 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
         + [("latency at", shapes_text(latency["inputs"])), ("min speedup", latency["min_speedup"])]
         + [("chosen", answer["chosen"]), ("reached", answer["reached"]), ("output", answer["output"])]
     )
-    steps = [[s["step"], s["ok"], s["detail"]] for s in answer["prepare"]]
+    steps = [[s["step"], s["ok"], briefly(s["detail"])] for s in answer["prepare"]]
     rows = [
         [
             c["id"],
@@ -29,25 +30,29 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
             "yes" if c["quantize_static"]["per_channel"] else "no",
             c["quantize_static"]["calibrate_method"],
             c["rewrites"],
+            len(c["quantize_static"].get("nodes_to_exclude") or []) or None,
             c["metric_value"],
             c["int8_kernels"],
             c["speedup"],
-            ",".join(c["fails"] or []) or ("-" if c["fails"] is None else "none"),
+            "error" if c["error"] else ",".join(c["fails"] or []) or ("-" if c["fails"] is None else "none"),
             c["pareto"],
-            c["error"],
         ]
         for c in answer["candidates"]
     ]
-    titles = ["id", "act", "pc", "method", "rw", described["name"], "int8", "speedup", "fails", "pareto", "error"]
-    # The detail that matters is often cut in its column: each is shown whole below.
-    whole = [f"{s['step']}: {s['detail']}" for s in answer["prepare"] if not s["ok"]]
+    metric = described["name"] if described["name"] in BUILT_IN else "metric"  # a FILE.py:FUNCTION: whole above
+    titles = ["id", "act", "pc", "method", "rw", "excl", metric, "int8", "speedup", "fails", "pareto"]
+    # What a column would cut is shown whole below: long details, exclusions, errors.
+    whole = [
+        f"{s['step']}: {s['detail']}" for s in answer["prepare"] if not s["ok"] or briefly(s["detail"]) != s["detail"]
+    ]
+    whole += [exclusion(c) for c in answer["candidates"] if c["quantize_static"].get("nodes_to_exclude")]
     whole += [f"candidate {c['id']}: {c['error']}" for c in answer["candidates"] if c["error"]]
     whole += [f"warning: {w}" for w in answer["warnings"]]
     notes = "\n".join(textwrap.fill(visible(text), TABLE_WIDTH, subsequent_indent="  ") for text in whole)
     return page(
         head,
         section("prepare", ["step", "ok", "detail"], steps),
-        section("candidates, Pareto-best first", titles, rows, top, cut_first=["error"]),
+        section("candidates, Pareto-best first", titles, rows, top),
         section("times (ms), each candidate's beside its own float run", TIME_TITLES, time_rows(answer), top),
         *([f"in full:\n{notes}"] if notes else []),
     )
@@ -60,6 +65,21 @@ def time_rows(answer: dict[str, Any]) -> list[list[Any]]:
     """Each candidate's ms beside the float model's own time in the same interleaved runs
     (speedup = float ms / ms), in the candidates' order."""
     return [[c["id"], c["ms"], c["float_ms"], c["speedup"]] for c in answer["candidates"]]
+
+
+def briefly(detail: str) -> str:
+    """A prepare step's detail up to its first ``; `` (what ran), the rest left to the notes."""
+    head = detail.split("; ", 1)[0]
+    return detail if head == detail else f"{head} (in full below)"
+
+
+def exclusion(candidate: dict[str, Any]) -> str:
+    """What an exclusion trial kept float and how each node runs, and the block it added."""
+    how = candidate["excluded"] or {}
+    kept = ", ".join(f"{node} ({how.get(node, '-')})" for node in candidate["quantize_static"]["nodes_to_exclude"])
+    trial = candidate["trial"]
+    added = f"; trial: the {trial['block']} block {', '.join(trial['added'])}" if trial else ""
+    return f"candidate {candidate['id']} keeps float: {kept}{added}"
 
 
 def shapes_text(inputs: dict[str, Any]) -> str:

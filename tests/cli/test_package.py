@@ -12,8 +12,11 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 import graphscan
 from tests.helpers import (
@@ -211,6 +214,34 @@ def assert_console_script_is_graphscan_py(bin_dir, tmp_path):
 @pytest.mark.skipif(os.name != "posix", reason="venv layout with bin/")
 def test_pip_install_gives_a_graphscan_command_equal_to_the_script(fresh_install, tmp_path):
     assert_console_script_is_graphscan_py(fresh_install, tmp_path)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="venv layout with bin/")
+@pytest.mark.parametrize(
+    "argv", [pytest.param(["--help"], id="help"), pytest.param(["tune", "--help"], id="tune-help")]
+)
+def test_help_names_the_program_as_it_was_invoked(fresh_install, argv, tmp_path):
+    """``graphscan --help`` (the console script) says ``usage: graphscan``, ``python
+    graphscan.py --help`` says ``usage: graphscan.py``: what the user typed."""
+    for command, name in [
+        ([str(fresh_install / "graphscan")], "graphscan"),
+        ([sys.executable, ROOT / "graphscan.py"], "graphscan.py"),
+    ]:
+        proc = subprocess.run([*map(str, command), *argv], capture_output=True, cwd=tmp_path, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.decode().startswith(f"usage: {name} "), proc.stdout[:80]
+
+
+def test_pip_install_resolves_the_ml_dtypes_the_pins_chose():
+    """requirements.txt pins ml_dtypes 0.6.0 because 0.7.0 makes every process 0.8 s slower;
+    ``pip install .`` (pyproject's dependencies) must admit the pin and refuse 0.7.0 too."""
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["dependencies"]
+    wanted = [Requirement(d) for d in dependencies if canonicalize_name(Requirement(d).name) == "ml-dtypes"]
+    lines = [line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines()]
+    pins = [Requirement(line) for line in lines if line]
+    pinned = [str(next(iter(r.specifier)).version) for r in pins if canonicalize_name(r.name) == "ml-dtypes"]
+    assert len(wanted) == 1 and len(pinned) == 1
+    assert wanted[0].specifier.contains(pinned[0]) and not wanted[0].specifier.contains("0.7.0")
 
 
 @pytest.mark.slow

@@ -278,6 +278,23 @@ def test_after_pip_install_the_entry_point_gates_the_repository(repository, fres
     assert proc.returncode == 1
 
 
+def test_the_plugin_registers_once_when_its_entry_point_is_also_visible(repository, run_pytest, tmp_path, monkeypatch):
+    """``pip install .`` in a clone leaves ``graphscan.egg-info`` beside the tests (or installs
+    the dist): pytest then finds the pytest11 entry point as well as ``-p graphscan_pytest``,
+    in either order of the README's commands. The one module registers once and gates as alone."""
+    entry_points = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["entry-points"]
+    dist = tmp_path / "site" / "graphscan-0.0.dist-info"  # what pip writes, with pyproject's own entry points
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: graphscan\nVersion: 0.0\n")
+    lines = [f"{name} = {target}" for name, target in entry_points["pytest11"].items()]
+    (dist / "entry_points.txt").write_text("\n".join(["[pytest11]", *lines, ""]))
+    monkeypatch.syspath_prepend(tmp_path / "site")
+    code, output = run_pytest(repository["folder"], "--graphscan", "-rA", "-k", "not snapshot")
+    expected = {item: outcome for item, outcome in repository["expected"].items() if "snapshot" not in item}
+    assert item_outcomes(output) == expected, output
+    assert code == 1 and "already registered" not in output
+
+
 def test_the_readmes_config_is_valid_and_gates_as_it_says(tmp_path, build_case, run_pytest):
     """README's "Gate your models in pytest" graphscan.toml, copied as a user would, with the
     lab's models at its paths: one item per budget and the snapshot, every one run."""

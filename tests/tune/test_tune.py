@@ -205,12 +205,87 @@ def test_each_speedup_is_its_rows_float_ms_over_its_ms_and_float_ms_their_median
         assert row["speedup"] == pytest.approx(row["float_ms"] / row["ms"], rel=1e-12)
     times = sorted(row["float_ms"] for row in rows)
     assert answer["float"]["ms"] == times[len(times) // 2]  # the upper median of an even count
-    lines = graphscan.render_table("tune", answer).split("\ntimes (ms)")[1].splitlines()[2:]
+    section = graphscan.render_table("tune", answer).split("\ntimes (ms)")[1].split("\n\n")[0]
+    lines = section.splitlines()[2:]
     shown = {int(line.split()[0]): [float(v) for v in line.split()[1:4]] for line in lines if line.strip()}
     assert sorted(shown) == sorted(c["id"] for c in answer["candidates"])
     for row in rows:
         expected = [row["ms"], row["float_ms"], row["speedup"]]
         assert shown[row["id"]] == pytest.approx(expected, rel=5e-3)  # three significant digits
+
+
+# sympy's real message when quant_pre_process runs without it (PP-OCRv4 det, the README's tour).
+SYMPY = (
+    "sympy is required for symbolic shape inference in quantization preprocessing. "
+    "Install with: 'pip install sympy' or pass skip_symbolic_shape=True to quant_pre_process()."
+)
+
+
+def test_a_step_that_ran_after_a_failure_says_what_ran_and_the_whole_reason(tuned, tmp_path, monkeypatch):
+    """quant_pre_process fails, then runs without symbolic shapes: its row never puts ``yes``
+    beside ``failed``, and the reason is shown whole below the table, never cut."""
+    import onnxruntime.quantization.shape_inference as shape_inference
+
+    from graphscan_ort.tune import prepare
+
+    def without_sympy(source, target, **options):
+        if not options.get("skip_symbolic_shape"):
+            raise ImportError(SYMPY)
+        onnx.save(onnx.load(source), target)
+
+    monkeypatch.setattr(shape_inference, "quant_pre_process", without_sympy)
+    _, detail = prepare.pre_processed(tuned["float"], str(tmp_path / "pre.onnx"))
+    step = {"step": "quant_pre_process", "ok": True, "detail": detail, "max_abs_error": 0.0}
+    text = graphscan.render_table("tune", {**tuned["answer"], "prepare": [step]})
+    row = next(line for line in text.splitlines() if line.startswith("quant_pre_process "))
+    assert row.split()[1] == "yes" and "fail" not in row, row
+    assert SYMPY in " ".join(text.split()), text  # whole, once the notes' line breaks are undone
+    assert all(len(line) <= 80 for line in text.splitlines())
+
+
+@pytest.mark.parametrize(
+    "metric",
+    [pytest.param("scripts/evaluation/detector_f1.py:f1", id="user-metric"), pytest.param("iou", id="built-in")],
+)
+def test_the_metric_is_named_whole(tuned, metric):
+    """A user's metric is a path (``FILE.py:FUNCTION``): the table names it whole in its
+    header and never shows a cut of it (``scr...:f1``) as a column title."""
+    text = graphscan.render_table("tune", {**tuned["answer"], "metric": {"name": metric}})
+    assert f"metric {metric}" in text
+    titles = next(line.split() for line in text.splitlines() if line.split()[:2] == ["id", "act"])
+    assert not any("..." in title for title in titles), titles
+    assert all(len(line) <= 80 for line in text.splitlines())
+
+
+def test_each_exclusion_trial_says_what_it_kept_float(tuned):
+    """Trials that exclude different nodes from one candidate: each row counts its excluded
+    nodes, and the table names every one with how it runs, under the row's id."""
+    base = tuned["answer"]["candidates"][0]
+    kept = [["conv_0"], ["relu_1"], ["conv_0", "relu_1"]]
+    trials = [
+        {
+            **base,
+            "id": 100 + k,
+            "quantize_static": {**base["quantize_static"], "nodes_to_exclude": nodes},
+            "trial": {"block": "node", "added": nodes[-1:]},
+            "excluded": dict.fromkeys(nodes, "float"),
+            "pareto": False,
+        }
+        for k, nodes in enumerate(kept)
+    ]
+    text = graphscan.render_table("tune", {**tuned["answer"], "candidates": [base, *trials]})
+    titles = next(line.split() for line in text.splitlines() if line.split()[:2] == ["id", "act"])
+    candidates = text.split("\ntimes (ms)")[0]  # the times section lists the same ids
+    rows = {
+        line.split()[0]: line.split()
+        for line in candidates.splitlines()
+        if line.split()[:1] in (["100"], ["101"], ["102"])
+    }
+    assert [rows[str(100 + k)][titles.index("excl")] for k in range(3)] == [str(len(nodes)) for nodes in kept]
+    notes = " ".join(text.split("in full:", 1)[1].split())
+    for k, nodes in enumerate(kept):
+        said = notes.split(f"candidate {100 + k} keeps float: ", 1)[1].split("candidate ", 1)[0]
+        assert all(f"{node} (float)" in said for node in nodes), said
 
 
 def test_as_a_process_a_bad_file_is_one_line(tmp_path):

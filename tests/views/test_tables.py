@@ -15,6 +15,8 @@ import unicodedata
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import graphscan
 import graphscan_ort.commands.trace as trace_command
@@ -65,6 +67,50 @@ def assert_fits(text, width=80):
 )
 def test_middle_cut(text, width, expected):
     assert graphscan.middle_cut(text, width) == expected
+
+
+# --------------------------------------------------------------------------
+# A cut column: the end of each name kept, different names kept apart, words whole
+
+# Names as exporters write them: a shared layer path, what differs at the end (YOLO, PP-OCR).
+EXPORTER_NAMES = st.lists(
+    st.builds(
+        lambda parts, op: "/" + "/".join(parts) + "/" + op,
+        st.lists(
+            st.sampled_from(["model.22", "cv3.0", "cv3.1", "cv2.0", "m.0", "conv", "dfl"]), min_size=1, max_size=6
+        ),
+        st.sampled_from(["Conv", "Sigmoid", "Mul", "GlobalAveragePool"]),
+    ),
+    min_size=1,
+    max_size=30,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "width", "expected"),
+    [
+        pytest.param("abcdefghij", 10, "abcdefghij", id="fits-exactly"),
+        pytest.param("abcdefghij", 7, "...ghij", id="ascii"),
+        pytest.param("abc表格", 5, "...格", id="wide-characters-take-two-columns"),
+        pytest.param("abc表格", 4, "...", id="no-room-for-a-wide-character"),
+        pytest.param("abcdefghij", 3, "hij", id="no-room-for-the-marker"),
+    ],
+)
+def test_end_cut(text, width, expected):
+    assert graphscan.end_cut(text, width) == expected
+
+
+@given(names=EXPORTER_NAMES, width=st.integers(min_value=20, max_value=80))
+def test_a_cut_column_keeps_each_names_end_and_tells_different_names_apart(names, width):
+    rows = [[name, k, "Percentile"] for k, name in enumerate(names)]
+    lines = graphscan.format_table(["node", "id", "method"], rows, width=width).splitlines()[1:]
+    shown = {}
+    for name, line in zip(names, lines, strict=True):
+        cut, _, method = line.split()
+        assert method == "Percentile"  # a word is never cut
+        assert cut == name or (cut.startswith("...") and len(cut) > 3 and name.endswith(cut[3:])), (name, cut)
+        shown.setdefault(name, cut)
+    assert len(set(shown.values())) == len(shown), shown  # two different names never look the same
 
 
 # --------------------------------------------------------------------------
@@ -156,7 +202,7 @@ def test_islands_largest_first_and_top_cuts_with_a_note(tmp_path, capsys):
     ]
 
 
-def test_long_names_are_cut_in_the_middle_to_80_columns(tmp_path, capsys):
+def test_long_names_keep_their_end_in_80_columns(tmp_path, capsys):
     first = "encoder/" + "block" * 40 + "/first_relu"
     last = "decoder/" + "layer" * 40 + "/last_relu"
     path = chain_model(tmp_path / ("long" * 30 + ".onnx"), [first, last])
@@ -168,7 +214,7 @@ def test_long_names_are_cut_in_the_middle_to_80_columns(tmp_path, capsys):
     assert len(listed) == 2
     for cut, name in zip(listed, [first, last], strict=False):
         head, tail = cut.split("...")
-        assert name.startswith(head) and name.endswith(tail) and len(head) > 10 and len(tail) > 10
+        assert head == "" and name.endswith(tail) and len(tail) > 20
 
 
 def test_a_name_with_a_newline_stays_on_one_row(tmp_path, capsys):
@@ -222,7 +268,7 @@ def test_wrapped_name_lists_fit_their_width(width):
     assert_fits(text, width)
     # Each name is cut to fit a line of its own: width - 2 (indent) - 1 (its comma).
     assert [n.strip() for n in text.replace("\n", "").split(",")] == [
-        graphscan.middle_cut(name, width - 3) for name in names
+        graphscan.end_cut(name, width - 3) for name in names
     ]
 
 
@@ -450,7 +496,7 @@ def first_column(text, title):
 
 def test_trace_top_ranks_by_isolated_then_by_propagated_error():
     text = graphscan.render_table("trace", TRACE_ANSWER, 2)
-    cut = graphscan.middle_cut(LONG, len(first_column(text, "ops by isolated error")[0]))
+    cut = graphscan.end_cut(LONG, len(first_column(text, "ops by isolated error")[0]))
     # isolated: LONG 0.5 > add 0.02 > conv1 0.01; propagated: add 0.9 > LONG 0.6.
     assert first_column(text, "ops by isolated error") == [cut, "add"]
     assert first_column(text, "ops by propagated error") == ["add", cut]
@@ -459,7 +505,7 @@ def test_trace_top_ranks_by_isolated_then_by_propagated_error():
 def test_runtime_top_ranks_nodes_by_kernel_time_when_timed():
     text = graphscan.render_table("runtime", RUNTIME_ANSWER, 2)
     rows = first_column(text, "nodes by kernel time")
-    assert rows[1] == "conv" and rows[0].startswith("backbone/")  # 300.25 us, then 120.5 us
+    assert rows[1] == "conv" and rows[0].endswith("/conv2/Conv")  # 300.25 us, then 120.5 us
     untimed = {key: value for key, value in RUNTIME_ANSWER.items() if key != "time"}
     text = graphscan.render_table("runtime", untimed, 2)
     assert first_column(text, "nodes in graph order") == ["conv", "relu"]
