@@ -10,7 +10,7 @@ import onnx
 
 from graphscan import NO_METRIC, MetricChoice, Samples, load_with_weights
 from graphscan_ort.engines.classify import classify
-from graphscan_ort.shared.agreement import metric
+from graphscan_ort.shared.agreement import metric, paired_value
 from graphscan_ort.shared.inputs import check_same_inputs, model_samples, parse_shapes
 from graphscan_ort.shared.kernels import int8_fraction
 from graphscan_ort.shared.metrics import PairedOutputs, output_pairs, paired_outputs
@@ -44,7 +44,7 @@ def measurements(
         if "min_sqnr" in names:
             values["min_sqnr"] = measured_sqnr(outputs)
         if agreement is not None:
-            value = agreement.value(outputs.reference.by_name, outputs.candidate_by_name())
+            value = paired_value(outputs, agreement)
             values["min_metric"] = math.nan if value is None else value
     return values, agreement.describe() if agreement is not None else {}
 

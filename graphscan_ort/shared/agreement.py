@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from graphscan import EXIT_INPUTS, EXIT_USAGE, GraphscanError, one_line, shown
-from graphscan_ort.shared.metrics import OutputNoise, Outputs
+from graphscan_ort.shared.metrics import OutputNoise, Outputs, PairedOutputs
 
 BUILT_IN = ["sqnr", "top1", "iou", "ctc", "cosine"]
 DEFAULT_THRESHOLD = 0.5  # iou's, where --threshold is not given
@@ -144,6 +144,16 @@ def user_value(name: str, function: Callable[[Outputs, Outputs], Any], reference
             f"usage: --metric {shown(name)} returned {value!r}: a metric returns a finite number", EXIT_USAGE
         )
     return float(value)
+
+
+def paired_value(outputs: PairedOutputs, chosen: Metric | None) -> float | None:
+    """``chosen``'s value of paired outputs (None: sqnr). The SQNR is the worst part's
+    (``metrics.OutputNoise``, parts.py), ``inf`` when the outputs equal float's; the other
+    metrics read the outputs by name."""
+    if chosen is None or (chosen.name == "sqnr" and chosen.function is None):
+        sqnr, exact = outputs.sqnr()
+        return math.inf if exact and sqnr is None and not outputs.reference.noise.empty else sqnr
+    return chosen.value(outputs.reference.by_name, outputs.candidate_by_name())
 
 
 def check_fits(chosen: Metric, reference: Outputs) -> None:

@@ -169,9 +169,17 @@ class WeightsMatched(TypedDict):
     total: int
 
 
+class WorstPart(TypedDict):
+    output: str | None
+    part: int
+    node: str | None  # the node whose values the part holds
+
+
 class ImpactMeasures(TypedDict):
     samples: int
-    output_sqnr_db: float | None
+    output_sqnr_db: float | None  # the worst part's (parts.py), the ranking's baseline
+    pooled_sqnr_db: float | None
+    worst_part: WorstPart | None
     deployed_output_sqnr_db: float | None
     weights: WeightsMatched
     warnings: list[str]
@@ -205,7 +213,9 @@ class Candidate(TypedDict):
     post_step: dict[str, list[str]] | None  # applied after quantize_static: {"float_inputs": [node, ...]}
     excluded: dict[str, str] | None  # per excluded node, what it runs: float, float_inputs or int8
     same_as: int | None  # the candidate whose model the quantizer made byte for byte: measured once
-    sqnr_db: float | None
+    sqnr_db: float | None  # the worst part's output SQNR (parts.py)
+    pooled_sqnr_db: float | None  # every output and sample summed
+    worst_part: WorstPart | None
     metric_value: float | None  # the --metric agreement (sqnr: the SQNR again)
     int8_fraction: float | None
     int8_kernels: int | None

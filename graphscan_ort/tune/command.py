@@ -642,6 +642,8 @@ def exclusions(
 # float_ms, the float model's time beside it, which the twin did not measure).
 MEASURED = [
     "sqnr_db",
+    "pooled_sqnr_db",
+    "worst_part",
     "metric_value",
     "int8_fraction",
     "int8_kernels",

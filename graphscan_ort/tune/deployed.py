@@ -30,7 +30,7 @@ import onnx
 from graphscan import shown
 from graphscan_ort.engines.classify import classify, runtime_counts
 from graphscan_ort.engines.timing import interleaved_runs
-from graphscan_ort.shared.agreement import Metric
+from graphscan_ort.shared.agreement import Metric, paired_value
 from graphscan_ort.shared.kernels import int8_fraction
 from graphscan_ort.shared.metrics import FloatOutputs, output_pairs, paired_outputs
 from graphscan_ort.shared.sessions import open_session, session_options
@@ -72,12 +72,13 @@ def measure_candidate(
     outputs = paired_outputs(
         float_model, quant_model, float_path, quant_path, samples, pairs, session_options(level, threads), references
     )
-    sqnr, exact = outputs.sqnr()
-    if exact:  # outputs equal to float's: infinitely accurate (null in the JSON), never the worst
-        sqnr = math.inf
-    value = sqnr if metric is None else metric.value(outputs.reference.by_name, outputs.candidate_by_name())
+    figures = outputs.figures()
+    sqnr = math.inf if figures.exact else figures.worst_db  # equal to float's: infinitely accurate, never the worst
+    value = sqnr if metric is None or metric.name == "sqnr" else paired_value(outputs, metric)
     return {
         "sqnr_db": sqnr,
+        "pooled_sqnr_db": math.inf if figures.exact else figures.pooled_db,
+        "worst_part": figures.worst_part,
         "metric_value": value,
         **kernel_counts(quant_model, quant_path, level),
         **latency_figures(
