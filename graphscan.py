@@ -784,6 +784,8 @@ class Budget(TypedDict):
     limit: float
     ok: bool
     metric: NotRequired[dict[str, Any]]  # min_metric's: the metric's name and parameters
+    pooled_sqnr_db: NotRequired[float | None]  # min_sqnr's: every output summed (value: the worst part's)
+    worst_part: NotRequired[dict[str, Any] | None]  # min_sqnr's: {output, part, node} of the worst part
 
 
 class CheckAnswer(TypedDict):
@@ -1088,11 +1090,11 @@ def budget_values(
     samples: Samples,
     level: str = "all",
     chosen: MetricChoice = NO_METRIC,
-) -> tuple[dict[str, float], dict[str, Any]]:
+) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
     """The measured value of each budget in ``names`` (the model is read once), and
-    the metric min_metric measured (its name and parameters; empty without it)."""
+    per budget what its row says beside the value (min_metric's metric, min_sqnr's worst part)."""
     values: dict[str, float] = {}
-    described: dict[str, Any] = {}
+    described: dict[str, dict[str, Any]] = {}
     measured = [name for name in names if name not in STRUCTURAL_BUDGETS]
     model = None
     if set(STRUCTURAL_BUDGETS) & set(names):
@@ -1182,8 +1184,7 @@ def check(
                 "ok": budget_holds(name, values[name], limits[name]),
             }
         )
-        if name == "min_metric":
-            budgets[-1]["metric"] = described
+        budgets[-1].update(described.get(name, {}))  # type: ignore[typeddict-item]
     return {"model": path, "float": float_path, "budgets": budgets, "ok": all(b["ok"] for b in budgets)}
 
 

@@ -25,12 +25,14 @@ def measurements(
     level: str = "all",
     model: onnx.ModelProto | None = None,
     chosen: MetricChoice = NO_METRIC,
-) -> tuple[dict[str, float], dict[str, Any]]:
+) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
     """The value of each budget in ``names`` (``min_int8``, ``min_sqnr``, ``min_metric``)
     for the quantized model at ``path`` (``model``: that model, when the caller already
-    read it with its weights), and min_metric's metric described; ``level``: the
+    read it with its weights), and what each budget's row says beside its value
+    (min_metric's metric described, min_sqnr's pooled SQNR and worst part); ``level``: the
     optimization level min_sqnr and min_metric run at."""
     values = {}
+    described: dict[str, dict[str, Any]] = {}
     # The metric is checked before any model runs: a bad --metric is exit 2 at once.
     agreement = metric(chosen.name, chosen.threshold, chosen.blank) if "min_metric" in names else None
     if "min_int8" in names:
@@ -43,10 +45,18 @@ def measurements(
         outputs = deployed_outputs(float_model, model, float_path, path, samples, level)
         if "min_sqnr" in names:
             values["min_sqnr"] = measured_sqnr(outputs)
+            figures = outputs.figures()
+            pooled = math.inf if figures.exact else figures.pooled_db
+            described["min_sqnr"] = {
+                "pooled_sqnr_db": pooled if pooled is not None and math.isfinite(pooled) else None,
+                "worst_part": figures.worst_part,
+            }
         if agreement is not None:
             value = paired_value(outputs, agreement)
             values["min_metric"] = math.nan if value is None else value
-    return values, agreement.describe() if agreement is not None else {}
+    if agreement is not None:
+        described["min_metric"] = {"metric": agreement.describe()}
+    return values, described
 
 
 def deployed_outputs(

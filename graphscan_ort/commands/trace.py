@@ -35,6 +35,7 @@ from graphscan import (
     value_inputs,
 )
 from graphscan_ort.engines.combined import CombinedModel, SingleOpModelError, float_in_quant_opset, run_combined
+from graphscan_ort.engines.levels import quantized_activations, tensor_levels
 from graphscan_ort.engines.measures import shapes_agree, type_problem, value_info_of
 from graphscan_ort.shared.answers import NodeError, TraceAnswer, TraceMeasures, TraceOp, Unmatched
 from graphscan_ort.shared.files import write_atomically
@@ -503,6 +504,8 @@ def compare(
             failed[failure.row] = failure.reason
             plan[failure.row].op = None  # traced without it: its isolated error is null
     kept.update(feeds)
+    # Float values by part at each quantized tensor, in steps of its scale (levels.py).
+    levels = tensor_levels(float_model, quantized_activations(quant_model), [feeds], a)
 
     rows, saved = [], []
     for row, (isolated, propagated, clip, op_output) in zip(plan, measured):
@@ -516,6 +519,8 @@ def compare(
                 clip.outcome if clip else None,
             )
         )
+        found = levels.get(quant_index.outputs[row.i][0]) if quant_index.outputs[row.i] else None
+        rows[-1]["levels"] = None if found is None else found.levels
         arrays = None
         if save is not None and isolated is not None and rows[-1]["isolated_max_abs"] is not None:
             inputs_of_op = {t: kept[combined.float_name(r) if r is not None else t] for t, r in row.op.feeds.items()}  # type: ignore[union-attr]

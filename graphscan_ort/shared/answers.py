@@ -54,6 +54,7 @@ class TraceOp(TypedDict):
     isolated_lsb: float | None
     sqnr_db: float | None
     clipped: NotRequired[float | None]  # only on rows whose output has a Q
+    levels: NotRequired[float | None]  # the worst part's float range in steps of the output Q's scale
 
 
 class TraceMeasures(TypedDict):

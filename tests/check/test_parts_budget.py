@@ -1,0 +1,47 @@
+"""check --min-sqnr judges the worst part of each output (issue 33): on a detector whose
+output joins box pixels and class probabilities, onnxruntime's defaults collapse the
+probabilities, which the pooled SQNR hides. Expected figures come from numpy on the two
+models' outputs, with the partition known from how the model was built."""
+
+import math
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import graphscan
+from tests import yolo_like
+
+
+@pytest.fixture(scope="module")
+def detector(tmp_path_factory):
+    """A YOLO-like float model, its onnxruntime-defaults quantization, and samples."""
+    folder = tmp_path_factory.mktemp("detector")
+    float_path, quant_path = folder / "float.onnx", folder / "quant.onnx"
+    yolo_like.yolo_like(float_path)
+    paths = yolo_like.samples(folder, 3)
+    yolo_like.quantized_with_defaults(float_path, quant_path, paths)
+    return float_path, quant_path, paths
+
+
+def outputs(path, paths):
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return [session.run(None, dict(np.load(p)))[0].astype(np.float64) for p in paths]
+
+
+def sqnr(f, q):
+    return 10 * math.log10(np.sum(f**2) / np.sum((f - q) ** 2))
+
+
+def test_min_sqnr_is_the_worst_parts_and_names_it(detector):
+    float_path, quant_path, paths = detector
+    answer = graphscan.check(str(quant_path), float_path=str(float_path), min_sqnr=20.0, inputs=[str(paths[0])])
+    (row,) = answer["budgets"]
+    f, q = outputs(float_path, paths[:1])[0], outputs(quant_path, paths[:1])[0]
+    boxes, probs = sqnr(f[:, :4], q[:, :4]), sqnr(f[:, 4:], q[:, 4:])
+    assert probs < boxes  # the probabilities collapsed, the boxes did not
+    assert row["value"] == pytest.approx(probs, abs=1e-6)
+    assert row["worst_part"] == {"output": "output0", "part": 1, "node": "cls_sigmoid"}
+    assert row["pooled_sqnr_db"] == pytest.approx(sqnr(f, q), abs=1e-6)
+    assert row["pooled_sqnr_db"] > row["value"] + 10  # what one pooled figure hid
+    assert not row["ok"] and not answer["ok"]
