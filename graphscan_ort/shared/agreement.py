@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from graphscan import EXIT_INPUTS, EXIT_USAGE, GraphscanError, one_line, shown
-from graphscan_ort.shared.metrics import OutputNoise, Outputs, PairedOutputs
+from graphscan_ort.shared.metrics import Layout, OutputNoise, Outputs, PairedOutputs
 
 BUILT_IN = ["sqnr", "top1", "iou", "ctc", "cosine"]
 DEFAULT_THRESHOLD = 0.5  # iou's, where --threshold is not given
@@ -150,10 +150,29 @@ def paired_value(outputs: PairedOutputs, chosen: Metric | None) -> float | None:
     """``chosen``'s value of paired outputs (None: sqnr). The SQNR is the worst part's
     (``metrics.OutputNoise``, parts.py), ``inf`` when the outputs equal float's; the other
     metrics read the outputs by name."""
+    if chosen is not None:
+        check_layout_fits(chosen, outputs.reference.layout)
     if chosen is None or (chosen.name == "sqnr" and chosen.function is None):
         sqnr, exact = outputs.sqnr()
         return math.inf if exact and sqnr is None and not outputs.reference.noise.empty else sqnr
     return chosen.value(outputs.reference.by_name, outputs.candidate_by_name())
+
+
+def check_layout_fits(chosen: Metric, layout: Layout | None) -> None:
+    """Exit 2 for ``top1`` on an output that joins several parts (parts.py): its positions do
+    not all hold class scores (a detector's boxes and probabilities), so an argmax over its
+    last axis compares unlike things."""
+    if chosen.name != "top1" or chosen.function is not None or layout is None:
+        return
+    for name, sources in zip(layout.names, layout.sources, strict=True):
+        if len(sources) > 1:
+            joined = ", ".join(str(source) for source in sources)
+            raise GraphscanError(
+                f"usage: --metric top1: output {name!r} joins {len(sources)} parts (from {joined}) with a Concat, "
+                "so its positions are not all class scores; give a FILE.py:FUNCTION metric that reads it as the "
+                "task does",
+                EXIT_USAGE,
+            )
 
 
 def check_fits(chosen: Metric, reference: Outputs) -> None:

@@ -62,11 +62,11 @@ from graphscan import (
 )
 from graphscan_ort.engines.attribution import MIN_GAIN_DB
 from graphscan_ort.engines.attribution import measure as impact_of
-from graphscan_ort.shared.agreement import POOR_SQNR_DB, Metric, metric
+from graphscan_ort.shared.agreement import POOR_SQNR_DB, Metric, check_layout_fits, metric
 from graphscan_ort.shared.answers import Candidate, Target, TuneAnswer, TuneChoice
 from graphscan_ort.shared.files import check_out, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
-from graphscan_ort.shared.metrics import FloatOutputs, named_outputs
+from graphscan_ort.shared.metrics import FloatOutputs, named_outputs, output_layout
 from graphscan_ort.shared.options import MAX_RUNS, MAX_THREADS, RUNTIME_DEFAULT_RUNS, check_between, int_between
 from graphscan_ort.shared.sessions import environment, model_outputs
 from graphscan_ort.tune.blocks import next_block, search_blocks
@@ -171,6 +171,7 @@ def tune(
     evaluation = [read_npz_inputs(p, specs) for p in inputs] if inputs else calibration
     latency = [read_npz_inputs(p, specs) for p in latency_files] if latency_files else evaluation[:1]
     reference = check_measurable(model, evaluation, path, inputs or calibrate)
+    check_layout_fits(chosen_metric, output_layout(model, [o.name for o in model.graph.output], evaluation[:1]))
     own = chosen_metric.value(reference, reference)  # fits every output, and float's own agreement
     try:
         work = tempfile.mkdtemp(prefix=".graphscan-tune-", dir=parent)

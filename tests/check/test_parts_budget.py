@@ -81,3 +81,12 @@ def test_min_levels_needs_the_float_model(detector):
     _, quant_path, _ = detector
     with pytest.raises(graphscan.GraphscanError, match="min-levels needs --float"):
         graphscan.check(str(quant_path), min_levels=16)
+
+
+def test_top1_is_refused_on_an_output_that_joins_parts(detector):
+    float_path, quant_path, paths = detector
+    with pytest.raises(graphscan.GraphscanError, match="output 'output0' joins 2 parts") as raised:
+        graphscan.check(
+            str(quant_path), float_path=str(float_path), min_metric=0.9, metric="top1", inputs=[str(paths[0])]
+        )
+    assert raised.value.exit_code == 2
