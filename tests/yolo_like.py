@@ -10,15 +10,16 @@ from onnx import TensorProto, helper, numpy_helper
 SIZE = 320.0
 
 
-def yolo_like(path, classes=3, side=8, seed=0):
-    """Write the model to ``path`` (input ``x`` [1, 3, side, side], output ``output0``) and return it."""
+def yolo_like(path, classes=3, side=8, seed=0, width=8):
+    """Write the model to ``path`` (input ``x`` [1, 3, side, side], output ``output0``) and return
+    it; ``width`` channels in the backbone (32 and more: int8 files are smaller than float)."""
     rng = np.random.default_rng(seed)
-    width, anchors = 8, side * side
+    anchors = side * side
     weights = {
         "w1": rng.normal(0, 0.5, (width, 3, 3, 3)),
-        "w2": rng.normal(0, 0.2, (width, width, 3, 3)),
-        "wbox": rng.normal(0, 0.3, (4, width, 1, 1)),
-        "wcls": rng.normal(0, 0.3, (classes, width, 1, 1)),
+        "w2": rng.normal(0, 0.6 / np.sqrt(width), (width, width, 3, 3)),
+        "wbox": rng.normal(0, 0.9 / np.sqrt(width), (4, width, 1, 1)),
+        "wcls": rng.normal(0, 0.9 / np.sqrt(width), (classes, width, 1, 1)),
         "scale": np.array([SIZE]),
     }
     inits = [numpy_helper.from_array(v.astype(np.float32), k) for k, v in weights.items()]

@@ -19,9 +19,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from graphscan import QUANTIZE
+from graphscan import DEQUANTIZE, QUANTIZE
 from graphscan_ort.shared.graph import QDQ_SUFFIX, constant_arrays
-from graphscan_ort.shared.parts import TensorParts
+from graphscan_ort.shared.parts import PASS_THROUGH, TensorParts
 from graphscan_ort.shared.sessions import model_outputs
 
 # Below this many levels, tune warns that a part of the model it writes has lost its values.
@@ -108,27 +108,67 @@ def worst_levels(ranges: list[tuple[float, float] | None], scale: float) -> tupl
     return span / scale, part
 
 
+class FloatRanges:
+    """The float model's values by part at its tensors on some samples, measured once per
+    tensor (tune asks again for every candidate, whose scales differ, never its ranges)."""
+
+    def __init__(self, float_model: onnx.ModelProto, samples: list[dict[str, np.ndarray]], path: str) -> None:
+        self.model, self.samples, self.path = float_model, samples, path
+        held = {o for node in float_model.graph.node for o in node.output}
+        self.held = held | {i.name for i in float_model.graph.input}
+        self.ranges: dict[str, list[tuple[float, float] | None]] = {}
+        self.sources: dict[str, list[str | None]] = {}
+
+    def levels(self, scales: dict[str, float]) -> dict[str, TensorLevels]:
+        """Per tensor of ``scales`` (a quantized model's name: its scale), the levels of its
+        worst part; tensors the float model does not hold, or whose parts never vary, are
+        left out."""
+        named = {t: float_name(t, self.held) for t in scales}
+        missing = sorted({f for f in named.values() if f is not None and f not in self.ranges})
+        if missing:
+            ranges, sources = part_ranges(self.model, missing, self.samples, self.path)
+            self.ranges.update(ranges)
+            self.sources.update(sources)
+        found: dict[str, TensorLevels] = {}
+        for quantized, tensor in named.items():
+            if tensor is None:
+                continue
+            worst = worst_levels(self.ranges[tensor], scales[quantized])
+            if worst is not None:
+                found[quantized] = TensorLevels(quantized, worst[0], worst[1], self.sources[tensor][worst[1]])
+        return found
+
+
 def tensor_levels(
     float_model: onnx.ModelProto,
     scales: dict[str, float],
     samples: list[dict[str, np.ndarray]],
     path: str,
 ) -> dict[str, TensorLevels]:
-    """Per tensor of ``scales`` (its name in ``float_model``: its quantization scale), the
-    levels of its worst part on ``samples``; tensors the float model does not hold, or whose
-    parts never vary, are left out."""
-    held = {o for node in float_model.graph.node for o in node.output} | {i.name for i in float_model.graph.input}
-    named = {float_name(t, held): t for t in scales}  # the float model's name: the quantized model's
-    tensors = [t for t in named if t is not None]
-    if not tensors:
-        return {}
-    ranges, sources = part_ranges(float_model, tensors, samples, path)
-    found: dict[str, TensorLevels] = {}
-    for tensor in tensors:
-        quantized = named[tensor]
-        worst = worst_levels(ranges[tensor], scales[quantized])
-        if worst is not None:
-            found[quantized] = TensorLevels(quantized, worst[0], worst[1], sources[tensor][worst[1]])
+    """Per tensor of ``scales`` (its name in the quantized model: its scale), the levels of
+    its worst part in ``float_model`` on ``samples`` (``FloatRanges.levels``)."""
+    return FloatRanges(float_model, samples, path).levels(scales)
+
+
+def output_tensors(quant_model: onnx.ModelProto) -> dict[str, str]:
+    """``{quantized tensor: graph output}``: the tensors whose Q→DQ reaches a graph output
+    directly or through the operators that only move elements."""
+    producer = {out: node for node in quant_model.graph.node for out in node.output if out}
+    found: dict[str, str] = {}
+    for output in quant_model.graph.output:
+        pending, seen = [output.name], set()
+        while pending:
+            tensor = pending.pop()
+            node = producer.get(tensor)
+            if node is None or tensor in seen:
+                continue
+            seen.add(tensor)
+            if node.op_type == DEQUANTIZE:
+                q = producer.get(node.input[0])
+                if q is not None and q.op_type == QUANTIZE:
+                    found.setdefault(q.input[0], output.name)
+            elif node.op_type in PASS_THROUGH and node.domain in ("", "ai.onnx"):
+                pending += [x for x in node.input if x] if node.op_type == "Concat" else node.input[:1]
     return found
 
 

@@ -64,8 +64,16 @@ class Metric:
 
     def value(self, reference: Outputs, candidate: Outputs) -> float | None:
         """The metric of ``candidate`` against ``reference`` (the float model's outputs)."""
+        return self.measure(reference, candidate)[0]
+
+    def measure(self, reference: Outputs, candidate: Outputs) -> tuple[float | None, int | None]:
+        """``(value, events)``: the metric, and how many events it rests on when a user's
+        metric says so by returning ``(value, events)`` (None otherwise)."""
         if self.function is not None:
             return user_value(self.name, self.function, reference, candidate)
+        return self.built_in(reference, candidate), None
+
+    def built_in(self, reference: Outputs, candidate: Outputs) -> float | None:
         check_fits(self, reference)
         if self.name == "iou":
             return iou(reference, candidate, self.threshold if self.threshold is not None else DEFAULT_THRESHOLD)
@@ -126,8 +134,11 @@ def user_code() -> Iterator[None]:
         yield
 
 
-def user_value(name: str, function: Callable[[Outputs, Outputs], Any], reference: Outputs, candidate: Outputs) -> float:
-    """A user's metric, called on copies (it cannot change what graphscan measures next)."""
+def user_value(
+    name: str, function: Callable[[Outputs, Outputs], Any], reference: Outputs, candidate: Outputs
+) -> tuple[float, int | None]:
+    """A user's metric, called on copies (it cannot change what graphscan measures next):
+    its value, and its events when it returns ``(value, events)``."""
     try:
         with user_code():
             value = function([dict(r) for r in reference], [dict(c) for c in candidate])
@@ -135,15 +146,25 @@ def user_value(name: str, function: Callable[[Outputs, Outputs], Any], reference
         raise GraphscanError(
             f"usage: --metric {shown(name)} raised {type(exc).__name__}: {one_line(exc)}", EXIT_USAGE
         ) from None
+    events = None
+    if isinstance(value, tuple) and len(value) == 2 and is_count(value[1]):
+        value, events = value[0], int(value[1])
     try:
         finite = isinstance(value, (int, float, np.number)) and not isinstance(value, bool) and math.isfinite(value)
     except OverflowError:  # an int too large for a float
         finite = False
     if not finite:
         raise GraphscanError(
-            f"usage: --metric {shown(name)} returned {value!r}: a metric returns a finite number", EXIT_USAGE
+            f"usage: --metric {shown(name)} returned {value!r}: a metric returns a finite number "
+            "(or a finite number and a count of events)",
+            EXIT_USAGE,
         )
-    return float(value)
+    return float(value), events
+
+
+def is_count(value: Any) -> bool:
+    """A count of events: an integer >= 0 (not a bool)."""
+    return bool(isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0)
 
 
 def paired_value(outputs: PairedOutputs, chosen: Metric | None) -> float | None:
@@ -156,6 +177,14 @@ def paired_value(outputs: PairedOutputs, chosen: Metric | None) -> float | None:
         sqnr, exact = outputs.sqnr()
         return math.inf if exact and sqnr is None and not outputs.reference.noise.empty else sqnr
     return chosen.value(outputs.reference.by_name, outputs.candidate_by_name())
+
+
+def paired_events(outputs: PairedOutputs, chosen: Metric) -> tuple[float | None, int | None]:
+    """``paired_value`` with the events a user's metric reports (None for the others)."""
+    if chosen.function is None:
+        return paired_value(outputs, chosen), None
+    check_layout_fits(chosen, outputs.reference.layout)
+    return chosen.measure(outputs.reference.by_name, outputs.candidate_by_name())
 
 
 def check_layout_fits(chosen: Metric, layout: Layout | None) -> None:

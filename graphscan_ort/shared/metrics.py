@@ -78,6 +78,13 @@ class PairedOutputs:
         """The quantized outputs' SQNR by part and pooled (``OutputNoise.figures``)."""
         return self.reference.noise.figures(self.candidate)
 
+    def sample(self, k: int) -> PairedOutputs:
+        """These outputs on sample ``k`` alone (its parts' labels kept)."""
+        layout = self.reference.layout
+        alone = None if layout is None else Layout(layout.names, layout.labels[k : k + 1], layout.sources)
+        reference = FloatOutputs(self.reference.outputs[k : k + 1], self.reference.names, alone)
+        return PairedOutputs(reference, self.candidate[k : k + 1])
+
     def candidate_by_name(self) -> Outputs:
         """The quantized outputs named by the float outputs they are paired with."""
         return named_outputs(self.candidate, self.reference.names)
