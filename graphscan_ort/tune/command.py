@@ -63,7 +63,7 @@ from graphscan import (
 from graphscan_ort.engines.attribution import MIN_GAIN_DB
 from graphscan_ort.engines.attribution import measure as impact_of
 from graphscan_ort.engines.levels import FloatRanges
-from graphscan_ort.shared.agreement import POOR_SQNR_DB, Metric, check_layout_fits, metric
+from graphscan_ort.shared.agreement import DEFAULT_TARGET_FLOOR_DB, POOR_SQNR_DB, Metric, check_layout_fits, metric
 from graphscan_ort.shared.answers import Candidate, Target, TuneAnswer, TuneChoice
 from graphscan_ort.shared.files import check_out, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
@@ -269,11 +269,14 @@ class Goal:
         if value < POOR_SQNR_DB:
             part = default.get("worst_part") if default is not None else None
             where = f" on {part['output']} part {part['part']} (from {part['node']})" if part else ""
-            why = (
+            poor = (
                 f"onnxruntime's default settings reach {value:.2f} dB{where}, poor (below {POOR_SQNR_DB:g} dB: models "
-                f"that far from float lose their task): the default target is that floor, {POOR_SQNR_DB:g} dB"
+                "that far from float lose their task)"
             )
-            return {"value": POOR_SQNR_DB, "source": "floor"}, [why]
+            if value < DEFAULT_TARGET_FLOOR_DB:
+                floor = f"{poor}: the default target is the floor, {DEFAULT_TARGET_FLOOR_DB:g} dB"
+                return {"value": DEFAULT_TARGET_FLOOR_DB, "source": "floor"}, [floor]
+            return {"value": value, "source": "defaults"}, [f"{poor}; give --target or --metric"]
         return {"value": value, "source": "defaults"}, []
 
 

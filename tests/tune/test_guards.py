@@ -15,7 +15,7 @@ import gen_models
 import graphscan
 import graphscan_ort.tune.command as tune
 import graphscan_ort.tune.deployed as deployed
-from graphscan_ort.shared.agreement import POOR_SQNR_DB, metric
+from graphscan_ort.shared.agreement import DEFAULT_TARGET_FLOOR_DB, POOR_SQNR_DB, metric
 from graphscan_ort.tune.candidates import SampleReader, quiet
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
 from tests.helpers import main_error_line, run_main, without_structural_seeds
@@ -168,9 +168,13 @@ def test_a_poor_default_target_is_the_floor_and_an_undefined_one_a_warning():
     poor line make the target that line, said in a warning naming their worst part."""
     goal = tune.Goal(metric("sqnr"), None, math.inf)
     part = {"output": "output0", "part": 1, "node": "cls_sigmoid"}
+    target, warnings = goal.target({"sqnr_db": 3.5, "error": None, "worst_part": part})
+    assert target == {"value": DEFAULT_TARGET_FLOOR_DB, "source": "floor"} and "poor" in warnings[0]
+    assert "3.50 dB on output0 part 1 (from cls_sigmoid)" in warnings[0]
+    # Poor but above the floor: theirs, never lowered to the floor.
     target, warnings = goal.target({"sqnr_db": 12.5, "error": None, "worst_part": part})
-    assert target == {"value": POOR_SQNR_DB, "source": "floor"} and "poor" in warnings[0]
-    assert "12.50 dB on output0 part 1 (from cls_sigmoid)" in warnings[0]
+    assert target == {"value": 12.5, "source": "defaults"} and "poor" in warnings[0] and "12.50 dB" in warnings[0]
+    assert DEFAULT_TARGET_FLOOR_DB < 12.5 < POOR_SQNR_DB
     assert goal.target({"sqnr_db": 31.0, "error": None}) == ({"value": 31.0, "source": "defaults"}, [])
     target, warnings = goal.target({"sqnr_db": None, "error": None})
     assert target["value"] is None and "undefined" in warnings[0]

@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from graphscan_ort.shared.agreement import DEFAULT_TARGET_FLOOR_DB
 from graphscan_ort.tune import seeds
 from graphscan_ort.tune.verdict import WORST_PART_FLOOR_DB
 from tests import yolo_like
@@ -80,7 +81,7 @@ def test_every_collapsed_row_names_its_broken_part_and_is_never_chosen(tuned):
 
 def test_the_default_target_is_the_floor_where_onnxruntimes_defaults_are_poor(tuned):
     answer = tuned["answer"]
-    assert answer["target"] == {"value": 20.0, "source": "floor"}
+    assert answer["target"] == {"value": DEFAULT_TARGET_FLOOR_DB, "source": "floor"}
     assert "output0 part 1 (from cls_sigmoid)" in answer["warnings"][0]
 
 
