@@ -35,7 +35,7 @@ from graphscan import (
     value_inputs,
 )
 from graphscan_ort.engines.combined import CombinedModel, SingleOpModelError, float_in_quant_opset, run_combined
-from graphscan_ort.engines.levels import quantized_activations, tensor_levels
+from graphscan_ort.engines.levels import LEVELS_FLOOR, quantized_activations, tensor_levels
 from graphscan_ort.engines.measures import shapes_agree, type_problem, value_info_of
 from graphscan_ort.shared.answers import NodeError, TraceAnswer, TraceMeasures, TraceOp, Unmatched
 from graphscan_ort.shared.files import write_atomically
@@ -597,6 +597,12 @@ def trace_table(answer: dict[str, Any], top: int | None) -> str:
         ("ops by clipped share, largest first", [r for r in largest_first(ops, "clipped") if r["clipped"] > 0]),
     ]
     body = [section(title, columns, rows(ranked), top or RED_FLAGS, ["op_type"]) for title, ranked in flags]
+    # A part spanning a few steps of its scale is lost whatever its LSB error says: shown when any is.
+    few = [r for r in smallest_first(ops, "levels") if r["levels"] < LEVELS_FLOOR]
+    if few:
+        title = f"ops whose output's worst part spans under {LEVELS_FLOOR:g} levels, fewest first"
+        few_rows = [[r["node"], r["op_type"], r["isolated_lsb"], r["levels"]] for r in few]
+        body.insert(0, section(title, ["node", "op_type", "lsb", "levels"], few_rows, top or RED_FLAGS, ["op_type"]))
     if top is None:
         body.append(section("ops in graph order", columns, rows(ops), cut_first=["op_type"]))
     else:

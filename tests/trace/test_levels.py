@@ -71,3 +71,15 @@ def test_a_row_whose_output_is_not_quantized_has_no_levels(tmp_path):
     )
     rows = {r["node"]: r for r in graphscan.trace(str(float_path), str(quant_path), inputs=str(paths[0]))["ops"]}
     assert rows["head_concat"]["levels"] is None
+
+
+def test_the_table_leads_with_the_parts_that_span_few_levels(traced):
+    from graphscan_ort.commands.trace import trace_table
+
+    *_, rows = traced
+    answer = {"a": "f", "b": "q", "inputs": {}, "defaulted": [], "outputs": {}, "worst_isolated": None}
+    answer |= {"first_over": None, "unmatched": [], "ops": list(rows.values())}
+    table = trace_table(answer, None)
+    first = table.split("\n\n")[1]
+    assert first.splitlines()[0].startswith("ops whose output's worst part spans under 16 levels")
+    assert "head_concat" in first and "box_conv" not in first
