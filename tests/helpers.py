@@ -574,7 +574,9 @@ def searched(row):
 
 
 def without_structural_seeds(monkeypatch):
-    """tune with no structural seeds (tune/seeds.py): for tests of the search alone."""
+    """tune with no structural seeds (tune/seeds.py) and no blocks around the worst part
+    (blocks.part_blocks): for tests of the search by impact's ranking alone."""
     import graphscan_ort.tune.command as tune
 
     monkeypatch.setattr(tune, "structural_seeds", lambda *args, **kwargs: [])
+    monkeypatch.setattr(tune, "part_blocks", lambda *args, **kwargs: [])

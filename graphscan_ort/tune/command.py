@@ -70,7 +70,7 @@ from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inp
 from graphscan_ort.shared.metrics import FloatOutputs, named_outputs, output_layout
 from graphscan_ort.shared.options import MAX_RUNS, MAX_THREADS, RUNTIME_DEFAULT_RUNS, check_between, int_between
 from graphscan_ort.shared.sessions import environment, model_outputs
-from graphscan_ort.tune.blocks import next_block, search_blocks
+from graphscan_ort.tune.blocks import next_block, part_blocks, search_blocks
 from graphscan_ort.tune.candidates import (
     METHODS,
     SampleReader,
@@ -711,6 +711,8 @@ def exclusions(
     # model once per operator, so it ranks on the first evaluation sample alone.
     ranked = impact_of(given, candidate, measure.evaluation[:1], prepared_path, candidate_path)["ops"]
     blocks = search_blocks(given, ranked, MIN_GAIN_DB)
+    part = best.get("worst_part") or {}
+    first = part_blocks(given, part.get("node"), frozenset(best["quantize_static"].get("nodes_to_exclude") or []))
     max_exclude, max_trials = limits
     budget = DEFAULT_MAX_TRIALS if max_trials is None else max_trials
     seeded = list(best["quantize_static"].get("nodes_to_exclude") or [])  # the seeds stay float in every trial
@@ -723,7 +725,16 @@ def exclusions(
             break
         needed = target - accuracy(current) if in_db and math.isfinite(accuracy(current)) else None
         room = None if max_exclude is None else max_exclude - len(kept)
-        block = next_block(blocks, tried, frozenset(kept + seeded), kept_share, needed, room)
+        block = next(
+            (
+                b
+                for b in first
+                if b.nodes not in tried
+                and not set(b.nodes) <= set(kept)
+                and (room is None or len(set(b.nodes) - set(kept)) <= room)
+            ),
+            None,
+        ) or next_block(blocks, tried, frozenset(kept + seeded), kept_share, needed, room)
         if block is None:
             break
         tried.add(block.nodes)

@@ -9,6 +9,7 @@ import json
 import math
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
@@ -183,3 +184,23 @@ def test_the_answer_is_strict_json_with_the_new_keys_in_place(tuned):
     for key in ("metric_events", "metric_worst", "metric_spread", "levels", "broken_parts"):
         assert key in row
     json.dumps(tuned["answer"], allow_nan=False)
+
+
+def test_the_search_tries_the_worst_parts_neighbourhood_first(tmp_path):
+    """blocks.part_blocks: the node the worst part comes from, then with its nearest upstream
+    operators (breadth first); nothing on a model whose outputs are one part."""
+    from graphscan_ort.tune.blocks import part_blocks
+
+    model = yolo_like.yolo_like(tmp_path / "d.onnx")
+    blocks = part_blocks(model, "cls_sigmoid", frozenset())
+    assert [b.nodes for b in blocks] == [
+        ("cls_sigmoid",),
+        ("cls_sigmoid", "cls_conv"),
+        ("cls_sigmoid", "cls_conv", "relu2", "conv2"),
+    ]
+    assert all(b.kind == "part" for b in blocks)
+    assert [b.nodes for b in part_blocks(model, "cls_sigmoid", frozenset({"cls_conv"}))][1] == ("cls_sigmoid", "relu2")
+    single = onnx.load(tmp_path / "d.onnx")
+    single.graph.node.pop()  # the Concat: its one output is now the class branch alone
+    single.graph.output[0].name = "probs"
+    assert part_blocks(single, "cls_sigmoid", frozenset()) == []
