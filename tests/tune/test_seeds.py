@@ -204,3 +204,30 @@ def test_the_search_tries_the_worst_parts_neighbourhood_first(tmp_path):
     single.graph.node.pop()  # the Concat: its one output is now the class branch alone
     single.graph.output[0].name = "probs"
     assert part_blocks(single, "cls_sigmoid", frozenset()) == []
+
+
+def test_a_part_below_either_floor_is_broken(tmp_path):
+    """verdict.py on its own: the worst part's SQNR against 6 dB, and the levels of each part
+    of an output's quantized tensor against 16 (the class part under one scale: under 1)."""
+    from graphscan_ort.engines.levels import FloatRanges
+    from graphscan_ort.tune.verdict import levels_figures, sqnr_broken
+
+    part = {"output": "y", "part": 1, "node": "n"}
+    assert sqnr_broken(WORST_PART_FLOOR_DB - 0.1, part) == [{**part, "why": "SQNR 5.9 dB (floor 6 dB)"}]
+    assert sqnr_broken(WORST_PART_FLOOR_DB + 0.1, part) == [] and sqnr_broken(None, part) == []
+    float_model = yolo_like.yolo_like(tmp_path / "f.onnx", width=32)
+    paths = yolo_like.samples(tmp_path, 3)
+    ranges = FloatRanges(float_model, [dict(np.load(p)) for p in paths], "f.onnx")
+    collapsed = yolo_like.quantized_with_defaults(tmp_path / "f.onnx", tmp_path / "q.onnx", paths)
+    levels, broken = levels_figures(collapsed, ranges)
+    assert [(b["output"], b["part"], b["node"]) for b in broken] == [("output0", 1, "cls_sigmoid")]
+    assert levels["value"] < 1 and "levels of its scale (floor 16)" in broken[0]["why"]
+
+
+def test_a_low_target_is_never_reached_by_a_collapsed_model(detector, tmp_path):
+    """Every candidate meets a target of 0 dB; only one whose parts are whole may be chosen."""
+    proc = run_graphscan(tune_args(detector, tmp_path / "out", "--target-sqnr", "0"))
+    answer = json_answer(proc)
+    chosen = next(c for c in answer["candidates"] if c["id"] == answer["chosen"])
+    assert proc.returncode == 0 and answer["reached"]
+    assert chosen["broken_parts"] == [] and chosen["kept_float"] == [{"node": "head_concat", "why": "outputs"}]
