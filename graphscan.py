@@ -784,6 +784,10 @@ class Budget(TypedDict):
     limit: float
     ok: bool
     metric: NotRequired[dict[str, Any]]  # min_metric's: the metric's name and parameters
+    pooled_sqnr_db: NotRequired[float | None]  # min_sqnr's: every output summed (value: the worst part's)
+    worst_part: NotRequired[dict[str, Any] | None]  # min_sqnr's: {output, part, node} of the worst part
+    tensor: NotRequired[str | None]  # min_levels': the quantized tensor whose part spans the fewest levels
+    part: NotRequired[dict[str, Any] | None]  # min_levels': that part, {part, node}
 
 
 class CheckAnswer(TypedDict):
@@ -1007,11 +1011,14 @@ BUDGETS = {
     "max_islands": ("float islands (islands)", "max"),
     "max_crossings": ("boundary crossings (boundary)", "max"),
     "min_int8": ("fraction of the nodes that run a kernel which run an int8 or int8_data kernel (runtime)", "min"),
-    "min_sqnr": ("output SQNR in dB against --float (impact's definition)", "min"),
+    "min_sqnr": ("output SQNR in dB against --float: the worst part's (impact's definition)", "min"),
+    "min_levels": ("steps of its scale the worst part of every quantized tensor spans (trace's levels)", "min"),
     "min_metric": ("the --metric agreement with --float (a built-in metric or FILE.py:FUNCTION)", "min"),
 }
 # Budgets counted from the graph here; the others run the model (graphscan_ort.check).
 STRUCTURAL_BUDGETS = ("max_float", "max_islands", "max_crossings")
+# Budgets that run the float model too, on the samples.
+FLOAT_BUDGETS = ("min_sqnr", "min_levels", "min_metric")
 
 
 def read_budget_file(path: str) -> dict[str, float]:
@@ -1088,11 +1095,11 @@ def budget_values(
     samples: Samples,
     level: str = "all",
     chosen: MetricChoice = NO_METRIC,
-) -> tuple[dict[str, float], dict[str, Any]]:
+) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
     """The measured value of each budget in ``names`` (the model is read once), and
-    the metric min_metric measured (its name and parameters; empty without it)."""
+    per budget what its row says beside the value (min_metric's metric, min_sqnr's worst part)."""
     values: dict[str, float] = {}
-    described: dict[str, Any] = {}
+    described: dict[str, dict[str, Any]] = {}
     measured = [name for name in names if name not in STRUCTURAL_BUDGETS]
     model = None
     if set(STRUCTURAL_BUDGETS) & set(names):
@@ -1103,7 +1110,7 @@ def budget_values(
         values["max_float"] = len(index.float_nodes)
         values["max_islands"] = len(islands_found)
         values["max_crossings"] = boundary_report(index, islands_found)["crossings"]
-    for name in ("min_sqnr", "min_metric"):
+    for name in FLOAT_BUDGETS:
         if name in names and float_path is None:
             raise GraphscanError(f"usage: --{name.replace('_', '-')} needs --float F.onnx", EXIT_USAGE)
     if measured:
@@ -1138,6 +1145,7 @@ def check(
     threshold: float | None = None,
     blank: int | None = None,
     min_metric: float | None = None,
+    min_levels: float | None = None,
 ) -> CheckAnswer:
     """Measure each budget given (options override the --budget file) and say which hold.
 
@@ -1157,6 +1165,7 @@ def check(
         "max_crossings": max_crossings,
         "min_int8": min_int8,
         "min_sqnr": min_sqnr,
+        "min_levels": min_levels,
         "min_metric": min_metric,
     }
     for name, value in given.items():
@@ -1169,7 +1178,7 @@ def check(
             EXIT_USAGE,
         )
     sample = {"--float": float_path, "--inputs": inputs, "--shape": shape, "--seed": seed, "--level": level}
-    only_with("--min-sqnr or --min-metric", bool({"min_sqnr", "min_metric"} & set(limits)), sample)
+    only_with("--min-sqnr, --min-levels or --min-metric", bool(set(FLOAT_BUDGETS) & set(limits)), sample)
     only_with("--min-metric", "min_metric" in limits, {"--metric": metric, "--threshold": threshold, "--blank": blank})
     if "min_metric" in limits and metric is None:
         raise GraphscanError("usage: the min_metric budget needs --metric NAME|FILE.py:FUNCTION", EXIT_USAGE)
@@ -1187,8 +1196,7 @@ def check(
                 "ok": budget_holds(name, values[name], limits[name]),
             }
         )
-        if name == "min_metric":
-            budgets[-1]["metric"] = described
+        budgets[-1].update(described.get(name, {}))  # type: ignore[typeddict-item]
     return {"model": path, "float": float_path, "budgets": budgets, "ok": all(b["ok"] for b in budgets)}
 
 
@@ -1537,6 +1545,7 @@ def check_table(answer: dict[str, Any], top: int | None) -> str:
 LEVEL_NOTES = [
     ({"min_int8"}, "min_int8: what runs at level extended (runtime's default: its classes map back to the model)"),
     ({"min_sqnr", "min_metric"}, "min_sqnr, min_metric: both models in sessions at --level (default all)"),
+    ({"min_levels"}, "min_levels: the float model's values at each quantized tensor, by part"),
 ]
 
 
@@ -1922,6 +1931,14 @@ CHECK = Command(
         ),
         ("--min-sqnr", {"type": float, "metavar": "DB", "help": "output SQNR against --float of at least DB"}),
         (
+            "--min-levels",
+            {
+                "type": float,
+                "metavar": "N",
+                "help": "every quantized tensor's worst part spans at least N steps of its scale (needs --float)",
+            },
+        ),
+        (
             "--min-metric",
             {"type": float, "metavar": "X", "help": "the --metric agreement with --float of at least X"},
         ),
@@ -1931,7 +1948,7 @@ CHECK = Command(
             None,
             "--min-sqnr, --min-metric: onnxruntime optimization level both models run at (default: all)",
         ),
-        *samples_group(1, samples="many", when="--min-sqnr, --min-metric: "),
+        *samples_group(1, samples="many", when="--min-sqnr, --min-levels, --min-metric: "),
     ),
     exit_code=lambda answer: EXIT_OK if answer["ok"] else EXIT_BUDGET,
     table=check_table,

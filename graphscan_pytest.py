@@ -54,6 +54,7 @@ KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "max_crossings": ((int,), "at most N boundary crossings"),
     "min_int8": ((int, float), "at least this fraction of kernels int8"),
     "min_sqnr": ((int, float), "output SQNR against float of at least DB"),
+    "min_levels": ((int, float), "every quantized tensor's worst part spans at least N steps of its scale"),
     "metric": ((str,), "a built-in metric or FILE.py:FUNCTION"),
     "threshold": ((int, float), "iou's threshold"),
     "blank": ((int,), "ctc's blank class"),
@@ -61,7 +62,7 @@ KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "snapshot": ((bool,), "pin the runtime class of every node"),
 }
 COUNTED = {"max_float": "float compute nodes", "max_islands": "float islands", "max_crossings": "boundary crossings"}
-BUDGET_KEYS = ["max_float", "max_islands", "max_crossings", "min_int8", "min_sqnr", "min_metric"]
+BUDGET_KEYS = ["max_float", "max_islands", "max_crossings", "min_int8", "min_sqnr", "min_levels", "min_metric"]
 PATH_KEYS = ("path", "float")
 
 
@@ -233,7 +234,7 @@ def checked_gate(path: Path, text: str, index: int, entry: Any) -> Gate:
                 raise fail(key, str(exc).removeprefix("usage: ")) from None
     if not any(key in settings for key in [*BUDGET_KEYS, "snapshot"]):
         raise fail(None, f"no budget (one of {', '.join(BUDGET_KEYS)}) and no snapshot")
-    for key in ("min_sqnr", "min_metric"):
+    for key in ("min_sqnr", "min_levels", "min_metric"):
         if key in settings and "float" not in settings:
             raise fail(key, f"{key} needs float = the float model")
     if "min_metric" in settings and "metric" not in settings:
@@ -434,7 +435,13 @@ def budget_sentence(row: dict[str, Any], config: pytest.Config, gate: Gate) -> s
         words = graphscan_core().metric_words(described)
         sentence += f" ({', '.join(words)} against {Path(gate.settings['float']).name})"
     elif name == "min_sqnr":
-        sentence += f" (dB, against {Path(gate.settings['float']).name})"
+        part = row.get("worst_part") or {}
+        where = f", worst part {part['part']} of {part['output']} from {part['node']}" if part else ""
+        sentence += f" (dB, against {Path(gate.settings['float']).name}{where})"
+    elif name == "min_levels":
+        part = row.get("part") or {}
+        where = f" at {row['tensor']}, part {part['part']} from {part['node']}" if part else ""
+        sentence += f" (steps of the scale{where})"
     else:
         sentence += f" ({COUNTED[name]})"
     return sentence + (" (undefined never holds)" if value is None else "")

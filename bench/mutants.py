@@ -78,6 +78,14 @@ AREA_TESTS = {
     ],
     "runtime": ["tests/runtime/test_runtime.py", "tests/check/test_check.py"],
     "check": ["tests/check/test_check.py"],
+    # Issue 33: parts, the worst-part SQNR, levels, tune's seeds and verdict.
+    "parts": [
+        "tests/shared/test_parts.py",
+        "tests/check/test_parts_budget.py",
+        "tests/trace/test_levels.py",
+        "tests/tune/test_seeds.py",
+        "tests/tune/test_guards.py",
+    ],
     "impact": ["tests/impact/test_impact.py", "tests/loading/test_malformed_graphs.py"],
     "tune": [
         "tests/tune/test_laws.py",

@@ -564,3 +564,19 @@ def calibration_reader(paths):
     from graphscan_ort.tune.candidates import SampleReader
 
     return SampleReader([dict(np.load(p)) for p in paths])
+
+
+def searched(row):
+    """A tune row's ``nodes_to_exclude`` without its seeds (``kept_float``): what the
+    fallback search added."""
+    seeds = {kept["node"] for kept in row["kept_float"]}
+    return [node for node in row["quantize_static"].get("nodes_to_exclude") or [] if node not in seeds]
+
+
+def without_structural_seeds(monkeypatch):
+    """tune with no structural seeds (tune/seeds.py) and no blocks around the worst part
+    (blocks.part_blocks): for tests of the search by impact's ranking alone."""
+    import graphscan_ort.tune.command as tune
+
+    monkeypatch.setattr(tune, "structural_seeds", lambda *args, **kwargs: [])
+    monkeypatch.setattr(tune, "part_blocks", lambda *args, **kwargs: [])

@@ -210,7 +210,7 @@ def norm(x):
     return math.sqrt(float(np.sum(np.square(x))))
 
 
-def sqnr(float_outputs, quant_outputs):
+def pooled_sqnr(float_outputs, quant_outputs):
     """20*log10(||f|| / ||f - q||) over all samples and outputs; None when f == q."""
     f = np.concatenate([np.asarray(o, np.float64).ravel() for s in float_outputs for o in s])
     q = np.concatenate([np.asarray(o, np.float64).ravel() for s in quant_outputs for o in s])
@@ -218,6 +218,18 @@ def sqnr(float_outputs, quant_outputs):
     if noise == 0 or norm(f) == 0:
         return None
     return 20 * math.log10(norm(f) / noise)
+
+
+def sqnr(float_outputs, quant_outputs):
+    """The worst output's SQNR (the models here join nothing with a Concat before an
+    output, so each output is one part): each output's pooled over the samples, the
+    lowest of those with noise; None when every output equals float's."""
+    figures = [
+        pooled_sqnr([[s[k]] for s in float_outputs], [[s[k]] for s in quant_outputs])
+        for k in range(len(float_outputs[0]))
+    ]
+    measured = [db for db in figures if db is not None]
+    return min(measured) if measured else None
 
 
 def float_outputs(float_model, quant_model, samples):

@@ -35,6 +35,7 @@ from graphscan import (
     value_inputs,
 )
 from graphscan_ort.engines.combined import CombinedModel, SingleOpModelError, float_in_quant_opset, run_combined
+from graphscan_ort.engines.levels import LEVELS_FLOOR, quantized_activations, tensor_levels
 from graphscan_ort.engines.measures import shapes_agree, type_problem, value_info_of
 from graphscan_ort.shared.answers import NodeError, TraceAnswer, TraceMeasures, TraceOp, Unmatched
 from graphscan_ort.shared.files import write_atomically
@@ -503,6 +504,8 @@ def compare(
             failed[failure.row] = failure.reason
             plan[failure.row].op = None  # traced without it: its isolated error is null
     kept.update(feeds)
+    # Float values by part at each quantized tensor, in steps of its scale (levels.py).
+    levels = tensor_levels(float_model, quantized_activations(quant_model), [feeds], a)
 
     rows, saved = [], []
     for row, (isolated, propagated, clip, op_output) in zip(plan, measured):
@@ -516,6 +519,8 @@ def compare(
                 clip.outcome if clip else None,
             )
         )
+        found = levels.get(quant_index.outputs[row.i][0]) if quant_index.outputs[row.i] else None
+        rows[-1]["levels"] = None if found is None else found.levels
         arrays = None
         if save is not None and isolated is not None and rows[-1]["isolated_max_abs"] is not None:
             inputs_of_op = {t: kept[combined.float_name(r) if r is not None else t] for t, r in row.op.feeds.items()}  # type: ignore[union-attr]
@@ -592,6 +597,12 @@ def trace_table(answer: dict[str, Any], top: int | None) -> str:
         ("ops by clipped share, largest first", [r for r in largest_first(ops, "clipped") if r["clipped"] > 0]),
     ]
     body = [section(title, columns, rows(ranked), top or RED_FLAGS, ["op_type"]) for title, ranked in flags]
+    # A part spanning a few steps of its scale is lost whatever its LSB error says: shown when any is.
+    few = [r for r in smallest_first(ops, "levels") if r["levels"] < LEVELS_FLOOR]
+    if few:
+        title = f"ops whose output's worst part spans under {LEVELS_FLOOR:g} levels, fewest first"
+        few_rows = [[r["node"], r["op_type"], r["isolated_lsb"], r["levels"]] for r in few]
+        body.insert(0, section(title, ["node", "op_type", "lsb", "levels"], few_rows, top or RED_FLAGS, ["op_type"]))
     if top is None:
         body.append(section("ops in graph order", columns, rows(ops), cut_first=["op_type"]))
     else:

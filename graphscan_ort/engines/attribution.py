@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import onnx
 
 from graphscan import EXIT_INPUTS, EXIT_USAGE, GraphIndex, GraphscanError, shown
 from graphscan_ort.engines.segments import IMPACT_PREFIX, segment_runner
-from graphscan_ort.shared.answers import Exclusion, ImpactMeasures, OpGain, TensorGain
+from graphscan_ort.shared.answers import Exclusion, ImpactMeasures, OpGain, TensorGain, WorstPart
 from graphscan_ort.shared.graph import (
     DQ_OUTPUT_SUFFIX,
     QDQ_SUFFIX,
@@ -21,7 +21,7 @@ from graphscan_ort.shared.graph import (
     fresh_prefix,
     quant_range,
 )
-from graphscan_ort.shared.metrics import OutputNoise, count_outside, output_pairs, paired_outputs
+from graphscan_ort.shared.metrics import OutputNoise, count_outside, output_layout, output_pairs, paired_outputs
 from graphscan_ort.shared.sessions import deployed_options, does_not_run, impact_options, model_outputs, open_session
 
 MIN_GAIN_DB = 0.01  # --min-gain's default: the least gain an operator added to exclude.nodes brings
@@ -455,6 +455,8 @@ class ImpactRun:
         self.runner = segment_runner(derived, self.defaults, machinery, samples, output_names, path, prefix)
         del derived
         self.measured: dict[tuple[tuple[str, bool | tuple[str, bytes]], ...], tuple[float | None, bool]] = {}
+        self.baseline_figures = noise.figures(self.runner.run({}))  # the worst part named, the pooled figure
+        self.measured[variant_key({})] = (self.baseline_figures.worst_db, self.baseline_figures.exact)
         self.baseline = self.measure({})
         ranges = {t: q_range for t, _, q_range, _ in plan.tensor_rows if q_range is not None}
         self.stats = tensor_stats(quant_model, samples, ranges, path)
@@ -520,7 +522,7 @@ def measure(
                 "not a tensor: impact measures tensor outputs",
                 EXIT_USAGE,
             )
-    noise = OutputNoise(float_outputs)
+    noise = OutputNoise(float_outputs, output_layout(float_model, [f for f, _ in pairs], samples))
     if noise.empty:
         raise GraphscanError(
             f"{shown(a)}: the float model's outputs are empty on these inputs: nothing to measure", EXIT_INPUTS
@@ -566,6 +568,8 @@ def measure(
     answer: ImpactMeasures = {
         "samples": len(samples),
         "output_sqnr_db": baseline[0],
+        "pooled_sqnr_db": measured.baseline_figures.pooled_db,
+        "worst_part": cast(WorstPart | None, measured.baseline_figures.worst_part),
         "deployed_output_sqnr_db": deployed.sqnr()[0],
         "weights": {"matched": len(plan.weight_of), "total": plan.weight_dqs},
         "warnings": weight_warnings(plan, a),

@@ -54,6 +54,7 @@ class TraceOp(TypedDict):
     isolated_lsb: float | None
     sqnr_db: float | None
     clipped: NotRequired[float | None]  # only on rows whose output has a Q
+    levels: NotRequired[float | None]  # the worst part's float range in steps of the output Q's scale
 
 
 class TraceMeasures(TypedDict):
@@ -184,9 +185,17 @@ class WeightsMatched(TypedDict):
     total: int
 
 
+class WorstPart(TypedDict):
+    output: str | None
+    part: int
+    node: str | None  # the node whose values the part holds
+
+
 class ImpactMeasures(TypedDict):
     samples: int
-    output_sqnr_db: float | None
+    output_sqnr_db: float | None  # the worst part's (parts.py), the ranking's baseline
+    pooled_sqnr_db: float | None
+    worst_part: WorstPart | None
     deployed_output_sqnr_db: float | None
     weights: WeightsMatched
     warnings: list[str]
@@ -216,12 +225,20 @@ class Candidate(TypedDict):
     id: int
     quantize_static: dict[str, Any]  # quantize_static's keyword arguments, enums by name
     rewrites: bool
+    kept_float: list[dict[str, str]]  # seeds kept float in it: {"node", "why"}
     trial: dict[str, Any] | None  # the fallback search's block: {"block": kind, "added": [node, ...]}
     post_step: dict[str, list[str]] | None  # applied after quantize_static: {"float_inputs": [node, ...]}
     excluded: dict[str, str] | None  # per excluded node, what it runs: float, float_inputs or int8
     same_as: int | None  # the candidate whose model the quantizer made byte for byte: measured once
-    sqnr_db: float | None
+    sqnr_db: float | None  # the worst part's output SQNR (parts.py)
+    pooled_sqnr_db: float | None  # every output and sample summed
+    worst_part: WorstPart | None
     metric_value: float | None  # the --metric agreement (sqnr: the SQNR again)
+    metric_events: int | None  # a user's metric's (value, events)
+    metric_worst: dict[str, Any] | None  # {"sample", "value"}: the metric's worst evaluation sample
+    metric_spread: list[float] | None  # [25th, 75th] percentiles of the metric sample by sample
+    levels: dict[str, Any] | None  # {"value", "tensor", "part", "node"}: the fewest levels of a quantized tensor
+    broken_parts: list[dict[str, Any]] | None  # output parts below a floor: {"output", "part", "node", "why"}
     int8_fraction: float | None
     int8_kernels: int | None
     wrapped_but_float: dict[str, int] | None
@@ -246,6 +263,7 @@ class Evaluation(TypedDict):
     held_out: bool
     inputs: dict[str, Any]
     defaulted: list[str]
+    events: int | None  # what the chosen row's user metric says its value rests on
 
 
 class FloatTime(TypedDict):

@@ -18,6 +18,7 @@ from graphscan import (
     GraphscanError,
     shown,
 )
+from graphscan_ort.shared.parts import TensorParts
 from graphscan_ort.shared.sessions import model_outputs, run_model
 
 
@@ -49,12 +50,12 @@ class FloatOutputs:
     """The float model's outputs on some samples, run once and kept: as ``OutputNoise``
     for the SQNR and by name for a metric, each made when first asked for."""
 
-    def __init__(self, outputs: list, names: tuple[str, ...]) -> None:
-        self.outputs, self.names = outputs, names
+    def __init__(self, outputs: list, names: tuple[str, ...], layout: Layout | None = None) -> None:
+        self.outputs, self.names, self.layout = outputs, names, layout
 
     @functools.cached_property
     def noise(self) -> OutputNoise:
-        return OutputNoise(self.outputs)
+        return OutputNoise(self.outputs, self.layout)
 
     @functools.cached_property
     def by_name(self) -> Outputs:
@@ -70,8 +71,19 @@ class PairedOutputs:
     candidate: list
 
     def sqnr(self) -> tuple[float | None, bool]:
-        """``OutputNoise.measure``'s ``(sqnr_db, exact)`` of the quantized outputs."""
+        """``OutputNoise.measure``'s ``(sqnr_db, exact)`` of the quantized outputs: the worst part's."""
         return self.reference.noise.measure(self.candidate)
+
+    def figures(self) -> SqnrFigures:
+        """The quantized outputs' SQNR by part and pooled (``OutputNoise.figures``)."""
+        return self.reference.noise.figures(self.candidate)
+
+    def sample(self, k: int) -> PairedOutputs:
+        """These outputs on sample ``k`` alone (its parts' labels kept)."""
+        layout = self.reference.layout
+        alone = None if layout is None else Layout(layout.names, layout.labels[k : k + 1], layout.sources)
+        reference = FloatOutputs(self.reference.outputs[k : k + 1], self.reference.names, alone)
+        return PairedOutputs(reference, self.candidate[k : k + 1])
 
     def candidate_by_name(self) -> Outputs:
         """The quantized outputs named by the float outputs they are paired with."""
@@ -96,28 +108,86 @@ def paired_outputs(
     names = tuple(f for f, _ in pairs)
     reference = kept.get(names) if kept is not None else None
     if reference is None:
-        reference = FloatOutputs(model_outputs(float_model, samples, float_path, list(names), options), names)
+        outputs = model_outputs(float_model, samples, float_path, list(names), options)
+        reference = FloatOutputs(outputs, names, output_layout(float_model, names, samples))
         if kept is not None:
             kept[names] = reference
     candidate = model_outputs(quant_model, samples, quant_path, [q for _, q in pairs], options)
     return PairedOutputs(reference, candidate)
 
 
-class OutputNoise:
-    """The output SQNR of quantized outputs against the float model's, summed
-    over every output and sample: the one definition of impact, check and tune."""
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Which part (parts.py) each output element belongs to: per sample, per output, the
+    part ids (None: the output is one part); per output, its name and the node each part's
+    values come from."""
 
-    def __init__(self, float_outputs: list) -> None:
+    names: list[str]
+    labels: list[list[np.ndarray | None]]
+    sources: list[list[str | None]]
+
+
+def output_layout(model: onnx.ModelProto, names: Sequence[str], samples: list[dict]) -> Layout:
+    """The parts of ``model``'s outputs ``names`` on ``samples``' shapes."""
+    parts = TensorParts(model, names)
+    labels = [[found[name] for name in names] for found in map(parts.labels, samples)]
+    return Layout(list(names), labels, [parts.sources[name] for name in names])
+
+
+@dataclasses.dataclass(frozen=True)
+class SqnrFigures:
+    """The output SQNR of quantized outputs, by part and pooled: ``worst_db`` (the worst
+    part's, the figure impact, check and tune judge by), ``worst_part`` (``{output, part,
+    node}``, None when no part is measurable), ``pooled_db`` (everything summed), and
+    whether every value equals float's."""
+
+    worst_db: float | None
+    worst_part: dict[str, Any] | None
+    pooled_db: float | None
+    exact: bool
+
+
+class OutputNoise:
+    """The output SQNR of quantized outputs against the float model's: per part of each
+    output (``Layout``; without one, each output is one part) and pooled over every output
+    and sample; the one definition of impact, check and tune."""
+
+    def __init__(self, float_outputs: list, layout: Layout | None = None) -> None:
         self.reference = [[np.asarray(o, dtype=np.float64) for o in sample] for sample in float_outputs]
-        self.signal = sum(energy(o) for sample in self.reference for o in sample)
+        self.layout = layout
+        self.counts = [len(sources) for sources in layout.sources] if layout else [1] * self.outputs()
+        self.signals = self.part_sums([[np.square(f) for f in sample] for sample in self.reference])
+        self.signal = float(sum(sum(parts) for parts in self.signals))
         # No output value at all (a zero-size input): nothing can be verified.
         self.empty = not any(o.size for sample in self.reference for o in sample)
 
+    def outputs(self) -> int:
+        return len(self.reference[0]) if self.reference else 0
+
+    def part_sums(self, values: list[list[np.ndarray]]) -> list[list[float]]:
+        """Per output, per part, the sum over samples of ``values`` (arrays shaped like the outputs)."""
+        sums = [np.zeros(count, dtype=np.float64) for count in self.counts]
+        with np.errstate(all="ignore"):  # an overflow is an infinite energy, not a warning on stderr
+            for k, sample in enumerate(values):
+                for o, array in enumerate(sample):
+                    labels = self.layout.labels[k][o] if self.layout else None
+                    if labels is None:
+                        sums[o][0] += energy_of_squares(array)
+                    else:
+                        sums[o] += np.bincount(labels.reshape(-1), array.reshape(-1), minlength=self.counts[o])
+        return [[float(v) for v in parts] for parts in sums]
+
     def measure(self, quant_outputs: list) -> tuple[float | None, bool]:
-        """``(sqnr_db, exact)``: ``10*log10(sum f^2 / sum (f - q)^2)`` over everything
+        """``(sqnr_db, exact)``: the worst part's ``10*log10(sum f^2 / sum (f - q)^2)``
         (None when undefined) and whether q equals f exactly."""
-        noise = 0.0
+        figures = self.figures(quant_outputs)
+        return figures.worst_db, figures.exact
+
+    def figures(self, quant_outputs: list) -> SqnrFigures:
+        """The worst part's SQNR and which part it is, the pooled SQNR, and exactness."""
+        errors = []
         for reference, sample in zip(self.reference, quant_outputs, strict=True):
+            squared = []
             for f, q in zip(reference, sample, strict=True):
                 if f.shape != np.shape(q):
                     raise GraphscanError(
@@ -126,9 +196,36 @@ class OutputNoise:
                         EXIT_INPUTS,
                     )
                 with np.errstate(all="ignore"):  # inf - inf: a NaN noise, an undefined SQNR
-                    difference = f - np.asarray(q, dtype=np.float64)
-                    noise += energy(difference)
-        return decibels(self.signal, noise), noise == 0.0
+                    squared.append(np.square(f - np.asarray(q, dtype=np.float64)))
+            errors.append(squared)
+        noises = self.part_sums(errors)
+        noise = float(sum(sum(parts) for parts in noises))
+        worst_db, worst_part = self.worst(noises)
+        return SqnrFigures(worst_db, worst_part, decibels(self.signal, noise), noise == 0.0)
+
+    def worst(self, noises: list[list[float]]) -> tuple[float | None, dict[str, Any] | None]:
+        """The lowest SQNR of a part that carries a signal and some noise, and its part;
+        ``(None, None)`` when a part's energy is not finite or no part has both."""
+        found: tuple[float, int, int] | None = None
+        for o, (signals, part_noises) in enumerate(zip(self.signals, noises, strict=True)):
+            for k, (signal, noise) in enumerate(zip(signals, part_noises, strict=True)):
+                if not (math.isfinite(signal) and math.isfinite(noise)):
+                    return None, None
+                db = decibels(signal, noise)
+                if db is not None and (found is None or db < found[0]):
+                    found = (db, o, k)
+        if found is None:
+            return None, None
+        db, o, k = found
+        name = self.layout.names[o] if self.layout else None
+        node = self.layout.sources[o][k] if self.layout else None
+        return db, {"output": name, "part": k, "node": node}
+
+
+def energy_of_squares(squares: np.ndarray) -> float:
+    """The sum of an array of squares by numpy's own pairwise sum (see ``energy``)."""
+    with np.errstate(all="ignore"):
+        return float(np.sum(squares))
 
 
 def energy(values: np.ndarray) -> float:

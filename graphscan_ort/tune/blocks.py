@@ -5,7 +5,9 @@ keeping it float alone. A block is a set of operators tried together:
 
 - ``node``: one operator impact ranks (gain at least ``MIN_GAIN_DB``);
 - ``tail``: the last k operators in graph order (a model's head), k = 2, 4, 8, ...;
-- ``around``: one of the best-ranked operators with the operators next to it.
+- ``around``: one of the best-ranked operators with the operators next to it;
+- ``part``: the node the worst output part comes from, with 0, 1 and 3 of its nearest
+  upstream operators: tried first, in that order (``part_blocks``).
 
 Estimates rank them. The quantization noise of independent operators adds in power,
 so an operator whose gain is g dB carries the share ``1 - 10**(-g/10)`` of the output
@@ -26,6 +28,7 @@ from typing import Any
 import onnx
 
 from graphscan import GraphIndex, data_source
+from graphscan_ort.shared.parts import TensorParts
 
 TOP_AROUND = 3  # the best-ranked operators that get an "around" block
 
@@ -90,6 +93,42 @@ def search_blocks(model: onnx.ModelProto, ranked: Sequence[Mapping[str, Any]], m
     for b in blocks:
         unique.setdefault(b.nodes, b)
     return list(unique.values())
+
+
+PART_SIZES = (1, 2, 4)  # the worst part's node with this many operators upstream of it
+
+
+def part_blocks(model: onnx.ModelProto, node: str | None, kept: frozenset[str]) -> list[Block]:
+    """Blocks around the worst output part's node (shared/parts.py), tried before impact's
+    ranking when the outputs have several parts: that node, then it with its nearest upstream
+    operators (breadth first through the tensors it reads), ``PART_SIZES`` of them in all,
+    nodes already ``kept`` apart. The part a target fails on is where the fix most likely is,
+    whatever a pooled ranking says."""
+    graph = model.graph
+    producer = {out: n for n in graph.node for out in n.output if out}
+    by_name = {n.name: n for n in graph.node if n.name}
+    outputs = [o.name for o in graph.output]
+    if node not in by_name or sum(map(len, TensorParts(model, outputs).sources.values())) < 2:
+        return []  # one part in all: its neighbourhood is the model's tail, which the ranking's blocks cover
+    found: list[str] = []
+    queue, seen = [by_name[node]], {node}
+    while queue and len(found) < max(PART_SIZES):
+        current = queue.pop(0)
+        if current.name not in kept:
+            found.append(current.name)
+        for tensor in current.input:
+            upstream = producer.get(tensor)
+            if upstream is not None and upstream.name and upstream.name not in seen:
+                seen.add(upstream.name)
+                queue.append(upstream)
+    elements = weight_elements(model)
+    blocks, taken = [], set()
+    for size in PART_SIZES:
+        nodes = tuple(found[:size])
+        if nodes and nodes not in taken:
+            taken.add(nodes)
+            blocks.append(Block("part", nodes, (0.0,) * len(nodes), sum(1 + elements[n] for n in nodes)))
+    return blocks
 
 
 def adjacency(model: onnx.ModelProto, names: set[str]) -> dict[str, set[str]]:

@@ -63,14 +63,15 @@ from graphscan import (
 )
 from graphscan_ort.engines.attribution import MIN_GAIN_DB
 from graphscan_ort.engines.attribution import measure as impact_of
-from graphscan_ort.shared.agreement import POOR_SQNR_DB, Metric, metric
-from graphscan_ort.shared.answers import Candidate, Target, TuneAnswer, TuneChoice
+from graphscan_ort.engines.levels import FloatRanges
+from graphscan_ort.shared.agreement import Metric, check_layout_fits
+from graphscan_ort.shared.answers import Candidate, TuneAnswer, TuneChoice
 from graphscan_ort.shared.files import check_out, in_folder, out_of_room, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
-from graphscan_ort.shared.metrics import FloatOutputs, named_outputs
+from graphscan_ort.shared.metrics import FloatOutputs, named_outputs, output_layout
 from graphscan_ort.shared.options import MAX_RUNS, MAX_THREADS, RUNTIME_DEFAULT_RUNS, check_between, int_between
 from graphscan_ort.shared.sessions import environment, sample_outputs
-from graphscan_ort.tune.blocks import next_block, search_blocks
+from graphscan_ort.tune.blocks import next_block, part_blocks, search_blocks
 from graphscan_ort.tune.candidates import (
     METHODS,
     SampleReader,
@@ -79,61 +80,28 @@ from graphscan_ort.tune.candidates import (
     quantize_candidate,
     refinements,
 )
+from graphscan_ort.tune.choice import (
+    accuracy,
+    choice_warnings,
+    chosen_row,
+    listing_order,
+    pareto,
+    part_words,
+    speed,
+    start_row,
+)
 from graphscan_ort.tune.deployed import measure_candidate
 from graphscan_ort.tune.fallback import STILL_INT8, honoured
+from graphscan_ort.tune.goal import Goal, metric_of
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
 from graphscan_ort.tune.prepare import prepared_base, with_rewrites
 from graphscan_ort.tune.progress import Progress
+from graphscan_ort.tune.seeds import structural_seeds, user_seeds
 from graphscan_ort.tune.table import tune_table
+from graphscan_ort.tune.verdict import FEW_SAMPLES, levels_figures, low_levels_warning, sqnr_broken
 
 # onnxruntime's own defaults: what a user gets from quantize_static without options.
 DEFAULT_SETTINGS = {"activation_type": "QInt8", "per_channel": False, "calibrate_method": "MinMax"}
-
-
-def accuracy(row: dict) -> float:
-    """A row's metric for ranking (``metric_value``; ``sqnr_db`` in rows without one):
-    ``inf`` when an SQNR's outputs equal float's, ``-inf`` when undefined."""
-    value = row["metric_value"] if "metric_value" in row else row["sqnr_db"]
-    return -math.inf if value is None else value
-
-
-def speed(row: dict) -> float:
-    """A row's speed for ranking: its speedup, interleaved with the float model in one
-    measurement (never ``ms`` values timed minutes apart on a loaded machine)."""
-    return 0.0 if row["speedup"] is None else row["speedup"]
-
-
-def pareto(rows: list[dict]) -> None:
-    """Mark each measured row on the front of (fastest, most accurate): no other is at least as fast and as
-    accurate, and better in one."""
-    measured = [r for r in rows if r["error"] is None]
-    for row in rows:
-        row["pareto"] = row["error"] is None and not any(
-            other is not row
-            and speed(other) >= speed(row)
-            and accuracy(other) >= accuracy(row)
-            and (speed(other) > speed(row) or accuracy(other) > accuracy(row))
-            for other in measured
-        )
-
-
-def listing_order(rows: list[dict]) -> list[dict]:
-    """The answer's order of the candidates: the Pareto front first, then the other measured
-    rows, then the refused ones; in each, the fastest (by speedup) first, ties by id."""
-    return sorted(rows, key=lambda r: (not r["pareto"], r["error"] is not None, -speed(r), r["id"]))
-
-
-def chosen_row(rows: list[dict], target: float | None) -> tuple[dict | None, bool]:
-    """The fastest row that passes the guards and meets ``target``, else the most accurate
-    that passes them (None: none does); and whether the target was met. An undefined
-    target (None) is never met."""
-    passing = [r for r in rows if r["error"] is None and not r.get("fails")]
-    meeting = [r for r in passing if target is not None and accuracy(r) >= target]
-    if meeting:
-        return max(meeting, key=lambda r: (speed(r), accuracy(r))), True
-    if passing:
-        return max(passing, key=lambda r: (accuracy(r), speed(r))), False
-    return None, False
 
 
 def tune(
@@ -153,6 +121,8 @@ def tune(
     min_speedup: float = 1.0,
     latency_inputs: list[str] | None = None,
     max_trials: int | None = None,
+    exclude: list[str] | None = None,
+    keep_outputs_float: bool = False,
 ) -> TuneAnswer:
     """Quantize ``path`` every way candidates.py knows, measure each as deployed, write the best into ``out``."""
     if not calibrate:
@@ -173,6 +143,7 @@ def tune(
     ort.set_default_logger_severity(4)  # the quantizer's own sessions log warnings on stderr
     model = load_with_weights(path)
     refuse_quantized(model, path)
+    seeds = seed_rows(model, exclude, keep_outputs_float, path)
     specs = input_specs(model)
     calibration = [read_npz_inputs(p, specs) for p in calibrate]
     evaluation = [read_npz_inputs(p, specs) for p in inputs] if inputs else calibration
@@ -183,6 +154,7 @@ def tune(
     if latency_files:
         sample_outputs(model, latency, path, latency_files, "--latency-inputs")
     reference = check_measurable(model, evaluated, path, inputs or calibrate)
+    check_layout_fits(chosen_metric, output_layout(model, [o.name for o in model.graph.output], evaluation[:1]))
     own = chosen_metric.value(reference, reference)  # fits every output, and float's own agreement
     try:
         work = tempfile.mkdtemp(prefix=".graphscan-tune-", dir=parent)
@@ -193,7 +165,7 @@ def tune(
         measure = Measure(model, path, evaluation, level, threads, runs)
         measure.metric, measure.latency, measure.min_speedup = chosen_metric, latency, float(min_speedup)
         goal = Goal(chosen_metric, target, own)
-        answer = tune_in(path, model, calibration, work, goal, max_exclude, measure, progress, max_trials)
+        answer = tune_in(path, model, calibration, work, goal, max_exclude, measure, progress, max_trials, seeds)
         place(work, out)
     except Exception as exc:
         if isinstance(exc, GraphscanError) or not write_failure(exc):
@@ -216,59 +188,20 @@ def tune(
             "held_out": held_out(calibration, evaluation) if inputs else False,
             "inputs": inputs_answer(evaluation),
             "defaulted": [],
+            "events": next((c["metric_events"] for c in answer["candidates"] if c["id"] == answer["chosen"]), None),
         },
         **answer,
         "output": out,
     }
 
 
-def metric_of(
-    name: str | None, threshold: float | None, blank: int | None, target: float | None, target_sqnr: float | None
-) -> Metric:
-    """The --metric asked for, with --target and its alias --target-sqnr checked (exit 2)."""
-    chosen = metric(name, threshold, blank)
-    if target is not None and target_sqnr is not None:
-        raise GraphscanError("usage: give --target or --target-sqnr, not both", EXIT_USAGE)
-    if target_sqnr is not None and chosen.name != "sqnr":
-        raise GraphscanError(
-            f"usage: --target-sqnr is the target of --metric sqnr; give --target for {chosen.name}", EXIT_USAGE
-        )
-    for flag, value in (("--target", target), ("--target-sqnr", target_sqnr)):
-        if value is not None and not math.isfinite(value):
-            raise GraphscanError(f"usage: {flag} must be a finite number, not {value!r}", EXIT_USAGE)
-    return chosen
-
-
-class Goal:
-    """What tune aims at: the metric, the target the user gave (None: the default one),
-    and float's own agreement (the metric of the float model against itself)."""
-
-    def __init__(self, chosen: Metric, given: float | None, own: float | None) -> None:
-        self.metric, self.given, self.own = chosen, given, own
-
-    def target(self, default: dict[str, Any] | None) -> tuple[Target, list[str]]:
-        """The target and where it came from, with the warnings it deserves; ``default``:
-        the row of onnxruntime's default settings (None when it was not measured)."""
-        if self.given is not None:
-            return {"value": self.given, "source": "user"}, []
-        if self.metric.name != "sqnr":
-            value = self.own
-            warnings = [] if value is not None else [f"{self.metric.name} of float against itself is undefined"]
-            return {"value": value, "source": "float"}, warnings
-        value = None if default is None or default["error"] is not None else default["sqnr_db"]
-        if value is None:
-            why = (
-                "the default target, the SQNR of onnxruntime's default settings, is undefined here: "
-                "give --target; no candidate can reach an undefined target"
-            )
-            return {"value": None, "source": "defaults"}, [why]
-        if value < POOR_SQNR_DB:
-            why = (
-                f"the default target, onnxruntime's default settings' {value:.2f} dB, is poor (below "
-                f"{POOR_SQNR_DB:g} dB: models that far from float lose their task); give --target or --metric"
-            )
-            return {"value": value, "source": "defaults"}, [why]
-        return {"value": value, "source": "defaults"}, []
+def seed_rows(model: onnx.ModelProto, exclude: list[str] | None, keep_outputs_float: bool, path: str) -> list[dict]:
+    """The user's seeds as rows' ``kept_float`` entries, ``{"node", "why"}`` each."""
+    chosen = set(exclude or [])
+    return [
+        {"node": node, "why": "--exclude" if node in chosen else "--keep-outputs-float"}
+        for node in user_seeds(model, exclude, keep_outputs_float, path)
+    ]
 
 
 def check_measurable(model: onnx.ModelProto, outputs: list, path: str, files: list[str]) -> list[dict[str, np.ndarray]]:
@@ -419,6 +352,7 @@ class Trials:
         self.rows, self.files = [], {}
         self.given: dict[str, onnx.ModelProto] = {}  # the prepared models the quantizer is given, by path
         self.digests: dict[str, dict[str, Any]] = {}  # a model's SHA-256: the row that measured it
+        self.ranges: dict[str, FloatRanges] = {}  # per prepared model: its float values by part
 
     def add(
         self,
@@ -427,13 +361,15 @@ class Trials:
         prepared_path: str,
         cache: str,
         trial: dict[str, Any] | None = None,
+        kept: list[dict[str, str]] | None = None,
     ) -> dict[str, Any]:
         """Quantize ``prepared_path`` with ``settings`` and measure the model as deployed:
         its row, also when the quantizer refused it (with its error, never a crash);
-        ``trial``: the fallback search's block (its kind and the nodes it added)."""
+        ``trial``: the block a search stage added (its kind and the nodes it added);
+        ``kept``: the seeds kept float in it, ``{"node", "why"}`` each (seeds.py)."""
         ident = len(self.rows)
         target_path = os.path.join(self.work, f"candidate-{ident}.onnx")
-        row = {"id": ident, "quantize_static": settings, "rewrites": rewrites, "error": None}
+        row = {"id": ident, "quantize_static": settings, "rewrites": rewrites, "kept_float": kept or [], "error": None}
         row.update(trial=trial, post_step=None, excluded=None, same_as=None)
         try:
             quantize_candidate(prepared_path, target_path, settings, self.reader, cache)
@@ -459,11 +395,26 @@ class Trials:
                     if exc.exit_code != EXIT_RUNTIME:
                         raise
                     return self.refused(row, f"onnxruntime: {users_terms(str(exc), self.work, self.measure.path)}")
+                row.update(self.verdict(model, prepared_path, row))
                 self.digests[digest] = row
             self.files[ident] = (target_path, prepared_path, cache)
             self.measure.models[target_path] = model
         self.rows.append(row)
         return row
+
+    def float_ranges(self, prepared_path: str) -> FloatRanges:
+        """The float values of the prepared model at ``prepared_path``, by part, on the
+        evaluation samples: measured once per tensor for every candidate quantized from it."""
+        if prepared_path not in self.ranges:
+            self.ranges[prepared_path] = FloatRanges(
+                self.given[prepared_path], self.measure.evaluation, self.measure.path
+            )
+        return self.ranges[prepared_path]
+
+    def verdict(self, model: onnx.ModelProto, prepared_path: str, row: dict[str, Any]) -> dict[str, Any]:
+        """A measured candidate's fewest levels and the parts of its outputs below a floor."""
+        levels, broken = levels_figures(model, self.float_ranges(prepared_path))
+        return {"levels": levels, "broken_parts": sqnr_broken(row["sqnr_db"], row["worst_part"]) + broken}
 
     def refused(self, row: dict[str, Any], error: str) -> dict[str, Any]:
         """A model onnxruntime refuses to run: a row with its error, no file to write."""
@@ -482,9 +433,12 @@ def tune_in(
     measure: Measure,
     progress: Progress | None = None,
     max_trials: int | None = None,
+    seeds: list[dict[str, str]] | None = None,
 ) -> TuneChoice:
     """tune's work inside the temporary folder ``work``; leaves prepared.onnx there, and
-    model.onnx when a candidate passes the guards."""
+    model.onnx when a candidate passes the guards. ``seeds``: the nodes the user keeps float
+    in every candidate, ``{"node", "why"}`` each."""
+    seeds = seeds or []
     progress = progress or Progress()
     evaluation = measure.evaluation
     progress.show("preparing the float model")
@@ -504,7 +458,9 @@ def tune_in(
         os.mkdir(cache)
         for settings in candidate_settings():
             progress.show("quantizing and measuring candidate", len(rows) + 1, planned)
-            trials.add(settings, rewrites != "none", prepared_path, cache)
+            if seeds:
+                settings = {**settings, "nodes_to_exclude": [seed["node"] for seed in seeds]}
+            trials.add(settings, rewrites != "none", prepared_path, cache, kept=seeds)
     if not files:
         raise GraphscanError(
             f"{shown(path)}: onnxruntime's quantize_static refused every candidate ({rows[0]['error']})", EXIT_RUNTIME
@@ -521,6 +477,10 @@ def tune_in(
     target, warnings = goal.target(default)
     chosen, reached = chosen_row(rows, target["value"])
     if not reached and target["value"] is not None:
+        seeded(trials, rows, calibration, progress)
+        pareto(rows)
+        chosen, reached = chosen_row(rows, target["value"])
+    if not reached and target["value"] is not None:
         refine(trials, start_row(rows), progress)
         pareto(rows)
         chosen, reached = chosen_row(rows, target["value"])
@@ -532,6 +492,16 @@ def tune_in(
         chosen, reached = chosen_row(rows, target["value"])
     written = write_choice(work, files, rows, chosen)
     warnings += choice_warnings(rows, chosen, reached, target["value"])
+    if chosen is not None:
+        _, prepared_path, _ = files[chosen["id"]]
+        model_written = onnx.load(os.path.join(work, "model.onnx"), load_external_data=False)
+        warnings += low_levels_warning(model_written, trials.float_ranges(prepared_path))
+        warnings += [f"the chosen model breaks a part: {part_words(part)}" for part in chosen["broken_parts"] or []]
+    if len(evaluation) < FEW_SAMPLES:
+        warnings.append(
+            f"the verdict rests on {len(evaluation)} evaluation sample{'s' if len(evaluation) != 1 else ''} "
+            f"(fewer than {FEW_SAMPLES}): give more held-out --inputs"
+        )
     if any(HISTOGRAM_SHAPES in (r["error"] or "") for r in rows):
         warnings.append(f"{HISTOGRAM_SHAPES}: give --calibrate samples of one shape to try Percentile and Entropy")
     if all(accuracy(r) == -math.inf for r in rows if r["error"] is None):
@@ -557,25 +527,43 @@ def tune_in(
     }
 
 
+SEEDED_ROWS = 3  # the fastest rows on the Pareto front that the structural seeds are added to
+SEED_SAMPLES = 8  # the calibration samples the Concats' input ranges are measured on
+
+
+def seeded(
+    trials: Trials, rows: list[dict[str, Any]], calibration: list[dict[str, np.ndarray]], progress: Progress
+) -> None:
+    """The structural seeds (seeds.py: the outputs' producers, the Concats whose inputs'
+    ranges differ widely) kept float in the fastest rows of the Pareto front that pass the
+    guards: the fixes that are free in speed, each tried as a candidate of its own."""
+    front = sorted((r for r in rows if r["pareto"] and not r["fails"]), key=lambda r: (-speed(r), r["id"]))
+    found: dict[str, list[tuple[str, list[str]]]] = {}
+    for k, base in enumerate(front[:SEEDED_ROWS]):
+        _, prepared_path, cache = trials.files[base["id"]]
+        given = list(base["quantize_static"].get("nodes_to_exclude") or [])
+        if prepared_path not in found:
+            model = trials.given[prepared_path]
+            found[prepared_path] = structural_seeds(model, calibration[:SEED_SAMPLES], trials.measure.path, given)
+        for kind, nodes in found[prepared_path]:
+            progress.show("keeping structural seeds float", k + 1, min(len(front), SEEDED_ROWS))
+            settings = {**base["quantize_static"], "nodes_to_exclude": [*given, *nodes]}
+            kept = base["kept_float"] + [{"node": node, "why": kind} for node in nodes]
+            trials.add(settings, base["rewrites"], prepared_path, cache, kept=kept)
+
+
 def refine(trials: Trials, base: dict[str, Any], progress: Progress) -> None:
     """``base``'s settings calibrated each other way (candidates.refinements): they change
     only the ranges, so they are tried on the best candidate alone."""
     _, prepared_path, cache = trials.files[base["id"]]
-    settings = refinements(base["quantize_static"])
+    seeded = base["quantize_static"].get("nodes_to_exclude")
+    settings = [
+        {**refined, "nodes_to_exclude": seeded} if seeded else refined
+        for refined in refinements(base["quantize_static"])
+    ]
     for k, refined in enumerate(settings):
         progress.show("refining the calibration", k + 1, len(settings))
-        trials.add(refined, base["rewrites"], prepared_path, cache)
-
-
-def start_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Where the refinements and exclusions start: the most accurate row that passes the
-    guards (each exclusion only makes a model slower and larger: one that fails them
-    already can never be written), else the most accurate with integer weights, else the
-    most accurate of all."""
-    measured = [r for r in rows if r["error"] is None]
-    passing = [r for r in measured if not r["fails"]]
-    stored = passing or [r for r in measured if not r["float_weights"]] or measured
-    return max(stored, key=lambda r: (accuracy(r), speed(r)))
+        trials.add(refined, base["rewrites"], prepared_path, cache, kept=base["kept_float"])
 
 
 def write_choice(
@@ -591,21 +579,6 @@ def write_choice(
     best = max((r for r in rows if r["id"] in files), key=lambda r: (accuracy(r), speed(r)))
     os.replace(files[best["id"]][1], os.path.join(work, "prepared.onnx"))
     return ["prepared.onnx"]
-
-
-def choice_warnings(rows: list[dict[str, Any]], chosen: dict | None, reached: bool, target: float | None) -> list[str]:
-    """What a user would otherwise find out later about the choice."""
-    measured = [r for r in rows if r["error"] is None]
-    counts = {guard: sum(guard in r["fails"] for r in measured) for guard in ("slower", "larger", "float_weights")}
-    broken = ", ".join(f"{n} {WHY[guard]}" for guard, n in counts.items() if n)
-    if chosen is None:
-        return [f"no candidate passes the guards ({broken} of {len(measured)}): only prepared.onnx is written"]
-    if not reached and target is not None:
-        return ["no candidate that passes the guards meets the target: the most accurate of them is written"]
-    return []
-
-
-WHY = {"slower": "not faster than float", "larger": "larger than float", "float_weights": "with float weights"}
 
 
 DEFAULT_MAX_TRIALS = 8  # re-quantizations of the fallback search when --max-trials is not given
@@ -634,8 +607,11 @@ def exclusions(
     # model once per operator, so it ranks on the first evaluation sample alone.
     ranked = impact_of(given, candidate, measure.evaluation[:1], prepared_path, candidate_path)["ops"]
     blocks = search_blocks(given, ranked, MIN_GAIN_DB)
+    part = best.get("worst_part") or {}
+    first = part_blocks(given, part.get("node"), frozenset(best["quantize_static"].get("nodes_to_exclude") or []))
     max_exclude, max_trials = limits
     budget = DEFAULT_MAX_TRIALS if max_trials is None else max_trials
+    seeded = list(best["quantize_static"].get("nodes_to_exclude") or [])  # the seeds stay float in every trial
     kept: list[str] = []
     kept_share = 0.0
     tried: set[tuple[str, ...]] = set()
@@ -645,15 +621,25 @@ def exclusions(
             break
         needed = target - accuracy(current) if in_db and math.isfinite(accuracy(current)) else None
         room = None if max_exclude is None else max_exclude - len(kept)
-        block = next_block(blocks, tried, frozenset(kept), kept_share, needed, room)
+        block = next(
+            (
+                b
+                for b in first
+                if b.nodes not in tried
+                and not set(b.nodes) <= set(kept)
+                and (room is None or len(set(b.nodes) - set(kept)) <= room)
+            ),
+            None,
+        ) or next_block(blocks, tried, frozenset(kept + seeded), kept_share, needed, room)
         if block is None:
             break
         tried.add(block.nodes)
         added = [n for n in block.nodes if n not in kept]
         if progress is not None:
             progress.show("trying exclusion", k + 1, budget)
-        settings = {**best["quantize_static"], "nodes_to_exclude": [*kept, *added]}
-        row = trials.add(settings, best["rewrites"], prepared_path, cache, {"block": block.kind, "added": added})
+        settings = {**best["quantize_static"], "nodes_to_exclude": [*seeded, *kept, *added]}
+        trial = {"block": block.kind, "added": added}
+        row = trials.add(settings, best["rewrites"], prepared_path, cache, trial, best["kept_float"])
         real = row["error"] is None and all(row["excluded"][n] != STILL_INT8 for n in added)  # they run float
         if real and accuracy(row) > accuracy(current):
             kept_share += sum(s for n, s in zip(block.nodes, block.shares, strict=True) if n in added)
@@ -665,7 +651,14 @@ def exclusions(
 # too: its speedup is that float time over its ms).
 MEASURED = [
     "sqnr_db",
+    "pooled_sqnr_db",
+    "worst_part",
     "metric_value",
+    "metric_events",
+    "metric_worst",
+    "metric_spread",
+    "levels",
+    "broken_parts",
     "int8_fraction",
     "int8_kernels",
     "wrapped_but_float",
@@ -679,7 +672,7 @@ MEASURED = [
 ]
 
 
-CANDIDATE_KEYS = ["id", "quantize_static", "rewrites", "trial", "post_step", "excluded", "same_as"]
+CANDIDATE_KEYS = ["id", "quantize_static", "rewrites", "kept_float", "trial", "post_step", "excluded", "same_as"]
 CANDIDATE_KEYS += [*MEASURED, "pareto", "error"]
 
 
@@ -730,6 +723,21 @@ COMMAND = Command(
                 "action": "append",
                 "help": "a sample at the deployed shape, timed for the speedup (repeatable; default: the first "
                 "--inputs sample)",
+            },
+        ),
+        (
+            "--exclude",
+            {
+                "metavar": "NODE",
+                "action": "append",
+                "help": "keep NODE float in every candidate (repeatable)",
+            },
+        ),
+        (
+            "--keep-outputs-float",
+            {
+                "action": "store_true",
+                "help": "keep the nodes that produce the graph's outputs float in every candidate",
             },
         ),
         (

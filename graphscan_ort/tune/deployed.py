@@ -27,13 +27,14 @@ from collections import Counter
 import numpy as np
 import onnx
 
-from graphscan import shown
+from graphscan import EXIT_USAGE, GraphscanError, shown
 from graphscan_ort.engines.classify import classify, runtime_counts
 from graphscan_ort.engines.timing import interleaved_runs
-from graphscan_ort.shared.agreement import Metric
+from graphscan_ort.shared.agreement import Metric, paired_events, paired_value
 from graphscan_ort.shared.kernels import int8_fraction
-from graphscan_ort.shared.metrics import FloatOutputs, output_pairs, paired_outputs
+from graphscan_ort.shared.metrics import FloatOutputs, PairedOutputs, output_pairs, paired_outputs
 from graphscan_ort.shared.sessions import open_session, session_options
+from graphscan_ort.tune.verdict import spread
 
 
 def kernel_counts(model: onnx.ModelProto, path: str, level: str) -> dict:
@@ -72,19 +73,35 @@ def measure_candidate(
     outputs = paired_outputs(
         float_model, quant_model, float_path, quant_path, samples, pairs, session_options(level, threads), references
     )
-    sqnr, exact = outputs.sqnr()
-    if exact:  # outputs equal to float's: infinitely accurate (null in the JSON), never the worst
-        sqnr = math.inf
-    value = sqnr if metric is None else metric.value(outputs.reference.by_name, outputs.candidate_by_name())
+    figures = outputs.figures()
+    sqnr = math.inf if figures.exact else figures.worst_db  # equal to float's: infinitely accurate, never the worst
+    value, events = (sqnr, None) if metric is None or metric.name == "sqnr" else paired_events(outputs, metric)
+    worst, spread_of = spread([sample_value(outputs.sample(k), metric) for k in range(len(samples))])
     return {
         "sqnr_db": sqnr,
+        "pooled_sqnr_db": math.inf if figures.exact else figures.pooled_db,
+        "worst_part": figures.worst_part,
         "metric_value": value,
+        "metric_events": events,
+        "metric_worst": worst,
+        "metric_spread": spread_of,
         **kernel_counts(quant_model, quant_path, level),
         **latency_figures(
             float_model, quant_model, float_path, quant_path, latency or samples[:1], level, threads, runs
         ),
         "bytes": os.path.getsize(quant_path),
     }
+
+
+def sample_value(outputs: PairedOutputs, metric: Metric | None) -> float | None:
+    """The metric on one sample; None where a user's metric cannot be taken on one sample
+    alone (it raised: the pooled value, taken first, did not)."""
+    try:
+        return paired_value(outputs, metric)
+    except GraphscanError as exc:
+        if metric is None or metric.function is None or exc.exit_code != EXIT_USAGE:
+            raise
+        return None
 
 
 def latency_figures(

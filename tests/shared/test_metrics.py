@@ -44,10 +44,14 @@ def test_outputs_are_paired_by_name_whatever_order_the_quantized_model_lists_the
     by_name = outputs.candidate_by_name()[0]
     np.testing.assert_array_equal(by_name["y"], [[0.25, 0.25, 0.75, 3.25]])  # y, not z, though z is listed first
     np.testing.assert_array_equal(by_name["z"], [[2.0, 0.5, -0.5, -3.0]])
-    signal = (0.5**2 + 3.0**2) + (2.0**2 + 0.5**2 + 0.5**2 + 3.0**2)  # y = Relu(x), then z = -x
+    y_signal, z_signal = 0.5**2 + 3.0**2, 2.0**2 + 0.5**2 + 0.5**2 + 3.0**2  # y = Relu(x), z = -x
     noise = 4 * 0.25**2  # only y moved, by 0.25 everywhere
-    sqnr, exact = outputs.sqnr()
-    assert sqnr == pytest.approx(10 * math.log10(signal / noise)) and not exact
+    figures = outputs.figures()
+    # Each output is a part of its own: the worst is y's, z is exact; pooled sums both.
+    assert figures.worst_db == pytest.approx(10 * math.log10(y_signal / noise)) and not figures.exact
+    assert figures.worst_part == {"output": "y", "part": 0, "node": None} or figures.worst_part["output"] == "y"
+    assert figures.pooled_db == pytest.approx(10 * math.log10((y_signal + z_signal) / noise))
+    assert outputs.sqnr() == (figures.worst_db, False)
 
 
 def test_equal_outputs_are_exact_with_no_sqnr():

@@ -29,6 +29,7 @@ ROW_KEYS = [
     "isolated_lsb",
     "sqnr_db",
     "clipped",
+    "levels",
 ]
 ANSWER_KEYS = ["a", "b", "inputs", "defaulted", "ops", "outputs", "worst_isolated", "first_over", "unmatched"]
 

@@ -16,7 +16,7 @@ import graphscan
 import graphscan_ort.tune.command as tune
 from graphscan_ort.tune import fallback
 from graphscan_ort.tune.candidates import keyword_arguments, quiet
-from tests.helpers import calibration_reader
+from tests.helpers import calibration_reader, without_structural_seeds
 
 EXCLUDED = ["b1_conv2", "b2_merge"]  # each reads a DQ and feeds a Q: onnxruntime quantizes them anyway
 
@@ -92,6 +92,7 @@ def test_tune_reports_each_exclusion_and_its_row_reproduces_the_model(prepared, 
         return result
 
     monkeypatch.setattr(tune, "honoured", keep_copy)
+    without_structural_seeds(monkeypatch)
     answer = tune.tune(
         prepared["float"],
         calibrate=prepared["files"][:2],

@@ -15,10 +15,10 @@ import gen_models
 import graphscan
 import graphscan_ort.tune.command as tune
 import graphscan_ort.tune.deployed as deployed
-from graphscan_ort.shared.agreement import metric
+from graphscan_ort.shared.agreement import DEFAULT_TARGET_FLOOR_DB, POOR_SQNR_DB, metric
 from graphscan_ort.tune.candidates import SampleReader, quiet
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
-from tests.helpers import main_error_line, run_main
+from tests.helpers import main_error_line, run_main, without_structural_seeds
 
 
 @pytest.fixture(scope="module")
@@ -163,10 +163,18 @@ def test_an_agreement_metric_aims_at_floats_own_and_is_recomputed_by_check(cnn, 
     assert default["target"] == {"value": 1.0, "source": "float"}
 
 
-def test_a_poor_or_undefined_default_target_is_a_warning():
+def test_a_poor_default_target_is_the_floor_and_an_undefined_one_a_warning():
+    """Issue 33: a default target is never a broken model: onnxruntime's defaults below the
+    poor line make the target that line, said in a warning naming their worst part."""
     goal = tune.Goal(metric("sqnr"), None, math.inf)
-    target, warnings = goal.target({"sqnr_db": 12.5, "error": None})
+    part = {"output": "output0", "part": 1, "node": "cls_sigmoid"}
+    target, warnings = goal.target({"sqnr_db": 3.5, "error": None, "worst_part": part})
+    assert target == {"value": DEFAULT_TARGET_FLOOR_DB, "source": "floor"} and "poor" in warnings[0]
+    assert "3.50 dB on output0 part 1 (from cls_sigmoid)" in warnings[0]
+    # Poor but above the floor: theirs, never lowered to the floor.
+    target, warnings = goal.target({"sqnr_db": 12.5, "error": None, "worst_part": part})
     assert target == {"value": 12.5, "source": "defaults"} and "poor" in warnings[0] and "12.50 dB" in warnings[0]
+    assert DEFAULT_TARGET_FLOOR_DB < 12.5 < POOR_SQNR_DB
     assert goal.target({"sqnr_db": 31.0, "error": None}) == ({"value": 31.0, "source": "defaults"}, [])
     target, warnings = goal.target({"sqnr_db": None, "error": None})
     assert target["value"] is None and "undefined" in warnings[0]
@@ -257,6 +265,7 @@ def test_when_every_metric_is_undefined_the_target_is_never_reached(cnn, tmp_pat
 
 
 def test_a_trial_onnxruntime_refuses_is_a_row_never_the_end_of_tune(cnn, tmp_path, monkeypatch):
+    without_structural_seeds(monkeypatch)
     measured = tune.measure_candidate
 
     def refuse_exclusions(float_model, quant_model, float_path, quant_path, *args, **kwargs):
@@ -274,6 +283,7 @@ def test_a_trial_onnxruntime_refuses_is_a_row_never_the_end_of_tune(cnn, tmp_pat
 
 def test_the_search_stops_as_soon_as_the_target_is_met(cnn, tmp_path, monkeypatch):
     """A stubbed metric: every model with an exclusion meets the target. One trial, then stop."""
+    without_structural_seeds(monkeypatch)
     measured = tune.measure_candidate
 
     def exclusions_meet_it(float_model, quant_model, *args, **kwargs):
@@ -291,6 +301,7 @@ def test_the_search_stops_as_soon_as_the_target_is_met(cnn, tmp_path, monkeypatc
 def test_an_exclusion_onnxruntime_still_runs_int8_is_never_kept(cnn, tmp_path, monkeypatch):
     """The first block's node is reported int8 even after float_inputs (a stub of honoured):
     however much it helps, the next trial does not build on it."""
+    without_structural_seeds(monkeypatch)
     real = tune.honoured
 
     def first_stays_int8(model, path, level, excluded, given):

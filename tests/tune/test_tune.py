@@ -22,7 +22,16 @@ import graphscan_ort.shared.files
 import graphscan_ort.shared.inputs
 import graphscan_ort.tune.candidates as candidates
 import graphscan_ort.tune.command as tune
-from tests.helpers import INTERRUPT_AT, TERMINATE_AT, error_line, json_answer, main_error_line, run_graphscan
+from tests.helpers import (
+    INTERRUPT_AT,
+    TERMINATE_AT,
+    error_line,
+    json_answer,
+    main_error_line,
+    run_graphscan,
+    searched,
+    without_structural_seeds,
+)
 from tests.lab import Case
 
 
@@ -54,7 +63,10 @@ def test_the_answer_has_the_issues_keys_and_writes_two_files(tuned):
         "model", "environment", "calibration", "evaluation", "float", "prepare", "candidates",
         "metric", "target", "target_sqnr_db", "latency", "chosen", "reached", "written", "warnings", "output",
     ]  # fmt: skip
-    assert answer["written"] == ["model.onnx", "prepared.onnx"] and answer["warnings"] == []
+    assert answer["written"] == ["model.onnx", "prepared.onnx"]
+    assert answer["warnings"] == [  # one held-out sample: the verdict says how little it rests on
+        "the verdict rests on 1 evaluation sample (fewer than 8): give more held-out --inputs"
+    ]
     assert answer["metric"] == {"name": "sqnr"} and answer["target"]["source"] == "defaults"
     assert sorted(p.name for p in tuned["out"].iterdir()) == ["model.onnx", "prepared.onnx"]
     umask = os.umask(0)
@@ -301,6 +313,7 @@ def test_exclusions_are_realized_by_the_quantizer_and_measured(tuned, tmp_path, 
     model re-quantized and measured as deployed; an addition stays only when it helps, and
     the most accurate model is chosen (reached false). impact's own ranking is tested with
     impact; here it is fixed, so the search is what is tested."""
+    without_structural_seeds(monkeypatch)  # the search alone; seeds are tested in test_seeds.py
     convs = [n.name for n in onnx.load(tuned["float"]).graph.node if n.op_type == "Conv"]
     ranking = {"ops": [{"node": name, "gain_db": 1.0} for name in convs] + [{"node": "noise", "gain_db": 1e-9}]}
     monkeypatch.setattr(tune, "impact_of", lambda *args, **kwargs: ranking)
@@ -326,7 +339,7 @@ def test_exclusions_are_realized_by_the_quantizer_and_measured(tuned, tmp_path, 
     kept, kept_sqnr = [], start["sqnr_db"]  # the search starts from the most accurate candidate
     blocks = set()
     for row in tried:
-        excluded = row["quantize_static"]["nodes_to_exclude"]
+        excluded = searched(row)  # the seeds kept float in every row apart
         assert excluded == [*kept, *row["trial"]["added"]]  # what helped so far, plus one block
         assert "noise" not in excluded and set(excluded) <= set(convs)  # never the 1e-9 dB "gain"
         assert max_exclude is None or len(excluded) <= max_exclude
@@ -335,7 +348,7 @@ def test_exclusions_are_realized_by_the_quantizer_and_measured(tuned, tmp_path, 
         if row["sqnr_db"] > kept_sqnr and "int8" not in row["excluded"].values():
             kept, kept_sqnr = excluded, row["sqnr_db"]
     if max_exclude == 1 and kept:  # no room left after the first node that helped
-        assert tried[-1]["quantize_static"]["nodes_to_exclude"] == kept
+        assert searched(tried[-1]) == kept
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.onnx", "prepared.onnx"]
 
 

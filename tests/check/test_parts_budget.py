@@ -1,0 +1,92 @@
+"""check --min-sqnr judges the worst part of each output (issue 33): on a detector whose
+output joins box pixels and class probabilities, onnxruntime's defaults collapse the
+probabilities, which the pooled SQNR hides. Expected figures come from numpy on the two
+models' outputs, with the partition known from how the model was built."""
+
+import math
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import numpy_helper
+
+import graphscan
+from tests import yolo_like
+
+
+@pytest.fixture(scope="module")
+def detector(tmp_path_factory):
+    """A YOLO-like float model, its onnxruntime-defaults quantization, and samples."""
+    folder = tmp_path_factory.mktemp("detector")
+    float_path, quant_path = folder / "float.onnx", folder / "quant.onnx"
+    yolo_like.yolo_like(float_path)
+    paths = yolo_like.samples(folder, 3)
+    yolo_like.quantized_with_defaults(float_path, quant_path, paths)
+    return float_path, quant_path, paths
+
+
+def outputs(path, paths):
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return [session.run(None, dict(np.load(p)))[0].astype(np.float64) for p in paths]
+
+
+def sqnr(f, q):
+    return 10 * math.log10(np.sum(f**2) / np.sum((f - q) ** 2))
+
+
+def test_min_sqnr_is_the_worst_parts_and_names_it(detector):
+    float_path, quant_path, paths = detector
+    answer = graphscan.check(str(quant_path), float_path=str(float_path), min_sqnr=20.0, inputs=[str(paths[0])])
+    (row,) = answer["budgets"]
+    f, q = outputs(float_path, paths[:1])[0], outputs(quant_path, paths[:1])[0]
+    boxes, probs = sqnr(f[:, :4], q[:, :4]), sqnr(f[:, 4:], q[:, 4:])
+    assert probs < boxes  # the probabilities collapsed, the boxes did not
+    assert row["value"] == pytest.approx(probs, abs=1e-6)
+    assert row["worst_part"] == {"output": "output0", "part": 1, "node": "cls_sigmoid"}
+    assert row["pooled_sqnr_db"] == pytest.approx(sqnr(f, q), abs=1e-6)
+    assert row["pooled_sqnr_db"] > row["value"] + 10  # what one pooled figure hid
+    assert not row["ok"] and not answer["ok"]
+
+
+def test_min_levels_names_the_tensor_and_part_that_spans_the_fewest_steps(detector):
+    """Independent: the class probabilities' float range over the Q's scale after the Concat."""
+    float_path, quant_path, paths = detector
+    answer = graphscan.check(str(quant_path), float_path=str(float_path), min_levels=16, inputs=[str(p) for p in paths])
+    (row,) = answer["budgets"]
+    quant = onnx.load(quant_path)
+    (q,) = [n for n in quant.graph.node if n.op_type == "QuantizeLinear" and n.input[0].startswith("output0")]
+    scale = float(numpy_helper.to_array(next(i for i in quant.graph.initializer if i.name == q.input[1])))
+    probs = np.concatenate([f[:, 4:] for f in outputs(float_path, paths)], axis=None)
+    assert row["value"] == pytest.approx((probs.max() - probs.min()) / scale, rel=1e-6)
+    assert row["value"] < 1 and not row["ok"]
+    assert row["tensor"] == q.input[0]
+    assert row["part"] == {"part": 1, "node": "cls_sigmoid"}
+
+
+def test_min_levels_holds_where_the_concat_is_kept_float(detector, tmp_path):
+    from onnxruntime.quantization import QuantFormat, quantize_static
+
+    from tests.helpers import calibration_reader
+
+    float_path, _, paths = detector
+    fixed = tmp_path / "fixed.onnx"
+    reader = calibration_reader(paths)
+    quantize_static(str(float_path), str(fixed), reader, quant_format=QuantFormat.QDQ, nodes_to_exclude=["head_concat"])
+    answer = graphscan.check(str(fixed), float_path=str(float_path), min_levels=16, inputs=[str(p) for p in paths])
+    assert answer["budgets"][0]["value"] > 16 and answer["ok"]
+
+
+def test_min_levels_needs_the_float_model(detector):
+    _, quant_path, _ = detector
+    with pytest.raises(graphscan.GraphscanError, match="min-levels needs --float"):
+        graphscan.check(str(quant_path), min_levels=16)
+
+
+def test_top1_is_refused_on_an_output_that_joins_parts(detector):
+    float_path, quant_path, paths = detector
+    with pytest.raises(graphscan.GraphscanError, match="output 'output0' joins 2 parts") as raised:
+        graphscan.check(
+            str(quant_path), float_path=str(float_path), min_metric=0.9, metric="top1", inputs=[str(paths[0])]
+        )
+    assert raised.value.exit_code == 2

@@ -1,0 +1,202 @@
+"""Parts of a tensor (graphscan_ort/shared/parts.py): the elements a Concat joined, traced
+through Concat, Split, Reshape, Transpose, Squeeze and Unsqueeze, and the output SQNR judged
+by its worst part. Every expected partition is written by hand from how the model was built,
+and every SQNR computed in numpy from the two models' outputs."""
+
+import math
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from graphscan_ort.shared import metrics, parts, sessions
+
+
+def model_of(nodes, inputs, output, shape, inits=(), opset=17):
+    graph = helper.make_graph(
+        nodes,
+        "parts",
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, s) for name, s in inputs.items()],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, shape)],
+        list(inits),
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def const(name, values):
+    return numpy_helper.from_array(np.asarray(values, dtype=np.int64), name)
+
+
+def labels_of(model, output, feeds):
+    return parts.TensorParts(model, [output]).labels(feeds)[output]
+
+
+def test_a_concat_on_axis_1_labels_its_inputs_rows():
+    model = model_of(
+        [
+            helper.make_node("Relu", ["a"], ["ra"], name="boxes"),
+            helper.make_node("Sigmoid", ["b"], ["sb"], name="probs"),
+            helper.make_node("Concat", ["ra", "sb"], ["y"], name="cat", axis=1),
+        ],
+        {"a": [1, 4, 6], "b": [1, 3, 6]},
+        "y",
+        [1, 7, 6],
+    )
+    found = parts.TensorParts(model, ["y"])
+    feeds = {"a": np.zeros((1, 4, 6), np.float32), "b": np.zeros((1, 3, 6), np.float32)}
+    expected = np.zeros((1, 7, 6), np.int64)
+    expected[:, 4:, :] = 1
+    np.testing.assert_array_equal(found.labels(feeds)["y"], expected)
+    assert found.sources["y"] == ["boxes", "probs"]
+
+
+def test_parts_follow_reshape_and_transpose_index_by_index():
+    """y = Transpose(Reshape(Concat(a, b, axis=0), [2, 5]), [1, 0]): a's 4 values then b's 6,
+    laid out row-major in a 2x5, then transposed."""
+    model = model_of(
+        [
+            helper.make_node("Neg", ["a"], ["na"], name="from_a"),
+            helper.make_node("Abs", ["b"], ["nb"], name="from_b"),
+            helper.make_node("Concat", ["na", "nb"], ["c"], name="cat", axis=0),
+            helper.make_node("Reshape", ["c", "shape"], ["r"], name="reshape"),
+            helper.make_node("Transpose", ["r"], ["y"], name="transpose", perm=[1, 0]),
+        ],
+        {"a": [4], "b": [6]},
+        "y",
+        [5, 2],
+        [const("shape", [2, 5])],
+    )
+    flat = np.array([0] * 4 + [1] * 6)
+    expected = flat.reshape(2, 5).T
+    np.testing.assert_array_equal(
+        labels_of(model, "y", {"a": np.zeros(4, np.float32), "b": np.zeros(6, np.float32)}), expected
+    )
+
+
+def test_a_split_then_concat_in_the_other_order_gives_two_parts():
+    """x split in halves and joined back reversed: the first half of y is x's second half."""
+    model = model_of(
+        [
+            helper.make_node("Relu", ["x"], ["rx"], name="relu"),
+            helper.make_node("Split", ["rx", "sizes"], ["lo", "hi"], name="split", axis=0),
+            helper.make_node("Concat", ["hi", "lo"], ["u"], name="cat", axis=0),
+            helper.make_node("Unsqueeze", ["u", "axes"], ["y"], name="unsqueeze"),
+        ],
+        {"x": [6]},
+        "y",
+        [1, 6],
+        [const("sizes", [2, 4]), const("axes", [0])],
+    )
+    found = parts.TensorParts(model, ["y"])
+    np.testing.assert_array_equal(found.labels({"x": np.zeros(6, np.float32)})["y"], [[0, 0, 0, 0, 1, 1]])
+    assert found.sources["y"] == ["relu", "relu"]
+
+
+def test_nested_concats_give_each_innermost_input_its_own_part():
+    model = model_of(
+        [
+            helper.make_node("Concat", ["a", "b"], ["ab"], name="inner", axis=0),
+            helper.make_node("Concat", ["ab", "c"], ["y"], name="outer", axis=0),
+        ],
+        {"a": [1], "b": [2], "c": [3]},
+        "y",
+        [6],
+    )
+    feeds = {k: np.zeros(n, np.float32) for k, n in (("a", 1), ("b", 2), ("c", 3))}
+    np.testing.assert_array_equal(labels_of(model, "y", feeds), [0, 1, 1, 2, 2, 2])
+
+
+@pytest.mark.parametrize(
+    "op",
+    [pytest.param("Add", id="add-stops-the-trace"), pytest.param("Identity", id="identity-stops-the-trace")],
+)
+def test_any_other_operator_stops_the_trace(op):
+    inputs = ["c", "c"] if op == "Add" else ["c"]
+    model = model_of(
+        [helper.make_node("Concat", ["a", "b"], ["c"], name="cat", axis=0), helper.make_node(op, inputs, ["y"])],
+        {"a": [2], "b": [2]},
+        "y",
+        [4],
+    )
+    found = parts.TensorParts(model, ["y"])
+    assert found.labels({"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)})["y"] is None  # one part
+
+
+def two_part_model(scale):
+    """y = Concat(boxes = x * scale, probs = Sigmoid(x)) on axis 0; q: the same with probs
+    rounded to a step of 1.27, as one int8 scale set by the boxes would."""
+    return model_of(
+        [
+            helper.make_node("Mul", ["x", "scale"], ["boxes"], name="box_pixels"),
+            helper.make_node("Sigmoid", ["x"], ["probs"], name="cls_sigmoid"),
+            helper.make_node("Concat", ["boxes", "probs"], ["y"], name="cat", axis=0),
+        ],
+        {"x": [8]},
+        "y",
+        [16],
+        [numpy_helper.from_array(np.array(scale, np.float32), "scale")],
+    )
+
+
+def test_the_worst_part_is_heard_where_the_pooled_sqnr_is_not():
+    """A collapsed probability part hides under the boxes' energy in the pooled figure."""
+    x = np.linspace(-3, 3, 8).astype(np.float32)
+    float_model = two_part_model(100.0)
+    f = np.concatenate([x * 100.0, 1 / (1 + np.exp(-x))]).astype(np.float64)
+    q = f.copy()
+    q[:8] += 0.4  # a box error of 0.4 pixels
+    q[8:] = np.round(q[8:] / 1.27) * 1.27  # every probability 0 or 1.27
+    layout = metrics.output_layout(float_model, ["y"], [{"x": x}])
+    figures = metrics.OutputNoise([[f]], layout).figures([[q]])
+    box_db = 10 * math.log10(np.sum(f[:8] ** 2) / np.sum((f[:8] - q[:8]) ** 2))
+    prob_db = 10 * math.log10(np.sum(f[8:] ** 2) / np.sum((f[8:] - q[8:]) ** 2))
+    pooled_db = 10 * math.log10(np.sum(f**2) / np.sum((f - q) ** 2))
+    assert prob_db < box_db
+    assert figures.worst_db == pytest.approx(prob_db)
+    assert figures.worst_part == {"output": "y", "part": 1, "node": "cls_sigmoid"}
+    assert figures.pooled_db == pytest.approx(pooled_db)
+    assert pooled_db > prob_db + 20  # what the pooled figure missed
+
+
+def test_an_exact_part_is_never_the_worst_and_all_exact_is_exact():
+    x = np.linspace(-3, 3, 8).astype(np.float32)
+    layout = metrics.output_layout(two_part_model(10.0), ["y"], [{"x": x}])
+    f = np.arange(1, 17, dtype=np.float64)
+    q = f.copy()
+    q[3] += 1.0  # only the first part moved
+    figures = metrics.OutputNoise([[f]], layout).figures([[q]])
+    assert figures.worst_part["part"] == 0 and not figures.exact
+    assert metrics.OutputNoise([[f]], layout).figures([[f]]) == metrics.SqnrFigures(None, None, None, True)
+
+
+def test_labels_are_the_runtimes_and_kept_per_input_shape(monkeypatch):
+    model = model_of(
+        [helper.make_node("Concat", ["a", "b"], ["y"], name="cat", axis=1)],
+        {"a": [1, "n"], "b": [1, 2]},
+        "y",
+        [1, None],
+    )
+    found = parts.TensorParts(model, ["y"])
+    runs = []
+    real = parts.run_model
+    monkeypatch.setattr(parts, "run_model", lambda *args: runs.append(1) or real(*args))
+    for n in (3, 3, 5):
+        labels = found.labels({"a": np.zeros((1, n), np.float32), "b": np.zeros((1, 2), np.float32)})["y"]
+        np.testing.assert_array_equal(labels, [[0] * n + [1, 1]])
+    assert len(runs) == 2  # once per shape
+
+
+def test_a_model_before_opset_9_is_one_part_per_output():
+    model = model_of(
+        [helper.make_node("Concat", ["a", "b"], ["y"], name="cat", axis=0)], {"a": [2], "b": [2]}, "y", [4], opset=8
+    )
+    found = parts.TensorParts(model, ["y"])
+    assert found.labels({"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)})["y"] is None
+
+
+def test_the_labelled_copy_leaves_the_model_alone():
+    model = two_part_model(1.0)
+    before = model.SerializeToString()
+    parts.TensorParts(model, ["y"]).labels({"x": np.zeros(8, np.float32)})
+    assert model.SerializeToString() == before
+    assert sessions.run_model(model, {"x": np.zeros(8, np.float32)}, "m")[0].shape == (16,)

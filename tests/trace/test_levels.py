@@ -1,0 +1,85 @@
+"""trace's ``levels`` (issue 33): per row whose output is quantized, the float range of the
+output's worst part in steps of that Q's scale. On a detector that concatenates box pixels
+and class probabilities under one scale, the probabilities span less than one step. The
+expected values are numpy's, on the float model's own tensors, with the scale read from
+the quantized file."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+import graphscan
+from tests import yolo_like
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("levels")
+    float_path, quant_path = folder / "float.onnx", folder / "quant.onnx"
+    yolo_like.yolo_like(float_path)
+    paths = yolo_like.samples(folder, 3)
+    quant = yolo_like.quantized_with_defaults(float_path, quant_path, paths)
+    answer = graphscan.trace(str(float_path), str(quant_path), inputs=str(paths[0]))
+    return float_path, quant, paths[0], {row["node"]: row for row in answer["ops"]}
+
+
+def float_tensors(float_path, names, sample):
+    model = onnx.load(float_path)
+    del model.graph.output[:]
+    model.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip(names, session.run(names, dict(np.load(sample))), strict=True))
+
+
+def output_scale(quant, tensor):
+    (q,) = [n for n in quant.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == tensor]
+    scales = {i.name: numpy_helper.to_array(i) for i in quant.graph.initializer}
+    return float(scales[q.input[1]])
+
+
+def test_the_concats_levels_are_the_probabilities_range_in_steps_of_its_scale(traced):
+    float_path, quant, sample, rows = traced
+    values = float_tensors(float_path, ["output0"], sample)
+    probs = values["output0"][:, 4:]
+    expected = (probs.max() - probs.min()) / output_scale(quant, "output0_QuantizeLinear_Input")
+    assert expected < 1  # every probability is 0 or one step
+    assert rows["head_concat"]["levels"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_tensor_of_one_part_spans_its_whole_range(traced):
+    float_path, quant, sample, rows = traced
+    b = float_tensors(float_path, ["b"], sample)["b"]
+    assert rows["box_conv"]["levels"] == pytest.approx((b.max() - b.min()) / output_scale(quant, "b"), rel=1e-6)
+
+
+def test_a_row_whose_output_is_not_quantized_has_no_levels(tmp_path):
+    float_path, quant_path = tmp_path / "f.onnx", tmp_path / "q.onnx"
+    yolo_like.yolo_like(float_path)
+    paths = yolo_like.samples(tmp_path, 2)
+    from onnxruntime.quantization import QuantFormat, quantize_static
+
+    from tests.helpers import calibration_reader
+
+    quantize_static(
+        str(float_path),
+        str(quant_path),
+        calibration_reader(paths),
+        quant_format=QuantFormat.QDQ,
+        nodes_to_exclude=["head_concat"],
+    )
+    rows = {r["node"]: r for r in graphscan.trace(str(float_path), str(quant_path), inputs=str(paths[0]))["ops"]}
+    assert rows["head_concat"]["levels"] is None
+
+
+def test_the_table_leads_with_the_parts_that_span_few_levels(traced):
+    from graphscan_ort.commands.trace import trace_table
+
+    *_, rows = traced
+    answer = {"a": "f", "b": "q", "inputs": {}, "defaulted": [], "outputs": {}, "worst_isolated": None}
+    answer |= {"first_over": None, "unmatched": [], "ops": list(rows.values())}
+    table = trace_table(answer, None)
+    first = table.split("\n\n")[1]
+    assert first.splitlines()[0].startswith("ops whose output's worst part spans under 16 levels")
+    assert "head_concat" in first and "box_conv" not in first

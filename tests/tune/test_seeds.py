@@ -1,0 +1,233 @@
+"""tune, faithful to the task (issue 33): on a YOLO-like detector whose output Concat joins box
+pixels and class probabilities, onnxruntime's defaults collapse the probabilities under one
+scale. tune must see it (every such row names the broken part), reach the fix that is free
+in speed (the output's producer kept float), and never say "reached" about a collapsed model.
+The written model is judged by numpy on its own outputs, with the partition known from how
+the model was built."""
+
+import json
+import math
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from graphscan_ort.shared.agreement import DEFAULT_TARGET_FLOOR_DB
+from graphscan_ort.tune import seeds
+from graphscan_ort.tune.verdict import WORST_PART_FLOOR_DB
+from tests import yolo_like
+from tests.helpers import json_answer, run_graphscan
+
+
+@pytest.fixture(scope="module")
+def detector(tmp_path_factory):
+    """The detector (width 32: its int8 files are smaller than float), 4 calibration samples
+    and 8 held-out ones."""
+    folder = tmp_path_factory.mktemp("detector")
+    float_path = folder / "float.onnx"
+    yolo_like.yolo_like(float_path, width=32)
+    (folder / "cal").mkdir()
+    (folder / "eval").mkdir()
+    calibration = yolo_like.samples(folder / "cal", 4, seed=1)
+    evaluation = yolo_like.samples(folder / "eval", 8, seed=2)
+    return {"float": float_path, "calibration": calibration, "evaluation": evaluation, "folder": folder}
+
+
+def tune_args(detector, out, *more):
+    calibrate = [a for c in detector["calibration"] for a in ("--calibrate", c)]
+    inputs = ["--inputs", detector["folder"] / "eval"]
+    return ["tune", detector["float"], *calibrate, *inputs, "--out", out, "--min-speedup", "0", "--runs", "2", *more]
+
+
+@pytest.fixture(scope="module")
+def tuned(detector):
+    out = detector["folder"] / "out"
+    proc = run_graphscan(tune_args(detector, out))
+    return {"answer": json_answer(proc), "code": proc.returncode, "out": out}
+
+
+def outputs(path, samples):
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return [session.run(None, dict(np.load(s)))[0].astype(np.float64) for s in samples]
+
+
+def class_part_sqnr(f, q):
+    return 10 * math.log10(np.sum(f[:, 4:] ** 2) / np.sum((f[:, 4:] - q[:, 4:]) ** 2))
+
+
+def test_the_written_model_keeps_its_class_scores(detector, tuned):
+    """Exit 0 is a promise: the class probabilities of the written model are not collapsed."""
+    answer = tuned["answer"]
+    assert tuned["code"] == 0 and answer["reached"]
+    floats = outputs(detector["float"], detector["evaluation"])
+    written = outputs(tuned["out"] / "model.onnx", detector["evaluation"])
+    f, q = np.concatenate(floats), np.concatenate(written)
+    assert class_part_sqnr(f, q) > WORST_PART_FLOOR_DB
+    assert len(np.unique(np.round(q[:, 4:], 6))) > 16  # not two values
+
+
+def test_every_collapsed_row_names_its_broken_part_and_is_never_chosen(tuned):
+    answer = tuned["answer"]
+    broken = [c for c in answer["candidates"] if c["broken_parts"]]
+    assert broken  # onnxruntime's defaults among them
+    for row in broken:
+        assert {(p["output"], p["part"], p["node"]) for p in row["broken_parts"]} == {("output0", 1, "cls_sigmoid")}
+        assert row["id"] != answer["chosen"]
+    default = next(c for c in broken if c["quantize_static"]["activation_type"] == "QInt8")
+    assert default["worst_part"] == {"output": "output0", "part": 1, "node": "cls_sigmoid"}
+    assert default["levels"]["value"] < 1 and default["levels"]["part"] == 1
+
+
+def test_the_default_target_is_the_floor_where_onnxruntimes_defaults_are_poor(tuned):
+    answer = tuned["answer"]
+    assert answer["target"] == {"value": DEFAULT_TARGET_FLOOR_DB, "source": "floor"}
+    assert "output0 part 1 (from cls_sigmoid)" in answer["warnings"][0]
+
+
+def test_the_output_producer_kept_float_is_tried_and_chosen(tuned):
+    answer = tuned["answer"]
+    chosen = next(c for c in answer["candidates"] if c["id"] == answer["chosen"])
+    assert chosen["kept_float"] == [{"node": "head_concat", "why": "outputs"}]
+    assert chosen["quantize_static"]["nodes_to_exclude"] == ["head_concat"]
+    assert chosen["excluded"] == {"head_concat": "float"} and chosen["broken_parts"] == []
+
+
+def test_each_rows_spread_is_its_metric_sample_by_sample(detector, tuned):
+    """metric_worst and metric_spread of the chosen row: the worst part's SQNR of each held-out
+    sample alone, computed in numpy on the written model."""
+    answer = tuned["answer"]
+    chosen = next(c for c in answer["candidates"] if c["id"] == answer["chosen"])
+    samples = sorted((detector["folder"] / "eval").glob("*.npz"))
+    per_sample = []
+    for f, q in zip(outputs(detector["float"], samples), outputs(tuned["out"] / "model.onnx", samples), strict=True):
+        parts = [
+            10 * math.log10(np.sum(f[:, rows] ** 2) / np.sum((f[:, rows] - q[:, rows]) ** 2))
+            for rows in (slice(0, 4), slice(4, None))
+        ]
+        per_sample.append(min(parts))
+    assert chosen["metric_worst"]["value"] == pytest.approx(min(per_sample), abs=1e-6)
+    assert per_sample[chosen["metric_worst"]["sample"]] == pytest.approx(min(per_sample), abs=1e-6)
+    expected = np.percentile(per_sample, [25, 75], method="nearest")
+    np.testing.assert_allclose(chosen["metric_spread"], expected, atol=1e-6)
+
+
+def test_user_seeds_go_into_every_row_and_a_metrics_events_are_reported(detector, tmp_path):
+    metric = tmp_path / "boxes.py"
+    metric.write_text(
+        "import numpy as np\n"
+        "def agree(reference, candidate):\n"
+        "    f = np.concatenate([r['output0'] for r in reference])\n"
+        "    q = np.concatenate([c['output0'] for c in candidate])\n"
+        "    fired = f[:, 4:] > 0.5\n"
+        "    return float(np.mean((q[:, 4:] > 0.5) == fired)), int(fired.sum())\n"
+    )
+    proc = run_graphscan(
+        tune_args(detector, tmp_path / "out", "--keep-outputs-float", "--metric", f"{metric}:agree", "--target", "0.5")
+    )
+    answer = json_answer(proc)
+    measured = [c for c in answer["candidates"] if c["error"] is None]
+    assert all("head_concat" in c["quantize_static"]["nodes_to_exclude"] for c in measured)
+    assert all({"node": "head_concat", "why": "--keep-outputs-float"} in c["kept_float"] for c in measured)
+    fired = sum(int((f[:, 4:] > 0.5).sum()) for f in outputs(detector["float"], detector["evaluation"]))
+    assert all(c["metric_events"] == fired for c in measured)
+    assert answer["evaluation"]["events"] == fired
+
+
+def test_an_unknown_node_to_exclude_is_a_usage_error(detector, tmp_path):
+    proc = run_graphscan(tune_args(detector, tmp_path / "out", "--exclude", "no_such_node"))
+    assert proc.returncode == 2
+    assert proc.stderr.decode().strip().endswith("has no node of that name")
+    assert not (tmp_path / "out").exists()
+
+
+def concat_of(low, high):
+    """y = Concat(a * low, b * high): inputs whose ranges are ``low`` and ``high`` wide on [0, 1) inputs."""
+    nodes = [
+        helper.make_node("Mul", ["a", "low"], ["la"], name="narrow"),
+        helper.make_node("Mul", ["b", "high"], ["hb"], name="wide"),
+        helper.make_node("Concat", ["la", "hb"], ["y"], name="cat", axis=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "concat",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4]) for n in ("a", "b")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8])],
+        [
+            helper.make_tensor("low", TensorProto.FLOAT, [], [low]),
+            helper.make_tensor("high", TensorProto.FLOAT, [], [high]),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "wide"),
+    [
+        pytest.param(1.0, 320.0, True, id="pixels-and-probabilities"),
+        pytest.param(1.0, 15.0, False, id="within-the-factor"),
+        pytest.param(320.0, 1.0, True, id="either-order"),
+    ],
+)
+def test_a_concat_is_wide_when_its_inputs_ranges_differ_by_more_than_the_factor(low, high, wide):
+    samples = [{"a": np.linspace(0, 1, 4, dtype=np.float32), "b": np.linspace(0, 1, 4, dtype=np.float32)}]
+    assert seeds.wide_concats(concat_of(low, high), samples, "m.onnx") == (["cat"] if wide else [])
+    assert (max(low, high) / min(low, high) > seeds.WIDE_CONCAT_FACTOR) == wide
+
+
+def test_the_answer_is_strict_json_with_the_new_keys_in_place(tuned):
+    row = tuned["answer"]["candidates"][0]
+    keys = list(row)
+    assert keys.index("kept_float") == keys.index("rewrites") + 1
+    assert keys[keys.index("sqnr_db") : keys.index("sqnr_db") + 3] == ["sqnr_db", "pooled_sqnr_db", "worst_part"]
+    for key in ("metric_events", "metric_worst", "metric_spread", "levels", "broken_parts"):
+        assert key in row
+    json.dumps(tuned["answer"], allow_nan=False)
+
+
+def test_the_search_tries_the_worst_parts_neighbourhood_first(tmp_path):
+    """blocks.part_blocks: the node the worst part comes from, then with its nearest upstream
+    operators (breadth first); nothing on a model whose outputs are one part."""
+    from graphscan_ort.tune.blocks import part_blocks
+
+    model = yolo_like.yolo_like(tmp_path / "d.onnx")
+    blocks = part_blocks(model, "cls_sigmoid", frozenset())
+    assert [b.nodes for b in blocks] == [
+        ("cls_sigmoid",),
+        ("cls_sigmoid", "cls_conv"),
+        ("cls_sigmoid", "cls_conv", "relu2", "conv2"),
+    ]
+    assert all(b.kind == "part" for b in blocks)
+    assert [b.nodes for b in part_blocks(model, "cls_sigmoid", frozenset({"cls_conv"}))][1] == ("cls_sigmoid", "relu2")
+    single = onnx.load(tmp_path / "d.onnx")
+    single.graph.node.pop()  # the Concat: its one output is now the class branch alone
+    single.graph.output[0].name = "probs"
+    assert part_blocks(single, "cls_sigmoid", frozenset()) == []
+
+
+def test_a_part_below_either_floor_is_broken(tmp_path):
+    """verdict.py on its own: the worst part's SQNR against 6 dB, and the levels of each part
+    of an output's quantized tensor against 16 (the class part under one scale: under 1)."""
+    from graphscan_ort.engines.levels import FloatRanges
+    from graphscan_ort.tune.verdict import levels_figures, sqnr_broken
+
+    part = {"output": "y", "part": 1, "node": "n"}
+    assert sqnr_broken(WORST_PART_FLOOR_DB - 0.1, part) == [{**part, "why": "SQNR 5.9 dB (floor 6 dB)"}]
+    assert sqnr_broken(WORST_PART_FLOOR_DB + 0.1, part) == [] and sqnr_broken(None, part) == []
+    float_model = yolo_like.yolo_like(tmp_path / "f.onnx", width=32)
+    paths = yolo_like.samples(tmp_path, 3)
+    ranges = FloatRanges(float_model, [dict(np.load(p)) for p in paths], "f.onnx")
+    collapsed = yolo_like.quantized_with_defaults(tmp_path / "f.onnx", tmp_path / "q.onnx", paths)
+    levels, broken = levels_figures(collapsed, ranges)
+    assert [(b["output"], b["part"], b["node"]) for b in broken] == [("output0", 1, "cls_sigmoid")]
+    assert levels["value"] < 1 and "levels of its scale (floor 16)" in broken[0]["why"]
+
+
+def test_a_low_target_is_never_reached_by_a_collapsed_model(detector, tmp_path):
+    """Every candidate meets a target of 0 dB; only one whose parts are whole may be chosen."""
+    proc = run_graphscan(tune_args(detector, tmp_path / "out", "--target-sqnr", "0"))
+    answer = json_answer(proc)
+    chosen = next(c for c in answer["candidates"] if c["id"] == answer["chosen"])
+    assert proc.returncode == 0 and answer["reached"]
+    assert chosen["broken_parts"] == [] and chosen["kept_float"] == [{"node": "head_concat", "why": "outputs"}]
