@@ -686,3 +686,13 @@ def test_candidates_are_listed_pareto_first_then_by_speedup_and_refused_last(tun
         listed = tune.listing_order(rows)
         assert sorted(r["id"] for r in listed) == list(range(12))
         assert_listed_in_order(listed)
+
+
+def test_every_step_that_failed_is_shown_whole_below_the_table(tuned):
+    """A failed prepare step's reason is in the notes whatever its length: a column cuts it."""
+    step = {"step": "opset", "ok": False, "detail": "the opset converter refused (short)", "max_abs_error": None}
+    passed = {"step": "names", "ok": True, "detail": "3 nodes named", "max_abs_error": 0.0}
+    text = graphscan.render_table("tune", {**tuned["answer"], "prepare": [step, passed]})
+    notes = text.split("in full:\n", 1)[1]
+    assert "opset: the opset converter refused (short)" in notes
+    assert "names: 3 nodes named" not in notes  # what passed, short, is whole in its column
