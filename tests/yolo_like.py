@@ -73,3 +73,14 @@ def quantized_with_defaults(float_path, out_path, sample_paths):
 
     quantize_static(str(float_path), str(out_path), calibration_reader(sample_paths), quant_format=QuantFormat.QDQ)
     return onnx.load(out_path)
+
+
+def collapsed_detector(folder, count=3):
+    """The detector, onnxruntime's defaults' quantization of it (one scale over its output
+    Concat: the class scores collapse) and ``count`` seeded samples, in ``folder``:
+    ``(float_path, quant_path, sample_paths)``."""
+    float_path, quant_path = folder / "float.onnx", folder / "quant.onnx"
+    yolo_like(float_path)
+    paths = samples(folder, count)
+    quantized_with_defaults(float_path, quant_path, paths)
+    return float_path, quant_path, paths

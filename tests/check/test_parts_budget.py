@@ -18,12 +18,7 @@ from tests import yolo_like
 @pytest.fixture(scope="module")
 def detector(tmp_path_factory):
     """A YOLO-like float model, its onnxruntime-defaults quantization, and samples."""
-    folder = tmp_path_factory.mktemp("detector")
-    float_path, quant_path = folder / "float.onnx", folder / "quant.onnx"
-    yolo_like.yolo_like(float_path)
-    paths = yolo_like.samples(folder, 3)
-    yolo_like.quantized_with_defaults(float_path, quant_path, paths)
-    return float_path, quant_path, paths
+    return yolo_like.collapsed_detector(tmp_path_factory.mktemp("detector"))
 
 
 def outputs(path, paths):

@@ -16,11 +16,9 @@ from tests import yolo_like
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("levels")
-    float_path, quant_path = folder / "float.onnx", folder / "quant.onnx"
-    yolo_like.yolo_like(float_path)
-    paths = yolo_like.samples(folder, 3)
-    quant = yolo_like.quantized_with_defaults(float_path, quant_path, paths)
+    """trace of onnxruntime's defaults on the detector, rows by node, with the models and sample."""
+    float_path, quant_path, paths = yolo_like.collapsed_detector(tmp_path_factory.mktemp("levels"))
+    quant = onnx.load(quant_path)
     answer = graphscan.trace(str(float_path), str(quant_path), inputs=str(paths[0]))
     return float_path, quant, paths[0], {row["node"]: row for row in answer["ops"]}
 
