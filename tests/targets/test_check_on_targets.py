@@ -1,4 +1,5 @@
-"""check --cpu: the budgets that run the model, measured as a CPU target computes them.
+"""check --cpu: the budgets that run the model, measured as a CPU target computes them
+(and trace --cpu, which takes only native for now).
 
 Without an install the fast tests hold the option's contract: ``native`` is today's
 answer byte for byte, a missing or unknown target is one line, ``--cpu`` without a
@@ -97,6 +98,20 @@ def test_cpu_without_a_budget_that_runs_the_model_is_refused(capsys, target):
     """The graph's counts are the same on every CPU: a target there would be ignored, so it is refused."""
     line = main_error_line(capsys, ["check", QUANT, "--max-float", "3", "--cpu", target], graphscan.EXIT_USAGE)
     assert line == "graphscan: usage: --cpu: only with --min-int8, --min-sqnr, --min-levels or --min-metric"
+
+
+# -- trace takes no target yet: refused, never answered natively in the target's name
+
+
+@pytest.mark.parametrize("target", [pytest.param(t, id=t) for t in targets.TARGETS if t != targets.NATIVE])
+def test_trace_on_a_target_is_not_yet(capsys, target):
+    line = main_error_line(capsys, ["trace", FLOAT, QUANT, "--cpu", target], graphscan.EXIT_USAGE)
+    assert "not yet" in line and f"check --min-sqnr --cpu {target}" in line, line
+
+
+def test_trace_native_is_the_answer_without_cpu(capsys):
+    plain = run_main(capsys, ["trace", FLOAT, QUANT])
+    assert plain == run_main(capsys, ["trace", FLOAT, QUANT, "--cpu", "native"]) and plain[0] == 0, plain
 
 
 # -- the runner's protocol, with this interpreter standing in for a target
