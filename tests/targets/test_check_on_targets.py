@@ -100,6 +100,12 @@ def test_cpu_without_a_budget_that_runs_the_model_is_refused(capsys, target):
     assert line == "graphscan: usage: --cpu: only with --min-int8, --min-sqnr, --min-levels or --min-metric"
 
 
+def test_checks_help_names_every_target():
+    """The core declares --cpu without importing the targets: its help must still name them all."""
+    words = dict(graphscan.CHECK.options)["--cpu"]["help"]
+    assert all(re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", words) for name in targets.TARGETS), words
+
+
 # -- trace takes no target yet: refused, never answered natively in the target's name
 
 
