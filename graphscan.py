@@ -793,6 +793,7 @@ class Budget(TypedDict):
 class CheckAnswer(TypedDict):
     model: str
     float: str | None
+    cpu: NotRequired[dict[str, str]]  # {name, onnxruntime, machine}: with --cpu other than native only
     budgets: list[Budget]
     ok: bool
 
@@ -1095,11 +1096,14 @@ def budget_values(
     samples: Samples,
     level: str = "all",
     chosen: MetricChoice = NO_METRIC,
-) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
-    """The measured value of each budget in ``names`` (the model is read once), and
-    per budget what its row says beside the value (min_metric's metric, min_sqnr's worst part)."""
+    cpu: str = "native",
+) -> tuple[dict[str, float], dict[str, dict[str, Any]], Any]:
+    """The measured value of each budget in ``names`` (the model is read once), per
+    budget what its row says beside the value (min_metric's metric, min_sqnr's worst part),
+    and the facts of the CPU target they ran on (None: native)."""
     values: dict[str, float] = {}
     described: dict[str, dict[str, Any]] = {}
+    facts = None
     measured = [name for name in names if name not in STRUCTURAL_BUDGETS]
     model = None
     if set(STRUCTURAL_BUDGETS) & set(names):
@@ -1117,9 +1121,9 @@ def budget_values(
         options = " and ".join(f"--{name.replace('_', '-')}" for name in measured)
         with package_needed(f"check {options}"):
             from graphscan_ort.commands.check import measurements
-        measured_values, described = measurements(path, measured, float_path, samples, level, model, chosen)
+        measured_values, described, facts = measurements(path, measured, float_path, samples, level, model, chosen, cpu)
         values.update(measured_values)
-    return values, described
+    return values, described, facts
 
 
 def budget_holds(name: str, value: float, limit: float) -> bool:
@@ -1146,13 +1150,14 @@ def check(
     blank: int | None = None,
     min_metric: float | None = None,
     min_levels: float | None = None,
+    cpu: str = "native",
 ) -> CheckAnswer:
     """Measure each budget given (options override the --budget file) and say which hold.
 
     ``float_path``, ``inputs``, ``shape``, ``seed`` and ``level`` apply to the
     budgets that run both models (min_sqnr, min_metric), and ``metric``,
     ``threshold`` and ``blank`` to min_metric: given without them they are a
-    usage error, never ignored."""
+    usage error, never ignored. ``cpu``: the CPU target the measured budgets run on."""
     # The command line's rules, for in-process calls (the command line has applied them already).
     rules = {"inputs": inputs, "shape": shape, "seed": seed, "level": level, "threshold": threshold, "blank": blank}
     checked = in_process_keywords(CHECK, rules)
@@ -1182,10 +1187,15 @@ def check(
     only_with("--min-metric", "min_metric" in limits, {"--metric": metric, "--threshold": threshold, "--blank": blank})
     if "min_metric" in limits and metric is None:
         raise GraphscanError("usage: the min_metric budget needs --metric NAME|FILE.py:FUNCTION", EXIT_USAGE)
+    measured = bool(set(limits) - set(STRUCTURAL_BUDGETS))
+    only_with(
+        "--min-int8, --min-sqnr, --min-levels or --min-metric", measured, {"--cpu": None if cpu == "native" else cpu}
+    )
     check_readable(path)
     names = [name for name in BUDGETS if name in limits]  # a fixed order, whatever the file's
     chosen = MetricChoice(metric, threshold, blank)
-    values, described = budget_values(path, names, float_path, Samples(inputs, shape, seed), level or "all", chosen)
+    samples = Samples(inputs, shape, seed)
+    values, described, facts = budget_values(path, names, float_path, samples, level or "all", chosen, cpu)
     budgets: list[Budget] = []
     for name in names:
         budgets.append(
@@ -1197,7 +1207,10 @@ def check(
             }
         )
         budgets[-1].update(described.get(name, {}))  # type: ignore[typeddict-item]
-    return {"model": path, "float": float_path, "budgets": budgets, "ok": all(b["ok"] for b in budgets)}
+    ok = all(b["ok"] for b in budgets)
+    if facts is None:  # native: the answer's bytes as before --cpu
+        return {"model": path, "float": float_path, "budgets": budgets, "ok": ok}
+    return {"model": path, "float": float_path, "cpu": facts, "budgets": budgets, "ok": ok}
 
 
 # --format table: aligned plain text for people
@@ -1534,7 +1547,8 @@ def generic_table(answer: dict[str, Any], top: int | None) -> str:
 
 def check_table(answer: dict[str, Any], top: int | None) -> str:
     """The budgets, min_metric's naming its metric and parameters."""
-    head = format_fields([("model", answer["model"]), ("float", answer["float"]), ("ok", answer["ok"])])
+    cpu = [("cpu", answer["cpu"]["name"])] if "cpu" in answer else []
+    head = format_fields([("model", answer["model"]), ("float", answer["float"]), *cpu, ("ok", answer["ok"])])
     rows = [[budget_title(b), b["value"], b["limit"], b["ok"]] for b in answer["budgets"]]
     names = {b["name"] for b in answer["budgets"]}
     levels = "\n".join(note for budgets, note in LEVEL_NOTES if names & budgets)
@@ -1949,6 +1963,16 @@ CHECK = Command(
             "--min-sqnr, --min-metric: onnxruntime optimization level both models run at (default: all)",
         ),
         *samples_group(1, samples="many", when="--min-sqnr, --min-levels, --min-metric: "),
+        (
+            "--cpu",
+            {
+                "metavar": "NAME",
+                "default": "native",
+                "help": "--min-int8, --min-sqnr, --min-levels, --min-metric: run the models in onnxruntime built for"
+                " this CPU, emulated: native (default), x86-avx2 or arm64 (install: python -m"
+                " graphscan_ort.shared.targets install)",
+            },
+        ),
     ),
     exit_code=lambda answer: EXIT_OK if answer["ok"] else EXIT_BUDGET,
     table=check_table,
@@ -1985,8 +2009,8 @@ def answer_keys(command: Command) -> tuple[frozenset[str], frozenset[str]]:
     """``(required, all)`` keys of ``command``'s answer (empty without a declared type)."""
     if command.answer is None:
         return frozenset(), frozenset()
-    required = frozenset(command.answer.__required_keys__)
-    return required, required | frozenset(command.answer.__optional_keys__)
+    hints, required = typed_fields(command.answer)  # the core's stringized NotRequired keys too
+    return required, frozenset(hints)
 
 
 # The Python types a JSON value of each annotated type may have (a float may be written 3).

@@ -77,7 +77,7 @@ AREA_TESTS = {
         "tests/loading/test_big_models.py",
     ],
     "runtime": ["tests/runtime/test_runtime.py", "tests/check/test_check.py"],
-    "check": ["tests/check/test_check.py"],
+    "check": ["tests/check/test_check.py", "tests/targets/test_check_on_targets.py"],
     # Issue 33: parts, the worst-part SQNR, levels, tune's seeds and verdict.
     "parts": [
         "tests/shared/test_parts.py",

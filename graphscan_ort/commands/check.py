@@ -1,22 +1,31 @@
 """check's budgets that run the model: the int8 share (runtime), the output SQNR and the
-``--metric`` agreement (shared.agreement)."""
+``--metric`` agreement (shared.agreement), on this CPU or on a CPU target (``--cpu``).
+
+On a target, its own interpreter runs the sessions (``targets.run``): runtime's classes
+for min_int8, both models' outputs for min_sqnr and min_metric (handed back in an .npz
+and measured here by the same code as natively) and the float model's levels for
+min_levels."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import tempfile
 from typing import Any
 
+import numpy as np
 import onnx
 
-from graphscan import NO_METRIC, MetricChoice, Samples, load_with_weights
+from graphscan import EXIT_USAGE, NO_METRIC, GraphscanError, MetricChoice, Samples, load_with_weights
 from graphscan_ort.engines.classify import classify
 from graphscan_ort.engines.levels import lowest_levels, quantized_activations, tensor_levels
 from graphscan_ort.shared.agreement import Metric, metric, paired_value
 from graphscan_ort.shared.inputs import check_same_inputs, model_samples, parse_shapes
 from graphscan_ort.shared.kernels import int8_fraction
-from graphscan_ort.shared.metrics import PairedOutputs, output_pairs, paired_outputs
-from graphscan_ort.shared.sessions import deployed_options, inputs_hint
+from graphscan_ort.shared.metrics import FloatOutputs, PairedOutputs, output_layout, output_pairs, paired_outputs
+from graphscan_ort.shared.sessions import CPU, deployed_options, inputs_hint, model_outputs
+from graphscan_ort.shared.targets import NATIVE, TARGETS, Facts, require, run
 
 
 def measurements(
@@ -27,28 +36,56 @@ def measurements(
     level: str = "all",
     model: onnx.ModelProto | None = None,
     chosen: MetricChoice = NO_METRIC,
-) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+    cpu: str = NATIVE,
+) -> tuple[dict[str, float], dict[str, dict[str, Any]], Facts | None]:
     """The value of each budget in ``names`` (``min_int8``, ``min_sqnr``, ``min_levels``, ``min_metric``)
     for the quantized model at ``path`` (``model``: that model, when the caller already
-    read it with its weights), and what each budget's row says beside its value
-    (min_metric's metric described, min_sqnr's pooled SQNR and worst part); ``level``: the
-    optimization level min_sqnr and min_metric run at."""
+    read it with its weights), what each budget's row says beside its value
+    (min_metric's metric described, min_sqnr's pooled SQNR and worst part), and the CPU
+    target's facts (None: native); ``level``: the optimization level min_sqnr and
+    min_metric run at."""
+    if cpu not in TARGETS:
+        raise GraphscanError(f"usage: --cpu must be one of {', '.join(TARGETS)}", EXIT_USAGE)
+    require(cpu)  # a missing target is one line naming the install command, before anything runs
+    target = Target(cpu)
     values = {}
     described: dict[str, dict[str, Any]] = {}
     # The metric is checked before any model runs: a bad --metric is exit 2 at once.
     agreement = metric(chosen.name, chosen.threshold, chosen.blank) if "min_metric" in names else None
     if "min_int8" in names:
-        model = load_with_weights(path) if model is None else model
-        values["min_int8"] = int8_fraction(classify(model, path).counts["classes"])
+        if cpu == NATIVE:
+            model = load_with_weights(path) if model is None else model
+            values["min_int8"] = int8_fraction(classify(model, path).counts["classes"])
+        else:  # the target's own optimized session, as runtime --cpu reads it
+            found_classes = target.run("graphscan_ort.commands.runtime:classes", [path, "extended", CPU, False])
+            values["min_int8"] = int8_fraction(found_classes["classes"])
     if {"min_sqnr", "min_levels", "min_metric"} & set(names):
         assert float_path is not None, "the core checks that the budgets that run --float come with it"
         model = load_with_weights(path) if model is None else model
-        found, more = float_measurements(path, model, float_path, names, samples, level, agreement)
+        found, more = float_measurements(path, model, float_path, names, samples, level, agreement, target)
         values.update(found)
         described.update(more)
     if agreement is not None:
         described["min_metric"] = {"metric": agreement.describe()}
-    return values, described
+    return values, described, target.facts
+
+
+class Target:
+    """The CPU the budgets run on: natively in this process, else its interpreter through
+    ``targets.run``, keeping the facts it reports."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.facts: Facts | None = None
+
+    @property
+    def native(self) -> bool:
+        return self.name == NATIVE
+
+    def run(self, function: str, args: list[Any]) -> Any:
+        reply = run(self.name, function, args)
+        self.facts = reply["cpu"]
+        return reply["result"]
 
 
 def float_measurements(
@@ -59,16 +96,25 @@ def float_measurements(
     samples: Samples,
     level: str,
     agreement: Metric | None,
+    target: Target | None = None,
 ) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
-    """min_sqnr, min_levels and min_metric: the budgets that run the float model too."""
+    """min_sqnr, min_levels and min_metric: the budgets that run the float model too
+    (both models on ``target``'s CPU)."""
+    target = target or Target(NATIVE)
     float_model = load_with_weights(float_path)
     runs = checked_samples(float_model, model, float_path, path, samples)
     values: dict[str, float] = {}
     described: dict[str, dict[str, Any]] = {}
     if "min_levels" in names:
-        values["min_levels"], described["min_levels"] = lowest_levels_budget(float_model, model, runs, float_path)
+        if target.native:
+            values["min_levels"], described["min_levels"] = lowest_levels_budget(float_model, model, runs, float_path)
+        else:
+            values["min_levels"], described["min_levels"] = levels_on_target(target, float_path, path, runs)
     if {"min_sqnr", "min_metric"} & set(names):
-        outputs = deployed_outputs(float_model, model, float_path, path, runs, level)
+        if target.native:
+            outputs = deployed_outputs(float_model, model, float_path, path, runs, level)
+        else:
+            outputs = outputs_on_target(target, float_model, model, float_path, path, runs, level)
         if "min_sqnr" in names:
             values["min_sqnr"] = measured_sqnr(outputs)
             figures = outputs.figures()
@@ -138,3 +184,93 @@ def measured_sqnr(outputs: PairedOutputs) -> float:
     if exact:
         return math.inf
     return math.nan if sqnr is None else sqnr
+
+
+# -- on a CPU target: the sessions run in its interpreter, the arrays come back in files
+
+
+def save_samples(folder: str, samples: list[dict]) -> tuple[str, list[list[str]]]:
+    """``samples`` in an .npz in ``folder`` (keys by position: input names need not be file
+    names) and each sample's input names."""
+    file = os.path.join(folder, "samples.npz")
+    np.savez(
+        file, **{f"s{i}_{j}": value for i, sample in enumerate(samples) for j, value in enumerate(sample.values())}
+    )
+    return file, [list(sample) for sample in samples]
+
+
+def load_samples(file: str, names: list[list[str]]) -> list[dict]:
+    with np.load(file) as saved:
+        return [{name: saved[f"s{i}_{j}"] for j, name in enumerate(sample)} for i, sample in enumerate(names)]
+
+
+def target_outputs(
+    float_path: str,
+    quant_path: str,
+    float_names: list[str],
+    quant_names: list[str],
+    level: str,
+    samples_file: str,
+    names: list[list[str]],
+    answer: str,
+) -> int:
+    """Inside a CPU target: ``deployed_outputs``' sessions (both models at ``level``) on the
+    saved samples, the outputs ``float_names`` and ``quant_names`` saved to ``answer``
+    (.npz); the number of samples run."""
+    samples = load_samples(samples_file, names)
+    options = deployed_options(level)
+    saved = {}
+    for prefix, path, wanted in (("f", float_path, float_names), ("q", quant_path, quant_names)):
+        outputs = model_outputs(load_with_weights(path), samples, path, wanted, options)
+        saved.update({f"{prefix}{i}_{j}": value for i, row in enumerate(outputs) for j, value in enumerate(row)})
+    np.savez(answer, **saved)
+    return len(samples)
+
+
+def outputs_on_target(
+    target: Target,
+    float_model: onnx.ModelProto,
+    quant_model: onnx.ModelProto,
+    float_path: str,
+    quant_path: str,
+    runs: CheckSamples,
+    level: str,
+) -> PairedOutputs:
+    """``deployed_outputs`` as ``target``'s CPU computes them: the same pairs, samples and
+    sessions, run in its interpreter."""
+    pairs = output_pairs(float_model, quant_model, float_path, quant_path)
+    float_names, quant_names = [f for f, _ in pairs], [q for _, q in pairs]
+    with tempfile.TemporaryDirectory(prefix="graphscan-check-") as folder:
+        samples_file, names = save_samples(folder, runs.samples)
+        answer = os.path.join(folder, "outputs.npz")
+        arguments = [float_path, quant_path, float_names, quant_names, level, samples_file, names, answer]
+        with inputs_hint(runs.generated, 1, [float_path, quant_path]):
+            count = target.run(f"{__name__}:target_outputs", arguments)
+        with np.load(answer) as saved:
+            reference = [[saved[f"f{i}_{j}"] for j in range(len(pairs))] for i in range(count)]
+            candidate = [[saved[f"q{i}_{j}"] for j in range(len(pairs))] for i in range(count)]
+    layout = output_layout(float_model, float_names, runs.samples)
+    return PairedOutputs(FloatOutputs(reference, tuple(float_names), layout), candidate)
+
+
+def target_levels(
+    float_path: str, quant_path: str, samples_file: str, names: list[list[str]], generated: bool
+) -> tuple[float | None, dict[str, Any]]:
+    """Inside a CPU target: ``lowest_levels_budget`` on the saved samples (None: no part varies)."""
+    runs = CheckSamples(load_samples(samples_file, names), generated)
+    value, described = lowest_levels_budget(
+        load_with_weights(float_path), load_with_weights(quant_path), runs, float_path
+    )
+    return (value if math.isfinite(value) else None), described
+
+
+def levels_on_target(
+    target: Target, float_path: str, quant_path: str, runs: CheckSamples
+) -> tuple[float, dict[str, Any]]:
+    """min_levels with the float model run on ``target``'s CPU."""
+    with tempfile.TemporaryDirectory(prefix="graphscan-check-") as folder:
+        samples_file, names = save_samples(folder, runs.samples)
+        value, described = target.run(
+            f"{__name__}:target_levels", [float_path, quant_path, samples_file, names, runs.generated]
+        )
+    return (math.inf if value is None else value), described

@@ -21,6 +21,7 @@ import onnx
 from graphscan import (
     EXIT_NO_FILE,
     EXIT_RUNTIME,
+    EXIT_USAGE,
     Command,
     GraphIndex,
     GraphscanError,
@@ -53,6 +54,7 @@ from graphscan_ort.shared.metrics import output_pairs
 from graphscan_ort.shared.options import finite_non_negative
 from graphscan_ort.shared.sessions import inputs_hint
 from graphscan_ort.shared.tables import RED_FLAGS, input_fields, largest_first, smallest_first
+from graphscan_ort.shared.targets import NATIVE, TARGETS
 
 TRACE_SYMBOLIC_DIM_SIZE = 1
 TRACE_TOLERANCE = 1e-2  # --tolerance's default: the isolated error first_over names
@@ -441,8 +443,15 @@ def trace(
     tolerance: float = TRACE_TOLERANCE,
     save: str | None = None,
     shape: list[str] | None = None,
+    cpu: str = NATIVE,
 ) -> TraceAnswer:
     """Per operator of ``b`` (quantized): isolated and propagated error against ``a`` (float)."""
+    if cpu != NATIVE:  # refused before anything runs: a native answer would pass for the target's
+        raise GraphscanError(
+            f"usage: trace --cpu {cpu}: not yet (only native); check --min-sqnr --cpu {cpu} measures the "
+            "outputs on that target",
+            EXIT_USAGE,
+        )
     try:
         with inputs_hint(not inputs, TRACE_SYMBOLIC_DIM_SIZE, [a, b]):
             return trace_models(a, b, inputs, seed, tolerance, save, shape)
@@ -624,6 +633,14 @@ COMMAND = Command(
         *samples_group(TRACE_SYMBOLIC_DIM_SIZE),
         ("--tolerance", {"type": finite_non_negative, "default": TRACE_TOLERANCE, "help": "first_over threshold"}),
         ("--save", {"metavar": "DIR", "help": "write each op's single-op model and inputs here"}),
+        (
+            "--cpu",
+            {
+                "choices": list(TARGETS),
+                "default": NATIVE,
+                "help": "not yet: only native (check --cpu measures the outputs on the other targets)",
+            },
+        ),
     ),
     absent={"seed": 0},
     one_sample=True,

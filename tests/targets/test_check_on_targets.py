@@ -1,0 +1,244 @@
+"""check --cpu: the budgets that run the model, measured as a CPU target computes them
+(and trace --cpu, which takes only native for now).
+
+Without an install the fast tests hold the option's contract: ``native`` is today's
+answer byte for byte, a missing or unknown target is one line, ``--cpu`` without a
+budget that runs the model is refused. The ``targets`` tests (``pytest -m targets -p
+no:xdist``, after ``python -m graphscan_ort.shared.targets install``) take their
+expectations from runtime's own answer on that target and from plain onnxruntime
+sessions opened inside it (tests/targets/probe.py).
+"""
+
+import json
+import os
+import platform
+import re
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import graphscan
+from graphscan_ort.commands import check as check_module
+from graphscan_ort.shared import targets
+from tests.helpers import main_error_line, run_main
+from tests.targets.test_targets import INSTALL, MACHINES, empty_bin, fake_tools, host_has_vnni, needs
+
+FLOAT, QUANT = "ops/fp32.onnx", "ops/full.onnx"
+# Every budget that runs a model, each with what it needs.
+MEASURED = [
+    pytest.param(["--min-int8", "0.1"], id="min-int8"),
+    pytest.param(["--float", FLOAT, "--min-sqnr", "10"], id="min-sqnr"),
+    pytest.param(["--float", FLOAT, "--min-levels", "2"], id="min-levels"),
+    pytest.param(["--float", FLOAT, "--min-metric", "0.5", "--metric", "cosine"], id="min-metric"),
+]
+ALL_MEASURED = ["--float", FLOAT, "--min-int8", "0.1", "--min-sqnr", "10", "--min-levels", "2"]
+ALL_MEASURED += ["--min-metric", "0.5", "--metric", "cosine"]
+
+
+def test_native_is_the_answer_without_cpu_byte_for_byte(capsys):
+    """``--cpu native`` changes nothing: the same bytes, no ``cpu`` key."""
+    plain = run_main(capsys, ["check", QUANT, *ALL_MEASURED])
+    native = run_main(capsys, ["check", QUANT, *ALL_MEASURED, "--cpu", "native"])
+    assert plain == native and plain[0] == 0, plain
+    answer = json.loads(plain[1])
+    assert "cpu" not in answer and [b["name"] for b in answer["budgets"]] == [
+        "min_int8",
+        "min_sqnr",
+        "min_levels",
+        "min_metric",
+    ]
+
+
+@pytest.mark.parametrize("budget", MEASURED)
+@pytest.mark.parametrize(
+    ("target", "tools", "what"),
+    [
+        pytest.param("arm64", ["qemu-aarch64"], "the arm64 Python is not installed", id="arm64-not-installed"),
+        pytest.param("x86-avx2", [], "qemu-x86_64 is not installed", id="x86-avx2-without-qemu"),
+    ],
+)
+def test_a_missing_target_names_the_install_command(capsys, monkeypatch, tmp_path, budget, target, tools, what):
+    monkeypatch.setenv("GRAPHSCAN_TARGETS", str(tmp_path / "none"))
+    folder = empty_bin(tmp_path)
+    fake_tools(folder, *tools)
+    monkeypatch.setenv("PATH", str(folder))
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    line = main_error_line(capsys, ["check", QUANT, *budget, "--cpu", target], graphscan.EXIT_USAGE)
+    assert re.fullmatch(rf"graphscan: usage: CPU target {target}: {what}.*\(install it: {INSTALL}\)", line), line
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(
+            lambda capsys: main_error_line(capsys, ["check", QUANT, "--min-int8", "0", "--cpu", "sparc"], 2),
+            id="command-line",
+        ),
+        pytest.param(lambda capsys: in_process_error(cpu="sparc", min_int8=0.0), id="in-process"),
+    ],
+)
+def test_an_unknown_target_is_a_usage_error_naming_the_targets(capsys, call):
+    line = call(capsys)
+    assert "--cpu must be one of" in line and all(name in line for name in targets.TARGETS), line
+
+
+def in_process_error(**keywords):
+    with pytest.raises(graphscan.GraphscanError) as raised:
+        graphscan.check(QUANT, **keywords)
+    assert raised.value.exit_code == graphscan.EXIT_USAGE
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("target", [pytest.param(t, id=t) for t in targets.TARGETS if t != targets.NATIVE])
+def test_cpu_without_a_budget_that_runs_the_model_is_refused(capsys, target):
+    """The graph's counts are the same on every CPU: a target there would be ignored, so it is refused."""
+    line = main_error_line(capsys, ["check", QUANT, "--max-float", "3", "--cpu", target], graphscan.EXIT_USAGE)
+    assert line == "graphscan: usage: --cpu: only with --min-int8, --min-sqnr, --min-levels or --min-metric"
+
+
+def test_checks_help_names_every_target():
+    """The core declares --cpu without importing the targets: its help must still name them all."""
+    words = dict(graphscan.CHECK.options)["--cpu"]["help"]
+    assert all(re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", words) for name in targets.TARGETS), words
+
+
+# -- trace takes no target yet: refused, never answered natively in the target's name
+
+
+@pytest.mark.parametrize("target", [pytest.param(t, id=t) for t in targets.TARGETS if t != targets.NATIVE])
+def test_trace_on_a_target_is_not_yet(capsys, target):
+    line = main_error_line(capsys, ["trace", FLOAT, QUANT, "--cpu", target], graphscan.EXIT_USAGE)
+    assert "not yet" in line and f"check --min-sqnr --cpu {target}" in line, line
+
+
+def test_trace_native_is_the_answer_without_cpu(capsys):
+    plain = run_main(capsys, ["trace", FLOAT, QUANT])
+    assert plain == run_main(capsys, ["trace", FLOAT, QUANT, "--cpu", "native"]) and plain[0] == 0, plain
+
+
+# -- the runner's protocol, with this interpreter standing in for a target
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """``x86-avx2`` run by this interpreter without qemu: whatever check hands over in files
+    (samples, both models' outputs) must come back unchanged."""
+
+    def command(target, argv):
+        return [sys.executable, *argv], dict(os.environ, PYTHONPATH=str(targets.repository()))
+
+    monkeypatch.setattr(targets, "missing", lambda target: None)
+    monkeypatch.setattr(targets, "command", command)
+
+
+def test_budgets_through_the_runner_are_the_native_budgets(capsys, stand_in):
+    """The same interpreter behind the runner: every value equals native's, and ``cpu``
+    follows ``float`` as runtime's follows ``environment``."""
+    native = json.loads(run_main(capsys, ["check", QUANT, *ALL_MEASURED])[1])
+    code, out, err = run_main(capsys, ["check", QUANT, *ALL_MEASURED, "--cpu", "x86-avx2"])
+    assert code == 0, err
+    answer = json.loads(out)
+    assert list(answer) == ["model", "float", "cpu", "budgets", "ok"]
+    assert answer["cpu"] == {"name": "x86-avx2", "onnxruntime": ort.__version__, "machine": platform.machine()}
+    assert answer["budgets"] == native["budgets"]
+
+
+def test_a_saved_target_answer_is_shown_with_its_cpu(capsys, tmp_path):
+    answer = json.loads(run_main(capsys, ["check", QUANT, "--min-int8", "0"])[1])
+    cpu = {"name": "arm64", "onnxruntime": "1", "machine": "aarch64"}
+    answer = {"model": answer["model"], "float": None, "cpu": cpu}
+    answer |= {"budgets": [{"name": "min_int8", "value": 1.0, "limit": 0.0, "ok": True}], "ok": True}
+    saved = tmp_path / "check.json"
+    saved.write_text(json.dumps(answer))
+    code, out, err = run_main(capsys, ["table", saved])
+    assert code == 0, err
+    assert re.search(r"\bcpu arm64\b", out), out
+
+
+# -- on the targets themselves (pytest -m targets)
+
+
+def int8_share(nodes):
+    """check's min_int8 by its definition: of the nodes that run a kernel, those running int8 or int8_data."""
+    running = [n for n in nodes if n["class"] != "absorbed"]
+    return sum(n["class"] in ("int8", "int8_data") for n in running) / len(running)
+
+
+@pytest.mark.targets
+@needs("arm64")
+def test_min_int8_on_arm64_is_the_share_of_runtimes_arm64_classes(capsys):
+    runtime = json.loads(run_main(capsys, ["runtime", QUANT, "--cpu", "arm64"])[1])
+    code, out, err = run_main(capsys, ["check", QUANT, "--min-int8", "0", "--cpu", "arm64"])
+    assert code == 0, err
+    answer = json.loads(out)
+    assert answer["cpu"] == {"name": "arm64", "onnxruntime": ort.__version__, "machine": MACHINES["arm64"]}
+    assert answer["budgets"][0]["value"] == int8_share(runtime["nodes"])
+
+
+def qdq_conv(folder, channels=64, size=16, seed=0):
+    """A float Conv (64 channels, 3x3) and its QDQ form, uint8 activations and int8 weights of
+    spread 40: at level all onnxruntime fuses a U8S8 QLinearConv, whose adjacent u8*s8 pairs
+    overflow the 16 bits AVX2's vpmaddubsw sums them in."""
+    rng = np.random.default_rng(seed)
+    weights = np.clip(np.round(rng.normal(0, 40, (channels, channels, 3, 3))), -127, 127).astype(np.int8)
+    ws, shape = np.full(channels, 0.01, np.float32), [1, channels, size, size]
+    conv = {"pads": [1, 1, 1, 1]}
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("x", "y")]
+    real = numpy_helper.from_array(weights.astype(np.float32) * ws[:, None, None, None], "w")
+    float_graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], **conv)], "f", io[:1], io[1:], [real])
+    initializers = [
+        numpy_helper.from_array(weights, "wq"),
+        numpy_helper.from_array(ws, "ws"),
+        numpy_helper.from_array(np.zeros(channels, np.int8), "wz"),
+        numpy_helper.from_array(np.array(0.01, np.float32), "xs"),
+        numpy_helper.from_array(np.array(128, np.uint8), "xz"),
+        numpy_helper.from_array(np.array(0.2, np.float32), "ys"),
+        numpy_helper.from_array(np.array(128, np.uint8), "yz"),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+        helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], axis=0),
+        helper.make_node("Conv", ["xd", "wd"], ["c"], **conv),
+        helper.make_node("QuantizeLinear", ["c", "ys", "yz"], ["cq"]),
+        helper.make_node("DequantizeLinear", ["cq", "ys", "yz"], ["y"]),
+    ]
+    quant_graph = helper.make_graph(nodes, "q", io[:1], io[1:], initializers)
+    paths = folder / "conv_fp32.onnx", folder / "conv_qdq.onnx"
+    for graph, path in zip((float_graph, quant_graph), paths, strict=True):
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
+    return str(paths[0]), str(paths[1])
+
+
+def plain_outputs(target, path, feeds):
+    return [np.array(values) for values in targets.run(target, "tests.targets.probe:outputs", [path, feeds])["result"]]
+
+
+@pytest.mark.targets
+@pytest.mark.parametrize("target", [pytest.param(t, marks=needs(t), id=t) for t in ["x86-avx2", "arm64"]])
+def test_the_outputs_check_measures_on_a_target_are_a_plain_sessions(tmp_path, target):
+    """The must-hold: both models' outputs behind min_sqnr and min_metric under a target
+    equal, bit for bit, a default onnxruntime session opened inside that target."""
+    float_path, quant_path = qdq_conv(tmp_path)
+    float_model, quant_model = graphscan.load_with_weights(float_path), graphscan.load_with_weights(quant_path)
+    runs = check_module.checked_samples(float_model, quant_model, float_path, quant_path, graphscan.Samples())
+    on = check_module.Target(target)
+    paired = check_module.outputs_on_target(on, float_model, quant_model, float_path, quant_path, runs, "all")
+    assert on.facts is not None and on.facts["machine"] == MACHINES[target]
+    feeds = str(tmp_path / "feeds.npz")
+    np.savez(feeds, **runs.samples[0])
+    for path, got in ((float_path, paired.reference.outputs[0]), (quant_path, paired.candidate[0])):
+        plain = plain_outputs(target, path, feeds)
+        assert len(plain) == len(got)
+        for expected, value in zip(plain, got, strict=True):
+            np.testing.assert_array_equal(np.asarray(value, np.float64).ravel(), expected)
+    if target != "x86-avx2":
+        return  # arm64 sums U8S8 in 32 bits as a VNNI host does: its outputs need not differ
+    if not host_has_vnni():
+        pytest.skip("this host has no VNNI: it computes U8S8 as x86-avx2 does, so the outputs cannot differ")
+    native = plain_outputs("native", quant_path, feeds)
+    assert (native[0] != np.asarray(paired.candidate[0][0], np.float64).ravel()).any(), "the target was not used"
