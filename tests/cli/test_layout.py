@@ -15,6 +15,7 @@ from tests.helpers import ROOT
 
 PACKAGE = ROOT / "graphscan_ort"
 LAYERS = {"shared": 0, "engines": 1, "commands": 2, "tune": 2}
+DOOR = "graphscan_ort.extension"  # the core's one way into the package, above every layer
 MAX_MODULE_LINES = 800
 
 
@@ -39,7 +40,10 @@ def package_imports(path):
 
 
 def layer(module):
-    """``(layer name, rank)`` of a module below graphscan_ort (None for the package's __init__)."""
+    """``(layer name, rank)`` of a module below graphscan_ort (None for the package's __init__);
+    the door sits above every layer."""
+    if module == DOOR:
+        return "door", max(LAYERS.values()) + 1
     parts = module.split(".")
     return (parts[1], LAYERS[parts[1]]) if len(parts) > 2 else (None, None)
 
@@ -50,7 +54,47 @@ IMPORTS = {module: package_imports(path) for module, path in MODULES.items()}
 def test_every_module_lives_in_a_layer():
     for module in MODULES:
         parts = module.split(".")
-        assert module == "graphscan_ort" or parts[1] in LAYERS, module
+        assert module in ("graphscan_ort", DOOR) or parts[1] in LAYERS, module
+
+
+def core_imports_of_the_package():
+    """``(line, module)`` of every import in graphscan.py that reaches into graphscan_ort,
+    at any depth of its code (the lazy imports sit inside functions)."""
+    found = []
+    for node in ast.walk(ast.parse((ROOT / "graphscan.py").read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        found += [(node.lineno, name) for name in names if name.split(".")[0] == "graphscan_ort"]
+    return found
+
+
+def test_the_core_enters_the_package_by_one_door():
+    """graphscan.py imports the package's extension module and nothing else of it: every
+    ``import graphscan_ort...`` and ``from graphscan_ort... import`` names the door."""
+    found = core_imports_of_the_package()
+    assert found, "graphscan.py no longer imports the package at all: is the door still used?"
+    beside = [(line, name) for line, name in found if name != DOOR and not name.startswith(DOOR + ".")]
+    assert beside == [], f"graphscan.py imports the package beside its door: {beside}"
+
+
+def test_nothing_in_the_package_imports_the_door():
+    """The door is the core's: a package module importing it would close a circle through the core."""
+    assert [module for module, imported in IMPORTS.items() if DOOR in imported] == []
+
+
+def test_the_door_declares_every_package_command_of_the_registry():
+    """The core's registry knows a package command by its name and summary alone; the door
+    declares exactly those, each under its own name."""
+    import graphscan
+    from graphscan_ort import extension
+
+    package = [name for name, entry in graphscan.COMMANDS.items() if entry.declared is None]
+    assert sorted(extension.DECLARED) == sorted(package)
+    assert [extension.command(name).name for name in package] == package
 
 
 @pytest.mark.parametrize("module", sorted(IMPORTS))
