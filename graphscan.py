@@ -16,7 +16,8 @@ for; without it (or without onnxruntime) they are exit 2 with one line.
 
 Every command is a function ``path(s) -> dict``; ``main(argv) -> int`` is a
 thin layer that prints one JSON object on stdout or one error line on stderr.
-Only the standard library and onnx are imported at start.
+Only the standard library and onnx are imported at start. ``__all__`` names
+what the package and the pytest plugin may use of this file.
 """
 
 from __future__ import annotations
@@ -75,6 +76,95 @@ if TYPE_CHECKING:  # names for annotations only: nothing here exists at runtime
     from _typeshed import SupportsWrite
 
     StrSequence = TypeVar("StrSequence", bound=Sequence[str])
+
+# What the graphscan_ort package and the pytest plugin may use of this file
+# (tests/cli/test_layout.py fails on any other name they import); everything
+# else is this file's own. Tests, bench/, gen_models.py and ops_report.py may
+# reach further.
+
+# errors, exit codes and interruptions: one line and its code
+__all__ = [
+    "EXIT_BUDGET",
+    "EXIT_CODES",
+    "EXIT_INPUTS",
+    "EXIT_INTERNAL",
+    "EXIT_INTERRUPTED",
+    "EXIT_MISMATCH",
+    "EXIT_NOT_ONNX",
+    "EXIT_NO_FILE",
+    "EXIT_OK",
+    "EXIT_RUNTIME",
+    "EXIT_TERMINATED",
+    "EXIT_USAGE",
+    "INTERRUPTED",
+    "GraphscanError",
+    "interruption",
+    "one_line",
+    "report",
+    "shown",
+]
+# loading
+__all__ += ["check_readable", "load_model", "load_with_weights", "parse_model"]
+# the index and its graph and Q/DQ vocabulary
+__all__ += [
+    "DEQUANTIZE",
+    "QUANTIZE",
+    "GraphIndex",
+    "as_text",
+    "data_source",
+    "dtype_name",
+    "node_name",
+    "subgraphs",
+    "value_inputs",
+]
+# the table kit
+__all__ += [
+    "TABLE_WIDTH",
+    "format_fields",
+    "format_names",
+    "metric_words",
+    "page",
+    "render_table",
+    "section",
+    "visible",
+]
+# the command kit: declarations, option groups and their types
+__all__ += [
+    "NO_METRIC",
+    "RUNTIME_LEVELS",
+    "Command",
+    "MetricChoice",
+    "OnlyWith",
+    "Option",
+    "Samples",
+    "finite_float",
+    "level_option",
+    "metric_group",
+    "non_negative_int",
+    "only_with",
+    "samples_group",
+]
+# check's budgets, as the plugin's config reads them
+__all__ += ["CHECK", "budget_limit"]
+# the commands as functions, and the command line
+__all__ += [
+    "boundary",
+    "check",
+    "console_main",
+    "diff",
+    "dot",
+    "fuse",
+    "impact",
+    "islands",
+    "main",
+    "nodes",
+    "qdq",
+    "runtime",
+    "table",
+    "trace",
+    "tune",
+]
+
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1

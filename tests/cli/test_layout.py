@@ -177,3 +177,102 @@ def test_the_core_holds_only_what_it_uses_itself():
         if not any(getattr(part, "id", None) == name or getattr(part, "attr", None) == name for part in elsewhere):
             unused.append(name)
     assert sorted(unused) == sorted(CORE_API)
+
+
+# --------------------------------------------------------------------------
+# The core's declared surface: the package and the plugin use only its __all__
+
+BOUND_BY_ALL = [*MODULES.values(), ROOT / "graphscan_pytest.py"]  # tests, bench/ and the scripts are free
+
+
+def core_names_used(path):
+    """``(line, name)`` of every name of the core that ``path`` uses: ``from graphscan import
+    NAME``, and ``M.NAME`` (or ``getattr(M, "NAME")``) where M is the module itself: a name bound
+    by ``import graphscan``, a call of a function that returns it (the plugin's lazy
+    ``graphscan_core()``), or a name bound to such a call."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    nodes = list(ast.walk(tree))
+    module = {
+        alias.asname or "graphscan"
+        for n in nodes
+        if isinstance(n, ast.Import)
+        for alias in n.names
+        if alias.name == "graphscan"
+    }
+
+    def returns_the_core(function):
+        return any(
+            isinstance(r, ast.Return) and isinstance(r.value, ast.Name) and r.value.id in module
+            for r in ast.walk(function)
+        )
+
+    getters = {n.name for n in nodes if isinstance(n, ast.FunctionDef) and returns_the_core(n)}
+
+    def is_getter_call(value):
+        return isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in getters
+
+    bound = {
+        target.id
+        for n in nodes
+        if isinstance(n, ast.Assign) and is_getter_call(n.value)
+        for target in n.targets
+        if isinstance(target, ast.Name)
+    }
+
+    def is_core(value):
+        return (isinstance(value, ast.Name) and value.id in module | bound) or is_getter_call(value)
+
+    used = []
+    for n in nodes:
+        if isinstance(n, ast.ImportFrom) and n.module == "graphscan" and n.level == 0:
+            used += [(n.lineno, alias.name) for alias in n.names]
+        elif isinstance(n, ast.Attribute) and is_core(n.value):
+            used.append((n.lineno, n.attr))
+        elif (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Name)
+            and n.func.id == "getattr"
+            and is_core(n.args[0])
+            and isinstance(n.args[1], ast.Constant)
+        ):
+            used.append((n.lineno, n.args[1].value))
+    return used
+
+
+def test_every_name_of_the_core_surface_exists():
+    import graphscan
+
+    assert len(set(graphscan.__all__)) == len(graphscan.__all__), "a name twice in graphscan.__all__"
+    assert [name for name in graphscan.__all__ if not hasattr(graphscan, name)] == []
+
+
+@pytest.mark.parametrize("path", BOUND_BY_ALL, ids=lambda path: path.relative_to(ROOT).as_posix())
+def test_the_package_and_the_plugin_use_only_the_core_surface(path):
+    """A module of graphscan_ort/ or the plugin importing a core name outside ``graphscan.__all__``
+    fails: what the core declares is what it may change only with its users."""
+    import graphscan
+
+    outside = [(line, name) for line, name in core_names_used(path) if name not in graphscan.__all__]
+    assert outside == [], f"{path.name} uses names of graphscan.py outside its __all__: {outside}"
+
+
+def test_the_surface_reader_sees_every_way_in(tmp_path):
+    """The reader above finds a name by each way the package and the plugin reach the core."""
+    source = tmp_path / "user.py"
+    source.write_text(
+        "from graphscan import a\n"
+        "import graphscan as g\n"
+        "def core():\n    import graphscan\n\n    return graphscan\n"
+        "def f():\n    g.b\n    core().c\n    m = core()\n    m.d\n    getattr(m, 'e')\n    other.f\n",
+        encoding="utf-8",
+    )
+    assert sorted(name for _, name in core_names_used(source)) == ["a", "b", "c", "d", "e"]
+
+
+def test_the_plugins_fixture_offers_only_commands_of_the_surface():
+    """The fixture reaches the core's commands by a name it holds (``getattr(core, name)``),
+    out of the reader's sight: each of those names is declared too."""
+    import graphscan
+    import graphscan_pytest
+
+    assert set(graphscan_pytest.Graphscan.COMMANDS) <= set(graphscan.__all__)
