@@ -16,7 +16,8 @@ for; without it (or without onnxruntime) they are exit 2 with one line.
 
 Every command is a function ``path(s) -> dict``; ``main(argv) -> int`` is a
 thin layer that prints one JSON object on stdout or one error line on stderr.
-Only the standard library and onnx are imported at start.
+Only the standard library and onnx are imported at start. ``__all__`` names
+what the package and the pytest plugin may use of this file.
 """
 
 from __future__ import annotations
@@ -75,6 +76,95 @@ if TYPE_CHECKING:  # names for annotations only: nothing here exists at runtime
     from _typeshed import SupportsWrite
 
     StrSequence = TypeVar("StrSequence", bound=Sequence[str])
+
+# What the graphscan_ort package and the pytest plugin may use of this file
+# (tests/cli/test_layout.py fails on any other name they import); everything
+# else is this file's own. Tests, bench/, gen_models.py and ops_report.py may
+# reach further.
+
+# errors, exit codes and interruptions: one line and its code
+__all__ = [
+    "EXIT_BUDGET",
+    "EXIT_CODES",
+    "EXIT_INPUTS",
+    "EXIT_INTERNAL",
+    "EXIT_INTERRUPTED",
+    "EXIT_MISMATCH",
+    "EXIT_NOT_ONNX",
+    "EXIT_NO_FILE",
+    "EXIT_OK",
+    "EXIT_RUNTIME",
+    "EXIT_TERMINATED",
+    "EXIT_USAGE",
+    "INTERRUPTED",
+    "GraphscanError",
+    "interruption",
+    "one_line",
+    "report",
+    "shown",
+]
+# loading
+__all__ += ["check_readable", "load_model", "load_with_weights", "parse_model"]
+# the index and its graph and Q/DQ vocabulary
+__all__ += [
+    "DEQUANTIZE",
+    "QUANTIZE",
+    "GraphIndex",
+    "as_text",
+    "data_source",
+    "dtype_name",
+    "node_name",
+    "subgraphs",
+    "value_inputs",
+]
+# the table kit
+__all__ += [
+    "TABLE_WIDTH",
+    "format_fields",
+    "format_names",
+    "metric_words",
+    "page",
+    "render_table",
+    "section",
+    "visible",
+]
+# the command kit: declarations, option groups and their types
+__all__ += [
+    "NO_METRIC",
+    "RUNTIME_LEVELS",
+    "Command",
+    "MetricChoice",
+    "OnlyWith",
+    "Option",
+    "Samples",
+    "finite_float",
+    "level_option",
+    "metric_group",
+    "non_negative_int",
+    "only_with",
+    "samples_group",
+]
+# check's budgets, as the plugin's config reads them
+__all__ += ["CHECK", "budget_limit"]
+# the commands as functions, and the command line
+__all__ += [
+    "boundary",
+    "check",
+    "console_main",
+    "diff",
+    "dot",
+    "fuse",
+    "impact",
+    "islands",
+    "main",
+    "nodes",
+    "qdq",
+    "runtime",
+    "table",
+    "trace",
+    "tune",
+]
+
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1
@@ -979,6 +1069,7 @@ def data_source(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> tuple
 
 # --------------------------------------------------------------------------
 # The graphscan_ort package: the commands that run models, imported on demand
+# through one door (graphscan_ort/extension.py), the only module of it imported here
 
 
 @contextlib.contextmanager
@@ -1120,7 +1211,9 @@ def budget_values(
     if measured:
         options = " and ".join(f"--{name.replace('_', '-')}" for name in measured)
         with package_needed(f"check {options}"):
-            from graphscan_ort.commands.check import measurements
+            from graphscan_ort.extension import check_measurements
+
+            measurements = check_measurements()
         measured_values, described, facts = measurements(path, measured, float_path, samples, level, model, chosen, cpu)
         values.update(measured_values)
     return values, described, facts
@@ -1672,7 +1765,9 @@ def runtime_classes(model: onnx.ModelProto, path: str) -> list[str | None]:
     own way (``MatMul_8~8``), and a graph's position is the one identity both share.
     """
     with package_needed("dot --runtime"):
-        from graphscan_ort.engines.classify import classify
+        from graphscan_ort.extension import runtime_classifier
+
+        classify = runtime_classifier()
     found = classify(model, path)
     return [node["class"] for node in found.rows]
 
@@ -1777,8 +1872,9 @@ def dot(path: str, runtime_colours: bool = False, collapse: bool = False) -> str
 # A command is declared where it is implemented: the counting commands, check
 # and dot below, the commands that run models in their modules of the
 # graphscan_ort package. COMMANDS is the registry: each command's one-line
-# summary (so --help lists every command even without the package) and the
-# function that returns its declaration.
+# summary (so --help lists every command even without the package) and, for the
+# core's own, the function that returns its declaration; the package's come
+# through its one door, graphscan_ort/extension.py, the only module the core imports.
 
 RUNTIME_LEVELS = {"basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
 
@@ -2127,46 +2223,20 @@ TABLE = Command(
     path_help="a saved JSON answer of any command",
 )
 
-# The commands of the graphscan_ort package, each imported only when it is asked for.
-
-
-def fuse_command() -> Command:
-    from graphscan_ort.commands.fuse import COMMAND
-
-    return COMMAND
-
-
-def trace_command() -> Command:
-    from graphscan_ort.commands.trace import COMMAND
-
-    return COMMAND
-
-
-def runtime_command() -> Command:
-    from graphscan_ort.commands.runtime import COMMAND
-
-    return COMMAND
-
-
-def impact_command() -> Command:
-    from graphscan_ort.commands.impact import COMMAND
-
-    return COMMAND
-
-
-def tune_command() -> Command:
-    from graphscan_ort.tune.command import COMMAND
-
-    return COMMAND
-
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """A command in the registry: its one-line summary and where it is declared."""
 
     summary: str
-    declared: Callable[[], Command]
-    package: bool = False  # declared in graphscan_ort: it needs the package and onnxruntime
+    # None: declared in the graphscan_ort package (it needs the package and onnxruntime),
+    # handed over by graphscan_ort/extension.py, the package's one door.
+    declared: Callable[[], Command] | None = None
+
+    @property
+    def package(self) -> bool:
+        """Whether the command is the graphscan_ort package's."""
+        return self.declared is None
 
 
 COMMANDS = {
@@ -2175,18 +2245,16 @@ COMMANDS = {
     "islands": Entry("int8-wrapped vs float nodes, float islands", lambda: ISLANDS),
     "boundary": Entry("DQs entering and Qs leaving each island", lambda: BOUNDARY),
     "diff": Entry("b minus a for the counts above", lambda: DIFF),
-    "fuse": Entry("fuse MatMul+Add into Gemm, verified, into output", fuse_command, package=True),
-    "trace": Entry("per-op isolated and propagated error of b (quantized) vs a (float)", trace_command, True),
-    "runtime": Entry("what onnxruntime really runs per node: int8, int8_data, float, absorbed", runtime_command, True),
+    "fuse": Entry("fuse MatMul+Add into Gemm, verified, into output"),
+    "trace": Entry("per-op isolated and propagated error of b (quantized) vs a (float)"),
+    "runtime": Entry("what onnxruntime really runs per node: int8, int8_data, float, absorbed"),
     "check": Entry(
         "a CI gate: exit 8 when a budget (float nodes, islands, crossings, int8 share, SQNR) is broken", lambda: CHECK
     ),
     "dot": Entry("Graphviz DOT picture of the island map (DOT text, not JSON)", lambda: DOT),
-    "impact": Entry("output SQNR gained by keeping each op or tensor of b (quantized) float", impact_command, True),
+    "impact": Entry("output SQNR gained by keeping each op or tensor of b (quantized) float"),
     "tune": Entry(
-        "quantize a float model every way and keep the fastest that is accurate enough, measured as deployed",
-        tune_command,
-        True,
+        "quantize a float model every way and keep the fastest that is accurate enough, measured as deployed"
     ),
     "table": Entry("a saved JSON answer of any command, shown as that command's table", lambda: TABLE),
 }
@@ -2194,11 +2262,13 @@ COMMANDS = {
 
 def load_command(name: str) -> Command:
     """The declaration of command ``name``; a package command's module is imported now."""
-    entry = COMMANDS[name]
-    if not entry.package:
-        return entry.declared()
+    declared = COMMANDS[name].declared
+    if declared is not None:
+        return declared()
     with package_needed(name):
-        return entry.declared()
+        from graphscan_ort.extension import command
+
+        return command(name)
 
 
 def package_function(name: str) -> Callable[..., object]:

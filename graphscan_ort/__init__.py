@@ -1,9 +1,10 @@
 """graphscan's commands that run models, in onnxruntime, in four layers.
 
 ``graphscan.py`` (the onnx-only core beside this package) holds the counting
-commands, the command registry and the exit codes; it imports a module of this
-package only when a command that runs models is asked for. Imports go down the
-layers, never sideways between commands (``tests/cli/test_layout.py``):
+commands, the command registry and the exit codes; it imports one module of this
+package, ``extension`` (the one door: the package's commands and the two functions
+the core calls), and only when a command that runs models is asked for. Imports
+go down the layers, never sideways between commands (``tests/cli/test_layout.py``):
 
 - ``shared``: sessions, inputs, metrics, graph editing, files, option types and
   the kernel vocabulary of onnxruntime's optimized graph;

@@ -15,6 +15,7 @@ from tests.helpers import ROOT
 
 PACKAGE = ROOT / "graphscan_ort"
 LAYERS = {"shared": 0, "engines": 1, "commands": 2, "tune": 2}
+DOOR = "graphscan_ort.extension"  # the core's one way into the package, above every layer
 MAX_MODULE_LINES = 800
 
 
@@ -39,7 +40,10 @@ def package_imports(path):
 
 
 def layer(module):
-    """``(layer name, rank)`` of a module below graphscan_ort (None for the package's __init__)."""
+    """``(layer name, rank)`` of a module below graphscan_ort (None for the package's __init__);
+    the door sits above every layer."""
+    if module == DOOR:
+        return "door", max(LAYERS.values()) + 1
     parts = module.split(".")
     return (parts[1], LAYERS[parts[1]]) if len(parts) > 2 else (None, None)
 
@@ -50,7 +54,47 @@ IMPORTS = {module: package_imports(path) for module, path in MODULES.items()}
 def test_every_module_lives_in_a_layer():
     for module in MODULES:
         parts = module.split(".")
-        assert module == "graphscan_ort" or parts[1] in LAYERS, module
+        assert module in ("graphscan_ort", DOOR) or parts[1] in LAYERS, module
+
+
+def core_imports_of_the_package():
+    """``(line, module)`` of every import in graphscan.py that reaches into graphscan_ort,
+    at any depth of its code (the lazy imports sit inside functions)."""
+    found = []
+    for node in ast.walk(ast.parse((ROOT / "graphscan.py").read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        found += [(node.lineno, name) for name in names if name.split(".")[0] == "graphscan_ort"]
+    return found
+
+
+def test_the_core_enters_the_package_by_one_door():
+    """graphscan.py imports the package's extension module and nothing else of it: every
+    ``import graphscan_ort...`` and ``from graphscan_ort... import`` names the door."""
+    found = core_imports_of_the_package()
+    assert found, "graphscan.py no longer imports the package at all: is the door still used?"
+    beside = [(line, name) for line, name in found if name != DOOR and not name.startswith(DOOR + ".")]
+    assert beside == [], f"graphscan.py imports the package beside its door: {beside}"
+
+
+def test_nothing_in_the_package_imports_the_door():
+    """The door is the core's: a package module importing it would close a circle through the core."""
+    assert [module for module, imported in IMPORTS.items() if DOOR in imported] == []
+
+
+def test_the_door_declares_every_package_command_of_the_registry():
+    """The core's registry knows a package command by its name and summary alone; the door
+    declares exactly those, each under its own name."""
+    import graphscan
+    from graphscan_ort import extension
+
+    package = [name for name, entry in graphscan.COMMANDS.items() if entry.declared is None]
+    assert sorted(extension.DECLARED) == sorted(package)
+    assert [extension.command(name).name for name in package] == package
 
 
 @pytest.mark.parametrize("module", sorted(IMPORTS))
@@ -133,3 +177,102 @@ def test_the_core_holds_only_what_it_uses_itself():
         if not any(getattr(part, "id", None) == name or getattr(part, "attr", None) == name for part in elsewhere):
             unused.append(name)
     assert sorted(unused) == sorted(CORE_API)
+
+
+# --------------------------------------------------------------------------
+# The core's declared surface: the package and the plugin use only its __all__
+
+BOUND_BY_ALL = [*MODULES.values(), ROOT / "graphscan_pytest.py"]  # tests, bench/ and the scripts are free
+
+
+def core_names_used(path):
+    """``(line, name)`` of every name of the core that ``path`` uses: ``from graphscan import
+    NAME``, and ``M.NAME`` (or ``getattr(M, "NAME")``) where M is the module itself: a name bound
+    by ``import graphscan``, a call of a function that returns it (the plugin's lazy
+    ``graphscan_core()``), or a name bound to such a call."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    nodes = list(ast.walk(tree))
+    module = {
+        alias.asname or "graphscan"
+        for n in nodes
+        if isinstance(n, ast.Import)
+        for alias in n.names
+        if alias.name == "graphscan"
+    }
+
+    def returns_the_core(function):
+        return any(
+            isinstance(r, ast.Return) and isinstance(r.value, ast.Name) and r.value.id in module
+            for r in ast.walk(function)
+        )
+
+    getters = {n.name for n in nodes if isinstance(n, ast.FunctionDef) and returns_the_core(n)}
+
+    def is_getter_call(value):
+        return isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in getters
+
+    bound = {
+        target.id
+        for n in nodes
+        if isinstance(n, ast.Assign) and is_getter_call(n.value)
+        for target in n.targets
+        if isinstance(target, ast.Name)
+    }
+
+    def is_core(value):
+        return (isinstance(value, ast.Name) and value.id in module | bound) or is_getter_call(value)
+
+    used = []
+    for n in nodes:
+        if isinstance(n, ast.ImportFrom) and n.module == "graphscan" and n.level == 0:
+            used += [(n.lineno, alias.name) for alias in n.names]
+        elif isinstance(n, ast.Attribute) and is_core(n.value):
+            used.append((n.lineno, n.attr))
+        elif (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Name)
+            and n.func.id == "getattr"
+            and is_core(n.args[0])
+            and isinstance(n.args[1], ast.Constant)
+        ):
+            used.append((n.lineno, n.args[1].value))
+    return used
+
+
+def test_every_name_of_the_core_surface_exists():
+    import graphscan
+
+    assert len(set(graphscan.__all__)) == len(graphscan.__all__), "a name twice in graphscan.__all__"
+    assert [name for name in graphscan.__all__ if not hasattr(graphscan, name)] == []
+
+
+@pytest.mark.parametrize("path", BOUND_BY_ALL, ids=lambda path: path.relative_to(ROOT).as_posix())
+def test_the_package_and_the_plugin_use_only_the_core_surface(path):
+    """A module of graphscan_ort/ or the plugin importing a core name outside ``graphscan.__all__``
+    fails: what the core declares is what it may change only with its users."""
+    import graphscan
+
+    outside = [(line, name) for line, name in core_names_used(path) if name not in graphscan.__all__]
+    assert outside == [], f"{path.name} uses names of graphscan.py outside its __all__: {outside}"
+
+
+def test_the_surface_reader_sees_every_way_in(tmp_path):
+    """The reader above finds a name by each way the package and the plugin reach the core."""
+    source = tmp_path / "user.py"
+    source.write_text(
+        "from graphscan import a\n"
+        "import graphscan as g\n"
+        "def core():\n    import graphscan\n\n    return graphscan\n"
+        "def f():\n    g.b\n    core().c\n    m = core()\n    m.d\n    getattr(m, 'e')\n    other.f\n",
+        encoding="utf-8",
+    )
+    assert sorted(name for _, name in core_names_used(source)) == ["a", "b", "c", "d", "e"]
+
+
+def test_the_plugins_fixture_offers_only_commands_of_the_surface():
+    """The fixture reaches the core's commands by a name it holds (``getattr(core, name)``),
+    out of the reader's sight: each of those names is declared too."""
+    import graphscan
+    import graphscan_pytest
+
+    assert set(graphscan_pytest.Graphscan.COMMANDS) <= set(graphscan.__all__)
