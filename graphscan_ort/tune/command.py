@@ -381,7 +381,12 @@ class Trials:
             model = onnx.load(target_path)  # read once: checked, measured and kept for the exclusions
             if excluded:  # checked in the deployed session, made real where onnxruntime undid it
                 given = self.given[prepared_path]
-                model, status, fixed = honoured(model, target_path, self.measure.level, excluded, given)
+                try:
+                    model, status, fixed = honoured(model, target_path, self.measure.level, excluded, given)
+                except GraphscanError as exc:  # a trial onnxruntime cannot even optimize: a row, not the end
+                    if exc.exit_code != EXIT_RUNTIME:
+                        raise
+                    return self.refused(row, f"onnxruntime: {users_terms(str(exc), self.work, self.measure.path)}")
                 row["excluded"] = status
                 row["post_step"] = {"float_inputs": fixed} if fixed else None
             digest = file_digest(target_path)

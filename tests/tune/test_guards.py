@@ -318,3 +318,24 @@ def test_an_exclusion_onnxruntime_still_runs_int8_is_never_kept(cnn, tmp_path, m
     assert trials[0]["quantize_static"]["nodes_to_exclude"] == ["b1_conv1"]
     assert trials[0]["excluded"] == {"b1_conv1": "int8"}
     assert len(trials) == 2 and "b1_conv1" not in trials[1]["quantize_static"]["nodes_to_exclude"]
+
+
+def test_a_trial_onnxruntime_cannot_optimize_is_a_row_never_the_end_of_tune(cnn, tmp_path, monkeypatch):
+    """The exclusions are checked in a deployed session (fallback.honoured) before they are
+    measured: a model onnxruntime refuses there ("Attempt to replace the existing tensor")
+    ended tune with exit 5 naming graphscan's own temporary file. It is a row with its error."""
+    without_structural_seeds(monkeypatch)
+    real = tune.honoured
+
+    def refuses(model, path, level, excluded, given):
+        if excluded == ["b1_conv1"]:
+            raise graphscan.GraphscanError(f"{path}: model does not run in onnxruntime (Attempt to replace)", 5)
+        return real(model, path, level, excluded, given)
+
+    monkeypatch.setattr(tune, "honoured", refuses)
+    monkeypatch.setattr(tune, "impact_of", lambda *a, **k: {"ops": [{"node": "b1_conv1", "gain_db": 1.0}]})
+    answer = run_tune(cnn, tmp_path / "out", target=500.0, max_trials=1)
+    (row,) = [c for c in answer["candidates"] if c["trial"] is not None]
+    assert row["error"].startswith("onnxruntime: ") and "graphscan's prepared copy" in row["error"]
+    assert ".graphscan-tune-" not in row["error"] and row["sqnr_db"] is None
+    assert answer["chosen"] is not None and answer["chosen"] != row["id"]
