@@ -167,25 +167,3 @@ class TensorParts:
                         found[tensor] = np.asarray(next(values))
             self.kept[key] = found
         return self.kept[key]
-
-
-@dataclasses.dataclass(frozen=True)
-class PartNoise:
-    """The signal and noise energies of one part, summed over samples."""
-
-    signal: float
-    noise: float
-
-
-def part_energies(labels: np.ndarray | None, count: int, f: np.ndarray, q: np.ndarray) -> list[PartNoise]:
-    """Per part id, ``(sum f^2, sum (f - q)^2)`` in float64 over the elements of that part."""
-    f64 = np.asarray(f, dtype=np.float64)
-    with np.errstate(all="ignore"):
-        difference = f64 - np.asarray(q, dtype=np.float64)
-        squares, errors = np.square(f64).reshape(-1), np.square(difference).reshape(-1)
-    if labels is None:
-        return [PartNoise(float(np.sum(squares)), float(np.sum(errors)))]
-    ids = labels.reshape(-1)
-    signal = np.bincount(ids, weights=squares, minlength=count)
-    noise = np.bincount(ids, weights=errors, minlength=count)
-    return [PartNoise(float(s), float(n)) for s, n in zip(signal, noise, strict=True)]
