@@ -261,7 +261,7 @@ def command_line_rules(settings: dict[str, Any]) -> None:
     not loaded here (its file runs when the gate runs)."""
     core = graphscan_core()
     sample = {f"--{key}": settings.get(key) for key in ("float", "inputs", "shape", "seed", "level")}
-    core.only_with("--min-sqnr or --min-metric", "min_sqnr" in settings or "min_metric" in settings, sample)
+    core.only_with("--min-sqnr, --min-levels or --min-metric", any(key in settings for key in SAMPLED), sample)
     metric_keys = {f"--{key}": settings.get(key) for key in ("metric", "threshold", "blank")}
     core.only_with("--min-metric", "min_metric" in settings, metric_keys)
     types = {"seed": core.non_negative_int, "blank": core.non_negative_int, "threshold": core.finite_float}
@@ -385,7 +385,7 @@ def in_process(run: Callable[[], Any]) -> Any:
         raise GateFailed(f"graphscan: {exc} (exit {exc.exit_code})") from None
 
 
-SAMPLED = ("min_sqnr", "min_metric")  # the budgets that run the model on samples
+SAMPLED = ("min_sqnr", "min_levels", "min_metric")  # the budgets that run the model on samples (check's FLOAT_BUDGETS)
 
 
 def measured(config: pytest.Config, gate: Gate, budget: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ where the pytest11 entry point loads it as users run it, and once in a bare inte
 to show that loading the plugin imports nothing heavy.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -359,10 +360,10 @@ LAB_ARGV = ["models/full.onnx", "--float", "models/fp32.onnx"]
         pytest.param(f"[[model]]\n{LAB}min_sqnr = 3\nshape = [\"x\"]\n", 5, "shape 'x': expected NAME=D0,D1",
                      [*LAB_ARGV, "--min-sqnr", "3", "--shape", "x"], id="shape-malformed"),
         pytest.param("# gates\nmodel = [1, 2]\n", 2, "[[model]] 1: must be a table", None, id="model-not-tables"),
-        pytest.param(f"[[model]]\n{LAB}max_islands = 3\n", 3, "float: only with min_sqnr or min_metric",
+        pytest.param(f"[[model]]\n{LAB}max_islands = 3\n", 3, "float: only with min_sqnr, min_levels or min_metric",
                      [*LAB_ARGV, "--max-islands", "3"], id="float-without-sqnr"),
         pytest.param('[[model]]\npath = "models/full.onnx"\ninputs = ["lab_sample.npz"]\nmax_islands = 3\n', 3,
-                     "inputs: only with min_sqnr or min_metric",
+                     "inputs: only with min_sqnr, min_levels or min_metric",
                      ["models/full.onnx", "--inputs", "lab_sample.npz", "--max-islands", "3"],
                      id="inputs-without-sqnr"),
         pytest.param(f"[[model]]\n{LAB}min_sqnr = 3\nmetric = \"cosine\"\n", 5, "metric: only with min_metric",
@@ -402,7 +403,7 @@ def test_a_config_mistake_fails_collection_not_the_budgets(repository, tmp_path,
     folder = gate_folder(tmp_path, repository, f"[[model]]\n{LAB}max_islands = 1000\n")
     code, output = run_pytest(folder, "--graphscan", "-rA")
     assert code == 2 and output.count("ERROR collecting") == 1, output
-    assert "graphscan.toml:3: [[model]] 1: float: only with min_sqnr or min_metric" in output
+    assert "graphscan.toml:3: [[model]] 1: float: only with min_sqnr, min_levels or min_metric" in output
     assert item_outcomes(output) == {"graphscan.toml": "error"} and "Traceback" not in output
 
 
@@ -657,3 +658,22 @@ def test_the_readmes_pytest_commands_come_with_what_they_need():
     assert "pytest" in brought
     if " -n " in section:
         assert "pytest-xdist" in brought
+
+
+def test_min_levels_gates_as_check_measures_it(repository, tmp_path, run_pytest, capsys):
+    """``min_levels`` with its ``float`` and samples, as check takes them: collected, and it
+    holds at check's own value and breaks just above it (before, the config refused ``float``
+    beside min_levels alone and the gate ran check without it)."""
+    argv = [*LAB_ARGV, "--inputs", "lab_sample.npz", "--min-levels", "0"]
+    folder = gate_folder(tmp_path, repository, "")
+    with contextlib.chdir(folder):
+        code, out, err = run_main(capsys, ["check", *argv])
+    assert code == 0, err
+    value = json.loads(out)["budgets"][0]["value"]
+    for limit, outcome in ((value, "passed"), (value * 1.01 + 1, "failed")):
+        config = f'[[model]]\n{LAB}inputs = ["lab_sample.npz"]\nmin_levels = {limit!r}\n'
+        (folder / "graphscan.toml").write_text(config)
+        _, output = run_pytest(folder, "--graphscan", "-rA")
+        assert item_outcomes(output) == {"graphscan.toml::full.onnx::min_levels": outcome}, output
+    assert "min_levels: " in output and "(steps of the scale" in output
+    assert graphscan_pytest.SAMPLED == graphscan.FLOAT_BUDGETS  # the budgets check runs on samples, one list
