@@ -25,9 +25,11 @@ from onnxruntime.quantization import QuantType, quantize_static
 import gen_models
 import graphscan
 import graphscan_pytest
+from graphscan_ort.shared import targets
 from graphscan_ort.tune.candidates import SampleReader, quiet
 from tests.helpers import ROOT, run_main
 from tests.lab import DEFAULT_LAB
+from tests.targets.test_targets import needs
 
 UPDATE = "pytest --graphscan --graphscan-snapshot-update"  # the one update command a plain install has
 
@@ -521,7 +523,7 @@ def updating_session(folder, classes):
     }
     options = {"graphscan_config": str(folder / "graphscan.toml"), "graphscan_snapshot_update": True}
     config = types.SimpleNamespace(getoption=lambda name, default=None: options.get(name, default), rootpath=folder)
-    config._graphscan_cache = {("runtime", gate.index): answer}
+    config._graphscan_cache = {("runtime", gate.index, "native"): answer}
     return gate, config
 
 
@@ -677,3 +679,155 @@ def test_min_levels_gates_as_check_measures_it(repository, tmp_path, run_pytest,
         assert item_outcomes(output) == {"graphscan.toml::full.onnx::min_levels": outcome}, output
     assert "min_levels: " in output and "(steps of the scale" in output
     assert graphscan_pytest.SAMPLED == graphscan.FLOAT_BUDGETS  # the budgets check runs on samples, one list
+
+
+# ---------------------------------------------------------------------------
+# cpu = [...]: the budgets that run the model, and the snapshot, per CPU target (issue 34).
+
+RUNNING = ["min_int8", "min_sqnr", "min_levels", "min_metric"]  # what a CPU changes; the max_ counts it cannot
+INSTALLED = str(targets.root())  # where the targets are, read before any test moves HOME
+ALL_BUDGETS = """inputs = ["lab_sample.npz"]
+max_islands = 1000
+min_int8 = 0
+min_sqnr = -1000
+min_levels = 0
+max_float = 1000
+metric = "cosine"
+min_metric = -1
+snapshot = true
+"""  # every budget but max_crossings, each holding, and a snapshot: 7 items natively
+
+
+def collected(run_pytest, folder):
+    code, output = run_pytest(folder, "--graphscan", "--collect-only", "-q")
+    assert code == 0, output
+    return [line for line in output.splitlines() if line.startswith("graphscan.toml::")]
+
+
+@pytest.mark.parametrize(
+    "cpu",
+    [
+        pytest.param(["arm64"], id="arm64"),
+        pytest.param(["native", "arm64", "x86-avx2"], id="all-three"),
+        pytest.param(["x86-avx2", "native"], id="avx2-first"),
+    ],
+)
+def test_each_target_adds_the_budgets_that_run_the_model_and_a_snapshot(repository, tmp_path, run_pytest, cpu):
+    """Budgets in check's order, each count once, each running budget once per target in
+    the config's order (native plainly named), then one snapshot per target."""
+    folder = gate_folder(tmp_path, repository, f"[[model]]\n{LAB}{ALL_BUDGETS}cpu = {json.dumps(cpu)}\n")
+    expected = []
+    for budget in [b for b in graphscan.BUDGETS if f"\n{b} = " in ALL_BUDGETS]:
+        named = cpu if budget in RUNNING else ["native"]
+        expected += [budget if t == "native" else f"{budget}[{t}]" for t in named]
+    expected += ["snapshot" if t == "native" else f"snapshot[{t}]" for t in cpu]
+    assert collected(run_pytest, folder) == [f"graphscan.toml::full.onnx::{item}" for item in expected]
+
+
+def test_native_alone_is_todays_items_and_snapshot(repository, tmp_path, run_pytest):
+    """``cpu = ["native"]`` and no ``cpu`` at all: the same item ids (no ``[...]``), the same
+    outcomes and the same snapshot file, byte for byte, under its plain name."""
+    runs = {}
+    for name, cpu in (("without", ""), ("native", 'cpu = ["native"]\n')):
+        (tmp_path / name).mkdir()
+        folder = gate_folder(tmp_path / name, repository, f"[[model]]\n{LAB}{ALL_BUDGETS}{cpu}")
+        ids = collected(run_pytest, folder)
+        run_pytest(folder, "--graphscan", "--graphscan-snapshot-update")
+        code, output = run_pytest(folder, "--graphscan", "-rA")
+        snapshots = {p.name: p.read_bytes() for p in (folder / "graphscan_snapshots").iterdir()}
+        runs[name] = ids, code, item_outcomes(output), snapshots
+    ids, code, outcomes, snapshots = runs["without"]
+    assert runs["native"] == runs["without"]
+    assert not any("[" in item for item in ids) and list(snapshots) == ["full.onnx.json"]
+    assert code == 0 and set(outcomes.values()) == {"passed"} and len(outcomes) == len(ids) == 7
+
+
+@pytest.mark.parametrize(
+    ("cpu", "words"),
+    [
+        pytest.param('"arm64"', "cpu must be list", id="a-string"),
+        pytest.param('["sparc"]', "cpu: 'sparc' is not one of native, x86-avx2, arm64", id="unknown-target"),
+        pytest.param('["ARM64"]', "cpu: 'ARM64' is not one of", id="case-differs"),
+        pytest.param("[64]", "cpu: 64 is not one of", id="a-number"),
+        pytest.param("[]", "cpu: an empty list runs nothing", id="empty"),
+        pytest.param('["arm64", "native", "arm64"]', "cpu: 'arm64' is given twice", id="twice"),
+    ],
+)
+def test_a_bad_cpu_is_one_collection_error_naming_its_line(repository, tmp_path, run_pytest, cpu, words):
+    folder = gate_folder(tmp_path, repository, f'[[model]]\npath = "models/full.onnx"\nmin_int8 = 0\ncpu = {cpu}\n')
+    with pytest.raises(graphscan_pytest.ConfigError) as raised:
+        graphscan_pytest.read_config(folder / "graphscan.toml")
+    assert "graphscan.toml:4: [[model]] 1: " in str(raised.value) and words in str(raised.value), raised.value
+    code, output = run_pytest(folder, "--graphscan", "-rA")
+    assert code == 2 and output.count("ERROR collecting") == 1 and "Traceback" not in output, output
+
+
+@pytest.mark.parametrize("target", [pytest.param(t, id=t) for t in ["arm64", "x86-avx2"]])
+def test_a_target_where_nothing_runs_the_model_is_refused(repository, tmp_path, target, capsys, monkeypatch):
+    """Counts alone are the same on every CPU: a target there would be ignored, so it is
+    refused, as ``check --max-islands N --cpu T`` is; native there is harmless."""
+    body = '[[model]]\npath = "models/full.onnx"\nmax_islands = 1000\ncpu = ["native", "TARGET"]\n'
+    folder = gate_folder(tmp_path, repository, body.replace("TARGET", target))
+    with pytest.raises(graphscan_pytest.ConfigError, match=r"graphscan\.toml:4: \[\[model\]\] 1: cpu: only with min_"):
+        graphscan_pytest.read_config(folder / "graphscan.toml")
+    monkeypatch.chdir(folder)
+    code, out, _ = run_main(capsys, ["check", "models/full.onnx", "--max-islands", "1000", "--cpu", target])
+    assert code == 2 and out == ""
+    (folder / "graphscan.toml").write_text(body.replace(', "TARGET"', ""))
+    assert graphscan_pytest.read_config(folder / "graphscan.toml")[0].targets == ["native"]
+
+
+def test_a_missing_target_fails_its_items_with_the_runners_line(repository, tmp_path, run_pytest, monkeypatch):
+    """arm64 not installed (an empty targets folder): each arm64 item fails with the one line
+    naming the install command, no snapshot is written for it, and native gates as ever."""
+    monkeypatch.setenv("GRAPHSCAN_TARGETS", str(tmp_path / "empty"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "repo").mkdir()
+    folder = gate_folder(tmp_path / "repo", repository, f'[[model]]\n{LAB}{ALL_BUDGETS}cpu = ["native", "arm64"]\n')
+    code, output = run_pytest(folder, "--graphscan", "--graphscan-snapshot-update", "-rA")
+    outcomes = item_outcomes(output)
+    assert (
+        code == 1
+        and {i for i, o in outcomes.items() if o == "failed"} == {i for i in outcomes if i.endswith("[arm64]")}
+        and len(outcomes) == 7 + 5
+    ), output
+    install = re.escape(targets.INSTALL_COMMAND)
+    lines = re.findall(r"^graphscan: usage: CPU target arm64: .*$", output, re.MULTILINE)
+    assert len(lines) == 5 and all(re.fullmatch(rf".*\(install it: {install}\) \(exit 2\)", x) for x in lines), output
+    assert "Traceback" not in output
+    assert [p.name for p in (folder / "graphscan_snapshots").iterdir()] == ["full.onnx.json"]
+
+
+@pytest.mark.targets
+@needs("arm64")
+def test_on_arm64_min_int8_gates_the_targets_kernels_and_its_snapshot_pins_them(tmp_path, run_pytest, monkeypatch):
+    """``cpu = ["arm64"]`` on ops/full.onnx: min_int8 0.9 holds (arm64 runs every node of
+    it int8), where it breaks natively (3 of 6); ``full.onnx@arm64.json`` is taken, holds
+    runtime --cpu arm64's classes, matches on the next run and catches a changed class."""
+    monkeypatch.setenv("GRAPHSCAN_TARGETS", INSTALLED)  # pytester moves HOME, and the default folder with it
+    for name in ("full.onnx", "fp32.onnx"):
+        shutil.copy(ROOT / "ops" / name, tmp_path / name)
+    (tmp_path / "graphscan.toml").write_text(
+        '[[model]]\npath = "full.onnx"\nmin_int8 = 0.9\ncpu = ["arm64"]\nsnapshot = true\n'
+    )
+    items = {
+        "graphscan.toml::full.onnx::min_int8[arm64]": "passed",
+        "graphscan.toml::full.onnx::snapshot[arm64]": "passed",
+    }
+    code, output = run_pytest(tmp_path, "--graphscan", "--graphscan-snapshot-update", "-rA")
+    assert code == 0 and item_outcomes(output) == items, output
+    taken = tmp_path / "graphscan_snapshots" / "full.onnx@arm64.json"
+    assert [p.name for p in taken.parent.iterdir()] == [taken.name]
+    pinned = json.loads(taken.read_text())
+    on_arm64 = graphscan.runtime(str(tmp_path / "full.onnx"), cpu="arm64")
+    assert {node: entry["class"] for node, entry in pinned["nodes"].items()} == {
+        row["node"]: row["class"] for row in on_arm64["nodes"]
+    }
+    assert not graphscan.check(str(tmp_path / "full.onnx"), min_int8=0.9)["ok"]  # natively it breaks
+    code, output = run_pytest(tmp_path, "--graphscan", "-rA")
+    assert code == 0 and item_outcomes(output) == items, output
+    node = next(iter(pinned["nodes"]))
+    pinned["nodes"][node]["class"] = "absorbed"
+    taken.write_text(json.dumps(pinned))
+    code, output = run_pytest(tmp_path, "--graphscan", "-rA", "-k", "snapshot")
+    assert code == 1 and f"  {node}: absorbed -> " in output and "full.onnx@arm64.json" in output, output
