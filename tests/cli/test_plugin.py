@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -831,3 +832,38 @@ def test_on_arm64_min_int8_gates_the_targets_kernels_and_its_snapshot_pins_them(
     taken.write_text(json.dumps(pinned))
     code, output = run_pytest(tmp_path, "--graphscan", "-rA", "-k", "snapshot")
     assert code == 1 and f"  {node}: absorbed -> " in output and "full.onnx@arm64.json" in output, output
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """``x86-avx2`` run by this interpreter without qemu (check's and runtime's runner
+    protocol whole, the emulator left out): its answers must be native's. Yields the
+    functions run through it."""
+    ran = []
+
+    def command(target, argv):
+        ran.append(json.loads(Path(argv[-2]).read_text())["function"])
+        return [sys.executable, *argv], dict(os.environ, PYTHONPATH=str(targets.repository()))
+
+    monkeypatch.setattr(targets, "missing", lambda target: None)
+    monkeypatch.setattr(targets, "command", command)
+    return ran
+
+
+def test_a_target_item_is_measured_through_the_runner_as_native_is(repository, tmp_path, run_pytest, stand_in):
+    """The same interpreter behind the runner: each ``[x86-avx2]`` item passes or fails as its
+    native twin, its min_int8 sentence is native's with the item's name, and its snapshot
+    ``full.onnx@x86-avx2.json`` is native's text."""
+    body = '[[model]]\npath = "models/cnn.u8.onnx"\nmax_crossings = 1000\nmin_int8 = 1\nsnapshot = true\n'
+    folder = gate_folder(tmp_path, repository, body + 'cpu = ["native", "x86-avx2"]\n')
+    code, output = run_pytest(folder, "--graphscan", "--graphscan-snapshot-update", "-rA")
+    outcomes = item_outcomes(output)
+    assert len(outcomes) == 5 and code == 1, output
+    for item, outcome in outcomes.items():
+        assert outcomes.get(item.replace("[x86-avx2]", "")) == outcome, output
+    native = re.search(r"^min_int8: (.*)$", output, re.MULTILINE)
+    assert native and f"\nmin_int8[x86-avx2]: {native[1]}\n" in output, output
+    snapshots = folder / "graphscan_snapshots"
+    assert sorted(p.name for p in snapshots.iterdir()) == ["cnn.u8.onnx.json", "cnn.u8.onnx@x86-avx2.json"]
+    assert (snapshots / "cnn.u8.onnx.json").read_bytes() == (snapshots / "cnn.u8.onnx@x86-avx2.json").read_bytes()
+    assert stand_in == ["graphscan_ort.commands.runtime:classes"] * 2  # once for check, once for runtime
