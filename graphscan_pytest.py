@@ -16,6 +16,9 @@ JSON file beside the config (``graphscan_snapshots/<model>.json``, written by sy
 JSON extension when syrupy is installed, by json otherwise, the same text): a changed
 class is a failure that lists the nodes that changed, and ``--graphscan-snapshot-update``
 (or syrupy's ``--snapshot-update`` when syrupy is installed) rewrites it.
+``cpu = ["native", "arm64"]`` measures the budgets that run the model, and the
+snapshot, on each CPU target too: ``det.int8.onnx::min_int8[arm64]`` by
+``graphscan check --cpu arm64``, pinned in ``<model>@arm64.json``.
 
 The ``graphscan`` fixture runs the commands in-process for hand-written tests,
 answers cached per test session by the models' file contents.
@@ -60,10 +63,12 @@ KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "blank": ((int,), "ctc's blank class"),
     "min_metric": ((int, float), "the metric's agreement with float of at least X"),
     "snapshot": ((bool,), "pin the runtime class of every node"),
+    "cpu": ((list,), "the CPU targets that run the model: native, x86-avx2, arm64"),
 }
 COUNTED = {"max_float": "float compute nodes", "max_islands": "float islands", "max_crossings": "boundary crossings"}
 BUDGET_KEYS = ["max_float", "max_islands", "max_crossings", "min_int8", "min_sqnr", "min_levels", "min_metric"]
 PATH_KEYS = ("path", "float")
+NATIVE = "native"  # the CPU target of a model without cpu = [...]; its items and snapshot keep their plain names
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -124,6 +129,16 @@ class Gate:
     @property
     def budgets(self) -> list[str]:
         return [key for key in BUDGET_KEYS if key in self.settings]
+
+    @property
+    def targets(self) -> list[str]:
+        """The CPU targets its budgets that run the model are measured on (``cpu``; native by default)."""
+        return list(self.settings.get("cpu", [NATIVE]))
+
+
+def on_target(name: str, target: str) -> str:
+    """An item's name on ``target``: ``min_int8`` natively, ``min_int8[arm64]`` on arm64."""
+    return name if target == NATIVE else f"{name}[{target}]"
 
 
 def key_line(text: str, index: int, key: str | None) -> int:
@@ -207,6 +222,10 @@ def checked_gate(path: Path, text: str, index: int, entry: Any) -> Gate:
             raise fail(key, f"{key} must be {' or '.join(t.__name__ for t in types)} ({what}), not {value!r}")
     if "path" not in entry:
         raise fail(None, "needs path = the quantized model")
+    if "cpu" in entry:
+        why = cpu_mistake(entry)
+        if why is not None:
+            raise fail("cpu", why)
     settings = dict(entry)
     for key in PATH_KEYS:
         if key in settings:
@@ -255,13 +274,33 @@ def checked_gate(path: Path, text: str, index: int, entry: Any) -> Gate:
     return Gate(index, Path(settings["path"]).name, settings)
 
 
+def cpu_mistake(entry: dict[str, Any]) -> str | None:
+    """What is wrong with a table's ``cpu = [...]`` (None: nothing): each name one of the
+    targets, once; another target than native only where a budget or snapshot runs the model
+    (check's rule for --cpu: the counts are the same on every CPU)."""
+    from graphscan_ort.shared.targets import TARGETS
+
+    chosen = entry["cpu"]
+    if not chosen:
+        return "cpu: an empty list runs nothing (leave cpu out for native alone)"
+    for name in chosen:
+        if not isinstance(name, str) or name not in TARGETS:
+            return f"cpu: {name!r} is not one of {', '.join(TARGETS)}"
+        if chosen.count(name) > 1:
+            return f"cpu: {name!r} is given twice"
+    running = [key for key in BUDGET_KEYS if key not in COUNTED]
+    if chosen != [NATIVE] and not (entry.get("snapshot") or any(key in entry for key in running)):
+        return f"cpu: only with {', '.join(running)} or snapshot (the counts are the same on every CPU)"
+    return None
+
+
 def command_line_rules(settings: dict[str, Any]) -> None:
     """GraphscanError where ``graphscan check`` would refuse the same options: each rule is
     the command line's own function, so a config and check never disagree. A user metric is
     not loaded here (its file runs when the gate runs)."""
     core = graphscan_core()
     sample = {f"--{key}": settings.get(key) for key in ("float", "inputs", "shape", "seed", "level")}
-    core.only_with("--min-sqnr or --min-metric", "min_sqnr" in settings or "min_metric" in settings, sample)
+    core.only_with("--min-sqnr, --min-levels or --min-metric", any(key in settings for key in SAMPLED), sample)
     metric_keys = {f"--{key}": settings.get(key) for key in ("metric", "threshold", "blank")}
     core.only_with("--min-metric", "min_metric" in settings, metric_keys)
     types = {"seed": core.non_negative_int, "blank": core.non_negative_int, "threshold": core.finite_float}
@@ -315,10 +354,16 @@ class ModelGates(pytest.Collector):
         self.gate = gate
 
     def collect(self) -> Iterator[pytest.Item]:
-        for budget in self.gate.budgets:
-            yield BudgetItem.from_parent(self, name=budget, gate=self.gate, budget=budget)
-        if self.gate.settings.get("snapshot"):
-            yield SnapshotItem.from_parent(self, name="snapshot", gate=self.gate)
+        gate = self.gate
+        for budget in gate.budgets:
+            # A count reads the graph alone: one item whatever the CPUs; the others one per target.
+            for target in [NATIVE] if budget in COUNTED else gate.targets:
+                yield BudgetItem.from_parent(
+                    self, name=on_target(budget, target), gate=gate, budget=budget, target=target
+                )
+        if gate.settings.get("snapshot"):
+            for target in gate.targets:
+                yield SnapshotItem.from_parent(self, name=on_target("snapshot", target), gate=gate, target=target)
 
 
 class GateFailed(Exception):
@@ -326,9 +371,10 @@ class GateFailed(Exception):
 
 
 class GateItem(pytest.Item):
-    def __init__(self, *, gate: Gate, **kwargs: Any) -> None:
+    def __init__(self, *, gate: Gate, target: str = NATIVE, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.gate = gate
+        self.target = target  # the CPU target it is measured on
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
         if isinstance(excinfo.value, GateFailed):
@@ -345,15 +391,15 @@ class BudgetItem(GateItem):
         self.budget = budget
 
     def runtest(self) -> None:
-        answer = measured(self.config, self.gate, self.budget)
+        answer = measured(self.config, self.gate, self.budget, self.target)
         (row,) = [b for b in answer["budgets"] if b["name"] == self.budget]
         if not row["ok"]:
-            raise GateFailed(budget_sentence(row, self.config, self.gate))
+            raise GateFailed(budget_sentence(row, self.config, self.gate, self.target))
 
 
 class SnapshotItem(GateItem):
     def runtest(self) -> None:
-        compare_snapshot(self.config, self.gate)
+        compare_snapshot(self.config, self.gate, self.target)
 
 
 # ---------------------------------------------------------------------------
@@ -385,20 +431,24 @@ def in_process(run: Callable[[], Any]) -> Any:
         raise GateFailed(f"graphscan: {exc} (exit {exc.exit_code})") from None
 
 
-SAMPLED = ("min_sqnr", "min_metric")  # the budgets that run the model on samples
+SAMPLED = ("min_sqnr", "min_levels", "min_metric")  # the budgets that run the model on samples (check's FLOAT_BUDGETS)
 
 
-def measured(config: pytest.Config, gate: Gate, budget: str) -> dict[str, Any]:
-    """graphscan check's answer for ``budget`` and the other budgets of ``gate`` measured
-    alike, once per session: those that run samples apart, so a sample that fails them
-    never fails a count (max_islands needs no inputs)."""
+def measured(config: pytest.Config, gate: Gate, budget: str, target: str = NATIVE) -> dict[str, Any]:
+    """graphscan check's answer for ``budget`` on ``target`` and the other budgets of
+    ``gate`` measured alike, once per session: those that run samples apart, so a sample
+    that fails them never fails a count (max_islands needs no inputs). The counts are
+    measured natively only (check refuses --cpu for them alone)."""
     cache = session_cache(config)
     sampled = budget in SAMPLED
-    key = ("check", gate.index, sampled)
+    key = ("check", gate.index, sampled, target)
     if key not in cache:
         core = graphscan_core()
         s = gate.settings
-        options = {name: s[name] for name in gate.budgets if (name in SAMPLED) == sampled}
+        alike = [name for name in gate.budgets if (name in SAMPLED) == sampled]
+        options = {name: s[name] for name in alike if target == NATIVE or name not in COUNTED}
+        if target != NATIVE:
+            options["cpu"] = target
         if sampled:
             for name in ("float", "inputs", "shape", "seed", "level", "metric", "threshold", "blank"):
                 if name in s:
@@ -408,24 +458,26 @@ def measured(config: pytest.Config, gate: Gate, budget: str) -> dict[str, Any]:
     return answer
 
 
-def runtime_answer(config: pytest.Config, gate: Gate) -> dict[str, Any]:
+def runtime_answer(config: pytest.Config, gate: Gate, target: str = NATIVE) -> dict[str, Any]:
     cache = session_cache(config)
-    key = ("runtime", gate.index)
+    key = ("runtime", gate.index, target)
     if key not in cache:
         core = graphscan_core()
-        cache[key] = in_process(lambda: core.runtime(gate.settings["path"]))
+        cpu = {} if target == NATIVE else {"cpu": target}
+        cache[key] = in_process(lambda: core.runtime(gate.settings["path"], **cpu))
     answer: dict[str, Any] = cache[key]
     return answer
 
 
-def budget_sentence(row: dict[str, Any], config: pytest.Config, gate: Gate) -> str:
-    """``min_int8: 0.1849 < 0.8 (54 of 292 nodes run int8 or int8_data kernels)``."""
+def budget_sentence(row: dict[str, Any], config: pytest.Config, gate: Gate, target: str = NATIVE) -> str:
+    """``min_int8: 0.1849 < 0.8 (54 of 292 nodes run int8 or int8_data kernels)``
+    (``min_int8[arm64]: ...`` on a target, its nodes those the target runs)."""
     name, value, limit = row["name"], row["value"], row["limit"]
     sign = ">" if name.startswith("max_") else "<"
     shown = "undefined" if value is None else f"{value:.4g}"
-    sentence = f"{name}: {shown} {sign} {limit:g}"
+    sentence = f"{on_target(name, target)}: {shown} {sign} {limit:g}"
     if name == "min_int8":
-        classes = runtime_answer(config, gate)["classes"]
+        classes = runtime_answer(config, gate, target)["classes"]
         integer = classes["int8"] + classes["int8_data"]
         sentence += f" ({integer} of {integer + classes['float']} nodes run int8 or int8_data kernels)"
     elif name == "min_metric":
@@ -451,8 +503,10 @@ def budget_sentence(row: dict[str, Any], config: pytest.Config, gate: Gate) -> s
 # Snapshots of what runs, node by node.
 
 
-def snapshot_file(config: pytest.Config, gate: Gate) -> Path:
-    return config_path(config).parent / SNAPSHOT_FOLDER / f"{gate.snapshot_name}.json"
+def snapshot_file(config: pytest.Config, gate: Gate, target: str = NATIVE) -> Path:
+    """``NAME.json``, or ``NAME@TARGET.json`` for a CPU target (``@`` is never in a NAME)."""
+    name = gate.snapshot_name if target == NATIVE else f"{gate.snapshot_name}@{target}"
+    return config_path(config).parent / SNAPSHOT_FOLDER / f"{name}.json"
 
 
 def runtime_snapshot(answer: dict[str, Any]) -> dict[str, Any]:
@@ -487,9 +541,9 @@ def updating(config: pytest.Config) -> bool:
     return bool(config.getoption("graphscan_snapshot_update") or config.getoption("update_snapshots", False))
 
 
-def compare_snapshot(config: pytest.Config, gate: Gate) -> None:
-    now = runtime_snapshot(runtime_answer(config, gate))
-    path = snapshot_file(config, gate)
+def compare_snapshot(config: pytest.Config, gate: Gate, target: str = NATIVE) -> None:
+    now = runtime_snapshot(runtime_answer(config, gate, target))
+    path = snapshot_file(config, gate, target)
     if not updating(config) and not path.is_file():
         raise GateFailed(f"snapshot: no {path}: take it with {UPDATE}, review, commit")
     if updating(config):

@@ -8,6 +8,7 @@ where the pytest11 entry point loads it as users run it, and once in a bare inte
 to show that loading the plugin imports nothing heavy.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -24,9 +26,11 @@ from onnxruntime.quantization import QuantType, quantize_static
 import gen_models
 import graphscan
 import graphscan_pytest
+from graphscan_ort.shared import targets
 from graphscan_ort.tune.candidates import SampleReader, quiet
 from tests.helpers import ROOT, run_main
 from tests.lab import DEFAULT_LAB
+from tests.targets.test_targets import needs
 
 UPDATE = "pytest --graphscan --graphscan-snapshot-update"  # the one update command a plain install has
 
@@ -359,10 +363,10 @@ LAB_ARGV = ["models/full.onnx", "--float", "models/fp32.onnx"]
         pytest.param(f"[[model]]\n{LAB}min_sqnr = 3\nshape = [\"x\"]\n", 5, "shape 'x': expected NAME=D0,D1",
                      [*LAB_ARGV, "--min-sqnr", "3", "--shape", "x"], id="shape-malformed"),
         pytest.param("# gates\nmodel = [1, 2]\n", 2, "[[model]] 1: must be a table", None, id="model-not-tables"),
-        pytest.param(f"[[model]]\n{LAB}max_islands = 3\n", 3, "float: only with min_sqnr or min_metric",
+        pytest.param(f"[[model]]\n{LAB}max_islands = 3\n", 3, "float: only with min_sqnr, min_levels or min_metric",
                      [*LAB_ARGV, "--max-islands", "3"], id="float-without-sqnr"),
         pytest.param('[[model]]\npath = "models/full.onnx"\ninputs = ["lab_sample.npz"]\nmax_islands = 3\n', 3,
-                     "inputs: only with min_sqnr or min_metric",
+                     "inputs: only with min_sqnr, min_levels or min_metric",
                      ["models/full.onnx", "--inputs", "lab_sample.npz", "--max-islands", "3"],
                      id="inputs-without-sqnr"),
         pytest.param(f"[[model]]\n{LAB}min_sqnr = 3\nmetric = \"cosine\"\n", 5, "metric: only with min_metric",
@@ -402,7 +406,7 @@ def test_a_config_mistake_fails_collection_not_the_budgets(repository, tmp_path,
     folder = gate_folder(tmp_path, repository, f"[[model]]\n{LAB}max_islands = 1000\n")
     code, output = run_pytest(folder, "--graphscan", "-rA")
     assert code == 2 and output.count("ERROR collecting") == 1, output
-    assert "graphscan.toml:3: [[model]] 1: float: only with min_sqnr or min_metric" in output
+    assert "graphscan.toml:3: [[model]] 1: float: only with min_sqnr, min_levels or min_metric" in output
     assert item_outcomes(output) == {"graphscan.toml": "error"} and "Traceback" not in output
 
 
@@ -520,7 +524,7 @@ def updating_session(folder, classes):
     }
     options = {"graphscan_config": str(folder / "graphscan.toml"), "graphscan_snapshot_update": True}
     config = types.SimpleNamespace(getoption=lambda name, default=None: options.get(name, default), rootpath=folder)
-    config._graphscan_cache = {("runtime", gate.index): answer}
+    config._graphscan_cache = {("runtime", gate.index, "native"): answer}
     return gate, config
 
 
@@ -657,3 +661,209 @@ def test_the_readmes_pytest_commands_come_with_what_they_need():
     assert "pytest" in brought
     if " -n " in section:
         assert "pytest-xdist" in brought
+
+
+def test_min_levels_gates_as_check_measures_it(repository, tmp_path, run_pytest, capsys):
+    """``min_levels`` with its ``float`` and samples, as check takes them: collected, and it
+    holds at check's own value and breaks just above it (before, the config refused ``float``
+    beside min_levels alone and the gate ran check without it)."""
+    argv = [*LAB_ARGV, "--inputs", "lab_sample.npz", "--min-levels", "0"]
+    folder = gate_folder(tmp_path, repository, "")
+    with contextlib.chdir(folder):
+        code, out, err = run_main(capsys, ["check", *argv])
+    assert code == 0, err
+    value = json.loads(out)["budgets"][0]["value"]
+    for limit, outcome in ((value, "passed"), (value * 1.01 + 1, "failed")):
+        config = f'[[model]]\n{LAB}inputs = ["lab_sample.npz"]\nmin_levels = {limit!r}\n'
+        (folder / "graphscan.toml").write_text(config)
+        _, output = run_pytest(folder, "--graphscan", "-rA")
+        assert item_outcomes(output) == {"graphscan.toml::full.onnx::min_levels": outcome}, output
+    assert "min_levels: " in output and "(steps of the scale" in output
+    assert graphscan_pytest.SAMPLED == graphscan.FLOAT_BUDGETS  # the budgets check runs on samples, one list
+
+
+# ---------------------------------------------------------------------------
+# cpu = [...]: the budgets that run the model, and the snapshot, per CPU target (issue 34).
+
+RUNNING = ["min_int8", "min_sqnr", "min_levels", "min_metric"]  # what a CPU changes; the max_ counts it cannot
+INSTALLED = str(targets.root())  # where the targets are, read before any test moves HOME
+ALL_BUDGETS = """inputs = ["lab_sample.npz"]
+max_islands = 1000
+min_int8 = 0
+min_sqnr = -1000
+min_levels = 0
+max_float = 1000
+metric = "cosine"
+min_metric = -1
+snapshot = true
+"""  # every budget but max_crossings, each holding, and a snapshot: 7 items natively
+
+
+def collected(run_pytest, folder):
+    code, output = run_pytest(folder, "--graphscan", "--collect-only", "-q")
+    assert code == 0, output
+    return [line for line in output.splitlines() if line.startswith("graphscan.toml::")]
+
+
+@pytest.mark.parametrize(
+    "cpu",
+    [
+        pytest.param(["arm64"], id="arm64"),
+        pytest.param(["native", "arm64", "x86-avx2"], id="all-three"),
+        pytest.param(["x86-avx2", "native"], id="avx2-first"),
+    ],
+)
+def test_each_target_adds_the_budgets_that_run_the_model_and_a_snapshot(repository, tmp_path, run_pytest, cpu):
+    """Budgets in check's order, each count once, each running budget once per target in
+    the config's order (native plainly named), then one snapshot per target."""
+    folder = gate_folder(tmp_path, repository, f"[[model]]\n{LAB}{ALL_BUDGETS}cpu = {json.dumps(cpu)}\n")
+    expected = []
+    for budget in [b for b in graphscan.BUDGETS if f"\n{b} = " in ALL_BUDGETS]:
+        named = cpu if budget in RUNNING else ["native"]
+        expected += [budget if t == "native" else f"{budget}[{t}]" for t in named]
+    expected += ["snapshot" if t == "native" else f"snapshot[{t}]" for t in cpu]
+    assert collected(run_pytest, folder) == [f"graphscan.toml::full.onnx::{item}" for item in expected]
+
+
+def test_native_alone_is_todays_items_and_snapshot(repository, tmp_path, run_pytest):
+    """``cpu = ["native"]`` and no ``cpu`` at all: the same item ids (no ``[...]``), the same
+    outcomes and the same snapshot file, byte for byte, under its plain name."""
+    runs = {}
+    for name, cpu in (("without", ""), ("native", 'cpu = ["native"]\n')):
+        (tmp_path / name).mkdir()
+        folder = gate_folder(tmp_path / name, repository, f"[[model]]\n{LAB}{ALL_BUDGETS}{cpu}")
+        ids = collected(run_pytest, folder)
+        run_pytest(folder, "--graphscan", "--graphscan-snapshot-update")
+        code, output = run_pytest(folder, "--graphscan", "-rA")
+        snapshots = {p.name: p.read_bytes() for p in (folder / "graphscan_snapshots").iterdir()}
+        runs[name] = ids, code, item_outcomes(output), snapshots
+    ids, code, outcomes, snapshots = runs["without"]
+    assert runs["native"] == runs["without"]
+    assert not any("[" in item for item in ids) and list(snapshots) == ["full.onnx.json"]
+    assert code == 0 and set(outcomes.values()) == {"passed"} and len(outcomes) == len(ids) == 7
+
+
+@pytest.mark.parametrize(
+    ("cpu", "words"),
+    [
+        pytest.param('"arm64"', "cpu must be list", id="a-string"),
+        pytest.param('["sparc"]', "cpu: 'sparc' is not one of native, x86-avx2, arm64", id="unknown-target"),
+        pytest.param('["ARM64"]', "cpu: 'ARM64' is not one of", id="case-differs"),
+        pytest.param("[64]", "cpu: 64 is not one of", id="a-number"),
+        pytest.param("[]", "cpu: an empty list runs nothing", id="empty"),
+        pytest.param('["arm64", "native", "arm64"]', "cpu: 'arm64' is given twice", id="twice"),
+    ],
+)
+def test_a_bad_cpu_is_one_collection_error_naming_its_line(repository, tmp_path, run_pytest, cpu, words):
+    folder = gate_folder(tmp_path, repository, f'[[model]]\npath = "models/full.onnx"\nmin_int8 = 0\ncpu = {cpu}\n')
+    with pytest.raises(graphscan_pytest.ConfigError) as raised:
+        graphscan_pytest.read_config(folder / "graphscan.toml")
+    assert "graphscan.toml:4: [[model]] 1: " in str(raised.value) and words in str(raised.value), raised.value
+    code, output = run_pytest(folder, "--graphscan", "-rA")
+    assert code == 2 and output.count("ERROR collecting") == 1 and "Traceback" not in output, output
+
+
+@pytest.mark.parametrize("target", [pytest.param(t, id=t) for t in ["arm64", "x86-avx2"]])
+def test_a_target_where_nothing_runs_the_model_is_refused(repository, tmp_path, target, capsys, monkeypatch):
+    """Counts alone are the same on every CPU: a target there would be ignored, so it is
+    refused, as ``check --max-islands N --cpu T`` is; native there is harmless."""
+    body = '[[model]]\npath = "models/full.onnx"\nmax_islands = 1000\ncpu = ["native", "TARGET"]\n'
+    folder = gate_folder(tmp_path, repository, body.replace("TARGET", target))
+    with pytest.raises(graphscan_pytest.ConfigError, match=r"graphscan\.toml:4: \[\[model\]\] 1: cpu: only with min_"):
+        graphscan_pytest.read_config(folder / "graphscan.toml")
+    monkeypatch.chdir(folder)
+    code, out, _ = run_main(capsys, ["check", "models/full.onnx", "--max-islands", "1000", "--cpu", target])
+    assert code == 2 and out == ""
+    (folder / "graphscan.toml").write_text(body.replace(', "TARGET"', ""))
+    assert graphscan_pytest.read_config(folder / "graphscan.toml")[0].targets == ["native"]
+
+
+def test_a_missing_target_fails_its_items_with_the_runners_line(repository, tmp_path, run_pytest, monkeypatch):
+    """arm64 not installed (an empty targets folder): each arm64 item fails with the one line
+    naming the install command, no snapshot is written for it, and native gates as ever."""
+    monkeypatch.setenv("GRAPHSCAN_TARGETS", str(tmp_path / "empty"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "repo").mkdir()
+    folder = gate_folder(tmp_path / "repo", repository, f'[[model]]\n{LAB}{ALL_BUDGETS}cpu = ["native", "arm64"]\n')
+    code, output = run_pytest(folder, "--graphscan", "--graphscan-snapshot-update", "-rA")
+    outcomes = item_outcomes(output)
+    assert (
+        code == 1
+        and {i for i, o in outcomes.items() if o == "failed"} == {i for i in outcomes if i.endswith("[arm64]")}
+        and len(outcomes) == 7 + 5
+    ), output
+    install = re.escape(targets.INSTALL_COMMAND)
+    lines = re.findall(r"^graphscan: usage: CPU target arm64: .*$", output, re.MULTILINE)
+    assert len(lines) == 5 and all(re.fullmatch(rf".*\(install it: {install}\) \(exit 2\)", x) for x in lines), output
+    assert "Traceback" not in output
+    assert [p.name for p in (folder / "graphscan_snapshots").iterdir()] == ["full.onnx.json"]
+
+
+@pytest.mark.targets
+@needs("arm64")
+def test_on_arm64_min_int8_gates_the_targets_kernels_and_its_snapshot_pins_them(tmp_path, run_pytest, monkeypatch):
+    """``cpu = ["arm64"]`` on ops/full.onnx: min_int8 0.9 holds (arm64 runs every node of
+    it int8), where it breaks natively (3 of 6); ``full.onnx@arm64.json`` is taken, holds
+    runtime --cpu arm64's classes, matches on the next run and catches a changed class."""
+    monkeypatch.setenv("GRAPHSCAN_TARGETS", INSTALLED)  # pytester moves HOME, and the default folder with it
+    for name in ("full.onnx", "fp32.onnx"):
+        shutil.copy(ROOT / "ops" / name, tmp_path / name)
+    (tmp_path / "graphscan.toml").write_text(
+        '[[model]]\npath = "full.onnx"\nmin_int8 = 0.9\ncpu = ["arm64"]\nsnapshot = true\n'
+    )
+    items = {
+        "graphscan.toml::full.onnx::min_int8[arm64]": "passed",
+        "graphscan.toml::full.onnx::snapshot[arm64]": "passed",
+    }
+    code, output = run_pytest(tmp_path, "--graphscan", "--graphscan-snapshot-update", "-rA")
+    assert code == 0 and item_outcomes(output) == items, output
+    taken = tmp_path / "graphscan_snapshots" / "full.onnx@arm64.json"
+    assert [p.name for p in taken.parent.iterdir()] == [taken.name]
+    pinned = json.loads(taken.read_text())
+    on_arm64 = graphscan.runtime(str(tmp_path / "full.onnx"), cpu="arm64")
+    assert {node: entry["class"] for node, entry in pinned["nodes"].items()} == {
+        row["node"]: row["class"] for row in on_arm64["nodes"]
+    }
+    assert not graphscan.check(str(tmp_path / "full.onnx"), min_int8=0.9)["ok"]  # natively it breaks
+    code, output = run_pytest(tmp_path, "--graphscan", "-rA")
+    assert code == 0 and item_outcomes(output) == items, output
+    node = next(iter(pinned["nodes"]))
+    pinned["nodes"][node]["class"] = "absorbed"
+    taken.write_text(json.dumps(pinned))
+    code, output = run_pytest(tmp_path, "--graphscan", "-rA", "-k", "snapshot")
+    assert code == 1 and f"  {node}: absorbed -> " in output and "full.onnx@arm64.json" in output, output
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """``x86-avx2`` run by this interpreter without qemu (check's and runtime's runner
+    protocol whole, the emulator left out): its answers must be native's. Yields the
+    functions run through it."""
+    ran = []
+
+    def command(target, argv):
+        ran.append(json.loads(Path(argv[-2]).read_text())["function"])
+        return [sys.executable, *argv], dict(os.environ, PYTHONPATH=str(targets.repository()))
+
+    monkeypatch.setattr(targets, "missing", lambda target: None)
+    monkeypatch.setattr(targets, "command", command)
+    return ran
+
+
+def test_a_target_item_is_measured_through_the_runner_as_native_is(repository, tmp_path, run_pytest, stand_in):
+    """The same interpreter behind the runner: each ``[x86-avx2]`` item passes or fails as its
+    native twin, its min_int8 sentence is native's with the item's name, and its snapshot
+    ``full.onnx@x86-avx2.json`` is native's text."""
+    body = '[[model]]\npath = "models/cnn.u8.onnx"\nmax_crossings = 1000\nmin_int8 = 1\nsnapshot = true\n'
+    folder = gate_folder(tmp_path, repository, body + 'cpu = ["native", "x86-avx2"]\n')
+    code, output = run_pytest(folder, "--graphscan", "--graphscan-snapshot-update", "-rA")
+    outcomes = item_outcomes(output)
+    assert len(outcomes) == 5 and code == 1, output
+    for item, outcome in outcomes.items():
+        assert outcomes.get(item.replace("[x86-avx2]", "")) == outcome, output
+    native = re.search(r"^min_int8: (.*)$", output, re.MULTILINE)
+    assert native and f"\nmin_int8[x86-avx2]: {native[1]}\n" in output, output
+    snapshots = folder / "graphscan_snapshots"
+    assert sorted(p.name for p in snapshots.iterdir()) == ["cnn.u8.onnx.json", "cnn.u8.onnx@x86-avx2.json"]
+    assert (snapshots / "cnn.u8.onnx.json").read_bytes() == (snapshots / "cnn.u8.onnx@x86-avx2.json").read_bytes()
+    assert stand_in == ["graphscan_ort.commands.runtime:classes"] * 2  # once for check, once for runtime
