@@ -181,3 +181,21 @@ def test_the_table_shows_a_dynamic_row_uncalibrated_within_80_columns(tuned):
     shown = [line.split() for line in text.split("candidates, Pareto-best first")[1].split("\n\n")[0].splitlines()[2:]]
     dynamic = {r["id"] for r in tuned["answer"]["candidates"] if r["quantize_dynamic"] is not None}
     assert {int(cells[0]) for cells in shown if cells[1:4] == ["dyn", "no", "-"]} == dynamic
+
+
+def test_a_target_none_reaches_searches_from_static_rows_and_writes_the_most_accurate(tmp_path):
+    """The refinements and exclusions change calibration and nodes_to_exclude: they start from a
+    quantize_static row even where a dynamic row is the most accurate, and the run ends (exit 8)."""
+    onnx.save(encoder(layers=2), tmp_path / "encoder.onnx")
+    files = samples(tmp_path, 3, 5)
+    answer = tune.tune(
+        str(tmp_path / "encoder.onnx"), calibrate=files[:2], inputs=files[2:], out=str(tmp_path / "o"),
+        runs=1, min_speedup=0, target=500.0, max_trials=1,
+    )  # fmt: skip
+    rows = answer["candidates"]
+    first = max(r["id"] for r in rows if r["quantize_dynamic"] is not None)
+    later = [r for r in rows if r["id"] > first]
+    assert later and all(r["quantize_static"] is not None and r["error"] is None for r in later)
+    assert not answer["reached"]
+    passing = [r for r in rows if r["error"] is None and not r["fails"]]
+    assert answer["chosen"] == max(passing, key=lambda r: (r["sqnr_db"], r["speedup"]))["id"]
