@@ -5,7 +5,8 @@
 1. Prepare the float model (prepare.py): onnxruntime's quant_pre_process, the
    opset, the rewrites; each step verified against the original.
 2. Quantize every candidate (candidates.py) of the prepared model with and
-   without the rewrites, calibrating once per model and method.
+   without the rewrites, calibrating once per model and method; where a MatMul
+   has a constant weight, also onnxruntime's quantize_dynamic (uncalibrated).
 3. Measure each as deployed (deployed.py) on the --inputs samples, held out
    from calibration (or the calibration samples, said so).
 4. Choose the fastest candidate that passes the guards (guards.py: faster and no
