@@ -101,6 +101,7 @@ AREA_TESTS = {
         "tests/tune/test_candidates.py",
         "tests/check/test_metric.py",
         "tests/tune/test_users_code.py",
+        "tests/tune/test_dynamic.py",
     ],
     "shared": [
         "tests/shared/test_inputs.py",

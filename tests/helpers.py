@@ -573,6 +573,14 @@ def searched(row):
     return [node for node in row["quantize_static"].get("nodes_to_exclude") or [] if node not in seeds]
 
 
+def without_dynamic_candidates(monkeypatch):
+    """tune with quantize_static candidates only: for tests of the stages that refine them
+    (refinements, exclusions), on MLPs where a dynamic row would already meet the target."""
+    import graphscan_ort.tune.command as tune
+
+    monkeypatch.setattr(tune, "dynamic_settings", lambda model: [])
+
+
 def without_structural_seeds(monkeypatch):
     """tune with no structural seeds (tune/seeds.py) and no blocks around the worst part
     (blocks.part_blocks): for tests of the search by impact's ranking alone."""

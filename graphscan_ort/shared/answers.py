@@ -223,7 +223,8 @@ class PrepareStep(TypedDict):
 
 class Candidate(TypedDict):
     id: int
-    quantize_static: dict[str, Any]  # quantize_static's keyword arguments, enums by name
+    quantize_static: dict[str, Any] | None  # quantize_static's keyword arguments, enums by name (null: dynamic)
+    quantize_dynamic: dict[str, Any] | None  # quantize_dynamic's, for a dynamic candidate (null otherwise)
     rewrites: bool
     kept_float: list[dict[str, str]]  # seeds kept float in it: {"node", "why"}
     trial: dict[str, Any] | None  # the fallback search's block: {"block": kind, "added": [node, ...]}

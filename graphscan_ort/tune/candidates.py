@@ -12,6 +12,11 @@ The calibration refinements (``refinements``) change only the ranges: Entropy,
 Percentile at other percentiles, MinMax with a moving average. They are tried on
 the best candidate when no candidate meets the target, each with a cache of its own.
 (Per-channel weights are already symmetric: ``WeightSymmetric`` defaults to True.)
+
+Dynamic candidates (``dynamic_settings``) are ``quantize_dynamic`` calls: weights
+stored as integers, activations quantized at run time (MatMulInteger), no
+calibration. They are tried where the model has a MatMul with a constant weight,
+the operator onnxruntime's dynamic defaults make integer among MatMul and Gemm.
 """
 
 from __future__ import annotations
@@ -22,7 +27,15 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
+import onnx
+from onnxruntime.quantization import (
+    CalibrationDataReader,
+    CalibrationMethod,
+    QuantFormat,
+    QuantType,
+    quantize_dynamic,
+    quantize_static,
+)
 
 from graphscan_ort.shared.sessions import quiet
 
@@ -51,6 +64,44 @@ def candidate_settings() -> list[dict]:
         }
         for activation, per_channel, method in itertools.product(ACTIVATION_TYPES, PER_CHANNEL, METHODS)
     ]
+
+
+STATIC, DYNAMIC = "quantize_static", "quantize_dynamic"  # a row holds one's arguments, the other null
+
+
+def static_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows quantize_static made: the ones that calibration, seeds and exclusions refine."""
+    return [r for r in rows if r[STATIC] is not None]
+
+
+# onnxruntime's own defaults: what a user gets from quantize_static without options.
+DEFAULT_SETTINGS = {"activation_type": "QInt8", "per_channel": False, "calibrate_method": "MinMax"}
+
+
+def default_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The row quantize_static made with onnxruntime's defaults, without rewrites (None: none)."""
+    defaults = (r for r in static_rows(rows) if all(r[STATIC][k] == v for k, v in DEFAULT_SETTINGS.items()))
+    return next((r for r in defaults if not r["rewrites"]), None)
+
+
+# quantize_dynamic's weight types: its default first, then the other (u8 weights).
+DYNAMIC_WEIGHT_TYPES = ["QInt8", "QUInt8"]
+
+
+def dynamic_settings(model: onnx.ModelProto) -> list[dict]:
+    """``quantize_dynamic`` keyword arguments in JSON form, onnxruntime's defaults with each
+    weight type, where ``model`` has work for it (none otherwise)."""
+    return [{"weight_type": weight_type} for weight_type in DYNAMIC_WEIGHT_TYPES] if has_dynamic_work(model) else []
+
+
+def has_dynamic_work(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` has a MatMul whose weight (second input) is a constant: what
+    quantize_dynamic's defaults turn into MatMulInteger (onnxruntime has no dynamic Gemm)."""
+    constants = {t.name for t in model.graph.initializer}
+    constants |= {o for node in model.graph.node if node.op_type == "Constant" for o in node.output}
+    return any(
+        node.op_type == "MatMul" and len(node.input) > 1 and node.input[1] in constants for node in model.graph.node
+    )
 
 
 # Calibration settings that change only the ranges: (calibrate_method, extra_options).
@@ -128,3 +179,10 @@ def quantize_candidate(
     reader = None if os.path.isfile(cache) else make_reader()
     with quiet():
         quantize_static(prepared, output, reader, calibration_cache_path=cache, **keyword_arguments(settings))
+
+
+def quantize_dynamic_candidate(prepared: str, output: str, settings: dict, *_calibration: object) -> None:
+    """``quantize_dynamic(prepared, output, **settings)``: nothing to calibrate (quantize_candidate's
+    reader and cache are not used)."""
+    with quiet():
+        quantize_dynamic(prepared, output, **keyword_arguments(settings))

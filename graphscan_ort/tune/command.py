@@ -5,7 +5,8 @@
 1. Prepare the float model (prepare.py): onnxruntime's quant_pre_process, the
    opset, the rewrites; each step verified against the original.
 2. Quantize every candidate (candidates.py) of the prepared model with and
-   without the rewrites, calibrating once per model and method.
+   without the rewrites, calibrating once per model and method; where a MatMul
+   has a constant weight, also onnxruntime's quantize_dynamic (uncalibrated).
 3. Measure each as deployed (deployed.py) on the --inputs samples, held out
    from calibration (or the calibration samples, said so).
 4. Choose the fastest candidate that passes the guards (guards.py: faster and no
@@ -73,12 +74,18 @@ from graphscan_ort.shared.options import MAX_RUNS, MAX_THREADS, RUNTIME_DEFAULT_
 from graphscan_ort.shared.sessions import environment, sample_outputs
 from graphscan_ort.tune.blocks import next_block, part_blocks, search_blocks
 from graphscan_ort.tune.candidates import (
+    DYNAMIC,
     METHODS,
+    STATIC,
     SampleReader,
     candidate_settings,
+    default_row,
+    dynamic_settings,
     file_digest,
     quantize_candidate,
+    quantize_dynamic_candidate,
     refinements,
+    static_rows,
 )
 from graphscan_ort.tune.choice import (
     accuracy,
@@ -94,14 +101,11 @@ from graphscan_ort.tune.deployed import measure_candidate
 from graphscan_ort.tune.fallback import STILL_INT8, honoured
 from graphscan_ort.tune.goal import Goal, metric_of
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
-from graphscan_ort.tune.prepare import prepared_base, with_rewrites
+from graphscan_ort.tune.prepare import dynamic_base, prepared_base, with_rewrites
 from graphscan_ort.tune.progress import Progress
 from graphscan_ort.tune.seeds import structural_seeds, user_seeds
 from graphscan_ort.tune.table import tune_table
 from graphscan_ort.tune.verdict import FEW_SAMPLES, levels_figures, low_levels_warning, sqnr_broken
-
-# onnxruntime's own defaults: what a user gets from quantize_static without options.
-DEFAULT_SETTINGS = {"activation_type": "QInt8", "per_channel": False, "calibrate_method": "MinMax"}
 
 
 def tune(
@@ -362,20 +366,24 @@ class Trials:
         cache: str,
         trial: dict[str, Any] | None = None,
         kept: list[dict[str, str]] | None = None,
+        quantizer: str = STATIC,
     ) -> dict[str, Any]:
         """Quantize ``prepared_path`` with ``settings`` and measure the model as deployed:
         its row, also when the quantizer refused it (with its error, never a crash);
         ``trial``: the block a search stage added (its kind and the nodes it added);
-        ``kept``: the seeds kept float in it, ``{"node", "why"}`` each (seeds.py)."""
+        ``kept``: the seeds kept float in it, ``{"node", "why"}`` each (seeds.py); ``quantizer``:
+        quantize_static or quantize_dynamic (no calibration), the row's key holding ``settings``."""
         ident = len(self.rows)
         target_path = os.path.join(self.work, f"candidate-{ident}.onnx")
-        row = {"id": ident, "quantize_static": settings, "rewrites": rewrites, "kept_float": kept or [], "error": None}
+        row: dict[str, Any] = {"id": ident, STATIC: None, DYNAMIC: None, "rewrites": rewrites}
+        row.update({quantizer: settings}, kept_float=kept or [], error=None)
         row.update(trial=trial, post_step=None, excluded=None, same_as=None)
         try:
-            quantize_candidate(prepared_path, target_path, settings, self.reader, cache)
+            quantize = quantize_dynamic_candidate if quantizer == DYNAMIC else quantize_candidate
+            quantize(prepared_path, target_path, settings, self.reader, cache)
         except Exception as exc:
             blame_the_disk(exc, self.work, os.path.getsize(prepared_path))
-            row = refused_row(row, f"quantize_static: {users_terms(one_line(exc), self.work, self.measure.path)}")
+            row = refused_row(row, f"{quantizer}: {users_terms(one_line(exc), self.work, self.measure.path)}")
         else:
             excluded = settings.get("nodes_to_exclude")
             model = onnx.load(target_path)  # read once: checked, measured and kept for the exclusions
@@ -454,7 +462,10 @@ def tune_in(
         prepared["rewrites"] = rewritten
     trials = Trials(work, functools.partial(SampleReader, calibration), measure)
     rows, files = trials.rows, trials.files
-    planned = len(prepared) * len(candidate_settings())
+    unfused = dynamic_base(model)
+    dynamic = dynamic_settings(unfused)
+    excluding = {"nodes_to_exclude": [seed["node"] for seed in seeds]} if seeds else {}
+    planned = len(prepared) * len(candidate_settings()) + len(dynamic)
     for rewrites, prepared_model in prepared.items():
         prepared_path = os.path.join(work, f"prepared-{rewrites}.onnx")
         onnx.save(prepared_model, prepared_path)
@@ -463,36 +474,36 @@ def tune_in(
         os.mkdir(cache)
         for settings in candidate_settings():
             progress.show("quantizing and measuring candidate", len(rows) + 1, planned)
-            if seeds:
-                settings = {**settings, "nodes_to_exclude": [seed["node"] for seed in seeds]}
-            trials.add(settings, rewrites != "none", prepared_path, cache, kept=seeds)
+            trials.add({**settings, **excluding}, rewrites != "none", prepared_path, cache, kept=seeds)
+    if dynamic:  # onnxruntime's one-line peer on transformers: weights int8, activations at run time
+        prepared_path = os.path.join(work, "prepared-dynamic.onnx")
+        onnx.save(unfused, prepared_path)
+        trials.given[prepared_path] = unfused
+    for settings in dynamic:
+        progress.show("quantizing and measuring candidate", len(rows) + 1, planned)
+        trials.add({**settings, **excluding}, False, prepared_path, work, kept=seeds, quantizer=DYNAMIC)
     if not files:
         raise GraphscanError(
             f"{shown(path)}: onnxruntime's quantize_static refused every candidate ({rows[0]['error']})", EXIT_RUNTIME
         )
     pareto(rows)
-    default = next(
-        (
-            r
-            for r in rows
-            if not r["rewrites"] and all(r["quantize_static"][k] == v for k, v in DEFAULT_SETTINGS.items())
-        ),
-        None,
-    )
-    target, warnings = goal.target(default)
+    target, warnings = goal.target(default_row(rows))
     chosen, reached = chosen_row(rows, target["value"])
     if not reached and target["value"] is not None:
         seeded(trials, rows, calibration, progress)
         pareto(rows)
         chosen, reached = chosen_row(rows, target["value"])
-    if not reached and target["value"] is not None:
-        refine(trials, start_row(rows), progress)
+    # The refinements and exclusions start from a quantize_static row: a dynamic one calibrates nothing.
+    searchable = not reached and target["value"] is not None and any(r["error"] is None for r in static_rows(rows))
+    if searchable:
+        refine(trials, start_row(static_rows(rows)), progress)
         pareto(rows)
         chosen, reached = chosen_row(rows, target["value"])
-    if not reached and target["value"] is not None:
+    if searchable and not reached and target["value"] is not None:
         progress.show("ranking the operators to exclude")
         limits = (max_exclude, max_trials)
-        exclusions(trials, start_row(rows), target["value"], limits, prepared, goal.metric.name == "sqnr", progress)
+        start = start_row(static_rows(rows))
+        exclusions(trials, start, target["value"], limits, prepared, goal.metric.name == "sqnr", progress)
         pareto(rows)
         chosen, reached = chosen_row(rows, target["value"])
     written = write_choice(work, files, rows, chosen)
@@ -542,7 +553,7 @@ def seeded(
     """The structural seeds (seeds.py: the outputs' producers, the Concats whose inputs'
     ranges differ widely) kept float in the fastest rows of the Pareto front that pass the
     guards: the fixes that are free in speed, each tried as a candidate of its own."""
-    front = sorted((r for r in rows if r["pareto"] and not r["fails"]), key=lambda r: (-speed(r), r["id"]))
+    front = sorted((r for r in static_rows(rows) if r["pareto"] and not r["fails"]), key=lambda r: (-speed(r), r["id"]))
     found: dict[str, list[tuple[str, list[str]]]] = {}
     for k, base in enumerate(front[:SEEDED_ROWS]):
         _, prepared_path, cache = trials.files[base["id"]]
@@ -677,7 +688,7 @@ MEASURED = [
 ]
 
 
-CANDIDATE_KEYS = ["id", "quantize_static", "rewrites", "kept_float", "trial", "post_step", "excluded", "same_as"]
+CANDIDATE_KEYS = ["id", STATIC, DYNAMIC, "rewrites", "kept_float", "trial", "post_step", "excluded", "same_as"]
 CANDIDATE_KEYS += [*MEASURED, "pareto", "error"]
 
 

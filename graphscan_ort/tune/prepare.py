@@ -190,6 +190,14 @@ def prepared_base(
     return current, steps
 
 
+def dynamic_base(original: onnx.ModelProto) -> onnx.ModelProto:
+    """The model quantize_dynamic is given: ``original`` with its Constant weights as
+    initializers and its nodes named (both moves, bit-exact), never quant_pre_process,
+    which fuses MatMul and Add into a Gemm that onnxruntime's dynamic quantizer leaves float."""
+    model, _ = constants_as_initializers(original)
+    return named_nodes(model)[0]
+
+
 def with_rewrites(
     base: onnx.ModelProto, original: onnx.ModelProto, samples: list[dict[str, np.ndarray]]
 ) -> tuple[onnx.ModelProto, list[PrepareStep]]:

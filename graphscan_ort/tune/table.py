@@ -4,7 +4,7 @@ would cut, shown whole below it (rendered from the JSON answer, never the revers
 from __future__ import annotations
 
 import textwrap
-from typing import Any
+from typing import Any, cast
 
 from graphscan import TABLE_WIDTH, format_fields, metric_words, page, section, visible
 from graphscan_ort.shared.agreement import BUILT_IN
@@ -26,11 +26,9 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
     rows = [
         [
             c["id"],
-            c["quantize_static"]["activation_type"],
-            "yes" if c["quantize_static"]["per_channel"] else "no",
-            c["quantize_static"]["calibrate_method"],
+            *quantizer_columns(c),
             c["rewrites"],
-            len(c["quantize_static"].get("nodes_to_exclude") or []) or None,
+            len(arguments(c).get("nodes_to_exclude") or []) or None,
             c["metric_value"],
             c["int8_kernels"],
             c["speedup"],
@@ -45,7 +43,7 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
     whole = [
         f"{s['step']}: {s['detail']}" for s in answer["prepare"] if not s["ok"] or briefly(s["detail"]) != s["detail"]
     ]
-    whole += [exclusion(c) for c in answer["candidates"] if c["quantize_static"].get("nodes_to_exclude")]
+    whole += [exclusion(c) for c in answer["candidates"] if arguments(c).get("nodes_to_exclude")]
     whole += [f"candidate {c['id']}: {c['error']}" for c in answer["candidates"] if c["error"]]
     whole += [f"warning: {w}" for w in answer["warnings"]]
     notes = "\n".join(textwrap.fill(visible(text), TABLE_WIDTH, subsequent_indent="  ") for text in whole)
@@ -56,6 +54,20 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
         section("times (ms), each candidate's beside its own float run", TIME_TITLES, time_rows(answer), top),
         *([f"in full:\n{notes}"] if notes else []),
     )
+
+
+def arguments(candidate: dict[str, Any]) -> dict[str, Any]:
+    """A candidate's quantizer arguments: quantize_static's, or quantize_dynamic's where it made it."""
+    static = candidate["quantize_static"]
+    return cast(dict[str, Any], static if static is not None else candidate["quantize_dynamic"])
+
+
+def quantizer_columns(candidate: dict[str, Any]) -> list[Any]:
+    """act, pc and method: a dynamic candidate's activations are quantized at run time (``dyn``), uncalibrated."""
+    static = candidate["quantize_static"]
+    if static is None:
+        return ["dyn", "yes" if candidate["quantize_dynamic"].get("per_channel") else "no", "-"]
+    return [static["activation_type"], "yes" if static["per_channel"] else "no", static["calibrate_method"]]
 
 
 TIME_TITLES = ["id", "ms", "float ms", "speedup"]
@@ -76,7 +88,7 @@ def briefly(detail: str) -> str:
 def exclusion(candidate: dict[str, Any]) -> str:
     """What an exclusion trial kept float and how each node runs, and the block it added."""
     how = candidate["excluded"] or {}
-    kept = ", ".join(f"{node} ({how.get(node, '-')})" for node in candidate["quantize_static"]["nodes_to_exclude"])
+    kept = ", ".join(f"{node} ({how.get(node, '-')})" for node in arguments(candidate)["nodes_to_exclude"])
     trial = candidate["trial"]
     added = f"; trial: the {trial['block']} block {', '.join(trial['added'])}" if trial else ""
     return f"candidate {candidate['id']} keeps float: {kept}{added}"

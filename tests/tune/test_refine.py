@@ -10,7 +10,7 @@ from onnxruntime.quantization import quantize_static
 import gen_models
 import graphscan_ort.tune.command as tune
 from graphscan_ort.tune.candidates import REFINEMENTS, calibration_key, keyword_arguments, quiet, refinements
-from tests.helpers import calibration_reader
+from tests.helpers import calibration_reader, without_dynamic_candidates
 
 
 @pytest.fixture(scope="module")
@@ -22,16 +22,18 @@ def unreachable(tmp_path_factory):
     for k in range(3):
         files.append(str(folder / f"s{k}.npz"))
         np.savez(files[-1], x=rng.standard_normal((16, 64)).astype(np.float32))
-    answer = tune.tune(
-        str(folder / "mlp.onnx"),
-        calibrate=files[:2],
-        inputs=files[2:],
-        out=str(folder / "out"),
-        target=500.0,
-        runs=1,
-        min_speedup=0,
-        max_trials=0,
-    )
+    with pytest.MonkeyPatch.context() as monkeypatch:  # the refinements of quantize_static's rows
+        without_dynamic_candidates(monkeypatch)
+        answer = tune.tune(
+            str(folder / "mlp.onnx"),
+            calibrate=files[:2],
+            inputs=files[2:],
+            out=str(folder / "out"),
+            target=500.0,
+            runs=1,
+            min_speedup=0,
+            max_trials=0,
+        )
     return {"answer": answer, "files": files, "out": folder / "out", "float": str(folder / "mlp.onnx")}
 
 
@@ -80,6 +82,7 @@ def test_twins_are_found_by_content(tmp_path, monkeypatch):
     plain = [{"quant_format": "QDQ", "activation_type": "QUInt8", "weight_type": "QInt8", "per_channel": False,
               "calibrate_method": "MinMax"}]  # fmt: skip
     monkeypatch.setattr(tune, "candidate_settings", lambda: plain * 2)
+    without_dynamic_candidates(monkeypatch)
     calls = []
     measured = tune.measure_candidate
     monkeypatch.setattr(tune, "measure_candidate", lambda *a, **k: calls.append(1) or measured(*a, **k))
