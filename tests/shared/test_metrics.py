@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from graphscan_ort.shared import metrics, sessions
+from tests.tune.test_prepare import scaled_model as scaled  # y = x * factor
 
 SAMPLES = [{"x": np.array([[-2.0, -0.5, 0.5, 3.0]], dtype=np.float32)}]
 
@@ -73,18 +74,6 @@ def test_the_float_model_runs_once_for_every_candidate_that_shares_what_is_kept(
     # Without anything kept, every call runs the float model again.
     paired(float_model, two_outputs(0.25, True))
     assert runs[3:] == ["f.onnx", "q.onnx"]
-
-
-def scaled(factor: float) -> onnx.ModelProto:
-    """``y = x * factor``."""
-    graph = helper.make_graph(
-        [helper.make_node("Mul", ["x", "k"], ["y"])],
-        "scaled",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
-        [helper.make_tensor("k", TensorProto.FLOAT, [], [factor])],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
 
 
 @pytest.mark.parametrize("magnitude", [1e3, 1.0, 1e-3])
