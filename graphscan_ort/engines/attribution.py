@@ -20,6 +20,7 @@ from graphscan_ort.shared.graph import (
     constant_arrays,
     fresh_prefix,
     quant_range,
+    with_outputs,
 )
 from graphscan_ort.shared.metrics import OutputNoise, count_outside, output_layout, output_pairs, paired_outputs
 from graphscan_ort.shared.sessions import deployed_options, does_not_run, impact_options, model_outputs, open_session
@@ -387,11 +388,7 @@ def tensor_stats(
     stats = {t: ValueStats(q_range) for t, q_range in ranges.items()}
     computed = [t for t in ranges if t not in samples[0]]
     if computed:
-        exposed = onnx.ModelProto()
-        exposed.CopyFrom(model)
-        del exposed.graph.output[:]
-        exposed.graph.output.extend(onnx.ValueInfoProto(name=t) for t in computed)
-        session = open_session(exposed, f"{shown(path)}: model", impact_options())
+        session = open_session(with_outputs(model, computed), f"{shown(path)}: model", impact_options())
     for feeds in samples:
         for t in ranges.keys() & feeds.keys():
             stats[t].add(feeds[t])

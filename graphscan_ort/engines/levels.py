@@ -17,10 +17,9 @@ import math
 
 import numpy as np
 import onnx
-from onnx import helper
 
 from graphscan import DEQUANTIZE, QUANTIZE
-from graphscan_ort.shared.graph import QDQ_SUFFIX, constant_arrays
+from graphscan_ort.shared.graph import QDQ_SUFFIX, constant_arrays, with_outputs
 from graphscan_ort.shared.parts import PASS_THROUGH, TensorParts
 from graphscan_ort.shared.sessions import model_outputs
 
@@ -74,23 +73,13 @@ def part_ranges(
     return ranges, parts.sources
 
 
-def with_outputs(model: onnx.ModelProto, tensors: list[str]) -> onnx.ModelProto:
-    """A copy of ``model`` whose outputs are ``tensors`` (inner tensors included)."""
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    del copy.graph.output[:]
-    copy.graph.output.extend(helper.make_empty_tensor_value_info(t) for t in tensors)
-    return copy
-
-
 def widen(ranges: list[tuple[float, float] | None], values: np.ndarray, labels: np.ndarray | None) -> None:
     """Widen each part's ``(min, max)`` by ``values`` (``labels``: their part ids; None: one part)."""
     if values.dtype.kind not in "f" or values.size == 0:
         return
-    ids = np.zeros(values.shape, np.int64) if labels is None else labels
     finite = np.isfinite(values)
     for k in range(len(ranges)):
-        chosen = values[(ids == k) & finite] if labels is not None else values[finite]
+        chosen = values[finite] if labels is None else values[(labels == k) & finite]
         if chosen.size == 0:
             continue
         lo, hi = float(chosen.min()), float(chosen.max())

@@ -25,13 +25,13 @@ import importlib.util
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from graphscan import EXIT_INPUTS, EXIT_USAGE, INTERRUPTED, GraphscanError, interruption, one_line, shown
-from graphscan_ort.shared.metrics import Layout, OutputNoise, Outputs, PairedOutputs
+from graphscan_ort.shared.metrics import OutputNoise, Outputs, PairedOutputs
 
 BUILT_IN = ["sqnr", "top1", "iou", "ctc", "cosine"]
 DEFAULT_THRESHOLD = 0.5  # iou's, where --threshold is not given
@@ -197,8 +197,9 @@ def paired_value(outputs: PairedOutputs, chosen: Metric | None) -> float | None:
     """``chosen``'s value of paired outputs (None: sqnr). The SQNR is the worst part's
     (``metrics.OutputNoise``, parts.py), ``inf`` when the outputs equal float's; the other
     metrics read the outputs by name."""
-    if chosen is not None:
-        check_layout_fits(chosen, outputs.reference.layout)
+    layout = outputs.reference.layout
+    if chosen is not None and layout is not None:
+        check_layout_fits(chosen, dict(zip(layout.names, layout.sources, strict=True)))
     if chosen is None or (chosen.name == "sqnr" and chosen.function is None):
         sqnr, exact = outputs.sqnr()
         return math.inf if exact and sqnr is None and not outputs.reference.noise.empty else sqnr
@@ -209,17 +210,16 @@ def paired_events(outputs: PairedOutputs, chosen: Metric) -> tuple[float | None,
     """``paired_value`` with the events a user's metric reports (None for the others)."""
     if chosen.function is None:
         return paired_value(outputs, chosen), None
-    check_layout_fits(chosen, outputs.reference.layout)
     return chosen.measure(outputs.reference.by_name, outputs.candidate_by_name())
 
 
-def check_layout_fits(chosen: Metric, layout: Layout | None) -> None:
-    """Exit 2 for ``top1`` on an output that joins several parts (parts.py): its positions do
-    not all hold class scores (a detector's boxes and probabilities), so an argmax over its
-    last axis compares unlike things."""
-    if chosen.name != "top1" or chosen.function is not None or layout is None:
+def check_layout_fits(chosen: Metric, parts: Mapping[str, Sequence[str | None]]) -> None:
+    """Exit 2 for ``top1`` on an output that joins several parts (``parts``: per output, the
+    node each part comes from, parts.py): its positions do not all hold class scores (a
+    detector's boxes and probabilities), so an argmax over its last axis compares unlike things."""
+    if chosen.name != "top1" or chosen.function is not None:
         return
-    for name, sources in zip(layout.names, layout.sources, strict=True):
+    for name, sources in parts.items():
         if len(sources) > 1:
             joined = ", ".join(str(source) for source in sources)
             raise GraphscanError(

@@ -59,6 +59,19 @@ def first_free(candidates: Iterator[str], is_taken: Callable[[str], bool]) -> st
     return next(candidate for candidate in candidates if not is_taken(candidate))
 
 
+def with_outputs(
+    model: onnx.ModelProto, tensors: list[str], nodes: list[onnx.NodeProto] | None = None
+) -> onnx.ModelProto:
+    """A copy of ``model`` (``nodes`` appended) whose outputs are ``tensors``, inner ones
+    included, declared by name alone: onnxruntime infers their types."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    copy.graph.node.extend(nodes or [])
+    del copy.graph.output[:]
+    copy.graph.output.extend(onnx.ValueInfoProto(name=t) for t in tensors)
+    return copy
+
+
 def default_opset(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 

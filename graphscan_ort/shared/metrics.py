@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -156,7 +156,7 @@ class OutputNoise:
         self.reference = [[np.asarray(o, dtype=np.float64) for o in sample] for sample in float_outputs]
         self.layout = layout
         self.counts = [len(sources) for sources in layout.sources] if layout else [1] * self.outputs()
-        self.signals = self.part_sums([[np.square(f) for f in sample] for sample in self.reference])
+        self.signals = self.part_sums(self.reference)
         self.signal = float(sum(sum(parts) for parts in self.signals))
         # No output value at all (a zero-size input): nothing can be verified.
         self.empty = not any(o.size for sample in self.reference for o in sample)
@@ -164,17 +164,19 @@ class OutputNoise:
     def outputs(self) -> int:
         return len(self.reference[0]) if self.reference else 0
 
-    def part_sums(self, values: list[list[np.ndarray]]) -> list[list[float]]:
-        """Per output, per part, the sum over samples of ``values`` (arrays shaped like the outputs)."""
+    def part_sums(self, values: Iterable[Iterable[np.ndarray]]) -> list[list[float]]:
+        """Per output, per part, the sum of squares over samples of ``values`` (float64 arrays
+        shaped like the outputs, one sample at a time: a generator keeps one in memory)."""
         sums = [np.zeros(count, dtype=np.float64) for count in self.counts]
         with np.errstate(all="ignore"):  # an overflow is an infinite energy, not a warning on stderr
             for k, sample in enumerate(values):
                 for o, array in enumerate(sample):
                     labels = self.layout.labels[k][o] if self.layout else None
                     if labels is None:
-                        sums[o][0] += energy_of_squares(array)
+                        sums[o][0] += energy(array)
                     else:
-                        sums[o] += np.bincount(labels.reshape(-1), array.reshape(-1), minlength=self.counts[o])
+                        squares = np.square(array).reshape(-1)
+                        sums[o] += np.bincount(labels.reshape(-1), squares, minlength=self.counts[o])
         return [[float(v) for v in parts] for parts in sums]
 
     def measure(self, quant_outputs: list) -> tuple[float | None, bool]:
@@ -185,20 +187,10 @@ class OutputNoise:
 
     def figures(self, quant_outputs: list) -> SqnrFigures:
         """The worst part's SQNR and which part it is, the pooled SQNR, and exactness."""
-        errors = []
-        for reference, sample in zip(self.reference, quant_outputs, strict=True):
-            squared = []
-            for f, q in zip(reference, sample, strict=True):
-                if f.shape != np.shape(q):
-                    raise GraphscanError(
-                        f"an output is {list(np.shape(q))} in the quantized model and {list(f.shape)} "
-                        "in the float model",
-                        EXIT_INPUTS,
-                    )
-                with np.errstate(all="ignore"):  # inf - inf: a NaN noise, an undefined SQNR
-                    squared.append(np.square(f - np.asarray(q, dtype=np.float64)))
-            errors.append(squared)
-        noises = self.part_sums(errors)
+        noises = self.part_sums(
+            (difference(f, q) for f, q in zip(reference, sample, strict=True))
+            for reference, sample in zip(self.reference, quant_outputs, strict=True)
+        )
         noise = float(sum(sum(parts) for parts in noises))
         worst_db, worst_part = self.worst(noises)
         return SqnrFigures(worst_db, worst_part, decibels(self.signal, noise), noise == 0.0)
@@ -222,10 +214,15 @@ class OutputNoise:
         return db, {"output": name, "part": k, "node": node}
 
 
-def energy_of_squares(squares: np.ndarray) -> float:
-    """The sum of an array of squares by numpy's own pairwise sum (see ``energy``)."""
-    with np.errstate(all="ignore"):
-        return float(np.sum(squares))
+def difference(f: np.ndarray, q: Any) -> np.ndarray:
+    """``f - q`` in float64; exit 7 when the quantized output's shape is not the float one's."""
+    if f.shape != np.shape(q):
+        raise GraphscanError(
+            f"an output is {list(np.shape(q))} in the quantized model and {list(f.shape)} in the float model",
+            EXIT_INPUTS,
+        )
+    with np.errstate(all="ignore"):  # inf - inf: a NaN noise, an undefined SQNR
+        return f - np.asarray(q, dtype=np.float64)
 
 
 def energy(values: np.ndarray) -> float:

@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from graphscan_ort.shared.graph import default_opset, fresh_prefix
+from graphscan_ort.shared.graph import default_opset, fresh_prefix, with_outputs
 from graphscan_ort.shared.sessions import run_model
 
 # Operators that move elements without changing them: a part is followed through them.
@@ -145,14 +145,7 @@ class TensorParts:
     def labelled(self) -> onnx.ModelProto | None:
         """The model with every traced tensor's labels as outputs (None: nothing to label)."""
         wanted = [trace.label for trace in self.traces.values() if trace.label is not None]
-        if not wanted:
-            return None
-        copy = onnx.ModelProto()
-        copy.CopyFrom(self.model)
-        copy.graph.node.extend(self.nodes)
-        del copy.graph.output[:]
-        copy.graph.output.extend(helper.make_tensor_value_info(w, TensorProto.INT64, None) for w in wanted)
-        return copy
+        return with_outputs(self.model, wanted, self.nodes) if wanted else None
 
     def labels(self, sample: dict[str, np.ndarray]) -> dict[str, np.ndarray | None]:
         """Each tensor's part id per element on ``sample``'s shapes (None: one part)."""

@@ -69,8 +69,9 @@ from graphscan_ort.shared.agreement import Metric, check_layout_fits
 from graphscan_ort.shared.answers import Candidate, TuneAnswer, TuneChoice
 from graphscan_ort.shared.files import check_out, in_folder, out_of_room, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
-from graphscan_ort.shared.metrics import FloatOutputs, named_outputs, output_layout
+from graphscan_ort.shared.metrics import FloatOutputs, named_outputs
 from graphscan_ort.shared.options import MAX_RUNS, MAX_THREADS, RUNTIME_DEFAULT_RUNS, check_between, int_between
+from graphscan_ort.shared.parts import TensorParts
 from graphscan_ort.shared.sessions import environment, sample_outputs
 from graphscan_ort.tune.blocks import next_block, part_blocks, search_blocks
 from graphscan_ort.tune.candidates import (
@@ -158,7 +159,7 @@ def tune(
     if latency_files:
         sample_outputs(model, latency, path, latency_files, "--latency-inputs")
     reference = check_measurable(model, evaluated, path, inputs or calibrate)
-    check_layout_fits(chosen_metric, output_layout(model, [o.name for o in model.graph.output], evaluation[:1]))
+    check_layout_fits(chosen_metric, TensorParts(model, [o.name for o in model.graph.output]).sources)
     own = chosen_metric.value(reference, reference)  # fits every output, and float's own agreement
     try:
         work = tempfile.mkdtemp(prefix=".graphscan-tune-", dir=parent)
