@@ -23,7 +23,7 @@ Masked, and nothing else:
 - ``runtime --time``: the measured times (TIME_KEYS) are compared by key and type.
 - ``tune``: its cases pass ``--min-speedup 0``, so no guard depends on timing.
   Candidates are compared as a map keyed by their settings (``quantize_static``,
-  ``rewrites``, ``post_step``, ``excluded``), as their order is by speed; each
+  ``quantize_dynamic``, ``rewrites``, ``post_step``, ``excluded``), as their order is by speed; each
   row without TUNE_TIMED (``ms``, ``speedup``, ``speedup_spread``, and
   ``pareto``, which ranks by speed) and without ``slower`` in ``fails``;
   ``float.ms`` and ``chosen`` (the fastest row that meets the target) are
@@ -542,7 +542,8 @@ def tune_masked(answer: dict) -> dict:
         masked = {key: (type(value).__name__ if key in TUNE_TIMED else value) for key, value in row.items()}
         if isinstance(masked.get("fails"), list):
             masked["fails"] = [guard for guard in masked["fails"] if guard != "slower"]
-        settings = [row.get(key) for key in ("quantize_static", "rewrites", "post_step", "excluded")]
+        keys = ("quantize_static", "quantize_dynamic", "rewrites", "post_step", "excluded")
+        settings = [row.get(key) for key in keys]
         rows[json.dumps(settings, sort_keys=True)] = masked
     answer["candidates"] = rows
     if isinstance(answer.get("float"), dict) and "ms" in answer["float"]:
