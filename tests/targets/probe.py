@@ -28,3 +28,33 @@ def outputs(path: str, feeds: str) -> list[list[float]]:
         inputs = {name: saved[name] for name in saved.files}
     session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     return [np.asarray(value, dtype=np.float64).ravel().tolist() for value in session.run(None, inputs)]
+
+
+# Operators that are integer kernels in onnxruntime's CPU provider (its QDQ fusions and the
+# contrib integer operators), named here from onnxruntime's own operator list.
+INTEGER_OPS = ("QLinear", "NhwcQLinear", "QGemm", "QAttention", "DynamicQuantize", "MatMulInteger", "ConvInteger")
+
+
+def integer_kernel_nodes(path: str, level: str = "extended") -> dict[str, list[str]]:
+    """``{op_type: sorted node names}`` of the integer kernels in the graph onnxruntime saves
+    after optimizing ``path`` at ``level`` (runtime's default, extended): each fused kernel
+    keeps the name of the node it replaced."""
+    import os
+    import tempfile
+
+    levels = {
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    }
+    with tempfile.TemporaryDirectory() as folder:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = levels[level]
+        options.optimized_model_filepath = os.path.join(folder, "optimized.onnx")
+        options.log_severity_level = 3
+        ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        nodes = onnx.load(options.optimized_model_filepath).graph.node
+    found: dict[str, list[str]] = {}
+    for node in nodes:
+        if node.op_type.startswith(INTEGER_OPS):
+            found.setdefault(node.op_type, []).append(node.name)
+    return {op: sorted(names) for op, names in sorted(found.items())}

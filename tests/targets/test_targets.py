@@ -237,6 +237,10 @@ def test_runtime_on_a_target_reads_that_targets_own_session(capsys, target):
     kernels = targets.run(target, "tests.targets.probe:optimized_op_types", ["ops/full.onnx"])["result"]
     integer = sorted(k for k in kernels if k.startswith("QLinear") or k in ("MatMulInteger", "ConvInteger"))
     assert sorted(n["kernel"] for n in answer["nodes"] if n["class"] == "int8") == integer
+    # node for node: each fused kernel keeps the name of the node it replaced
+    named = targets.run(target, "tests.targets.probe:integer_kernel_nodes", ["ops/full.onnx"])["result"]
+    int8_nodes = sorted(n["node"] for n in answer["nodes"] if n["class"] == "int8")
+    assert int8_nodes == sorted(name for names in named.values() for name in names)
     native = json.loads(run_main(capsys, ["runtime", "ops/full.onnx"])[1])
     assert [n["node"] for n in native["nodes"]] == [n["node"] for n in answer["nodes"]]
     pairs = zip(native["nodes"], answer["nodes"], strict=True)
