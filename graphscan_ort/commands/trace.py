@@ -36,6 +36,7 @@ from graphscan import (
     value_inputs,
 )
 from graphscan_ort.engines.combined import CombinedModel, SingleOpModelError, float_in_quant_opset, run_combined
+from graphscan_ort.engines.kernel_numbers import differences, saved_outputs
 from graphscan_ort.engines.levels import LEVELS_FLOOR, quantized_activations, tensor_levels
 from graphscan_ort.engines.measures import shapes_agree, type_problem, value_info_of
 from graphscan_ort.shared.answers import NodeError, TraceAnswer, TraceMeasures, TraceOp, Unmatched
@@ -52,9 +53,9 @@ from graphscan_ort.shared.graph import (
 from graphscan_ort.shared.inputs import check_same_inputs, model_samples, parse_shapes
 from graphscan_ort.shared.metrics import output_pairs
 from graphscan_ort.shared.options import finite_non_negative
-from graphscan_ort.shared.sessions import inputs_hint
+from graphscan_ort.shared.sessions import inputs_hint, temporary_folder
 from graphscan_ort.shared.tables import RED_FLAGS, input_fields, largest_first, smallest_first
-from graphscan_ort.shared.targets import NATIVE, TARGETS
+from graphscan_ort.shared.targets import NATIVE, TARGETS, require, run
 
 TRACE_SYMBOLIC_DIM_SIZE = 1
 TRACE_TOLERANCE = 1e-2  # --tolerance's default: the isolated error first_over names
@@ -445,20 +446,39 @@ def trace(
     shape: list[str] | None = None,
     cpu: str = NATIVE,
 ) -> TraceAnswer:
-    """Per operator of ``b`` (quantized): isolated and propagated error against ``a`` (float)."""
-    if cpu != NATIVE:  # refused before anything runs: a native answer would pass for the target's
-        raise GraphscanError(
-            f"usage: trace --cpu {cpu}: not yet (only native); check --min-sqnr --cpu {cpu} measures the "
-            "outputs on that target",
-            EXIT_USAGE,
-        )
+    """Per operator of ``b`` (quantized): isolated and propagated error against ``a`` (float),
+    both models run as ``cpu`` computes them (another target than native: with the operators
+    whose numbers differ from this machine's)."""
+    if cpu not in TARGETS:
+        raise GraphscanError(f"usage: --cpu must be one of {', '.join(TARGETS)}", EXIT_USAGE)
+    require(cpu)
     try:
         with inputs_hint(not inputs, TRACE_SYMBOLIC_DIM_SIZE, [a, b]):
+            if cpu != NATIVE:
+                return on_target(a, b, inputs, seed, tolerance, save, shape, cpu)
             return trace_models(a, b, inputs, seed, tolerance, save, shape)
     except MemoryError as exc:
         raise GraphscanError(
             f"graphscan's combined model of {a} and {b}: out of memory ({one_line(exc)})", EXIT_RUNTIME
         )
+
+
+def on_target(
+    a: str, b: str, inputs: str | None, seed: int, tolerance: float, save: str | None, shape: list[str] | None, cpu: str
+) -> TraceAnswer:
+    """trace run inside ``cpu``'s interpreter, with ``differs_from_native``: each operator's
+    single-op model (trace's --save) run on the same inputs here and there, compared in LSB."""
+    with temporary_folder("graphscan-trace-") as work:
+        folder = save if save is not None else os.path.join(work, "ops")
+        reply = run(cpu, f"{__name__}:trace_models", [a, b, inputs, seed, tolerance, folder, shape])
+        answer = reply["result"]
+        here, there = os.path.join(work, "native.npz"), os.path.join(work, "target.npz")
+        saved_outputs(folder, here)
+        run(cpu, f"{saved_outputs.__module__}:saved_outputs", [folder, there])
+        op_types = {row["node"]: row["op_type"] for row in answer["ops"]}
+        answer["cpu"] = reply["cpu"]
+        answer["differs_from_native"] = differences(folder, here, there, cpu, op_types)
+    return cast(TraceAnswer, answer)
 
 
 def trace_models(
@@ -593,6 +613,7 @@ def trace_table(answer: dict[str, Any], top: int | None) -> str:
 
     head = format_fields(
         [("a", answer["a"]), ("b", answer["b"])]
+        + ([("cpu", answer["cpu"].get("name"))] if "cpu" in answer else [])
         + input_fields(answer["inputs"], answer.get("defaulted"))
         + [(f"output {name} max_abs", error) for name, error in answer["outputs"].items()]
         + [headline("worst_isolated"), headline("first_over"), ("ops", len(answer["ops"]))]
@@ -621,6 +642,11 @@ def trace_table(answer: dict[str, Any], top: int | None) -> str:
                 "ops by propagated error", columns, rows(largest_first(ops, "propagated_max_abs")), top, ["op_type"]
             ),
         ]
+    if "differs_from_native" in answer:  # a target's kernels computing other numbers lead
+        title = f"ops whose numbers differ on {answer['cpu'].get('name')} from native"
+        changed = answer["differs_from_native"]
+        differ = [[d["node"], d["op_type"], d["differing"], d["max_lsb"], d["cause"]] for d in changed]
+        body.insert(0, section(title, ["node", "op_type", "differing", "lsb", "cause"], differ, top, ["op_type"]))
     unmatched = [[u["node"], u["op_type"], u["reason"]] for u in answer["unmatched"]]
     return page(head, *body, section("unmatched float nodes", ["node", "op_type", "reason"], unmatched, top))
 
@@ -638,7 +664,8 @@ COMMAND = Command(
             {
                 "choices": list(TARGETS),
                 "default": NATIVE,
-                "help": "not yet: only native (check --cpu measures the outputs on the other targets)",
+                "help": "run both models as this CPU target computes them (emulated: see runtime --cpu); "
+                "names the operators whose numbers differ from this machine's",
             },
         ),
     ),

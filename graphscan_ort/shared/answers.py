@@ -65,11 +65,30 @@ class TraceMeasures(TypedDict):
     unmatched: list[Unmatched]
 
 
+class CpuFacts(TypedDict):
+    name: str
+    onnxruntime: str
+    machine: str
+
+
+class KernelDifference(TypedDict):
+    node: str
+    op_type: str
+    values: int
+    differing: int
+    max_abs: float
+    max_lsb: float | None
+    cause: str | None
+    remedy: str | None
+
+
 class TraceAnswer(TraceMeasures):
     a: str
     b: str
     inputs: dict[str, list[int]]
     defaulted: list[str]
+    cpu: NotRequired[CpuFacts]  # with --cpu other than native only
+    differs_from_native: NotRequired[list[KernelDifference]]  # with --cpu other than native only
 
 
 # -- runtime
@@ -127,12 +146,6 @@ class RuntimeCounts(TypedDict):
     wrapped_but_float: int
     float_but_int8: int
     by_op_type: dict[str, dict[str, int]]
-
-
-class CpuFacts(TypedDict):
-    name: str
-    onnxruntime: str
-    machine: str
 
 
 class ClassChange(TypedDict):

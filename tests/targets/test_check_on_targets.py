@@ -1,5 +1,5 @@
 """check --cpu: the budgets that run the model, measured as a CPU target computes them
-(and trace --cpu, which takes only native for now).
+and trace --cpu, the rows as the target computes them with the operators whose numbers differ.
 
 Without an install the fast tests hold the option's contract: ``native`` is today's
 answer byte for byte, a missing or unknown target is one line, ``--cpu`` without a
@@ -23,6 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import graphscan
 from graphscan_ort.commands import check as check_module
+from graphscan_ort.engines import kernel_numbers
 from graphscan_ort.shared import targets
 from tests.helpers import main_error_line, run_main
 from tests.targets.test_targets import INSTALL, MACHINES, empty_bin, fake_tools, host_has_vnni, needs
@@ -106,18 +107,70 @@ def test_checks_help_names_every_target():
     assert all(re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", words) for name in targets.TARGETS), words
 
 
-# -- trace takes no target yet: refused, never answered natively in the target's name
+# -- trace --cpu: the target's rows, and where its kernels compute other numbers
 
 
-@pytest.mark.parametrize("target", [pytest.param(t, id=t) for t in targets.TARGETS if t != targets.NATIVE])
-def test_trace_on_a_target_is_not_yet(capsys, target):
+@pytest.mark.parametrize(
+    ("target", "tools", "what"),
+    [
+        pytest.param("arm64", ["qemu-aarch64"], "the arm64 Python is not installed", id="arm64-not-installed"),
+        pytest.param("x86-avx2", [], "qemu-x86_64 is not installed", id="x86-avx2-without-qemu"),
+    ],
+)
+def test_trace_on_a_missing_target_names_the_install_command(capsys, monkeypatch, tmp_path, target, tools, what):
+    monkeypatch.setenv("GRAPHSCAN_TARGETS", str(tmp_path / "none"))
+    folder = empty_bin(tmp_path)
+    fake_tools(folder, *tools)
+    monkeypatch.setenv("PATH", str(folder))
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     line = main_error_line(capsys, ["trace", FLOAT, QUANT, "--cpu", target], graphscan.EXIT_USAGE)
-    assert "not yet" in line and f"check --min-sqnr --cpu {target}" in line, line
+    assert re.fullmatch(rf"graphscan: usage: CPU target {target}: {what}.*\(install it: {INSTALL}\)", line), line
 
 
 def test_trace_native_is_the_answer_without_cpu(capsys):
     plain = run_main(capsys, ["trace", FLOAT, QUANT])
     assert plain == run_main(capsys, ["trace", FLOAT, QUANT, "--cpu", "native"]) and plain[0] == 0, plain
+
+
+def native_trace_folder(tmp_path):
+    """The U8S8 conv pair traced natively with --save: its single-op models and their outputs here."""
+    float_path, quant_path = qdq_conv(tmp_path)
+    folder, feeds = tmp_path / "ops", tmp_path / "x.npz"
+    np.savez(feeds, x=np.random.default_rng(1).normal(0, 0.5, (1, 64, 16, 16)).astype(np.float32))
+    graphscan.trace(float_path, quant_path, inputs=str(feeds), save=str(folder))
+    native = tmp_path / "native.npz"
+    assert kernel_numbers.saved_outputs(str(folder), str(native)) == 1
+    return float_path, quant_path, feeds, folder, native
+
+
+@pytest.mark.parametrize(
+    ("target", "lsb", "count", "cause"),
+    [
+        pytest.param("x86-avx2", 1, 5, kernel_numbers.U8S8_CAUSE, id="x86-avx2-one-lsb"),
+        pytest.param("x86-avx2", 3, 1, kernel_numbers.U8S8_CAUSE, id="x86-avx2-three-lsb"),
+        pytest.param("arm64", 2, 7, None, id="arm64-no-known-cause"),
+    ],
+)
+def test_differences_are_counted_in_steps_of_the_output_scale(tmp_path, target, lsb, count, cause):
+    """A target's outputs moved by ``lsb`` steps of the output's scale (0.2) on ``count`` values:
+    exactly those are reported, with the U8S8 cause only for a U8S8 Conv on x86 without VNNI."""
+    *_, folder, native = native_trace_folder(tmp_path)
+    with np.load(native) as saved:
+        moved = {stem: saved[stem].copy() for stem in saved.files}
+    stem = json.loads((folder / "index.json").read_text())["conv"]
+    flat = moved[stem].reshape(-1)
+    flat[np.arange(count) * 37] += np.float32(lsb * 0.2)
+    there = tmp_path / "there.npz"
+    np.savez(there, **moved)
+    rows = kernel_numbers.differences(str(folder), str(native), str(there), target, {"conv": "Conv"})
+    assert [(r["node"], r["op_type"], r["values"], r["differing"]) for r in rows] == [("conv", "Conv", 16384, count)]
+    assert rows[0]["max_lsb"] == pytest.approx(lsb, abs=1e-5) and rows[0]["max_abs"] == pytest.approx(lsb * 0.2)
+    assert rows[0]["cause"] == cause and (rows[0]["remedy"] is None) == (cause is None)
+
+
+def test_equal_outputs_are_no_difference(tmp_path):
+    *_, folder, native = native_trace_folder(tmp_path)
+    assert kernel_numbers.differences(str(folder), str(native), str(native), "x86-avx2", {"conv": "Conv"}) == []
 
 
 # -- the runner's protocol, with this interpreter standing in for a target
@@ -147,6 +200,18 @@ def test_budgets_through_the_runner_are_the_native_budgets(capsys, stand_in):
     assert answer["budgets"] == native["budgets"]
 
 
+def test_trace_through_the_runner_is_the_native_trace(capsys, stand_in, tmp_path):
+    """The same interpreter behind the runner: trace's rows are native's, no operator differs,
+    and the answer gains ``cpu`` and ``differs_from_native`` after native's keys."""
+    native = json.loads(run_main(capsys, ["trace", FLOAT, QUANT])[1])
+    code, out, err = run_main(capsys, ["trace", FLOAT, QUANT, "--cpu", "x86-avx2"])
+    assert code == 0, err
+    answer = json.loads(out)
+    assert list(answer) == [*native, "cpu", "differs_from_native"]
+    assert {k: answer[k] for k in native} == native and answer["differs_from_native"] == []
+    assert answer["cpu"] == {"name": "x86-avx2", "onnxruntime": ort.__version__, "machine": platform.machine()}
+
+
 def test_a_saved_target_answer_is_shown_with_its_cpu(capsys, tmp_path):
     answer = json.loads(run_main(capsys, ["check", QUANT, "--min-int8", "0"])[1])
     cpu = {"name": "arm64", "onnxruntime": "1", "machine": "aarch64"}
@@ -157,6 +222,22 @@ def test_a_saved_target_answer_is_shown_with_its_cpu(capsys, tmp_path):
     code, out, err = run_main(capsys, ["table", saved])
     assert code == 0, err
     assert re.search(r"\bcpu arm64\b", out), out
+
+
+def test_a_saved_trace_on_a_target_leads_with_what_differs(capsys, tmp_path):
+    answer = json.loads(run_main(capsys, ["trace", FLOAT, QUANT])[1])
+    answer["cpu"] = {"name": "x86-avx2", "onnxruntime": "1", "machine": "x86_64"}
+    node = answer["ops"][0]["node"]
+    row = {"node": node, "op_type": "Conv", "values": 8, "differing": 3, "max_abs": 0.5, "max_lsb": 2.0}
+    answer["differs_from_native"] = [{**row, "cause": "U8S8 saturates", "remedy": "reduce_range"}]
+    saved = tmp_path / "trace.json"
+    saved.write_text(json.dumps(answer))
+    code, out, err = run_main(capsys, ["table", saved])
+    assert code == 0, err
+    assert re.search(r"\bcpu x86-avx2\b", out), out
+    first = out.split("\n\n")[1].splitlines()
+    assert first[0] == "ops whose numbers differ on x86-avx2 from native"
+    assert first[2].split()[:4] == [node, "Conv", "3", "2"] and "U8S8 saturates" in first[2], first
 
 
 # -- on the targets themselves (pytest -m targets)
@@ -182,14 +263,16 @@ def test_min_int8_on_arm64_is_the_share_of_runtimes_arm64_classes(capsys):
 def qdq_conv(folder, channels=64, size=16, seed=0):
     """A float Conv (64 channels, 3x3) and its QDQ form, uint8 activations and int8 weights of
     spread 40: at level all onnxruntime fuses a U8S8 QLinearConv, whose adjacent u8*s8 pairs
-    overflow the 16 bits AVX2's vpmaddubsw sums them in."""
+    overflow the 16 bits AVX2's vpmaddubsw sums them in. The Conv is named alike in both, so
+    trace isolates it."""
     rng = np.random.default_rng(seed)
     weights = np.clip(np.round(rng.normal(0, 40, (channels, channels, 3, 3))), -127, 127).astype(np.int8)
     ws, shape = np.full(channels, 0.01, np.float32), [1, channels, size, size]
     conv = {"pads": [1, 1, 1, 1]}
     io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("x", "y")]
     real = numpy_helper.from_array(weights.astype(np.float32) * ws[:, None, None, None], "w")
-    float_graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], **conv)], "f", io[:1], io[1:], [real])
+    float_conv = helper.make_node("Conv", ["x", "w"], ["y"], "conv", **conv)
+    float_graph = helper.make_graph([float_conv], "f", io[:1], io[1:], [real])
     initializers = [
         numpy_helper.from_array(weights, "wq"),
         numpy_helper.from_array(ws, "ws"),
@@ -203,7 +286,7 @@ def qdq_conv(folder, channels=64, size=16, seed=0):
         helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
         helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
         helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], axis=0),
-        helper.make_node("Conv", ["xd", "wd"], ["c"], **conv),
+        helper.make_node("Conv", ["xd", "wd"], ["c"], "conv", **conv),
         helper.make_node("QuantizeLinear", ["c", "ys", "yz"], ["cq"]),
         helper.make_node("DequantizeLinear", ["cq", "ys", "yz"], ["y"]),
     ]
@@ -242,3 +325,29 @@ def test_the_outputs_check_measures_on_a_target_are_a_plain_sessions(tmp_path, t
         pytest.skip("this host has no VNNI: it computes U8S8 as x86-avx2 does, so the outputs cannot differ")
     native = plain_outputs("native", quant_path, feeds)
     assert (native[0] != np.asarray(paired.candidate[0][0], np.float64).ravel()).any(), "the target was not used"
+
+
+@pytest.mark.targets
+@pytest.mark.parametrize("target", [pytest.param(t, marks=needs(t), id=t) for t in ["x86-avx2", "arm64"]])
+def test_trace_on_a_target_names_the_operators_whose_numbers_differ(capsys, tmp_path, target):
+    """x86 without VNNI saturates the U8S8 Conv: trace names it, with as many differing values
+    and as many LSB as plain sessions of the whole model here and there show, and the known
+    cause; arm64 sums in 32 bits as a VNNI host does: nothing differs."""
+    float_path, quant_path = qdq_conv(tmp_path)
+    feeds = str(tmp_path / "x.npz")
+    np.savez(feeds, x=np.random.default_rng(1).normal(0, 0.5, (1, 64, 16, 16)).astype(np.float32))
+    code, out, err = run_main(capsys, ["trace", float_path, quant_path, "--inputs", feeds, "--cpu", target])
+    assert code == 0, err
+    answer = json.loads(out)
+    assert answer["cpu"]["machine"] == MACHINES[target] and [r["node"] for r in answer["ops"]] == ["conv"]
+    if not host_has_vnni():
+        pytest.skip("this host has no VNNI: it computes U8S8 as x86-avx2 does, so nothing can differ from native")
+    there, here = plain_outputs(target, quant_path, feeds)[0], plain_outputs("native", quant_path, feeds)[0]
+    differing = int((there != here).sum())
+    if target == "arm64":
+        assert differing == 0 and answer["differs_from_native"] == []
+        return
+    assert differing > 0
+    (row,) = answer["differs_from_native"]
+    assert (row["node"], row["differing"], row["cause"]) == ("conv", differing, kernel_numbers.U8S8_CAUSE)
+    assert row["max_lsb"] == pytest.approx(np.abs(there - here).max() / 0.2, abs=1e-5)
