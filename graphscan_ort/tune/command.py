@@ -463,7 +463,7 @@ def tune_in(
         prepared["rewrites"] = rewritten
     trials = Trials(work, functools.partial(SampleReader, calibration), measure)
     rows, files = trials.rows, trials.files
-    unfused = dynamic_base(model)
+    unfused, dynamic_steps = dynamic_base(model, evaluation, work)
     dynamic = dynamic_settings(unfused)
     excluding = {"nodes_to_exclude": [seed["node"] for seed in seeds]} if seeds else {}
     planned = len(prepared) * len(candidate_settings()) + len(dynamic)
@@ -527,7 +527,7 @@ def tune_in(
     order = listing_order(rows)
     return {
         "float": {"ms": sorted(float_ms)[len(float_ms) // 2], "bytes": measure.float_bytes},
-        "prepare": steps + rewrite_steps,
+        "prepare": steps + rewrite_steps + dynamic_steps,
         "candidates": [cast(Candidate, {key: row.get(key) for key in CANDIDATE_KEYS}) for row in order],
         "metric": goal.metric.describe(),
         "target": target,
