@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 PER_CHANNEL_OPSET = 13
+TYPES = ("types", "dynamic_types")  # the steps that type tensors for the quantizer
 
 
 def pre_processed(source: str, target: str) -> tuple[str | None, str]:

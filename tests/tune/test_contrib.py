@@ -325,6 +325,34 @@ def test_the_step_counts_the_tensors_it_typed_and_those_left(tmp_path, monkeypat
     assert step["detail"].endswith(f"; {len(left)} still untyped") == (ok and bool(left))
 
 
+def test_when_nothing_can_type_the_tensors_the_end_of_the_run_names_the_step_that_failed(tmp_path, monkeypatch, capsys):
+    """quant_pre_process's symbolic pass and tune's own typing both fail: the quantizer refuses every
+    candidate, and the one line (exit 5) says why the tensors had no type."""
+    import graphscan
+
+    without_symbolic_pre_processing(monkeypatch)
+    monkeypatch.setattr(tune, "candidate_settings", onnxruntimes_static_defaults)
+
+    def gives_up(model, folder):
+        raise RuntimeError("Incomplete symbolic shape inference")
+
+    monkeypatch.setattr(prepare, "symbolic_shapes", gives_up)
+    onnx.save(encoder(), tmp_path / "encoder.onnx")
+    argv = [
+        "tune",
+        str(tmp_path / "encoder.onnx"),
+        "--calibrate",
+        samples(tmp_path, 1, 1)[0],
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    assert graphscan.main([*argv, "--runs", "1", "--min-speedup", "0"]) == graphscan.EXIT_RUNTIME
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "refused every candidate" in line
+    assert "; types: onnxruntime's symbolic shape inference failed (Incomplete symbolic shape inference)" in line
+    assert "; dynamic_types: onnxruntime's symbolic shape inference failed" in line
+
+
 def test_a_typing_that_fails_verification_leaves_no_trace(tmp_path, monkeypatch):
     """Law of every prepare step: dropped, the model goes on exactly as it was given."""
     monkeypatch.setattr(prepare, "checked", lambda *args, **kwargs: (None, "made to fail"))
