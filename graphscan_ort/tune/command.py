@@ -102,7 +102,7 @@ from graphscan_ort.tune.deployed import measure_candidate
 from graphscan_ort.tune.fallback import STILL_INT8, honoured
 from graphscan_ort.tune.goal import Goal, metric_of
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
-from graphscan_ort.tune.prepare import TYPES, dynamic_base, prepared_base, with_rewrites
+from graphscan_ort.tune.prepare import dynamic_base, prepared_base, typing_failures, with_rewrites
 from graphscan_ort.tune.progress import Progress
 from graphscan_ort.tune.seeds import structural_seeds, user_seeds
 from graphscan_ort.tune.table import tune_table
@@ -484,14 +484,8 @@ def tune_in(
         progress.show("quantizing and measuring candidate", len(rows) + 1, planned)
         trials.add({**settings, **excluding}, False, prepared_path, work, kept=seeds, quantizer=DYNAMIC)
     if not files:
-        # A tensor left without a type is the likely cause: name the step that could not type it.
-        why = "".join(
-            f"; {s['step']}: {s['detail']}" for s in steps + dynamic_steps if s["step"] in TYPES and not s["ok"]
-        )
-        raise GraphscanError(
-            f"{shown(path)}: onnxruntime's quantize_static refused every candidate ({rows[0]['error']}){why}",
-            EXIT_RUNTIME,
-        )
+        refused = f"onnxruntime's quantize_static refused every candidate ({rows[0]['error']})"
+        raise GraphscanError(f"{shown(path)}: {refused}{typing_failures(steps + dynamic_steps)}", EXIT_RUNTIME)
     pareto(rows)
     target, warnings = goal.target(default_row(rows))
     chosen, reached = chosen_row(rows, target["value"])

@@ -149,6 +149,12 @@ def types_step(
     return (current if problem else model), [step(name, problem is None, problem or detail, error)]
 
 
+def typing_failures(steps: list[PrepareStep]) -> str:
+    """``; step: detail`` for each typing step that failed: when the quantizer refuses every
+    candidate, a tensor left without a type is the likely cause."""
+    return "".join(f"; {s['step']}: {s['detail']}" for s in steps if s["step"] in TYPES and not s["ok"])
+
+
 def constants_as_initializers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     """A copy of ``model`` with every top-level Constant node that holds a tensor made an
     initializer of its output's name, and how many: onnxruntime's quantizer stores only
