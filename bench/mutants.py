@@ -102,6 +102,7 @@ AREA_TESTS = {
         "tests/check/test_metric.py",
         "tests/tune/test_users_code.py",
         "tests/tune/test_dynamic.py",
+        "tests/tune/test_contrib.py",
     ],
     "shared": [
         "tests/shared/test_inputs.py",

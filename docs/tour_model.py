@@ -10,7 +10,7 @@ folder: the model from rapidocr-onnxruntime's, the images from scikit-image's sa
 (``skimage/data/``). Writes into its own folder, ``tour/`` (git ignores it):
 
 - det.onnx: the wheel's ch_PP-OCRv4_det_infer.onnx after onnxruntime's quant_pre_process
-  (skip_symbolic_shape=True: the symbolic pass needs sympy, which graphscan does not install);
+  (skip_symbolic_shape=True, as before graphscan installed sympy: the tour's figures were made so);
 - det.int8.onnx: quantize_static(det.onnx, quant_format=QDQ) with onnxruntime 1.32's other
   defaults (int8 activations and weights, per tensor, MinMax), calibrated on calibration/;
 - calibration/cal0.npz ... cal7.npz: 1x3x320x320 cuts of the scanned book page ``page.png``

@@ -102,7 +102,7 @@ from graphscan_ort.tune.deployed import measure_candidate
 from graphscan_ort.tune.fallback import STILL_INT8, honoured
 from graphscan_ort.tune.goal import Goal, metric_of
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
-from graphscan_ort.tune.prepare import dynamic_base, prepared_base, with_rewrites
+from graphscan_ort.tune.prepare import dynamic_base, prepared_base, typing_failures, with_rewrites
 from graphscan_ort.tune.progress import Progress
 from graphscan_ort.tune.seeds import structural_seeds, user_seeds
 from graphscan_ort.tune.table import tune_table
@@ -463,7 +463,7 @@ def tune_in(
         prepared["rewrites"] = rewritten
     trials = Trials(work, functools.partial(SampleReader, calibration), measure)
     rows, files = trials.rows, trials.files
-    unfused = dynamic_base(model)
+    unfused, dynamic_steps = dynamic_base(model, evaluation, work)
     dynamic = dynamic_settings(unfused)
     excluding = {"nodes_to_exclude": [seed["node"] for seed in seeds]} if seeds else {}
     planned = len(prepared) * len(candidate_settings()) + len(dynamic)
@@ -484,9 +484,8 @@ def tune_in(
         progress.show("quantizing and measuring candidate", len(rows) + 1, planned)
         trials.add({**settings, **excluding}, False, prepared_path, work, kept=seeds, quantizer=DYNAMIC)
     if not files:
-        raise GraphscanError(
-            f"{shown(path)}: onnxruntime's quantize_static refused every candidate ({rows[0]['error']})", EXIT_RUNTIME
-        )
+        refused = f"onnxruntime's quantize_static refused every candidate ({rows[0]['error']})"
+        raise GraphscanError(f"{shown(path)}: {refused}{typing_failures(steps + dynamic_steps)}", EXIT_RUNTIME)
     pareto(rows)
     target, warnings = goal.target(default_row(rows))
     chosen, reached = chosen_row(rows, target["value"])
@@ -527,7 +526,7 @@ def tune_in(
     order = listing_order(rows)
     return {
         "float": {"ms": sorted(float_ms)[len(float_ms) // 2], "bytes": measure.float_bytes},
-        "prepare": steps + rewrite_steps,
+        "prepare": steps + rewrite_steps + dynamic_steps,
         "candidates": [cast(Candidate, {key: row.get(key) for key in CANDIDATE_KEYS}) for row in order],
         "metric": goal.metric.describe(),
         "target": target,

@@ -8,7 +8,11 @@
 3. The default-domain opset raised to 13 with onnx's version converter when it
    is older: per-channel weights need it.
 4. Every unnamed node named ``<op_type>_<position>``: exclusions name nodes.
-5. The rewrites of ``rewrites.py``.
+5. A type for every tensor onnx's shape inference leaves untyped (the outputs of
+   contrib operators such as com.microsoft's Gelu, and every tensor after them),
+   from onnxruntime's symbolic shape inference: the quantizer needs the type of
+   every tensor it quantizes. The model quantize_dynamic is given gets the same.
+6. The rewrites of ``rewrites.py``.
 
 Every step's model is verified against the original model on the evaluation
 samples (``metrics.verified``): NaN and infinities where the original has them,
@@ -20,6 +24,7 @@ dropped with its reason and the next one starts from the last good model.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections import Counter
@@ -32,20 +37,25 @@ from graphscan_ort.shared.answers import PrepareStep
 from graphscan_ort.shared.graph import default_opset, fresh_name, graph_names
 from graphscan_ort.shared.metrics import PREPARE_MIN_SQNR_DB, verified
 from graphscan_ort.shared.sessions import quiet
+from graphscan_ort.tune.candidates import has_dynamic_work
 from graphscan_ort.tune.rewrites import REWRITES
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     import numpy as np
 
 PER_CHANNEL_OPSET = 13
+TYPES = ("types", "dynamic_types")  # the steps that type tensors for the quantizer
 
 
 def pre_processed(source: str, target: str) -> tuple[str | None, str]:
     """``(path or None, what happened)`` of onnxruntime's quant_pre_process on ``source``."""
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
+    source, target = os.path.abspath(source), os.path.abspath(target)
     try:
-        with quiet():
+        with quiet(), inside(os.path.dirname(target)):
             quant_pre_process(source, target)
         return target, "quant_pre_process"
     except Exception as first:
@@ -58,6 +68,91 @@ def pre_processed(source: str, target: str) -> tuple[str | None, str]:
                 None,
                 f"quant_pre_process failed ({one_line(first)}), and without symbolic shapes ({one_line(second)})",
             )
+
+
+@contextlib.contextmanager
+def inside(folder: str) -> Iterator[None]:
+    """Work in ``folder``: onnxruntime's symbolic shape inference, when it gives up, saves
+    its partial model as ``sym_shape_infer_temp.onnx`` in the current folder, which is the
+    user's (a process-wide change: tune runs its steps one at a time)."""
+    with contextlib.chdir(folder):
+        yield
+
+
+def untyped(model: onnx.ModelProto) -> list[str]:
+    """The top-level tensors a node makes that onnx's shape inference leaves without a type,
+    in node order ([] when it cannot run at all: the quantizer runs it too, and says why)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:
+        return []
+    graph = inferred.graph
+    known = {value.name for value in [*graph.input, *graph.output, *graph.value_info] if has_type(value)}
+    known.update(init.name for init in graph.initializer)
+    return [name for node in graph.node for name in node.output if name and name not in known]
+
+
+def has_type(value: onnx.ValueInfoProto) -> bool:
+    """Whether ``value`` says what it holds (a tensor: its element type)."""
+    kind = value.type.WhichOneof("value")
+    return kind is not None and (kind != "tensor_type" or value.type.tensor_type.elem_type != 0)
+
+
+def typed(model: onnx.ModelProto, folder: str) -> tuple[onnx.ModelProto, int]:
+    """A copy of ``model`` with the types onnxruntime's symbolic shape inference finds
+    for its ``untyped`` tensors (it knows onnxruntime's contrib operators), and how many;
+    ``model`` itself when none is untyped. Raises what the inference raises."""
+    missing = untyped(model)
+    if not missing:
+        return model, 0
+    inferred = symbolic_shapes(model, folder)
+    found = {value.name: value for value in inferred.graph.value_info if has_type(value)}
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    out.graph.value_info.extend(found[name] for name in missing if name in found)
+    return out, sum(name in found for name in missing)
+
+
+def symbolic_shapes(model: onnx.ModelProto, folder: str) -> onnx.ModelProto:
+    """onnxruntime's symbolic shape inference of ``model`` (merging symbolic dimensions where
+    they conflict), run in ``folder``."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    with quiet(), inside(folder):
+        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+    if inferred is None:  # it refuses opsets before 7 with a log line only
+        raise ValueError("it handles opset 7 and later only")
+    return inferred
+
+
+def types_step(
+    current: onnx.ModelProto, samples: list[dict[str, np.ndarray]], folder: str, name: str
+) -> tuple[onnx.ModelProto, list[PrepareStep]]:
+    """``typed`` as the step ``name``, bit-exact (a type changes no value): ``(model, steps)``,
+    no step when every tensor already has a type, a failed one when the inference fails."""
+    try:
+        model, count = typed(current, folder)
+    except Exception as exc:
+        missing = untyped(current)
+        detail = f"onnxruntime's symbolic shape inference failed ({one_line(exc)}); {len(missing)} tensors stay untyped"
+        return current, [step(name, False, detail, None)]
+    if model is current:
+        return current, []
+    left = len(untyped(model))
+    if not count:
+        detail = f"onnxruntime's symbolic shape inference typed none of the {left} untyped tensors"
+        return current, [step(name, False, detail, None)]
+    error, problem = checked(current, model, samples, min_sqnr_db=math.inf)
+    detail = f"{count} tensors typed by onnxruntime's symbolic shape inference (onnx's leaves them untyped)"
+    if left:
+        detail += f"; {left} still untyped"
+    return (current if problem else model), [step(name, problem is None, problem or detail, error)]
+
+
+def typing_failures(steps: list[PrepareStep]) -> str:
+    """``; step: detail`` for each typing step that failed: when the quantizer refuses every
+    candidate, a tensor left without a type is the likely cause."""
+    return "".join(f"; {s['step']}: {s['detail']}" for s in steps if s["step"] in TYPES and not s["ok"])
 
 
 def constants_as_initializers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
@@ -187,15 +282,22 @@ def prepared_base(
         detail = f"{count} unnamed nodes named <op_type>_<position> (so that nodes_to_exclude can name them)"
         steps.append(step("names", problem is None, problem or detail, error))
         current = model if problem is None else current
-    return current, steps
+    current, typing = types_step(current, samples, folder, "types")
+    return current, steps + typing
 
 
-def dynamic_base(original: onnx.ModelProto) -> onnx.ModelProto:
+def dynamic_base(
+    original: onnx.ModelProto, samples: list[dict[str, np.ndarray]], folder: str
+) -> tuple[onnx.ModelProto, list[PrepareStep]]:
     """The model quantize_dynamic is given: ``original`` with its Constant weights as
     initializers and its nodes named (both moves, bit-exact), never quant_pre_process,
-    which fuses MatMul and Add into a Gemm that onnxruntime's dynamic quantizer leaves float."""
+    which fuses MatMul and Add into a Gemm that onnxruntime's dynamic quantizer leaves float;
+    then typed (step ``dynamic_types``) where there is a MatMul for it to quantize. ``(model, steps)``."""
     model, _ = constants_as_initializers(original)
-    return named_nodes(model)[0]
+    model = named_nodes(model)[0]
+    if not has_dynamic_work(model):
+        return model, []
+    return types_step(model, samples, folder, "dynamic_types")
 
 
 def with_rewrites(

@@ -7,6 +7,7 @@ never an internal error; the console script answers what `python graphscan.py` d
 """
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 import shutil
@@ -243,6 +244,24 @@ def test_pip_install_resolves_the_ml_dtypes_the_pins_chose():
     pinned = [str(next(iter(r.specifier)).version) for r in pins if canonicalize_name(r.name) == "ml-dtypes"]
     assert len(wanted) == 1 and len(pinned) == 1
     assert wanted[0].specifier.contains(pinned[0]) and not wanted[0].specifier.contains("0.7.0")
+
+
+def test_every_pin_is_admitted_by_pyproject_and_by_the_other_pinned_packages():
+    """requirements.txt pins everything transitively (sympy brings mpmath, which sympy 1.14 wants
+    below 1.4): each pin is inside pyproject's range for it, and inside the range every other
+    pinned package, as installed here, declares for it."""
+    lines = [line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines()]
+    pins = {
+        canonicalize_name(r.name): str(next(iter(r.specifier)).version) for r in map(Requirement, filter(None, lines))
+    }
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["dependencies"]
+    wanted = [(Requirement(d), "pyproject") for d in dependencies]
+    for name in pins:
+        wanted += [(Requirement(d), name) for d in importlib.metadata.requires(name) or [] if "extra ==" not in d]
+    for requirement, by in wanted:
+        name = canonicalize_name(requirement.name)
+        assert name not in pins or requirement.specifier.contains(pins[name]), (by, str(requirement), pins[name])
+    assert {"sympy", "mpmath"} <= set(pins)  # onnxruntime's symbolic shape inference, and sympy's own
 
 
 @pytest.mark.slow
