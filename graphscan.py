@@ -204,6 +204,26 @@ class GraphscanError(Exception):
         self.exit_code = exit_code
 
 
+INTERRUPTED: list[int] = []  # the signals (SIGINT, SIGTERM) that arrived while main() ran
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM while main() runs: it unwinds as Ctrl-C does, so every temporary file
+    and folder is removed and nothing is left half-written (exit 143, not 130)."""
+
+
+def note_interrupt(signum: int, frame: object) -> None:
+    """main()'s SIGINT and SIGTERM handler: KeyboardInterrupt (Terminated), remembered
+    (onnxruntime's C initialization turns it into an ImportError, which must not hide it)."""
+    INTERRUPTED.append(signum)
+    raise interruption()
+
+
+def interruption() -> KeyboardInterrupt:
+    """What the signals that arrived ask for: Terminated after a SIGTERM, else Ctrl-C's."""
+    return Terminated() if signal.SIGTERM in INTERRUPTED else KeyboardInterrupt()
+
+
 # --------------------------------------------------------------------------
 # Loading
 
@@ -497,6 +517,32 @@ def load_with_weights(path: str) -> onnx.ModelProto:
     return model
 
 
+def as_text(value: str | bytes) -> str:
+    """A protobuf string field as ``str``.
+
+    Protobuf hands a string field that is not valid UTF-8 to Python as
+    ``bytes``; graphscan shows it with U+FFFD for each bad byte, so it sorts
+    and prints like every other name.
+    """
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def as_texts(values: StrSequence) -> StrSequence | list[str]:
+    """``values`` with any ``bytes`` decoded; the list itself when all are ``str``."""
+    if bytes in set(map(type, values)):
+        return [as_text(v) for v in values]
+    return values
+
+
+def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The graphs a node holds as attributes: the bodies of If, Loop and Scan."""
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            yield attribute.g
+        elif attribute.type == onnx.AttributeProto.GRAPHS:
+            yield from attribute.graphs
+
+
 def text_names(graph: onnx.GraphProto) -> None:
     """Give every name of ``graph`` (and of its bodies) that is not valid UTF-8 its
     U+FFFD spelling, in place, as the answers show it: onnxruntime and the
@@ -526,23 +572,6 @@ def text_names(graph: onnx.GraphProto) -> None:
 
 # --------------------------------------------------------------------------
 # The graph index: built once, every question answered from it in linear time
-
-
-def as_text(value: str | bytes) -> str:
-    """A protobuf string field as ``str``.
-
-    Protobuf hands a string field that is not valid UTF-8 to Python as
-    ``bytes``; graphscan shows it with U+FFFD for each bad byte, so it sorts
-    and prints like every other name.
-    """
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-
-
-def as_texts(values: StrSequence) -> StrSequence | list[str]:
-    """``values`` with any ``bytes`` decoded; the list itself when all are ``str``."""
-    if bytes in set(map(type, values)):
-        return [as_text(v) for v in values]
-    return values
 
 
 def node_name(node: onnx.NodeProto, index: int) -> str:
@@ -1035,14 +1064,6 @@ def value_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
     return [info for info in graph.input if info.name not in initializers]
 
 
-def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
-    for attribute in node.attribute:
-        if attribute.type == onnx.AttributeProto.GRAPH:
-            yield attribute.g
-        elif attribute.type == onnx.AttributeProto.GRAPHS:
-            yield from attribute.graphs
-
-
 def input_chain(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> list[int]:
     """Indices of the Q/DQ nodes between ``tensor`` and its data source, source first."""
     chain = []
@@ -1306,7 +1327,8 @@ def check(
     return {"model": path, "float": float_path, "cpu": facts, "budgets": budgets, "ok": ok}
 
 
-# --format table: aligned plain text for people
+# --------------------------------------------------------------------------
+# Tables: --format table, aligned plain text for people
 #
 # The JSON answer is the contract. A table is rendered from it after the
 # command returns, so it can never change what a program reads; renderers
@@ -1670,11 +1692,6 @@ def metric_words(described: Mapping[str, Any]) -> list[str]:
     return [described.get("name", "?"), *(f"{key} {value}" for key, value in described.items() if key != "name")]
 
 
-def render_table(command: str, answer: dict, top: int | None = None) -> str:
-    """The answer of ``command`` as text for a terminal: its own table, else a generic one."""
-    return load_command(command).render(answer, top)
-
-
 # --------------------------------------------------------------------------
 # dot: the island map as a Graphviz picture (for people; the JSON is the contract)
 #
@@ -1867,14 +1884,11 @@ def dot(path: str, runtime_colours: bool = False, collapse: bool = False) -> str
 
 
 # --------------------------------------------------------------------------
-# Command line: every command declared once, as a Command
+# Declaring a command: its argument groups, the Command type, the core's commands
 #
 # A command is declared where it is implemented: the counting commands, check
 # and dot below, the commands that run models in their modules of the
-# graphscan_ort package. COMMANDS is the registry: each command's one-line
-# summary (so --help lists every command even without the package) and, for the
-# core's own, the function that returns its declaration; the package's come
-# through its one door, graphscan_ort/extension.py, the only module the core imports.
+# graphscan_ort package.
 
 RUNTIME_LEVELS = {"basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
 
@@ -2101,6 +2115,10 @@ DOT = Command(
 )
 
 
+# --------------------------------------------------------------------------
+# Saved answers for table: which command an answer is from, by its keys and types
+
+
 def answer_keys(command: Command) -> tuple[frozenset[str], frozenset[str]]:
     """``(required, all)`` keys of ``command``'s answer (empty without a declared type)."""
     if command.answer is None:
@@ -2224,6 +2242,15 @@ TABLE = Command(
 )
 
 
+# --------------------------------------------------------------------------
+# The command line: the registry, the parser, main() and its signals
+#
+# COMMANDS is the registry: each command's one-line summary (so --help lists
+# every command even without the package) and, for the core's own, the function
+# that returns its declaration; the package's come through its one door,
+# graphscan_ort/extension.py, the only module the core imports.
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """A command in the registry: its one-line summary and where it is declared."""
@@ -2289,6 +2316,11 @@ trace = package_function("trace")
 runtime = package_function("runtime")
 impact = package_function("impact")
 tune = package_function("tune")
+
+
+def render_table(command: str, answer: dict, top: int | None = None) -> str:
+    """The answer of ``command`` as text for a terminal: its own table, else a generic one."""
+    return load_command(command).render(answer, top)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -2550,26 +2582,6 @@ def main(argv: list[str] | None = None) -> int:
         if gc_was_enabled:
             gc.enable()
     return exit_code
-
-
-INTERRUPTED: list[int] = []  # the signals (SIGINT, SIGTERM) that arrived while main() ran
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM while main() runs: it unwinds as Ctrl-C does, so every temporary file
-    and folder is removed and nothing is left half-written (exit 143, not 130)."""
-
-
-def note_interrupt(signum: int, frame: object) -> None:
-    """main()'s SIGINT and SIGTERM handler: KeyboardInterrupt (Terminated), remembered
-    (onnxruntime's C initialization turns it into an ImportError, which must not hide it)."""
-    INTERRUPTED.append(signum)
-    raise interruption()
-
-
-def interruption() -> KeyboardInterrupt:
-    """What the signals that arrived ask for: Terminated after a SIGTERM, else Ctrl-C's."""
-    return Terminated() if signal.SIGTERM in INTERRUPTED else KeyboardInterrupt()
 
 
 def console_main() -> None:
