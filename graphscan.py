@@ -114,6 +114,7 @@ __all__ += [
     "data_source",
     "dtype_name",
     "node_name",
+    "output_chain",
     "subgraphs",
     "value_inputs",
 ]
@@ -818,6 +819,53 @@ def count_weight_dequantize(index: GraphIndex) -> int:
     return count
 
 
+def value_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
+    """The graph inputs that are not initializers: what a run must be fed."""
+    initializers = {init.name for init in graph.initializer}
+    return [info for info in graph.input if info.name not in initializers]
+
+
+def input_chain(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> list[int]:
+    """Indices of the Q/DQ nodes between ``tensor`` and its data source, source first."""
+    chain = []
+    producer = index.producer_of(tensor)
+    while producer is not None and not index.is_compute(producer) and producer not in chain:
+        chain.append(producer)
+        producer = index.producer_of(written_input(graph.node[producer]))
+    return chain[::-1]
+
+
+def written_input(node: onnx.NodeProto) -> str:
+    """A node's input 0 as written: "" when it has none (a Q or DQ without inputs is
+    malformed, but counted and drawn like any other: its chain starts nowhere)."""
+    return node.input[0] if node.input else ""
+
+
+def data_source(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> tuple[str, list[int]]:
+    """``(source tensor, Q/DQ chain)``: where ``tensor``'s data comes from once
+    every Q/DQ in front of it is skipped (a compute output, a graph input or an
+    initializer), and the Q/DQ nodes skipped, source first."""
+    chain = input_chain(index, graph, tensor)
+    return (written_input(graph.node[chain[0]]) if chain else tensor), chain
+
+
+def output_chain(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> tuple[list[int], str]:
+    """The Q->DQ pair right after ``tensor`` and the tensor the next op sees (a Q or DQ
+    that writes no output 0, which is malformed, makes no pair): input_chain's mirror."""
+    for q in index.consumers_of(tensor):
+        if index.is_q[q]:
+            for dq in index.consumers_of(written_output(graph.node[q])):
+                seen = written_output(graph.node[dq])
+                if index.is_dq[dq] and seen:
+                    return [q, dq], seen
+    return [], tensor
+
+
+def written_output(node: onnx.NodeProto) -> str:
+    """A node's output 0 as written: "" when it has none or leaves it out."""
+    return node.output[0] if node.output else ""
+
+
 # --------------------------------------------------------------------------
 # The answers' types: what docs/SPEC.md promises, key for key
 
@@ -1056,36 +1104,6 @@ def diff(a: str, b: str) -> DiffAnswer:
     before = summary(index_model(a))
     after = summary(index_model(b))
     return {"a": a, "b": b, **diff_summaries(before, after)}
-
-
-def value_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
-    """The graph inputs that are not initializers: what a run must be fed."""
-    initializers = {init.name for init in graph.initializer}
-    return [info for info in graph.input if info.name not in initializers]
-
-
-def input_chain(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> list[int]:
-    """Indices of the Q/DQ nodes between ``tensor`` and its data source, source first."""
-    chain = []
-    producer = index.producer_of(tensor)
-    while producer is not None and not index.is_compute(producer) and producer not in chain:
-        chain.append(producer)
-        producer = index.producer_of(written_input(graph.node[producer]))
-    return chain[::-1]
-
-
-def written_input(node: onnx.NodeProto) -> str:
-    """A node's input 0 as written: "" when it has none (a Q or DQ without inputs is
-    malformed, but counted and drawn like any other: its chain starts nowhere)."""
-    return node.input[0] if node.input else ""
-
-
-def data_source(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> tuple[str, list[int]]:
-    """``(source tensor, Q/DQ chain)``: where ``tensor``'s data comes from once
-    every Q/DQ in front of it is skipped (a compute output, a graph input or an
-    initializer), and the Q/DQ nodes skipped, source first."""
-    chain = input_chain(index, graph, tensor)
-    return (written_input(graph.node[chain[0]]) if chain else tensor), chain
 
 
 # --------------------------------------------------------------------------
