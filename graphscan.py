@@ -1524,7 +1524,8 @@ def format_names(names: Iterable[str], width: int = TABLE_WIDTH, indent: str = "
     lines, line = [], ""
     for name in names:
         name = end_cut(cell(name), width - len(indent) - 1)
-        if line and len(indent) + display_width(line) + display_width(name) + 3 > width:  # 3: ', ' now, ',' if wrapped
+        # 3: ', ' now, ',' if wrapped
+        if line and len(indent) + display_width(line) + display_width(name) + 3 > width:
             lines.append(indent + line + ",")
             line = ""
         line = f"{line}, {name}" if line else name
