@@ -114,6 +114,7 @@ __all__ += [
     "data_source",
     "dtype_name",
     "node_name",
+    "output_chain",
     "subgraphs",
     "value_inputs",
 ]
@@ -202,6 +203,26 @@ class GraphscanError(Exception):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+INTERRUPTED: list[int] = []  # the signals (SIGINT, SIGTERM) that arrived while main() ran
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM while main() runs: it unwinds as Ctrl-C does, so every temporary file
+    and folder is removed and nothing is left half-written (exit 143, not 130)."""
+
+
+def note_interrupt(signum: int, frame: object) -> None:
+    """main()'s SIGINT and SIGTERM handler: KeyboardInterrupt (Terminated), remembered
+    (onnxruntime's C initialization turns it into an ImportError, which must not hide it)."""
+    INTERRUPTED.append(signum)
+    raise interruption()
+
+
+def interruption() -> KeyboardInterrupt:
+    """What the signals that arrived ask for: Terminated after a SIGTERM, else Ctrl-C's."""
+    return Terminated() if signal.SIGTERM in INTERRUPTED else KeyboardInterrupt()
 
 
 # --------------------------------------------------------------------------
@@ -497,6 +518,32 @@ def load_with_weights(path: str) -> onnx.ModelProto:
     return model
 
 
+def as_text(value: str | bytes) -> str:
+    """A protobuf string field as ``str``.
+
+    Protobuf hands a string field that is not valid UTF-8 to Python as
+    ``bytes``; graphscan shows it with U+FFFD for each bad byte, so it sorts
+    and prints like every other name.
+    """
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def as_texts(values: StrSequence) -> StrSequence | list[str]:
+    """``values`` with any ``bytes`` decoded; the list itself when all are ``str``."""
+    if bytes in set(map(type, values)):
+        return [as_text(v) for v in values]
+    return values
+
+
+def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The graphs a node holds as attributes: the bodies of If, Loop and Scan."""
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            yield attribute.g
+        elif attribute.type == onnx.AttributeProto.GRAPHS:
+            yield from attribute.graphs
+
+
 def text_names(graph: onnx.GraphProto) -> None:
     """Give every name of ``graph`` (and of its bodies) that is not valid UTF-8 its
     U+FFFD spelling, in place, as the answers show it: onnxruntime and the
@@ -526,23 +573,6 @@ def text_names(graph: onnx.GraphProto) -> None:
 
 # --------------------------------------------------------------------------
 # The graph index: built once, every question answered from it in linear time
-
-
-def as_text(value: str | bytes) -> str:
-    """A protobuf string field as ``str``.
-
-    Protobuf hands a string field that is not valid UTF-8 to Python as
-    ``bytes``; graphscan shows it with U+FFFD for each bad byte, so it sorts
-    and prints like every other name.
-    """
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-
-
-def as_texts(values: StrSequence) -> StrSequence | list[str]:
-    """``values`` with any ``bytes`` decoded; the list itself when all are ``str``."""
-    if bytes in set(map(type, values)):
-        return [as_text(v) for v in values]
-    return values
 
 
 def node_name(node: onnx.NodeProto, index: int) -> str:
@@ -789,6 +819,53 @@ def count_weight_dequantize(index: GraphIndex) -> int:
     return count
 
 
+def value_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
+    """The graph inputs that are not initializers: what a run must be fed."""
+    initializers = {init.name for init in graph.initializer}
+    return [info for info in graph.input if info.name not in initializers]
+
+
+def input_chain(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> list[int]:
+    """Indices of the Q/DQ nodes between ``tensor`` and its data source, source first."""
+    chain = []
+    producer = index.producer_of(tensor)
+    while producer is not None and not index.is_compute(producer) and producer not in chain:
+        chain.append(producer)
+        producer = index.producer_of(written_input(graph.node[producer]))
+    return chain[::-1]
+
+
+def written_input(node: onnx.NodeProto) -> str:
+    """A node's input 0 as written: "" when it has none (a Q or DQ without inputs is
+    malformed, but counted and drawn like any other: its chain starts nowhere)."""
+    return node.input[0] if node.input else ""
+
+
+def data_source(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> tuple[str, list[int]]:
+    """``(source tensor, Q/DQ chain)``: where ``tensor``'s data comes from once
+    every Q/DQ in front of it is skipped (a compute output, a graph input or an
+    initializer), and the Q/DQ nodes skipped, source first."""
+    chain = input_chain(index, graph, tensor)
+    return (written_input(graph.node[chain[0]]) if chain else tensor), chain
+
+
+def output_chain(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> tuple[list[int], str]:
+    """The Q->DQ pair right after ``tensor`` and the tensor the next op sees (a Q or DQ
+    that writes no output 0, which is malformed, makes no pair): input_chain's mirror."""
+    for q in index.consumers_of(tensor):
+        if index.is_q[q]:
+            for dq in index.consumers_of(written_output(graph.node[q])):
+                seen = written_output(graph.node[dq])
+                if index.is_dq[dq] and seen:
+                    return [q, dq], seen
+    return [], tensor
+
+
+def written_output(node: onnx.NodeProto) -> str:
+    """A node's output 0 as written: "" when it has none or leaves it out."""
+    return node.output[0] if node.output else ""
+
+
 # --------------------------------------------------------------------------
 # The answers' types: what docs/SPEC.md promises, key for key
 
@@ -1027,44 +1104,6 @@ def diff(a: str, b: str) -> DiffAnswer:
     before = summary(index_model(a))
     after = summary(index_model(b))
     return {"a": a, "b": b, **diff_summaries(before, after)}
-
-
-def value_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
-    """The graph inputs that are not initializers: what a run must be fed."""
-    initializers = {init.name for init in graph.initializer}
-    return [info for info in graph.input if info.name not in initializers]
-
-
-def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
-    for attribute in node.attribute:
-        if attribute.type == onnx.AttributeProto.GRAPH:
-            yield attribute.g
-        elif attribute.type == onnx.AttributeProto.GRAPHS:
-            yield from attribute.graphs
-
-
-def input_chain(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> list[int]:
-    """Indices of the Q/DQ nodes between ``tensor`` and its data source, source first."""
-    chain = []
-    producer = index.producer_of(tensor)
-    while producer is not None and not index.is_compute(producer) and producer not in chain:
-        chain.append(producer)
-        producer = index.producer_of(written_input(graph.node[producer]))
-    return chain[::-1]
-
-
-def written_input(node: onnx.NodeProto) -> str:
-    """A node's input 0 as written: "" when it has none (a Q or DQ without inputs is
-    malformed, but counted and drawn like any other: its chain starts nowhere)."""
-    return node.input[0] if node.input else ""
-
-
-def data_source(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> tuple[str, list[int]]:
-    """``(source tensor, Q/DQ chain)``: where ``tensor``'s data comes from once
-    every Q/DQ in front of it is skipped (a compute output, a graph input or an
-    initializer), and the Q/DQ nodes skipped, source first."""
-    chain = input_chain(index, graph, tensor)
-    return (written_input(graph.node[chain[0]]) if chain else tensor), chain
 
 
 # --------------------------------------------------------------------------
@@ -1306,7 +1345,8 @@ def check(
     return {"model": path, "float": float_path, "cpu": facts, "budgets": budgets, "ok": ok}
 
 
-# --format table: aligned plain text for people
+# --------------------------------------------------------------------------
+# Tables: --format table, aligned plain text for people
 #
 # The JSON answer is the contract. A table is rendered from it after the
 # command returns, so it can never change what a program reads; renderers
@@ -1484,7 +1524,8 @@ def format_names(names: Iterable[str], width: int = TABLE_WIDTH, indent: str = "
     lines, line = [], ""
     for name in names:
         name = end_cut(cell(name), width - len(indent) - 1)
-        if line and len(indent) + display_width(line) + display_width(name) + 3 > width:  # 3: ', ' now, ',' if wrapped
+        # 3: ', ' now, ',' if wrapped
+        if line and len(indent) + display_width(line) + display_width(name) + 3 > width:
             lines.append(indent + line + ",")
             line = ""
         line = f"{line}, {name}" if line else name
@@ -1668,11 +1709,6 @@ def metric_words(described: Mapping[str, Any]) -> list[str]:
     """A metric as an answer describes it (``{"name": "iou", "threshold": 0.3}``), in words:
     ``["iou", "threshold 0.3"]``, for the tables and the pytest plugin's sentences."""
     return [described.get("name", "?"), *(f"{key} {value}" for key, value in described.items() if key != "name")]
-
-
-def render_table(command: str, answer: dict, top: int | None = None) -> str:
-    """The answer of ``command`` as text for a terminal: its own table, else a generic one."""
-    return load_command(command).render(answer, top)
 
 
 # --------------------------------------------------------------------------
@@ -1867,14 +1903,11 @@ def dot(path: str, runtime_colours: bool = False, collapse: bool = False) -> str
 
 
 # --------------------------------------------------------------------------
-# Command line: every command declared once, as a Command
+# Declaring a command: its argument groups, the Command type, the core's commands
 #
 # A command is declared where it is implemented: the counting commands, check
 # and dot below, the commands that run models in their modules of the
-# graphscan_ort package. COMMANDS is the registry: each command's one-line
-# summary (so --help lists every command even without the package) and, for the
-# core's own, the function that returns its declaration; the package's come
-# through its one door, graphscan_ort/extension.py, the only module the core imports.
+# graphscan_ort package.
 
 RUNTIME_LEVELS = {"basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
 
@@ -2101,6 +2134,10 @@ DOT = Command(
 )
 
 
+# --------------------------------------------------------------------------
+# Saved answers for table: which command an answer is from, by its keys and types
+
+
 def answer_keys(command: Command) -> tuple[frozenset[str], frozenset[str]]:
     """``(required, all)`` keys of ``command``'s answer (empty without a declared type)."""
     if command.answer is None:
@@ -2224,6 +2261,15 @@ TABLE = Command(
 )
 
 
+# --------------------------------------------------------------------------
+# The command line: the registry, the parser, main() and its signals
+#
+# COMMANDS is the registry: each command's one-line summary (so --help lists
+# every command even without the package) and, for the core's own, the function
+# that returns its declaration; the package's come through its one door,
+# graphscan_ort/extension.py, the only module the core imports.
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """A command in the registry: its one-line summary and where it is declared."""
@@ -2289,6 +2335,11 @@ trace = package_function("trace")
 runtime = package_function("runtime")
 impact = package_function("impact")
 tune = package_function("tune")
+
+
+def render_table(command: str, answer: dict, top: int | None = None) -> str:
+    """The answer of ``command`` as text for a terminal: its own table, else a generic one."""
+    return load_command(command).render(answer, top)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -2550,26 +2601,6 @@ def main(argv: list[str] | None = None) -> int:
         if gc_was_enabled:
             gc.enable()
     return exit_code
-
-
-INTERRUPTED: list[int] = []  # the signals (SIGINT, SIGTERM) that arrived while main() ran
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM while main() runs: it unwinds as Ctrl-C does, so every temporary file
-    and folder is removed and nothing is left half-written (exit 143, not 130)."""
-
-
-def note_interrupt(signum: int, frame: object) -> None:
-    """main()'s SIGINT and SIGTERM handler: KeyboardInterrupt (Terminated), remembered
-    (onnxruntime's C initialization turns it into an ImportError, which must not hide it)."""
-    INTERRUPTED.append(signum)
-    raise interruption()
-
-
-def interruption() -> KeyboardInterrupt:
-    """What the signals that arrived ask for: Terminated after a SIGTERM, else Ctrl-C's."""
-    return Terminated() if signal.SIGTERM in INTERRUPTED else KeyboardInterrupt()
 
 
 def console_main() -> None:

@@ -39,16 +39,16 @@ def plain_loop(float_path: str, calibrate: list[str], inputs: list[str], work: s
     import onnx
     from onnxruntime.quantization import quantize_static
 
+    from graphscan import load_with_weights
     from graphscan_ort.shared.sessions import quiet
     from graphscan_ort.tune.candidates import SampleReader, candidate_settings, keyword_arguments
     from graphscan_ort.tune.deployed import measure_candidate
-    from graphscan_ort.tune.prepare import prepared_base, with_rewrites
+    from graphscan_ort.tune.prepare import prepare
 
-    original = onnx.load(float_path)
     evaluation = [dict(np.load(p)) for p in inputs]
     calibration = [dict(np.load(p)) for p in calibrate]
-    base, _ = prepared_base(float_path, work, evaluation, original)
-    rewritten, _ = with_rewrites(base, original, evaluation)
+    original = load_with_weights(float_path)
+    base, rewritten, _ = prepare(float_path, work, evaluation, original)
     models = [base] + ([rewritten] if rewritten is not base else [])
     count = 0
     for k, model in enumerate(models):

@@ -29,6 +29,7 @@ from graphscan import (
     format_fields,
     load_with_weights,
     one_line,
+    output_chain,
     page,
     samples_group,
     section,
@@ -47,7 +48,6 @@ from graphscan_ort.shared.graph import (
     declared_values,
     first_output,
     has_subgraph,
-    output_chain,
     quant_range,
 )
 from graphscan_ort.shared.inputs import check_same_inputs, model_samples, parse_shapes

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 import onnx
 
-from graphscan import GraphIndex, as_text, subgraphs
+from graphscan import as_text, subgraphs
 
 
 def declared_values(graph: onnx.GraphProto) -> Iterator[onnx.ValueInfoProto]:
@@ -198,23 +198,6 @@ def node_reads(node: onnx.NodeProto) -> list[str]:
 def body_reads(node: onnx.NodeProto) -> set[str]:
     """Every name the If/Loop/Scan bodies of ``node`` read or output (any depth)."""
     return set(node_reads(node)[len([t for t in node.input if t]) :])
-
-
-def output_chain(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> tuple[list[int], str]:
-    """The Q->DQ pair right after ``tensor`` and the tensor the next op sees (a Q or DQ
-    that writes no output 0, which is malformed, makes no pair)."""
-    for q in index.consumers_of(tensor):
-        if index.is_q[q]:
-            for dq in index.consumers_of(written_output(graph.node[q])):
-                seen = written_output(graph.node[dq])
-                if index.is_dq[dq] and seen:
-                    return [q, dq], seen
-    return [], tensor
-
-
-def written_output(node: onnx.NodeProto) -> str:
-    """A node's output 0 as written: "" when it has none or leaves it out."""
-    return node.output[0] if node.output else ""
 
 
 def dense_initializer(sparse: onnx.SparseTensorProto) -> onnx.TensorProto:

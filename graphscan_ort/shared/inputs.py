@@ -260,11 +260,6 @@ def model_samples(
     return [feeds], defaulted
 
 
-def random_inputs(model: onnx.ModelProto, seed: int, symbolic_size: int) -> dict[str, np.ndarray]:
-    """Seeded normal data for every graph input, symbolic dims set to ``symbolic_size``."""
-    return seeded_feeds(input_specs(model), {}, seed, symbolic_size)[0]
-
-
 def check_same_inputs(float_model: onnx.ModelProto, quant_model: onnx.ModelProto, a: str, b: str) -> None:
     """Exit 7 unless both models declare the same inputs (names, types, fixed dims)."""
     specs = [{s.name: s for s in input_specs(m)} for m in (float_model, quant_model)]

@@ -102,7 +102,7 @@ from graphscan_ort.tune.deployed import measure_candidate
 from graphscan_ort.tune.fallback import STILL_INT8, honoured
 from graphscan_ort.tune.goal import Goal, metric_of
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
-from graphscan_ort.tune.prepare import dynamic_base, prepared_base, typing_failures, with_rewrites
+from graphscan_ort.tune.prepare import dynamic_base, prepare, typing_failures
 from graphscan_ort.tune.progress import Progress
 from graphscan_ort.tune.seeds import structural_seeds, user_seeds
 from graphscan_ort.tune.table import tune_table
@@ -456,8 +456,7 @@ def tune_in(
     progress = progress or Progress()
     evaluation = measure.evaluation
     progress.show("preparing the float model")
-    base, steps = prepared_base(path, work, evaluation, model)
-    rewritten, rewrite_steps = with_rewrites(base, model, evaluation)
+    base, rewritten, steps = prepare(path, work, evaluation, model)
     prepared = {"none": base}
     if rewritten is not base:
         prepared["rewrites"] = rewritten
@@ -526,7 +525,7 @@ def tune_in(
     order = listing_order(rows)
     return {
         "float": {"ms": sorted(float_ms)[len(float_ms) // 2], "bytes": measure.float_bytes},
-        "prepare": steps + rewrite_steps + dynamic_steps,
+        "prepare": steps + dynamic_steps,
         "candidates": [cast(Candidate, {key: row.get(key) for key in CANDIDATE_KEYS}) for row in order],
         "metric": goal.metric.describe(),
         "target": target,

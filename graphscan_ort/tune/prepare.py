@@ -234,12 +234,16 @@ def checked(
         return None, f"fails the checker ({one_line(exc)})"
 
 
-def prepare(float_path: str, folder: str, samples: list[dict]) -> tuple[onnx.ModelProto, list[PrepareStep]]:
-    """The prepared float model, rewrites included, and its steps (``{"step", "ok", "detail", "max_abs_error"}``)."""
-    original = onnx.load(float_path)
+def prepare(
+    float_path: str, folder: str, samples: list[dict[str, np.ndarray]], original: onnx.ModelProto
+) -> tuple[onnx.ModelProto, onnx.ModelProto, list[PrepareStep]]:
+    """tune's first step on ``original``, the model at ``float_path`` as tune read it:
+    ``(base, rewritten, steps)``, the model without rewrites, the model with every rewrite
+    that verifies (``base`` itself when none does), and every step
+    (``{"step", "ok", "detail", "max_abs_error"}``)."""
     base, steps = prepared_base(float_path, folder, samples, original)
     rewritten, rewrite_steps = with_rewrites(base, original, samples)
-    return rewritten, steps + rewrite_steps
+    return base, rewritten, steps + rewrite_steps
 
 
 def prepared_base(

@@ -126,3 +126,23 @@ def test_dynamic_has_integer_matmul_and_no_qdq(variants, case):
     assert "DequantizeLinear" not in census
     answer = graphscan.qdq(str(variants["dynamic"]))
     assert (answer["quantize"], answer["dequantize"], answer["round_trips"]) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("variant", QDQ_VARIANTS)
+def test_the_chains_mirror_each_other(variants, variant):
+    """Where a Q->DQ pair follows a compute output, the tensor the next op sees leads back
+    through that same pair to it: output_chain and input_chain are one vocabulary's two ends."""
+    model = onnx.load(str(variants[variant]))
+    index = graphscan.GraphIndex(model.graph)
+    pairs = 0
+    for i in index.compute_nodes:
+        for tensor in index.outputs[i]:
+            chain, seen = graphscan.output_chain(index, model.graph, tensor)
+            source, back = graphscan.data_source(index, model.graph, seen)
+            if chain:
+                pairs += 1
+                assert [index.op_types[j] for j in chain] == ["QuantizeLinear", "DequantizeLinear"]
+                assert (source, back) == (tensor, chain)
+            else:
+                assert seen == tensor
+    assert pairs > 0

@@ -10,7 +10,15 @@ import graphscan_ort.shared.graph as graph_edit
 import graphscan_ort.shared.metrics as metrics
 import graphscan_ort.tune.prepare as prepare
 import graphscan_ort.tune.rewrites as rewrites
+from graphscan import load_with_weights
 from tests.tune.test_rewrites import DIV, HARD_SIGMOID, SAMPLES, conv_block_model
+
+
+def prepared_as_tune(source, folder, samples):
+    """tune's first step on the model at ``source``, handed it as tune reads it:
+    ``(the model with its rewrites, every step)``."""
+    _, rewritten, steps = prepare.prepare(str(source), str(folder), samples, load_with_weights(str(source)))
+    return rewritten, steps
 
 
 def test_every_step_is_verified_and_the_result_reproduces_the_original(tmp_path):
@@ -22,7 +30,7 @@ def test_every_step_is_verified_and_the_result_reproduces_the_original(tmp_path)
     ]
     source = tmp_path / "float.onnx"
     onnx.save(conv_block_model(middle, opset=11), source)
-    prepared, steps = prepare.prepare(str(source), str(tmp_path), SAMPLES)
+    prepared, steps = prepared_as_tune(source, tmp_path, SAMPLES)
     assert [s["step"] for s in steps] == ["quant_pre_process", "opset", "div_by_constant", "hard_sigmoid"]
     assert all(s["ok"] for s in steps), steps
     assert graph_edit.default_opset(prepared) == 13
@@ -43,7 +51,7 @@ def test_a_step_that_changes_the_outputs_is_dropped_with_its_reason(tmp_path, mo
     monkeypatch.setattr(prepare, "REWRITES", rewrites.REWRITES)
     source = tmp_path / "float.onnx"
     onnx.save(conv_block_model(DIV), source)
-    prepared, steps = prepare.prepare(str(source), str(tmp_path), SAMPLES)
+    prepared, steps = prepared_as_tune(source, tmp_path, SAMPLES)
     (div,) = [s for s in steps if s["step"] == "div_by_constant"]
     assert div["ok"] is False and "output SQNR" in div["detail"] and "80 dB" in div["detail"]
     assert "Div" in [n.op_type for n in prepared.graph.node]  # the last good model goes on
@@ -52,7 +60,7 @@ def test_a_step_that_changes_the_outputs_is_dropped_with_its_reason(tmp_path, mo
 def test_hard_sigmoid_alone_is_rewritten_after_the_opset(tmp_path):
     source = tmp_path / "float.onnx"
     onnx.save(conv_block_model(HARD_SIGMOID, opset=10), source)
-    prepared, steps = prepare.prepare(str(source), str(tmp_path), SAMPLES)
+    prepared, steps = prepared_as_tune(source, tmp_path, SAMPLES)
     assert [s["step"] for s in steps if s["ok"]] == ["quant_pre_process", "opset", "hard_sigmoid"]
     assert "HardSigmoid" not in [n.op_type for n in prepared.graph.node]
 
@@ -116,7 +124,7 @@ def test_constant_weights_become_initializers_bit_exact_even_without_quant_pre_p
     source = tmp_path / "float.onnx"
     onnx.save(constant_weight_model(), source)
     samples = [{"x": np.random.default_rng(1).standard_normal((1, 1, 4, 4)).astype(np.float32)}]
-    prepared, steps = prepare.prepare(str(source), str(tmp_path), samples)
+    prepared, steps = prepared_as_tune(source, tmp_path, samples)
     (constants,) = [s for s in steps if s["step"] == "constants"]
     assert constants["ok"] and constants["max_abs_error"] == 0.0 and constants["detail"].startswith("2 Constant")
     assert "Constant" not in [n.op_type for n in prepared.graph.node]
@@ -142,7 +150,7 @@ def test_unnamed_nodes_are_named_so_that_an_exclusion_excludes_them(tmp_path):
     source = tmp_path / "float.onnx"
     onnx.save(unnamed, source)
     samples = [{"x": np.random.default_rng(k).standard_normal((1, 1, 4, 4)).astype(np.float32)} for k in range(2)]
-    prepared, steps = prepare.prepare(str(source), str(tmp_path), samples)
+    prepared, steps = prepared_as_tune(source, tmp_path, samples)
     names = [node.name for node in prepared.graph.node]
     assert all(names) and len(set(names)) == len(names)
     assert [s["ok"] for s in steps if s["step"] == "names"] == [True]
@@ -181,7 +189,7 @@ def test_a_bit_exact_step_is_checked_against_the_step_before_not_the_original(tm
         return target, "quant_pre_process ran"
 
     monkeypatch.setattr(prepare, "pre_processed", reassociated)
-    prepared, steps = prepare.prepare(str(source), str(tmp_path), SAMPLES)
+    prepared, steps = prepared_as_tune(source, tmp_path, SAMPLES)
     by_step = {s["step"]: s for s in steps}
     assert by_step["quant_pre_process"]["ok"] and by_step["quant_pre_process"]["max_abs_error"] > 0
     assert by_step["names"]["ok"] and by_step["names"]["max_abs_error"] == 0.0
@@ -215,7 +223,7 @@ def test_a_quant_pre_process_that_fails_its_verification_is_dropped_and_the_orig
     monkeypatch.setattr(prepare, "pre_processed", pre_processed_as(lambda m: with_weight_scaled(m, 1 + 1e-3)))
     source = tmp_path / "float.onnx"
     onnx.save(conv_block_model(DIV), source)
-    prepared, steps = prepare.prepare(str(source), str(tmp_path), SAMPLES)
+    prepared, steps = prepared_as_tune(source, tmp_path, SAMPLES)
     assert [(s["step"], s["ok"]) for s in steps] == [("quant_pre_process", False), ("div_by_constant", True)]
     assert "dropped" in steps[0]["detail"]
     weight = next(t for t in prepared.graph.initializer if t.name == "w")
@@ -231,7 +239,7 @@ def test_every_step_is_verified_against_the_original_so_small_changes_cannot_add
     monkeypatch.setattr(prepare, "REWRITES", {"scaled": lambda m: (with_weight_scaled(m, step_change), 1)})
     source = tmp_path / "float.onnx"
     onnx.save(conv_block_model(DIV), source)
-    _, steps = prepare.prepare(str(source), str(tmp_path), SAMPLES)
+    _, steps = prepared_as_tune(source, tmp_path, SAMPLES)
     assert [(s["step"], s["ok"]) for s in steps] == [("quant_pre_process", True), ("scaled", False)]
     assert "80 dB" in steps[1]["detail"]
 
@@ -252,7 +260,7 @@ def test_constants_are_moved_bit_exact_against_the_pre_processed_model_not_the_o
     source = tmp_path / "float.onnx"
     onnx.save(constant_weight_model(), source)
     samples = [{"x": np.random.default_rng(1).standard_normal((1, 1, 4, 4)).astype(np.float32)}]
-    _, steps = prepare.prepare(str(source), str(tmp_path), samples)
+    _, steps = prepared_as_tune(source, tmp_path, samples)
     by_step = {s["step"]: s for s in steps}
     assert by_step["quant_pre_process"]["ok"] and by_step["quant_pre_process"]["max_abs_error"] > 0
     assert by_step["constants"]["ok"] and by_step["constants"]["max_abs_error"] == 0.0, by_step["constants"]
@@ -267,7 +275,7 @@ def test_an_ir_3_models_constants_become_initializers_that_are_also_graph_inputs
     source = tmp_path / "float.onnx"
     onnx.save(old, source)
     samples = [{"x": np.random.default_rng(1).standard_normal((1, 1, 4, 4)).astype(np.float32)}]
-    _, steps = prepare.prepared_base(str(source), str(tmp_path), samples, onnx.load(source))
+    _, steps = prepare.prepared_base(str(source), str(tmp_path), samples, load_with_weights(str(source)))
     (constants,) = [s for s in steps if s["step"] == "constants"]
     assert constants["ok"] and constants["max_abs_error"] == 0.0, constants
     moved, count = prepare.constants_as_initializers(old)
@@ -293,7 +301,7 @@ def test_only_a_model_below_opset_13_is_converted(tmp_path, monkeypatch, opset, 
     monkeypatch.setattr(prepare, "pre_processed", lambda source, target: (source, "quant_pre_process (test)"))
     source = tmp_path / "float.onnx"
     onnx.save(conv_block_model(DIV, opset=opset), source)
-    model, steps = prepare.prepared_base(str(source), str(tmp_path), SAMPLES, onnx.load(source))
+    model, steps = prepare.prepared_base(str(source), str(tmp_path), SAMPLES, load_with_weights(str(source)))
     assert ("opset" in [s["step"] for s in steps]) is converted
     assert graph_edit.default_opset(model) == 13
 
@@ -367,7 +375,7 @@ def test_a_step_whose_verification_fails_leaves_no_trace_in_the_prepared_model(t
     monkeypatch.setattr(prepare, "checked", checked)
     source = tmp_path / "float.onnx"
     onnx.save(every_step_model(), source)
-    prepared, steps = prepare.prepare(str(source), str(tmp_path), EVERY_STEP_SAMPLES)
+    prepared, steps = prepared_as_tune(source, tmp_path, EVERY_STEP_SAMPLES)
     assert [s["step"] for s in steps] == EVERY_STEP
     assert [s["ok"] for s in steps] == [k < EVERY_STEP.index(failing) for k in range(len(EVERY_STEP))]
     before = given[-1] if given else onnx.load(source)
@@ -390,7 +398,7 @@ def test_a_step_whose_model_fails_onnxs_full_checker_is_dropped(tmp_path, monkey
     changed, _ = contradicting(onnx.load(source))
     onnx.checker.check_model(changed)  # the structural check alone passes it
     assert metrics.verified(onnx.load(source), changed, SAMPLES)[1] is None  # and it verifies
-    prepared, steps = prepare.prepare(str(source), str(tmp_path), SAMPLES)
+    prepared, steps = prepared_as_tune(source, tmp_path, SAMPLES)
     (div,) = [s for s in steps if s["step"] == "div_by_constant"]
     assert div["ok"] is False and "fails the checker" in div["detail"]
     assert "Div" in [n.op_type for n in prepared.graph.node]

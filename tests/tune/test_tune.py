@@ -200,6 +200,21 @@ def test_every_candidate_refused_is_exit_5(tuned, tmp_path, monkeypatch, capsys)
     assert list(tmp_path.glob(".graphscan-tune-*")) == []
 
 
+def test_tune_prepares_the_float_model_by_prepare_given_it_as_tune_reads_it(tuned, tmp_path, monkeypatch, capsys):
+    """One path: tune's first step is prepare(), handed the model as load_with_weights reads
+    it, so tests/tune/test_prepare.py, which calls prepare() so too, tests what tune runs."""
+    handed = []
+
+    def stop_after_seeing(float_path, folder, samples, original):
+        handed.append((float_path, original.SerializeToString()))
+        raise graphscan.GraphscanError("usage: stopped at prepare", graphscan.EXIT_USAGE)
+
+    monkeypatch.setattr(tune, "prepare", stop_after_seeing)
+    argv = ["tune", tuned["float"], "--calibrate", str(tuned["calibration"][0]), "--out", str(tmp_path / "o")]
+    assert main_error_line(capsys, argv, graphscan.EXIT_USAGE) == "graphscan: usage: stopped at prepare"
+    assert handed == [(tuned["float"], graphscan.load_with_weights(tuned["float"]).SerializeToString())]
+
+
 def test_table_fits_80_columns(tuned):
     text = graphscan.render_table("tune", tuned["answer"])
     assert "candidates, Pareto-best first" in text and all(len(line) <= 80 for line in text.splitlines())
