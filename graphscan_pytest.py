@@ -35,6 +35,7 @@ import json
 import math
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -698,18 +699,23 @@ GATHERED = "graphscan_snapshots"  # the key of a worker's workeroutput
 
 
 def unused_snapshots(folder: Path, pinned: set[str]) -> list[Path]:
-    """The snapshot files of ``folder`` that none of ``pinned`` names, regardless of case (on a
-    case-blind disk a file whose name differs only in case is the pinned one)."""
+    """The snapshot files of ``folder`` that are none of the ``pinned`` files (a case-blind disk
+    shows a pinned file under a name that differs in case: it is the same file, kept)."""
     try:
         names = sorted(os.listdir(folder))
     except OSError:  # no snapshot taken yet
         return []
-    kept = {name.casefold() for name in pinned}
-    return [
-        folder / name
-        for name in names
-        if SNAPSHOT_FILE.fullmatch(name) and name.casefold() not in kept and (folder / name).is_file()
-    ]
+
+    def identity(name: str) -> tuple[int, int] | None:
+        try:
+            found = os.stat(folder / name)
+        except OSError:
+            return None
+        return (found.st_dev, found.st_ino) if stat.S_ISREG(found.st_mode) else None
+
+    held = {identity(name) for name in pinned}
+    candidates = [name for name in names if SNAPSHOT_FILE.fullmatch(name) and name not in pinned]
+    return [folder / name for name in candidates if identity(name) not in held | {None}]
 
 
 def unused_report(config: pytest.Config, state: SessionState) -> list[str]:

@@ -966,6 +966,23 @@ def test_every_snapshot_name_the_plugin_writes_is_one_the_report_knows(tmp_path,
     assert sorted(graphscan_pytest.unused_snapshots(folder, set(files[1:]))) == [folder / files[0]]
 
 
+def test_a_second_name_of_a_pinned_file_is_the_pinned_file(tmp_path):
+    """A case-blind disk lists a pinned ``m.onnx.json`` as ``M.onnx.json`` (a hard link shows
+    the same here): that file is kept; a different file of that name is unused."""
+    folder = tmp_path / "graphscan_snapshots"
+    folder.mkdir()
+    (folder / "m.onnx.json").write_text("{}")
+    os.link(folder / "m.onnx.json", folder / "M.onnx.json")
+    (folder / "n.onnx.json").write_text("{}")
+    assert graphscan_pytest.unused_snapshots(folder, {"m.onnx.json"}) == [folder / "n.onnx.json"]
+    (folder / "M.onnx.json").unlink()
+    (folder / "M.onnx.json").write_text("{}")
+    if not (folder / "M.onnx.json").samefile(folder / "m.onnx.json"):  # a case-sensitive disk: two files
+        assert graphscan_pytest.unused_snapshots(folder, {"m.onnx.json"}) == [
+            folder / n for n in ("M.onnx.json", "n.onnx.json")
+        ]
+
+
 # ---------------------------------------------------------------------------
 # The fixture: one typed method per command of the core.
 
