@@ -127,7 +127,7 @@ def pytest_testnodedown(node: Any, error: object) -> None:
         gather(node.config, getattr(node, "workeroutput", {}))
 
 
-def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     for line in session_state(config).report:  # the unused snapshots (finish_session)
         terminalreporter.write_line(line)
 

@@ -983,6 +983,35 @@ def test_a_second_name_of_a_pinned_file_is_the_pinned_file(tmp_path):
         ]
 
 
+def test_an_unused_snapshot_that_cannot_be_deleted_is_one_line_not_a_traceback(tmp_path, monkeypatch):
+    """Updating in a read-only corner: the files that go are named as deleted, the one that
+    cannot go has its own line saying why, and the session ends normally."""
+    import errno
+
+    _, config = updating_session(tmp_path, {"a": "int8"})
+    state = graphscan_pytest.session_state(config)
+    state.declared, state.ran = {"graphscan.toml::m.onnx::snapshot"}, {"graphscan.toml::m.onnx::snapshot"}
+    state.pinned = {"m.onnx.json"}
+    folder = tmp_path / "graphscan_snapshots"
+    folder.mkdir()
+    for name in ("m.onnx.json", "gone.onnx.json", "kept.onnx.json"):
+        (folder / name).write_text("{}")
+    unlink = Path.unlink
+
+    def refuse_kept(path, missing_ok=False):
+        if path.name == "kept.onnx.json":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        unlink(path, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse_kept)
+    pinned_by, why = "pinned by no item of graphscan.toml", os.strerror(errno.EACCES)
+    assert graphscan_pytest.unused_report(config, state) == [
+        f"graphscan: deleted unused snapshot(s), {pinned_by}: graphscan_snapshots/gone.onnx.json",
+        f"graphscan: cannot delete the unused snapshot graphscan_snapshots/kept.onnx.json ({why})",
+    ]
+    assert sorted(p.name for p in folder.iterdir()) == ["kept.onnx.json", "m.onnx.json"]
+
+
 # ---------------------------------------------------------------------------
 # The fixture: one typed method per command of the core.
 
