@@ -147,6 +147,8 @@ __all__ += [
 ]
 # check's budgets, as the plugin's config reads them
 __all__ += ["CHECK", "budget_limit"]
+# the answers of the core's commands, as the plugin's fixture returns them
+__all__ += ["BoundaryAnswer", "CheckAnswer", "DiffAnswer", "IslandsAnswer", "NodesAnswer", "QdqAnswer"]
 # the commands as functions, and the command line
 __all__ += [
     "boundary",

@@ -18,10 +18,11 @@ class is a failure that lists the nodes that changed, and ``--graphscan-snapshot
 (or syrupy's ``--snapshot-update`` when syrupy is installed) rewrites it.
 ``cpu = ["native", "arm64"]`` measures the budgets that run the model, and the
 snapshot, on each CPU target too: ``det.int8.onnx::min_int8[arm64]`` by
-``graphscan check --cpu arm64``, pinned in ``<model>@arm64.json``.
+``graphscan check --cpu arm64``, pinned in ``<model>@arm64.json``. When every item
+ran, a snapshot no item pins is named at the end of the run (the update deletes it).
 
-The ``graphscan`` fixture runs the commands in-process for hand-written tests,
-answers cached per test session by the models' file contents.
+The ``graphscan`` fixture has one typed method per command, run in-process for
+hand-written tests, answers cached per test session by the models' file contents.
 """
 
 from __future__ import annotations
@@ -34,13 +35,19 @@ import json
 import math
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+if TYPE_CHECKING:  # the answers' types, for the fixture's methods: nothing is imported at run time
+    from graphscan import BoundaryAnswer, CheckAnswer, DiffAnswer, IslandsAnswer, NodesAnswer, QdqAnswer
+    from graphscan_ort.shared.answers import FuseAnswer, ImpactAnswer, RuntimeAnswer, TraceAnswer, TuneAnswer
+
+StrPath = str | os.PathLike[str]  # a path the fixture's methods take
 CONFIG_NAME = "graphscan.toml"
 SNAPSHOT_FOLDER = "graphscan_snapshots"
 
@@ -107,6 +114,22 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
     if config.getoption("graphscan") and file_path.resolve() == config_path(config):
         return GateFile.from_parent(parent, path=file_path)
     return None
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if session.config.getoption("graphscan"):
+        finish_session(session.config)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
+def pytest_testnodedown(node: Any, error: object) -> None:
+    if node.config.getoption("graphscan"):
+        gather(node.config, getattr(node, "workeroutput", {}))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    for line in session_state(config).report:  # the unused snapshots (finish_session)
+        terminalreporter.write_line(line)
 
 
 # ---------------------------------------------------------------------------
@@ -344,8 +367,27 @@ class GateFile(pytest.File):
             gates = read_config(self.path)
         except ConfigError as exc:
             raise self.CollectError(str(exc)) from None
+        # The whole config's items and snapshots, whichever of them are selected: the
+        # unused-snapshot report needs to know every one (pytest_sessionfinish).
+        state = session_state(self.config)
+        for gate in gates:
+            for name, budget, target in gate_items(gate):
+                state.declared.add(f"{self.nodeid}::{gate.name}::{name}")
+                if budget is None:
+                    state.pinned.add(snapshot_file(self.config, gate, target).name)
         for gate in gates:
             yield ModelGates.from_parent(self, name=gate.name, gate=gate)
+
+
+def gate_items(gate: Gate) -> Iterator[tuple[str, str | None, str]]:
+    """``(name, budget, target)`` of each item of ``gate`` in order, its snapshot's with budget None."""
+    for budget in gate.budgets:
+        # A count reads the graph alone: one item whatever the CPUs; the others one per target.
+        for target in [NATIVE] if budget in COUNTED else gate.targets:
+            yield on_target(budget, target), budget, target
+    if gate.settings.get("snapshot"):
+        for target in gate.targets:
+            yield on_target("snapshot", target), None, target
 
 
 class ModelGates(pytest.Collector):
@@ -354,16 +396,11 @@ class ModelGates(pytest.Collector):
         self.gate = gate
 
     def collect(self) -> Iterator[pytest.Item]:
-        gate = self.gate
-        for budget in gate.budgets:
-            # A count reads the graph alone: one item whatever the CPUs; the others one per target.
-            for target in [NATIVE] if budget in COUNTED else gate.targets:
-                yield BudgetItem.from_parent(
-                    self, name=on_target(budget, target), gate=gate, budget=budget, target=target
-                )
-        if gate.settings.get("snapshot"):
-            for target in gate.targets:
-                yield SnapshotItem.from_parent(self, name=on_target("snapshot", target), gate=gate, target=target)
+        for name, budget, target in gate_items(self.gate):
+            if budget is None:
+                yield SnapshotItem.from_parent(self, name=name, gate=self.gate, target=target)
+            else:
+                yield BudgetItem.from_parent(self, name=name, gate=self.gate, budget=budget, target=target)
 
 
 class GateFailed(Exception):
@@ -375,6 +412,9 @@ class GateItem(pytest.Item):
         super().__init__(**kwargs)
         self.gate = gate
         self.target = target  # the CPU target it is measured on
+
+    def setup(self) -> None:
+        session_state(self.config).ran.add(self.nodeid)  # the unused-snapshot report counts it
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
         if isinstance(excinfo.value, GateFailed):
@@ -406,12 +446,23 @@ class SnapshotItem(GateItem):
 # Measuring: each model once per session, by graphscan's own check and runtime.
 
 
-def session_cache(config: pytest.Config) -> dict[Any, Any]:
-    cache = getattr(config, "_graphscan_cache", None)
-    if cache is None:
-        cache = {}
-        config._graphscan_cache = cache  # type: ignore[attr-defined]
-    return cache
+@dataclasses.dataclass
+class SessionState:
+    """What the plugin keeps for one pytest session (``config.stash[STATE]``): the answers
+    measured, and what the unused-snapshot report needs, gathered from every xdist worker."""
+
+    answers: dict[Any, Any] = dataclasses.field(default_factory=dict)  # the gates' and the fixture's
+    declared: set[str] = dataclasses.field(default_factory=set)  # the config's item ids, once it is read
+    pinned: set[str] = dataclasses.field(default_factory=set)  # the snapshot files its items pin
+    ran: set[str] = dataclasses.field(default_factory=set)  # the ids of the items that ran
+    report: list[str] = dataclasses.field(default_factory=list)  # the terminal summary's lines
+
+
+STATE = pytest.StashKey[SessionState]()
+
+
+def session_state(config: pytest.Config) -> SessionState:
+    return config.stash.setdefault(STATE, SessionState())
 
 
 def graphscan_core() -> Any:
@@ -439,7 +490,7 @@ def measured(config: pytest.Config, gate: Gate, budget: str, target: str = NATIV
     ``gate`` measured alike, once per session: those that run samples apart, so a sample
     that fails them never fails a count (max_islands needs no inputs). The counts are
     measured natively only (check refuses --cpu for them alone)."""
-    cache = session_cache(config)
+    cache = session_state(config).answers
     sampled = budget in SAMPLED
     key = ("check", gate.index, sampled, target)
     if key not in cache:
@@ -459,7 +510,7 @@ def measured(config: pytest.Config, gate: Gate, budget: str, target: str = NATIV
 
 
 def runtime_answer(config: pytest.Config, gate: Gate, target: str = NATIVE) -> dict[str, Any]:
-    cache = session_cache(config)
+    cache = session_state(config).answers
     key = ("runtime", gate.index, target)
     if key not in cache:
         core = graphscan_core()
@@ -638,6 +689,85 @@ def snapshot_changes(pinned: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------
+# Unused snapshots: when the whole config ran, the files no item of it pins are named
+# (syrupy's report); --graphscan-snapshot-update deletes them. Each xdist worker sends
+# what it collected and ran to the controller, which reports.
+
+# The names snapshot_file gives: NAME (plain, or squeezed ~ hash) and @TARGET; nothing else is touched.
+SNAPSHOT_FILE = re.compile(r"(?:[A-Za-z0-9._-]{1,200}|[A-Za-z0-9._-]{0,100}~[0-9a-f]{16})(?:@[a-z0-9-]+)?\.json")
+GATHERED = "graphscan_snapshots"  # the key of a worker's workeroutput
+
+
+def unused_snapshots(folder: Path, pinned: set[str]) -> list[Path]:
+    """The snapshot files of ``folder`` that are none of the ``pinned`` files (a case-blind disk
+    shows a pinned file under a name that differs in case: it is the same file, kept)."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:  # no snapshot taken yet
+        return []
+
+    def identity(name: str) -> tuple[int, int] | None:
+        try:
+            found = os.stat(folder / name)
+        except OSError:
+            return None
+        return (found.st_dev, found.st_ino) if stat.S_ISREG(found.st_mode) else None
+
+    held = {identity(name) for name in pinned}
+    candidates = [name for name in names if SNAPSHOT_FILE.fullmatch(name) and name not in pinned]
+    return [folder / name for name in candidates if identity(name) not in held | {None}]
+
+
+def unused_report(config: pytest.Config, state: SessionState) -> list[str]:
+    """The summary's lines on the unused snapshots (none unless every item of the config ran),
+    each deleted first when updating."""
+    if not state.declared or not state.declared <= state.ran:
+        return []  # part of the config (-k, a node id, -x): its other items' snapshots are unknown
+    path = config_path(config)
+    unused = unused_snapshots(path.parent / SNAPSHOT_FOLDER, state.pinned)
+    if not unused:
+        return []
+
+    def shown(file: Path) -> str:
+        return os.path.relpath(file, config.rootpath)
+
+    pinned_by = f"pinned by no item of {shown(path)}"
+    if not updating(config):
+        return [
+            f"graphscan: unused snapshot(s), {pinned_by}: {', '.join(map(shown, unused))} (delete them with {UPDATE})"
+        ]
+    deleted, lines = [], []
+    for file in unused:
+        try:
+            file.unlink()
+        except OSError as exc:
+            lines.append(f"graphscan: cannot delete the unused snapshot {shown(file)} ({exc.strerror or exc})")
+        else:
+            deleted.append(shown(file))
+    if deleted:
+        lines.insert(0, f"graphscan: deleted unused snapshot(s), {pinned_by}: {', '.join(deleted)}")
+    return lines
+
+
+def finish_session(config: pytest.Config) -> None:
+    """An xdist worker sends what it collected and ran to the controller; the controller, or
+    a session without workers, writes the report (and deletes when updating)."""
+    state = session_state(config)
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput[GATHERED] = {key: sorted(getattr(state, key)) for key in ("declared", "pinned", "ran")}
+    else:
+        state.report = unused_report(config, state)
+
+
+def gather(config: pytest.Config, workeroutput: dict[str, Any]) -> None:
+    """What a worker sent at its end (a worker that crashed sent nothing: its items did not all run)."""
+    state = session_state(config)
+    for key, names in workeroutput.get(GATHERED, {}).items():
+        getattr(state, key).update(names)
+
+
+# ---------------------------------------------------------------------------
 # The fixture: graphscan's commands in-process, cached by file contents.
 
 
@@ -657,33 +787,82 @@ def file_key(value: Any) -> Any:
 
 
 class Graphscan:
-    """graphscan's commands as methods (``graphscan.runtime(path)``,
-    ``graphscan.check(path, float=..., inputs=..., min_int8=...)``), answers cached for the
-    test session by the contents of the files they read. A bad input raises
-    ``graphscan.GraphscanError`` with its one line and exit code."""
+    """graphscan's commands as typed methods, one per command of the core's registry
+    (``graphscan.runtime(path)``, ``graphscan.check(path, float=..., inputs=..., min_int8=...)``):
+    the paths as the command line takes them, the options as the function's keywords. An
+    answer is kept for the test session by the contents of the files the call reads and its
+    options; a call that writes a file (fuse, ``trace(save=...)``, ``tune(out=...)``) runs
+    every time. A bad input raises ``graphscan.GraphscanError`` with its one line and exit code."""
 
-    COMMANDS = ("nodes", "qdq", "islands", "boundary", "diff", "runtime", "check", "trace", "impact")
+    def __init__(self, answers: dict[Any, Any]) -> None:
+        self._answers = answers
 
-    def __init__(self, cache: dict[Any, Any]) -> None:
-        self._cache = cache
+    def _answer(
+        self, command: Callable[..., Any], paths: tuple[StrPath, ...], options: dict[str, Any], writes: bool = False
+    ) -> Any:
+        if writes:  # a call that writes a file runs every time
+            return command(*map(str, paths), **options)
+        key = (command.__name__, file_key(paths), tuple(sorted((k, file_key(v)) for k, v in options.items())))
+        if key not in self._answers:
+            self._answers[key] = command(*map(str, paths), **options)
+        return self._answers[key]
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        if name not in self.COMMANDS:
-            raise AttributeError(name)
+    def nodes(self, path: StrPath) -> NodesAnswer:
+        """Op census and initializer dtypes."""
+        return self._answer(graphscan_core().nodes, (path,), {})
 
-        def command(*paths: Any, **options: Any) -> Any:
-            if name == "check" and "float" in options:
-                options["float_path"] = options.pop("float")
-            key = (name, file_key(paths), tuple(sorted((k, file_key(v)) for k, v in options.items())))
-            if key not in self._cache:
-                self._cache[key] = getattr(graphscan_core(), name)(*map(str, paths), **options)
-            return self._cache[key]
+    def qdq(self, path: StrPath) -> QdqAnswer:
+        """Q/DQ counts, round trips, weight DQs."""
+        return self._answer(graphscan_core().qdq, (path,), {})
 
-        command.__name__ = name
-        return command
+    def islands(self, path: StrPath) -> IslandsAnswer:
+        """Wrapped versus float compute nodes and the float islands."""
+        return self._answer(graphscan_core().islands, (path,), {})
+
+    def boundary(self, path: StrPath) -> BoundaryAnswer:
+        """Per island, the DQs entering it and the Qs leaving it."""
+        return self._answer(graphscan_core().boundary, (path,), {})
+
+    def diff(self, a: StrPath, b: StrPath) -> DiffAnswer:
+        """b minus a for the counts."""
+        return self._answer(graphscan_core().diff, (a, b), {})
+
+    def fuse(self, path: StrPath, output: StrPath, **options: Any) -> FuseAnswer:
+        """MatMul+Add fused into Gemm, verified, written to ``output`` (every call writes it)."""
+        return self._answer(graphscan_core().fuse, (path, output), options, writes=True)
+
+    def trace(self, a: StrPath, b: StrPath, **options: Any) -> TraceAnswer:
+        """Per-op isolated and propagated error of ``b`` (quantized) against ``a`` (float)."""
+        return self._answer(graphscan_core().trace, (a, b), options, writes=options.get("save") is not None)
+
+    def runtime(self, path: StrPath, **options: Any) -> RuntimeAnswer:
+        """What onnxruntime runs for each node: int8, int8_data, float, absorbed."""
+        return self._answer(graphscan_core().runtime, (path,), options)
+
+    def check(self, path: StrPath, **options: Any) -> CheckAnswer:
+        """The budgets measured and whether each holds (``float=`` is ``float_path=``)."""
+        if "float" in options:
+            options["float_path"] = options.pop("float")
+        return self._answer(graphscan_core().check, (path,), options)
+
+    def dot(self, path: StrPath, **options: Any) -> str:
+        """The island map as Graphviz DOT text."""
+        return self._answer(graphscan_core().dot, (path,), options)
+
+    def impact(self, a: StrPath, b: StrPath, **options: Any) -> ImpactAnswer:
+        """Output SQNR gained by keeping each op or tensor of ``b`` float."""
+        return self._answer(graphscan_core().impact, (a, b), options)
+
+    def tune(self, path: StrPath, **options: Any) -> TuneAnswer:
+        """The fastest quantization accurate enough (with ``out=``, written there on every call)."""
+        return self._answer(graphscan_core().tune, (path,), options, writes=options.get("out") is not None)
+
+    def table(self, answer: StrPath, **options: Any) -> str:
+        """A saved JSON answer shown as its command's table."""
+        return self._answer(graphscan_core().table, (answer,), options)
 
 
 @pytest.fixture(scope="session")
 def graphscan(request: pytest.FixtureRequest) -> Graphscan:
     """graphscan's commands in this process, answers cached per session by file content."""
-    return Graphscan(session_cache(request.config))
+    return Graphscan(session_state(request.config).answers)

@@ -523,8 +523,10 @@ def updating_session(folder, classes):
         "nodes": [{"node": node, "class": kind, "reason": None} for node, kind in classes.items()],
     }
     options = {"graphscan_config": str(folder / "graphscan.toml"), "graphscan_snapshot_update": True}
-    config = types.SimpleNamespace(getoption=lambda name, default=None: options.get(name, default), rootpath=folder)
-    config._graphscan_cache = {("runtime", gate.index, "native"): answer}
+    config = types.SimpleNamespace(
+        getoption=lambda name, default=None: options.get(name, default), rootpath=folder, stash=pytest.Stash()
+    )
+    graphscan_pytest.session_state(config).answers[("runtime", gate.index, "native")] = answer
     return gate, config
 
 
@@ -867,3 +869,181 @@ def test_a_target_item_is_measured_through_the_runner_as_native_is(repository, t
     assert sorted(p.name for p in snapshots.iterdir()) == ["cnn.u8.onnx.json", "cnn.u8.onnx@x86-avx2.json"]
     assert (snapshots / "cnn.u8.onnx.json").read_bytes() == (snapshots / "cnn.u8.onnx@x86-avx2.json").read_bytes()
     assert stand_in == ["graphscan_ort.commands.runtime:classes"] * 2  # once for check, once for runtime
+
+
+# ---------------------------------------------------------------------------
+# Unused snapshots (syrupy's report): named when the whole config ran, deleted by the update.
+
+# Files the plugin may have written for models or targets the config no longer has: a
+# removed model, a target left out of cpu, a hashed name whose clash is gone.
+STALE = ["old.onnx.json", "cnn.s8.onnx@arm64.json", "cnn.s8.onnx~0123456789abcdef.json"]
+NOT_SNAPSHOTS = ["notes.txt", ".cnn.s8.onnx.json.k2x9.tmp", "README.md"]  # never named, never deleted
+SNAPSHOT_CONFIG = """[[model]]
+path = "models/matmul_only.onnx"
+max_islands = LIMIT
+
+[[model]]
+path = "models/cnn.s8.onnx"
+max_islands = 1000
+snapshot = true
+"""  # three items; the snapshot pins cnn.s8.onnx.json alone
+
+
+def stale_folder(tmp_path, repository, run_pytest, limit=1000):
+    """A repository whose one snapshot is taken, then the STALE snapshots and NOT_SNAPSHOTS
+    files put beside it: ``(folder, the snapshots' folder)``."""
+    folder = gate_folder(tmp_path, repository, SNAPSHOT_CONFIG.replace("LIMIT", str(limit)))
+    _, output = run_pytest(folder, "--graphscan", "--graphscan-snapshot-update")
+    snapshots = folder / "graphscan_snapshots"
+    assert [p.name for p in snapshots.iterdir()] == ["cnn.s8.onnx.json"], output
+    assert "unused snapshot" not in output  # nothing unused yet: no line
+    for name in STALE + NOT_SNAPSHOTS:
+        (snapshots / name).write_text("{}\n")
+    return folder, snapshots
+
+
+def unused_lines(output):
+    return [line for line in output.splitlines() if line.startswith("graphscan: ") and "unused snapshot" in line]
+
+
+def test_unused_snapshots_are_named_when_the_whole_config_ran_and_deleted_by_the_update(
+    repository, tmp_path, run_pytest
+):
+    """Every item ran: one summary line names each stale snapshot, and it is not a failure.
+    The update, its items spread over two xdist workers (each saw only part of them run, the
+    controller none), deletes exactly those and says so; the next run has nothing to say."""
+    folder, snapshots = stale_folder(tmp_path, repository, run_pytest)
+    named = sorted(f"graphscan_snapshots/{name}" for name in STALE)
+    code, output = run_pytest(folder, "--graphscan", "-rA")
+    assert code == 0 and set(item_outcomes(output).values()) == {"passed"}, output
+    (line,) = unused_lines(output)
+    found = re.fullmatch(r"graphscan: unused snapshot\(s\), pinned by no item of graphscan\.toml: (.*) \((.*)\)", line)
+    assert found and found[1].split(", ") == named and found[2] == f"delete them with {UPDATE}", line
+    code, output = run_pytest(folder, "--graphscan", "--graphscan-snapshot-update", "-n", "2")
+    assert code == 0 and unused_lines(output) == [
+        f"graphscan: deleted unused snapshot(s), pinned by no item of graphscan.toml: {', '.join(named)}"
+    ], output
+    assert sorted(p.name for p in snapshots.iterdir()) == sorted(["cnn.s8.onnx.json", *NOT_SNAPSHOTS])
+    code, output = run_pytest(folder, "--graphscan")
+    assert code == 0 and unused_lines(output) == [], output
+
+
+@pytest.mark.parametrize(
+    ("selection", "limit"),
+    [
+        pytest.param(["-k", "snapshot"], 1000, id="k"),
+        pytest.param(["graphscan.toml::cnn.s8.onnx::snapshot"], 1000, id="node-id"),
+        pytest.param(["--deselect", "graphscan.toml::matmul_only.onnx::max_islands"], 1000, id="deselect"),
+        pytest.param(["-x"], 0, id="stopped-at-a-failure"),
+    ],
+)
+def test_part_of_the_config_names_and_deletes_nothing(repository, tmp_path, run_pytest, selection, limit):
+    """Only part of the config ran (-k, a node id, a deselected item, -x stopping at the first
+    failure): other items' snapshots are not known to be unused, so, even when updating, no
+    line and no file deleted."""
+    folder, snapshots = stale_folder(tmp_path, repository, run_pytest, limit)
+    before = sorted(p.name for p in snapshots.iterdir())
+    code, output = run_pytest(folder, "--graphscan", "--graphscan-snapshot-update", "-rA", *selection)
+    assert code == (1 if limit == 0 else 0) and item_outcomes(output), output
+    assert unused_lines(output) == [] and sorted(p.name for p in snapshots.iterdir()) == before, output
+
+
+@pytest.mark.parametrize("target", ["native", "arm64", "x86-avx2"])
+def test_every_snapshot_name_the_plugin_writes_is_one_the_report_knows(tmp_path, target):
+    """Hostile model names (squeezed, hashed, 200 characters, case twins), on each target:
+    each file name snapshot_file gives is one the report recognises as a snapshot, so a
+    stale one is never overlooked."""
+    paths = ["a b.onnx", "a_b.onnx", "\ubaa8\ub378.onnx", "Det.onnx", "det.onnx", "x/m.onnx", "y/m.onnx"]
+    paths += ["p" * 195 + ".onnx", "a b" * 60 + ".onnx", "\uac80" * 80 + ".onnx"]
+    names = snapshot_gates(tmp_path, paths)
+    files = [name if target == "native" else name.replace(".json", f"@{target}.json") for name in names]
+    assert [f for f in files if not graphscan_pytest.SNAPSHOT_FILE.fullmatch(f)] == []
+    folder = tmp_path / "graphscan_snapshots"
+    folder.mkdir()
+    for name in files:
+        (folder / name).touch()
+    assert graphscan_pytest.unused_snapshots(folder, set(files)) == []
+    assert sorted(graphscan_pytest.unused_snapshots(folder, set(files[1:]))) == [folder / files[0]]
+
+
+def test_a_second_name_of_a_pinned_file_is_the_pinned_file(tmp_path):
+    """A case-blind disk lists a pinned ``m.onnx.json`` as ``M.onnx.json`` (a hard link shows
+    the same here): that file is kept; a different file of that name is unused."""
+    folder = tmp_path / "graphscan_snapshots"
+    folder.mkdir()
+    (folder / "m.onnx.json").write_text("{}")
+    os.link(folder / "m.onnx.json", folder / "M.onnx.json")
+    (folder / "n.onnx.json").write_text("{}")
+    assert graphscan_pytest.unused_snapshots(folder, {"m.onnx.json"}) == [folder / "n.onnx.json"]
+    (folder / "M.onnx.json").unlink()
+    (folder / "M.onnx.json").write_text("{}")
+    if not (folder / "M.onnx.json").samefile(folder / "m.onnx.json"):  # a case-sensitive disk: two files
+        assert graphscan_pytest.unused_snapshots(folder, {"m.onnx.json"}) == [
+            folder / n for n in ("M.onnx.json", "n.onnx.json")
+        ]
+
+
+def test_an_unused_snapshot_that_cannot_be_deleted_is_one_line_not_a_traceback(tmp_path, monkeypatch):
+    """Updating in a read-only corner: the files that go are named as deleted, the one that
+    cannot go has its own line saying why, and the session ends normally."""
+    import errno
+
+    _, config = updating_session(tmp_path, {"a": "int8"})
+    state = graphscan_pytest.session_state(config)
+    state.declared, state.ran = {"graphscan.toml::m.onnx::snapshot"}, {"graphscan.toml::m.onnx::snapshot"}
+    state.pinned = {"m.onnx.json"}
+    folder = tmp_path / "graphscan_snapshots"
+    folder.mkdir()
+    for name in ("m.onnx.json", "gone.onnx.json", "kept.onnx.json"):
+        (folder / name).write_text("{}")
+    unlink = Path.unlink
+
+    def refuse_kept(path, missing_ok=False):
+        if path.name == "kept.onnx.json":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        unlink(path, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse_kept)
+    pinned_by, why = "pinned by no item of graphscan.toml", os.strerror(errno.EACCES)
+    assert graphscan_pytest.unused_report(config, state) == [
+        f"graphscan: deleted unused snapshot(s), {pinned_by}: graphscan_snapshots/gone.onnx.json",
+        f"graphscan: cannot delete the unused snapshot graphscan_snapshots/kept.onnx.json ({why})",
+    ]
+    assert sorted(p.name for p in folder.iterdir()) == ["kept.onnx.json", "m.onnx.json"]
+
+
+# ---------------------------------------------------------------------------
+# The fixture: one typed method per command of the core.
+
+
+def test_the_fixture_has_one_typed_method_per_command_of_the_core():
+    """The core's registry names every command it runs in-process: the fixture has a method
+    for each, and no other, taking the command's paths in order and returning its answer's
+    type (text for dot and table). A command added to the core fails here until it has one."""
+    import inspect
+
+    methods = {
+        name
+        for name, value in vars(graphscan_pytest.Graphscan).items()
+        if inspect.isfunction(value) and not name.startswith("_")
+    }
+    assert methods == set(graphscan.COMMANDS) and methods <= set(graphscan.__all__)
+    for name in sorted(methods):
+        declared = graphscan.load_command(name)
+        signature = inspect.signature(getattr(graphscan_pytest.Graphscan, name))
+        positional = [p for p in signature.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD][1:]
+        assert [p.annotation for p in positional] == ["StrPath"] * len(declared.paths), name
+        returned = "str" if declared.text else declared.answer.__name__
+        assert signature.return_annotation == returned, name
+
+
+def test_a_fixture_call_that_writes_a_file_writes_it_every_time(repository, tmp_path):
+    """fuse writes its output: the fixture runs it on every call (a cached answer would leave
+    the file a test removed unwritten), while a call that only reads is answered once."""
+    fixture = graphscan_pytest.Graphscan({})
+    model, output = repository["folder"] / "models" / "fp32.onnx", tmp_path / "fused.onnx"
+    first = fixture.fuse(model, output)
+    output.unlink()
+    second = fixture.fuse(model, output)
+    assert output.is_file() and second is not first and second == first
+    assert fixture.dot(model) is fixture.dot(model)
