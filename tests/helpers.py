@@ -576,15 +576,15 @@ def searched(row):
 def without_dynamic_candidates(monkeypatch):
     """tune with quantize_static candidates only: for tests of the stages that refine them
     (refinements, exclusions), on MLPs where a dynamic row would already meet the target."""
-    import graphscan_ort.tune.command as tune
+    import graphscan_ort.tune.stages as tune_stages
 
-    monkeypatch.setattr(tune, "dynamic_settings", lambda model: [])
+    monkeypatch.setattr(tune_stages, "dynamic_settings", lambda model: [])
 
 
 def without_structural_seeds(monkeypatch):
     """tune with no structural seeds (tune/seeds.py) and no blocks around the worst part
     (blocks.part_blocks): for tests of the search by impact's ranking alone."""
-    import graphscan_ort.tune.command as tune
+    import graphscan_ort.tune.stages as tune_stages
 
-    monkeypatch.setattr(tune, "structural_seeds", lambda *args, **kwargs: [])
-    monkeypatch.setattr(tune, "part_blocks", lambda *args, **kwargs: [])
+    monkeypatch.setattr(tune_stages, "structural_seeds", lambda *args, **kwargs: [])
+    monkeypatch.setattr(tune_stages, "part_blocks", lambda *args, **kwargs: [])

@@ -43,7 +43,7 @@ from graphscan_ort.shared.sessions import OUT_OF_MEMORY, does_not_run, open_sess
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-# trace's rows (commands/trace.py's TraceRow, a layer up): what the combined model reads of one.
+# trace's rows (engines/trace.py's TraceRow, which imports this module): what the combined model reads of one.
 TraceRow = Any
 
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import onnx
 from onnxruntime.quantization import (
@@ -67,9 +67,10 @@ def candidate_settings() -> list[dict]:
 
 
 STATIC, DYNAMIC = "quantize_static", "quantize_dynamic"  # a row holds one's arguments, the other null
+Row = TypeVar("Row", bound=Mapping[str, Any])  # a candidate's row (trials.candidate_row)
 
 
-def static_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def static_rows(rows: list[Row]) -> list[Row]:
     """The rows quantize_static made: the ones that calibration, seeds and exclusions refine."""
     return [r for r in rows if r[STATIC] is not None]
 
@@ -78,7 +79,7 @@ def static_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 DEFAULT_SETTINGS = {"activation_type": "QInt8", "per_channel": False, "calibrate_method": "MinMax"}
 
 
-def default_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+def default_row(rows: list[Row]) -> Row | None:
     """The row quantize_static made with onnxruntime's defaults, without rewrites (None: none)."""
     defaults = (r for r in static_rows(rows) if all(r[STATIC][k] == v for k, v in DEFAULT_SETTINGS.items()))
     return next((r for r in defaults if not r["rewrites"]), None)

@@ -4,23 +4,26 @@ row chosen, where the search starts, and what a user is told about the choice.""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
+from graphscan_ort.shared.answers import Candidate
 
-def accuracy(row: dict) -> float:
+
+def accuracy(row: Mapping[str, Any]) -> float:
     """A row's metric for ranking (``metric_value``; ``sqnr_db`` in rows without one):
     ``inf`` when an SQNR's outputs equal float's, ``-inf`` when undefined."""
     value = row["metric_value"] if "metric_value" in row else row["sqnr_db"]
     return -math.inf if value is None else value
 
 
-def speed(row: dict) -> float:
+def speed(row: Mapping[str, Any]) -> float:
     """A row's speed for ranking: its speedup, interleaved with the float model in one
     measurement (never ``ms`` values timed minutes apart on a loaded machine)."""
     return 0.0 if row["speedup"] is None else row["speedup"]
 
 
-def pareto(rows: list[dict]) -> None:
+def pareto(rows: list[Candidate]) -> None:
     """Mark each measured row on the front of (fastest, most accurate): no other is at least as fast and as
     accurate, and better in one."""
     measured = [r for r in rows if r["error"] is None]
@@ -34,13 +37,13 @@ def pareto(rows: list[dict]) -> None:
         )
 
 
-def listing_order(rows: list[dict]) -> list[dict]:
+def listing_order(rows: list[Candidate]) -> list[Candidate]:
     """The answer's order of the candidates: the Pareto front first, then the other measured
     rows, then the refused ones; in each, the fastest (by speedup) first, ties by id."""
     return sorted(rows, key=lambda r: (not r["pareto"], r["error"] is not None, -speed(r), r["id"]))
 
 
-def chosen_row(rows: list[dict], target: float | None) -> tuple[dict | None, bool]:
+def chosen_row(rows: list[Candidate], target: float | None) -> tuple[Candidate | None, bool]:
     """The fastest row that passes the guards and meets ``target`` with no part of its outputs
     broken (verdict.py), else the most accurate that passes them (None: none does); and
     whether the target was met. An undefined target (None) is never met."""
@@ -53,12 +56,18 @@ def chosen_row(rows: list[dict], target: float | None) -> tuple[dict | None, boo
     return None, False
 
 
+def settle(rows: list[Candidate], target: float | None) -> tuple[Candidate | None, bool]:
+    """After a stage adds rows: mark the Pareto front anew, then choose (chosen_row)."""
+    pareto(rows)
+    return chosen_row(rows, target)
+
+
 def part_words(part: dict[str, Any]) -> str:
     """``output0 part 1 (from cls_sigmoid): 0.6 levels of its scale (floor 16)``."""
     return f"{part['output']} part {part['part']} (from {part['node']}): {part['why']}"
 
 
-def start_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def start_row(rows: list[Candidate]) -> Candidate:
     """Where the refinements and exclusions start: the most accurate row by the target's
     metric (ties broken by the worst part's SQNR, then speed) that passes the guards (each
     exclusion only makes a model slower and larger: one that fails them already can never
@@ -69,16 +78,18 @@ def start_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return max(stored, key=lambda r: (accuracy(r), sqnr_rank(r), speed(r)))
 
 
-def sqnr_rank(row: dict[str, Any]) -> float:
+def sqnr_rank(row: Mapping[str, Any]) -> float:
     """A row's worst-part SQNR for breaking ties of the target's metric (``-inf`` when undefined)."""
     sqnr = row.get("sqnr_db")
     return -math.inf if sqnr is None else sqnr
 
 
-def choice_warnings(rows: list[dict[str, Any]], chosen: dict | None, reached: bool, target: float | None) -> list[str]:
+def choice_warnings(rows: list[Candidate], chosen: Candidate | None, reached: bool, target: float | None) -> list[str]:
     """What a user would otherwise find out later about the choice."""
     measured = [r for r in rows if r["error"] is None]
-    counts = {guard: sum(guard in r["fails"] for r in measured) for guard in ("slower", "larger", "float_weights")}
+    counts = {
+        guard: sum(guard in (r["fails"] or []) for r in measured) for guard in ("slower", "larger", "float_weights")
+    }
     broken = ", ".join(f"{n} {WHY[guard]}" for guard, n in counts.items() if n)
     if chosen is None:
         return [f"no candidate passes the guards ({broken} of {len(measured)}): only prepared.onnx is written"]

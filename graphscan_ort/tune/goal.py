@@ -4,11 +4,10 @@ came from (the user, float's own agreement, onnxruntime's defaults or the floor 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from graphscan import EXIT_USAGE, GraphscanError
 from graphscan_ort.shared.agreement import DEFAULT_TARGET_FLOOR_DB, POOR_SQNR_DB, Metric, metric
-from graphscan_ort.shared.answers import Target
+from graphscan_ort.shared.answers import Candidate, Target
 
 
 def metric_of(
@@ -35,7 +34,7 @@ class Goal:
     def __init__(self, chosen: Metric, given: float | None, own: float | None) -> None:
         self.metric, self.given, self.own = chosen, given, own
 
-    def target(self, default: dict[str, Any] | None) -> tuple[Target, list[str]]:
+    def target(self, default: Candidate | None) -> tuple[Target, list[str]]:
         """The target and where it came from, with the warnings it deserves; ``default``:
         the row of onnxruntime's default settings (None when it was not measured)."""
         if self.given is not None:

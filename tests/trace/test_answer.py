@@ -14,7 +14,7 @@ from onnx import numpy_helper
 
 import gen_models
 import graphscan
-import graphscan_ort.commands.trace as trace_command
+import graphscan_ort.engines.trace as trace_engine
 from tests.helpers import json_answer, run_graphscan, run_onnx, saved_arrays, with_weight_scale_times
 from tests.lab import TRACE_LAB
 
@@ -99,7 +99,7 @@ def test_injected_fault_is_the_worst_isolated_op(faulty_trace, trace_lab, inputs
     clean = graphscan.trace(str(trace_lab["fp32"]), str(trace_lab["full"]), inputs=str(inputs_npz))
     tolerance = 1.5 * clean["worst_isolated"]["max_abs"]
     assert row_of(answer, FAULTY)["isolated_max_abs"] > tolerance
-    over = trace_command.first_over(answer["ops"], tolerance)
+    over = trace_engine.first_over(answer["ops"], tolerance)
     assert over["node"] == FAULTY
     # At the default tolerance (1e-2) the first op over is earlier: fc1_matmul, whose
     # input and weight are both rounded, is already over it (test_holes_trace pins 1e-2).

@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import graphscan
-import graphscan_ort.commands.trace as trace_command
+import graphscan_ort.engines.trace as trace_engine
 from tests.helpers import error_line, json_answer, run_graphscan, run_onnx
 from tests.lab import TRACE_LAB
 
@@ -120,7 +120,7 @@ def test_a_failing_single_op_model_is_dropped_and_named_as_graphscans_own(tmp_pa
     float_path, quant_path = reused_names_pair(tmp_path)
     # Without shapes, the float r ([1, 1, 4]) is fed to the quantized sq, which
     # squeezes axis 2: onnxruntime refuses graphscan's single-op model of sq.
-    monkeypatch.setattr(trace_command, "inferred_types", lambda model, feeds: {})
+    monkeypatch.setattr(trace_engine, "inferred_types", lambda model, feeds: {})
     answer = graphscan.trace(float_path, quant_path)
     rows = rows_by_node(answer)
     assert rows["sq"]["isolated_max_abs"] is None  # dropped, the run repeated without it
@@ -130,7 +130,7 @@ def test_a_failing_single_op_model_is_dropped_and_named_as_graphscans_own(tmp_pa
     (entry,) = [u for u in answer["unmatched"] if u["node"] == "sq"]
     assert entry["reason"].startswith("graphscan's own single-op model of this node does not run in onnxruntime (")
     # With no repeat allowed, the error says whose model failed: graphscan's, for node sq.
-    monkeypatch.setattr(trace_command, "TRACE_RETRIES", 0)
+    monkeypatch.setattr(trace_engine, "TRACE_RETRIES", 0)
     with pytest.raises(graphscan.GraphscanError) as caught:
         graphscan.trace(float_path, quant_path)
     assert caught.value.exit_code == graphscan.EXIT_RUNTIME

@@ -6,7 +6,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import graphscan
-import graphscan_ort.commands.trace as trace_command
+import graphscan_ort.engines.trace as trace_engine
 from tests.helpers import run_onnx
 
 FLOAT4 = [1, 4]
@@ -180,7 +180,7 @@ def test_trace_compares_outputs_and_lists_subgraph_nodes(pair, tmp_path):
     assert rows["squash"]["isolated_max_abs"] == 0.0  # float op on float inputs
     assert rows["relu"]["isolated_max_abs"] > 0.0
     assert [(u["node"], u["reason"]) for u in answer["unmatched"]] == [
-        (name, trace_command.REASON_SUBGRAPH) for name in ["choose", "repeat", "running_sum"]
+        (name, trace_engine.REASON_SUBGRAPH) for name in ["choose", "repeat", "running_sum"]
     ]
     assert sorted(p.name for p in saved.iterdir()) == [
         "index.json",

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gen_models
 import graphscan
-import graphscan_ort.commands.trace as trace_command
+import graphscan_ort.engines.trace as trace_engine
 from tests.helpers import (
     error_line,
     json_answer,
@@ -116,10 +116,10 @@ def test_worst_and_first_over_pick_the_first_of_equal_rows():
         {"node": "c", "isolated_max_abs": 0.5},
         {"node": "d", "isolated_max_abs": 0.25},
     ]
-    assert trace_command.worst_isolated(rows) == {"node": "b", "max_abs": 0.5}
-    assert trace_command.first_over(rows, 0.25) == {"node": "b", "max_abs": 0.5}
-    assert trace_command.first_over(rows, 0.5) is None
-    assert trace_command.worst_isolated(rows[:1]) is None
+    assert trace_engine.worst_isolated(rows) == {"node": "b", "max_abs": 0.5}
+    assert trace_engine.first_over(rows, 0.25) == {"node": "b", "max_abs": 0.5}
+    assert trace_engine.first_over(rows, 0.5) is None
+    assert trace_engine.worst_isolated(rows[:1]) is None
 
 
 def test_default_input_gives_symbolic_dimensions_size_1(trace_lab, traced):
@@ -216,7 +216,7 @@ def test_unmatched_relus_of_the_lab_are_absorbed(traced):
     """full.onnx: the quantizer folded every Relu into its Add, whose output is compared
     with the Relu's."""
     assert traced["full"]["unmatched"] == [
-        {"node": f"fc{i}_relu", "op_type": "Relu", "reason": trace_command.REASON_ABSORBED}
+        {"node": f"fc{i}_relu", "op_type": "Relu", "reason": trace_engine.REASON_ABSORBED}
         for i in range(1, TRACE_LAB.layers + 1)
     ]
 
@@ -246,8 +246,8 @@ def test_unmatched_reason_says_why(tmp_path, quant_nodes, reason_word):
     assert (entry["node"], entry["op_type"]) == ("r1", "Relu")
     assert reason_word in entry["reason"]
     assert entry["reason"] in (
-        trace_command.REASON_ABSORBED,
-        trace_command.REASON_NO_TWIN,
+        trace_engine.REASON_ABSORBED,
+        trace_engine.REASON_NO_TWIN,
     )
 
 
@@ -436,7 +436,7 @@ def test_values_at_the_ends_of_the_q_range_are_not_clipped(tmp_path):
 def test_save_stems_differ_in_more_than_case():
     """T10, T27: safe names are their own stems, but "relu" after "Relu" would
     overwrite it on a case-insensitive file system: it gets the next free suffix."""
-    assert trace_command.file_stems(["Relu", "relu", "RELU", "b"]) == ["Relu", "relu-2", "RELU-3", "b"]
+    assert trace_engine.file_stems(["Relu", "relu", "RELU", "b"]) == ["Relu", "relu-2", "RELU-3", "b"]
 
 
 def test_outputs_whose_shapes_differ_only_at_run_time_are_not_compared(tmp_path):

@@ -15,6 +15,7 @@ from onnxruntime.quantization import QuantType, quantize_dynamic
 
 import graphscan_ort.tune.command as tune
 import graphscan_ort.tune.prepare as prepare
+import graphscan_ort.tune.stages as stages
 from graphscan_ort.tune.candidates import candidate_settings, keyword_arguments, quiet
 
 LAYERS, HIDDEN, HEADS, FFN, SEQUENCE = 2, 32, 2, 64, 8
@@ -139,7 +140,7 @@ def tuned(tmp_path_factory):
     """tune on the contrib encoder (two calibration samples, two held out), its static
     candidates cut to onnxruntime's defaults."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tune, "candidate_settings", onnxruntimes_static_defaults)
+        patch.setattr(stages, "candidate_settings", onnxruntimes_static_defaults)
         return tuned_encoder(tmp_path_factory.mktemp("contrib"), runs=2, min_speedup=0)
 
 
@@ -225,7 +226,7 @@ def test_the_typing_of_the_dynamic_model_is_a_verified_step_and_every_candidate_
 def test_the_written_dynamic_model_is_reproduced_from_prepared_onnx_by_its_arguments(tmp_path, monkeypatch):
     """prepared.onnx is the typed model: quantize_dynamic with the row's arguments alone gives
     model.onnx byte for byte (without the types it fails, as above)."""
-    monkeypatch.setattr(tune, "candidate_settings", list)
+    monkeypatch.setattr(stages, "candidate_settings", list)
     result = tuned_encoder(tmp_path, runs=1, min_speedup=0)
     answer, out = result["answer"], tmp_path / "o"
     chosen = next(c for c in answer["candidates"] if c["id"] == answer["chosen"])
@@ -256,7 +257,7 @@ def test_without_quant_pre_processs_types_the_static_candidates_still_run(tmp_pa
     """The issue's exit 5 ("Only an existing tensor can be modified"): the calibrator found no
     type after the first layer. The step ``types`` gives them, and every candidate runs."""
     without_symbolic_pre_processing(monkeypatch)
-    monkeypatch.setattr(tune, "candidate_settings", onnxruntimes_static_defaults)
+    monkeypatch.setattr(stages, "candidate_settings", onnxruntimes_static_defaults)
     answer = tuned_encoder(tmp_path, runs=1, min_speedup=0)["answer"]
     steps = {s["step"]: s for s in answer["prepare"]}
     assert steps["quant_pre_process"]["detail"].startswith("with skip_symbolic_shape=True")
@@ -274,7 +275,7 @@ def test_a_failing_symbolic_inference_is_a_failed_step_and_its_rows_say_why(tmp_
         raise RuntimeError("Incomplete symbolic shape inference")
 
     monkeypatch.setattr(prepare, "symbolic_shapes", gives_up)
-    monkeypatch.setattr(tune, "candidate_settings", onnxruntimes_static_defaults)
+    monkeypatch.setattr(stages, "candidate_settings", onnxruntimes_static_defaults)
     answer = tuned_encoder(tmp_path, runs=1, min_speedup=0)["answer"]
     (step,) = [s for s in answer["prepare"] if s["step"] == "dynamic_types"]
     count = len(after_the_first_gelu(encoder()))
@@ -331,7 +332,7 @@ def test_when_nothing_can_type_the_tensors_the_end_of_the_run_names_the_step_tha
     import graphscan
 
     without_symbolic_pre_processing(monkeypatch)
-    monkeypatch.setattr(tune, "candidate_settings", onnxruntimes_static_defaults)
+    monkeypatch.setattr(stages, "candidate_settings", onnxruntimes_static_defaults)
 
     def gives_up(model, folder):
         raise RuntimeError("Incomplete symbolic shape inference")

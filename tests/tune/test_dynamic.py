@@ -11,6 +11,8 @@ from onnxruntime.quantization import QuantType, quantize_dynamic
 
 import graphscan
 import graphscan_ort.tune.command as tune
+import graphscan_ort.tune.stages as tune_stages
+import graphscan_ort.tune.trials as tune_trials
 from graphscan_ort.tune.candidates import keyword_arguments, quiet
 from graphscan_ort.tune.table import tune_table
 
@@ -103,7 +105,7 @@ def test_a_written_dynamic_model_is_reproduced_by_its_arguments_on_prepared_onnx
     """With quantize_static's candidates taken away, the model written is a dynamic row's:
     quantize_dynamic with its arguments on prepared.onnx gives it byte for byte, and its
     SQNR is numpy's on the float model's and its own outputs."""
-    monkeypatch.setattr(tune, "candidate_settings", list)
+    monkeypatch.setattr(tune_stages, "candidate_settings", list)
     onnx.save(encoder("Relu"), tmp_path / "encoder.onnx")
     files = samples(tmp_path, 2, 3)
     answer = tune.tune(str(tmp_path / "encoder.onnx"), calibrate=files, out=str(tmp_path / "o"), runs=1, min_speedup=0)
@@ -122,7 +124,7 @@ def test_a_written_dynamic_model_is_reproduced_by_its_arguments_on_prepared_onnx
 
 def refuse_dynamic_models(monkeypatch):
     """onnxruntime refusing every model that holds MatMulInteger, as a runtime without the kernel would."""
-    measured = tune.measure_candidate
+    measured = tune_trials.measure_candidate
 
     def measure(float_model, quant_model, float_path, quant_path, *args, **kwargs):
         if any(node.op_type == "MatMulInteger" for node in quant_model.graph.node):
@@ -130,14 +132,14 @@ def refuse_dynamic_models(monkeypatch):
             raise graphscan.GraphscanError(message, graphscan.EXIT_RUNTIME)
         return measured(float_model, quant_model, float_path, quant_path, *args, **kwargs)
 
-    monkeypatch.setattr(tune, "measure_candidate", measure)
+    monkeypatch.setattr(tune_trials, "measure_candidate", measure)
 
 
 def refuse_quantizing(monkeypatch):
     def refuse(*args):
         raise ValueError("no dynamic kernel for this operator")
 
-    monkeypatch.setattr(tune, "quantize_dynamic_candidate", refuse)
+    monkeypatch.setattr(tune_trials, "quantize_dynamic_candidate", refuse)
 
 
 @pytest.mark.parametrize(
@@ -170,8 +172,8 @@ def test_no_dynamic_rows_where_no_matmul_has_a_constant_weight(tmp_path):
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, [8, 8]) for n in ("x", "y")],
         [helper.make_tensor_value_info("r", TensorProto.FLOAT, [8, 8])],
     )
-    assert tune.dynamic_settings(helper.make_model(graph)) == []
-    assert len(tune.dynamic_settings(encoder(layers=1))) == 2
+    assert tune_stages.dynamic_settings(helper.make_model(graph)) == []
+    assert len(tune_stages.dynamic_settings(encoder(layers=1))) == 2
 
 
 def test_the_table_shows_a_dynamic_row_uncalibrated_within_80_columns(tuned):

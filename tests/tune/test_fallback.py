@@ -14,6 +14,8 @@ from onnxruntime.quantization.shape_inference import quant_pre_process
 import gen_models
 import graphscan
 import graphscan_ort.tune.command as tune
+import graphscan_ort.tune.stages as tune_stages
+import graphscan_ort.tune.trials as tune_trials
 from graphscan_ort.tune import fallback
 from graphscan_ort.tune.candidates import keyword_arguments, quiet
 from tests.helpers import calibration_reader, without_structural_seeds
@@ -81,9 +83,9 @@ def test_tune_reports_each_exclusion_and_its_row_reproduces_the_model(prepared, 
     """The search tries b1_conv2 (a fixed ranking): its row says it runs float only with
     float inputs, and quantize_static with the row's arguments, then the post-step the
     row names, gives the model tune measured, byte for byte."""
-    monkeypatch.setattr(tune, "impact_of", lambda *a, **k: {"ops": [{"node": "b1_conv2", "gain_db": 1.0}]})
+    monkeypatch.setattr(tune_stages, "impact_of", lambda *a, **k: {"ops": [{"node": "b1_conv2", "gain_db": 1.0}]})
     measured = {}
-    real_honoured = tune.honoured
+    real_honoured = tune_trials.honoured
 
     def keep_copy(model, path, level, excluded, given):
         result = real_honoured(model, path, level, excluded, given)
@@ -91,7 +93,7 @@ def test_tune_reports_each_exclusion_and_its_row_reproduces_the_model(prepared, 
         shutil.copy(path, measured[tuple(excluded)])
         return result
 
-    monkeypatch.setattr(tune, "honoured", keep_copy)
+    monkeypatch.setattr(tune_trials, "honoured", keep_copy)
     without_structural_seeds(monkeypatch)
     answer = tune.tune(
         prepared["float"],

@@ -13,8 +13,11 @@ from onnxruntime.quantization import quantize_static
 
 import gen_models
 import graphscan
+import graphscan_ort.tune.choice as tune_choice
 import graphscan_ort.tune.command as tune
 import graphscan_ort.tune.deployed as deployed
+import graphscan_ort.tune.stages as tune_stages
+import graphscan_ort.tune.trials as tune_trials
 from graphscan_ort.shared.agreement import DEFAULT_TARGET_FLOOR_DB, POOR_SQNR_DB, metric
 from graphscan_ort.tune.candidates import SampleReader, quiet
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
@@ -107,11 +110,11 @@ def test_the_choice_never_takes_a_row_that_breaks_a_guard():
         {"id": 3, "speedup": 1.2, "metric_value": 20.0, "fails": [], "error": None},
         {"id": 4, "speedup": 1.1, "metric_value": 25.0, "fails": [], "error": None},
     ]
-    assert tune.chosen_row(rows, 10.0) == (rows[3], True)  # the fastest of those passing
-    assert tune.chosen_row(rows, 22.0) == (rows[4], True)
-    assert tune.chosen_row(rows, 45.0) == (rows[4], False)  # not met: the most accurate passing
-    assert tune.chosen_row(rows[:3], 10.0) == (None, False)  # none passes: nothing chosen
-    assert tune.chosen_row(rows, None) == (rows[4], False)  # an undefined target is never met
+    assert tune_choice.chosen_row(rows, 10.0) == (rows[3], True)  # the fastest of those passing
+    assert tune_choice.chosen_row(rows, 22.0) == (rows[4], True)
+    assert tune_choice.chosen_row(rows, 45.0) == (rows[4], False)  # not met: the most accurate passing
+    assert tune_choice.chosen_row(rows[:3], 10.0) == (None, False)  # none passes: nothing chosen
+    assert tune_choice.chosen_row(rows, None) == (rows[4], False)  # an undefined target is never met
 
 
 def slow(*args, **kwargs):
@@ -137,7 +140,7 @@ def test_when_every_candidate_is_slower_only_prepared_onnx_is_written_and_exit_8
 
 
 def test_a_target_out_of_reach_writes_the_most_accurate_passing_model_and_exits_8(cnn, tmp_path, monkeypatch):
-    monkeypatch.setattr(tune, "impact_of", lambda *args, **kwargs: {"ops": []})  # no exclusion to try
+    monkeypatch.setattr(tune_stages, "impact_of", lambda *args, **kwargs: {"ops": []})  # no exclusion to try
     answer = run_tune(cnn, tmp_path / "out", target=500.0)
     assert answer["reached"] is False and answer["target"] == {"value": 500.0, "source": "user"}
     passing = [c for c in answer["candidates"] if c["fails"] == []]
@@ -250,13 +253,13 @@ def test_latency_is_measured_at_the_deployed_shape_and_named(tmp_path, build_cas
 def test_when_every_metric_is_undefined_the_target_is_never_reached(cnn, tmp_path, monkeypatch):
     """The ruling: an undefined target (here the defaults' SQNR) is never reached, and tune
     says why; exit 8, never a "reached" over nothing."""
-    measured = tune.measure_candidate
+    measured = tune_trials.measure_candidate
 
     def undefined(*args, **kwargs):
         return {**measured(*args, **kwargs), "sqnr_db": None, "metric_value": None}
 
-    monkeypatch.setattr(tune, "measure_candidate", undefined)
-    monkeypatch.setattr(tune, "impact_of", lambda *args, **kwargs: {"ops": []})
+    monkeypatch.setattr(tune_trials, "measure_candidate", undefined)
+    monkeypatch.setattr(tune_stages, "impact_of", lambda *args, **kwargs: {"ops": []})
     answer = run_tune(cnn, tmp_path / "out", runs=1)
     assert answer["target"] == {"value": None, "source": "defaults"} and answer["reached"] is False
     assert any("undefined" in w for w in answer["warnings"])
@@ -266,15 +269,15 @@ def test_when_every_metric_is_undefined_the_target_is_never_reached(cnn, tmp_pat
 
 def test_a_trial_onnxruntime_refuses_is_a_row_never_the_end_of_tune(cnn, tmp_path, monkeypatch):
     without_structural_seeds(monkeypatch)
-    measured = tune.measure_candidate
+    measured = tune_trials.measure_candidate
 
     def refuse_exclusions(float_model, quant_model, float_path, quant_path, *args, **kwargs):
         if float_weight_nodes(quant_model) == ["b1_conv1"]:  # the trial that keeps b1_conv1 float
             raise graphscan.GraphscanError(f"{quant_path}: model does not run in onnxruntime (invalid)", 5)
         return measured(float_model, quant_model, float_path, quant_path, *args, **kwargs)
 
-    monkeypatch.setattr(tune, "measure_candidate", refuse_exclusions)
-    monkeypatch.setattr(tune, "impact_of", lambda *a, **k: {"ops": [{"node": "b1_conv1", "gain_db": 1.0}]})
+    monkeypatch.setattr(tune_trials, "measure_candidate", refuse_exclusions)
+    monkeypatch.setattr(tune_stages, "impact_of", lambda *a, **k: {"ops": [{"node": "b1_conv1", "gain_db": 1.0}]})
     answer = run_tune(cnn, tmp_path / "out", target=500.0, max_trials=1)
     (row,) = [c for c in answer["candidates"] if c["trial"] is not None]
     assert row["error"].startswith("onnxruntime: ") and row["fails"] is None and row["sqnr_db"] is None
@@ -284,15 +287,15 @@ def test_a_trial_onnxruntime_refuses_is_a_row_never_the_end_of_tune(cnn, tmp_pat
 def test_the_search_stops_as_soon_as_the_target_is_met(cnn, tmp_path, monkeypatch):
     """A stubbed metric: every model with an exclusion meets the target. One trial, then stop."""
     without_structural_seeds(monkeypatch)
-    measured = tune.measure_candidate
+    measured = tune_trials.measure_candidate
 
     def exclusions_meet_it(float_model, quant_model, *args, **kwargs):
         row = measured(float_model, quant_model, *args, **kwargs)
         return {**row, "metric_value": 1000.0} if float_weight_nodes(quant_model) else row
 
-    monkeypatch.setattr(tune, "measure_candidate", exclusions_meet_it)
+    monkeypatch.setattr(tune_trials, "measure_candidate", exclusions_meet_it)
     ranking = [{"node": name, "gain_db": 1.0} for name in ("b1_conv1", "b1_conv2", "b2_conv1")]
-    monkeypatch.setattr(tune, "impact_of", lambda *a, **k: {"ops": ranking})
+    monkeypatch.setattr(tune_stages, "impact_of", lambda *a, **k: {"ops": ranking})
     answer = run_tune(cnn, tmp_path / "out", target=500.0, max_trials=5)
     trials = [c for c in answer["candidates"] if c["trial"] is not None]
     assert len(trials) == 1 and answer["reached"] is True and answer["chosen"] == trials[0]["id"]
@@ -302,7 +305,7 @@ def test_an_exclusion_onnxruntime_still_runs_int8_is_never_kept(cnn, tmp_path, m
     """The first block's node is reported int8 even after float_inputs (a stub of honoured):
     however much it helps, the next trial does not build on it."""
     without_structural_seeds(monkeypatch)
-    real = tune.honoured
+    real = tune_trials.honoured
 
     def first_stays_int8(model, path, level, excluded, given):
         fixed, status, applied = real(model, path, level, excluded, given)
@@ -310,9 +313,9 @@ def test_an_exclusion_onnxruntime_still_runs_int8_is_never_kept(cnn, tmp_path, m
             status = {**status, "b1_conv1": "int8"}
         return fixed, status, applied
 
-    monkeypatch.setattr(tune, "honoured", first_stays_int8)
+    monkeypatch.setattr(tune_trials, "honoured", first_stays_int8)
     ranking = [{"node": "b1_conv1", "gain_db": 5.0}, {"node": "b2_conv1", "gain_db": 1.0}]
-    monkeypatch.setattr(tune, "impact_of", lambda *a, **k: {"ops": ranking})
+    monkeypatch.setattr(tune_stages, "impact_of", lambda *a, **k: {"ops": ranking})
     answer = run_tune(cnn, tmp_path / "out", target=500.0, max_trials=2, max_exclude=1)
     trials = sorted((c for c in answer["candidates"] if c["trial"] is not None), key=lambda c: c["id"])
     assert trials[0]["quantize_static"]["nodes_to_exclude"] == ["b1_conv1"]
@@ -325,15 +328,15 @@ def test_a_trial_onnxruntime_cannot_optimize_is_a_row_never_the_end_of_tune(cnn,
     measured: a model onnxruntime refuses there ("Attempt to replace the existing tensor")
     ended tune with exit 5 naming graphscan's own temporary file. It is a row with its error."""
     without_structural_seeds(monkeypatch)
-    real = tune.honoured
+    real = tune_trials.honoured
 
     def refuses(model, path, level, excluded, given):
         if excluded == ["b1_conv1"]:
             raise graphscan.GraphscanError(f"{path}: model does not run in onnxruntime (Attempt to replace)", 5)
         return real(model, path, level, excluded, given)
 
-    monkeypatch.setattr(tune, "honoured", refuses)
-    monkeypatch.setattr(tune, "impact_of", lambda *a, **k: {"ops": [{"node": "b1_conv1", "gain_db": 1.0}]})
+    monkeypatch.setattr(tune_trials, "honoured", refuses)
+    monkeypatch.setattr(tune_stages, "impact_of", lambda *a, **k: {"ops": [{"node": "b1_conv1", "gain_db": 1.0}]})
     answer = run_tune(cnn, tmp_path / "out", target=500.0, max_trials=1)
     (row,) = [c for c in answer["candidates"] if c["trial"] is not None]
     assert row["error"].startswith("onnxruntime: ") and "graphscan's prepared copy" in row["error"]

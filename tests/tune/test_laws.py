@@ -12,9 +12,11 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 import graphscan_ort.shared.metrics as metrics
+import graphscan_ort.tune.choice as tune_choice
 import graphscan_ort.tune.command as tune
 import graphscan_ort.tune.deployed as deployed
 import graphscan_ort.tune.rewrites as rewrites
+import graphscan_ort.tune.stages as tune_stages
 
 
 def one_node_model(op, shape, graph_name="g", **attributes):
@@ -34,7 +36,7 @@ def brute_force_front(rows):
     measured = [r for r in rows if r["error"] is None]
 
     def key(r):
-        return (tune.speed(r), tune.accuracy(r))
+        return (tune_choice.speed(r), tune_choice.accuracy(r))
 
     return {
         r["id"]
@@ -47,17 +49,17 @@ def brute_force_front(rows):
 
 def brute_force_choice(rows, target):
     passing = [r for r in rows if r["error"] is None and not r.get("fails")]
-    meeting = [r for r in passing if target is not None and tune.accuracy(r) >= target]
+    meeting = [r for r in passing if target is not None and tune_choice.accuracy(r) >= target]
     pool, reached = (meeting, True) if meeting else (passing, False)
     if not pool:
         return None, False
     if reached:
-        best = max(tune.speed(r) for r in pool)
-        fastest = [r for r in pool if tune.speed(r) == best]
-        return max(fastest, key=tune.accuracy), True
-    best = max(tune.accuracy(r) for r in pool)
-    accurate = [r for r in pool if tune.accuracy(r) == best]
-    return max(accurate, key=tune.speed), False
+        best = max(tune_choice.speed(r) for r in pool)
+        fastest = [r for r in pool if tune_choice.speed(r) == best]
+        return max(fastest, key=tune_choice.accuracy), True
+    best = max(tune_choice.accuracy(r) for r in pool)
+    accurate = [r for r in pool if tune_choice.accuracy(r) == best]
+    return max(accurate, key=tune_choice.speed), False
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -76,16 +78,17 @@ def test_the_front_and_the_choice_match_their_definitions_with_ties(seed):
                 "error": "refused" if refused else None,
             }
         )
-    tune.pareto(rows)
+    tune_choice.pareto(rows)
     assert {r["id"] for r in rows if r["pareto"]} == brute_force_front(rows)
     for target in (None, 1.0, 2.5, 100.0):
-        chosen, reached = tune.chosen_row(rows, target)
+        chosen, reached = tune_choice.chosen_row(rows, target)
         expected, expected_reached = brute_force_choice(rows, target)
         assert reached == expected_reached
         if expected is None:
             assert chosen is None
         else:  # ties: any of the rows equal on both keys is right
-            assert (tune.speed(chosen), tune.accuracy(chosen)) == (tune.speed(expected), tune.accuracy(expected))
+            ranks = [(tune_choice.speed(row), tune_choice.accuracy(row)) for row in (chosen, expected)]
+            assert ranks[0] == ranks[1]
 
 
 def test_the_speedup_is_floats_time_over_the_candidates_never_the_reverse(monkeypatch):
@@ -122,7 +125,7 @@ def test_impact_ranks_the_quantized_candidate_against_the_model_the_quantizer_wa
         calls.append((given, candidate, given_path, candidate_path))
         return {"ops": []}
 
-    monkeypatch.setattr(tune, "impact_of", recording)
+    monkeypatch.setattr(tune_stages, "impact_of", recording)
     tune.tune(
         str(tmp_path / "mlp.onnx"),
         calibrate=[str(tmp_path / "s.npz")],
@@ -193,6 +196,6 @@ def test_the_search_starts_from_the_most_accurate_row_that_can_still_be_written(
         {"id": 1, "speedup": 1.5, "metric_value": 0.83, "fails": [], "float_weights": 0, "error": None},
         {"id": 2, "speedup": 1.9, "metric_value": 0.70, "fails": [], "float_weights": 0, "error": None},
     ]
-    assert tune.start_row(rows)["id"] == 1  # exclusions only slow a model: 0 can never pass
+    assert tune_choice.start_row(rows)["id"] == 1  # exclusions only slow a model: 0 can never pass
     slow = [{**r, "fails": ["slower"]} for r in rows]
-    assert tune.start_row(slow)["id"] == 0  # none passes: the most accurate with integer weights
+    assert tune_choice.start_row(slow)["id"] == 0  # none passes: the most accurate with integer weights

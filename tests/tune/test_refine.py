@@ -9,6 +9,8 @@ from onnxruntime.quantization import quantize_static
 
 import gen_models
 import graphscan_ort.tune.command as tune
+import graphscan_ort.tune.stages as tune_stages
+import graphscan_ort.tune.trials as tune_trials
 from graphscan_ort.tune.candidates import REFINEMENTS, calibration_key, keyword_arguments, quiet, refinements
 from tests.helpers import calibration_reader, without_dynamic_candidates
 
@@ -81,11 +83,11 @@ def test_twins_are_found_by_content(tmp_path, monkeypatch):
     np.savez(tmp_path / "s.npz", x=np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32))
     plain = [{"quant_format": "QDQ", "activation_type": "QUInt8", "weight_type": "QInt8", "per_channel": False,
               "calibrate_method": "MinMax"}]  # fmt: skip
-    monkeypatch.setattr(tune, "candidate_settings", lambda: plain * 2)
+    monkeypatch.setattr(tune_stages, "candidate_settings", lambda: plain * 2)
     without_dynamic_candidates(monkeypatch)
     calls = []
-    measured = tune.measure_candidate
-    monkeypatch.setattr(tune, "measure_candidate", lambda *a, **k: calls.append(1) or measured(*a, **k))
+    measured = tune_trials.measure_candidate
+    monkeypatch.setattr(tune_trials, "measure_candidate", lambda *a, **k: calls.append(1) or measured(*a, **k))
     answer = tune.tune(
         str(tmp_path / "mlp.onnx"), calibrate=[str(tmp_path / "s.npz")], out=str(tmp_path / "o"),
         runs=1, min_speedup=0, target=-100.0,
@@ -113,6 +115,6 @@ def test_calibration_samples_of_several_shapes_are_said_to_stop_histogram_method
     )
     refused = [c for c in answer["candidates"] if c["error"]]
     assert refused and all(c["quantize_static"]["calibrate_method"] != "MinMax" for c in refused)
-    assert all(tune.HISTOGRAM_SHAPES in c["error"] for c in refused)
-    assert any(w.startswith(tune.HISTOGRAM_SHAPES) for w in answer["warnings"])
+    assert all(tune_trials.HISTOGRAM_SHAPES in c["error"] for c in refused)
+    assert any(w.startswith(tune_trials.HISTOGRAM_SHAPES) for w in answer["warnings"])
     assert any(c["error"] is None for c in answer["candidates"])  # MinMax takes them

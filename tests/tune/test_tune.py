@@ -21,7 +21,10 @@ import graphscan
 import graphscan_ort.shared.files
 import graphscan_ort.shared.inputs
 import graphscan_ort.tune.candidates as candidates
+import graphscan_ort.tune.choice as tune_choice
 import graphscan_ort.tune.command as tune
+import graphscan_ort.tune.stages as tune_stages
+import graphscan_ort.tune.trials as tune_trials
 from tests.helpers import (
     INTERRUPT_AT,
     TERMINATE_AT,
@@ -141,13 +144,13 @@ def test_the_pareto_front_and_the_choice_follow_their_definitions():
         {"id": 2, "ms": 4.0, "speedup": 2.5, "sqnr_db": 7.0, "error": None},  # slower and worse than 1
         {"id": 3, "ms": None, "speedup": None, "sqnr_db": None, "error": "quantize_static: refused"},
     ]
-    tune.pareto(rows)
+    tune_choice.pareto(rows)
     assert [r["pareto"] for r in rows] == [True, True, False, False]
-    assert tune.chosen_row(rows, 8.0)[0]["id"] == 1 and tune.chosen_row(rows, 9.0)[0]["id"] == 0
+    assert tune_choice.chosen_row(rows, 8.0)[0]["id"] == 1 and tune_choice.chosen_row(rows, 9.0)[0]["id"] == 0
     # Fast by speedup, not by ms: timed minutes apart, a slower ms can be the faster model.
     later = [{**rows[0], "ms": 1.0, "speedup": 0.9}, rows[1]]
-    assert tune.chosen_row(later, 5.0)[0]["id"] == 1
-    chosen, reached = tune.chosen_row(rows, 50.0)
+    assert tune_choice.chosen_row(later, 5.0)[0]["id"] == 1
+    chosen, reached = tune_choice.chosen_row(rows, 50.0)
     assert chosen["id"] == 0 and reached is False  # unreachable: the most accurate
 
 
@@ -161,12 +164,12 @@ def test_an_exact_candidate_ranks_first_and_undefined_or_zero_db_ones_keep_their
         {"id": 2, "ms": 1.0, "speedup": 6.0, "sqnr_db": None, "error": None},  # undefined
         {"id": 3, "ms": 2.0, "speedup": 3.0, "sqnr_db": 0.0, "error": None},
     ]
-    tune.pareto(rows)
+    tune_choice.pareto(rows)
     assert [r["pareto"] for r in rows] == [True, True, True, True]
-    chosen, reached = tune.chosen_row(rows, 200.0)
+    chosen, reached = tune_choice.chosen_row(rows, 200.0)
     assert chosen["id"] == 1 and reached is True
-    assert tune.chosen_row(rows, -10.0)[0]["id"] == 3  # the fastest that meets it: 0 dB >= -10 dB
-    assert tune.chosen_row([rows[2], rows[3]], 50.0)[0]["id"] == 3  # unreachable: 0 dB beats undefined
+    assert tune_choice.chosen_row(rows, -10.0)[0]["id"] == 3  # the fastest that meets it: 0 dB >= -10 dB
+    assert tune_choice.chosen_row([rows[2], rows[3]], 50.0)[0]["id"] == 3  # unreachable: 0 dB beats undefined
 
 
 def test_a_candidate_equal_to_float_is_measured_as_infinitely_accurate(tuned):
@@ -174,7 +177,7 @@ def test_a_candidate_equal_to_float_is_measured_as_infinitely_accurate(tuned):
     an exact exclusion row as the least accurate of all)."""
     model = onnx.load(tuned["float"])
     samples = [dict(np.load(tuned["held"]))]
-    measured = tune.measure_candidate(model, model, tuned["float"], tuned["float"], samples, runs=1)
+    measured = tune_trials.measure_candidate(model, model, tuned["float"], tuned["float"], samples, runs=1)
     assert measured["sqnr_db"] == math.inf
 
 
@@ -193,7 +196,7 @@ def test_every_candidate_refused_is_exit_5(tuned, tmp_path, monkeypatch, capsys)
     def refuse(*args, **kwargs):
         raise ValueError("no such quantization")
 
-    monkeypatch.setattr(tune, "quantize_candidate", refuse)
+    monkeypatch.setattr(tune_trials, "quantize_candidate", refuse)
     argv = ["tune", tuned["float"], "--calibrate", str(tuned["calibration"][0]), "--out", str(tmp_path / "o")]
     line = main_error_line(capsys, argv, 5)
     assert "quantize_static" in line and not (tmp_path / "o").exists()
@@ -209,7 +212,7 @@ def test_tune_prepares_the_float_model_by_prepare_given_it_as_tune_reads_it(tune
         handed.append((float_path, original.SerializeToString()))
         raise graphscan.GraphscanError("usage: stopped at prepare", graphscan.EXIT_USAGE)
 
-    monkeypatch.setattr(tune, "prepare", stop_after_seeing)
+    monkeypatch.setattr(tune_stages, "prepare", stop_after_seeing)
     argv = ["tune", tuned["float"], "--calibrate", str(tuned["calibration"][0]), "--out", str(tmp_path / "o")]
     assert main_error_line(capsys, argv, graphscan.EXIT_USAGE) == "graphscan: usage: stopped at prepare"
     assert handed == [(tuned["float"], graphscan.load_with_weights(tuned["float"]).SerializeToString())]
@@ -331,7 +334,7 @@ def test_exclusions_are_realized_by_the_quantizer_and_measured(tuned, tmp_path, 
     without_structural_seeds(monkeypatch)  # the search alone; seeds are tested in test_seeds.py
     convs = [n.name for n in onnx.load(tuned["float"]).graph.node if n.op_type == "Conv"]
     ranking = {"ops": [{"node": name, "gain_db": 1.0} for name in convs] + [{"node": "noise", "gain_db": 1e-9}]}
-    monkeypatch.setattr(tune, "impact_of", lambda *args, **kwargs: ranking)
+    monkeypatch.setattr(tune_stages, "impact_of", lambda *args, **kwargs: ranking)
     answer = tune.tune(
         tuned["float"],
         calibrate=[str(c) for c in tuned["calibration"]],
@@ -525,7 +528,7 @@ def test_a_full_disk_is_exit_3_never_blamed_on_the_quantizer(tuned, tmp_path, mo
         raise said
 
     monkeypatch.setattr(graphscan_ort.shared.files, "free_bytes", free_bytes, raising=False)
-    monkeypatch.setattr(tune, "quantize_candidate", quantizer)
+    monkeypatch.setattr(tune_trials, "quantize_candidate", quantizer)
     out = tmp_path / "a" / "o"
     argv = ["tune", tuned["float"], "--calibrate", str(tuned["calibration"][0]), "--out", str(out), "--runs", "1"]
     line = main_error_line(capsys, argv, 3)
@@ -698,7 +701,7 @@ def test_candidates_are_listed_pareto_first_then_by_speedup_and_refused_last(tun
             speedup = None if refused else [None, 0.5, 1.0, 1.5, 2.0][rng.integers(5)]
             rows.append({"id": int(ident), "speedup": speedup, "pareto": not refused and rng.random() < 0.4,
                          "error": "refused" if refused else None})  # fmt: skip
-        listed = tune.listing_order(rows)
+        listed = tune_choice.listing_order(rows)
         assert sorted(r["id"] for r in listed) == list(range(12))
         assert_listed_in_order(listed)
 

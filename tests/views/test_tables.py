@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import graphscan
-import graphscan_ort.commands.trace as trace_command
+import graphscan_ort.engines.trace as trace_engine
 from tests.helpers import chain_model, error_line, run_graphscan
 
 COUNTING = ["nodes", "qdq", "islands", "boundary"]
@@ -362,7 +362,7 @@ TRACE_ANSWER = {
     "outputs": {"y": 0.9},
     "worst_isolated": {"node": LONG, "max_abs": 0.5},
     "first_over": {"node": LONG, "max_abs": 0.5},
-    "unmatched": [{"node": "relu", "op_type": "Relu", "reason": trace_command.REASON_ABSORBED}],
+    "unmatched": [{"node": "relu", "op_type": "Relu", "reason": trace_engine.REASON_ABSORBED}],
 }
 
 # The shape of a real `runtime --time` answer (tests/runtime/test_runtime.py pins the values).

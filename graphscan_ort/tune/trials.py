@@ -1,0 +1,273 @@
+"""tune's books: how a candidate is measured, and every model tried with its row.
+
+``Measure`` holds what every candidate is measured against (the float model, the
+evaluation and latency samples, the session); ``Trials.add`` quantizes one
+candidate, measures it as deployed and books its row, a ``Candidate`` built once
+from its outcome (measured, the twin of a model already measured, or refused by
+the quantizer or onnxruntime with its error, never a crash).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import re
+import tempfile
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+
+from graphscan import EXIT_NO_FILE, EXIT_RUNTIME, GraphscanError, one_line, shown
+from graphscan_ort.engines.levels import FloatRanges
+from graphscan_ort.shared.agreement import Metric
+from graphscan_ort.shared.answers import Candidate
+from graphscan_ort.shared.files import in_folder, out_of_room, write_failure
+from graphscan_ort.shared.metrics import FloatOutputs
+from graphscan_ort.tune.candidates import (
+    DYNAMIC,
+    STATIC,
+    SampleReader,
+    file_digest,
+    quantize_candidate,
+    quantize_dynamic_candidate,
+)
+from graphscan_ort.tune.deployed import measure_candidate
+from graphscan_ort.tune.fallback import honoured
+from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
+from graphscan_ort.tune.verdict import levels_figures, sqnr_broken
+
+
+class Measure:
+    """How every candidate is measured: the float model (and its path), the evaluation
+    samples, the session's level and threads, the timed runs. ``models`` keeps every candidate
+    written, read once by Trials.add, by path for the exclusions."""
+
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        path: str,
+        evaluation: list[dict[str, np.ndarray]],
+        level: str,
+        threads: int,
+        runs: int,
+    ) -> None:
+        self.model, self.path, self.evaluation = model, path, evaluation
+        self.level, self.threads, self.runs = level, threads, runs
+        self.models: dict[str, onnx.ModelProto] = {}
+        self.references: dict[tuple[str, ...], FloatOutputs] = {}  # the float model's outputs, run once
+        self.metric: Metric | None = None  # None: the SQNR
+        self.latency: list[dict[str, np.ndarray]] | None = None  # None: the first evaluation sample
+        self.min_speedup = 1.0
+        self.float_bytes = file_bytes(path, model)
+
+    def __call__(self, candidate: onnx.ModelProto, candidate_path: str, excluded: list[str] | None = None) -> dict:
+        """A candidate's figures as deployed (``candidate``, read from ``candidate_path``), with
+        its weights' storage and the guards it breaks."""
+        row = measure_candidate(
+            self.model,
+            candidate,
+            self.path,
+            candidate_path,
+            self.evaluation,
+            self.level,
+            self.threads,
+            self.runs,
+            self.references,
+            self.metric,
+            self.latency,
+        )
+        row["float_weights"] = len(float_weight_nodes(candidate, excluded))
+        row["fails"] = failed_guards(row, self.float_bytes, self.min_speedup)
+        return row
+
+
+def blame_the_disk(exc: Exception, work: str, needed: int) -> None:
+    """Raise when the quantizer failed for want of room, never a refusal of the candidate:
+    ``work`` (in --out's folder) or the temporary folder (TMPDIR, where the quantizer keeps
+    its calibration copies) said so, or has less room left than ``needed`` (the model the
+    quantizer was given: what it writes is about that size)."""
+    temporary = tempfile.gettempdir()
+    if out_of_room(work, needed) or (write_failure(exc) and in_folder(exc, work)):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), work) from exc
+    # Beside work, the quantizer writes only into the temporary folder (its copies, removed
+    # again by the time this runs: a failure that names no file was there).
+    unnamed = getattr(exc, "filename", None) is None
+    if (write_failure(exc) and (unnamed or in_folder(exc, temporary))) or out_of_room(temporary, needed):
+        why = getattr(exc, "strerror", None) if write_failure(exc) else None
+        raise GraphscanError(
+            f"cannot write into the temporary folder {shown(temporary)} ({why or 'no space left on its file system'}): "
+            "is it full? set TMPDIR to a folder with room",
+            EXIT_NO_FILE,
+        ) from None
+    if write_failure(exc):
+        raise exc
+
+
+def candidate_row(
+    ident: int,
+    quantizer: str,
+    settings: dict[str, Any],
+    rewrites: bool,
+    kept: list[dict[str, str]],
+    trial: dict[str, Any] | None,
+    *,
+    excluded: dict[str, str] | None = None,
+    post_step: dict[str, list[str]] | None = None,
+    same_as: int | None = None,
+    figures: Mapping[str, Any] | None = None,
+    error: str | None = None,
+) -> Candidate:
+    """A candidate's row, key for key in the answer's order: ``settings`` under its
+    ``quantizer``'s key, the other null; ``figures``: what its measurement gave (a twin
+    copies its twin's, float_ms too: its speedup is that float time over its ms), none
+    for a refused one. Off the Pareto front until choice.pareto marks it."""
+    got = figures or {}
+    return {
+        "id": ident,
+        "quantize_static": settings if quantizer == STATIC else None,
+        "quantize_dynamic": settings if quantizer == DYNAMIC else None,
+        "rewrites": rewrites,
+        "kept_float": kept,
+        "trial": trial,
+        "post_step": post_step,
+        "excluded": excluded,
+        "same_as": same_as,
+        "sqnr_db": got.get("sqnr_db"),
+        "pooled_sqnr_db": got.get("pooled_sqnr_db"),
+        "worst_part": got.get("worst_part"),
+        "metric_value": got.get("metric_value"),
+        "metric_events": got.get("metric_events"),
+        "metric_worst": got.get("metric_worst"),
+        "metric_spread": got.get("metric_spread"),
+        "levels": got.get("levels"),
+        "broken_parts": got.get("broken_parts"),
+        "int8_fraction": got.get("int8_fraction"),
+        "int8_kernels": got.get("int8_kernels"),
+        "wrapped_but_float": got.get("wrapped_but_float"),
+        "ms": got.get("ms"),
+        "float_ms": got.get("float_ms"),
+        "speedup": got.get("speedup"),
+        "speedup_spread": got.get("speedup_spread"),
+        "bytes": got.get("bytes"),
+        "float_weights": got.get("float_weights"),
+        "fails": got.get("fails"),
+        "pareto": False,
+        "error": error,
+    }
+
+
+# onnxruntime's quantizer names the temporary copies it makes (ort.quant.*/augmented_model.onnx).
+ORT_TEMPORARY = re.compile(r"\S*ort\.quant\.\w+/\S*?\.onnx")
+
+
+def users_terms(text: str, work: str, path: str) -> str:
+    """``text`` naming the user's model instead of a temporary file: tune's own copies in
+    ``work`` and onnxruntime's calibration copies are files the user never saw; numpy's
+    words for onnxruntime stacking samples of several shapes said in the user's terms."""
+    text = ORT_TEMPORARY.sub(f"onnxruntime's calibration copy of {shown(path)}", text)
+    text = re.sub(re.escape(work) + r"/\S*?\.onnx", f"graphscan's prepared copy of {shown(path)}", text)
+    if "inhomogeneous shape" in text:
+        text = f"{HISTOGRAM_SHAPES} ({text})"
+    return text
+
+
+# onnxruntime's histogram calibrators (Percentile, Entropy, Distribution) stack every
+# calibration output into one array, so samples of several shapes fail in numpy.
+HISTOGRAM_SHAPES = (
+    "onnxruntime's histogram calibration (Percentile, Entropy) needs calibration samples of one shape; "
+    "these have several"
+)
+
+
+class Trials:
+    """Every model tried, in order: ``rows`` (the candidate rows) and ``files``
+    (``{id: (model, prepared model, calibration cache)}`` of those the quantizer made)."""
+
+    def __init__(self, work: str, reader: Callable[[], SampleReader], measure: Measure) -> None:
+        self.work, self.reader, self.measure = work, reader, measure
+        self.rows: list[Candidate] = []
+        self.files: dict[int, tuple[str, str, str]] = {}
+        self.given: dict[str, onnx.ModelProto] = {}  # the prepared models the quantizer is given, by path
+        self.digests: dict[str, Candidate] = {}  # a model's SHA-256: the row that measured it
+        self.ranges: dict[str, FloatRanges] = {}  # per prepared model: its float values by part
+
+    def add(
+        self,
+        settings: dict[str, Any],
+        rewrites: bool,
+        prepared_path: str,
+        cache: str,
+        trial: dict[str, Any] | None = None,
+        kept: list[dict[str, str]] | None = None,
+        quantizer: str = STATIC,
+    ) -> Candidate:
+        """Quantize ``prepared_path`` with ``settings`` and measure the model as deployed:
+        its row, also when the quantizer refused it (with its error, never a crash);
+        ``trial``: the block a search stage added (its kind and the nodes it added);
+        ``kept``: the seeds kept float in it, ``{"node", "why"}`` each (seeds.py); ``quantizer``:
+        quantize_static or quantize_dynamic (no calibration), the row's key holding ``settings``."""
+        ident = len(self.rows)
+        target_path = os.path.join(self.work, f"candidate-{ident}.onnx")
+        row = functools.partial(candidate_row, ident, quantizer, settings, rewrites, kept or [], trial)
+        try:
+            quantize = quantize_dynamic_candidate if quantizer == DYNAMIC else quantize_candidate
+            quantize(prepared_path, target_path, settings, self.reader, cache)
+        except Exception as exc:
+            blame_the_disk(exc, self.work, os.path.getsize(prepared_path))
+            return self.book(row(error=f"{quantizer}: {self.users_terms(one_line(exc))}"))
+        excluded = settings.get("nodes_to_exclude")
+        model = onnx.load(target_path)  # read once: checked, measured and kept for the exclusions
+        status, post_step = None, None
+        if excluded:  # checked in the deployed session, made real where onnxruntime undid it
+            given = self.given[prepared_path]
+            try:
+                model, status, fixed = honoured(model, target_path, self.measure.level, excluded, given)
+            except GraphscanError as exc:  # a trial onnxruntime cannot even optimize: a row, not the end
+                if exc.exit_code != EXIT_RUNTIME:
+                    raise
+                return self.book(row(error=f"onnxruntime: {self.users_terms(str(exc))}"))
+            post_step = {"float_inputs": fixed} if fixed else None
+        digest = file_digest(target_path)
+        twin = self.digests.get(digest)
+        if twin is not None:  # the quantizer made the very same model: measured once
+            measured = row(excluded=status, post_step=post_step, same_as=twin["id"], figures=twin)
+        else:
+            try:
+                figures = self.measure(model, target_path, excluded)
+            except GraphscanError as exc:  # a model the quantizer made that onnxruntime refuses
+                if exc.exit_code != EXIT_RUNTIME:
+                    raise
+                error = f"onnxruntime: {self.users_terms(str(exc))}"
+                return self.book(row(excluded=status, post_step=post_step, error=error))
+            figures.update(self.verdict(model, prepared_path, figures))
+            measured = row(excluded=status, post_step=post_step, figures=figures)
+            self.digests[digest] = measured
+        self.files[ident] = (target_path, prepared_path, cache)
+        self.measure.models[target_path] = model
+        return self.book(measured)
+
+    def book(self, row: Candidate) -> Candidate:
+        """Keep ``row`` among the rows tried (a refused one has no file to write)."""
+        self.rows.append(row)
+        return row
+
+    def users_terms(self, text: str) -> str:
+        """``text`` in the user's terms (users_terms): this run's folder and model."""
+        return users_terms(text, self.work, self.measure.path)
+
+    def float_ranges(self, prepared_path: str) -> FloatRanges:
+        """The float values of the prepared model at ``prepared_path``, by part, on the
+        evaluation samples: measured once per tensor for every candidate quantized from it."""
+        if prepared_path not in self.ranges:
+            self.ranges[prepared_path] = FloatRanges(
+                self.given[prepared_path], self.measure.evaluation, self.measure.path
+            )
+        return self.ranges[prepared_path]
+
+    def verdict(self, model: onnx.ModelProto, prepared_path: str, figures: dict[str, Any]) -> dict[str, Any]:
+        """A measured candidate's fewest levels and the parts of its outputs below a floor."""
+        levels, broken = levels_figures(model, self.float_ranges(prepared_path))
+        return {"levels": levels, "broken_parts": sqnr_broken(figures["sqnr_db"], figures["worst_part"]) + broken}
