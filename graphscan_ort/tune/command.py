@@ -104,6 +104,7 @@ from graphscan_ort.tune.goal import Goal, metric_of
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
 from graphscan_ort.tune.prepare import dynamic_base, prepared_base, with_rewrites
 from graphscan_ort.tune.progress import Progress
+from graphscan_ort.tune.recovery import recover
 from graphscan_ort.tune.seeds import structural_seeds, user_seeds
 from graphscan_ort.tune.table import tune_table
 from graphscan_ort.tune.verdict import FEW_SAMPLES, levels_figures, low_levels_warning, sqnr_broken
@@ -368,6 +369,7 @@ class Trials:
         trial: dict[str, Any] | None = None,
         kept: list[dict[str, str]] | None = None,
         quantizer: str = STATIC,
+        post: Callable[[str], None] | None = None,
     ) -> dict[str, Any]:
         """Quantize ``prepared_path`` with ``settings`` and measure the model as deployed:
         its row, also when the quantizer refused it (with its error, never a crash);
@@ -378,10 +380,12 @@ class Trials:
         target_path = os.path.join(self.work, f"candidate-{ident}.onnx")
         row: dict[str, Any] = {"id": ident, STATIC: None, DYNAMIC: None, "rewrites": rewrites}
         row.update({quantizer: settings}, kept_float=kept or [], error=None)
-        row.update(trial=trial, post_step=None, excluded=None, same_as=None)
+        row.update(trial=trial, post_step=None, excluded=None, same_as=None, recovery=None)
         try:
             quantize = quantize_dynamic_candidate if quantizer == DYNAMIC else quantize_candidate
             quantize(prepared_path, target_path, settings, self.reader, cache)
+            if post is not None:
+                post(target_path)
         except Exception as exc:
             blame_the_disk(exc, self.work, os.path.getsize(prepared_path))
             row = refused_row(row, f"{quantizer}: {users_terms(one_line(exc), self.work, self.measure.path)}")
@@ -498,6 +502,7 @@ def tune_in(
     searchable = not reached and target["value"] is not None and any(r["error"] is None for r in static_rows(rows))
     if searchable:
         refine(trials, start_row(static_rows(rows)), progress)
+        rewrite_steps += recover(trials, target["value"], model, calibration, progress)  # still short: int8 kept
         pareto(rows)
         chosen, reached = chosen_row(rows, target["value"])
     if searchable and not reached and target["value"] is not None:
@@ -688,10 +693,8 @@ MEASURED = [
     "fails",
 ]
 
-
 CANDIDATE_KEYS = ["id", STATIC, DYNAMIC, "rewrites", "kept_float", "trial", "post_step", "excluded", "same_as"]
-CANDIDATE_KEYS += [*MEASURED, "pareto", "error"]
-
+CANDIDATE_KEYS += ["recovery", *MEASURED, "pareto", "error"]
 
 COMMAND = Command(
     "tune",
