@@ -15,6 +15,8 @@ import graphscan_ort.tune.command as tune
 from graphscan_ort.shared.metrics import verified
 from graphscan_ort.tune.bias import bias_corrected
 from graphscan_ort.tune.candidates import keyword_arguments, quiet
+from graphscan_ort.tune.progress import Progress
+from graphscan_ort.tune.recovery import recover
 from graphscan_ort.tune.table import tune_table
 from tests.helpers import calibration_reader
 
@@ -117,3 +119,22 @@ def test_the_table_says_what_each_recovery_did(unreachable):
         gain = row["recovery"]["sqnr_gain_db"]
         assert f"candidate {row['id']}: {step} of candidate {row['recovery']['from']} (" in text
         assert f"{gain:+.3g} dB" in text
+
+
+class NoTrials:
+    """Trials whose one row already reaches the target: any model recover tried would need
+    its files, which it has none of."""
+
+    def __init__(self):
+        settings = {"quant_format": "QDQ", "activation_type": "QUInt8", "per_channel": False}
+        self.rows = [
+            {"id": 0, "quantize_static": settings, "error": None, "fails": [], "broken_parts": []}
+            | {"metric_value": 30.0, "sqnr_db": 30.0, "speedup": 2.0, "float_weights": 0, "kept_float": []}
+        ]
+        self.files = {}
+
+
+def test_a_target_the_refinements_reached_tries_no_recovery():
+    trials = NoTrials()
+    assert recover(trials, 25.0, None, [], Progress()) == []
+    assert len(trials.rows) == 1
