@@ -119,6 +119,7 @@ AREA_TESTS = {
         "tests/cli/test_keyword_rules.py",
     ],
     "plugin": ["tests/cli/test_plugin.py"],
+    "recovery": ["tests/tune/test_equalize.py", "tests/tune/test_bias.py", "tests/tune/test_recovery.py"],
 }
 IGNORED = shutil.ignore_patterns(
     ".git", ".venv*", "__pycache__", ".pytest_cache", ".hypothesis", "*.pyc", ".benchmarks"

@@ -71,8 +71,10 @@ def start_row(rows: list[Candidate]) -> Candidate:
     """Where the refinements and exclusions start: the most accurate row by the target's
     metric (ties broken by the worst part's SQNR, then speed) that passes the guards (each
     exclusion only makes a model slower and larger: one that fails them already can never
-    be written), else the most accurate with integer weights, else the most accurate of all."""
-    measured = [r for r in rows if r["error"] is None]
+    be written), else the most accurate with integer weights, else the most accurate of all.
+    A bias-corrected row (recovery.py) is never the start: its correction fits its own
+    weights, and every later model is quantized again without it."""
+    measured = [r for r in rows if r["error"] is None and (r.get("recovery") or {}).get("step") != "bias_correction"]
     passing = [r for r in measured if not r["fails"]]
     stored = passing or [r for r in measured if not r["float_weights"]] or measured
     return max(stored, key=lambda r: (accuracy(r), sqnr_rank(r), speed(r)))

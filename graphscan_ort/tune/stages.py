@@ -46,6 +46,7 @@ from graphscan_ort.tune.fallback import STILL_INT8
 from graphscan_ort.tune.goal import Goal
 from graphscan_ort.tune.prepare import dynamic_base, prepare, typing_failures
 from graphscan_ort.tune.progress import Progress
+from graphscan_ort.tune.recovery import recover
 from graphscan_ort.tune.seeds import structural_seeds
 from graphscan_ort.tune.trials import HISTOGRAM_SHAPES, Measure, Trials
 from graphscan_ort.tune.verdict import FEW_SAMPLES, low_levels_warning
@@ -113,6 +114,7 @@ def tune_in(
     searchable = not reached and target["value"] is not None and any(r["error"] is None for r in static_rows(rows))
     if searchable:
         refine(trials, start_row(static_rows(rows)), progress)
+        steps += recover(trials, target["value"], model, calibration, progress)  # still short: int8 kept
         chosen, reached = settle(rows, target["value"])
     if searchable and not reached and target["value"] is not None:
         progress.show("ranking the operators to exclude")

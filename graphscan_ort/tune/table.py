@@ -44,6 +44,7 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
         f"{s['step']}: {s['detail']}" for s in answer["prepare"] if not s["ok"] or briefly(s["detail"]) != s["detail"]
     ]
     whole += [exclusion(c) for c in answer["candidates"] if arguments(c).get("nodes_to_exclude")]
+    whole += [recovered(c) for c in answer["candidates"] if c.get("recovery")]
     whole += [f"candidate {c['id']}: {c['error']}" for c in answer["candidates"] if c["error"]]
     whole += [f"warning: {w}" for w in answer["warnings"]]
     notes = "\n".join(textwrap.fill(visible(text), TABLE_WIDTH, subsequent_indent="  ") for text in whole)
@@ -92,6 +93,16 @@ def exclusion(candidate: dict[str, Any]) -> str:
     trial = candidate["trial"]
     added = f"; trial: the {trial['block']} block {', '.join(trial['added'])}" if trial else ""
     return f"candidate {candidate['id']} keeps float: {kept}{added}"
+
+
+def recovered(candidate: dict[str, Any]) -> str:
+    """What a recovery row did: its step, its source and its gains in dB and in the metric."""
+    done = candidate["recovery"]
+    gains = ", ".join(
+        f"{value:+.3g}{unit}" if value is not None else f"undefined{unit}"
+        for value, unit in ((done["sqnr_gain_db"], " dB"), (done["metric_gain"], " in the metric"))
+    )
+    return f"candidate {candidate['id']}: {done['step']} of candidate {done['from']} ({done['detail']}): {gains}"
 
 
 def shapes_text(inputs: dict[str, Any]) -> str:

@@ -135,6 +135,7 @@ def candidate_row(
         "post_step": post_step,
         "excluded": excluded,
         "same_as": same_as,
+        "recovery": None,  # recovery.py fills it in on the rows it adds
         "sqnr_db": got.get("sqnr_db"),
         "pooled_sqnr_db": got.get("pooled_sqnr_db"),
         "worst_part": got.get("worst_part"),
@@ -203,18 +204,22 @@ class Trials:
         trial: dict[str, Any] | None = None,
         kept: list[dict[str, str]] | None = None,
         quantizer: str = STATIC,
+        post: Callable[[str], None] | None = None,
     ) -> Candidate:
         """Quantize ``prepared_path`` with ``settings`` and measure the model as deployed:
         its row, also when the quantizer refused it (with its error, never a crash);
         ``trial``: the block a search stage added (its kind and the nodes it added);
         ``kept``: the seeds kept float in it, ``{"node", "why"}`` each (seeds.py); ``quantizer``:
-        quantize_static or quantize_dynamic (no calibration), the row's key holding ``settings``."""
+        quantize_static or quantize_dynamic (no calibration), the row's key holding ``settings``;
+        ``post``: applied to the quantized file before it is measured."""
         ident = len(self.rows)
         target_path = os.path.join(self.work, f"candidate-{ident}.onnx")
         row = functools.partial(candidate_row, ident, quantizer, settings, rewrites, kept or [], trial)
         try:
             quantize = quantize_dynamic_candidate if quantizer == DYNAMIC else quantize_candidate
             quantize(prepared_path, target_path, settings, self.reader, cache)
+            if post is not None:  # a change to the quantized file itself (recovery.py's bias correction)
+                post(target_path)
         except Exception as exc:
             blame_the_disk(exc, self.work, os.path.getsize(prepared_path))
             return self.book(row(error=f"{quantizer}: {self.users_terms(one_line(exc))}"))
