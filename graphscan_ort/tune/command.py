@@ -70,7 +70,15 @@ from graphscan_ort.shared.answers import Candidate, TuneAnswer, TuneChoice
 from graphscan_ort.shared.files import check_out, in_folder, out_of_room, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
 from graphscan_ort.shared.metrics import FloatOutputs, named_outputs
-from graphscan_ort.shared.options import MAX_RUNS, MAX_THREADS, RUNTIME_DEFAULT_RUNS, check_between, int_between
+from graphscan_ort.shared.options import (
+    MAX_RUNS,
+    MAX_THREADS,
+    RUNTIME_DEFAULT_RUNS,
+    Named,
+    Session,
+    Timing,
+    int_between,
+)
 from graphscan_ort.shared.parts import TensorParts
 from graphscan_ort.shared.sessions import environment, sample_outputs
 from graphscan_ort.tune.blocks import next_block, part_blocks, search_blocks
@@ -134,10 +142,7 @@ def tune(
         raise GraphscanError("usage: tune needs --calibrate FILE.npz (one sample per file, repeatable)", EXIT_USAGE)
     if out is None:
         raise GraphscanError("usage: tune needs --out DIR", EXIT_USAGE)
-    check_between("--runs", runs, 1, MAX_RUNS)
-    check_between("--threads", threads, 1, MAX_THREADS)
-    if level not in RUNTIME_LEVELS:  # "disabled" is no deployment
-        raise GraphscanError(f"usage: --level must be one of {', '.join(RUNTIME_LEVELS)}", EXIT_USAGE)
+    timing, session = Timing(runs), Session(level, threads)  # each group checks its own ranges
     chosen_metric = metric_of(metric, threshold, blank, target, target_sqnr)
     target = target_sqnr if target is None else target
     if not (isinstance(min_speedup, (int, float)) and math.isfinite(min_speedup) and min_speedup >= 0):
@@ -167,10 +172,9 @@ def tune(
         raise GraphscanError(f"{shown(out)}: cannot write ({exc.strerror or exc})", EXIT_NO_FILE)
     progress = Progress()
     try:
-        measure = Measure(model, path, evaluation, level, threads, runs)
-        measure.metric, measure.latency, measure.min_speedup = chosen_metric, latency, float(min_speedup)
+        measure = Measure(Named(model, path), evaluation, session, timing, chosen_metric, latency, float(min_speedup))
         goal = Goal(chosen_metric, target, own)
-        answer = tune_in(path, model, calibration, work, goal, max_exclude, measure, progress, max_trials, seeds)
+        answer = tune_in(calibration, work, goal, measure, (max_exclude, max_trials), progress, seeds)
         place(work, out)
     except Exception as exc:
         if isinstance(exc, GraphscanError) or not write_failure(exc):
@@ -252,39 +256,37 @@ def held_out(calibration: list[dict[str, np.ndarray]], evaluation: list[dict[str
 
 class Measure:
     """How every candidate is measured: the float model (and its path), the evaluation
-    samples, the session's level and threads, the timed runs. ``models`` keeps every candidate
-    written, read once by Trials.add, by path for the exclusions."""
+    samples, the session group (level, threads), the timed runs, the metric (None: the
+    SQNR), the latency samples (None: the first evaluation sample) and the speedup a
+    model must beat. ``models`` keeps every candidate written, read once by Trials.add,
+    by path for the exclusions."""
 
     def __init__(
         self,
-        model: onnx.ModelProto,
-        path: str,
+        reference: Named,
         evaluation: list[dict[str, np.ndarray]],
-        level: str,
-        threads: int,
-        runs: int,
+        session: Session,
+        timing: Timing,
+        metric: Metric | None = None,
+        latency: list[dict[str, np.ndarray]] | None = None,
+        min_speedup: float = 1.0,
     ) -> None:
-        self.model, self.path, self.evaluation = model, path, evaluation
-        self.level, self.threads, self.runs = level, threads, runs
+        self.reference, self.evaluation, self.session, self.timing = reference, evaluation, session, timing
+        self.model, self.path, self.level = reference.model, reference.path, session.level  # as Trials reads them
+        self.metric, self.latency, self.min_speedup = metric, latency, min_speedup
         self.models: dict[str, onnx.ModelProto] = {}
         self.references: dict[tuple[str, ...], FloatOutputs] = {}  # the float model's outputs, run once
-        self.metric: Metric | None = None  # None: the SQNR
-        self.latency: list[dict[str, np.ndarray]] | None = None  # None: the first evaluation sample
-        self.min_speedup = 1.0
-        self.float_bytes = file_bytes(path, model)
+        self.float_bytes = file_bytes(reference.path, reference.model)
 
     def __call__(self, candidate: onnx.ModelProto, candidate_path: str, excluded: list[str] | None = None) -> dict:
         """A candidate's figures as deployed (``candidate``, read from ``candidate_path``), with
         its weights' storage and the guards it breaks."""
         row = measure_candidate(
-            self.model,
-            candidate,
-            self.path,
-            candidate_path,
+            self.reference,
+            Named(candidate, candidate_path),
             self.evaluation,
-            self.level,
-            self.threads,
-            self.runs,
+            self.session,
+            self.timing,
             self.references,
             self.metric,
             self.latency,
@@ -438,20 +440,19 @@ class Trials:
 
 
 def tune_in(
-    path: str,
-    model: onnx.ModelProto,
     calibration: list[dict[str, np.ndarray]],
     work: str,
     goal: Goal,
-    max_exclude: int | None,
     measure: Measure,
+    limits: tuple[int | None, int | None] = (None, None),
     progress: Progress | None = None,
-    max_trials: int | None = None,
     seeds: list[dict[str, str]] | None = None,
 ) -> TuneChoice:
-    """tune's work inside the temporary folder ``work``; leaves prepared.onnx there, and
-    model.onnx when a candidate passes the guards. ``seeds``: the nodes the user keeps float
-    in every candidate, ``{"node", "why"}`` each."""
+    """tune's work on ``measure``'s float model inside the temporary folder ``work``; leaves
+    prepared.onnx there, and model.onnx when a candidate passes the guards. ``limits``:
+    (--max-exclude, --max-trials); ``seeds``: the nodes the user keeps float in every
+    candidate, ``{"node", "why"}`` each."""
+    path, model = measure.path, measure.model
     seeds = seeds or []
     progress = progress or Progress()
     evaluation = measure.evaluation
@@ -502,7 +503,6 @@ def tune_in(
         chosen, reached = chosen_row(rows, target["value"])
     if searchable and not reached and target["value"] is not None:
         progress.show("ranking the operators to exclude")
-        limits = (max_exclude, max_trials)
         start = start_row(static_rows(rows))
         exclusions(trials, start, target["value"], limits, prepared, goal.metric.name == "sqnr", progress)
         pareto(rows)
@@ -622,7 +622,7 @@ def exclusions(
     candidate = measure.models[candidate_path]
     # A ranking, not a measurement (every trial is measured on every sample): impact runs the
     # model once per operator, so it ranks on the first evaluation sample alone.
-    ranked = impact_of(given, candidate, measure.evaluation[:1], prepared_path, candidate_path)["ops"]
+    ranked = impact_of(Named(given, prepared_path), Named(candidate, candidate_path), measure.evaluation[:1])["ops"]
     blocks = search_blocks(given, ranked, MIN_GAIN_DB)
     part = best.get("worst_part") or {}
     first = part_blocks(given, part.get("node"), frozenset(best["quantize_static"].get("nodes_to_exclude") or []))

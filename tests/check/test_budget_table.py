@@ -116,7 +116,7 @@ def test_a_budget_that_needs_float_is_refused_without_it_by_check_and_by_the_con
     model = tmp_path / "model.onnx"
     model.write_bytes(b"")  # never read: the rule is checked first
     keywords = {name: 0, "metric": "sqnr"} if SPEC[name]["needs_metric"] else {name: 0}
-    with pytest.raises(graphscan.GraphscanError, match="needs --float F.onnx"):
+    with pytest.raises(graphscan.GraphscanError, match=r"needs --float F\.onnx"):
         graphscan.check(str(model), **keywords)
     config = tmp_path / "graphscan.toml"
     config.write_text(f'[[model]]\npath = "model.onnx"\n{name} = 0\n')

@@ -22,6 +22,7 @@ import graphscan_ort.shared.files
 import graphscan_ort.shared.inputs
 import graphscan_ort.tune.candidates as candidates
 import graphscan_ort.tune.command as tune
+from graphscan_ort.shared.options import Named, Timing
 from tests.helpers import (
     INTERRUPT_AT,
     TERMINATE_AT,
@@ -174,7 +175,8 @@ def test_a_candidate_equal_to_float_is_measured_as_infinitely_accurate(tuned):
     an exact exclusion row as the least accurate of all)."""
     model = onnx.load(tuned["float"])
     samples = [dict(np.load(tuned["held"]))]
-    measured = tune.measure_candidate(model, model, tuned["float"], tuned["float"], samples, runs=1)
+    named = Named(model, tuned["float"])
+    measured = tune.measure_candidate(named, named, samples, timing=Timing(1))
     assert measured["sqnr_db"] == math.inf
 
 
