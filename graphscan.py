@@ -2071,8 +2071,34 @@ def level_option(choices: list[str], default: str | None, help_text: str) -> Opt
     return ("--level", {"choices": choices, "default": default, "help": help_text})
 
 
-# The output group (--format, --top) is added to every command that answers JSON (add_arguments).
 FORMATS = ["json", "table"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """The output group (``--format``, ``--top``) of every command that answers JSON: the
+    JSON, or a table for people with only the ``top`` largest rows of each long list."""
+
+    format: str = "json"
+    top: int | None = None
+
+    @staticmethod
+    def add_to(parser: argparse.ArgumentParser, own_top: bool) -> None:
+        """Declare the group on ``parser`` (a command's own --top, which also limits its JSON, stays its own)."""
+        output = parser.add_argument_group("output (tables are for people; the JSON is the contract)")
+        output.add_argument("--format", choices=FORMATS, default="json", help="json (default) or table")
+        if not own_top:
+            output.add_argument(
+                "--top", type=non_negative_int, metavar="N", help="table: only the N largest rows of each long list"
+            )
+
+    @classmethod
+    def parsed(cls, args: argparse.Namespace, own_top: bool) -> Output:
+        """The group as the command line gave it; --top of a JSON answer is a usage error."""
+        chosen, top = getattr(args, "format", "json"), getattr(args, "top", None)
+        if chosen == "json" and top is not None and not own_top:
+            raise GraphscanError("usage: --top only limits tables; add --format table", EXIT_USAGE)
+        return cls(chosen, top)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2410,14 +2436,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: Command) -> None:
         parser.add_argument(path, help=command.path_help)
     for flag, settings in command.options:
         parser.add_argument(flag, **settings)
-    if command.text:
-        return
-    output = parser.add_argument_group("output (tables are for people; the JSON is the contract)")
-    output.add_argument("--format", choices=FORMATS, default="json", help="json (default) or table")
-    if not command.own_top:  # a command's own --top also limits its JSON
-        output.add_argument(
-            "--top", type=non_negative_int, metavar="N", help="table: only the N largest rows of each long list"
-        )
+    if not command.text:
+        Output.add_to(parser, command.own_top)
 
 
 def invoked_as() -> str:
@@ -2526,16 +2546,14 @@ def answer_text(argv: list[str]) -> tuple[str, int]:
     if args.command is None:
         raise GraphscanError(f"usage: a command is required ({', '.join(COMMANDS)})", EXIT_USAGE)
     command = load_command(args.command)
-    fmt, top = getattr(args, "format", "json"), getattr(args, "top", None)
-    if fmt == "json" and top is not None and not command.own_top:
-        raise GraphscanError("usage: --top only limits tables; add --format table", EXIT_USAGE)
+    output = Output.parsed(args, command.own_top)
     keywords = command_keywords(command, args)
     answer = command.run(*(getattr(args, p) for p in command.paths), **keywords)
     if command.text:
         return answer.rstrip("\n"), EXIT_OK
     exit_code = command.exit_code(answer) if command.exit_code else EXIT_OK
-    if fmt == "table":
-        return command.render(answer, top), exit_code
+    if output.format == "table":
+        return command.render(answer, output.top), exit_code
     return strict_json(answer), exit_code
 
 

@@ -328,15 +328,16 @@ def command_line_rules(settings: dict[str, Any]) -> None:
     the command line's own function, so a config and check never disagree. A user metric is
     not loaded here (its file runs when the gate runs)."""
     core = graphscan_core()
-    sample = {f"--{key}": settings.get(key) for key in ("float", "inputs", "shape", "seed", "level")}
+    sample = {f"--{key}": settings.get(key) for key in OPTION_KEYS if key != "path"}
     rules = budget_rules().values()
     needing = [rule.name for rule in rules if rule.needs_float]
     core.only_with(core.either_of(needing), any(key in settings for key in needing), sample)
     metric_keys = {f"--{key}": settings.get(key) for key in METRIC_KEYS}
     measured_by_metric = [rule.name for rule in rules if rule.needs_metric]
     core.only_with(core.either_of(measured_by_metric), any(key in settings for key in measured_by_metric), metric_keys)
-    types = {"seed": core.non_negative_int, "blank": core.non_negative_int, "threshold": core.finite_float}
-    for key, parse in types.items():
+    declared = dict(core.CHECK.options)  # check's own argparse types
+    for key in ("seed", "blank", "threshold"):
+        parse = declared[f"--{key}"]["type"]
         if key in settings:
             try:
                 parse(str(settings[key]))
@@ -479,7 +480,7 @@ def measured(config: pytest.Config, gate: Gate, budget: str, target: str = NATIV
         if target != NATIVE:
             options["cpu"] = target
         if on_samples:
-            for name in ("float", "inputs", "shape", "seed", "level", "metric", "threshold", "blank"):
+            for name in [key for key in [*OPTION_KEYS, *METRIC_KEYS] if key != "path"]:
                 if name in s:
                     options["float_path" if name == "float" else name] = s[name]
         cache[key] = in_process(lambda: core.check(s["path"], **options))

@@ -34,7 +34,7 @@ from graphscan_ort.engines.timing import runtime_time
 from graphscan_ort.shared.answers import ClassChange, NodeRow, RuntimeAnswer
 from graphscan_ort.shared.inputs import model_samples, parse_shapes
 from graphscan_ort.shared.kernels import RUNTIME_CLASSES
-from graphscan_ort.shared.options import MAX_RUNS, RUNTIME_DEFAULT_RUNS, Session, Timing, int_between
+from graphscan_ort.shared.options import MAX_RUNS, RUNTIME_DEFAULT_RUNS, Session, Timing
 from graphscan_ort.shared.sessions import CPU, environment, inputs_hint
 from graphscan_ort.shared.targets import NATIVE, TARGETS, require, run
 
@@ -199,13 +199,7 @@ COMMAND = Command(
             },
         ),
         *samples_group(1, when="--time: "),
-        (
-            "--runs",
-            {
-                "type": int_between(1, MAX_RUNS),
-                "help": f"--time: timed runs, 1 to {MAX_RUNS} (default: {RUNTIME_DEFAULT_RUNS})",
-            },
-        ),
+        Timing.option(f"--time: timed runs, 1 to {MAX_RUNS} (default: {RUNTIME_DEFAULT_RUNS})"),
     ),
     only_with=OnlyWith("--time", "timed", ("inputs", "shape", "seed", "runs")),
     absent={"seed": 0, "runs": RUNTIME_DEFAULT_RUNS},

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from graphscan import EXIT_USAGE, RUNTIME_LEVELS, GraphscanError, finite_float
+from graphscan import EXIT_USAGE, RUNTIME_LEVELS, GraphscanError, Option, finite_float
 
 if TYPE_CHECKING:
     import onnx
@@ -66,18 +66,27 @@ class Named:
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """The timing group (``--runs``): how many timed runs a latency takes."""
+    """The timing group (``--runs``): how many timed runs a latency takes. Its range lives
+    here alone: the command line's option (``option``) and a group built in-process check it."""
 
     runs: int = RUNTIME_DEFAULT_RUNS
 
     def __post_init__(self) -> None:
         check_between("--runs", self.runs, 1, MAX_RUNS)
 
+    @staticmethod
+    def option(help_text: str, default: int | None = None) -> Option:
+        """``--runs`` as a command declares it (``default``: None leaves it to the command's ``absent``)."""
+        settings: dict[str, object] = {"type": int_between(1, MAX_RUNS)}
+        if default is not None:
+            settings["default"] = default
+        return ("--runs", {**settings, "help": help_text})
+
 
 @dataclasses.dataclass(frozen=True)
 class Session:
     """The session group (``--level``, ``--threads``): the onnxruntime sessions a deployed
-    measurement runs in ("disabled" is no deployment)."""
+    measurement runs in ("disabled" is no deployment). Its ranges live here alone, as Timing's."""
 
     level: str = "all"
     threads: int = 1
@@ -86,3 +95,8 @@ class Session:
         check_between("--threads", self.threads, 1, MAX_THREADS)
         if self.level not in RUNTIME_LEVELS:
             raise GraphscanError(f"usage: --level must be one of {', '.join(RUNTIME_LEVELS)}", EXIT_USAGE)
+
+    @staticmethod
+    def threads_option(help_text: str) -> Option:
+        """``--threads`` as a command declares it (default 1); ``--level`` is the core's level_option."""
+        return ("--threads", {"type": int_between(1, MAX_THREADS), "default": 1, "help": help_text})

@@ -53,6 +53,7 @@ from graphscan import (
     RUNTIME_LEVELS,
     Command,
     GraphscanError,
+    MetricChoice,
     finite_float,
     level_option,
     load_with_weights,
@@ -77,7 +78,6 @@ from graphscan_ort.shared.options import (
     Named,
     Session,
     Timing,
-    int_between,
 )
 from graphscan_ort.shared.parts import TensorParts
 from graphscan_ort.shared.sessions import environment, sample_outputs
@@ -143,7 +143,7 @@ def tune(
     if out is None:
         raise GraphscanError("usage: tune needs --out DIR", EXIT_USAGE)
     timing, session = Timing(runs), Session(level, threads)  # each group checks its own ranges
-    chosen_metric = metric_of(metric, threshold, blank, target, target_sqnr)
+    chosen_metric = metric_of(MetricChoice(metric, threshold, blank), target, target_sqnr)
     target = target_sqnr if target is None else target
     if not (isinstance(min_speedup, (int, float)) and math.isfinite(min_speedup) and min_speedup >= 0):
         raise GraphscanError(f"usage: --min-speedup must be a finite number >= 0, not {min_speedup!r}", EXIT_USAGE)
@@ -774,22 +774,8 @@ COMMAND = Command(
             },
         ),
         level_option(list(RUNTIME_LEVELS), "all", "deployed optimization level (default: all)"),
-        (
-            "--threads",
-            {
-                "type": int_between(1, MAX_THREADS),
-                "default": 1,
-                "help": f"intra-op threads of the measurements, 1 to {MAX_THREADS} (default: 1)",
-            },
-        ),
-        (
-            "--runs",
-            {
-                "type": int_between(1, MAX_RUNS),
-                "default": RUNTIME_DEFAULT_RUNS,
-                "help": f"timed runs per candidate, 1 to {MAX_RUNS} (default: 20)",
-            },
-        ),
+        Session.threads_option(f"intra-op threads of the measurements, 1 to {MAX_THREADS} (default: 1)"),
+        Timing.option(f"timed runs per candidate, 1 to {MAX_RUNS} (default: 20)", RUNTIME_DEFAULT_RUNS),
     ),
     table=tune_table,
     exit_code=lambda answer: EXIT_OK if answer["reached"] else EXIT_BUDGET,
