@@ -145,7 +145,7 @@ __all__ += [
     "samples_group",
 ]
 # check's budgets, as the plugin's config reads them
-__all__ += ["BUDGETS", "CHECK", "budget_limit", "either_of"]
+__all__ += ["BUDGETS", "CHECK", "FLOAT_BUDGETS", "budget_limit", "either_of"]
 # the commands as functions, and the command line
 __all__ += [
     "boundary",

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from graphscan import EXIT_USAGE, NO_METRIC, GraphscanError, MetricChoice, Samples, load_with_weights
+from graphscan import EXIT_USAGE, FLOAT_BUDGETS, NO_METRIC, GraphscanError, MetricChoice, Samples, load_with_weights
 from graphscan_ort.engines.classify import classify
 from graphscan_ort.engines.levels import lowest_levels, quantized_activations, tensor_levels
 from graphscan_ort.shared.agreement import Metric, metric, paired_value
@@ -60,7 +60,7 @@ def measurements(
         else:  # the target's own optimized session, as runtime --cpu reads it
             found_classes = target.run("graphscan_ort.commands.runtime:classes", [path, "extended", CPU, False])
             values["min_int8"] = int8_fraction(found_classes["classes"])
-    if {"min_sqnr", "min_levels", "min_metric"} & set(names):
+    if set(FLOAT_BUDGETS) & set(names):  # the budgets that run the float model too
         assert float_path is not None, "the core checks that the budgets that run --float come with it"
         model = load_with_weights(path) if model is None else model
         found, more = float_measurements(Named(model, path), float_path, names, samples, level, agreement, target)
@@ -107,9 +107,7 @@ def float_measurements(
     described: dict[str, dict[str, Any]] = {}
     if "min_levels" in names:
         if target.native:
-            values["min_levels"], described["min_levels"] = lowest_levels_budget(
-                reference.model, quantized.model, runs, float_path
-            )
+            values["min_levels"], described["min_levels"] = lowest_levels_budget(reference, quantized, runs)
         else:
             values["min_levels"], described["min_levels"] = levels_on_target(target, float_path, quantized.path, runs)
     if {"min_sqnr", "min_metric"} & set(names):
@@ -155,13 +153,12 @@ def deployed_outputs(reference: Named, candidate: Named, runs: CheckSamples, lev
         return paired_outputs(reference, candidate, runs.samples, pairs, options)
 
 
-def lowest_levels_budget(
-    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, runs: CheckSamples, float_path: str
-) -> tuple[float, dict[str, Any]]:
+def lowest_levels_budget(reference: Named, candidate: Named, runs: CheckSamples) -> tuple[float, dict[str, Any]]:
     """min_levels' value (``inf`` when no quantized tensor has a part that varies) and what its
     row names: the tensor, its worst part and the node that part comes from."""
-    with inputs_hint(runs.generated, 1, [float_path]):
-        found = lowest_levels(tensor_levels(float_model, quantized_activations(quant_model), runs.samples, float_path))
+    with inputs_hint(runs.generated, 1, [reference.path]):
+        activations = quantized_activations(candidate.model)
+        found = lowest_levels(tensor_levels(reference.model, activations, runs.samples, reference.path))
     if found is None:
         return math.inf, {"tensor": None, "part": None}
     return found.levels, {"tensor": found.tensor, "part": {"part": found.part, "node": found.node}}
@@ -246,9 +243,8 @@ def target_levels(
 ) -> tuple[float | None, dict[str, Any]]:
     """Inside a CPU target: ``lowest_levels_budget`` on the saved samples (None: no part varies)."""
     runs = CheckSamples(load_samples(samples_file, names), generated)
-    value, described = lowest_levels_budget(
-        load_with_weights(float_path), load_with_weights(quant_path), runs, float_path
-    )
+    reference = Named(load_with_weights(float_path), float_path)
+    value, described = lowest_levels_budget(reference, Named(load_with_weights(quant_path), quant_path), runs)
     return (value if math.isfinite(value) else None), described
 
 
