@@ -146,7 +146,7 @@ __all__ += [
     "samples_group",
 ]
 # check's budgets, as the plugin's config reads them
-__all__ += ["CHECK", "budget_limit"]
+__all__ += ["BUDGETS", "CHECK", "FLOAT_BUDGETS", "budget_limit", "either_of"]
 # the answers of the core's commands, as the plugin's fixture returns them
 __all__ += ["BoundaryAnswer", "CheckAnswer", "DiffAnswer", "IslandsAnswer", "NodesAnswer", "QdqAnswer"]
 # the commands as functions, and the command line
@@ -1138,20 +1138,123 @@ def package_needed(needed_by: str) -> Iterator[None]:
 # check: a gate for CI. Each budget is measured and compared with its limit;
 # the answer is the same JSON whether the budgets hold (exit 0) or not (exit 8).
 
-# name: (what it measures, direction). "max" holds when value <= limit.
+
+@dataclasses.dataclass(frozen=True)
+class BudgetRule:
+    """One budget of check, the one home of everything about it: check's option and its
+    help, ``budget_limit``'s rule, and the plugin's config key and its "needs" rules are
+    all derived from the BUDGETS table of these."""
+
+    name: str  # the budget file's and the plugin's key; --max-float is its flag
+    measures: str  # what the value counts, in words (the plugin's failure sentence of a count)
+    direction: str  # "max": holds when value <= limit; "min": when value >= limit
+    structural: bool  # counted from the graph here; else it runs the model (graphscan_ort)
+    value: type[int] | type[float]  # int: a whole number >= 0; float: any finite number (within ``between``)
+    metavar: str
+    help: str  # check's --help of its option
+    key_help: str  # the plugin's config schema: what the key is
+    between: tuple[float, float] | None = None  # the limit's closed range, when it has one
+    needs_float: bool = False  # runs the float model too, on samples (--float, --inputs...)
+    needs_metric: bool = False  # measured by --metric
+
+    @property
+    def flag(self) -> str:
+        """check's option for it: ``--max-float``."""
+        return "--" + self.name.replace("_", "-")
+
+
 BUDGETS = {
-    "max_float": ("float compute nodes (islands)", "max"),
-    "max_islands": ("float islands (islands)", "max"),
-    "max_crossings": ("boundary crossings (boundary)", "max"),
-    "min_int8": ("fraction of the nodes that run a kernel which run an int8 or int8_data kernel (runtime)", "min"),
-    "min_sqnr": ("output SQNR in dB against --float: the worst part's (impact's definition)", "min"),
-    "min_levels": ("steps of its scale the worst part of every quantized tensor spans (trace's levels)", "min"),
-    "min_metric": ("the --metric agreement with --float (a built-in metric or FILE.py:FUNCTION)", "min"),
+    rule.name: rule
+    for rule in (
+        BudgetRule(
+            name="max_float",
+            measures="float compute nodes",
+            direction="max",
+            structural=True,
+            value=int,
+            metavar="N",
+            help="at most N float compute nodes",
+            key_help="at most N float compute nodes",
+        ),
+        BudgetRule(
+            name="max_islands",
+            measures="float islands",
+            direction="max",
+            structural=True,
+            value=int,
+            metavar="N",
+            help="at most N float islands",
+            key_help="at most N float islands",
+        ),
+        BudgetRule(
+            name="max_crossings",
+            measures="boundary crossings",
+            direction="max",
+            structural=True,
+            value=int,
+            metavar="N",
+            help="at most N boundary crossings",
+            key_help="at most N boundary crossings",
+        ),
+        BudgetRule(
+            name="min_int8",
+            measures="fraction of the compute nodes that run an int8 or int8_data kernel (runtime)",
+            direction="min",
+            structural=False,
+            value=float,
+            metavar="FRACTION",
+            help="at least this fraction of kernels run int8 (runtime)",
+            key_help="at least this fraction of kernels int8",
+            between=(0, 1),
+        ),
+        BudgetRule(
+            name="min_sqnr",
+            measures="output SQNR in dB against --float: the worst part's (impact's definition)",
+            direction="min",
+            structural=False,
+            value=float,
+            metavar="DB",
+            help="output SQNR against --float of at least DB",
+            key_help="output SQNR against float of at least DB",
+            needs_float=True,
+        ),
+        BudgetRule(
+            name="min_levels",
+            measures="steps of its scale the worst part of every quantized tensor spans (trace's levels)",
+            direction="min",
+            structural=False,
+            value=float,
+            metavar="N",
+            help="every quantized tensor's worst part spans at least N steps of its scale (needs --float)",
+            key_help="every quantized tensor's worst part spans at least N steps of its scale",
+            needs_float=True,
+        ),
+        BudgetRule(
+            name="min_metric",
+            measures="the --metric agreement with --float (a built-in metric or FILE.py:FUNCTION)",
+            direction="min",
+            structural=False,
+            value=float,
+            metavar="X",
+            help="the --metric agreement with --float of at least X",
+            key_help="the metric's agreement with float of at least X",
+            needs_float=True,
+            needs_metric=True,
+        ),
+    )
 }
 # Budgets counted from the graph here; the others run the model (graphscan_ort.check).
-STRUCTURAL_BUDGETS = ("max_float", "max_islands", "max_crossings")
-# Budgets that run the float model too, on the samples.
-FLOAT_BUDGETS = ("min_sqnr", "min_levels", "min_metric")
+STRUCTURAL_BUDGETS = tuple(rule.name for rule in BUDGETS.values() if rule.structural)
+RUNNING_BUDGETS = tuple(rule.name for rule in BUDGETS.values() if not rule.structural)
+# Budgets that run the float model too, on the samples; those measured by --metric.
+FLOAT_BUDGETS = tuple(rule.name for rule in BUDGETS.values() if rule.needs_float)
+METRIC_BUDGETS = tuple(rule.name for rule in BUDGETS.values() if rule.needs_metric)
+
+
+def either_of(names: Iterable[str]) -> str:
+    """Budgets' flags as one phrase: ``--min-sqnr, --min-levels or --min-metric``."""
+    flags = [BUDGETS[name].flag for name in names]
+    return f"{', '.join(flags[:-1])} or {flags[-1]}" if len(flags) > 1 else "".join(flags)
 
 
 def read_budget_file(path: str) -> dict[str, float]:
@@ -1193,11 +1296,13 @@ def budget_limit(name: str, value: object, where: str) -> float:
         huge = isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64
         text = "an integer too large for a budget" if huge else repr(value)
         raise GraphscanError(f"usage: {where}: budget {name} must be a finite number, not {text}", EXIT_USAGE)
-    if name in STRUCTURAL_BUDGETS and (value < 0 or value != int(value)):
+    rule = BUDGETS[name]
+    if rule.value is int and (value < 0 or value != int(value)):
         raise GraphscanError(f"usage: {where}: budget {name} must be a whole number >= 0", EXIT_USAGE)
-    if name == "min_int8" and not 0 <= value <= 1:
-        raise GraphscanError(f"usage: {where}: budget min_int8 is a fraction between 0 and 1", EXIT_USAGE)
-    return int(value) if name.startswith("max_") else float(value)
+    if rule.between is not None and not rule.between[0] <= value <= rule.between[1]:
+        low, high = rule.between
+        raise GraphscanError(f"usage: {where}: budget {name} is a fraction between {low:g} and {high:g}", EXIT_USAGE)
+    return rule.value(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1248,9 +1353,9 @@ def budget_values(
         values["max_crossings"] = boundary_report(index, islands_found)["crossings"]
     for name in FLOAT_BUDGETS:
         if name in names and float_path is None:
-            raise GraphscanError(f"usage: --{name.replace('_', '-')} needs --float F.onnx", EXIT_USAGE)
+            raise GraphscanError(f"usage: {BUDGETS[name].flag} needs --float F.onnx", EXIT_USAGE)
     if measured:
-        options = " and ".join(f"--{name.replace('_', '-')}" for name in measured)
+        options = " and ".join(BUDGETS[name].flag for name in measured)
         with package_needed(f"check {options}"):
             from graphscan_ort.extension import check_measurements
 
@@ -1261,7 +1366,7 @@ def budget_values(
 
 
 def budget_holds(name: str, value: float, limit: float) -> bool:
-    if BUDGETS[name][1] == "max":
+    if BUDGETS[name].direction == "max":
         return value <= limit
     return value >= limit  # an SQNR of inf (equal outputs) holds, nan does not
 
@@ -1307,24 +1412,27 @@ def check(
         "min_levels": min_levels,
         "min_metric": min_metric,
     }
+    assert list(given) == list(BUDGETS), "check() takes one keyword per budget, in the table's order"
     for name, value in given.items():
         if value is not None:
-            limits[name] = budget_limit(name, value, f"--{name.replace('_', '-')}")
+            limits[name] = budget_limit(name, value, BUDGETS[name].flag)
     if not limits:
         raise GraphscanError(
-            "usage: check needs at least one budget (--budget FILE or "
-            f"--{' / --'.join(n.replace('_', '-') for n in BUDGETS)})",
+            f"usage: check needs at least one budget (--budget FILE or {' / '.join(r.flag for r in BUDGETS.values())})",
             EXIT_USAGE,
         )
     sample = {"--float": float_path, "--inputs": inputs, "--shape": shape, "--seed": seed, "--level": level}
-    only_with("--min-sqnr, --min-levels or --min-metric", bool(set(FLOAT_BUDGETS) & set(limits)), sample)
-    only_with("--min-metric", "min_metric" in limits, {"--metric": metric, "--threshold": threshold, "--blank": blank})
-    if "min_metric" in limits and metric is None:
-        raise GraphscanError("usage: the min_metric budget needs --metric NAME|FILE.py:FUNCTION", EXIT_USAGE)
-    measured = bool(set(limits) - set(STRUCTURAL_BUDGETS))
+    only_with(either_of(FLOAT_BUDGETS), bool(set(FLOAT_BUDGETS) & set(limits)), sample)
+    metric_budgets = [name for name in limits if BUDGETS[name].needs_metric]
     only_with(
-        "--min-int8, --min-sqnr, --min-levels or --min-metric", measured, {"--cpu": None if cpu == "native" else cpu}
+        either_of(METRIC_BUDGETS),
+        bool(metric_budgets),
+        {"--metric": metric, "--threshold": threshold, "--blank": blank},
     )
+    if metric_budgets and metric is None:
+        raise GraphscanError(f"usage: the {metric_budgets[0]} budget needs --metric NAME|FILE.py:FUNCTION", EXIT_USAGE)
+    measured = bool(set(limits) & set(RUNNING_BUDGETS))
+    only_with(either_of(RUNNING_BUDGETS), measured, {"--cpu": None if cpu == "native" else cpu})
     check_readable(path)
     names = [name for name in BUDGETS if name in limits]  # a fixed order, whatever the file's
     chosen = MetricChoice(metric, threshold, blank)
@@ -1998,8 +2106,34 @@ def level_option(choices: list[str], default: str | None, help_text: str) -> Opt
     return ("--level", {"choices": choices, "default": default, "help": help_text})
 
 
-# The output group (--format, --top) is added to every command that answers JSON (add_arguments).
 FORMATS = ["json", "table"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """The output group (``--format``, ``--top``) of every command that answers JSON: the
+    JSON, or a table for people with only the ``top`` largest rows of each long list."""
+
+    format: str = "json"
+    top: int | None = None
+
+    @staticmethod
+    def add_to(parser: argparse.ArgumentParser, own_top: bool) -> None:
+        """Declare the group on ``parser`` (a command's own --top, which also limits its JSON, stays its own)."""
+        output = parser.add_argument_group("output (tables are for people; the JSON is the contract)")
+        output.add_argument("--format", choices=FORMATS, default="json", help="json (default) or table")
+        if not own_top:
+            output.add_argument(
+                "--top", type=non_negative_int, metavar="N", help="table: only the N largest rows of each long list"
+            )
+
+    @classmethod
+    def parsed(cls, args: argparse.Namespace, own_top: bool) -> Output:
+        """The group as the command line gave it; --top of a JSON answer is a usage error."""
+        chosen, top = getattr(args, "format", "json"), getattr(args, "top", None)
+        if chosen == "json" and top is not None and not own_top:
+            raise GraphscanError("usage: --top only limits tables; add --format table", EXIT_USAGE)
+        return cls(chosen, top)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2067,40 +2201,21 @@ CHECK = Command(
     options=(
         ("--float", {"metavar": "F.onnx", "dest": "float_path", "help": "the float model, for --min-sqnr"}),
         ("--budget", {"metavar": "FILE.json", "help": "budgets as a JSON object (options override it)"}),
-        ("--max-float", {"type": int, "metavar": "N", "help": "at most N float compute nodes"}),
-        ("--max-islands", {"type": int, "metavar": "N", "help": "at most N float islands"}),
-        ("--max-crossings", {"type": int, "metavar": "N", "help": "at most N boundary crossings"}),
-        (
-            "--min-int8",
-            {"type": float, "metavar": "FRACTION", "help": "at least this fraction of kernels run int8 (runtime)"},
-        ),
-        ("--min-sqnr", {"type": float, "metavar": "DB", "help": "output SQNR against --float of at least DB"}),
-        (
-            "--min-levels",
-            {
-                "type": float,
-                "metavar": "N",
-                "help": "every quantized tensor's worst part spans at least N steps of its scale (needs --float)",
-            },
-        ),
-        (
-            "--min-metric",
-            {"type": float, "metavar": "X", "help": "the --metric agreement with --float of at least X"},
-        ),
-        *metric_group("--min-metric: "),
+        *((rule.flag, {"type": rule.value, "metavar": rule.metavar, "help": rule.help}) for rule in BUDGETS.values()),
+        *metric_group(f"{either_of(METRIC_BUDGETS)}: "),
         level_option(
             ["disabled", *RUNTIME_LEVELS],
             None,
             "--min-sqnr, --min-metric: onnxruntime optimization level both models run at (default: all)",
         ),
-        *samples_group(1, samples="many", when="--min-sqnr, --min-levels, --min-metric: "),
+        *samples_group(1, samples="many", when=f"{', '.join(BUDGETS[name].flag for name in FLOAT_BUDGETS)}: "),
         (
             "--cpu",
             {
                 "metavar": "NAME",
                 "default": "native",
-                "help": "--min-int8, --min-sqnr, --min-levels, --min-metric: run the models in onnxruntime built for"
-                " this CPU, emulated: native (default), x86-avx2 or arm64 (install: python -m"
+                "help": f"{', '.join(BUDGETS[name].flag for name in RUNNING_BUDGETS)}: run the models in onnxruntime"
+                " built for this CPU, emulated: native (default), x86-avx2 or arm64 (install: python -m"
                 " graphscan_ort.shared.targets install)",
             },
         ),
@@ -2374,14 +2489,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: Command) -> None:
         parser.add_argument(path, help=command.path_help)
     for flag, settings in command.options:
         parser.add_argument(flag, **settings)
-    if command.text:
-        return
-    output = parser.add_argument_group("output (tables are for people; the JSON is the contract)")
-    output.add_argument("--format", choices=FORMATS, default="json", help="json (default) or table")
-    if not command.own_top:  # a command's own --top also limits its JSON
-        output.add_argument(
-            "--top", type=non_negative_int, metavar="N", help="table: only the N largest rows of each long list"
-        )
+    if not command.text:
+        Output.add_to(parser, command.own_top)
 
 
 def invoked_as() -> str:
@@ -2490,16 +2599,14 @@ def answer_text(argv: list[str]) -> tuple[str, int]:
     if args.command is None:
         raise GraphscanError(f"usage: a command is required ({', '.join(COMMANDS)})", EXIT_USAGE)
     command = load_command(args.command)
-    fmt, top = getattr(args, "format", "json"), getattr(args, "top", None)
-    if fmt == "json" and top is not None and not command.own_top:
-        raise GraphscanError("usage: --top only limits tables; add --format table", EXIT_USAGE)
+    output = Output.parsed(args, command.own_top)
     keywords = command_keywords(command, args)
     answer = command.run(*(getattr(args, p) for p in command.paths), **keywords)
     if command.text:
         return answer.rstrip("\n"), EXIT_OK
     exit_code = command.exit_code(answer) if command.exit_code else EXIT_OK
-    if fmt == "table":
-        return command.render(answer, top), exit_code
+    if output.format == "table":
+        return command.render(answer, output.top), exit_code
     return strict_json(answer), exit_code
 
 

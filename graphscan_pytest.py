@@ -51,29 +51,25 @@ StrPath = str | os.PathLike[str]  # a path the fixture's methods take
 CONFIG_NAME = "graphscan.toml"
 SNAPSHOT_FOLDER = "graphscan_snapshots"
 
-# key: (types it may have, what it is); paths are relative to the config's folder.
-KEYS: dict[str, tuple[tuple[type, ...], str]] = {
+Key = tuple[tuple[type, ...], str]  # the types a config key may have, and what it is
+# The keys of a [[model]] table beside its budgets (config_keys); paths are relative to the config's folder.
+OPTION_KEYS: dict[str, Key] = {
     "path": ((str,), "the quantized model"),
     "float": ((str,), "the float model, for min_sqnr and min_metric"),
     "inputs": ((str, list), "samples: .npz files or folders of them"),
     "shape": ((list,), "shapes of generated inputs, NAME=D0,D1,..."),
     "seed": ((int,), "seed of generated inputs"),
     "level": ((str,), "onnxruntime optimization level of min_sqnr and min_metric"),
-    "max_float": ((int,), "at most N float compute nodes"),
-    "max_islands": ((int,), "at most N float islands"),
-    "max_crossings": ((int,), "at most N boundary crossings"),
-    "min_int8": ((int, float), "at least this fraction of kernels int8"),
-    "min_sqnr": ((int, float), "output SQNR against float of at least DB"),
-    "min_levels": ((int, float), "every quantized tensor's worst part spans at least N steps of its scale"),
+}
+METRIC_KEYS: dict[str, Key] = {
     "metric": ((str,), "a built-in metric or FILE.py:FUNCTION"),
     "threshold": ((int, float), "iou's threshold"),
     "blank": ((int,), "ctc's blank class"),
-    "min_metric": ((int, float), "the metric's agreement with float of at least X"),
+}
+GATE_KEYS: dict[str, Key] = {
     "snapshot": ((bool,), "pin the runtime class of every node"),
     "cpu": ((list,), "the CPU targets that run the model: native, x86-avx2, arm64"),
 }
-COUNTED = {"max_float": "float compute nodes", "max_islands": "float islands", "max_crossings": "boundary crossings"}
-BUDGET_KEYS = ["max_float", "max_islands", "max_crossings", "min_int8", "min_sqnr", "min_levels", "min_metric"]
 PATH_KEYS = ("path", "float")
 NATIVE = "native"  # the CPU target of a model without cpu = [...]; its items and snapshot keep their plain names
 
@@ -151,7 +147,8 @@ class Gate:
 
     @property
     def budgets(self) -> list[str]:
-        return [key for key in BUDGET_KEYS if key in self.settings]
+        """Its budgets, in check's order."""
+        return [key for key in budget_rules() if key in self.settings]
 
     @property
     def targets(self) -> list[str]:
@@ -231,16 +228,46 @@ def snapshot_names(gates: list[Gate], folder: Path) -> list[str]:
     return names
 
 
+def budget_rules() -> dict[str, Any]:
+    """check's table of budgets (``graphscan.BUDGETS``, name: BudgetRule): the one home of
+    the budgets' keys, types, ranges and "needs" rules."""
+    rules: dict[str, Any] = graphscan_core().BUDGETS
+    return rules
+
+
+def counted(name: str) -> bool:
+    """Whether budget ``name`` is counted from the graph (the same on every CPU), not run."""
+    return bool(budget_rules()[name].structural)
+
+
+def sampled(name: str) -> bool:
+    """Whether budget ``name`` runs the model on samples, against the float model."""
+    return bool(budget_rules()[name].needs_float)
+
+
+def config_keys() -> dict[str, Key]:
+    """Every key of a ``[[model]]`` table, in the order its errors list them: the options,
+    each budget of check's table (the metric's keys right before the budget it measures),
+    then snapshot and cpu."""
+    keys = dict(OPTION_KEYS)
+    for rule in budget_rules().values():
+        if rule.needs_metric:
+            keys.update(METRIC_KEYS)
+        keys[rule.name] = ((int,) if rule.value is int else (int, float), rule.key_help)
+    return {**keys, **GATE_KEYS}
+
+
 def checked_gate(path: Path, text: str, index: int, entry: Any) -> Gate:
     def fail(key: str | None, why: str) -> ConfigError:
         return ConfigError(f"{path}:{key_line(text, index, key)}: [[model]] {index + 1}: {why}")
 
     if not isinstance(entry, dict):
         raise fail(None, f"must be a table of keys (path = ..., budgets), not {entry!r}")
+    known = config_keys()
     for key, value in entry.items():
-        if key not in KEYS:
-            raise fail(key, f"unknown key {key!r} (known: {', '.join(KEYS)})")
-        types, what = KEYS[key]
+        if key not in known:
+            raise fail(key, f"unknown key {key!r} (known: {', '.join(known)})")
+        types, what = known[key]
         if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
             raise fail(key, f"{key} must be {' or '.join(t.__name__ for t in types)} ({what}), not {value!r}")
     if "path" not in entry:
@@ -268,19 +295,21 @@ def checked_gate(path: Path, text: str, index: int, entry: Any) -> Gate:
             resolved.append(full)
         settings["inputs"] = resolved
     core = graphscan_core()
-    for key in BUDGET_KEYS:
+    rules = budget_rules()
+    for key in rules:
         if key in settings:
             try:
                 core.budget_limit(key, settings[key], key)
             except core.GraphscanError as exc:
                 raise fail(key, str(exc).removeprefix("usage: ")) from None
-    if not any(key in settings for key in [*BUDGET_KEYS, "snapshot"]):
-        raise fail(None, f"no budget (one of {', '.join(BUDGET_KEYS)}) and no snapshot")
-    for key in ("min_sqnr", "min_levels", "min_metric"):
-        if key in settings and "float" not in settings:
+    if not any(key in settings for key in [*rules, "snapshot"]):
+        raise fail(None, f"no budget (one of {', '.join(rules)}) and no snapshot")
+    for key, rule in rules.items():
+        if key in settings and rule.needs_float and "float" not in settings:
             raise fail(key, f"{key} needs float = the float model")
-    if "min_metric" in settings and "metric" not in settings:
-        raise fail("min_metric", "min_metric needs metric = NAME or FILE.py:FUNCTION")
+    for key, rule in rules.items():
+        if key in settings and rule.needs_metric and "metric" not in settings:
+            raise fail(key, f"{key} needs metric = NAME or FILE.py:FUNCTION")
     try:
         command_line_rules(settings)
         metric_file = user_metric_file(settings.get("metric"))
@@ -311,7 +340,7 @@ def cpu_mistake(entry: dict[str, Any]) -> str | None:
             return f"cpu: {name!r} is not one of {', '.join(TARGETS)}"
         if chosen.count(name) > 1:
             return f"cpu: {name!r} is given twice"
-    running = [key for key in BUDGET_KEYS if key not in COUNTED]
+    running = [key for key in budget_rules() if not counted(key)]
     if chosen != [NATIVE] and not (entry.get("snapshot") or any(key in entry for key in running)):
         return f"cpu: only with {', '.join(running)} or snapshot (the counts are the same on every CPU)"
     return None
@@ -322,12 +351,16 @@ def command_line_rules(settings: dict[str, Any]) -> None:
     the command line's own function, so a config and check never disagree. A user metric is
     not loaded here (its file runs when the gate runs)."""
     core = graphscan_core()
-    sample = {f"--{key}": settings.get(key) for key in ("float", "inputs", "shape", "seed", "level")}
-    core.only_with("--min-sqnr, --min-levels or --min-metric", any(key in settings for key in SAMPLED), sample)
-    metric_keys = {f"--{key}": settings.get(key) for key in ("metric", "threshold", "blank")}
-    core.only_with("--min-metric", "min_metric" in settings, metric_keys)
-    types = {"seed": core.non_negative_int, "blank": core.non_negative_int, "threshold": core.finite_float}
-    for key, parse in types.items():
+    sample = {f"--{key}": settings.get(key) for key in OPTION_KEYS if key != "path"}
+    rules = budget_rules().values()
+    needing = [rule.name for rule in rules if rule.needs_float]
+    core.only_with(core.either_of(needing), any(key in settings for key in needing), sample)
+    metric_keys = {f"--{key}": settings.get(key) for key in METRIC_KEYS}
+    measured_by_metric = [rule.name for rule in rules if rule.needs_metric]
+    core.only_with(core.either_of(measured_by_metric), any(key in settings for key in measured_by_metric), metric_keys)
+    declared = dict(core.CHECK.options)  # check's own argparse types
+    for key in ("seed", "blank", "threshold"):
+        parse = declared[f"--{key}"]["type"]
         if key in settings:
             try:
                 parse(str(settings[key]))
@@ -383,7 +416,7 @@ def gate_items(gate: Gate) -> Iterator[tuple[str, str | None, str]]:
     """``(name, budget, target)`` of each item of ``gate`` in order, its snapshot's with budget None."""
     for budget in gate.budgets:
         # A count reads the graph alone: one item whatever the CPUs; the others one per target.
-        for target in [NATIVE] if budget in COUNTED else gate.targets:
+        for target in [NATIVE] if counted(budget) else gate.targets:
             yield on_target(budget, target), budget, target
     if gate.settings.get("snapshot"):
         for target in gate.targets:
@@ -482,26 +515,23 @@ def in_process(run: Callable[[], Any]) -> Any:
         raise GateFailed(f"graphscan: {exc} (exit {exc.exit_code})") from None
 
 
-SAMPLED = ("min_sqnr", "min_levels", "min_metric")  # the budgets that run the model on samples (check's FLOAT_BUDGETS)
-
-
 def measured(config: pytest.Config, gate: Gate, budget: str, target: str = NATIVE) -> dict[str, Any]:
     """graphscan check's answer for ``budget`` on ``target`` and the other budgets of
     ``gate`` measured alike, once per session: those that run samples apart, so a sample
     that fails them never fails a count (max_islands needs no inputs). The counts are
     measured natively only (check refuses --cpu for them alone)."""
     cache = session_state(config).answers
-    sampled = budget in SAMPLED
-    key = ("check", gate.index, sampled, target)
+    on_samples = sampled(budget)
+    key = ("check", gate.index, on_samples, target)
     if key not in cache:
         core = graphscan_core()
         s = gate.settings
-        alike = [name for name in gate.budgets if (name in SAMPLED) == sampled]
-        options = {name: s[name] for name in alike if target == NATIVE or name not in COUNTED}
+        alike = [name for name in gate.budgets if sampled(name) == on_samples]
+        options = {name: s[name] for name in alike if target == NATIVE or not counted(name)}
         if target != NATIVE:
             options["cpu"] = target
-        if sampled:
-            for name in ("float", "inputs", "shape", "seed", "level", "metric", "threshold", "blank"):
+        if on_samples:
+            for name in [key for key in [*OPTION_KEYS, *METRIC_KEYS] if key != "path"]:
                 if name in s:
                     options["float_path" if name == "float" else name] = s[name]
         cache[key] = in_process(lambda: core.check(s["path"], **options))
@@ -524,7 +554,8 @@ def budget_sentence(row: dict[str, Any], config: pytest.Config, gate: Gate, targ
     """``min_int8: 0.1849 < 0.8 (54 of 292 nodes run int8 or int8_data kernels)``
     (``min_int8[arm64]: ...`` on a target, its nodes those the target runs)."""
     name, value, limit = row["name"], row["value"], row["limit"]
-    sign = ">" if name.startswith("max_") else "<"
+    rule = budget_rules()[name]
+    sign = ">" if rule.direction == "max" else "<"
     shown = "undefined" if value is None else f"{value:.4g}"
     sentence = f"{on_target(name, target)}: {shown} {sign} {limit:g}"
     if name == "min_int8":
@@ -546,7 +577,7 @@ def budget_sentence(row: dict[str, Any], config: pytest.Config, gate: Gate, targ
         where = f" at {row['tensor']}, part {part['part']} from {part['node']}" if part else ""
         sentence += f" (steps of the scale{where})"
     else:
-        sentence += f" ({COUNTED[name]})"
+        sentence += f" ({rule.measures})"
     return sentence + (" (undefined never holds)" if value is None else "")
 
 

@@ -40,6 +40,7 @@ def plain_loop(float_path: str, calibrate: list[str], inputs: list[str], work: s
     from onnxruntime.quantization import quantize_static
 
     from graphscan import load_with_weights
+    from graphscan_ort.shared.options import Named, Session, Timing
     from graphscan_ort.shared.sessions import quiet
     from graphscan_ort.tune.candidates import SampleReader, candidate_settings, keyword_arguments
     from graphscan_ort.tune.deployed import measure_candidate
@@ -58,7 +59,8 @@ def plain_loop(float_path: str, calibrate: list[str], inputs: list[str], work: s
             target = os.path.join(work, f"plain{count}.onnx")
             with quiet():
                 quantize_static(prepared, target, SampleReader(calibration), **keyword_arguments(settings))
-            measure_candidate(original, onnx.load(target), float_path, target, evaluation, "all", 1, runs)
+            measured = Named(onnx.load(target), target)
+            measure_candidate(Named(original, float_path), measured, evaluation, Session("all", 1), Timing(runs))
             count += 1
     print(count)
     return 0

@@ -17,13 +17,14 @@ from typing import Any
 import numpy as np
 import onnx
 
-from graphscan import EXIT_USAGE, NO_METRIC, GraphscanError, MetricChoice, Samples, load_with_weights
+from graphscan import EXIT_USAGE, FLOAT_BUDGETS, NO_METRIC, GraphscanError, MetricChoice, Samples, load_with_weights
 from graphscan_ort.engines.classify import classify
 from graphscan_ort.engines.levels import lowest_levels, quantized_activations, tensor_levels
 from graphscan_ort.shared.agreement import Metric, metric, paired_value
 from graphscan_ort.shared.inputs import check_same_inputs, model_samples, parse_shapes
 from graphscan_ort.shared.kernels import int8_fraction
 from graphscan_ort.shared.metrics import FloatOutputs, PairedOutputs, output_layout, output_pairs, paired_outputs
+from graphscan_ort.shared.options import Named
 from graphscan_ort.shared.sessions import CPU, deployed_options, inputs_hint, model_outputs
 from graphscan_ort.shared.targets import NATIVE, TARGETS, Facts, require, run
 
@@ -59,10 +60,10 @@ def measurements(
         else:  # the target's own optimized session, as runtime --cpu reads it
             found_classes = target.run("graphscan_ort.commands.runtime:classes", [path, "extended", CPU, False])
             values["min_int8"] = int8_fraction(found_classes["classes"])
-    if {"min_sqnr", "min_levels", "min_metric"} & set(names):
+    if set(FLOAT_BUDGETS) & set(names):  # the budgets that run the float model too
         assert float_path is not None, "the core checks that the budgets that run --float come with it"
         model = load_with_weights(path) if model is None else model
-        found, more = float_measurements(path, model, float_path, names, samples, level, agreement, target)
+        found, more = float_measurements(Named(model, path), float_path, names, samples, level, agreement, target)
         values.update(found)
         described.update(more)
     if agreement is not None:
@@ -89,8 +90,7 @@ class Target:
 
 
 def float_measurements(
-    path: str,
-    model: onnx.ModelProto,
+    quantized: Named,
     float_path: str,
     names: list[str],
     samples: Samples,
@@ -101,20 +101,20 @@ def float_measurements(
     """min_sqnr, min_levels and min_metric: the budgets that run the float model too
     (both models on ``target``'s CPU)."""
     target = target or Target(NATIVE)
-    float_model = load_with_weights(float_path)
-    runs = checked_samples(float_model, model, float_path, path, samples)
+    reference = Named(load_with_weights(float_path), float_path)
+    runs = checked_samples(reference, quantized, samples)
     values: dict[str, float] = {}
     described: dict[str, dict[str, Any]] = {}
     if "min_levels" in names:
         if target.native:
-            values["min_levels"], described["min_levels"] = lowest_levels_budget(float_model, model, runs, float_path)
+            values["min_levels"], described["min_levels"] = lowest_levels_budget(reference, quantized, runs)
         else:
-            values["min_levels"], described["min_levels"] = levels_on_target(target, float_path, path, runs)
+            values["min_levels"], described["min_levels"] = levels_on_target(target, float_path, quantized.path, runs)
     if {"min_sqnr", "min_metric"} & set(names):
         if target.native:
-            outputs = deployed_outputs(float_model, model, float_path, path, runs, level)
+            outputs = deployed_outputs(reference, quantized, runs, level)
         else:
-            outputs = outputs_on_target(target, float_model, model, float_path, path, runs, level)
+            outputs = outputs_on_target(target, reference, quantized, runs, level)
         if "min_sqnr" in names:
             values["min_sqnr"] = measured_sqnr(outputs)
             figures = outputs.figures()
@@ -137,38 +137,28 @@ class CheckSamples:
     generated: bool
 
 
-def checked_samples(
-    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, float_path: str, quant_path: str, given: Samples
-) -> CheckSamples:
+def checked_samples(reference: Named, candidate: Named, given: Samples) -> CheckSamples:
     """The ``--inputs`` samples or one seeded sample, both models' inputs checked alike."""
-    check_same_inputs(float_model, quant_model, float_path, quant_path)
-    samples, _ = model_samples(float_model, given.inputs, parse_shapes(given.shape), given.seed or 0, 1)
+    check_same_inputs(reference.model, candidate.model, reference.path, candidate.path)
+    samples, _ = model_samples(reference.model, given.inputs, parse_shapes(given.shape), given.seed or 0, 1)
     return CheckSamples(samples, not given.inputs)
 
 
-def deployed_outputs(
-    float_model: onnx.ModelProto,
-    quant_model: onnx.ModelProto,
-    float_path: str,
-    quant_path: str,
-    runs: CheckSamples,
-    level: str = "all",
-) -> PairedOutputs:
+def deployed_outputs(reference: Named, candidate: Named, runs: CheckSamples, level: str = "all") -> PairedOutputs:
     """Both models' outputs as users run them (a session at ``level``, onnxruntime's
     default "all"), paired as impact pairs them: run once for min_sqnr and min_metric alike."""
-    pairs = output_pairs(float_model, quant_model, float_path, quant_path)
-    with inputs_hint(runs.generated, 1, [float_path, quant_path]):
+    pairs = output_pairs(reference.model, candidate.model, reference.path, candidate.path)
+    with inputs_hint(runs.generated, 1, [reference.path, candidate.path]):
         options = deployed_options(level)
-        return paired_outputs(float_model, quant_model, float_path, quant_path, runs.samples, pairs, options)
+        return paired_outputs(reference, candidate, runs.samples, pairs, options)
 
 
-def lowest_levels_budget(
-    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, runs: CheckSamples, float_path: str
-) -> tuple[float, dict[str, Any]]:
+def lowest_levels_budget(reference: Named, candidate: Named, runs: CheckSamples) -> tuple[float, dict[str, Any]]:
     """min_levels' value (``inf`` when no quantized tensor has a part that varies) and what its
     row names: the tensor, its worst part and the node that part comes from."""
-    with inputs_hint(runs.generated, 1, [float_path]):
-        found = lowest_levels(tensor_levels(float_model, quantized_activations(quant_model), runs.samples, float_path))
+    with inputs_hint(runs.generated, 1, [reference.path]):
+        activations = quantized_activations(candidate.model)
+        found = lowest_levels(tensor_levels(reference.model, activations, runs.samples, reference.path))
     if found is None:
         return math.inf, {"tensor": None, "part": None}
     return found.levels, {"tensor": found.tensor, "part": {"part": found.part, "node": found.node}}
@@ -228,17 +218,12 @@ def target_outputs(
 
 
 def outputs_on_target(
-    target: Target,
-    float_model: onnx.ModelProto,
-    quant_model: onnx.ModelProto,
-    float_path: str,
-    quant_path: str,
-    runs: CheckSamples,
-    level: str,
+    target: Target, reference: Named, candidate: Named, runs: CheckSamples, level: str
 ) -> PairedOutputs:
     """``deployed_outputs`` as ``target``'s CPU computes them: the same pairs, samples and
     sessions, run in its interpreter."""
-    pairs = output_pairs(float_model, quant_model, float_path, quant_path)
+    float_path, quant_path = reference.path, candidate.path
+    pairs = output_pairs(reference.model, candidate.model, float_path, quant_path)
     float_names, quant_names = [f for f, _ in pairs], [q for _, q in pairs]
     with tempfile.TemporaryDirectory(prefix="graphscan-check-") as folder:
         samples_file, names = save_samples(folder, runs.samples)
@@ -247,10 +232,10 @@ def outputs_on_target(
         with inputs_hint(runs.generated, 1, [float_path, quant_path]):
             count = target.run(f"{__name__}:target_outputs", arguments)
         with np.load(answer) as saved:
-            reference = [[saved[f"f{i}_{j}"] for j in range(len(pairs))] for i in range(count)]
-            candidate = [[saved[f"q{i}_{j}"] for j in range(len(pairs))] for i in range(count)]
-    layout = output_layout(float_model, float_names, runs.samples)
-    return PairedOutputs(FloatOutputs(reference, tuple(float_names), layout), candidate)
+            float_rows = [[saved[f"f{i}_{j}"] for j in range(len(pairs))] for i in range(count)]
+            quant_rows = [[saved[f"q{i}_{j}"] for j in range(len(pairs))] for i in range(count)]
+    layout = output_layout(reference.model, float_names, runs.samples)
+    return PairedOutputs(FloatOutputs(float_rows, tuple(float_names), layout), quant_rows)
 
 
 def target_levels(
@@ -258,9 +243,8 @@ def target_levels(
 ) -> tuple[float | None, dict[str, Any]]:
     """Inside a CPU target: ``lowest_levels_budget`` on the saved samples (None: no part varies)."""
     runs = CheckSamples(load_samples(samples_file, names), generated)
-    value, described = lowest_levels_budget(
-        load_with_weights(float_path), load_with_weights(quant_path), runs, float_path
-    )
+    reference = Named(load_with_weights(float_path), float_path)
+    value, described = lowest_levels_budget(reference, Named(load_with_weights(quant_path), quant_path), runs)
     return (value if math.isfinite(value) else None), described
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from graphscan import (
     TABLE_WIDTH,
     Command,
+    Samples,
     finite_float,
     format_fields,
     format_names,
@@ -28,7 +29,7 @@ from graphscan import (
 from graphscan_ort.engines.attribution import measure
 from graphscan_ort.shared.answers import ImpactAnswer
 from graphscan_ort.shared.inputs import check_same_inputs, inputs_answer, model_samples, parse_shapes
-from graphscan_ort.shared.options import finite_non_negative
+from graphscan_ort.shared.options import Named, finite_non_negative
 from graphscan_ort.shared.sessions import inputs_hint
 from graphscan_ort.shared.tables import RED_FLAGS, input_fields, largest_first
 
@@ -49,26 +50,25 @@ def impact(
     """Per operator and per activation tensor of ``b`` (quantized): the output
     SQNR against ``a`` (float) if it stayed float; optionally what to exclude."""
     with inputs_hint(not inputs, IMPACT_SYMBOLIC_DIM_SIZE, [a, b]):
-        return impact_answer(a, b, inputs, seed, shape, target_sqnr, max_exclude, top, min_gain)
+        return impact_answer(a, b, Samples(inputs, shape, seed), target_sqnr, max_exclude, top, min_gain)
 
 
 def impact_answer(
     a: str,
     b: str,
-    inputs: list[str] | None,
-    seed: int,
-    shape: list[str] | None,
+    given: Samples,
     target_sqnr: float | None,
     max_exclude: int | None,
     top: int | None,
     min_gain: float | None,
 ) -> ImpactAnswer:
-    """``impact``'s work, every argument as given."""
+    """``impact``'s work, every argument as given (``given``: the samples group)."""
     only_with("--target-sqnr", target_sqnr is not None, {"--max-exclude": max_exclude, "--min-gain": min_gain})
-    float_model, quant_model = load_with_weights(a), load_with_weights(b)
-    check_same_inputs(float_model, quant_model, a, b)
-    samples, defaulted = model_samples(float_model, inputs, parse_shapes(shape), seed, IMPACT_SYMBOLIC_DIM_SIZE)
-    body = measure(float_model, quant_model, samples, a, b, target_sqnr, max_exclude, top, min_gain)
+    reference, candidate = Named(load_with_weights(a), a), Named(load_with_weights(b), b)
+    check_same_inputs(reference.model, candidate.model, a, b)
+    shapes = parse_shapes(given.shape)
+    samples, defaulted = model_samples(reference.model, given.inputs, shapes, given.seed or 0, IMPACT_SYMBOLIC_DIM_SIZE)
+    body = measure(reference, candidate, samples, target_sqnr, max_exclude, top, min_gain)
     return {"a": a, "b": b, "inputs": inputs_answer(samples), "defaulted": defaulted, **body}
 
 

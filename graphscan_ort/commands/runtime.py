@@ -34,7 +34,7 @@ from graphscan_ort.engines.timing import runtime_time
 from graphscan_ort.shared.answers import ClassChange, NodeRow, RuntimeAnswer
 from graphscan_ort.shared.inputs import model_samples, parse_shapes
 from graphscan_ort.shared.kernels import RUNTIME_CLASSES
-from graphscan_ort.shared.options import MAX_RUNS, RUNTIME_DEFAULT_RUNS, check_between, int_between
+from graphscan_ort.shared.options import MAX_RUNS, RUNTIME_DEFAULT_RUNS, Session, Timing
 from graphscan_ort.shared.sessions import CPU, environment, inputs_hint
 from graphscan_ort.shared.targets import NATIVE, TARGETS, require, run
 
@@ -73,9 +73,8 @@ def runtime(
     cpu: str = NATIVE,
 ) -> RuntimeAnswer:
     """Per compute node: the kernel onnxruntime runs for it and its class (on ``cpu``)."""
-    if level not in RUNTIME_LEVELS:
-        raise GraphscanError(f"usage: --level must be one of {', '.join(RUNTIME_LEVELS)}", EXIT_USAGE)
-    check_between("--runs", runs, 1, MAX_RUNS)
+    Session(level)  # the session group checks --level (runtime's sessions take no --threads)
+    timing = Timing(runs)
     if cpu not in TARGETS:
         raise GraphscanError(f"usage: --cpu must be one of {', '.join(TARGETS)}", EXIT_USAGE)
     if cpu != NATIVE and timed:
@@ -100,19 +99,7 @@ def runtime(
     if timed:
         samples, defaulted = model_samples(found.named, [inputs] if inputs else None, shapes, seed, 1)
         with inputs_hint(not inputs, 1, [path]):
-            answer["time"] = runtime_time(
-                found.named_bytes,
-                found.optimized_model,
-                path,
-                found.rows,
-                found.optimized,
-                samples[0],
-                defaulted,
-                level,
-                provider,
-                int8_allowed,
-                runs,
-            )
+            answer["time"] = runtime_time(found, path, samples[0], defaulted, level, provider, int8_allowed, timing)
     return answer
 
 
@@ -212,13 +199,7 @@ COMMAND = Command(
             },
         ),
         *samples_group(1, when="--time: "),
-        (
-            "--runs",
-            {
-                "type": int_between(1, MAX_RUNS),
-                "help": f"--time: timed runs, 1 to {MAX_RUNS} (default: {RUNTIME_DEFAULT_RUNS})",
-            },
-        ),
+        Timing.option(f"--time: timed runs, 1 to {MAX_RUNS} (default: {RUNTIME_DEFAULT_RUNS})"),
     ),
     only_with=OnlyWith("--time", "timed", ("inputs", "shape", "seed", "runs")),
     absent={"seed": 0, "runs": RUNTIME_DEFAULT_RUNS},

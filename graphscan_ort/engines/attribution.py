@@ -23,6 +23,7 @@ from graphscan_ort.shared.graph import (
     with_outputs,
 )
 from graphscan_ort.shared.metrics import OutputNoise, count_outside, output_layout, output_pairs, paired_outputs
+from graphscan_ort.shared.options import Named
 from graphscan_ort.shared.sessions import deployed_options, does_not_run, impact_options, model_outputs, open_session
 
 MIN_GAIN_DB = 0.01  # --min-gain's default: the least gain an operator added to exclude.nodes brings
@@ -495,19 +496,19 @@ NOT_TENSORS: dict[type, str] = {list: "sequence", dict: "map"}  # how onnxruntim
 
 
 def measure(
-    float_model: onnx.ModelProto,
-    quant_model: onnx.ModelProto,
+    reference: Named,
+    candidate: Named,
     samples: list[dict],
-    a: str,
-    b: str,
     target_sqnr: float | None = None,
     max_exclude: int | None = None,
     top: int | None = None,
     min_gain: float | None = None,
 ) -> ImpactMeasures:
-    """impact's answer for two models in memory (``a`` and ``b`` name them in
-    failures and warnings), from ``samples`` on: the output SQNR each operator
-    and tensor of ``quant_model`` costs, and with ``target_sqnr`` what to exclude."""
+    """impact's answer for two models in memory (the float ``reference``, the quantized
+    ``candidate``, their paths named in failures and warnings), from ``samples`` on: the
+    output SQNR each operator and tensor of the candidate costs, and with ``target_sqnr``
+    what to exclude."""
+    float_model, quant_model, a, b = reference.model, candidate.model, reference.path, candidate.path
     pairs = output_pairs(float_model, quant_model, a, b)
     output_names = [q for _, q in pairs]
 
@@ -561,7 +562,7 @@ def measure(
     op_order = ranked(op_rows, op_exact, baseline[1])
     tensor_order = ranked(tensor_rows, tensor_exact, baseline[1])
     # As users run both models: onnxruntime may rewrite what impact measures as written.
-    deployed = paired_outputs(float_model, quant_model, a, b, samples, pairs, deployed_options())
+    deployed = paired_outputs(reference, candidate, samples, pairs, deployed_options())
     answer: ImpactMeasures = {
         "samples": len(samples),
         "output_sqnr_db": baseline[0],

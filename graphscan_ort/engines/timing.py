@@ -6,16 +6,20 @@ import bisect
 import json
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
 
 from graphscan import EXIT_NO_FILE, EXIT_RUNTIME, GraphIndex, GraphscanError, one_line, shown
-from graphscan_ort.shared.answers import NodeRow, RuntimeTime
+from graphscan_ort.shared.answers import RuntimeTime
 from graphscan_ort.shared.graph import body_reads
-from graphscan_ort.shared.kernels import TIME_CLASSES, OptimizedGraph, tensor_types, time_class
+from graphscan_ort.shared.kernels import TIME_CLASSES, tensor_types, time_class
+from graphscan_ort.shared.options import Timing
 from graphscan_ort.shared.sessions import does_not_run, open_session, session_options, temporary_folder
+
+if TYPE_CHECKING:
+    from graphscan_ort.engines.classify import Classification
 
 PROFILE_FLOOR_NODES = 200
 
@@ -239,22 +243,21 @@ def interleaved_runs(sessions: list[Any], feeds: dict[str, np.ndarray], runs: in
 
 
 def runtime_time(
-    named_bytes: bytes,
-    optimized_proto: onnx.ModelProto,
+    found: Classification,
     path: str,
-    rows: list[NodeRow],
-    optimized: OptimizedGraph,
     feeds: dict[str, np.ndarray],
     defaulted: list[str],
     level: str,
     provider: str,
     int8_allowed: bool,
-    runs: int,
+    timing: Timing,
 ) -> RuntimeTime:
-    """The ``time`` object of ``runtime --time``."""
+    """The ``time`` object of ``runtime --time``: ``found``'s session profiled, and its
+    optimized graph (``found.optimized``) timed with and without its round trips."""
+    optimized_proto, optimized, rows, runs = found.optimized_model, found.optimized, found.rows, timing.runs
     floor = profiler_floor(provider, runs)
     by_name = profiled_totals(
-        named_bytes,
+        found.named_bytes,
         f"{shown(path)}: model",
         lambda: session_options(level, threads=1, int8_allowed=int8_allowed, spinning=True),
         provider,
@@ -279,7 +282,7 @@ def runtime_time(
     # optimization, so the only difference is the round trips removed.
     ablated, removed = without_round_trips(optimized_proto)
     if not removed:
-        return time_answer(floor, feeds, defaulted, runs, shares, node_us, removed, None, None, 0.0)
+        return time_answer(floor, feeds, defaulted, runs, shares, node_us, removed, None)
     frozen = session_options(threads=1, spinning=True)
     sessions = [
         open_session(optimized_proto, f"{shown(path)} (as optimized by onnxruntime)", frozen, provider),
@@ -289,8 +292,7 @@ def runtime_time(
         model_s, ablated_s = interleaved_wall_times(sessions, feeds, runs)
     except Exception as exc:
         raise does_not_run(f"{shown(path)}: model", exc)
-    cost = 1.0 - ablated_s / model_s if model_s > 0 else None
-    return time_answer(floor, feeds, defaulted, runs, shares, node_us, removed, model_s, ablated_s, cost)
+    return time_answer(floor, feeds, defaulted, runs, shares, node_us, removed, (model_s, ablated_s))
 
 
 def time_answer(
@@ -301,11 +303,16 @@ def time_answer(
     shares: dict[str, float | None],
     node_us: dict[str, float],
     removed: int,
-    model_s: float | None,
-    ablated_s: float | None,
-    cost: float | None,
+    walls: tuple[float, float] | None,
 ) -> RuntimeTime:
-    """The ``time`` object, with the method spelled out."""
+    """The ``time`` object, with the method spelled out. ``walls``: the median wall seconds of
+    the optimized graph and of it without its ``removed`` round trips (None: there are none,
+    which cost nothing)."""
+    model_s, ablated_s = walls if walls is not None else (None, None)
+    if walls is None:
+        cost: float | None = 0.0
+    else:
+        cost = 1.0 - walls[1] / walls[0] if walls[0] > 0 else None
     return {
         "method": (
             f"onnxruntime profiler, one thread, {runs} runs after one warm-up; each kernel event minus "

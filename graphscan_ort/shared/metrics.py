@@ -18,6 +18,7 @@ from graphscan import (
     GraphscanError,
     shown,
 )
+from graphscan_ort.shared.options import Named
 from graphscan_ort.shared.parts import TensorParts
 from graphscan_ort.shared.sessions import model_outputs, run_model
 
@@ -91,28 +92,27 @@ class PairedOutputs:
 
 
 def paired_outputs(
-    float_model: onnx.ModelProto,
-    quant_model: onnx.ModelProto,
-    float_path: str,
-    quant_path: str,
+    reference_model: Named,
+    candidate_model: Named,
     samples: list[dict],
     pairs: list[tuple[str, str]],
     options: ort.SessionOptions,
     kept: dict[tuple[str, ...], FloatOutputs] | None = None,
 ) -> PairedOutputs:
-    """Both models run on ``samples`` in sessions at ``options``, the outputs paired by
-    ``pairs`` (``output_pairs``): the one run behind impact's deployed SQNR, check's
-    min_sqnr and min_metric, and every tune candidate's accuracy. ``kept``: the float
-    model's outputs already run, by the float outputs wanted; a new run is added to it
-    (tune runs the float model once for all its candidates)."""
+    """Both models (the float ``reference_model``, the quantized ``candidate_model``) run
+    on ``samples`` in sessions at ``options``, the outputs paired by ``pairs`` (``output_pairs``):
+    the one run behind impact's deployed SQNR, check's min_sqnr and min_metric, and every
+    tune candidate's accuracy. ``kept``: the float model's outputs already run, by the float
+    outputs wanted; a new run is added to it (tune runs the float model once for all its
+    candidates)."""
     names = tuple(f for f, _ in pairs)
     reference = kept.get(names) if kept is not None else None
     if reference is None:
-        outputs = model_outputs(float_model, samples, float_path, list(names), options)
-        reference = FloatOutputs(outputs, names, output_layout(float_model, names, samples))
+        outputs = model_outputs(reference_model.model, samples, reference_model.path, list(names), options)
+        reference = FloatOutputs(outputs, names, output_layout(reference_model.model, names, samples))
         if kept is not None:
             kept[names] = reference
-    candidate = model_outputs(quant_model, samples, quant_path, [q for _, q in pairs], options)
+    candidate = model_outputs(candidate_model.model, samples, candidate_model.path, [q for _, q in pairs], options)
     return PairedOutputs(reference, candidate)
 
 

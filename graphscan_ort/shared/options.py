@@ -5,9 +5,14 @@ the core's (graphscan.py: ``non_negative_int``, ``finite_float``, the argument g
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from graphscan import EXIT_USAGE, GraphscanError, finite_float
+from graphscan import EXIT_USAGE, RUNTIME_LEVELS, GraphscanError, Option, finite_float
+
+if TYPE_CHECKING:
+    import onnx
 
 RUNTIME_DEFAULT_RUNS = 20  # runtime --time's runs, and tune's per candidate
 # Bounds of --runs and --threads: beyond them onnxruntime fails, crashes (100,000
@@ -44,3 +49,54 @@ def finite_non_negative(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Named:
+    """A model and the path it was read from (or written at): every error about it names
+    that path, so the two travel together as one argument."""
+
+    model: onnx.ModelProto
+    path: str
+
+
+# Option groups as typed values: built once from the command line's keywords (already
+# parsed by the types above) or an in-process call's, checked when built, and passed whole.
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """The timing group (``--runs``): how many timed runs a latency takes. Its range lives
+    here alone: the command line's option (``option``) and a group built in-process check it."""
+
+    runs: int = RUNTIME_DEFAULT_RUNS
+
+    def __post_init__(self) -> None:
+        check_between("--runs", self.runs, 1, MAX_RUNS)
+
+    @staticmethod
+    def option(help_text: str, default: int | None = None) -> Option:
+        """``--runs`` as a command declares it (``default``: None leaves it to the command's ``absent``)."""
+        settings: dict[str, object] = {"type": int_between(1, MAX_RUNS)}
+        if default is not None:
+            settings["default"] = default
+        return ("--runs", {**settings, "help": help_text})
+
+
+@dataclasses.dataclass(frozen=True)
+class Session:
+    """The session group (``--level``, ``--threads``): the onnxruntime sessions a deployed
+    measurement runs in ("disabled" is no deployment). Its ranges live here alone, as Timing's."""
+
+    level: str = "all"
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        check_between("--threads", self.threads, 1, MAX_THREADS)
+        if self.level not in RUNTIME_LEVELS:
+            raise GraphscanError(f"usage: --level must be one of {', '.join(RUNTIME_LEVELS)}", EXIT_USAGE)
+
+    @staticmethod
+    def threads_option(help_text: str) -> Option:
+        """``--threads`` as a command declares it (default 1); ``--level`` is the core's level_option."""
+        return ("--threads", {"type": int_between(1, MAX_THREADS), "default": 1, "help": help_text})

@@ -46,6 +46,7 @@ from graphscan import (
     RUNTIME_LEVELS,
     Command,
     GraphscanError,
+    MetricChoice,
     finite_float,
     level_option,
     load_with_weights,
@@ -60,7 +61,14 @@ from graphscan_ort.shared.answers import TuneAnswer
 from graphscan_ort.shared.files import check_out, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
 from graphscan_ort.shared.metrics import named_outputs
-from graphscan_ort.shared.options import MAX_RUNS, MAX_THREADS, RUNTIME_DEFAULT_RUNS, check_between, int_between
+from graphscan_ort.shared.options import (
+    MAX_RUNS,
+    MAX_THREADS,
+    RUNTIME_DEFAULT_RUNS,
+    Named,
+    Session,
+    Timing,
+)
 from graphscan_ort.shared.parts import TensorParts
 from graphscan_ort.shared.sessions import environment, sample_outputs
 from graphscan_ort.tune.candidates import METHODS
@@ -97,11 +105,8 @@ def tune(
         raise GraphscanError("usage: tune needs --calibrate FILE.npz (one sample per file, repeatable)", EXIT_USAGE)
     if out is None:
         raise GraphscanError("usage: tune needs --out DIR", EXIT_USAGE)
-    check_between("--runs", runs, 1, MAX_RUNS)
-    check_between("--threads", threads, 1, MAX_THREADS)
-    if level not in RUNTIME_LEVELS:  # "disabled" is no deployment
-        raise GraphscanError(f"usage: --level must be one of {', '.join(RUNTIME_LEVELS)}", EXIT_USAGE)
-    chosen_metric = metric_of(metric, threshold, blank, target, target_sqnr)
+    timing, session = Timing(runs), Session(level, threads)  # each group checks its own ranges
+    chosen_metric = metric_of(MetricChoice(metric, threshold, blank), target, target_sqnr)
     target = target_sqnr if target is None else target
     if not (isinstance(min_speedup, (int, float)) and math.isfinite(min_speedup) and min_speedup >= 0):
         raise GraphscanError(f"usage: --min-speedup must be a finite number >= 0, not {min_speedup!r}", EXIT_USAGE)
@@ -130,10 +135,9 @@ def tune(
         raise GraphscanError(f"{shown(out)}: cannot write ({exc.strerror or exc})", EXIT_NO_FILE)
     progress = Progress()
     try:
-        measure = Measure(model, path, evaluation, level, threads, runs)
-        measure.metric, measure.latency, measure.min_speedup = chosen_metric, latency, float(min_speedup)
+        measure = Measure(Named(model, path), evaluation, session, timing, chosen_metric, latency, float(min_speedup))
         goal = Goal(chosen_metric, target, own)
-        answer = tune_in(path, model, calibration, work, goal, max_exclude, measure, progress, max_trials, seeds)
+        answer = tune_in(calibration, work, goal, measure, (max_exclude, max_trials), progress, seeds)
         place(work, out)
     except Exception as exc:
         if isinstance(exc, GraphscanError) or not write_failure(exc):
@@ -294,22 +298,8 @@ COMMAND = Command(
             },
         ),
         level_option(list(RUNTIME_LEVELS), "all", "deployed optimization level (default: all)"),
-        (
-            "--threads",
-            {
-                "type": int_between(1, MAX_THREADS),
-                "default": 1,
-                "help": f"intra-op threads of the measurements, 1 to {MAX_THREADS} (default: 1)",
-            },
-        ),
-        (
-            "--runs",
-            {
-                "type": int_between(1, MAX_RUNS),
-                "default": RUNTIME_DEFAULT_RUNS,
-                "help": f"timed runs per candidate, 1 to {MAX_RUNS} (default: 20)",
-            },
-        ),
+        Session.threads_option(f"intra-op threads of the measurements, 1 to {MAX_THREADS} (default: 1)"),
+        Timing.option(f"timed runs per candidate, 1 to {MAX_RUNS} (default: 20)", RUNTIME_DEFAULT_RUNS),
     ),
     table=tune_table,
     exit_code=lambda answer: EXIT_OK if answer["reached"] else EXIT_BUDGET,

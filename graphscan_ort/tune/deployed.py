@@ -33,6 +33,7 @@ from graphscan_ort.engines.timing import interleaved_runs
 from graphscan_ort.shared.agreement import Metric, paired_events, paired_value
 from graphscan_ort.shared.kernels import int8_fraction
 from graphscan_ort.shared.metrics import FloatOutputs, PairedOutputs, output_pairs, paired_outputs
+from graphscan_ort.shared.options import Named, Session, Timing
 from graphscan_ort.shared.sessions import open_session, session_options
 from graphscan_ort.tune.verdict import spread
 
@@ -51,28 +52,28 @@ def kernel_counts(model: onnx.ModelProto, path: str, level: str) -> dict:
     }
 
 
+DEPLOYED = Session()  # onnxruntime's defaults: level all, one thread
+TIMED = Timing()  # runtime --time's runs
+
+
 def measure_candidate(
-    float_model: onnx.ModelProto,
-    quant_model: onnx.ModelProto,
-    float_path: str,
-    quant_path: str,
+    reference: Named,
+    candidate: Named,
     samples: list[dict],
-    level: str = "all",
-    threads: int = 1,
-    runs: int = 20,
+    session: Session = DEPLOYED,
+    timing: Timing = TIMED,
     references: dict[tuple[str, ...], FloatOutputs] | None = None,
     metric: Metric | None = None,
     latency: list[dict] | None = None,
 ) -> dict:
     """``{"sqnr_db", "metric_value", "int8_fraction", "int8_kernels", "wrapped_but_float", "ms",
-    "float_ms", "speedup", "speedup_spread", "bytes"}`` of ``quant_model`` (written at
-    ``quant_path``) against ``float_model`` (read from ``float_path``); ``references`` keeps
+    "float_ms", "speedup", "speedup_spread", "bytes"}`` of ``candidate`` (the quantized model
+    as written) against ``reference`` (the float model as read); ``references`` keeps
     the float model's outputs from one candidate to the next; ``latency``: the samples
     timed (default: the first of ``samples``); no ``metric``: ``metric_value`` is the SQNR."""
-    pairs = output_pairs(float_model, quant_model, float_path, quant_path)
-    outputs = paired_outputs(
-        float_model, quant_model, float_path, quant_path, samples, pairs, session_options(level, threads), references
-    )
+    pairs = output_pairs(reference.model, candidate.model, reference.path, candidate.path)
+    options = session_options(session.level, session.threads)
+    outputs = paired_outputs(reference, candidate, samples, pairs, options, references)
     figures = outputs.figures()
     sqnr = math.inf if figures.exact else figures.worst_db  # equal to float's: infinitely accurate, never the worst
     value, events = (sqnr, None) if metric is None or metric.name == "sqnr" else paired_events(outputs, metric)
@@ -85,11 +86,9 @@ def measure_candidate(
         "metric_events": events,
         "metric_worst": worst,
         "metric_spread": spread_of,
-        **kernel_counts(quant_model, quant_path, level),
-        **latency_figures(
-            float_model, quant_model, float_path, quant_path, latency or samples[:1], level, threads, runs
-        ),
-        "bytes": os.path.getsize(quant_path),
+        **kernel_counts(candidate.model, candidate.path, session.level),
+        **latency_figures(reference, candidate, latency or samples[:1], session, timing),
+        "bytes": os.path.getsize(candidate.path),
     }
 
 
@@ -104,26 +103,19 @@ def sample_value(outputs: PairedOutputs, metric: Metric | None) -> float | None:
         return None
 
 
-def latency_figures(
-    float_model: onnx.ModelProto,
-    quant_model: onnx.ModelProto,
-    float_path: str,
-    quant_path: str,
-    latency: list[dict],
-    level: str,
-    threads: int,
-    runs: int,
-) -> dict:
+def latency_figures(reference: Named, candidate: Named, latency: list[dict], session: Session, timing: Timing) -> dict:
     """``ms``, ``float_ms``, ``speedup`` and ``speedup_spread`` of the two models timed in
     alternation on each latency sample."""
     sessions = [
-        open_session(float_model, f"{shown(float_path)}: model", session_options(level, threads, spinning=True)),
-        open_session(quant_model, f"{shown(quant_path)}: model", session_options(level, threads, spinning=True)),
+        open_session(
+            model.model, f"{shown(model.path)}: model", session_options(session.level, session.threads, spinning=True)
+        )
+        for model in (reference, candidate)
     ]
     float_s = quant_s = 0.0
     ratios: list[float] = []
     for feeds in latency:
-        float_runs, quant_runs = interleaved_runs(sessions, feeds, runs)
+        float_runs, quant_runs = interleaved_runs(sessions, feeds, timing.runs)
         float_s += statistics.median(float_runs)
         quant_s += statistics.median(quant_runs)
         ratios += [f / q for f, q in zip(float_runs, quant_runs, strict=True) if q > 0]

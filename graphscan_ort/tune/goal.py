@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import math
 
-from graphscan import EXIT_USAGE, GraphscanError
+from graphscan import EXIT_USAGE, GraphscanError, MetricChoice
 from graphscan_ort.shared.agreement import DEFAULT_TARGET_FLOOR_DB, POOR_SQNR_DB, Metric, metric
 from graphscan_ort.shared.answers import Candidate, Target
 
 
-def metric_of(
-    name: str | None, threshold: float | None, blank: int | None, target: float | None, target_sqnr: float | None
-) -> Metric:
-    """The --metric asked for, with --target and its alias --target-sqnr checked (exit 2)."""
-    chosen = metric(name, threshold, blank)
+def metric_of(given: MetricChoice, target: float | None, target_sqnr: float | None) -> Metric:
+    """The metric group's metric, with --target and its alias --target-sqnr checked (exit 2)."""
+    chosen = metric(given.name, given.threshold, given.blank)
     if target is not None and target_sqnr is not None:
         raise GraphscanError("usage: give --target or --target-sqnr, not both", EXIT_USAGE)
     if target_sqnr is not None and chosen.name != "sqnr":

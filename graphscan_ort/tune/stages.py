@@ -23,6 +23,7 @@ from graphscan_ort.engines.attribution import MIN_GAIN_DB
 from graphscan_ort.engines.attribution import measure as impact_of
 from graphscan_ort.shared.answers import Candidate, TuneChoice
 from graphscan_ort.shared.inputs import inputs_answer
+from graphscan_ort.shared.options import Named
 from graphscan_ort.tune.blocks import next_block, part_blocks, search_blocks
 from graphscan_ort.tune.candidates import (
     DYNAMIC,
@@ -58,20 +59,19 @@ def static_settings(row: Candidate) -> dict[str, Any]:
 
 
 def tune_in(
-    path: str,
-    model: onnx.ModelProto,
     calibration: list[dict[str, np.ndarray]],
     work: str,
     goal: Goal,
-    max_exclude: int | None,
     measure: Measure,
+    limits: tuple[int | None, int | None] = (None, None),
     progress: Progress | None = None,
-    max_trials: int | None = None,
     seeds: list[dict[str, str]] | None = None,
 ) -> TuneChoice:
-    """tune's work inside the temporary folder ``work``; leaves prepared.onnx there, and
-    model.onnx when a candidate passes the guards. ``seeds``: the nodes the user keeps float
-    in every candidate, ``{"node", "why"}`` each."""
+    """tune's work on ``measure``'s float model inside the temporary folder ``work``; leaves
+    prepared.onnx there, and model.onnx when a candidate passes the guards. ``limits``:
+    (--max-exclude, --max-trials); ``seeds``: the nodes the user keeps float in every
+    candidate, ``{"node", "why"}`` each."""
+    path, model = measure.path, measure.model
     seeds = seeds or []
     progress = progress or Progress()
     evaluation = measure.evaluation
@@ -118,7 +118,6 @@ def tune_in(
         chosen, reached = settle(rows, target["value"])
     if searchable and not reached and target["value"] is not None:
         progress.show("ranking the operators to exclude")
-        limits = (max_exclude, max_trials)
         start = start_row(static_rows(rows))
         exclusions(trials, start, target["value"], limits, prepared, goal.metric.name == "sqnr", progress)
         chosen, reached = settle(rows, target["value"])
@@ -233,7 +232,7 @@ def exclusions(
     candidate = measure.models[candidate_path]
     # A ranking, not a measurement (every trial is measured on every sample): impact runs the
     # model once per operator, so it ranks on the first evaluation sample alone.
-    ranked = impact_of(given, candidate, measure.evaluation[:1], prepared_path, candidate_path)["ops"]
+    ranked = impact_of(Named(given, prepared_path), Named(candidate, candidate_path), measure.evaluation[:1])["ops"]
     blocks = search_blocks(given, ranked, MIN_GAIN_DB)
     part = best["worst_part"]
     given_seeds = frozenset(static_settings(best).get("nodes_to_exclude") or [])

@@ -26,6 +26,7 @@ from graphscan_ort.shared.agreement import Metric
 from graphscan_ort.shared.answers import Candidate
 from graphscan_ort.shared.files import in_folder, out_of_room, write_failure
 from graphscan_ort.shared.metrics import FloatOutputs
+from graphscan_ort.shared.options import Named, Session, Timing
 from graphscan_ort.tune.candidates import (
     DYNAMIC,
     STATIC,
@@ -42,39 +43,37 @@ from graphscan_ort.tune.verdict import levels_figures, sqnr_broken
 
 class Measure:
     """How every candidate is measured: the float model (and its path), the evaluation
-    samples, the session's level and threads, the timed runs. ``models`` keeps every candidate
-    written, read once by Trials.add, by path for the exclusions."""
+    samples, the session group (level, threads), the timed runs, the metric (None: the
+    SQNR), the latency samples (None: the first evaluation sample) and the speedup a
+    model must beat. ``models`` keeps every candidate written, read once by Trials.add,
+    by path for the exclusions."""
 
     def __init__(
         self,
-        model: onnx.ModelProto,
-        path: str,
+        reference: Named,
         evaluation: list[dict[str, np.ndarray]],
-        level: str,
-        threads: int,
-        runs: int,
+        session: Session,
+        timing: Timing,
+        metric: Metric | None = None,
+        latency: list[dict[str, np.ndarray]] | None = None,
+        min_speedup: float = 1.0,
     ) -> None:
-        self.model, self.path, self.evaluation = model, path, evaluation
-        self.level, self.threads, self.runs = level, threads, runs
+        self.reference, self.evaluation, self.session, self.timing = reference, evaluation, session, timing
+        self.model, self.path, self.level = reference.model, reference.path, session.level  # as Trials reads them
+        self.metric, self.latency, self.min_speedup = metric, latency, min_speedup
         self.models: dict[str, onnx.ModelProto] = {}
         self.references: dict[tuple[str, ...], FloatOutputs] = {}  # the float model's outputs, run once
-        self.metric: Metric | None = None  # None: the SQNR
-        self.latency: list[dict[str, np.ndarray]] | None = None  # None: the first evaluation sample
-        self.min_speedup = 1.0
-        self.float_bytes = file_bytes(path, model)
+        self.float_bytes = file_bytes(reference.path, reference.model)
 
     def __call__(self, candidate: onnx.ModelProto, candidate_path: str, excluded: list[str] | None = None) -> dict:
         """A candidate's figures as deployed (``candidate``, read from ``candidate_path``), with
         its weights' storage and the guards it breaks."""
         row = measure_candidate(
-            self.model,
-            candidate,
-            self.path,
-            candidate_path,
+            self.reference,
+            Named(candidate, candidate_path),
             self.evaluation,
-            self.level,
-            self.threads,
-            self.runs,
+            self.session,
+            self.timing,
             self.references,
             self.metric,
             self.latency,

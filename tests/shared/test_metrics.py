@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from graphscan_ort.shared import metrics, sessions
+from graphscan_ort.shared.options import Named
 from tests.tune.test_prepare import scaled_model as scaled  # y = x * factor
 
 SAMPLES = [{"x": np.array([[-2.0, -0.5, 0.5, 3.0]], dtype=np.float32)}]
@@ -37,7 +38,8 @@ def two_outputs(shift: float, reversed_outputs: bool) -> onnx.ModelProto:
 def paired(float_model, quant_model, kept=None):
     pairs = metrics.output_pairs(float_model, quant_model, "f.onnx", "q.onnx")
     options = sessions.deployed_options()
-    return metrics.paired_outputs(float_model, quant_model, "f.onnx", "q.onnx", SAMPLES, pairs, options, kept)
+    reference, candidate = Named(float_model, "f.onnx"), Named(quant_model, "q.onnx")
+    return metrics.paired_outputs(reference, candidate, SAMPLES, pairs, options, kept)
 
 
 def test_outputs_are_paired_by_name_whatever_order_the_quantized_model_lists_them_in():

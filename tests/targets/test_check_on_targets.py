@@ -25,6 +25,7 @@ import graphscan
 from graphscan_ort.commands import check as check_module
 from graphscan_ort.engines import kernel_numbers
 from graphscan_ort.shared import targets
+from graphscan_ort.shared.options import Named
 from tests.helpers import main_error_line, run_main
 from tests.targets.test_targets import INSTALL, MACHINES, empty_bin, fake_tools, host_has_vnni, needs
 
@@ -308,9 +309,10 @@ def test_the_outputs_check_measures_on_a_target_are_a_plain_sessions(tmp_path, t
     equal, bit for bit, a default onnxruntime session opened inside that target."""
     float_path, quant_path = qdq_conv(tmp_path)
     float_model, quant_model = graphscan.load_with_weights(float_path), graphscan.load_with_weights(quant_path)
-    runs = check_module.checked_samples(float_model, quant_model, float_path, quant_path, graphscan.Samples())
+    reference, candidate = Named(float_model, float_path), Named(quant_model, quant_path)
+    runs = check_module.checked_samples(reference, candidate, graphscan.Samples())
     on = check_module.Target(target)
-    paired = check_module.outputs_on_target(on, float_model, quant_model, float_path, quant_path, runs, "all")
+    paired = check_module.outputs_on_target(on, reference, candidate, runs, "all")
     assert on.facts is not None and on.facts["machine"] == MACHINES[target]
     feeds = str(tmp_path / "feeds.npz")
     np.savez(feeds, **runs.samples[0])

@@ -10,6 +10,7 @@ import pytest
 import gen_models
 import graphscan
 import graphscan_ort.tune.deployed as deployed
+from graphscan_ort.shared.options import Named, Timing
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,8 @@ def cnn_pair(tmp_path_factory):
 
 def test_every_figure_equals_an_independent_measurement(cnn_pair):
     fp32, quant, samples, paths = cnn_pair
-    measured = deployed.measure_candidate(onnx.load(fp32), onnx.load(quant), fp32, quant, samples, runs=3)
+    reference, candidate = Named(onnx.load(fp32), fp32), Named(onnx.load(quant), quant)
+    measured = deployed.measure_candidate(reference, candidate, samples, timing=Timing(3))
     # The SQNR: check's min_sqnr, as deployed (default session), on the same samples.
     budget = graphscan.check(quant, float_path=fp32, min_sqnr=-100, inputs=paths)["budgets"][0]
     assert measured["sqnr_db"] == pytest.approx(budget["value"], abs=1e-6)

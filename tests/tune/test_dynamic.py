@@ -126,11 +126,11 @@ def refuse_dynamic_models(monkeypatch):
     """onnxruntime refusing every model that holds MatMulInteger, as a runtime without the kernel would."""
     measured = tune_trials.measure_candidate
 
-    def measure(float_model, quant_model, float_path, quant_path, *args, **kwargs):
-        if any(node.op_type == "MatMulInteger" for node in quant_model.graph.node):
-            message = f"{quant_path}: model does not run (NOT_IMPLEMENTED: MatMulInteger)"
+    def measure(reference, candidate, *args, **kwargs):
+        if any(node.op_type == "MatMulInteger" for node in candidate.model.graph.node):
+            message = f"{candidate.path}: model does not run (NOT_IMPLEMENTED: MatMulInteger)"
             raise graphscan.GraphscanError(message, graphscan.EXIT_RUNTIME)
-        return measured(float_model, quant_model, float_path, quant_path, *args, **kwargs)
+        return measured(reference, candidate, *args, **kwargs)
 
     monkeypatch.setattr(tune_trials, "measure_candidate", measure)
 

@@ -271,10 +271,10 @@ def test_a_trial_onnxruntime_refuses_is_a_row_never_the_end_of_tune(cnn, tmp_pat
     without_structural_seeds(monkeypatch)
     measured = tune_trials.measure_candidate
 
-    def refuse_exclusions(float_model, quant_model, float_path, quant_path, *args, **kwargs):
-        if float_weight_nodes(quant_model) == ["b1_conv1"]:  # the trial that keeps b1_conv1 float
-            raise graphscan.GraphscanError(f"{quant_path}: model does not run in onnxruntime (invalid)", 5)
-        return measured(float_model, quant_model, float_path, quant_path, *args, **kwargs)
+    def refuse_exclusions(reference, candidate, *args, **kwargs):
+        if float_weight_nodes(candidate.model) == ["b1_conv1"]:  # the trial that keeps b1_conv1 float
+            raise graphscan.GraphscanError(f"{candidate.path}: model does not run in onnxruntime (invalid)", 5)
+        return measured(reference, candidate, *args, **kwargs)
 
     monkeypatch.setattr(tune_trials, "measure_candidate", refuse_exclusions)
     monkeypatch.setattr(tune_stages, "impact_of", lambda *a, **k: {"ops": [{"node": "b1_conv1", "gain_db": 1.0}]})
@@ -289,9 +289,9 @@ def test_the_search_stops_as_soon_as_the_target_is_met(cnn, tmp_path, monkeypatc
     without_structural_seeds(monkeypatch)
     measured = tune_trials.measure_candidate
 
-    def exclusions_meet_it(float_model, quant_model, *args, **kwargs):
-        row = measured(float_model, quant_model, *args, **kwargs)
-        return {**row, "metric_value": 1000.0} if float_weight_nodes(quant_model) else row
+    def exclusions_meet_it(reference, candidate, *args, **kwargs):
+        row = measured(reference, candidate, *args, **kwargs)
+        return {**row, "metric_value": 1000.0} if float_weight_nodes(candidate.model) else row
 
     monkeypatch.setattr(tune_trials, "measure_candidate", exclusions_meet_it)
     ranking = [{"node": name, "gain_db": 1.0} for name in ("b1_conv1", "b1_conv2", "b2_conv1")]

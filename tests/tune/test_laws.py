@@ -17,6 +17,7 @@ import graphscan_ort.tune.command as tune
 import graphscan_ort.tune.deployed as deployed
 import graphscan_ort.tune.rewrites as rewrites
 import graphscan_ort.tune.stages as tune_stages
+from graphscan_ort.shared.options import Named, Session, Timing
 
 
 def one_node_model(op, shape, graph_name="g", **attributes):
@@ -105,7 +106,11 @@ def test_the_speedup_is_floats_time_over_the_candidates_never_the_reverse(monkey
     candidate.CopyFrom(float_model)
     candidate.graph.name = "candidate_graph"
     figures = deployed.latency_figures(
-        float_model, candidate, "f.onnx", "c.onnx", [{"x": np.ones(2, np.float32)}], "all", 1, 3
+        Named(float_model, "f.onnx"),
+        Named(candidate, "c.onnx"),
+        [{"x": np.ones(2, np.float32)}],
+        Session("all", 1),
+        Timing(3),
     )
     assert seen == [["float_graph", "candidate_graph"]]
     assert figures["speedup"] == pytest.approx(4.0) and figures["ms"] == pytest.approx(1000.0)
@@ -121,8 +126,8 @@ def test_impact_ranks_the_quantized_candidate_against_the_model_the_quantizer_wa
     np.savez(tmp_path / "s.npz", x=np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32))
     calls = []
 
-    def recording(given, candidate, samples, given_path, candidate_path):
-        calls.append((given, candidate, given_path, candidate_path))
+    def recording(given, candidate, samples):
+        calls.append((given.model, candidate.model, given.path, candidate.path))
         return {"ops": []}
 
     monkeypatch.setattr(tune_stages, "impact_of", recording)

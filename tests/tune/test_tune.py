@@ -25,6 +25,7 @@ import graphscan_ort.tune.choice as tune_choice
 import graphscan_ort.tune.command as tune
 import graphscan_ort.tune.stages as tune_stages
 import graphscan_ort.tune.trials as tune_trials
+from graphscan_ort.shared.options import Named, Timing
 from tests.helpers import (
     INTERRUPT_AT,
     TERMINATE_AT,
@@ -177,7 +178,8 @@ def test_a_candidate_equal_to_float_is_measured_as_infinitely_accurate(tuned):
     an exact exclusion row as the least accurate of all)."""
     model = onnx.load(tuned["float"])
     samples = [dict(np.load(tuned["held"]))]
-    measured = tune_trials.measure_candidate(model, model, tuned["float"], tuned["float"], samples, runs=1)
+    named = Named(model, tuned["float"])
+    measured = tune_trials.measure_candidate(named, named, samples, timing=Timing(1))
     assert measured["sqnr_db"] == math.inf
 
 
