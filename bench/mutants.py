@@ -117,6 +117,7 @@ AREA_TESTS = {
         "tests/cli/test_keyword_rules.py",
     ],
     "plugin": ["tests/cli/test_plugin.py"],
+    "calibration": ["tests/tune/test_calibration.py", "tests/tune/test_candidates.py"],
 }
 IGNORED = shutil.ignore_patterns(
     ".git", ".venv*", "__pycache__", ".pytest_cache", ".hypothesis", "*.pyc", ".benchmarks"
