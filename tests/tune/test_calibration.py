@@ -6,6 +6,7 @@ ranges (and, for the histogram methods, the same histograms) one sample at a tim
 peak must not grow with the number of samples the way onnxruntime's does.
 """
 
+import gc
 import tracemalloc
 
 import numpy as np
@@ -18,6 +19,7 @@ from onnxruntime.quantization.calibrate import load_tensors_data
 import gen_models
 import graphscan_ort.tune.calibration as calibration
 import graphscan_ort.tune.candidates as candidates
+import graphscan_ort.tune.command as tune
 
 
 class Samples(CalibrationDataReader):
@@ -135,3 +137,34 @@ def test_samples_of_several_shapes_are_refused_as_onnxruntime_refuses_them(cnn, 
         with pytest.raises(ValueError, match="inhomogeneous shape"):
             calibration.calibrate(cnn, arguments, lambda: Samples(4, shapes), str(tmp_path / "c.json"))
     assert not (tmp_path / "c.json").exists()
+
+
+class Stop(Exception):
+    """Raised in place of tune's search: what came before it is what is measured."""
+
+
+def test_tune_keeps_no_float_outputs_of_the_calibration_samples_beside_held_out_inputs(tmp_path, monkeypatch):
+    """With held-out ``--inputs``, each ``--calibrate`` sample is run on the float model only to
+    check that it runs: when tune's search starts, the float outputs alive (in lists, as
+    sessions return them) are the one held-out sample's, whether 12 or 48 samples calibrate."""
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 8, 1])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 8, 4096])
+    shape = onnx.numpy_helper.from_array(np.array([1, 8, 4096], dtype=np.int64), "shape")
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Expand", ["x", "shape"], ["y"])], "g", [x], [y], [shape])
+    path = tmp_path / "wide.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), path)
+    rng = np.random.default_rng(0)
+    files = []
+    for k in range(49):
+        files.append(str(tmp_path / f"s{k}.npz"))
+        np.savez(files[-1], x=rng.standard_normal((1, 8, 1)).astype(np.float32))
+
+    def outputs_alive(*_args, **_kwargs):
+        alive = [a for o in gc.get_objects() if isinstance(o, list) for a in o if isinstance(a, np.ndarray)]
+        raise Stop(sum(a.shape == (1, 8, 4096) for a in alive))
+
+    monkeypatch.setattr(tune, "tune_in", outputs_alive)
+    for count in (12, 48):
+        with pytest.raises(Stop) as stopped:
+            tune.tune(str(path), calibrate=files[:count], inputs=files[-1:], out=str(tmp_path / f"out{count}"))
+        assert stopped.value.args[0] == 1, count
