@@ -99,16 +99,20 @@ def calibrated_model(model_path: str, arguments: dict[str, Any], folder: str) ->
     """The file quantize_static calibrates: the model itself, or its copy at the opset
     onnxruntime moves it to for these types (opset < 10, 16-bit or float 8 types)."""
     extra = arguments.get("extra_options") or {}
-    model = load_model_with_shape_infer(Path(model_path))
-    updated = update_opset_version(
-        model,
-        arguments.get("weight_type", QuantType.QInt8),
-        arguments.get("activation_type", QuantType.QInt8),
-        tensor_quant_overrides=extra.get("TensorQuantOverrides"),
-        block_size=extra.get("BlockSize", 0),
-    )
-    if updated is model:
+
+    def at_its_opset(model: onnx.ModelProto) -> onnx.ModelProto:
+        return update_opset_version(
+            model,
+            arguments.get("weight_type", QuantType.QInt8),
+            arguments.get("activation_type", QuantType.QInt8),
+            tensor_quant_overrides=extra.get("TensorQuantOverrides"),
+            block_size=extra.get("BlockSize", 0),
+        )
+
+    probe = onnx.load(model_path, load_external_data=False)  # the opset decides: no shapes needed
+    if at_its_opset(probe) is probe:
         return model_path
+    updated = at_its_opset(load_model_with_shape_infer(Path(model_path)))
     source = os.path.join(folder, "model_input.onnx")
     onnx.save_model(copy.deepcopy(updated), source, save_as_external_data=True)
     return source

@@ -168,3 +168,38 @@ def test_tune_keeps_no_float_outputs_of_the_calibration_samples_beside_held_out_
         with pytest.raises(Stop) as stopped:
             tune.tune(str(path), calibrate=files[:count], inputs=files[-1:], out=str(tmp_path / f"out{count}"))
         assert stopped.value.args[0] == 1, count
+
+
+@pytest.mark.parametrize("method", [pytest.param("MinMax", id="minmax"), pytest.param("Percentile", id="percentile")])
+def test_a_model_onnxruntime_moves_to_another_opset_is_calibrated_as_it_moves_it(tmp_path, method):
+    """Conv, Relu and Add at opset 9: quantize_static calibrates its opset-11 conversion, and so
+    does calibration.py; the ranges are the same."""
+    w = onnx.numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    nodes = [
+        onnx.helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        onnx.helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        onnx.helper.make_node("Add", ["r", "c"], ["y"], name="add"),
+    ]
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 8, 8])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 8, 8])
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph(nodes, "g", [x], [y], [w]), opset_imports=[onnx.helper.make_opsetid("", 9)]
+    )
+    model.ir_version = 8
+    path = str(tmp_path / "opset9.onnx")
+    onnx.save(model, path)
+    arguments = {"calibrate_method": CalibrationMethod[method]}
+    with gen_models.quiet_quantizer():
+        calibration.calibrate(path, arguments, lambda: Samples(5), str(tmp_path / "ours.json"))
+        quantize_static(
+            path,
+            str(tmp_path / "q.onnx"),
+            Samples(5),
+            calibration_cache_path=str(tmp_path / "theirs.json"),
+            **arguments,
+        )
+    mine, reference = load_tensors_data(tmp_path / "ours.json"), load_tensors_data(tmp_path / "theirs.json")
+    assert list(mine.keys()) == list(reference.keys())
+    for name, expected in reference.items():
+        for attribute in expected._attrs:
+            np.testing.assert_array_equal(getattr(mine[name], attribute), getattr(expected, attribute), err_msg=name)
