@@ -159,10 +159,11 @@ def calibrated_tensors(
 
 class Extremes:
     """One tensor over every sample: its shape (one, as onnxruntime stacks them), element
-    type, element count, least and greatest value, and least and greatest magnitude."""
+    type, element count, least and greatest value, and (``magnitudes``) least and greatest
+    magnitude."""
 
-    def __init__(self, array: np.ndarray) -> None:
-        self.shape, self.dtype, self.size = array.shape, array.dtype, 0
+    def __init__(self, array: np.ndarray, magnitudes: bool) -> None:
+        self.shape, self.dtype, self.size, self.magnitudes = array.shape, array.dtype, 0, magnitudes
         self.low: Any = None  # numpy scalars of the tensor's type once a sample has elements
         self.high: Any = None
         self.least: Any = None
@@ -176,23 +177,26 @@ class Extremes:
         low, high = array.min(), array.max()
         if not (np.isfinite(low) and np.isfinite(high)):
             raise ValueError(f"{name}: range of [{low}, {high}] is not finite")
-        magnitude = np.absolute(array)
-        least, most = magnitude.min(), magnitude.max()
         first = self.size == 0
         self.size += array.size
         self.low = low if first else min(self.low, low)
         self.high = high if first else max(self.high, high)
-        self.least = least if first else min(self.least, least)
-        self.most = most if first else max(self.most, most)
+        if self.magnitudes:
+            magnitude = np.absolute(array)
+            least, most = magnitude.min(), magnitude.max()
+            self.least = least if first else min(self.least, least)
+            self.most = most if first else max(self.most, most)
 
 
 def histogram_ranges(calibrator: HistogramCalibrater, make_reader: Callable[[], CalibrationDataReader]) -> TensorsData:
     """onnxruntime's histogram ranges from two passes over the samples, one sample's tensors
     held at a time: the bins ``HistogramCollector.collect`` sets over all, then the counts."""
+    # HistogramCollector.collect: magnitudes for a symmetric Percentile, values otherwise.
+    magnitudes = calibrator.method == "percentile" and calibrator.symmetric
     extremes: dict[str, Extremes] = {}
     for tensors in calibrated_tensors(calibrator, make_reader()):
         for name, array in tensors.items():
-            extremes.setdefault(name, Extremes(array)).add(name, array)
+            extremes.setdefault(name, Extremes(array, magnitudes)).add(name, array)
     if not extremes:
         raise ValueError("No data is collected.")
     collector = HistogramCollector(
@@ -203,8 +207,6 @@ def histogram_ranges(calibrator: HistogramCalibrater, make_reader: Callable[[], 
         percentile=calibrator.percentile,
         scenario=calibrator.scenario,
     )
-    # HistogramCollector.collect: magnitudes for a symmetric Percentile, values otherwise.
-    magnitudes = calibrator.method == "percentile" and calibrator.symmetric
     bounds = {name: outer_edges(e, magnitudes) for name, e in extremes.items() if e.size}
     counts: dict[str, np.ndarray] = {}
     edges: dict[str, np.ndarray] = {}
