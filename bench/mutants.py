@@ -120,6 +120,7 @@ AREA_TESTS = {
     ],
     "plugin": ["tests/cli/test_plugin.py"],
     "recovery": ["tests/tune/test_equalize.py", "tests/tune/test_bias.py", "tests/tune/test_recovery.py"],
+    "calibration": ["tests/tune/test_calibration.py", "tests/tune/test_candidates.py"],
 }
 IGNORED = shutil.ignore_patterns(
     ".git", ".venv*", "__pycache__", ".pytest_cache", ".hypothesis", "*.pyc", ".benchmarks"

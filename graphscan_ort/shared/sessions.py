@@ -185,17 +185,21 @@ def model_outputs(
     return outputs
 
 
-def sample_outputs(model: onnx.ModelProto, samples: list[dict], path: str, files: list[str], flag: str) -> list:
+def sample_outputs(
+    model: onnx.ModelProto, samples: list[dict], path: str, files: list[str], flag: str, keep: bool = True
+) -> list:
     """``model_outputs`` of the float model on the user's samples, read from ``files``
     (given with ``flag``): a sample it does not run on, though it fits the declared inputs
     (a symbolic dimension the weights fix), is exit 7 naming that sample; the model ran
     nothing wrong. A session that cannot be built, or memory that runs out, still blames
-    the model (exit 5)."""
+    the model (exit 5). ``keep`` False: each sample only checked, no outputs held."""
     session = open_session(model, f"{shown(path)}: model", impact_options())
     outputs = []
     for feeds, file in zip(samples, files, strict=True):
         try:
-            outputs.append(session.run(None, feeds))
+            ran = session.run(None, feeds)
+            if keep:
+                outputs.append(ran)
         except Exception as exc:
             if isinstance(exc, MemoryError) or OUT_OF_MEMORY.search(str(exc)):
                 raise does_not_run(f"{shown(path)}: model", exc)

@@ -3,9 +3,10 @@
 A candidate is the keyword arguments of one ``quantize_static`` call, kept as
 JSON (enums by name), so that a user can re-run exactly that call on the
 prepared model with the same calibration data and get the same model.
-Calibration runs once per prepared model and calibration method: the ranges
-go into onnxruntime's own calibration cache (``calibration_cache_path``) and
-every candidate of that method reuses them. Neither the activation type nor
+Calibration runs once per prepared model and calibration method, one sample's
+tensors at a time (calibration.py: onnxruntime's ranges, not its peak memory): the
+ranges go into onnxruntime's own calibration cache (``calibration_cache_path``) and
+every candidate of that method reads them. Neither the activation type nor
 per-channel weights change the ranges, so the cache is exact for all of them.
 
 The calibration refinements (``refinements``) change only the ranges: Entropy,
@@ -38,6 +39,7 @@ from onnxruntime.quantization import (
 )
 
 from graphscan_ort.shared.sessions import quiet
+from graphscan_ort.tune.calibration import calibrate
 
 # The axes of the search: activation type, per-channel weights, calibration method.
 ACTIVATION_TYPES = ["QUInt8", "QInt8"]
@@ -174,12 +176,15 @@ def quantize_candidate(
     cache_folder: str,
 ) -> None:
     """``quantize_static(prepared, output, **settings)``; the first candidate of a
-    calibration method calibrates (a new reader each time: a consumed one yields
-    nothing) and fills the cache, the others read the ranges from it."""
+    calibration method fills the cache with onnxruntime's ranges in bounded memory
+    (calibration.py; a new reader each pass: a consumed one yields nothing), and every
+    candidate reads the ranges from it."""
     cache = cache_path(cache_folder, calibration_key(settings))
-    reader = None if os.path.isfile(cache) else make_reader()
+    arguments = keyword_arguments(settings)
     with quiet():
-        quantize_static(prepared, output, reader, calibration_cache_path=cache, **keyword_arguments(settings))
+        if not os.path.isfile(cache):
+            calibrate(prepared, arguments, make_reader, cache)
+        quantize_static(prepared, output, None, calibration_cache_path=cache, **arguments)
 
 
 def quantize_dynamic_candidate(prepared: str, output: str, settings: dict, *_calibration: object) -> None:

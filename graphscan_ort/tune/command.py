@@ -122,7 +122,7 @@ def tune(
     evaluation = [read_npz_inputs(p, specs) for p in inputs] if inputs else calibration
     latency = [read_npz_inputs(p, specs) for p in latency_files] if latency_files else evaluation[:1]
     # Every sample the user gave is run once before any work: one that does not run is named.
-    calibrated = sample_outputs(model, calibration, path, calibrate, "--calibrate")
+    calibrated = sample_outputs(model, calibration, path, calibrate, "--calibrate", keep=not inputs)
     evaluated = sample_outputs(model, evaluation, path, inputs, "--inputs") if inputs else calibrated
     if latency_files:
         sample_outputs(model, latency, path, latency_files, "--latency-inputs")

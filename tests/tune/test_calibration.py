@@ -1,0 +1,205 @@
+"""Calibration in bounded memory (issue 33 item 5): onnxruntime's ranges, not its peak.
+
+The reference is onnxruntime itself: ``quantize_static`` with a reader of every sample writes
+its own calibration cache, calibrated all at once; calibration.py must write the same
+ranges (and, for the histogram methods, the same histograms) one sample at a time, and its
+peak must not grow with the number of samples the way onnxruntime's does.
+"""
+
+import gc
+import tracemalloc
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, quantize_static
+from onnxruntime.quantization.calibrate import load_tensors_data
+
+import gen_models
+import graphscan_ort.tune.calibration as calibration
+import graphscan_ort.tune.candidates as candidates
+import graphscan_ort.tune.command as tune
+
+
+class Samples(CalibrationDataReader):
+    """``count`` seeded inputs of ``shapes`` in turn, of seeded scales, each made when read
+    (the reader holds none); a new reader per pass (a consumed one yields nothing)."""
+
+    def __init__(self, count, shapes=((1, 3, 8, 8),), seed=7):
+        self.rng, self.shapes, self.count, self.read = np.random.default_rng(seed), shapes, count, 0
+
+    def get_next(self):
+        if self.read == self.count:
+            return None
+        shape, self.read = self.shapes[self.read % len(self.shapes)], self.read + 1
+        scale = self.rng.uniform(0.2, 3.0)  # no sample holds every extreme, the last least of all
+        return {"x": (self.rng.standard_normal(shape) * scale).astype(np.float32)}
+
+
+@pytest.fixture(scope="module")
+def cnn(tmp_path_factory):
+    """A small residual CNN (Conv, Relu, Add, Resize, Concat, Gemm): tensors of several ranges."""
+    path = tmp_path_factory.mktemp("cnn") / "cnn.onnx"
+    onnx.save(gen_models.build_cnn(2, channels=4, size=8, seed=0), path)
+    return str(path)
+
+
+# Every way tune calibrates (candidates.METHODS and REFINEMENTS), and the options they reach.
+WAYS = [
+    pytest.param("MinMax", {}, id="minmax"),
+    pytest.param("MinMax", {"CalibTensorRangeSymmetric": True}, id="minmax-symmetric"),
+    pytest.param("MinMax", {"CalibMovingAverage": True}, id="minmax-moving-average"),
+    pytest.param("Percentile", {}, id="percentile"),
+    pytest.param("Percentile", {"CalibPercentile": 99.9}, id="percentile-99.9"),
+    pytest.param("Percentile", {"CalibTensorRangeSymmetric": False}, id="percentile-values-not-magnitudes"),
+    pytest.param("Entropy", {}, id="entropy"),
+    pytest.param("Distribution", {}, id="distribution"),
+]
+
+
+@pytest.mark.parametrize(("method", "options"), WAYS)
+def test_the_ranges_are_onnxruntimes_own_over_every_sample_at_once(cnn, tmp_path, monkeypatch, method, options):
+    """11 samples, MinMax fed 4 at a time (chunks of 4, 4, 3): every tensor's range, and every
+    histogram, equal to those quantize_static computes holding all 11 at once."""
+    monkeypatch.setattr(calibration, "MINMAX_CHUNK", 4)
+    settings = {"calibrate_method": method, **({"extra_options": options} if options else {})}
+    arguments = candidates.keyword_arguments(settings)
+    ours, theirs = tmp_path / "ours.json", tmp_path / "theirs.json"
+    with gen_models.quiet_quantizer():
+        calibration.calibrate(cnn, arguments, lambda: Samples(11), str(ours))
+        quantize_static(cnn, str(tmp_path / "q.onnx"), Samples(11), calibration_cache_path=str(theirs), **arguments)
+    mine, reference = load_tensors_data(ours), load_tensors_data(theirs)
+    assert mine.calibration_method == reference.calibration_method == CalibrationMethod[method]
+    assert list(mine.keys()) == list(reference.keys()) and len(reference.keys()) > 10
+    for name, expected in reference.items():
+        got = mine[name]
+        assert sorted(got._attrs) == sorted(expected._attrs), name
+        for attribute in expected._attrs:
+            np.testing.assert_array_equal(getattr(got, attribute), getattr(expected, attribute), err_msg=name)
+
+
+def test_minmax_in_chunks_is_minmax_over_every_sample(cnn, tmp_path, monkeypatch):
+    """An independent check of the merge: each tensor's range is numpy's min and max of that
+    tensor over every sample (read off a copy of the model exposing every calibrated tensor)."""
+    monkeypatch.setattr(calibration, "MINMAX_CHUNK", 3)
+    cache = tmp_path / "c.json"
+    with gen_models.quiet_quantizer():
+        calibration.calibrate(cnn, {}, lambda: Samples(10), str(cache))
+    ranges = load_tensors_data(cache)
+    model = onnx.load(cnn)
+    model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in ranges)
+    options = onnxruntime.SessionOptions()  # unoptimized, as onnxruntime's calibrator runs it (no fusions)
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    outputs = [session.run(list(ranges.keys()), sample) for sample in iter(Samples(10).get_next, None)]
+    for k, name in enumerate(ranges.keys()):
+        values = np.concatenate([run[k].ravel() for run in outputs])
+        low, high = ranges[name].range_value
+        assert (np.asarray(low).item(), np.asarray(high).item()) == (values.min(), values.max()), name
+
+
+@pytest.mark.parametrize("method", [pytest.param("Percentile", id="percentile"), pytest.param("MinMax", id="minmax")])
+def test_peak_memory_does_not_grow_with_the_number_of_samples(tmp_path, monkeypatch, method):
+    """Calibrating 48 samples peaks about where 12 do (numpy's allocations, traced): a
+    histogram holds one sample's tensors at a time, MinMax one chunk's reductions (4 here,
+    so both counts merge chunks). onnxruntime's own calibrators hold every sample's: all
+    their tensors for a histogram (1.4 MB a sample here), all their reductions for MinMax."""
+    monkeypatch.setattr(calibration, "MINMAX_CHUNK", 4)
+    path = tmp_path / "wide.onnx"
+    onnx.save(gen_models.build_cnn(2, channels=8, size=48, seed=0), path)
+    settings = {**candidates.candidate_settings()[0], "calibrate_method": method}
+
+    def peak(count):
+        folder = tmp_path / f"{count}"
+        folder.mkdir()
+        tracemalloc.start()
+        with gen_models.quiet_quantizer():
+            candidates.quantize_candidate(
+                str(path), str(folder / "q.onnx"), settings, lambda: Samples(count, [(1, 3, 48, 48)]), str(folder)
+            )
+        _, top = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        return top
+
+    few, many = peak(12), peak(48)
+    assert many < 1.25 * few, (few, many)
+
+
+def test_samples_of_several_shapes_are_refused_as_onnxruntime_refuses_them(cnn, tmp_path):
+    """A histogram over samples of two batch sizes: onnxruntime cannot stack them, so neither
+    does calibration.py (a row's arguments must reproduce its model, or it is no row)."""
+    arguments = {"calibrate_method": CalibrationMethod.Percentile}
+    shapes = [(1, 3, 8, 8), (2, 3, 8, 8)]
+    with gen_models.quiet_quantizer():
+        with pytest.raises(ValueError, match="inhomogeneous shape"):
+            quantize_static(cnn, str(tmp_path / "q.onnx"), Samples(4, shapes), **arguments)
+        with pytest.raises(ValueError, match="inhomogeneous shape"):
+            calibration.calibrate(cnn, arguments, lambda: Samples(4, shapes), str(tmp_path / "c.json"))
+    assert not (tmp_path / "c.json").exists()
+
+
+class Stop(Exception):
+    """Raised in place of tune's search: what came before it is what is measured."""
+
+
+def test_tune_keeps_no_float_outputs_of_the_calibration_samples_beside_held_out_inputs(tmp_path, monkeypatch):
+    """With held-out ``--inputs``, each ``--calibrate`` sample is run on the float model only to
+    check that it runs: when tune's search starts, the float outputs alive (in lists, as
+    sessions return them) are the one held-out sample's, whether 12 or 48 samples calibrate."""
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 8, 1])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 8, 4096])
+    shape = onnx.numpy_helper.from_array(np.array([1, 8, 4096], dtype=np.int64), "shape")
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Expand", ["x", "shape"], ["y"])], "g", [x], [y], [shape])
+    path = tmp_path / "wide.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), path)
+    rng = np.random.default_rng(0)
+    files = []
+    for k in range(49):
+        files.append(str(tmp_path / f"s{k}.npz"))
+        np.savez(files[-1], x=rng.standard_normal((1, 8, 1)).astype(np.float32))
+
+    def outputs_alive(*_args, **_kwargs):
+        alive = [a for o in gc.get_objects() if isinstance(o, list) for a in o if isinstance(a, np.ndarray)]
+        raise Stop(sum(a.shape == (1, 8, 4096) for a in alive))
+
+    monkeypatch.setattr(tune, "tune_in", outputs_alive)
+    for count in (12, 48):
+        with pytest.raises(Stop) as stopped:
+            tune.tune(str(path), calibrate=files[:count], inputs=files[-1:], out=str(tmp_path / f"out{count}"))
+        assert stopped.value.args[0] == 1, count
+
+
+@pytest.mark.parametrize("method", [pytest.param("MinMax", id="minmax"), pytest.param("Percentile", id="percentile")])
+def test_a_model_onnxruntime_moves_to_another_opset_is_calibrated_as_it_moves_it(tmp_path, method):
+    """Conv, Relu and Add at opset 9: quantize_static calibrates its opset-11 conversion, and so
+    does calibration.py; the ranges are the same."""
+    w = onnx.numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    nodes = [
+        onnx.helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        onnx.helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        onnx.helper.make_node("Add", ["r", "c"], ["y"], name="add"),
+    ]
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 8, 8])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 8, 8])
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph(nodes, "g", [x], [y], [w]), opset_imports=[onnx.helper.make_opsetid("", 9)]
+    )
+    model.ir_version = 8
+    path = str(tmp_path / "opset9.onnx")
+    onnx.save(model, path)
+    arguments = {"calibrate_method": CalibrationMethod[method]}
+    with gen_models.quiet_quantizer():
+        calibration.calibrate(path, arguments, lambda: Samples(5), str(tmp_path / "ours.json"))
+        quantize_static(
+            path,
+            str(tmp_path / "q.onnx"),
+            Samples(5),
+            calibration_cache_path=str(tmp_path / "theirs.json"),
+            **arguments,
+        )
+    mine, reference = load_tensors_data(tmp_path / "ours.json"), load_tensors_data(tmp_path / "theirs.json")
+    assert list(mine.keys()) == list(reference.keys())
+    for name, expected in reference.items():
+        for attribute in expected._attrs:
+            np.testing.assert_array_equal(getattr(mine[name], attribute), getattr(expected, attribute), err_msg=name)
