@@ -317,7 +317,7 @@ def default_exclude(layers):
 
 
 def parse_args(argv):
-    parser = graphscan.OneLineParser(
+    parser = graphscan._OneLineParser(
         description="Build the lab's models and write every artifact into the output folder."
     )
     parser.add_argument("--out", default="ops", help="output folder (default: ops)")
@@ -379,7 +379,7 @@ def main(argv=None):
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     except (LabError, graphscan.GraphscanError) as exc:
-        print(f"gen_models: error: {graphscan.single_line(str(exc))}", file=sys.stderr)
+        print(f"gen_models: error: {graphscan._single_line(str(exc))}", file=sys.stderr)
         return 1
     except SystemExit as exc:  # argparse after printing --help
         return exc.code if isinstance(exc.code, int) else 0

@@ -32,7 +32,7 @@ EXIT_INTERRUPTED = 130  # SIGINT, as shells report it (128 + 2)
 EXIT_TERMINATED = 143  # SIGTERM (128 + 15): a CI timeout, a killed job
 
 
-def exit_on_interrupt(signum: int, frame: object) -> None:
+def _exit_on_interrupt(signum: int, frame: object) -> None:
     """SIGINT or SIGTERM where main() cannot catch it (importing, shutting down): one
     line, exit 130 or 143; nothing is written yet or everything already is."""
     terminated = signum == signal.SIGTERM
@@ -43,8 +43,8 @@ def exit_on_interrupt(signum: int, frame: object) -> None:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, exit_on_interrupt)
-    signal.signal(signal.SIGTERM, exit_on_interrupt)
+    signal.signal(signal.SIGINT, _exit_on_interrupt)
+    signal.signal(signal.SIGTERM, _exit_on_interrupt)
     # The graphscan_ort package imports this file as ``graphscan``: it must find
     # this very module, not load a second copy with classes of its own.
     if getattr(sys.modules.get(__name__), "__dict__", None) is globals():  # not under a runner like cProfile
@@ -196,7 +196,7 @@ EXIT_CODES = {
 
 QUANTIZE = "QuantizeLinear"
 DEQUANTIZE = "DequantizeLinear"
-PACKAGE = "graphscan_ort"  # the commands that run models, beside this file
+_PACKAGE = "graphscan_ort"  # the commands that run models, beside this file
 
 
 class GraphscanError(Exception):
@@ -210,12 +210,12 @@ class GraphscanError(Exception):
 INTERRUPTED: list[int] = []  # the signals (SIGINT, SIGTERM) that arrived while main() ran
 
 
-class Terminated(KeyboardInterrupt):
+class _Terminated(KeyboardInterrupt):
     """SIGTERM while main() runs: it unwinds as Ctrl-C does, so every temporary file
     and folder is removed and nothing is left half-written (exit 143, not 130)."""
 
 
-def note_interrupt(signum: int, frame: object) -> None:
+def _note_interrupt(signum: int, frame: object) -> None:
     """main()'s SIGINT and SIGTERM handler: KeyboardInterrupt (Terminated), remembered
     (onnxruntime's C initialization turns it into an ImportError, which must not hide it)."""
     INTERRUPTED.append(signum)
@@ -224,7 +224,7 @@ def note_interrupt(signum: int, frame: object) -> None:
 
 def interruption() -> KeyboardInterrupt:
     """What the signals that arrived ask for: Terminated after a SIGTERM, else Ctrl-C's."""
-    return Terminated() if signal.SIGTERM in INTERRUPTED else KeyboardInterrupt()
+    return _Terminated() if signal.SIGTERM in INTERRUPTED else KeyboardInterrupt()
 
 
 # --------------------------------------------------------------------------
@@ -245,12 +245,12 @@ def shown(path: str | bytes | os.PathLike) -> str:
 
 
 # Characters str.splitlines() breaks at: a message must never contain one.
-LINE_BREAKS = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+_LINE_BREAKS = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
 
 
-def single_line(text: str) -> str:
+def _single_line(text: str) -> str:
     """``text`` with every line break escaped, so a report stays one line."""
-    return LINE_BREAKS.sub(lambda m: repr(m.group())[1:-1], text)
+    return _LINE_BREAKS.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def check_readable(path: str) -> None:
@@ -263,21 +263,21 @@ def check_readable(path: str) -> None:
         raise GraphscanError(f"{shown(path)}: not a regular file", EXIT_NO_FILE)
 
 
-# Above this size a model is parsed without its tensor payloads (see skim_model).
-SKIM_THRESHOLD = 64 * 1024 * 1024
+# Above this size a model is parsed without its tensor payloads (see _skim_model).
+_SKIM_THRESHOLD = 64 * 1024 * 1024
 # ModelProto's fields and their wire types (0 varint, 2 length-delimited): the
 # first field of a model file is one of these, so a file that starts with
 # anything else is refused before it is read further.
-MODEL_FIELD_WIRES = {
+_MODEL_FIELD_WIRES = {
     field.number: 0 if field.type in (field.TYPE_INT64, field.TYPE_INT32) else 2
     for field in onnx.ModelProto.DESCRIPTOR.fields
 }
 
 
-HEAD_BYTES = 64 * 1024  # how much of a file check_head reads
+_HEAD_BYTES = 64 * 1024  # how much of a file _check_head reads
 
 
-def check_head(head: bytes, path: str) -> None:
+def _check_head(head: bytes, path: str) -> None:
     """Exit 4 unless ``head``, a file's first bytes, reads as the start of a ModelProto.
 
     The first field must be one of ModelProto's, with its wire type, and every
@@ -289,17 +289,17 @@ def check_head(head: bytes, path: str) -> None:
     pos, first, problem = 0, True, None
     try:
         while pos < len(head) and problem is None:
-            key, pos = read_varint(head, pos)
+            key, pos = _read_varint(head, pos)
             number, wire = key >> 3, key & 7
-            if first and MODEL_FIELD_WIRES.get(number) != wire:
+            if first and _MODEL_FIELD_WIRES.get(number) != wire:
                 problem = "it does not start with a ModelProto field"
-            elif number == 0 or wire not in (0, 1, LENGTH_DELIMITED, 5):
+            elif number == 0 or wire not in (0, 1, _LENGTH_DELIMITED, 5):
                 problem = f"malformed protobuf at byte {pos}"
             first = False
             if wire == 0:
-                _, pos = read_varint(head, pos)
-            elif wire == LENGTH_DELIMITED:
-                length, pos = read_varint(head, pos)
+                _, pos = _read_varint(head, pos)
+            elif wire == _LENGTH_DELIMITED:
+                length, pos = _read_varint(head, pos)
                 pos += length
             else:
                 pos += 8 if wire == 1 else 4
@@ -322,11 +322,11 @@ def load_model(path: str, weights: bool = False) -> onnx.ModelProto:
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            check_head(os.pread(f.fileno(), HEAD_BYTES, 0), path)
-            if weights or size < SKIM_THRESHOLD:
+            _check_head(os.pread(f.fileno(), _HEAD_BYTES, 0), path)
+            if weights or size < _SKIM_THRESHOLD:
                 return parse_model(f.read(), path)
             try:
-                data = skim_model(FileBytes(f.fileno(), size))
+                data = _skim_model(_FileBytes(f.fileno(), size))
             except (IndexError, ValueError) as exc:
                 raise GraphscanError(f"{shown(path)}: not an ONNX model ({one_line(exc)})", EXIT_NOT_ONNX)
             return parse_model(data, path)
@@ -334,7 +334,7 @@ def load_model(path: str, weights: bool = False) -> onnx.ModelProto:
         raise GraphscanError(f"{shown(path)}: cannot read ({exc.strerror or exc})", EXIT_NO_FILE)
 
 
-class FileBytes:
+class _FileBytes:
     """The bytes of an open file, indexed and sliced like ``bytes``, read on demand.
 
     Not a memory map: a file truncated while it is read gives a short read
@@ -390,15 +390,15 @@ class FileBytes:
 
 
 # Protobuf wire format, just enough to skip tensor payloads of big models.
-MODEL_GRAPH = 7  # ModelProto.graph
-GRAPH_INITIALIZER = 5  # GraphProto.initializer
+_MODEL_GRAPH = 7  # ModelProto.graph
+_GRAPH_INITIALIZER = 5  # GraphProto.initializer
 # TensorProto float_data, int32_data, string_data, int64_data, raw_data,
 # double_data, uint64_data: the payload; everything else is the header.
-TENSOR_PAYLOAD = {4, 5, 6, 7, 9, 10, 11}
-LENGTH_DELIMITED = 2
+_TENSOR_PAYLOAD = {4, 5, 6, 7, 9, 10, 11}
+_LENGTH_DELIMITED = 2
 
 
-def read_varint(buf: bytes | FileBytes, pos: int) -> tuple[int, int]:
+def _read_varint(buf: bytes | _FileBytes, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
         byte = buf[pos]
@@ -411,7 +411,7 @@ def read_varint(buf: bytes | FileBytes, pos: int) -> tuple[int, int]:
             raise ValueError("malformed varint")
 
 
-def encode_varint(value: int) -> bytes:
+def _encode_varint(value: int) -> bytes:
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -420,11 +420,11 @@ def encode_varint(value: int) -> bytes:
     return bytes(out)
 
 
-def wire_fields(buf: bytes | FileBytes, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
+def _wire_fields(buf: bytes | _FileBytes, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
     """Yield ``(field number, wire type, value start, value end, field start)`` for
     each field in ``buf[start:end]``; ``buf`` is ``bytes`` or a ``FileBytes``, whose
     fields are parsed inside its window of plain bytes."""
-    file = buf if isinstance(buf, FileBytes) else None
+    file = buf if isinstance(buf, _FileBytes) else None
     data, base, data_end = (b"", 0, 0) if file is not None else (buf, 0, len(buf))
     pos = start
     while pos < end:
@@ -433,17 +433,17 @@ def wire_fields(buf: bytes | FileBytes, start: int, end: int) -> Iterator[tuple[
             data, base = file.window_at(pos)
             data_end = base + len(data)
         field_start = pos
-        key, pos = read_varint(data, pos - base)
+        key, pos = _read_varint(data, pos - base)
         if key >> 3 == 0:
             raise ValueError("field number 0")
         wire = key & 7
         value_start = pos
         if wire == 0:
-            _, pos = read_varint(data, pos)
+            _, pos = _read_varint(data, pos)
         elif wire == 1:
             pos += 8
-        elif wire == LENGTH_DELIMITED:
-            length, pos = read_varint(data, pos)
+        elif wire == _LENGTH_DELIMITED:
+            length, pos = _read_varint(data, pos)
             value_start = pos
             pos += length
         elif wire == 5:
@@ -456,38 +456,38 @@ def wire_fields(buf: bytes | FileBytes, start: int, end: int) -> Iterator[tuple[
         yield key >> 3, wire, value_start + base, pos, field_start
 
 
-def length_delimited(number: int, payload: bytes) -> bytes:
-    return encode_varint(number << 3 | LENGTH_DELIMITED) + encode_varint(len(payload)) + payload
+def _length_delimited(number: int, payload: bytes) -> bytes:
+    return _encode_varint(number << 3 | _LENGTH_DELIMITED) + _encode_varint(len(payload)) + payload
 
 
-def skim_model(buf: bytes | FileBytes) -> bytes:
+def _skim_model(buf: bytes | _FileBytes) -> bytes:
     """ModelProto bytes with every graph initializer reduced to its header."""
     out = bytearray()
-    for number, wire, start, end, field_start in wire_fields(buf, 0, len(buf)):
-        if number == MODEL_GRAPH and wire == LENGTH_DELIMITED:
-            out += length_delimited(MODEL_GRAPH, skim_graph(buf, start, end))
+    for number, wire, start, end, field_start in _wire_fields(buf, 0, len(buf)):
+        if number == _MODEL_GRAPH and wire == _LENGTH_DELIMITED:
+            out += _length_delimited(_MODEL_GRAPH, _skim_graph(buf, start, end))
         else:
             out += buf[field_start:end]
     return bytes(out)
 
 
-def skim_graph(buf: bytes | FileBytes, start: int, end: int) -> bytes:
+def _skim_graph(buf: bytes | _FileBytes, start: int, end: int) -> bytes:
     out = bytearray()
     kept_from = start  # fields other than initializers are copied in runs, not one by one
-    for number, wire, value_start, value_end, field_start in wire_fields(buf, start, end):
-        if number == GRAPH_INITIALIZER and wire == LENGTH_DELIMITED:
+    for number, wire, value_start, value_end, field_start in _wire_fields(buf, start, end):
+        if number == _GRAPH_INITIALIZER and wire == _LENGTH_DELIMITED:
             if field_start > kept_from:
                 out += buf[kept_from:field_start]
             kept_from = value_end
             tensor, first, last = buf, value_start, value_end
-            if last - first <= FileBytes.WINDOW:  # small: one read, then parsed as bytes
+            if last - first <= _FileBytes.WINDOW:  # small: one read, then parsed as bytes
                 tensor, first, last = buf[first:last], 0, last - first
             header = b"".join(
                 tensor[f_start:f_end]
-                for n, _, _, f_end, f_start in wire_fields(tensor, first, last)
-                if n not in TENSOR_PAYLOAD
+                for n, _, _, f_end, f_start in _wire_fields(tensor, first, last)
+                if n not in _TENSOR_PAYLOAD
             )
-            out += length_delimited(GRAPH_INITIALIZER, header)
+            out += _length_delimited(_GRAPH_INITIALIZER, header)
     out += buf[kept_from:end]
     return bytes(out)
 
@@ -516,7 +516,7 @@ def load_with_weights(path: str) -> onnx.ModelProto:
             external_data_helper.load_external_data_for_model(model, os.path.dirname(os.path.abspath(path)))
         except Exception as exc:
             raise GraphscanError(f"{shown(path)}: cannot load external data ({one_line(exc)})", EXIT_NOT_ONNX)
-    text_names(model.graph)
+    _text_names(model.graph)
     return model
 
 
@@ -530,7 +530,7 @@ def as_text(value: str | bytes) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
-def as_texts(values: StrSequence) -> StrSequence | list[str]:
+def _as_texts(values: StrSequence) -> StrSequence | list[str]:
     """``values`` with any ``bytes`` decoded; the list itself when all are ``str``."""
     if bytes in set(map(type, values)):
         return [as_text(v) for v in values]
@@ -546,13 +546,13 @@ def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
             yield from attribute.graphs
 
 
-def text_names(graph: onnx.GraphProto) -> None:
+def _text_names(graph: onnx.GraphProto) -> None:
     """Give every name of ``graph`` (and of its bodies) that is not valid UTF-8 its
     U+FFFD spelling, in place, as the answers show it: onnxruntime and the
     commands that run models take names as text."""
 
     def fixed(values: MutableSequence[str]) -> None:
-        texts = as_texts(values)
+        texts = _as_texts(values)
         if texts is not values:
             values[:] = texts
 
@@ -564,7 +564,7 @@ def text_names(graph: onnx.GraphProto) -> None:
         fixed(node.input)
         fixed(node.output)
         for body in subgraphs(node):
-            text_names(body)
+            _text_names(body)
     for item in itertools.chain(graph.input, graph.output, graph.value_info, graph.initializer):
         if isinstance(item.name, bytes):
             item.name = as_text(item.name)
@@ -617,7 +617,7 @@ class GraphIndex:
                 ins = [t for t in ins if t]
             inputs.append(ins)
             outputs.append([t for t in outs if t] if "" in outs else outs)
-        self.op_types = op_types = as_texts(op_types)
+        self.op_types = op_types = _as_texts(op_types)
         self.is_q = [op == QUANTIZE for op in op_types]
         self.is_dq = [op == DEQUANTIZE for op in op_types]
         self.q_nodes = [i for i, q in enumerate(self.is_q) if q]
@@ -745,7 +745,7 @@ class GraphIndex:
         return self.consumers.get(tensor, ())
 
 
-def float_components(index: GraphIndex) -> list[list[int]]:
+def _float_components(index: GraphIndex) -> list[list[int]]:
     """Connected components of float nodes (lists of node indices), unordered."""
     producer, consumers = index.float_producer, index.float_consumers
     seen = [False] * len(index)
@@ -772,21 +772,21 @@ def float_components(index: GraphIndex) -> list[list[int]]:
     return components
 
 
-def float_islands(index: GraphIndex) -> list[tuple[list[int], list[str]]]:
+def _float_islands(index: GraphIndex) -> list[tuple[list[int], list[str]]]:
     """Float islands as ``(node indices, sorted names)`` in SPEC.md's order.
 
     Each island's names are sorted, and the list by those names, which puts
     the island with the smallest first name first.
     """
     islands = []
-    for component in float_components(index):
+    for component in _float_components(index):
         named = sorted((index.name(i), i) for i in component)
         islands.append(([i for _, i in named], [name for name, _ in named]))
     islands.sort(key=lambda island: island[1])
     return islands
 
 
-def boundary_of(index: GraphIndex, island: Iterable[int]) -> tuple[set[int], set[int]]:
+def _boundary_of(index: GraphIndex, island: Iterable[int]) -> tuple[set[int], set[int]]:
     """Distinct DQ nodes feeding the island and distinct Q nodes it feeds."""
     out_quantize: set[int]
     in_dequantize, out_quantize = set(), set()
@@ -801,7 +801,7 @@ def boundary_of(index: GraphIndex, island: Iterable[int]) -> tuple[set[int], set
     return in_dequantize, out_quantize
 
 
-def count_round_trips(index: GraphIndex) -> int:
+def _count_round_trips(index: GraphIndex) -> int:
     """Q nodes whose output is consumed, and consumed only by DQ nodes."""
     read_by_non_dq = index.read_by_q | index.read_by_compute
     read_by_dq_only = index.read_by_dq - read_by_non_dq
@@ -811,7 +811,7 @@ def count_round_trips(index: GraphIndex) -> int:
     )
 
 
-def count_weight_dequantize(index: GraphIndex) -> int:
+def _count_weight_dequantize(index: GraphIndex) -> int:
     """DQ nodes whose first input is an initializer (a stored int8 weight)."""
     initializers, inputs, gaps = index.initializers, index.inputs, index.inputs_with_gaps
     count = 0
@@ -827,17 +827,17 @@ def value_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
     return [info for info in graph.input if info.name not in initializers]
 
 
-def input_chain(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> list[int]:
+def _input_chain(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> list[int]:
     """Indices of the Q/DQ nodes between ``tensor`` and its data source, source first."""
     chain = []
     producer = index.producer_of(tensor)
     while producer is not None and not index.is_compute(producer) and producer not in chain:
         chain.append(producer)
-        producer = index.producer_of(written_input(graph.node[producer]))
+        producer = index.producer_of(_written_input(graph.node[producer]))
     return chain[::-1]
 
 
-def written_input(node: onnx.NodeProto) -> str:
+def _written_input(node: onnx.NodeProto) -> str:
     """A node's input 0 as written: "" when it has none (a Q or DQ without inputs is
     malformed, but counted and drawn like any other: its chain starts nowhere)."""
     return node.input[0] if node.input else ""
@@ -847,23 +847,23 @@ def data_source(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> tuple
     """``(source tensor, Q/DQ chain)``: where ``tensor``'s data comes from once
     every Q/DQ in front of it is skipped (a compute output, a graph input or an
     initializer), and the Q/DQ nodes skipped, source first."""
-    chain = input_chain(index, graph, tensor)
-    return (written_input(graph.node[chain[0]]) if chain else tensor), chain
+    chain = _input_chain(index, graph, tensor)
+    return (_written_input(graph.node[chain[0]]) if chain else tensor), chain
 
 
 def output_chain(index: GraphIndex, graph: onnx.GraphProto, tensor: str) -> tuple[list[int], str]:
     """The Q->DQ pair right after ``tensor`` and the tensor the next op sees (a Q or DQ
-    that writes no output 0, which is malformed, makes no pair): input_chain's mirror."""
+    that writes no output 0, which is malformed, makes no pair): _input_chain's mirror."""
     for q in index.consumers_of(tensor):
         if index.is_q[q]:
-            for dq in index.consumers_of(written_output(graph.node[q])):
-                seen = written_output(graph.node[dq])
+            for dq in index.consumers_of(_written_output(graph.node[q])):
+                seen = _written_output(graph.node[dq])
                 if index.is_dq[dq] and seen:
                     return [q, dq], seen
     return [], tensor
 
 
-def written_output(node: onnx.NodeProto) -> str:
+def _written_output(node: onnx.NodeProto) -> str:
     """A node's output 0 as written: "" when it has none or leaves it out."""
     return node.output[0] if node.output else ""
 
@@ -872,37 +872,37 @@ def written_output(node: onnx.NodeProto) -> str:
 # The answers' types: what docs/SPEC.md promises, key for key
 
 
-class Island(TypedDict):
+class _Island(TypedDict):
     nodes: list[str]
     size: int
     op_types: list[str]
 
 
-class IslandBoundary(TypedDict):
+class _IslandBoundary(TypedDict):
     nodes: list[str]
     in_dequantize: int
     out_quantize: int
 
 
-class QdqCounts(TypedDict):
+class _QdqCounts(TypedDict):
     quantize: int
     dequantize: int
     round_trips: int
     weight_dequantize: int
 
 
-class IslandReport(TypedDict):
+class _IslandReport(TypedDict):
     compute: int
     wrapped: int
     float: int
     island_count: int
-    islands: list[Island]
+    islands: list[_Island]
 
 
-class BoundaryReport(TypedDict):
+class _BoundaryReport(TypedDict):
     island_count: int
     crossings: int
-    per_island: list[IslandBoundary]
+    per_island: list[_IslandBoundary]
 
 
 class NodesAnswer(TypedDict):
@@ -912,19 +912,19 @@ class NodesAnswer(TypedDict):
     initializers: dict[str, int]
 
 
-class QdqAnswer(QdqCounts):
+class QdqAnswer(_QdqCounts):
     model: str
 
 
-class IslandsAnswer(IslandReport):
+class IslandsAnswer(_IslandReport):
     model: str
 
 
-class BoundaryAnswer(BoundaryReport):
+class BoundaryAnswer(_BoundaryReport):
     model: str
 
 
-class Summary(TypedDict):
+class _Summary(TypedDict):
     op_types: dict[str, int]
     quantize: int
     dequantize: int
@@ -933,7 +933,7 @@ class Summary(TypedDict):
     float: int
 
 
-class Deltas(TypedDict):
+class _Deltas(TypedDict):
     op_delta: dict[str, int]
     quantize_delta: int
     dequantize_delta: int
@@ -942,12 +942,12 @@ class Deltas(TypedDict):
     float_delta: int
 
 
-class DiffAnswer(Deltas):
+class DiffAnswer(_Deltas):
     a: str
     b: str
 
 
-class Budget(TypedDict):
+class _Budget(TypedDict):
     name: str
     value: float | None
     limit: float
@@ -963,7 +963,7 @@ class CheckAnswer(TypedDict):
     model: str
     float: str | None
     cpu: NotRequired[dict[str, str]]  # {name, onnxruntime, machine}: with --cpu other than native only
-    budgets: list[Budget]
+    budgets: list[_Budget]
     ok: bool
 
 
@@ -971,30 +971,30 @@ class CheckAnswer(TypedDict):
 # Answers from an index (used by the commands and by gen_models.py)
 
 
-def census(op_types: Iterable[str]) -> dict[str, int]:
+def _census(op_types: Iterable[str]) -> dict[str, int]:
     """``{op_type: count}`` with keys sorted."""
     return dict(sorted(Counter(op_types).items()))
 
 
-def initializer_census(graph: onnx.GraphProto) -> dict[str, int]:
+def _initializer_census(graph: onnx.GraphProto) -> dict[str, int]:
     """``{dtype_name: count}`` over the graph's initializers, keys sorted."""
     counts = Counter(dtype_name(init.data_type) for init in graph.initializer)
     return dict(sorted(counts.items()))
 
 
-def qdq_counts(index: GraphIndex) -> QdqCounts:
+def _qdq_counts(index: GraphIndex) -> _QdqCounts:
     return {
         "quantize": len(index.q_nodes),
         "dequantize": len(index.dq_nodes),
-        "round_trips": count_round_trips(index),
-        "weight_dequantize": count_weight_dequantize(index),
+        "round_trips": _count_round_trips(index),
+        "weight_dequantize": _count_weight_dequantize(index),
     }
 
 
-def island_report(index: GraphIndex, islands: list[tuple[list[int], list[str]]]) -> IslandReport:
+def _island_report(index: GraphIndex, islands: list[tuple[list[int], list[str]]]) -> _IslandReport:
     compute = len(index.compute_nodes)
     wrapped = compute - len(index.float_nodes)
-    entries: list[Island] = []
+    entries: list[_Island] = []
     for members, names in islands:
         entries.append(
             {
@@ -1012,10 +1012,10 @@ def island_report(index: GraphIndex, islands: list[tuple[list[int], list[str]]])
     }
 
 
-def boundary_report(index: GraphIndex, islands: list[tuple[list[int], list[str]]]) -> BoundaryReport:
-    per_island: list[IslandBoundary] = []
+def _boundary_report(index: GraphIndex, islands: list[tuple[list[int], list[str]]]) -> _BoundaryReport:
+    per_island: list[_IslandBoundary] = []
     for members, names in islands:
-        in_dq, out_q = boundary_of(index, members)
+        in_dq, out_q = _boundary_of(index, members)
         per_island.append(
             {
                 "nodes": names,
@@ -1035,55 +1035,55 @@ def boundary_report(index: GraphIndex, islands: list[tuple[list[int], list[str]]
 # Commands: path(s) -> dict, exactly the keys SPEC.md lists
 
 
-def index_model(path: str) -> GraphIndex:
+def _index_model(path: str) -> GraphIndex:
     return GraphIndex(load_model(path).graph)
 
 
 def nodes(path: str) -> NodesAnswer:
     """Op census and initializer dtype census."""
     model = load_model(path)
-    op_types = as_texts([node.op_type for node in model.graph.node])  # no index needed
+    op_types = _as_texts([node.op_type for node in model.graph.node])  # no index needed
     return {
         "model": path,
         "nodes": len(op_types),
-        "op_types": census(op_types),
-        "initializers": initializer_census(model.graph),
+        "op_types": _census(op_types),
+        "initializers": _initializer_census(model.graph),
     }
 
 
 def qdq(path: str) -> QdqAnswer:
     """Q and DQ counts, activation round trips and weight DQs."""
-    return {"model": path, **qdq_counts(index_model(path))}
+    return {"model": path, **_qdq_counts(_index_model(path))}
 
 
 def islands(path: str) -> IslandsAnswer:
     """Wrapped versus float compute nodes and the float islands."""
-    index = index_model(path)
-    return {"model": path, **island_report(index, float_islands(index))}
+    index = _index_model(path)
+    return {"model": path, **_island_report(index, _float_islands(index))}
 
 
 def boundary(path: str) -> BoundaryAnswer:
     """Per island, the distinct DQs entering it and Qs leaving it."""
-    index = index_model(path)
-    return {"model": path, **boundary_report(index, float_islands(index))}
+    index = _index_model(path)
+    return {"model": path, **_boundary_report(index, _float_islands(index))}
 
 
-def summary(index: GraphIndex) -> Summary:
+def _summary(index: GraphIndex) -> _Summary:
     """The numbers ``diff`` compares, from one index.
 
     Only what diff reports: islands need no names, weight DQs are not compared.
     """
     return {
-        "op_types": census(index.op_types),
+        "op_types": _census(index.op_types),
         "quantize": len(index.q_nodes),
         "dequantize": len(index.dq_nodes),
-        "round_trips": count_round_trips(index),
-        "island_count": len(float_components(index)),
+        "round_trips": _count_round_trips(index),
+        "island_count": len(_float_components(index)),
         "float": len(index.float_nodes),
     }
 
 
-def diff_summaries(a: Summary, b: Summary) -> Deltas:
+def _diff_summaries(a: _Summary, b: _Summary) -> _Deltas:
     """b minus a for two ``summary`` dicts; op_delta keeps non-zero entries."""
     op_types = sorted(set(a["op_types"]) | set(b["op_types"]))
     op_delta: dict[str, int] = {}
@@ -1103,9 +1103,9 @@ def diff_summaries(a: Summary, b: Summary) -> Deltas:
 
 def diff(a: str, b: str) -> DiffAnswer:
     """What changed from model ``a`` to model ``b`` (every delta is b - a)."""
-    before = summary(index_model(a))
-    after = summary(index_model(b))
-    return {"a": a, "b": b, **diff_summaries(before, after)}
+    before = _summary(_index_model(a))
+    after = _summary(_index_model(b))
+    return {"a": a, "b": b, **_diff_summaries(before, after)}
 
 
 # --------------------------------------------------------------------------
@@ -1114,7 +1114,7 @@ def diff(a: str, b: str) -> DiffAnswer:
 
 
 @contextlib.contextmanager
-def package_needed(needed_by: str) -> Iterator[None]:
+def _package_needed(needed_by: str) -> Iterator[None]:
     """Around an import of the graphscan_ort package: without the package or
     onnxruntime, exit 2 with one line saying what ``needed_by`` needs."""
     try:
@@ -1124,11 +1124,11 @@ def package_needed(needed_by: str) -> Iterator[None]:
         if any(isinstance(e, KeyboardInterrupt) for e in (exc.__cause__, exc.__context__)) or INTERRUPTED:
             raise interruption() from None
         missing = getattr(exc, "name", None) or ""
-        absent = isinstance(exc, ModuleNotFoundError) and missing.split(".")[0] == PACKAGE
+        absent = isinstance(exc, ModuleNotFoundError) and missing.split(".")[0] == _PACKAGE
         if not absent and missing.split(".")[0] != "onnxruntime":
             raise  # an import inside graphscan_ort fails: a bug, not a missing install
         raise GraphscanError(
-            f"usage: {needed_by} runs models: it needs the {PACKAGE} package beside graphscan.py and "
+            f"usage: {needed_by} runs models: it needs the {_PACKAGE} package beside graphscan.py and "
             f"onnxruntime (pip install onnxruntime); {missing} cannot be imported",
             EXIT_USAGE,
         )
@@ -1140,7 +1140,7 @@ def package_needed(needed_by: str) -> Iterator[None]:
 
 
 @dataclasses.dataclass(frozen=True)
-class BudgetRule:
+class _BudgetRule:
     """One budget of check, the one home of everything about it: check's option and its
     help, ``budget_limit``'s rule, and the plugin's config key and its "needs" rules are
     all derived from the BUDGETS table of these."""
@@ -1166,7 +1166,7 @@ class BudgetRule:
 BUDGETS = {
     rule.name: rule
     for rule in (
-        BudgetRule(
+        _BudgetRule(
             name="max_float",
             measures="float compute nodes",
             direction="max",
@@ -1176,7 +1176,7 @@ BUDGETS = {
             help="at most N float compute nodes",
             key_help="at most N float compute nodes",
         ),
-        BudgetRule(
+        _BudgetRule(
             name="max_islands",
             measures="float islands",
             direction="max",
@@ -1186,7 +1186,7 @@ BUDGETS = {
             help="at most N float islands",
             key_help="at most N float islands",
         ),
-        BudgetRule(
+        _BudgetRule(
             name="max_crossings",
             measures="boundary crossings",
             direction="max",
@@ -1196,7 +1196,7 @@ BUDGETS = {
             help="at most N boundary crossings",
             key_help="at most N boundary crossings",
         ),
-        BudgetRule(
+        _BudgetRule(
             name="min_int8",
             measures="fraction of the compute nodes that run an int8 or int8_data kernel (runtime)",
             direction="min",
@@ -1207,7 +1207,7 @@ BUDGETS = {
             key_help="at least this fraction of kernels int8",
             between=(0, 1),
         ),
-        BudgetRule(
+        _BudgetRule(
             name="min_sqnr",
             measures="output SQNR in dB against --float: the worst part's (impact's definition)",
             direction="min",
@@ -1218,7 +1218,7 @@ BUDGETS = {
             key_help="output SQNR against float of at least DB",
             needs_float=True,
         ),
-        BudgetRule(
+        _BudgetRule(
             name="min_levels",
             measures="steps of its scale the worst part of every quantized tensor spans (trace's levels)",
             direction="min",
@@ -1229,7 +1229,7 @@ BUDGETS = {
             key_help="every quantized tensor's worst part spans at least N steps of its scale",
             needs_float=True,
         ),
-        BudgetRule(
+        _BudgetRule(
             name="min_metric",
             measures="the --metric agreement with --float (a built-in metric or FILE.py:FUNCTION)",
             direction="min",
@@ -1244,11 +1244,11 @@ BUDGETS = {
     )
 }
 # Budgets counted from the graph here; the others run the model (graphscan_ort.check).
-STRUCTURAL_BUDGETS = tuple(rule.name for rule in BUDGETS.values() if rule.structural)
-RUNNING_BUDGETS = tuple(rule.name for rule in BUDGETS.values() if not rule.structural)
+_STRUCTURAL_BUDGETS = tuple(rule.name for rule in BUDGETS.values() if rule.structural)
+_RUNNING_BUDGETS = tuple(rule.name for rule in BUDGETS.values() if not rule.structural)
 # Budgets that run the float model too, on the samples; those measured by --metric.
 FLOAT_BUDGETS = tuple(rule.name for rule in BUDGETS.values() if rule.needs_float)
-METRIC_BUDGETS = tuple(rule.name for rule in BUDGETS.values() if rule.needs_metric)
+_METRIC_BUDGETS = tuple(rule.name for rule in BUDGETS.values() if rule.needs_metric)
 
 
 def either_of(names: Iterable[str]) -> str:
@@ -1257,12 +1257,12 @@ def either_of(names: Iterable[str]) -> str:
     return f"{', '.join(flags[:-1])} or {flags[-1]}" if len(flags) > 1 else "".join(flags)
 
 
-def read_budget_file(path: str) -> dict[str, float]:
+def _read_budget_file(path: str) -> dict[str, float]:
     """``{budget: limit}`` from a JSON file; an unknown key or a non-number is a usage error."""
     check_readable(path)
     try:
         with open(path, encoding="utf-8") as f:
-            limits = json.load(f, object_pairs_hook=unique_keys)
+            limits = json.load(f, object_pairs_hook=_unique_keys)
     except OSError as exc:
         raise GraphscanError(f"{shown(path)}: cannot read ({exc.strerror or exc})", EXIT_NO_FILE)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to be a budget file
@@ -1277,7 +1277,7 @@ def read_budget_file(path: str) -> dict[str, float]:
     return {name: budget_limit(name, value, path) for name, value in limits.items()}
 
 
-def unique_keys(pairs: list[tuple[str, object]]) -> dict:
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
     """json's object hook: a key given twice is an error, never the last value silently."""
     counts = Counter(key for key, _ in pairs)
     repeated = sorted(key for key, count in counts.items() if count > 1)
@@ -1326,7 +1326,7 @@ class MetricChoice:
 NO_METRIC = MetricChoice()  # no --metric given
 
 
-def budget_values(
+def _budget_values(
     path: str,
     names: list[str],
     float_path: str | None,
@@ -1341,22 +1341,22 @@ def budget_values(
     values: dict[str, float] = {}
     described: dict[str, dict[str, Any]] = {}
     facts = None
-    measured = [name for name in names if name not in STRUCTURAL_BUDGETS]
+    measured = [name for name in names if name not in _STRUCTURAL_BUDGETS]
     model = None
-    if set(STRUCTURAL_BUDGETS) & set(names):
+    if set(_STRUCTURAL_BUDGETS) & set(names):
         # Read with its weights when a budget runs it: one read serves both.
         model = load_with_weights(path) if measured else load_model(path)
         index = GraphIndex(model.graph)
-        islands_found = float_islands(index)
+        islands_found = _float_islands(index)
         values["max_float"] = len(index.float_nodes)
         values["max_islands"] = len(islands_found)
-        values["max_crossings"] = boundary_report(index, islands_found)["crossings"]
+        values["max_crossings"] = _boundary_report(index, islands_found)["crossings"]
     for name in FLOAT_BUDGETS:
         if name in names and float_path is None:
             raise GraphscanError(f"usage: {BUDGETS[name].flag} needs --float F.onnx", EXIT_USAGE)
     if measured:
         options = " and ".join(BUDGETS[name].flag for name in measured)
-        with package_needed(f"check {options}"):
+        with _package_needed(f"check {options}"):
             from graphscan_ort.extension import check_measurements
 
             measurements = check_measurements()
@@ -1365,7 +1365,7 @@ def budget_values(
     return values, described, facts
 
 
-def budget_holds(name: str, value: float, limit: float) -> bool:
+def _budget_holds(name: str, value: float, limit: float) -> bool:
     if BUDGETS[name].direction == "max":
         return value <= limit
     return value >= limit  # an SQNR of inf (equal outputs) holds, nan does not
@@ -1399,10 +1399,10 @@ def check(
     usage error, never ignored. ``cpu``: the CPU target the measured budgets run on."""
     # The command line's rules, for in-process calls (the command line has applied them already).
     rules = {"inputs": inputs, "shape": shape, "seed": seed, "level": level, "threshold": threshold, "blank": blank}
-    checked = in_process_keywords(CHECK, rules)
+    checked = _in_process_keywords(CHECK, rules)
     inputs, shape, seed, level = checked["inputs"], checked["shape"], checked["seed"], checked["level"]
     threshold, blank = checked["threshold"], checked["blank"]
-    limits = read_budget_file(budget) if budget is not None else {}
+    limits = _read_budget_file(budget) if budget is not None else {}
     given = {
         "max_float": max_float,
         "max_islands": max_islands,
@@ -1425,27 +1425,27 @@ def check(
     only_with(either_of(FLOAT_BUDGETS), bool(set(FLOAT_BUDGETS) & set(limits)), sample)
     metric_budgets = [name for name in limits if BUDGETS[name].needs_metric]
     only_with(
-        either_of(METRIC_BUDGETS),
+        either_of(_METRIC_BUDGETS),
         bool(metric_budgets),
         {"--metric": metric, "--threshold": threshold, "--blank": blank},
     )
     if metric_budgets and metric is None:
         raise GraphscanError(f"usage: the {metric_budgets[0]} budget needs --metric NAME|FILE.py:FUNCTION", EXIT_USAGE)
-    measured = bool(set(limits) & set(RUNNING_BUDGETS))
-    only_with(either_of(RUNNING_BUDGETS), measured, {"--cpu": None if cpu == "native" else cpu})
+    measured = bool(set(limits) & set(_RUNNING_BUDGETS))
+    only_with(either_of(_RUNNING_BUDGETS), measured, {"--cpu": None if cpu == "native" else cpu})
     check_readable(path)
     names = [name for name in BUDGETS if name in limits]  # a fixed order, whatever the file's
     chosen = MetricChoice(metric, threshold, blank)
     samples = Samples(inputs, shape, seed)
-    values, described, facts = budget_values(path, names, float_path, samples, level or "all", chosen, cpu)
-    budgets: list[Budget] = []
+    values, described, facts = _budget_values(path, names, float_path, samples, level or "all", chosen, cpu)
+    budgets: list[_Budget] = []
     for name in names:
         budgets.append(
             {
                 "name": name,
                 "value": values[name] if math.isfinite(values[name]) else None,  # strict JSON
                 "limit": limits[name],
-                "ok": budget_holds(name, values[name], limits[name]),
+                "ok": _budget_holds(name, values[name], limits[name]),
             }
         )
         budgets[-1].update(described.get(name, {}))  # type: ignore[typeddict-item]
@@ -1463,92 +1463,92 @@ def check(
 # are ``(answer, top) -> str`` and every line fits TABLE_WIDTH columns.
 
 TABLE_WIDTH = 80
-CUT = "..."
-MIN_COLUMN = 10  # a column is never cut narrower than this: words (Percentile, Sigmoid) stay whole
+_CUT = "..."
+_MIN_COLUMN = 10  # a column is never cut narrower than this: words (Percentile, Sigmoid) stay whole
 
 
 # What a terminal must never be sent raw: C0 and C1 controls and DEL (ESC can
 # clear a screen, CR overwrite a row, BEL ring), line and paragraph separators,
 # and the bidi controls that reorder what is shown.
-INVISIBLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_INVISIBLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 def visible(text: str) -> str:
-    """``text`` with every INVISIBLE character written as an escape (``\\n``, ``\\x1b``, ``\\u202e``)."""
+    """``text`` with every _INVISIBLE character written as an escape (``\\n``, ``\\x1b``, ``\\u202e``)."""
 
     def escape(match: re.Match) -> str:
         char = match.group()
         return "\\n" if char == "\n" else f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}"
 
-    return INVISIBLE.sub(escape, text)
+    return _INVISIBLE.sub(escape, text)
 
 
-def char_width(char: str) -> int:
+def _char_width(char: str) -> int:
     """Columns a character takes in a terminal: 2 for wide East Asian ones, 0 for combining marks."""
     if unicodedata.combining(char):
         return 0
     return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
 
 
-def display_width(text: str) -> int:
+def _display_width(text: str) -> int:
     """Columns ``text`` takes in a terminal (``len`` for ASCII)."""
-    return len(text) if text.isascii() else sum(map(char_width, text))
+    return len(text) if text.isascii() else sum(map(_char_width, text))
 
 
-def fitted(text: str, width: int) -> str:
+def _fitted(text: str, width: int) -> str:
     """The longest start of ``text`` that fits ``width`` columns."""
     used = 0
     for k, char in enumerate(text):
-        used += char_width(char)
+        used += _char_width(char)
         if used > width:
             return text[:k]
     return text
 
 
-def middle_cut(text: str, width: int) -> str:
+def _middle_cut(text: str, width: int) -> str:
     """``text`` in at most ``width`` columns, its middle replaced by ``...``.
 
     Both ends stay: a layer's prefix and its op suffix are what tell names apart.
     """
-    if display_width(text) <= width:
+    if _display_width(text) <= width:
         return text
-    if width <= len(CUT):
-        return fitted(text, width)
-    keep = width - len(CUT)
-    head = fitted(text, (keep + 1) // 2)
-    tail = fitted(text[::-1], keep - display_width(head))[::-1]
-    return head + CUT + tail
+    if width <= len(_CUT):
+        return _fitted(text, width)
+    keep = width - len(_CUT)
+    head = _fitted(text, (keep + 1) // 2)
+    tail = _fitted(text[::-1], keep - _display_width(head))[::-1]
+    return head + _CUT + tail
 
 
-def end_cut(text: str, width: int) -> str:
+def _end_cut(text: str, width: int) -> str:
     """``text`` in at most ``width`` columns: ``...`` and its end.
 
     Exporters put what tells names apart at the end (``/model.22/cv3.0/conv/Conv`` and
     ``/model.22/cv2.1/conv/Conv`` differ in their last part, ``p2o.Conv.41`` in its number);
     a file's name and a metric's function are at the end of their paths too.
     """
-    if display_width(text) <= width:
+    if _display_width(text) <= width:
         return text
-    keep = max(0, width - len(CUT))
-    mark = CUT if width > len(CUT) else ""
+    keep = max(0, width - len(_CUT))
+    mark = _CUT if width > len(_CUT) else ""
     if text.isascii():  # one column per character
         return mark + text[len(text) - (keep if mark else width) :]
-    return mark + fitted(text[::-1], keep if mark else width)[::-1]
+    return mark + _fitted(text[::-1], keep if mark else width)[::-1]
 
 
-def distinct_width(texts: Collection[str], width: int) -> int:
-    """The least width from ``width`` up at which end_cut keeps ``texts`` apart: a table never
+def _distinct_width(texts: Collection[str], width: int) -> int:
+    """The least width from ``width`` up at which _end_cut keeps ``texts`` apart: a table never
     shows two different names as one (the whole text always tells them apart). A longer end
     tells apart what a shorter one does, so the width is found by bisection."""
     distinct = set(texts)
-    long = {text for text in distinct if display_width(text) > width}
+    long = {text for text in distinct if _display_width(text) > width}
     if not long:
         return width
 
     def apart(w: int) -> bool:
-        return len({end_cut(text, w) for text in distinct}) == len(distinct)
+        return len({_end_cut(text, w) for text in distinct}) == len(distinct)
 
-    low, high = width, max(map(display_width, long))  # apart(high): nothing is cut
+    low, high = width, max(map(_display_width, long))  # apart(high): nothing is cut
     while low < high:
         middle = (low + high) // 2
         if apart(middle):
@@ -1558,13 +1558,13 @@ def distinct_width(texts: Collection[str], width: int) -> int:
     return high
 
 
-def padded(text: str, width: int, right: bool) -> str:
+def _padded(text: str, width: int, right: bool) -> str:
     """``text`` padded with spaces to ``width`` columns, on the left when ``right``."""
-    pad = " " * max(0, width - display_width(text))
+    pad = " " * max(0, width - _display_width(text))
     return pad + text if right else text + pad
 
 
-def cell(value: object) -> str:
+def _cell(value: object) -> str:
     """A value as table text: floats in 3 significant digits, None as '-'."""
     if value is None:
         return "-"
@@ -1577,41 +1577,41 @@ def cell(value: object) -> str:
     return visible(str(value))  # one row per line and no terminal control, whatever a name holds
 
 
-def is_number(value: object) -> bool:
+def _is_number(value: object) -> bool:
     """An int or float, not a bool: what a table aligns to the right."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def format_table(
+def _format_table(
     titles: Sequence[str], rows: Sequence[Sequence[object]], width: int = TABLE_WIDTH, cut_first: Sequence[str] = ()
 ) -> str:
     """Aligned columns, numbers to the right. Until each line fits ``width``, the
     columns titled in ``cut_first`` and then the widest ones are cut, keeping the end of
-    each text (never below MIN_COLUMN); a column cut so far that two of its different
+    each text (never below _MIN_COLUMN); a column cut so far that two of its different
     texts would look the same widens again until they do not."""
-    texts = [[cell(v) for v in row] for row in rows]
+    texts = [[_cell(v) for v in row] for row in rows]
     right = [
-        any(is_number(row[k]) for row in rows) and all(is_number(row[k]) or row[k] is None for row in rows)
+        any(_is_number(row[k]) for row in rows) and all(_is_number(row[k]) or row[k] is None for row in rows)
         for k in range(len(titles))
     ]
-    widths = [max([display_width(t)] + [display_width(row[k]) for row in texts]) for k, t in enumerate(titles)]
+    widths = [max([_display_width(t)] + [_display_width(row[k]) for row in texts]) for k, t in enumerate(titles)]
     first = [k for k, t in enumerate(titles) if t in cut_first]
 
     def weight(
         k: int,
     ) -> float:  # cut_first columns go first; the first column (names) may keep twice any other's width
-        if widths[k] <= MIN_COLUMN:
+        if widths[k] <= _MIN_COLUMN:
             return 0
         return widths[k] * (1000 if k in first else 1) / (2 if k == 0 else 1)
 
-    while sum(widths) + 2 * (len(widths) - 1) > width and max(widths) > MIN_COLUMN:
+    while sum(widths) + 2 * (len(widths) - 1) > width and max(widths) > _MIN_COLUMN:
         widths[max(range(len(widths)), key=weight)] -= 1
-    widths = [distinct_width([row[k] for row in texts], w) for k, w in enumerate(widths)]
+    widths = [_distinct_width([row[k] for row in texts], w) for k, w in enumerate(widths)]
     lines = []
     for row in [list(titles)] + texts:
         parts = []
         for k, text in enumerate(row):
-            parts.append(padded(end_cut(text, widths[k]), widths[k], right[k]))
+            parts.append(_padded(_end_cut(text, widths[k]), widths[k], right[k]))
         lines.append("  ".join(parts).rstrip())
     return "\n".join(lines)
 
@@ -1620,9 +1620,9 @@ def format_fields(pairs: Iterable[tuple[str, object]], width: int = TABLE_WIDTH)
     """``key value`` pairs on as few lines as fit ``width``; long values keep their end."""
     lines, line = [], ""
     for key, value in pairs:
-        key = end_cut(cell(key), width // 2)  # an input's name can be long too
-        text = f"{key} {end_cut(cell(value), width - display_width(key) - 1)}"
-        if line and display_width(line) + 3 + display_width(text) > width:
+        key = _end_cut(_cell(key), width // 2)  # an input's name can be long too
+        text = f"{key} {_end_cut(_cell(value), width - _display_width(key) - 1)}"
+        if line and _display_width(line) + 3 + _display_width(text) > width:
             lines.append(line)
             line = ""
         line = f"{line}   {text}" if line else text
@@ -1633,16 +1633,16 @@ def format_names(names: Iterable[str], width: int = TABLE_WIDTH, indent: str = "
     """Names separated by commas, wrapped to ``width``, each cut to fit one line."""
     lines, line = [], ""
     for name in names:
-        name = end_cut(cell(name), width - len(indent) - 1)
+        name = _end_cut(_cell(name), width - len(indent) - 1)
         # 3: ', ' now, ',' if wrapped
-        if line and len(indent) + display_width(line) + display_width(name) + 3 > width:
+        if line and len(indent) + _display_width(line) + _display_width(name) + 3 > width:
             lines.append(indent + line + ",")
             line = ""
         line = f"{line}, {name}" if line else name
     return "\n".join(lines + [indent + line])
 
 
-def limited(rows: Sequence[Sequence[Any]], top: int | None) -> tuple[Sequence[Sequence[Any]], str]:
+def _limited(rows: Sequence[Sequence[Any]], top: int | None) -> tuple[Sequence[Sequence[Any]], str]:
     """The first ``top`` rows (all without ``--top``) and a note on what was left out."""
     if top is None or top >= len(rows):
         return rows, ""
@@ -1657,8 +1657,8 @@ def section(
     cut_first: Sequence[str] = (),
 ) -> str:
     """A titled table of ``rows`` (``(none)`` when empty), cut to ``top`` rows with a note."""
-    shown, note = limited(rows, top)
-    parts = [title, format_table(titles, shown, cut_first=cut_first) if shown else "  (none)"]
+    shown, note = _limited(rows, top)
+    parts = [title, _format_table(titles, shown, cut_first=cut_first) if shown else "  (none)"]
     return "\n".join(parts + ([note] if note else []))
 
 
@@ -1667,23 +1667,23 @@ def page(*blocks: str) -> str:
     return "\n\n".join(b for b in blocks if b)
 
 
-def by_count(counts: Mapping[str, int]) -> list[tuple[str, int]]:
+def _by_count(counts: Mapping[str, int]) -> list[tuple[str, int]]:
     """``{key: count}`` items, largest count first, ties by key."""
     return sorted(counts.items(), key=lambda item: (-abs(item[1]), item[0]))
 
 
-def graph_positions(path: str) -> dict[str, int]:
+def _graph_positions(path: str) -> dict[str, int]:
     """``{node name: position in graph.node}``, to show names in graph order; empty when
     the model is no longer readable (a saved answer's table keeps the JSON's order)."""
     if not isinstance(path, str):  # open() would take an int as a file descriptor
         raise TypeError(f"model is {type(path).__name__}, not a path")
     try:
-        return {name: i for i, name in enumerate(index_model(path).names)}
+        return {name: i for i, name in enumerate(_index_model(path).names)}
     except GraphscanError:
         return {}
 
 
-def islands_by_size(members: list[list[str]], positions: dict[str, int]) -> list[int]:
+def _islands_by_size(members: list[list[str]], positions: dict[str, int]) -> list[int]:
     """JSON positions of islands, largest first, ties by their first node in graph order."""
 
     def first(k: int) -> int:
@@ -1692,44 +1692,44 @@ def islands_by_size(members: list[list[str]], positions: dict[str, int]) -> list
     return sorted(range(len(members)), key=lambda k: (-len(members[k]), first(k)))
 
 
-def op_summary(op_types: Iterable[str]) -> str:
+def _op_summary(op_types: Iterable[str]) -> str:
     """``"Add 2, Relu"``: op types by count, largest first."""
-    return ", ".join(f"{op} {n}" if n > 1 else op for op, n in by_count(Counter(op_types)))
+    return ", ".join(f"{op} {n}" if n > 1 else op for op, n in _by_count(Counter(op_types)))
 
 
-def nodes_table(answer: dict[str, Any], top: int | None) -> str:
+def _nodes_table(answer: dict[str, Any], top: int | None) -> str:
     """Op types and initializer dtypes, largest count first."""
     return page(
         format_fields([("model", answer["model"]), ("nodes", answer["nodes"]), ("op types", len(answer["op_types"]))]),
-        section("op_type census", ["op_type", "count"], by_count(answer["op_types"]), top),
-        section("initializers", ["dtype", "count"], by_count(answer["initializers"])),
+        section("op_type census", ["op_type", "count"], _by_count(answer["op_types"]), top),
+        section("initializers", ["dtype", "count"], _by_count(answer["initializers"])),
     )
 
 
-def qdq_table(answer: dict[str, Any], top: int | None) -> str:
+def _qdq_table(answer: dict[str, Any], top: int | None) -> str:
     """The four Q/DQ counts."""
     counts = [(key, answer[key]) for key in ("quantize", "dequantize", "round_trips", "weight_dequantize")]
-    return page(format_fields([("model", answer["model"])]), format_table(["Q/DQ", "count"], counts))
+    return page(format_fields([("model", answer["model"])]), _format_table(["Q/DQ", "count"], counts))
 
 
-def island_rows(
+def _island_rows(
     members: list[list[str]], positions: dict[str, int], extra: Callable[[int], Sequence[object]]
 ) -> list[list[object]]:
     """One row per island, largest first: #, size, extra columns, first and last node in graph order."""
     rows = []
-    for k in islands_by_size(members, positions):
+    for k in _islands_by_size(members, positions):
         ordered = sorted(members[k], key=lambda name: positions.get(name, -1))
         rows.append([k + 1, len(ordered), *extra(k), ordered[0], ordered[-1]])
     return rows
 
 
-def islands_table(answer: dict[str, Any], top: int | None) -> str:
+def _islands_table(answer: dict[str, Any], top: int | None) -> str:
     """Islands largest first, then each shown island's members in graph order."""
-    positions = graph_positions(answer["model"])
+    positions = _graph_positions(answer["model"])
     islands_list = answer["islands"]
     members = [island["nodes"] for island in islands_list]
-    rows = island_rows(members, positions, lambda k: [op_summary(islands_list[k]["op_types"])])
-    shown, _ = limited(rows, top)
+    rows = _island_rows(members, positions, lambda k: [_op_summary(islands_list[k]["op_types"])])
+    shown, _ = _limited(rows, top)
     listing = [
         f"island {row[0]} in graph order:\n"
         + format_names(sorted(members[row[0] - 1], key=lambda name: positions.get(name, -1)))
@@ -1751,12 +1751,12 @@ def islands_table(answer: dict[str, Any], top: int | None) -> str:
     )
 
 
-def boundary_table(answer: dict[str, Any], top: int | None) -> str:
+def _boundary_table(answer: dict[str, Any], top: int | None) -> str:
     """DQs in and Qs out per island, largest island first."""
-    positions = graph_positions(answer["model"])
+    positions = _graph_positions(answer["model"])
     per_island = answer["per_island"]
     members = [island["nodes"] for island in per_island]
-    rows = island_rows(members, positions, lambda k: [per_island[k]["in_dequantize"], per_island[k]["out_quantize"]])
+    rows = _island_rows(members, positions, lambda k: [per_island[k]["in_dequantize"], per_island[k]["out_quantize"]])
     return page(
         format_fields(
             [("model", answer["model"]), ("island_count", answer["island_count"]), ("crossings", answer["crossings"])]
@@ -1765,17 +1765,17 @@ def boundary_table(answer: dict[str, Any], top: int | None) -> str:
     )
 
 
-def diff_table(answer: dict[str, Any], top: int | None) -> str:
+def _diff_table(answer: dict[str, Any], top: int | None) -> str:
     """The count deltas, then op types by the size of their change."""
     deltas = [(key, answer[key]) for key in answer if key.endswith("_delta") and key != "op_delta"]
     return page(
         format_fields([("a", answer["a"]), ("b", answer["b"])]),
-        format_table(["b - a", "delta"], deltas),
-        section("op_delta, largest change first", ["op_type", "delta"], by_count(answer["op_delta"]), top),
+        _format_table(["b - a", "delta"], deltas),
+        section("op_delta, largest change first", ["op_type", "delta"], _by_count(answer["op_delta"]), top),
     )
 
 
-def generic_table(answer: dict[str, Any], top: int | None) -> str:
+def _generic_table(answer: dict[str, Any], top: int | None) -> str:
     """Any answer: scalars as header fields, then each list or mapping as a table."""
     blocks = [format_fields([(k, v) for k, v in answer.items() if not isinstance(v, (list, dict))])]
     for key, value in answer.items():
@@ -1789,25 +1789,25 @@ def generic_table(answer: dict[str, Any], top: int | None) -> str:
     return page(*blocks)
 
 
-def check_table(answer: dict[str, Any], top: int | None) -> str:
+def _check_table(answer: dict[str, Any], top: int | None) -> str:
     """The budgets, min_metric's naming its metric and parameters."""
     cpu = [("cpu", answer["cpu"]["name"])] if "cpu" in answer else []
     head = format_fields([("model", answer["model"]), ("float", answer["float"]), *cpu, ("ok", answer["ok"])])
-    rows = [[budget_title(b), b["value"], b["limit"], b["ok"]] for b in answer["budgets"]]
+    rows = [[_budget_title(b), b["value"], b["limit"], b["ok"]] for b in answer["budgets"]]
     names = {b["name"] for b in answer["budgets"]}
-    levels = "\n".join(note for budgets, note in LEVEL_NOTES if names & budgets)
+    levels = "\n".join(note for budgets, note in _LEVEL_NOTES if names & budgets)
     return page(head, section("budgets", ["name", "value", "limit", "ok"], rows, top), *([levels] if levels else []))
 
 
 # Which level each measured budget ran at: runtime's default differs from a session's default.
-LEVEL_NOTES = [
+_LEVEL_NOTES = [
     ({"min_int8"}, "min_int8: what runs at level extended (runtime's default: its classes map back to the model)"),
     ({"min_sqnr", "min_metric"}, "min_sqnr, min_metric: both models in sessions at --level (default all)"),
     ({"min_levels"}, "min_levels: the float model's values at each quantized tensor, by part"),
 ]
 
 
-def budget_title(budget: dict[str, Any]) -> str:
+def _budget_title(budget: dict[str, Any]) -> str:
     """``min_metric (iou, threshold 0.3)`` for min_metric; any other budget's name."""
     described = budget.get("metric")
     if not described:
@@ -1828,7 +1828,7 @@ def metric_words(described: Mapping[str, Any]) -> list[str]:
 # edge's label (Q→DQ is a round trip), chains that start at an initializer
 # (weights) are hidden, and each float island is a cluster.
 
-COLOURS = {  # node kind: (fill colour, its name in the picture's legend)
+_COLOURS = {  # node kind: (fill colour, its name in the picture's legend)
     "int8": ("#1b9e77", "dark green"),
     "int8_data": ("#a6dba0", "light green"),
     "wrapped": ("#a6dba0", "green"),
@@ -1836,11 +1836,11 @@ COLOURS = {  # node kind: (fill colour, its name in the picture's legend)
     "absorbed": ("#d9d9d9", "grey"),
     "unknown": ("#ffffff", "white"),
 }
-DOT_NAME_WIDTH = 32  # node labels cut in the middle beyond this
-COLLAPSE_HINT = 500  # compute nodes above which --collapse is worth it
+_DOT_NAME_WIDTH = 32  # node labels cut in the middle beyond this
+_COLLAPSE_HINT = 500  # compute nodes above which --collapse is worth it
 
 
-def dot_quote(text: str) -> str:
+def _dot_quote(text: str) -> str:
     """A DOT string literal in ASCII: backslashes and quotes escaped, newlines as \\n,
     ``&`` and every non-ASCII character as an HTML entity (Graphviz decodes them), so
     the DOT prints on any terminal."""
@@ -1848,12 +1848,12 @@ def dot_quote(text: str) -> str:
     return '"' + text.encode("ascii", "xmlcharrefreplace").decode("ascii") + '"'
 
 
-def dot_attributes(**attributes: object) -> str:
+def _dot_attributes(**attributes: object) -> str:
     """``[key="value", ...]`` with every value quoted."""
-    return "[" + ", ".join(f"{key}={dot_quote(str(value))}" for key, value in attributes.items()) + "]"
+    return "[" + ", ".join(f"{key}={_dot_quote(str(value))}" for key, value in attributes.items()) + "]"
 
 
-def folded_edges(index: GraphIndex) -> list[tuple[str, str, str]]:
+def _folded_edges(index: GraphIndex) -> list[tuple[str, str, str]]:
     """``[(source id, target id, label)]`` between compute nodes (``n<i>``), graph
     inputs (``in<k>``) and outputs (``out<k>``), each Q/DQ chain folded into the
     label; chains from initializers are dropped. Distinct, in graph order."""
@@ -1881,7 +1881,7 @@ def folded_edges(index: GraphIndex) -> list[tuple[str, str, str]]:
     return list(edges)
 
 
-def wrapped_runs(index: GraphIndex, edges: list[tuple[str, str, str]], kinds: dict[int, str]) -> list[list[int]]:
+def _wrapped_runs(index: GraphIndex, edges: list[tuple[str, str, str]], kinds: dict[int, str]) -> list[list[int]]:
     """Groups of wrapped compute nodes of one kind joined by edges between them
     (a float node always ends a group), in graph order; only groups of two or more."""
     group = {i: i for i in index.compute_nodes if index.wrapped[i]}
@@ -1903,14 +1903,14 @@ def wrapped_runs(index: GraphIndex, edges: list[tuple[str, str, str]], kinds: di
     return [group for group in members.values() if len(group) > 1]
 
 
-def runtime_classes(model: onnx.ModelProto, path: str) -> list[str | None]:
+def _runtime_classes(model: onnx.ModelProto, path: str) -> list[str | None]:
     """What onnxruntime runs for each compute node of ``model`` (the runtime
     command's class), in graph order.
 
     By position, not by name: runtime names unnamed and duplicate nodes its
     own way (``MatMul_8~8``), and a graph's position is the one identity both share.
     """
-    with package_needed("dot --runtime"):
+    with _package_needed("dot --runtime"):
         from graphscan_ort.extension import runtime_classifier
 
         classify = runtime_classifier()
@@ -1918,7 +1918,7 @@ def runtime_classes(model: onnx.ModelProto, path: str) -> list[str | None]:
     return [node["class"] for node in found.rows]
 
 
-def unlinked_groups(index: GraphIndex, edges: list[tuple[str, str, str]], kinds: dict[int, str]) -> list[list[int]]:
+def _unlinked_groups(index: GraphIndex, edges: list[tuple[str, str, str]], kinds: dict[int, str]) -> list[list[int]]:
     """Wrapped compute nodes no edge of the picture touches (Constants that only
     set a Q's scale or zero point), grouped by kind in graph order; groups of two or more."""
     linked = {ident for source, target, _ in edges for ident in (source, target)}
@@ -1929,32 +1929,32 @@ def unlinked_groups(index: GraphIndex, edges: list[tuple[str, str, str]], kinds:
     return [members for members in groups.values() if len(members) > 1]
 
 
-def node_kinds(index: GraphIndex, path: str, model: onnx.ModelProto | None = None) -> dict[int, str]:
+def _node_kinds(index: GraphIndex, path: str, model: onnx.ModelProto | None = None) -> dict[int, str]:
     """``{compute node: kind}``: wrapped/float, or with ``model`` (the model with
     its weights) the runtime command's class."""
     if model is None:
         return {i: "wrapped" if index.wrapped[i] else "float" for i in index.compute_nodes}
-    classes = runtime_classes(model, path)
+    classes = _runtime_classes(model, path)
     if len(classes) != len(index.compute_nodes):
         raise GraphscanError(f"{shown(path)}: the runtime answer does not list every compute node", EXIT_INTERNAL)
     kinds = dict(zip(index.compute_nodes, classes))
-    return {i: kind if kind in COLOURS else "unknown" for i, kind in kinds.items()}
+    return {i: kind if kind in _COLOURS else "unknown" for i, kind in kinds.items()}
 
 
-def dot_header(path: str, index: GraphIndex, kinds: dict[int, str], island_count: int) -> list[str]:
+def _dot_header(path: str, index: GraphIndex, kinds: dict[int, str], island_count: int) -> list[str]:
     """The picture's title (with its colour legend) and default styles."""
     counts = Counter(kinds.values())
-    legend = ", ".join(f"{counts[kind]} {kind} ({COLOURS[kind][1]})" for kind in COLOURS if counts[kind])
+    legend = ", ".join(f"{counts[kind]} {kind} ({_COLOURS[kind][1]})" for kind in _COLOURS if counts[kind])
     title = (
         f"{visible(path)}: {len(index.compute_nodes)} compute nodes ({legend}), {island_count} float islands;"
         " edge labels: the Q/DQ between two nodes (Q→DQ = a round trip)"
     )
     # pack: disconnected parts (lone Constants, islands of one) are laid out in a grid, not one wide row.
-    graph = dot_attributes(label=title, labelloc="t", fontname="Helvetica", pack="true", packmode="array_u8")
+    graph = _dot_attributes(label=title, labelloc="t", fontname="Helvetica", pack="true", packmode="array_u8")
     return [
         f"  graph {graph};",
-        "  node " + dot_attributes(shape="box", style="rounded,filled", fontname="Helvetica", fontsize="10") + ";",
-        "  edge " + dot_attributes(fontname="Helvetica", fontsize="8") + ";",
+        "  node " + _dot_attributes(shape="box", style="rounded,filled", fontname="Helvetica", fontsize="10") + ";",
+        "  edge " + _dot_attributes(fontname="Helvetica", fontsize="8") + ";",
     ]
 
 
@@ -1964,39 +1964,39 @@ def dot(path: str, runtime_colours: bool = False, collapse: bool = False) -> str
     model = load_with_weights(path) if runtime_colours else load_model(path)
     index = GraphIndex(model.graph)
     names = [visible(name) for name in index.names]  # no terminal control or NUL in the DOT
-    kinds = node_kinds(index, path, model if runtime_colours else None)
-    islands = float_islands(index)
-    edges = folded_edges(index)
-    boxes = unlinked_groups(index, edges, kinds) + (wrapped_runs(index, edges, kinds) if collapse else [])
+    kinds = _node_kinds(index, path, model if runtime_colours else None)
+    islands = _float_islands(index)
+    edges = _folded_edges(index)
+    boxes = _unlinked_groups(index, edges, kinds) + (_wrapped_runs(index, edges, kinds) if collapse else [])
     box_of = {i: k for k, members in enumerate(boxes) for i in members}
 
     def node_line(i: int) -> str:
-        label = middle_cut(names[i], DOT_NAME_WIDTH) + "\n" + index.op_types[i]
-        return f"n{i} {dot_attributes(label=label, tooltip=names[i], fillcolor=COLOURS[kinds[i]][0])};"
+        label = _middle_cut(names[i], _DOT_NAME_WIDTH) + "\n" + index.op_types[i]
+        return f"n{i} {_dot_attributes(label=label, tooltip=names[i], fillcolor=_COLOURS[kinds[i]][0])};"
 
-    lines = ["digraph graphscan {"] + dot_header(path, index, kinds, len(islands))
+    lines = ["digraph graphscan {"] + _dot_header(path, index, kinds, len(islands))
     for k, info in enumerate(value_inputs(index.graph)):
-        lines.append(f"  in{k} {dot_attributes(label=visible(as_text(info.name)), shape='ellipse', style='')};")
+        lines.append(f"  in{k} {_dot_attributes(label=visible(as_text(info.name)), shape='ellipse', style='')};")
     for k, output in enumerate(index.graph.output):
-        lines.append(f"  out{k} {dot_attributes(label=visible(as_text(output.name)), shape='ellipse', style='')};")
+        lines.append(f"  out{k} {_dot_attributes(label=visible(as_text(output.name)), shape='ellipse', style='')};")
     for number, (members, _) in enumerate(islands, 1):
-        in_dq, out_q = boundary_of(index, members)
+        in_dq, out_q = _boundary_of(index, members)
         label = (
             f"island {number}: {len(members)} nodes, {len(in_dq) + len(out_q)} crossings "
             f"({len(in_dq)} DQ in, {len(out_q)} Q out)"
         )
         lines.append(f"  subgraph cluster_island_{number} {{")
-        lines.append("    graph " + dot_attributes(label=label, style="dashed", color="#b2182b") + ";")
+        lines.append("    graph " + _dot_attributes(label=label, style="dashed", color="#b2182b") + ";")
         lines += ["    " + node_line(i) for i in sorted(members)]
         lines.append("  }")
     lines += ["  " + node_line(i) for i in index.compute_nodes if index.wrapped[i] and i not in box_of]
     for k, members in enumerate(boxes):
-        first, last = (middle_cut(names[members[j]], DOT_NAME_WIDTH) for j in (0, -1))
-        ops = middle_cut(op_summary(index.op_types[i] for i in members), 2 * DOT_NAME_WIDTH)
+        first, last = (_middle_cut(names[members[j]], _DOT_NAME_WIDTH) for j in (0, -1))
+        ops = _middle_cut(_op_summary(index.op_types[i] for i in members), 2 * _DOT_NAME_WIDTH)
         label = f"{len(members)} {kinds[members[0]]} nodes: {ops}\n{first}\n…\n{last}"
         tooltip = "\n".join(names[i] for i in members)  # every member, for the reader (and the tests)
-        colour = COLOURS[kinds[members[0]]][0]
-        lines.append(f"  box{k} {dot_attributes(label=label, tooltip=tooltip, fillcolor=colour, penwidth='2')};")
+        colour = _COLOURS[kinds[members[0]]][0]
+        lines.append(f"  box{k} {_dot_attributes(label=label, tooltip=tooltip, fillcolor=colour, penwidth='2')};")
 
     def drawn_as(ident: str) -> str:
         i = int(ident[1:]) if ident.startswith("n") else None
@@ -2007,7 +2007,7 @@ def dot(path: str, runtime_colours: bool = False, collapse: bool = False) -> str
         key = (drawn_as(source), drawn_as(target), label)
         if key[0] != key[1] and key not in drawn:
             drawn.add(key)
-            lines.append(f"  {key[0]} -> {key[1]}" + (f" {dot_attributes(label=label)};" if label else ";"))
+            lines.append(f"  {key[0]} -> {key[1]}" + (f" {_dot_attributes(label=label)};" if label else ";"))
     lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -2075,7 +2075,7 @@ def samples_group(default_size: int, samples: str = "one", when: str = "") -> li
     ]
 
 
-METRIC_NAMES = "sqnr, top1, iou, ctc, cosine"  # the built-in metrics (graphscan_ort.shared.agreement)
+_METRIC_NAMES = "sqnr, top1, iou, ctc, cosine"  # the built-in metrics (graphscan_ort.shared.agreement)
 
 
 def metric_group(when: str = "", default: str = "") -> list[Option]:
@@ -2086,7 +2086,7 @@ def metric_group(when: str = "", default: str = "") -> list[Option]:
             "--metric",
             {
                 "metavar": "NAME|FILE.py:FUNCTION",
-                "help": f"{when}agreement with the float model: {METRIC_NAMES}, or FUNCTION(reference, candidate) "
+                "help": f"{when}agreement with the float model: {_METRIC_NAMES}, or FUNCTION(reference, candidate) "
                 f"of a Python file{default}",
             },
         ),
@@ -2106,11 +2106,11 @@ def level_option(choices: list[str], default: str | None, help_text: str) -> Opt
     return ("--level", {"choices": choices, "default": default, "help": help_text})
 
 
-FORMATS = ["json", "table"]
+_FORMATS = ["json", "table"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Output:
+class _Output:
     """The output group (``--format``, ``--top``) of every command that answers JSON: the
     JSON, or a table for people with only the ``top`` largest rows of each long list."""
 
@@ -2121,14 +2121,14 @@ class Output:
     def add_to(parser: argparse.ArgumentParser, own_top: bool) -> None:
         """Declare the group on ``parser`` (a command's own --top, which also limits its JSON, stays its own)."""
         output = parser.add_argument_group("output (tables are for people; the JSON is the contract)")
-        output.add_argument("--format", choices=FORMATS, default="json", help="json (default) or table")
+        output.add_argument("--format", choices=_FORMATS, default="json", help="json (default) or table")
         if not own_top:
             output.add_argument(
                 "--top", type=non_negative_int, metavar="N", help="table: only the N largest rows of each long list"
             )
 
     @classmethod
-    def parsed(cls, args: argparse.Namespace, own_top: bool) -> Output:
+    def parsed(cls, args: argparse.Namespace, own_top: bool) -> _Output:
         """The group as the command line gave it; --top of a JSON answer is a usage error."""
         chosen, top = getattr(args, "format", "json"), getattr(args, "top", None)
         if chosen == "json" and top is not None and not own_top:
@@ -2181,7 +2181,7 @@ class Command:
 
     def render(self, answer: dict, top: int | None = None) -> str:
         """The answer as text for a terminal: the command's own table, else the generic one."""
-        return (self.table or generic_table)(answer, top)
+        return (self.table or _generic_table)(answer, top)
 
     @property
     def own_top(self) -> bool:
@@ -2189,11 +2189,11 @@ class Command:
         return any(flag == "--top" for flag, _ in self.options)
 
 
-NODES = Command("nodes", nodes, table=nodes_table, answer=NodesAnswer)
-QDQ = Command("qdq", qdq, table=qdq_table, answer=QdqAnswer)
-ISLANDS = Command("islands", islands, table=islands_table, answer=IslandsAnswer)
-BOUNDARY = Command("boundary", boundary, table=boundary_table, answer=BoundaryAnswer)
-DIFF = Command("diff", diff, ("a", "b"), table=diff_table, answer=DiffAnswer)
+_NODES = Command("nodes", nodes, table=_nodes_table, answer=NodesAnswer)
+_QDQ = Command("qdq", qdq, table=_qdq_table, answer=QdqAnswer)
+_ISLANDS = Command("islands", islands, table=_islands_table, answer=IslandsAnswer)
+_BOUNDARY = Command("boundary", boundary, table=_boundary_table, answer=BoundaryAnswer)
+_DIFF = Command("diff", diff, ("a", "b"), table=_diff_table, answer=DiffAnswer)
 
 CHECK = Command(
     "check",
@@ -2202,7 +2202,7 @@ CHECK = Command(
         ("--float", {"metavar": "F.onnx", "dest": "float_path", "help": "the float model, for --min-sqnr"}),
         ("--budget", {"metavar": "FILE.json", "help": "budgets as a JSON object (options override it)"}),
         *((rule.flag, {"type": rule.value, "metavar": rule.metavar, "help": rule.help}) for rule in BUDGETS.values()),
-        *metric_group(f"{either_of(METRIC_BUDGETS)}: "),
+        *metric_group(f"{either_of(_METRIC_BUDGETS)}: "),
         level_option(
             ["disabled", *RUNTIME_LEVELS],
             None,
@@ -2214,18 +2214,18 @@ CHECK = Command(
             {
                 "metavar": "NAME",
                 "default": "native",
-                "help": f"{', '.join(BUDGETS[name].flag for name in RUNNING_BUDGETS)}: run the models in onnxruntime"
+                "help": f"{', '.join(BUDGETS[name].flag for name in _RUNNING_BUDGETS)}: run the models in onnxruntime"
                 " built for this CPU, emulated: native (default), x86-avx2 or arm64 (install: python -m"
                 " graphscan_ort.shared.targets install)",
             },
         ),
     ),
     exit_code=lambda answer: EXIT_OK if answer["ok"] else EXIT_BUDGET,
-    table=check_table,
+    table=_check_table,
     answer=CheckAnswer,
 )
 
-DOT = Command(
+_DOT = Command(
     "dot",
     dot,
     options=(
@@ -2242,7 +2242,7 @@ DOT = Command(
             "--collapse",
             {
                 "action": "store_true",
-                "help": f"draw each connected group of wrapped nodes as one box (for over {COLLAPSE_HINT} "
+                "help": f"draw each connected group of wrapped nodes as one box (for over {_COLLAPSE_HINT} "
                 "compute nodes)",
             },
         ),
@@ -2255,16 +2255,16 @@ DOT = Command(
 # Saved answers for table: which command an answer is from, by its keys and types
 
 
-def answer_keys(command: Command) -> tuple[frozenset[str], frozenset[str]]:
+def _answer_keys(command: Command) -> tuple[frozenset[str], frozenset[str]]:
     """``(required, all)`` keys of ``command``'s answer (empty without a declared type)."""
     if command.answer is None:
         return frozenset(), frozenset()
-    hints, required = typed_fields(command.answer)  # the core's stringized NotRequired keys too
+    hints, required = _typed_fields(command.answer)  # the core's stringized NotRequired keys too
     return required, frozenset(hints)
 
 
 # The Python types a JSON value of each annotated type may have (a float may be written 3).
-JSON_TYPES: dict[object, tuple[type, ...]] = {
+_JSON_TYPES: dict[object, tuple[type, ...]] = {
     type(None): (type(None),),
     bool: (bool,),
     int: (int,),
@@ -2274,7 +2274,7 @@ JSON_TYPES: dict[object, tuple[type, ...]] = {
 
 
 @functools.cache
-def typed_fields(hint: Any) -> tuple[dict[str, Any], frozenset[str]]:
+def _typed_fields(hint: Any) -> tuple[dict[str, Any], frozenset[str]]:
     """A TypedDict's field types and required keys, read once per type (get_type_hints
     evaluates the annotations again on every call: 2.6 s for 100,000 island rows)."""
     hints = typing.get_type_hints(hint, include_extras=True)
@@ -2283,31 +2283,31 @@ def typed_fields(hint: Any) -> tuple[dict[str, Any], frozenset[str]]:
     return hints, required
 
 
-def misfit(value: object, hint: Any, where: str) -> str | None:
+def _misfit(value: object, hint: Any, where: str) -> str | None:
     """Where a JSON value is not of its answer's annotated type (``None``: it is). Types
     this does not know pass: the table renderer still refuses what it cannot show."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return None
     if origin in (typing.Union, types.UnionType):
-        problems = [misfit(value, option, where) for option in args]
+        problems = [_misfit(value, option, where) for option in args]
         return None if None in problems else next(p for p in problems if p)
     if origin in (NotRequired, typing.Required):
-        return misfit(value, args[0], where)
+        return _misfit(value, args[0], where)
     if typing.is_typeddict(hint):
-        hints, required = typed_fields(hint)
+        hints, required = _typed_fields(hint)
         if not isinstance(value, dict) or not required <= value.keys() <= hints.keys():
             return f"{where} is not an object of the keys {', '.join(sorted(hints))}"
-        return next((p for key in value if (p := misfit(value[key], hints[key], f"{where}.{key}"))), None)
+        return next((p for key in value if (p := _misfit(value[key], hints[key], f"{where}.{key}"))), None)
     if origin is list:
         if not isinstance(value, list):
             return f"{where} is not a list"
-        return next((p for k, item in enumerate(value) if (p := misfit(item, args[0], f"{where}[{k}]"))), None)
+        return next((p for k, item in enumerate(value) if (p := _misfit(item, args[0], f"{where}[{k}]"))), None)
     if origin is dict:
         if not isinstance(value, dict):
             return f"{where} is not an object"
-        return next((p for key, item in value.items() if (p := misfit(item, args[1], f"{where}.{key}"))), None)
-    expected = JSON_TYPES.get(hint)
+        return next((p for key, item in value.items() if (p := _misfit(item, args[1], f"{where}.{key}"))), None)
+    expected = _JSON_TYPES.get(hint)
     if expected is None:
         return None
     if isinstance(value, expected) and (hint is bool or not isinstance(value, bool)):
@@ -2315,24 +2315,24 @@ def misfit(value: object, hint: Any, where: str) -> str | None:
     return f"{where} is {json.dumps(value)[:40]}, not {getattr(hint, '__name__', hint)}"
 
 
-def answer_command(answer: dict[str, Any], path: str) -> Command:
+def _answer_command(answer: dict[str, Any], path: str) -> Command:
     """The command whose answer ``answer`` is, by its keys (the counting commands first,
     so a package command is imported only when no core one fits)."""
     keys = set(answer)
-    for name in sorted(COMMANDS, key=lambda name: COMMANDS[name].package):
+    for name in sorted(_COMMANDS, key=lambda name: _COMMANDS[name].package):
         if name == "table":
             continue
         try:
-            command = load_command(name)
+            command = _load_command(name)
         except GraphscanError:  # the package is missing: only the core's tables are here
             raise GraphscanError(
                 f"usage: {shown(path)}: not the answer of a command of graphscan.py alone; the tables of the "
-                f"commands that run models need the {PACKAGE} package and onnxruntime",
+                f"commands that run models need the {_PACKAGE} package and onnxruntime",
                 EXIT_USAGE,
             ) from None
-        required, known = answer_keys(command)
+        required, known = _answer_keys(command)
         if required and required <= keys <= known:
-            problem = misfit(answer, command.answer, "answer")
+            problem = _misfit(answer, command.answer, "answer")
             if problem is not None:
                 raise GraphscanError(f"usage: {shown(path)}: not a {command.name} answer ({problem})", EXIT_USAGE)
             return command
@@ -2344,14 +2344,14 @@ def table(path: str, top: int | None = None) -> str:
     check_readable(path)
     try:
         with open(path, encoding="utf-8") as f:
-            answer = json.load(f, parse_constant=not_strict_json)
+            answer = json.load(f, parse_constant=_not_strict_json)
     except OSError as exc:
         raise GraphscanError(f"{shown(path)}: cannot read ({exc.strerror or exc})", EXIT_NO_FILE)
     except (ValueError, RecursionError) as exc:
         raise GraphscanError(f"usage: {shown(path)}: not a JSON answer ({one_line(exc)})", EXIT_USAGE)
     if not isinstance(answer, dict):
         raise GraphscanError(f"usage: {shown(path)}: not the JSON answer of a graphscan command", EXIT_USAGE)
-    command = answer_command(answer, path)
+    command = _answer_command(answer, path)
     try:
         return command.render(answer, top)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # keys right, values not
@@ -2360,13 +2360,13 @@ def table(path: str, top: int | None = None) -> str:
         )
 
 
-def not_strict_json(token: str) -> None:
-    """json's hook for NaN and +-Infinity: no answer holds them (strict_json), so a file that
+def _not_strict_json(token: str) -> None:
+    """json's hook for NaN and +-Infinity: no answer holds them (_strict_json), so a file that
     does was not written by graphscan."""
     raise ValueError(f"{token} is not strict JSON")
 
 
-TABLE = Command(
+_TABLE = Command(
     "table",
     table,
     ("answer",),
@@ -2381,14 +2381,14 @@ TABLE = Command(
 # --------------------------------------------------------------------------
 # The command line: the registry, the parser, main() and its signals
 #
-# COMMANDS is the registry: each command's one-line summary (so --help lists
+# _COMMANDS is the registry: each command's one-line summary (so --help lists
 # every command even without the package) and, for the core's own, the function
 # that returns its declaration; the package's come through its one door,
 # graphscan_ort/extension.py, the only module the core imports.
 
 
 @dataclasses.dataclass(frozen=True)
-class Entry:
+class _Entry:
     """A command in the registry: its one-line summary and where it is declared."""
 
     summary: str
@@ -2402,64 +2402,64 @@ class Entry:
         return self.declared is None
 
 
-COMMANDS = {
-    "nodes": Entry("op census and initializer dtypes", lambda: NODES),
-    "qdq": Entry("Q/DQ counts, round trips, weight DQs", lambda: QDQ),
-    "islands": Entry("int8-wrapped vs float nodes, float islands", lambda: ISLANDS),
-    "boundary": Entry("DQs entering and Qs leaving each island", lambda: BOUNDARY),
-    "diff": Entry("b minus a for the counts above", lambda: DIFF),
-    "fuse": Entry("fuse MatMul+Add into Gemm, verified, into output"),
-    "trace": Entry("per-op isolated and propagated error of b (quantized) vs a (float)"),
-    "runtime": Entry("what onnxruntime really runs per node: int8, int8_data, float, absorbed"),
-    "check": Entry(
+_COMMANDS = {
+    "nodes": _Entry("op census and initializer dtypes", lambda: _NODES),
+    "qdq": _Entry("Q/DQ counts, round trips, weight DQs", lambda: _QDQ),
+    "islands": _Entry("int8-wrapped vs float nodes, float islands", lambda: _ISLANDS),
+    "boundary": _Entry("DQs entering and Qs leaving each island", lambda: _BOUNDARY),
+    "diff": _Entry("b minus a for the counts above", lambda: _DIFF),
+    "fuse": _Entry("fuse MatMul+Add into Gemm, verified, into output"),
+    "trace": _Entry("per-op isolated and propagated error of b (quantized) vs a (float)"),
+    "runtime": _Entry("what onnxruntime really runs per node: int8, int8_data, float, absorbed"),
+    "check": _Entry(
         "a CI gate: exit 8 when a budget (float nodes, islands, crossings, int8 share, SQNR) is broken", lambda: CHECK
     ),
-    "dot": Entry("Graphviz DOT picture of the island map (DOT text, not JSON)", lambda: DOT),
-    "impact": Entry("output SQNR gained by keeping each op or tensor of b (quantized) float"),
-    "tune": Entry(
+    "dot": _Entry("Graphviz DOT picture of the island map (DOT text, not JSON)", lambda: _DOT),
+    "impact": _Entry("output SQNR gained by keeping each op or tensor of b (quantized) float"),
+    "tune": _Entry(
         "quantize a float model every way and keep the fastest that is accurate enough, measured as deployed"
     ),
-    "table": Entry("a saved JSON answer of any command, shown as that command's table", lambda: TABLE),
+    "table": _Entry("a saved JSON answer of any command, shown as that command's table", lambda: _TABLE),
 }
 
 
-def load_command(name: str) -> Command:
+def _load_command(name: str) -> Command:
     """The declaration of command ``name``; a package command's module is imported now."""
-    declared = COMMANDS[name].declared
+    declared = _COMMANDS[name].declared
     if declared is not None:
         return declared()
-    with package_needed(name):
+    with _package_needed(name):
         from graphscan_ort.extension import command
 
         return command(name)
 
 
-def package_function(name: str) -> Callable[..., object]:
+def _package_function(name: str) -> Callable[..., object]:
     """Command ``name`` of the graphscan_ort package as a plain function of this
     module (``graphscan.trace(a, b, ...)``), its module imported when it is first called."""
 
     def command(*args: object, **keywords: object) -> object:
-        declared = load_command(name)
-        return declared.run(*args, **in_process_keywords(declared, keywords))
+        declared = _load_command(name)
+        return declared.run(*args, **_in_process_keywords(declared, keywords))
 
     command.__name__ = command.__qualname__ = name
     command.__doc__ = f"The {name} command (docs/SPEC.md), run in this process."
     return command
 
 
-fuse = package_function("fuse")
-trace = package_function("trace")
-runtime = package_function("runtime")
-impact = package_function("impact")
-tune = package_function("tune")
+fuse = _package_function("fuse")
+trace = _package_function("trace")
+runtime = _package_function("runtime")
+impact = _package_function("impact")
+tune = _package_function("tune")
 
 
 def render_table(command: str, answer: dict, top: int | None = None) -> str:
     """The answer of ``command`` as text for a terminal: its own table, else a generic one."""
-    return load_command(command).render(answer, top)
+    return _load_command(command).render(answer, top)
 
 
-class OneLineParser(argparse.ArgumentParser):
+class _OneLineParser(argparse.ArgumentParser):
     """argparse that raises a one-line usage error instead of printing usage."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -2468,58 +2468,58 @@ class OneLineParser(argparse.ArgumentParser):
     def print_help(self, file: SupportsWrite[str] | None = None) -> None:
         """Help on stdout like an answer: argparse would silently drop a failed write."""
         if file is None:
-            write_answer(self.format_help())
+            _write_answer(self.format_help())
         else:
             super().print_help(file)
 
 
-def option_dest(flag: str, settings: dict) -> str:
+def _option_dest(flag: str, settings: dict) -> str:
     """The keyword an option is passed as: its ``dest``, else the flag in snake_case."""
     return settings.get("dest") or flag.lstrip("-").replace("-", "_")
 
 
-def exit_code_epilog() -> str:
+def _exit_code_epilog() -> str:
     """``--help``'s list of exit codes, from EXIT_CODES."""
     return "exit codes: " + ", ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items())
 
 
-def add_arguments(parser: argparse.ArgumentParser, command: Command) -> None:
+def _add_arguments(parser: argparse.ArgumentParser, command: Command) -> None:
     """``command``'s paths and options, then the output group (--format, --top)."""
     for path in command.paths:
         parser.add_argument(path, help=command.path_help)
     for flag, settings in command.options:
         parser.add_argument(flag, **settings)
     if not command.text:
-        Output.add_to(parser, command.own_top)
+        _Output.add_to(parser, command.own_top)
 
 
-def invoked_as() -> str:
+def _invoked_as() -> str:
     """The name --help gives the program: ``graphscan`` as the console script
     (``pip install .``), else ``graphscan.py`` (run as a file, or main() in process)."""
     return "graphscan" if os.path.basename(sys.argv[0]) == "graphscan" else "graphscan.py"
 
 
-def build_parser(chosen: str | None = None) -> OneLineParser:
+def _build_parser(chosen: str | None = None) -> _OneLineParser:
     """The command line. With a ``chosen`` command only its parser is built (and its
     module imported): a parser costs milliseconds, and a run needs one. Without one,
     every command is declared by its summary, for --help and the usage errors."""
-    parser = OneLineParser(
-        prog=invoked_as(),
+    parser = _OneLineParser(
+        prog=_invoked_as(),
         description="Count what quantization did to an ONNX graph; one JSON object on stdout.",
-        epilog=exit_code_epilog(),
+        epilog=_exit_code_epilog(),
     )
-    sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=OneLineParser)
-    for name, entry in COMMANDS.items():
+    sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=_OneLineParser)
+    for name, entry in _COMMANDS.items():
         if chosen is None:
             sub.add_parser(name, help=entry.summary, description=entry.summary)
         elif name == chosen:
-            add_arguments(sub.add_parser(name, help=entry.summary, description=entry.summary), load_command(name))
+            _add_arguments(sub.add_parser(name, help=entry.summary, description=entry.summary), _load_command(name))
     return parser
 
 
-def command_keywords(command: Command, args: argparse.Namespace) -> dict:
+def _command_keywords(command: Command, args: argparse.Namespace) -> dict:
     """The keyword arguments of ``command.run`` from the parsed ``args``."""
-    keywords = {option_dest(f, s): getattr(args, option_dest(f, s)) for f, s in command.options}
+    keywords = {_option_dest(f, s): getattr(args, _option_dest(f, s)) for f, s in command.options}
     rule = command.only_with
     if rule is not None:
         given = {f"--{key.replace('_', '-')}": keywords.get(key) for key in rule.dependents}
@@ -2532,11 +2532,11 @@ def command_keywords(command: Command, args: argparse.Namespace) -> dict:
         if len(given_inputs) > 1:
             raise GraphscanError(f"usage: {command.name} runs one sample: give --inputs once", EXIT_USAGE)
         keywords["inputs"] = given_inputs[0] if given_inputs else None
-        one_sample_file(command, keywords["inputs"], "--inputs")
+        _one_sample_file(command, keywords["inputs"], "--inputs")
     return keywords
 
 
-def one_sample_file(command: Command, path: object, name: str) -> None:
+def _one_sample_file(command: Command, path: object, name: str) -> None:
     """Exit 7 when ``path``, the sample of a command that runs one (option or keyword
     ``name``), is a folder: the commands that take several take a folder of them."""
     if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
@@ -2545,25 +2545,25 @@ def one_sample_file(command: Command, path: object, name: str) -> None:
         )
 
 
-def in_process_keywords(command: Command, keywords: dict[str, Any]) -> dict[str, Any]:
+def _in_process_keywords(command: Command, keywords: dict[str, Any]) -> dict[str, Any]:
     """``keywords`` of an in-process call (``graphscan.check(...)``, the pytest plugin) checked
     by the command line's own rule for each option (its argparse type or choices): a call
     refuses what the command line refuses, in the same words, naming the keyword (``level=``)
     where the command line names the flag. A path where a list of paths is taken is that
     one path."""
-    settings_of = {option_dest(flag, settings): settings for flag, settings in command.options}
+    settings_of = {_option_dest(flag, settings): settings for flag, settings in command.options}
     checked = dict(keywords)
     for key, value in keywords.items():
         settings = settings_of.get(key)
         if settings is not None and value is not None:
             one_path = command.one_sample and key == "inputs"
-            checked[key] = keyword_value(key, value, settings, one_path)
+            checked[key] = _keyword_value(key, value, settings, one_path)
             if one_path:
-                one_sample_file(command, value, f"{key}=")
+                _one_sample_file(command, value, f"{key}=")
     return checked
 
 
-def keyword_value(key: str, value: object, settings: dict, one_path: bool) -> object:
+def _keyword_value(key: str, value: object, settings: dict, one_path: bool) -> object:
     """``value`` of keyword ``key`` by its option's ``settings``; exit 2 as the command line."""
     if settings.get("action") == "append" and not one_path:
         values = [value] if isinstance(value, (str, os.PathLike)) else value
@@ -2587,30 +2587,30 @@ def keyword_value(key: str, value: object, settings: dict, one_path: bool) -> ob
     return value
 
 
-def answer_text(argv: list[str]) -> tuple[str, int]:
+def _answer_text(argv: list[str]) -> tuple[str, int]:
     """Parse ``argv``, run the command, return the text to print and the exit code
     (raises GraphscanError).
 
     The text is the answer's JSON, or with ``--format table`` a table rendered
     from that same answer; ``dot`` answers DOT text.
     """
-    chosen = argv[0] if argv and argv[0] in COMMANDS else None
-    args = build_parser(chosen).parse_args(argv)
+    chosen = argv[0] if argv and argv[0] in _COMMANDS else None
+    args = _build_parser(chosen).parse_args(argv)
     if args.command is None:
-        raise GraphscanError(f"usage: a command is required ({', '.join(COMMANDS)})", EXIT_USAGE)
-    command = load_command(args.command)
-    output = Output.parsed(args, command.own_top)
-    keywords = command_keywords(command, args)
+        raise GraphscanError(f"usage: a command is required ({', '.join(_COMMANDS)})", EXIT_USAGE)
+    command = _load_command(args.command)
+    output = _Output.parsed(args, command.own_top)
+    keywords = _command_keywords(command, args)
     answer = command.run(*(getattr(args, p) for p in command.paths), **keywords)
     if command.text:
         return answer.rstrip("\n"), EXIT_OK
     exit_code = command.exit_code(answer) if command.exit_code else EXIT_OK
     if output.format == "table":
         return command.render(answer, output.top), exit_code
-    return strict_json(answer), exit_code
+    return _strict_json(answer), exit_code
 
 
-def strict_json(answer: dict) -> str:
+def _strict_json(answer: dict) -> str:
     """One strict JSON text for ``answer``: NaN and +-Infinity become ``null``.
 
     Strict parsers reject those tokens, so no answer may carry them. The
@@ -2619,17 +2619,17 @@ def strict_json(answer: dict) -> str:
     try:
         return json.dumps(answer, allow_nan=False)
     except ValueError:
-        return json.dumps(finite_or_null(answer), allow_nan=False)
+        return json.dumps(_finite_or_null(answer), allow_nan=False)
 
 
-def finite_or_null(value: object) -> object:
+def _finite_or_null(value: object) -> object:
     """``value`` with every non-finite float, at any depth, replaced by None."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {key: finite_or_null(item) for key, item in value.items()}
+        return {key: _finite_or_null(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [finite_or_null(item) for item in value]
+        return [_finite_or_null(item) for item in value]
     return value
 
 
@@ -2639,13 +2639,13 @@ def report(line: str) -> None:
     if stream is None:
         return
     try:
-        stream.write(f"graphscan: {single_line(line)}\n")
+        stream.write(f"graphscan: {_single_line(line)}\n")
         stream.flush()
     except (OSError, ValueError):
         pass
 
 
-def write_answer(text: str) -> None:
+def _write_answer(text: str) -> None:
     """Write the answer on stdout, or raise exit 3 when stdout cannot take it
     (closed, a pipe whose reader left, a full disk)."""
     stream = sys.stdout
@@ -2655,13 +2655,13 @@ def write_answer(text: str) -> None:
         stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
         stream.flush()
     except (OSError, ValueError) as exc:
-        discard_stdout(stream)
+        _discard_stdout(stream)
         raise GraphscanError(
             f"cannot write the answer to stdout ({getattr(exc, 'strerror', None) or one_line(exc)})", EXIT_NO_FILE
         )
 
 
-def discard_stdout(stream: TextIO) -> None:
+def _discard_stdout(stream: TextIO) -> None:
     """Point stdout's descriptor at /dev/null, so the interpreter's final flush
     of what could not be written does not print an error of its own."""
     try:
@@ -2687,15 +2687,15 @@ def main(argv: list[str] | None = None) -> int:
             # A warning on stderr would break "nothing but one line": NaN outputs
             # are answered as null, never as numpy's RuntimeWarning.
             warnings.simplefilter("ignore")
-            text, exit_code = answer_text(argv)
-        write_answer(text + "\n")
+            text, exit_code = _answer_text(argv)
+        _write_answer(text + "\n")
     except GraphscanError as exc:
         report(str(exc))
         return exc.exit_code
     except SystemExit as exc:  # argparse after printing --help
         return exc.code if isinstance(exc.code, int) else EXIT_OK
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated): unwound, nothing half-written
-        terminated = isinstance(exc, Terminated)
+        terminated = isinstance(exc, _Terminated)
         report("terminated" if terminated else "interrupted")
         return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except MemoryError:  # graphscan's own arrays or onnxruntime's: the model did not run here
@@ -2716,13 +2716,13 @@ def console_main() -> None:
     """The ``graphscan`` command (and ``python graphscan.py``): main() with Ctrl-C as exit
     130 and SIGTERM as exit 143."""
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, note_interrupt)  # main() reports it in one line
+        signal.signal(signum, _note_interrupt)  # main() reports it in one line
     try:
         code = main()
     except KeyboardInterrupt as exc:  # in the instant between main()'s own handlers
-        code = EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
+        code = EXIT_TERMINATED if isinstance(exc, _Terminated) else EXIT_INTERRUPTED
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, exit_on_interrupt)  # no traceback during shutdown either
+        signal.signal(signum, _exit_on_interrupt)  # no traceback during shutdown either
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -518,9 +518,9 @@ def replace_command(monkeypatch, name, run):
     """Make command ``name`` run ``run`` (its paths and options unchanged) for one test."""
     import graphscan
 
-    entry = graphscan.COMMANDS[name]
-    command = dataclasses.replace(graphscan.load_command(name), run=run)
-    monkeypatch.setitem(graphscan.COMMANDS, name, dataclasses.replace(entry, declared=lambda: command))
+    entry = graphscan._COMMANDS[name]
+    command = dataclasses.replace(graphscan._load_command(name), run=run)
+    monkeypatch.setitem(graphscan._COMMANDS, name, dataclasses.replace(entry, declared=lambda: command))
 
 
 def install_into_fresh_venv(folder, index):

@@ -24,10 +24,10 @@ BANNER = re.compile(r"# -{20,}")
 # by the objects themselves, so a rename reaches this list too.
 LATE_CALLS = [
     (graphscan.check, graphscan.CHECK, "check() checks in-process keywords by its declaration, built on it"),
-    (graphscan.check, graphscan.in_process_keywords, "check() checks in-process keywords by the command line's rules"),
+    (graphscan.check, graphscan._in_process_keywords, "check() checks in-process keywords by the command line's rules"),
     (graphscan.check, graphscan.only_with, "check()'s budgets enable options by the command line's only-with rule"),
-    (graphscan.answer_command, graphscan.COMMANDS, "table reads any command's answer, and is in the registry"),
-    (graphscan.answer_command, graphscan.load_command, "table renders any command's answer, and is in the registry"),
+    (graphscan._answer_command, graphscan._COMMANDS, "table reads any command's answer, and is in the registry"),
+    (graphscan._answer_command, graphscan._load_command, "table renders any command's answer, and is in the registry"),
 ]
 
 

@@ -59,7 +59,7 @@ def exit_table(text):
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"^\| (\d+) \| (.+) \|$", text, re.MULTILINE)}
 
 
-@pytest.mark.parametrize("command", list(graphscan.COMMANDS))
+@pytest.mark.parametrize("command", list(graphscan._COMMANDS))
 def test_every_command_has_a_section(command):
     assert command in section_headings()
 
@@ -88,8 +88,8 @@ def test_help_names_every_command_the_readme_names_for_a_code():
 def test_the_level_runtime_defaults_to_is_said_where_users_read_it():
     """runtime classifies at one level by default and tune and check's SQNR measure at
     another: runtime's --help, the README's tour and min_int8's definition say both."""
-    runtime = graphscan.build_parser("runtime").parse_args(["runtime", "m.onnx"]).level
-    tune = graphscan.build_parser("tune").parse_args(["tune", "m.onnx"]).level
+    runtime = graphscan._build_parser("runtime").parse_args(["runtime", "m.onnx"]).level
+    tune = graphscan._build_parser("tune").parse_args(["tune", "m.onnx"]).level
     assert runtime != tune  # else there is nothing to say
     helped = " ".join(run_graphscan(["runtime", "--help"]).stdout.decode().split())
     assert f"default: {runtime}" in helped and "tune" in helped and f"at {tune}" in helped, helped

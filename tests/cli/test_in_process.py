@@ -69,7 +69,7 @@ def test_the_cases_cover_every_package_command_and_every_exit_code_they_can(fold
     import graphscan
 
     covered = {argv[0] for argv in CASES.values() if argv}
-    assert {name for name, entry in graphscan.COMMANDS.items() if entry.package} <= covered
+    assert {name for name, entry in graphscan._COMMANDS.items() if entry.package} <= covered
     codes = {run_in_process(argv, cwd=folder).returncode for argv in CASES.values()}
     assert {0, 2, 3, 4, 7, 8} <= codes, codes
 

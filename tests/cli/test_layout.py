@@ -92,7 +92,7 @@ def test_the_door_declares_every_package_command_of_the_registry():
     import graphscan
     from graphscan_ort import extension
 
-    package = [name for name, entry in graphscan.COMMANDS.items() if entry.declared is None]
+    package = [name for name, entry in graphscan._COMMANDS.items() if entry.declared is None]
     assert sorted(extension.DECLARED) == sorted(package)
     assert [extension.command(name).name for name in package] == package
 
@@ -277,4 +277,4 @@ def test_the_plugins_fixture_reaches_each_command_in_the_readers_sight():
     import graphscan
 
     used = {name for _, name in core_names_used(ROOT / "graphscan_pytest.py")}
-    assert set(graphscan.COMMANDS) <= used
+    assert set(graphscan._COMMANDS) <= used

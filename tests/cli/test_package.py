@@ -122,14 +122,14 @@ def test_every_command_is_a_function_of_graphscan_that_runs_its_declaration(monk
     """``graphscan.trace`` & co. stay importable as plain functions; each runs what its
     declaration (the module the registry names) runs, with the arguments given."""
     calls = []
-    package = [name for name, entry in graphscan.COMMANDS.items() if entry.package]
-    for name, entry in graphscan.COMMANDS.items():
-        function, command = getattr(graphscan, name), graphscan.load_command(name)
+    package = [name for name, entry in graphscan._COMMANDS.items() if entry.package]
+    for name, entry in graphscan._COMMANDS.items():
+        function, command = getattr(graphscan, name), graphscan._load_command(name)
         assert callable(function) and command.name == name, name
         if entry.package:  # the core's own commands are their functions
             assert command.run.__module__.startswith("graphscan_ort."), name
             recorded = dataclasses.replace(command, run=lambda *a, name=name, **k: calls.append((name, a, k)))
-            monkeypatch.setitem(graphscan.COMMANDS, name, dataclasses.replace(entry, declared=lambda c=recorded: c))
+            monkeypatch.setitem(graphscan._COMMANDS, name, dataclasses.replace(entry, declared=lambda c=recorded: c))
             function("x.onnx", option=1)
         else:
             assert function is command.run, name
@@ -145,8 +145,8 @@ def test_every_command_is_a_function_of_graphscan_that_runs_its_declaration(monk
 def sample_option_settings():
     """``{command: {flag: (type, action)}}`` for every command that takes sample options."""
     settings = {}
-    for name in graphscan.COMMANDS:
-        options = graphscan.load_command(name).options
+    for name in graphscan._COMMANDS:
+        options = graphscan._load_command(name).options
         flags = {
             flag: (s.get("type"), s.get("action")) for flag, s in options if flag in ("--inputs", "--shape", "--seed")
         }

@@ -1025,9 +1025,9 @@ def test_the_fixture_has_one_typed_method_per_command_of_the_core():
         for name, value in vars(graphscan_pytest.Graphscan).items()
         if inspect.isfunction(value) and not name.startswith("_")
     }
-    assert methods == set(graphscan.COMMANDS) and methods <= set(graphscan.__all__)
+    assert methods == set(graphscan._COMMANDS) and methods <= set(graphscan.__all__)
     for name in sorted(methods):
-        declared = graphscan.load_command(name)
+        declared = graphscan._load_command(name)
         signature = inspect.signature(getattr(graphscan_pytest.Graphscan, name))
         positional = [p for p in signature.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD][1:]
         assert [p.annotation for p in positional] == ["StrPath"] * len(declared.paths), name

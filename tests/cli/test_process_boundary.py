@@ -60,7 +60,7 @@ def nan_model(path):
 
 def test_strict_json_turns_every_non_finite_float_into_null():
     answer = {"a": [NAN, float("inf"), -float("inf"), 1.5], "b": {"c": NAN, "d": [{"e": float("-inf")}]}, "f": "NaN"}
-    assert strict_loads(graphscan.strict_json(answer)) == {
+    assert strict_loads(graphscan._strict_json(answer)) == {
         "a": [None, None, None, 1.5],
         "b": {"c": None, "d": [{"e": None}]},
         "f": "NaN",
@@ -321,12 +321,12 @@ import os, sys
 script, argv = sys.argv[1], sys.argv[2:]
 sys.path.insert(0, os.path.dirname(script))
 import graphscan
-graphscan.SKIM_THRESHOLD = 0  # the big-file path, on a small file
-skim = graphscan.skim_model
+graphscan._SKIM_THRESHOLD = 0  # the big-file path, on a small file
+skim = graphscan._skim_model
 def truncating(buffer):
     os.truncate(argv[1], 0)  # another process empties the file mid-read
     return skim(buffer)
-graphscan.skim_model = truncating
+graphscan._skim_model = truncating
 sys.exit(graphscan.main(argv))
 """
 

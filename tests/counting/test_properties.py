@@ -379,7 +379,7 @@ def reading(how):
     """Small files are parsed whole; big ones (>= SKIM_THRESHOLD) without tensor payloads, by
     graphscan's own wire-format skimmer. A threshold of 0 sends these small graphs that way."""
     if how == "skimmed":
-        return mock.patch.object(graphscan, "SKIM_THRESHOLD", 0)
+        return mock.patch.object(graphscan, "_SKIM_THRESHOLD", 0)
     return contextlib.nullcontext()
 
 

@@ -146,7 +146,7 @@ def test_model_above_the_skim_threshold_is_fused_with_its_weights(tmp_path, monk
     """A big model's counting skips tensor payloads; fuse must read them all the same."""
     source, target = tmp_path / "fp32.onnx", tmp_path / "gemm.onnx"
     onnx.save(gen_models.build_mlp(3, 8, seed=4), source)
-    monkeypatch.setattr(graphscan, "SKIM_THRESHOLD", 0)  # every file is "big"
+    monkeypatch.setattr(graphscan, "_SKIM_THRESHOLD", 0)  # every file is "big"
     answer = graphscan.fuse(str(source), str(target))
     assert len(answer["fused"]) == 3
     x = np.random.default_rng(3).standard_normal((2, 8)).astype(np.float32)

@@ -117,7 +117,7 @@ def test_skimmed_and_full_parse_agree(tmp_path, monkeypatch, build_case):
     variants = build_case(CASES[1])
     for variant, path in variants.items():
         full = [getattr(graphscan, c)(str(path)) for c in SINGLE_MODEL_COMMANDS]
-        monkeypatch.setattr(graphscan, "SKIM_THRESHOLD", 0)
+        monkeypatch.setattr(graphscan, "_SKIM_THRESHOLD", 0)
         skimmed = [getattr(graphscan, c)(str(path)) for c in SINGLE_MODEL_COMMANDS]
         monkeypatch.undo()
         assert skimmed == full, variant
@@ -127,7 +127,7 @@ def test_skim_refuses_a_truncated_big_file(tmp_path, monkeypatch, capsys):
     path = write_big_model(tmp_path / "big.onnx", 4 * MiB, 2)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    monkeypatch.setattr(graphscan, "SKIM_THRESHOLD", 0)
+    monkeypatch.setattr(graphscan, "_SKIM_THRESHOLD", 0)
     assert graphscan.main(["nodes", str(path)]) == graphscan.EXIT_NOT_ONNX
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1 and str(path) in err

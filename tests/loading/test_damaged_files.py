@@ -245,7 +245,7 @@ def test_mutated_model_answers_or_refuses(originals, tmp_path, capsys, monkeypat
     if all(command in answers for command in SINGLE_MODEL_COMMANDS):
         problems += [f"law broken: {law}" for law in laws_broken(answers)]
 
-    monkeypatch.setattr(graphscan, "SKIM_THRESHOLD", 1)
+    monkeypatch.setattr(graphscan, "_SKIM_THRESHOLD", 1)
     for command in SINGLE_MODEL_COMMANDS:
         code, out, err = run_main(capsys, [command, path])
         problem = contract_violation(command, [path], code, out, err)

@@ -81,7 +81,7 @@ def model_bytes(model, graph_extra=b"", tensor_extra=b"", model_extra=b""):
 
 
 def answers(path, skim):
-    with mock.patch.object(graphscan, "SKIM_THRESHOLD", 0 if skim else 1 << 40):
+    with mock.patch.object(graphscan, "_SKIM_THRESHOLD", 0 if skim else 1 << 40):
         return {command: getattr(graphscan, command)(str(path)) for command in SINGLE_MODEL_COMMANDS}
 
 
@@ -170,7 +170,7 @@ def test_name_length_running_past_its_initializer_is_refused(tmp_path, capsys):
     path = tmp_path / "m.onnx"
     path.write_bytes(data)
     for threshold in [0, 1 << 40]:  # skimmed, then parsed whole
-        with mock.patch.object(graphscan, "SKIM_THRESHOLD", threshold):
+        with mock.patch.object(graphscan, "_SKIM_THRESHOLD", threshold):
             code, out, err = run_main(capsys, ["nodes", path])
         assert (code, out) == (graphscan.EXIT_NOT_ONNX, ""), (threshold, err)
         assert str(path) in err and err.count("\n") == 1
@@ -200,7 +200,7 @@ def test_skim_drops_every_payload_field_and_keeps_the_header(field, data_type, v
     graph = helper.make_graph([], "g", [], [], [tensor, external])
     model = helper.make_model(graph, opset_imports=OPSET)
 
-    skimmed = onnx.ModelProto.FromString(graphscan.skim_model(model.SerializeToString()))
+    skimmed = onnx.ModelProto.FromString(graphscan._skim_model(model.SerializeToString()))
     kept, far = skimmed.graph.initializer
     assert not kept.HasField("raw_data") and not getattr(kept, field), field
     expected = TensorProto(name="w", data_type=data_type, dims=[2], doc_string="kept")
@@ -217,10 +217,10 @@ def test_skim_threshold_is_the_first_size_that_skims(tmp_path, capsys):
     path = tmp_path / "m.onnx"
     path.write_bytes(model_bytes(qdq_model(), graph_extra=length_delimited(5, bad)))
     size = path.stat().st_size
-    with mock.patch.object(graphscan, "SKIM_THRESHOLD", size + 1):
+    with mock.patch.object(graphscan, "_SKIM_THRESHOLD", size + 1):
         code, _, _ = run_main(capsys, ["nodes", path])
     assert code == graphscan.EXIT_NOT_ONNX
-    with mock.patch.object(graphscan, "SKIM_THRESHOLD", size):
+    with mock.patch.object(graphscan, "_SKIM_THRESHOLD", size):
         code, out, err = run_main(capsys, ["nodes", path])
     assert (code, err) == (0, "")
     assert strict_loads(out)["initializers"] == {"FLOAT": 3, "INT8": 2}
@@ -332,6 +332,6 @@ def test_name_running_past_a_big_initializer_is_refused_by_the_skim(tmp_path, ca
     path = tmp_path / "m.onnx"
     path.write_bytes(head.SerializeToString() + length_delimited(7, graph_data))
     for threshold in [0, 1 << 40]:  # skimmed, then parsed whole
-        with mock.patch.object(graphscan, "SKIM_THRESHOLD", threshold):
+        with mock.patch.object(graphscan, "_SKIM_THRESHOLD", threshold):
             code, out, err = run_main(capsys, ["nodes", path])
         assert (code, out) == (graphscan.EXIT_NOT_ONNX, ""), (threshold, err)

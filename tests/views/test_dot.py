@@ -23,7 +23,7 @@ import graphscan_ort.engines.classify as classify_engine
 from tests.helpers import chain_model, error_line, run_graphscan
 from tests.lab import QDQ_VARIANTS, VARIANTS
 
-WRAPPED, FLOAT = graphscan.COLOURS["wrapped"][0], graphscan.COLOURS["float"][0]
+WRAPPED, FLOAT = graphscan._COLOURS["wrapped"][0], graphscan._COLOURS["float"][0]
 ATTRIBUTE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 NODE = re.compile(r"^\s*(\w+) \[(.*)\];$")
 EDGE = re.compile(r"^\s*(\w+) -> (\w+)(?: \[(.*)\])?;$")
@@ -79,7 +79,7 @@ def drawn_names(nodes):
 def assert_structure(path, text):
     """The laws every picture obeys, checked against the counting commands' answers."""
     nodes, clusters, edges = parse_dot(text)
-    index = graphscan.index_model(path)
+    index = graphscan._index_model(path)
     drawn = drawn_names(nodes)
     assert sorted(drawn) == sorted(index.names[i] for i in index.compute_nodes)
     islands = graphscan.islands(path)["islands"]
@@ -238,7 +238,7 @@ def test_runtime_colours_go_by_position_when_names_repeat(tmp_path):
     assert [r["node"] for r in rows] == ["dup", "dup~5"] and rows[0]["class"] != rows[1]["class"]
     drawn, _, _ = parse_dot(graphscan.dot(str(path), runtime_colours=True))
     colours = [drawn[f"n{i}"]["fillcolor"] for i in (2, 5)]
-    assert colours == [graphscan.COLOURS[r["class"]][0] for r in rows]
+    assert colours == [graphscan._COLOURS[r["class"]][0] for r in rows]
 
 
 def test_runtime_colours_follow_the_runtime_classes(default_lab, monkeypatch):
@@ -256,7 +256,7 @@ def test_runtime_colours_follow_the_runtime_classes(default_lab, monkeypatch):
     nodes, _, _ = assert_structure(path, graphscan.dot(path, runtime_colours=True))
     colours = {attrs["tooltip"]: attrs["fillcolor"] for i, attrs in nodes.items() if i.startswith("n")}
     expected = {**classes, "fc2_relu": "unknown", "fc3_add": "unknown", "fc3_relu": "unknown"}  # no int4 colour
-    assert colours == {node: graphscan.COLOURS[cls][0] for node, cls in expected.items()}
+    assert colours == {node: graphscan._COLOURS[cls][0] for node, cls in expected.items()}
     legend = parse_graph_label(graphscan.dot(path, runtime_colours=True))
     assert "2 int8 (dark green), 1 int8_data (light green), 2 float (orange), 1 absorbed (grey), 3 unknown" in legend
 

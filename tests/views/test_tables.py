@@ -66,7 +66,7 @@ def assert_fits(text, width=80):
     ],
 )
 def test_middle_cut(text, width, expected):
-    assert graphscan.middle_cut(text, width) == expected
+    assert graphscan._middle_cut(text, width) == expected
 
 
 # --------------------------------------------------------------------------
@@ -97,13 +97,13 @@ EXPORTER_NAMES = st.lists(
     ],
 )
 def test_end_cut(text, width, expected):
-    assert graphscan.end_cut(text, width) == expected
+    assert graphscan._end_cut(text, width) == expected
 
 
 @given(names=EXPORTER_NAMES, width=st.integers(min_value=20, max_value=80))
 def test_a_cut_column_keeps_each_names_end_and_tells_different_names_apart(names, width):
     rows = [[name, k, "Percentile"] for k, name in enumerate(names)]
-    lines = graphscan.format_table(["node", "id", "method"], rows, width=width).splitlines()[1:]
+    lines = graphscan._format_table(["node", "id", "method"], rows, width=width).splitlines()[1:]
     shown = {}
     for name, line in zip(names, lines, strict=True):
         cut, _, method = line.split()
@@ -268,7 +268,7 @@ def test_wrapped_name_lists_fit_their_width(width):
     assert_fits(text, width)
     # Each name is cut to fit a line of its own: width - 2 (indent) - 1 (its comma).
     assert [n.strip() for n in text.replace("\n", "").split(",")] == [
-        graphscan.end_cut(name, width - 3) for name in names
+        graphscan._end_cut(name, width - 3) for name in names
     ]
 
 
@@ -295,11 +295,11 @@ def test_top_zero_shows_no_rows(in_models, capsys):
     assert "(none)" in text and "more not shown; --top 0" in text
 
 
-@pytest.mark.parametrize("command", list(graphscan.COMMANDS))
+@pytest.mark.parametrize("command", list(graphscan._COMMANDS))
 def test_every_json_command_offers_format_and_top(command, capsys):
     assert graphscan.main([command, "--help"]) == 0
     out = capsys.readouterr().out
-    if graphscan.load_command(command).text:
+    if graphscan._load_command(command).text:
         assert "--format" not in out
     else:
         assert "--format" in out and "--top" in out
@@ -496,7 +496,7 @@ def first_column(text, title):
 
 def test_trace_top_ranks_by_isolated_then_by_propagated_error():
     text = graphscan.render_table("trace", TRACE_ANSWER, 2)
-    cut = graphscan.end_cut(LONG, len(first_column(text, "ops by isolated error")[0]))
+    cut = graphscan._end_cut(LONG, len(first_column(text, "ops by isolated error")[0]))
     # isolated: LONG 0.5 > add 0.02 > conv1 0.01; propagated: add 0.9 > LONG 0.6.
     assert first_column(text, "ops by isolated error") == [cut, "add"]
     assert first_column(text, "ops by propagated error") == ["add", cut]
@@ -581,7 +581,7 @@ SAVED = [
 def test_a_saved_answer_is_shown_as_its_commands_table(argv, top, default_lab, tmp_path, capsys):
     argv = [str(a).format(**{k: str(v) for k, v in default_lab.items()}) for a in argv]
     limit = ["--top", top] if top else []
-    own_top = graphscan.load_command(argv[0]).own_top  # impact's --top limits its JSON too
+    own_top = graphscan._load_command(argv[0]).own_top  # impact's --top limits its JSON too
     graphscan.main([*argv, *(limit if own_top else [])])
     saved = tmp_path / "answer.json"
     saved.write_text(capsys.readouterr().out)
