@@ -20,11 +20,12 @@ from onnx import numpy_helper
 
 from graphscan import DEQUANTIZE, QUANTIZE
 
-# U8S8: uint8 activations times int8 weights. Without VNNI, x86's vpmaddubsw adds two
-# u8·s8 products into a saturating 16-bit lane before widening, so large weights clip.
+# U8S8: uint8 activations times int8 weights (and S8S8, which x86 runs as U8S8). Without VNNI,
+# x86's vpmaddubsw adds two u8·s8 products into a saturating 16-bit lane before widening.
 U8S8_OPS = frozenset({"Conv", "MatMul", "Gemm"})
 U8S8_CAUSE = (
-    "U8S8 on x86 without VNNI: AVX2's vpmaddubsw adds pairs of uint8 x int8 products in saturating 16-bit lanes"
+    "8-bit activations x int8 weights on x86 without VNNI (U8S8, and S8S8, which x86 runs as U8S8): "
+    "AVX2's vpmaddubsw adds pairs of products in saturating 16-bit lanes"
 )
 U8S8_REMEDY = (
     "quantize with reduce_range=True (7-bit weights cannot saturate), or open the session with "
@@ -109,7 +110,8 @@ def known_cause(model: onnx.ModelProto, target: str) -> tuple[str | None, str | 
     if op is None or op.op_type not in U8S8_OPS or target not in X86_WITHOUT_VNNI:
         return None, None
     types = input_types(model, op)
-    if len(types) > 1 and types[0] == onnx.TensorProto.UINT8 and types[1] == onnx.TensorProto.INT8:
+    eight_bit = (onnx.TensorProto.UINT8, onnx.TensorProto.INT8)
+    if len(types) > 1 and types[0] in eight_bit and types[1] == onnx.TensorProto.INT8:
         return U8S8_CAUSE, U8S8_REMEDY
     return None, None
 

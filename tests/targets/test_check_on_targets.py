@@ -169,6 +169,43 @@ def test_differences_are_counted_in_steps_of_the_output_scale(tmp_path, target, 
     assert rows[0]["cause"] == cause and (rows[0]["remedy"] is None) == (cause is None)
 
 
+def single_conv(activation, weight):
+    """A single-op model as trace saves one: input Q->DQ of ``activation``'s type, weight DQ of
+    ``weight``'s, the Conv, output Q->DQ."""
+    zero = {TensorProto.UINT8: np.uint8(128), TensorProto.INT8: np.int8(0)}
+    kinds = {TensorProto.UINT8: np.uint8, TensorProto.INT8: np.int8}
+    initializers = [
+        numpy_helper.from_array(np.ones((2, 2, 1, 1), kinds[weight]), "wq"),
+        numpy_helper.from_array(np.array(0.1, np.float32), "s"),
+        numpy_helper.from_array(np.array(zero[weight]), "wz"),
+        numpy_helper.from_array(np.array(zero[activation]), "xz"),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "xz"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "s", "xz"], ["xd"]),
+        helper.make_node("DequantizeLinear", ["wq", "s", "wz"], ["wd"]),
+        helper.make_node("Conv", ["xd", "wd"], ["c"], "conv"),
+        helper.make_node("QuantizeLinear", ["c", "s", "xz"], ["cq"]),
+        helper.make_node("DequantizeLinear", ["cq", "s", "xz"], ["y"]),
+    ]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 2, 3, 3]) for n in ("x", "y")]
+    return helper.make_model(helper.make_graph(nodes, "conv", io[:1], io[1:], initializers))
+
+
+@pytest.mark.parametrize(
+    ("activation", "weight", "target", "known"),
+    [
+        pytest.param(TensorProto.UINT8, TensorProto.INT8, "x86-avx2", True, id="u8s8-x86-avx2"),
+        pytest.param(TensorProto.INT8, TensorProto.INT8, "x86-avx2", True, id="s8s8-x86-avx2-runs-as-u8s8"),
+        pytest.param(TensorProto.UINT8, TensorProto.UINT8, "x86-avx2", False, id="u8u8-no-saturation"),
+        pytest.param(TensorProto.UINT8, TensorProto.INT8, "arm64", False, id="u8s8-arm64-sums-in-32-bits"),
+    ],
+)
+def test_the_known_cause_is_eight_bit_activations_times_int8_weights_on_x86_avx2(activation, weight, target, known):
+    cause, remedy = kernel_numbers.known_cause(single_conv(activation, weight), target)
+    assert (cause, remedy) == ((kernel_numbers.U8S8_CAUSE, kernel_numbers.U8S8_REMEDY) if known else (None, None))
+
+
 def test_equal_outputs_are_no_difference(tmp_path):
     *_, folder, native = native_trace_folder(tmp_path)
     assert kernel_numbers.differences(str(folder), str(native), str(native), "x86-avx2", {"conv": "Conv"}) == []
