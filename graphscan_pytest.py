@@ -28,20 +28,28 @@ hand-written tests, answers cached per test session by the models' file contents
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import os
 import re
-import stat
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from graphscan_pytest_snapshots import (
+    SNAPSHOT_FOLDER,
+    UPDATE,
+    runtime_snapshot,
+    snapshot_names,
+    snapshot_text,
+    snapshot_verdict,
+    unused_snapshots,
+    write_atomically,
+)
 
 if TYPE_CHECKING:  # the answers' types, for the fixture's methods: nothing is imported at run time
     from graphscan import BoundaryAnswer, CheckAnswer, DiffAnswer, IslandsAnswer, NodesAnswer, QdqAnswer
@@ -49,7 +57,6 @@ if TYPE_CHECKING:  # the answers' types, for the fixture's methods: nothing is i
 
 StrPath = str | os.PathLike[str]  # a path the fixture's methods take
 CONFIG_NAME = "graphscan.toml"
-SNAPSHOT_FOLDER = "graphscan_snapshots"
 
 Key = tuple[tuple[type, ...], str]  # the types a config key may have, and what it is
 # The keys of a [[model]] table beside its budgets (config_keys); paths are relative to the config's folder.
@@ -204,28 +211,6 @@ def read_config(path: Path) -> list[Gate]:
     return [
         dataclasses.replace(g, snapshot_name=n) for g, n in zip(gates, snapshot_names(gates, path.parent), strict=True)
     ]
-
-
-PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
-
-
-def snapshot_names(gates: list[Gate], folder: Path) -> list[str]:
-    """Each gate's snapshot file name (without ``.json``), never one for two models: its
-    name where that is PLAIN_NAME and no other model's name equals it regardless of case
-    (committed snapshots keep their names), else that name squeezed, ``~`` and a hash of
-    the model's path from ``folder``. One path (``..`` resolved, links not followed), one name."""
-    where = [Path(os.path.relpath(g.settings["path"], folder)).as_posix() for g in gates]
-    paths_of: dict[str, set[str]] = {}
-    for gate, relative in zip(gates, where, strict=True):
-        paths_of.setdefault(gate.name.casefold(), set()).add(relative)
-    names = []
-    for gate, relative in zip(gates, where, strict=True):
-        if PLAIN_NAME.fullmatch(gate.name) and len(paths_of[gate.name.casefold()]) == 1:
-            names.append(gate.name)
-        else:
-            digest = hashlib.sha256(relative.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-            names.append(f"{re.sub(r'[^A-Za-z0-9._-]+', '_', gate.name)[:100]}~{digest}")
-    return names
 
 
 def budget_rules() -> dict[str, Any]:
@@ -591,34 +576,6 @@ def snapshot_file(config: pytest.Config, gate: Gate, target: str = NATIVE) -> Pa
     return config_path(config).parent / SNAPSHOT_FOLDER / f"{name}.json"
 
 
-def runtime_snapshot(answer: dict[str, Any]) -> dict[str, Any]:
-    """What a snapshot pins: onnxruntime's version and provider, the level, and each node's
-    class and reason code (sorted keys: stable across runs and machines)."""
-    environment = answer["environment"]
-    return {
-        "onnxruntime": environment["onnxruntime"],
-        "provider": environment["provider"],
-        "level": environment["level"],
-        "nodes": {
-            row["node"]: {"class": row["class"], "reason": row["reason"]["code"] if row["reason"] else None}
-            for row in answer["nodes"]
-        },
-    }
-
-
-def snapshot_text(snapshot: dict[str, Any]) -> str:
-    """The snapshot file's text: syrupy's JSON extension when syrupy is installed (the format
-    its users review), else the same JSON (sorted keys, two-space indent) from json itself."""
-    try:
-        from syrupy.extensions.json import JSONSnapshotExtension
-    except ImportError:
-        return json.dumps(snapshot, indent=2, sort_keys=True) + "\n"
-    return str(JSONSnapshotExtension().serialize(snapshot)).rstrip("\n") + "\n"
-
-
-UPDATE = "pytest --graphscan --graphscan-snapshot-update"  # works with or without syrupy
-
-
 def updating(config: pytest.Config) -> bool:
     return bool(config.getoption("graphscan_snapshot_update") or config.getoption("update_snapshots", False))
 
@@ -643,110 +600,12 @@ def compare_snapshot(config: pytest.Config, gate: Gate, target: str = NATIVE) ->
         raise GateFailed(verdict)
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """``text`` as the file ``path``, through a temporary file of this writer's own renamed
-    into place: another writer (an xdist worker) or a reader sees a whole file, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(temporary, 0o644)  # mkstemp's 0600 would keep the file from its readers
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
-
-
-def snapshot_damage(pinned: Any) -> str | None:
-    """What is wrong with ``pinned``, read from a snapshot file, as a snapshot; None when nothing is."""
-    if not isinstance(pinned, dict):
-        return f"{json_kind(pinned)}, not an object"
-    if set(pinned) != {"onnxruntime", "provider", "level", "nodes"}:
-        return f"keys {sorted(pinned)}, not onnxruntime, provider, level and nodes"
-    if not isinstance(pinned["nodes"], dict):
-        return f"nodes is {json_kind(pinned['nodes'])}, not an object"
-    for node, entry in pinned["nodes"].items():
-        if not isinstance(entry, dict) or set(entry) != {"class", "reason"}:
-            return f"node {node!r} is {json.dumps(entry)[:80]}, not {{class, reason}}"
-        if not all(value is None or isinstance(value, str) for value in entry.values()):
-            return f"node {node!r} has a class or reason that is neither a string nor null"
-    return None
-
-
-def json_kind(value: Any) -> str:
-    """``an array``, ``null``...: what a value read by json is, in JSON's words."""
-    if value is None or isinstance(value, bool):
-        return json.dumps(value)
-    kinds = {list: "an array", str: "a string", int: "a number", float: "a number"}
-    return next((kind for t, kind in kinds.items() if isinstance(value, t)), "an object")
-
-
-def snapshot_verdict(pinned: Any, now: dict[str, Any], name: str) -> str | None:
-    """Why the snapshot ``pinned`` (file ``name``) no longer holds for ``now``; None when it holds."""
-    damage = snapshot_damage(pinned)
-    if damage is not None:
-        return f"snapshot: {name} is damaged ({damage}); retake it with {UPDATE}, review, commit"
-    for key in ("onnxruntime", "provider", "level"):
-        if pinned[key] != now[key]:
-            return (
-                f"snapshot: taken with {key} {pinned[key]}, this session has {now[key]}: "
-                "classes are only comparable on one onnxruntime version and provider; "
-                f"review with {UPDATE}"
-            )
-    changes = snapshot_changes(pinned["nodes"], now["nodes"])
-    if not changes:
-        return None
-    shown = "\n".join(changes[:50]) + (f"\n  ... and {len(changes) - 50} more" if len(changes) > 50 else "")
-    return f"snapshot: {len(changes)} node(s) changed what they run ({name}; accept with {UPDATE})\n" + shown
-
-
-def snapshot_changes(pinned: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """One line per node whose class or reason changed, appeared or disappeared."""
-
-    def shown(entry: dict[str, Any] | None) -> str:
-        if entry is None:
-            return "(absent)"
-        kind = "null" if entry["class"] is None else entry["class"]  # runtime's class of an unmapped node
-        return kind + (f" ({entry['reason']})" if entry.get("reason") else "")
-
-    lines = []
-    for node in sorted(set(pinned) | set(now)):
-        before, after = pinned.get(node), now.get(node)
-        if before != after:
-            lines.append(f"  {node}: {shown(before)} -> {shown(after)}")
-    return lines
-
-
 # ---------------------------------------------------------------------------
 # Unused snapshots: when the whole config ran, the files no item of it pins are named
 # (syrupy's report); --graphscan-snapshot-update deletes them. Each xdist worker sends
 # what it collected and ran to the controller, which reports.
 
-# The names snapshot_file gives: NAME (plain, or squeezed ~ hash) and @TARGET; nothing else is touched.
-SNAPSHOT_FILE = re.compile(r"(?:[A-Za-z0-9._-]{1,200}|[A-Za-z0-9._-]{0,100}~[0-9a-f]{16})(?:@[a-z0-9-]+)?\.json")
 GATHERED = "graphscan_snapshots"  # the key of a worker's workeroutput
-
-
-def unused_snapshots(folder: Path, pinned: set[str]) -> list[Path]:
-    """The snapshot files of ``folder`` that are none of the ``pinned`` files (a case-blind disk
-    shows a pinned file under a name that differs in case: it is the same file, kept)."""
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError:  # no snapshot taken yet
-        return []
-
-    def identity(name: str) -> tuple[int, int] | None:
-        try:
-            found = os.stat(folder / name)
-        except OSError:
-            return None
-        return (found.st_dev, found.st_ino) if stat.S_ISREG(found.st_mode) else None
-
-    held = {identity(name) for name in pinned}
-    candidates = [name for name in names if SNAPSHOT_FILE.fullmatch(name) and name not in pinned]
-    return [folder / name for name in candidates if identity(name) not in held | {None}]
 
 
 def unused_report(config: pytest.Config, state: SessionState) -> list[str]:

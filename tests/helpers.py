@@ -529,7 +529,7 @@ def install_into_fresh_venv(folder, index):
     (fresh dependencies), else the dependencies already installed here."""
     source = folder / "source"
     source.mkdir()
-    for name in ("graphscan.py", "graphscan_pytest.py", "pyproject.toml", "README.md"):
+    for name in ("graphscan.py", "graphscan_pytest.py", "graphscan_pytest_snapshots.py", "pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, source / name)
     shutil.copytree(ROOT / "graphscan_ort", source / "graphscan_ort", ignore=shutil.ignore_patterns("__pycache__"))
     env_dir = folder / "venv"

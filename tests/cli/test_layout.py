@@ -8,6 +8,7 @@ circle; every module is named in DESIGN.md's layout section.
 
 import ast
 import re
+import tomllib
 
 import pytest
 
@@ -25,6 +26,9 @@ def module_name(path):
 
 
 MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+# The plugin's modules: what pip installs beside the core, outside the package.
+PLUGIN = {name: ROOT / f"{name}.py" for name in SETUPTOOLS["py-modules"] if name != "graphscan"}
 
 
 def package_imports(path):
@@ -135,23 +139,32 @@ def layout_section():
     return match.group(1)
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
+@pytest.mark.parametrize("module", sorted({**MODULES, **PLUGIN}))
 def test_design_md_names_every_module(module):
-    path = MODULES[module].relative_to(ROOT).as_posix()
+    path = {**MODULES, **PLUGIN}[module].relative_to(ROOT).as_posix()
     if path.endswith("__init__.py"):
         path = path[: -len("/__init__.py")] + "/"
     assert f"`{path}`" in layout_section(), f"docs/DESIGN.md's layout section does not name `{path}`"
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
+def test_every_top_level_module_is_installed_and_type_checked():
+    """A module beside the core (a part split out of the plugin) is one pip installs and mypy
+    reads: else ``pip install .`` gives a plugin that fails to import."""
+    mypy = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["mypy"]["files"]
+    beside = sorted(path.stem for path in ROOT.glob("graphscan*.py"))
+    assert sorted(SETUPTOOLS["py-modules"]) == beside
+    assert sorted(name.removesuffix(".py") for name in mypy if name.endswith(".py")) == beside
+
+
+@pytest.mark.parametrize("module", sorted({**MODULES, **PLUGIN}))
 def test_no_module_outgrows_itself(module):
-    lines = MODULES[module].read_text(encoding="utf-8").count("\n")
+    lines = {**MODULES, **PLUGIN}[module].read_text(encoding="utf-8").count("\n")
     assert lines <= MAX_MODULE_LINES, f"{module}: {lines} lines"
 
 
 def test_no_docstring_or_comment_tells_history():
     """Code says what is, not which issue brought it: issue numbers belong in the history."""
-    for path in [ROOT / "graphscan.py", *MODULES.values()]:
+    for path in [ROOT / "graphscan.py", *MODULES.values(), *PLUGIN.values()]:
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             assert not re.search(r"\bissue \d+", line, re.I), f"{path.name}:{number}: {line.strip()}"
 
@@ -184,7 +197,7 @@ def test_the_core_holds_only_what_it_uses_itself():
 # --------------------------------------------------------------------------
 # The core's declared surface: the package and the plugin use only its __all__
 
-BOUND_BY_ALL = [*MODULES.values(), ROOT / "graphscan_pytest.py"]  # tests, bench/ and the scripts are free
+BOUND_BY_ALL = [*MODULES.values(), *PLUGIN.values()]  # tests, bench/ and the scripts are free
 
 
 def core_names_used(path):

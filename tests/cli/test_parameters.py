@@ -30,7 +30,8 @@ ALLOWED = {
 
 
 def product_files() -> list[Path]:
-    return [ROOT / "graphscan.py", ROOT / "graphscan_pytest.py", *sorted((ROOT / "graphscan_ort").rglob("*.py"))]
+    plugin = [ROOT / "graphscan_pytest.py", ROOT / "graphscan_pytest_snapshots.py"]
+    return [ROOT / "graphscan.py", *plugin, *sorted((ROOT / "graphscan_ort").rglob("*.py"))]
 
 
 def parameter_counts(files: list[Path], root: Path) -> dict[str, int]:

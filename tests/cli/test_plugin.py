@@ -26,6 +26,7 @@ from onnxruntime.quantization import QuantType, quantize_static
 import gen_models
 import graphscan
 import graphscan_pytest
+import graphscan_pytest_snapshots
 from graphscan_ort.shared import targets
 from graphscan_ort.tune.candidates import SampleReader, quiet
 from tests.helpers import ROOT, run_main
@@ -187,9 +188,9 @@ def test_a_snapshot_names_each_change_and_refuses_another_onnxruntime():
         "nodes": {"a": {"class": "int8", "reason": None}, "b": {"class": "float", "reason": "mixed_types"}},
     }  # fmt: skip
     same = json.loads(json.dumps(pinned))
-    assert graphscan_pytest.snapshot_verdict(pinned, same, "m.json") is None
+    assert graphscan_pytest_snapshots.snapshot_verdict(pinned, same, "m.json") is None
     moved = {**same, "nodes": {"a": {"class": "float", "reason": "no_kernel"}, "c": {"class": "int8", "reason": None}}}
-    verdict = graphscan_pytest.snapshot_verdict(pinned, moved, "m.json")
+    verdict = graphscan_pytest_snapshots.snapshot_verdict(pinned, moved, "m.json")
     assert verdict.splitlines() == [
         f"snapshot: 3 node(s) changed what they run (m.json; accept with {UPDATE})",
         "  a: int8 -> float (no_kernel)",
@@ -197,7 +198,7 @@ def test_a_snapshot_names_each_change_and_refuses_another_onnxruntime():
         "  c: (absent) -> int8",
     ]
     for key, value in (("onnxruntime", "1.31.0"), ("provider", "CUDAExecutionProvider"), ("level", "all")):
-        verdict = graphscan_pytest.snapshot_verdict({**pinned, key: value}, same, "m.json")
+        verdict = graphscan_pytest_snapshots.snapshot_verdict({**pinned, key: value}, same, "m.json")
         assert f"taken with {key} {value}, this session has {same[key]}" in verdict
 
 
@@ -323,12 +324,12 @@ def test_the_snapshot_file_is_syrupys_json_and_the_same_without_syrupy(monkeypat
         "onnxruntime": "1",
         "provider": "p",
     }
-    with_syrupy = graphscan_pytest.snapshot_text(snapshot)
+    with_syrupy = graphscan_pytest_snapshots.snapshot_text(snapshot)
     from syrupy.extensions.json import JSONSnapshotExtension
 
     assert with_syrupy.rstrip("\n") == str(JSONSnapshotExtension().serialize(snapshot)).rstrip("\n")
     monkeypatch.setitem(sys.modules, "syrupy.extensions.json", None)  # as if syrupy were not installed
-    assert graphscan_pytest.snapshot_text(snapshot) == with_syrupy
+    assert graphscan_pytest_snapshots.snapshot_text(snapshot) == with_syrupy
 
 
 # ---------------------------------------------------------------------------
@@ -598,7 +599,7 @@ NOW = {
     ],
 )
 def test_a_damaged_snapshot_says_so_and_how_to_retake_it(damaged):
-    verdict = graphscan_pytest.snapshot_verdict(damaged, NOW, "m.json")
+    verdict = graphscan_pytest_snapshots.snapshot_verdict(damaged, NOW, "m.json")
     assert verdict.startswith("snapshot: m.json is damaged (") and verdict.endswith(
         f"retake it with {UPDATE}, review, commit"
     )
@@ -610,8 +611,8 @@ def test_an_unmapped_node_is_shown_with_class_null():
     unmapped = {"class": None, "reason": "unmapped"}
     before = {**NOW, "nodes": {"a": unmapped, "b": {"class": "int8", "reason": None}}}
     after = {**NOW, "nodes": {"a": {"class": "int8", "reason": None}, "b": unmapped}}
-    assert graphscan_pytest.snapshot_verdict(before, before, "m.json") is None
-    verdict = graphscan_pytest.snapshot_verdict(before, after, "m.json")
+    assert graphscan_pytest_snapshots.snapshot_verdict(before, before, "m.json") is None
+    verdict = graphscan_pytest_snapshots.snapshot_verdict(before, after, "m.json")
     assert verdict.splitlines()[1:] == ["  a: null (unmapped) -> int8", "  b: int8 -> null (unmapped)"]
 
 
@@ -955,13 +956,13 @@ def test_every_snapshot_name_the_plugin_writes_is_one_the_report_knows(tmp_path,
     paths += ["p" * 195 + ".onnx", "a b" * 60 + ".onnx", "\uac80" * 80 + ".onnx"]
     names = snapshot_gates(tmp_path, paths)
     files = [name if target == "native" else name.replace(".json", f"@{target}.json") for name in names]
-    assert [f for f in files if not graphscan_pytest.SNAPSHOT_FILE.fullmatch(f)] == []
+    assert [f for f in files if not graphscan_pytest_snapshots.SNAPSHOT_FILE.fullmatch(f)] == []
     folder = tmp_path / "graphscan_snapshots"
     folder.mkdir()
     for name in files:
         (folder / name).touch()
-    assert graphscan_pytest.unused_snapshots(folder, set(files)) == []
-    assert sorted(graphscan_pytest.unused_snapshots(folder, set(files[1:]))) == [folder / files[0]]
+    assert graphscan_pytest_snapshots.unused_snapshots(folder, set(files)) == []
+    assert sorted(graphscan_pytest_snapshots.unused_snapshots(folder, set(files[1:]))) == [folder / files[0]]
 
 
 def test_a_second_name_of_a_pinned_file_is_the_pinned_file(tmp_path):
@@ -972,11 +973,11 @@ def test_a_second_name_of_a_pinned_file_is_the_pinned_file(tmp_path):
     (folder / "m.onnx.json").write_text("{}")
     os.link(folder / "m.onnx.json", folder / "M.onnx.json")
     (folder / "n.onnx.json").write_text("{}")
-    assert graphscan_pytest.unused_snapshots(folder, {"m.onnx.json"}) == [folder / "n.onnx.json"]
+    assert graphscan_pytest_snapshots.unused_snapshots(folder, {"m.onnx.json"}) == [folder / "n.onnx.json"]
     (folder / "M.onnx.json").unlink()
     (folder / "M.onnx.json").write_text("{}")
     if not (folder / "M.onnx.json").samefile(folder / "m.onnx.json"):  # a case-sensitive disk: two files
-        assert graphscan_pytest.unused_snapshots(folder, {"m.onnx.json"}) == [
+        assert graphscan_pytest_snapshots.unused_snapshots(folder, {"m.onnx.json"}) == [
             folder / n for n in ("M.onnx.json", "n.onnx.json")
         ]
 
