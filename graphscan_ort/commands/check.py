@@ -139,7 +139,7 @@ class CheckSamples:
 
 def checked_samples(reference: Named, candidate: Named, given: Samples) -> CheckSamples:
     """The ``--inputs`` samples or one seeded sample, both models' inputs checked alike."""
-    check_same_inputs(reference.model, candidate.model, reference.path, candidate.path)
+    check_same_inputs(reference, candidate)
     samples, _ = model_samples(reference.model, given.inputs, parse_shapes(given.shape), given.seed or 0, 1)
     return CheckSamples(samples, not given.inputs)
 
@@ -147,7 +147,7 @@ def checked_samples(reference: Named, candidate: Named, given: Samples) -> Check
 def deployed_outputs(reference: Named, candidate: Named, runs: CheckSamples, level: str = "all") -> PairedOutputs:
     """Both models' outputs as users run them (a session at ``level``, onnxruntime's
     default "all"), paired as impact pairs them: run once for min_sqnr and min_metric alike."""
-    pairs = output_pairs(reference.model, candidate.model, reference.path, candidate.path)
+    pairs = output_pairs(reference, candidate)
     with inputs_hint(runs.generated, 1, [reference.path, candidate.path]):
         options = deployed_options(level)
         return paired_outputs(reference, candidate, runs.samples, pairs, options)
@@ -223,7 +223,7 @@ def outputs_on_target(
     """``deployed_outputs`` as ``target``'s CPU computes them: the same pairs, samples and
     sessions, run in its interpreter."""
     float_path, quant_path = reference.path, candidate.path
-    pairs = output_pairs(reference.model, candidate.model, float_path, quant_path)
+    pairs = output_pairs(reference, candidate)
     float_names, quant_names = [f for f, _ in pairs], [q for _, q in pairs]
     with tempfile.TemporaryDirectory(prefix="graphscan-check-") as folder:
         samples_file, names = save_samples(folder, runs.samples)

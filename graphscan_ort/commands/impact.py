@@ -65,7 +65,7 @@ def impact_answer(
     """``impact``'s work, every argument as given (``given``: the samples group)."""
     only_with("--target-sqnr", target_sqnr is not None, {"--max-exclude": max_exclude, "--min-gain": min_gain})
     reference, candidate = Named(load_with_weights(a), a), Named(load_with_weights(b), b)
-    check_same_inputs(reference.model, candidate.model, a, b)
+    check_same_inputs(reference, candidate)
     shapes = parse_shapes(given.shape)
     samples, defaulted = model_samples(reference.model, given.inputs, shapes, given.seed or 0, IMPACT_SYMBOLIC_DIM_SIZE)
     body = measure(reference, candidate, samples, target_sqnr, max_exclude, top, min_gain)

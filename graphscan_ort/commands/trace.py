@@ -29,7 +29,7 @@ from graphscan_ort.engines.levels import LEVELS_FLOOR
 from graphscan_ort.engines.trace import TRACE_TOLERANCE, compare
 from graphscan_ort.shared.answers import TraceAnswer
 from graphscan_ort.shared.inputs import check_same_inputs, model_samples, parse_shapes
-from graphscan_ort.shared.options import finite_non_negative
+from graphscan_ort.shared.options import Named, finite_non_negative
 from graphscan_ort.shared.sessions import inputs_hint, temporary_folder
 from graphscan_ort.shared.tables import RED_FLAGS, input_fields, largest_first, smallest_first
 from graphscan_ort.shared.targets import NATIVE, TARGETS, require, run
@@ -87,7 +87,7 @@ def trace_models(
 ) -> TraceAnswer:
     """``trace``'s work: plan the rows, run graphscan's combined model, answer."""
     float_model, quant_model = load_with_weights(a), load_with_weights(b)
-    check_same_inputs(float_model, quant_model, a, b)
+    check_same_inputs(Named(float_model, a), Named(quant_model, b))
     samples, defaulted = model_samples(
         float_model, [inputs] if inputs else None, parse_shapes(shape), seed, TRACE_SYMBOLIC_DIM_SIZE
     )

@@ -509,7 +509,7 @@ def measure(
     output SQNR each operator and tensor of the candidate costs, and with ``target_sqnr``
     what to exclude."""
     float_model, quant_model, a, b = reference.model, candidate.model, reference.path, candidate.path
-    pairs = output_pairs(float_model, quant_model, a, b)
+    pairs = output_pairs(Named(float_model, a), Named(quant_model, b))
     output_names = [q for _, q in pairs]
 
     float_outputs = model_outputs(float_model, samples, a, [f for f, _ in pairs])

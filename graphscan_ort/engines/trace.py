@@ -36,6 +36,7 @@ from graphscan_ort.shared.graph import (
     quant_range,
 )
 from graphscan_ort.shared.metrics import output_pairs
+from graphscan_ort.shared.options import Named
 
 TRACE_TOLERANCE = 1e-2  # --tolerance's default: the isolated error first_over names
 
@@ -426,7 +427,7 @@ def compare(
 ) -> TraceMeasures:
     """trace's rows for two models in memory (``a`` and ``b`` name them in failures) on
     one sample: every operator of ``quant_model`` against ``float_model``'s tensors."""
-    pairs = output_pairs(float_model, quant_model, a, b)
+    pairs = output_pairs(Named(float_model, a), Named(quant_model, b))
     float_types, quant_types = inferred_types(float_model, feeds), inferred_types(quant_model, feeds)
     quant_index = GraphIndex(quant_model.graph)
     matcher = ReferenceMatcher(float_model.graph, float_types)

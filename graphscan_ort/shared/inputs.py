@@ -24,6 +24,7 @@ from graphscan import (
     shown,
     value_inputs,
 )
+from graphscan_ort.shared.options import Named
 
 if TYPE_CHECKING:
     import zipfile
@@ -260,9 +261,10 @@ def model_samples(
     return [feeds], defaulted
 
 
-def check_same_inputs(float_model: onnx.ModelProto, quant_model: onnx.ModelProto, a: str, b: str) -> None:
+def check_same_inputs(reference: Named, candidate: Named) -> None:
     """Exit 7 unless both models declare the same inputs (names, types, fixed dims)."""
-    specs = [{s.name: s for s in input_specs(m)} for m in (float_model, quant_model)]
+    specs = [{s.name: s for s in input_specs(m.model)} for m in (reference, candidate)]
+    a, b = reference.path, candidate.path
     if sorted(specs[0]) != sorted(specs[1]):
         raise GraphscanError(
             f"{shown(a)} and {shown(b)}: the models' inputs differ "

@@ -23,18 +23,19 @@ from graphscan_ort.shared.parts import TensorParts
 from graphscan_ort.shared.sessions import model_outputs, run_model
 
 
-def output_pairs(float_model: onnx.ModelProto, quant_model: onnx.ModelProto, a: str, b: str) -> list[tuple[str, str]]:
+def output_pairs(reference: Named, candidate: Named) -> list[tuple[str, str]]:
     """``[(float output, quantized output)]`` in the float model's order: by name
     when every float output has a quantized output of that name, else by
     position; exit 7 when neither fits. The one pairing of trace, impact and check."""
-    first = [o.name for o in float_model.graph.output]
-    second = [o.name for o in quant_model.graph.output]
+    first = [o.name for o in reference.model.graph.output]
+    second = [o.name for o in candidate.model.graph.output]
     if set(first) <= set(second):
         return [(name, name) for name in first]
     if len(first) == len(second):
         return list(zip(first, second, strict=True))
     raise GraphscanError(
-        f"{shown(a)} and {shown(b)}: the models' outputs differ ({', '.join(first)} vs {', '.join(second)})",
+        f"{shown(reference.path)} and {shown(candidate.path)}: the models' outputs differ "
+        f"({', '.join(first)} vs {', '.join(second)})",
         EXIT_INPUTS,
     )
 

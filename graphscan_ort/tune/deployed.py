@@ -71,7 +71,7 @@ def measure_candidate(
     as written) against ``reference`` (the float model as read); ``references`` keeps
     the float model's outputs from one candidate to the next; ``latency``: the samples
     timed (default: the first of ``samples``); no ``metric``: ``metric_value`` is the SQNR."""
-    pairs = output_pairs(reference.model, candidate.model, reference.path, candidate.path)
+    pairs = output_pairs(reference, candidate)
     options = session_options(session.level, session.threads)
     outputs = paired_outputs(reference, candidate, samples, pairs, options, references)
     figures = outputs.figures()

@@ -12,6 +12,7 @@ from onnx import TensorProto, helper
 
 import graphscan
 from graphscan_ort.shared import inputs
+from graphscan_ort.shared.options import Named
 
 
 def spec(name, dims, elem_type=TensorProto.FLOAT):
@@ -95,10 +96,10 @@ def test_a_symbolic_dimension_agrees_with_any_size_and_fixed_ones_must_be_equal(
     """A float model exported with a dynamic batch and its quantized copy fixed at batch 1
     take the same samples; batch 1 and batch 2, or another rank, do not."""
     dynamic, one, two = (model_with_inputs({"x": [batch, 4]}) for batch in ("N", 1, 2))
-    inputs.check_same_inputs(dynamic, one, "f.onnx", "q.onnx")
-    inputs.check_same_inputs(one, dynamic, "f.onnx", "q.onnx")
+    inputs.check_same_inputs(Named(dynamic, "f.onnx"), Named(one, "q.onnx"))
+    inputs.check_same_inputs(Named(one, "f.onnx"), Named(dynamic, "q.onnx"))
     for a, b in ((one, two), (dynamic, model_with_inputs({"x": ["N", 4, 1]}))):
-        code = exit_code_of(lambda a=a, b=b: inputs.check_same_inputs(a, b, "f.onnx", "q.onnx"))
+        code = exit_code_of(lambda a=a, b=b: inputs.check_same_inputs(Named(a, "f.onnx"), Named(b, "q.onnx")))
         assert code == graphscan.EXIT_INPUTS
 
 

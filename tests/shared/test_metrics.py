@@ -36,7 +36,7 @@ def two_outputs(shift: float, reversed_outputs: bool) -> onnx.ModelProto:
 
 
 def paired(float_model, quant_model, kept=None):
-    pairs = metrics.output_pairs(float_model, quant_model, "f.onnx", "q.onnx")
+    pairs = metrics.output_pairs(Named(float_model, "f.onnx"), Named(quant_model, "q.onnx"))
     options = sessions.deployed_options()
     reference, candidate = Named(float_model, "f.onnx"), Named(quant_model, "q.onnx")
     return metrics.paired_outputs(reference, candidate, SAMPLES, pairs, options, kept)

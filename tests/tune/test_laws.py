@@ -176,7 +176,7 @@ def test_output_pairs_pair_by_name_and_refuse_nothing_extra():
     q = one_node_model("Identity", [1, 4])
     q.graph.node.append(helper.make_node("Identity", ["x"], ["extra"]))
     q.graph.output.append(helper.make_tensor_value_info("extra", TensorProto.FLOAT, [1, 4]))
-    assert metrics.output_pairs(f, q, "f.onnx", "q.onnx") == [("y", "y")]
+    assert metrics.output_pairs(Named(f, "f.onnx"), Named(q, "q.onnx")) == [("y", "y")]
     noise = metrics.OutputNoise([[np.zeros((1, 4), np.float32)]])
     with pytest.raises(Exception, match=r"\[4, 1\]"):
         noise.measure([[np.zeros((4, 1), np.float32)]])
