@@ -55,7 +55,12 @@ def test_native_is_the_answer_without_cpu_byte_for_byte(capsys):
     ]
 
 
-@pytest.mark.parametrize("budget", MEASURED)
+# every command line that runs a model on a target: check's budgets, and trace
+ON_A_TARGET = [pytest.param(["check", QUANT, *p.values[0]], id=f"check-{p.id}") for p in MEASURED]
+ON_A_TARGET += [pytest.param(["trace", FLOAT, QUANT], id="trace")]
+
+
+@pytest.mark.parametrize("argv", ON_A_TARGET)
 @pytest.mark.parametrize(
     ("target", "tools", "what"),
     [
@@ -63,13 +68,13 @@ def test_native_is_the_answer_without_cpu_byte_for_byte(capsys):
         pytest.param("x86-avx2", [], "qemu-x86_64 is not installed", id="x86-avx2-without-qemu"),
     ],
 )
-def test_a_missing_target_names_the_install_command(capsys, monkeypatch, tmp_path, budget, target, tools, what):
+def test_a_missing_target_names_the_install_command(capsys, monkeypatch, tmp_path, argv, target, tools, what):
     monkeypatch.setenv("GRAPHSCAN_TARGETS", str(tmp_path / "none"))
     folder = empty_bin(tmp_path)
     fake_tools(folder, *tools)
     monkeypatch.setenv("PATH", str(folder))
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    line = main_error_line(capsys, ["check", QUANT, *budget, "--cpu", target], graphscan.EXIT_USAGE)
+    line = main_error_line(capsys, [*argv, "--cpu", target], graphscan.EXIT_USAGE)
     assert re.fullmatch(rf"graphscan: usage: CPU target {target}: {what}.*\(install it: {INSTALL}\)", line), line
 
 
@@ -109,23 +114,6 @@ def test_checks_help_names_every_target():
 
 
 # -- trace --cpu: the target's rows, and where its kernels compute other numbers
-
-
-@pytest.mark.parametrize(
-    ("target", "tools", "what"),
-    [
-        pytest.param("arm64", ["qemu-aarch64"], "the arm64 Python is not installed", id="arm64-not-installed"),
-        pytest.param("x86-avx2", [], "qemu-x86_64 is not installed", id="x86-avx2-without-qemu"),
-    ],
-)
-def test_trace_on_a_missing_target_names_the_install_command(capsys, monkeypatch, tmp_path, target, tools, what):
-    monkeypatch.setenv("GRAPHSCAN_TARGETS", str(tmp_path / "none"))
-    folder = empty_bin(tmp_path)
-    fake_tools(folder, *tools)
-    monkeypatch.setenv("PATH", str(folder))
-    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    line = main_error_line(capsys, ["trace", FLOAT, QUANT, "--cpu", target], graphscan.EXIT_USAGE)
-    assert re.fullmatch(rf"graphscan: usage: CPU target {target}: {what}.*\(install it: {INSTALL}\)", line), line
 
 
 def test_trace_native_is_the_answer_without_cpu(capsys):
