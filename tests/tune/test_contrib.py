@@ -8,7 +8,6 @@ import collections
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -17,6 +16,7 @@ import graphscan_ort.tune.command as tune
 import graphscan_ort.tune.prepare as prepare
 import graphscan_ort.tune.stages as stages
 from graphscan_ort.tune.candidates import candidate_settings, keyword_arguments, quiet
+from tests.tune.test_dynamic import numpy_sqnr, outputs
 
 LAYERS, HIDDEN, HEADS, FFN, SEQUENCE = 2, 32, 2, 64, 8
 # Per layer, the MatMuls whose weight is an initializer: q, k, v, the attention output, the two
@@ -106,18 +106,6 @@ def samples(folder, count, seed):
 
 def loaded(files):
     return [dict(np.load(f)) for f in files]
-
-
-def outputs(path, files):
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    return [session.run(None, dict(np.load(f)))[0].astype(np.float64) for f in files]
-
-
-def numpy_sqnr(reference, quantized):
-    """10·log10(Σ f² / Σ (f - q)²) over every sample: one output, one part."""
-    signal = sum(float(np.sum(f**2)) for f in reference)
-    noise = sum(float(np.sum((f - q) ** 2)) for f, q in zip(reference, quantized, strict=True))
-    return 10 * np.log10(signal / noise)
 
 
 def onnxruntimes_static_defaults():
