@@ -116,23 +116,40 @@ def known_cause(model: onnx.ModelProto, target: str) -> tuple[str | None, str | 
     return None, None
 
 
+def value_differs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Where ``a`` and ``b`` differ, a NaN in both at the same place being no difference (a
+    kernel that gives NaN on both CPUs computes the same thing)."""
+    return (a != b) & ~(np.isnan(a) & np.isnan(b))
+
+
+def finite_gap(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """``|a - b|`` where both values are finite (None where no such pair differs: a NaN or an
+    infinity against a number has no size in LSB)."""
+    both = np.isfinite(a) & np.isfinite(b)
+    gap = np.abs(a[both] - b[both])
+    return gap if gap.size and gap.max() > 0 else None
+
+
 def differences(folder: str, native: str, there: str, target: str, op_types: dict[str, str]) -> list[dict[str, Any]]:
     """The operators whose single-op output differs between this machine (``native`` .npz of
     saved_outputs) and ``target`` (``there``), in trace's row order: ``{"node", "op_type",
     "values", "differing", "max_abs", "max_lsb", "cause", "remedy"}`` (``max_lsb`` null where
-    the output is not quantized); ``op_types``: each node's, from trace's rows."""
+    the output is not quantized, both null where only NaN or infinities differ); ``op_types``:
+    each node's, from trace's rows."""
     with open(os.path.join(folder, "index.json"), encoding="utf-8") as f:
         stems = json.load(f)
     rows = []
     with np.load(native) as here, np.load(there) as away:
         for node, stem in stems.items():
             a, b = here[stem].astype(np.float64), away[stem].astype(np.float64)
-            apart = a != b
-            if a.shape != b.shape or not apart.any():
+            if a.shape != b.shape:
+                continue
+            apart = value_differs(a, b)
+            if not apart.any():
                 continue
             model = onnx.load(os.path.join(folder, stem + ".onnx"))
             scale = output_scale(model)
-            gap = np.abs(a - b)
+            gap = finite_gap(a, b)
             cause, remedy = known_cause(model, target)
             rows.append(
                 {
@@ -140,8 +157,8 @@ def differences(folder: str, native: str, there: str, target: str, op_types: dic
                     "op_type": op_types[node],
                     "values": int(a.size),
                     "differing": int(apart.sum()),
-                    "max_abs": float(gap.max()),
-                    "max_lsb": None if scale is None else float(np.round((gap / scale).max(), 6)),
+                    "max_abs": None if gap is None else float(gap.max()),
+                    "max_lsb": None if scale is None or gap is None else float(np.round((gap / scale).max(), 6)),
                     "cause": cause,
                     "remedy": remedy,
                 }

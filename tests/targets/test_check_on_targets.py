@@ -194,6 +194,30 @@ def test_the_known_cause_is_eight_bit_activations_times_int8_weights_on_x86_avx2
     assert (cause, remedy) == ((kernel_numbers.U8S8_CAUSE, kernel_numbers.U8S8_REMEDY) if known else (None, None))
 
 
+@pytest.mark.parametrize(
+    ("native_value", "target_value", "differing"),
+    [
+        pytest.param(np.nan, np.nan, 0, id="nan-on-both-is-no-difference"),
+        pytest.param(1.0, np.nan, 1, id="nan-on-the-target-differs"),
+        pytest.param(np.inf, 1.0, 1, id="infinity-against-a-number-differs"),
+    ],
+)
+def test_a_nan_in_both_is_no_difference_and_a_lone_nan_has_no_size(tmp_path, native_value, target_value, differing):
+    """One value set on each side: a NaN in both is the same number; a NaN or an infinity
+    against a number differs, and the row's sizes (max_abs, max_lsb) are null, never NaN."""
+    *_, folder, native = native_trace_folder(tmp_path)
+    stem = json.loads((folder / "index.json").read_text())["conv"]
+    with np.load(native) as saved:
+        here = {name: saved[name].copy() for name in saved.files}
+    there = {name: value.copy() for name, value in here.items()}
+    here[stem].reshape(-1)[3], there[stem].reshape(-1)[3] = native_value, target_value
+    np.savez(native, **here)
+    np.savez(tmp_path / "there.npz", **there)
+    rows = kernel_numbers.differences(str(folder), str(native), str(tmp_path / "there.npz"), "arm64", {"conv": "Conv"})
+    assert [r["differing"] for r in rows] == ([differing] if differing else [])
+    assert all(r["max_abs"] is None and r["max_lsb"] is None for r in rows)
+
+
 def test_equal_outputs_are_no_difference(tmp_path):
     *_, folder, native = native_trace_folder(tmp_path)
     assert kernel_numbers.differences(str(folder), str(native), str(native), "x86-avx2", {"conv": "Conv"}) == []
