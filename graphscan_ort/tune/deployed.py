@@ -68,24 +68,24 @@ def measure_candidate(
     samples: list[dict],
     session: Session = DEPLOYED,
     timing: Timing = TIMED,
-    references: dict[tuple[str, ...], FloatOutputs] | None = None,
+    references: dict[tuple[str, ...], FloatOutputs] | OnTarget | None = None,
     metric: Metric | None = None,
     latency: list[dict] | None = None,
-    on: OnTarget | None = None,
 ) -> dict:
     """``{"sqnr_db", "metric_value", "int8_fraction", "int8_kernels", "wrapped_but_float", "ms",
     "float_ms", "speedup", "speedup_spread", "bytes"}`` of ``candidate`` (the quantized model
-    as written) against ``reference`` (the float model as read); ``references`` keeps
-    the float model's outputs from one candidate to the next; ``latency``: the samples
-    timed (default: the first of ``samples``); no ``metric``: ``metric_value`` is the SQNR;
-    ``on``: the CPU target whose outputs and kernels are measured (None: this process's)."""
+    as written) against ``reference`` (the float model as read); ``references``: where the
+    float model's outputs are kept from one candidate to the next, a dict (run in this
+    process) or an ``OnTarget`` (run on that CPU target, whose outputs and kernels the
+    candidate's then are too); ``latency``: the samples timed (default: the first of
+    ``samples``); no ``metric``: ``metric_value`` is the SQNR."""
     pairs = output_pairs(reference, candidate)
-    if on is None:
+    if isinstance(references, OnTarget):
+        outputs, kernels = references.measure(reference, candidate, pairs)
+    else:
         options = session_options(session.level, session.threads)
         outputs = paired_outputs(reference, candidate, samples, pairs, options, references)
         kernels = kernel_counts(candidate.model, candidate.path, session.level)
-    else:
-        outputs, kernels = on.measure(reference, candidate, pairs)
     figures = outputs.figures()
     sqnr = math.inf if figures.exact else figures.worst_db  # equal to float's: infinitely accurate, never the worst
     value, events = (sqnr, None) if metric is None or metric.name == "sqnr" else paired_events(outputs, metric)
@@ -187,18 +187,12 @@ class OnTarget:
 
 
 def saved_model_outputs(
-    model: onnx.ModelProto,
-    path: str,
-    names: list[str],
-    level: str,
-    threads: int,
-    samples_file: str,
-    sample_names: list[list[str]],
-    answer: str,
-    prefix: str,
+    model: onnx.ModelProto, path: str, names: list[str], run: list, answer: str, prefix: str
 ) -> None:
-    """``names`` of ``model`` on the saved samples in a session as measure_candidate opens it,
+    """``names`` of ``model`` on the saved samples in a session as measure_candidate opens it
+    (``run``: ``OnTarget.arguments``, level, threads, the samples' file and input names),
     saved to ``answer`` (.npz) under ``prefix``."""
+    level, threads, samples_file, sample_names = run
     samples = load_samples(samples_file, sample_names)
     outputs = model_outputs(model, samples, path, names, session_options(level, threads))
     np.savez(answer, **keyed_outputs(prefix, outputs))
@@ -208,7 +202,8 @@ def float_on_target(
     path: str, names: list[str], level: str, threads: int, samples_file: str, sample_names: list[list[str]], answer: str
 ) -> None:
     """Inside a CPU target: the float model's outputs ``names`` on the saved samples."""
-    saved_model_outputs(load_with_weights(path), path, names, level, threads, samples_file, sample_names, answer, "f")
+    run = [level, threads, samples_file, sample_names]
+    saved_model_outputs(load_with_weights(path), path, names, run, answer, "f")
 
 
 def candidate_on_target(
@@ -217,5 +212,5 @@ def candidate_on_target(
     """Inside a CPU target: a candidate's outputs ``names`` on the saved samples (saved to
     ``answer``) and ``kernel_counts`` of the session that target optimizes it into."""
     model = load_with_weights(path)
-    saved_model_outputs(model, path, names, level, threads, samples_file, sample_names, answer, "q")
+    saved_model_outputs(model, path, names, [level, threads, samples_file, sample_names], answer, "q")
     return kernel_counts(model, path, level)

@@ -77,10 +77,9 @@ class Measure:
             self.evaluation,
             self.session,
             self.timing,
-            self.references,
+            self.references if self.on is None else self.on,
             self.metric,
             self.latency,
-            self.on,
         )
         row["float_weights"] = len(float_weight_nodes(candidate, excluded))
         row["fails"] = failed_guards(row, self.float_bytes, self.min_speedup)

@@ -129,7 +129,7 @@ def test_on_a_target_the_float_model_runs_once_and_each_candidate_once_with_the_
     on = deployed.OnTarget(target, str(tmp_path), samples, Session())
     for candidate in candidates(tmp_path):
         natively = deployed.measure_candidate(reference, candidate, samples, Session(), Timing(1))
-        there = deployed.measure_candidate(reference, candidate, samples, Session(), Timing(1), on=on)
+        there = deployed.measure_candidate(reference, candidate, samples, Session(), Timing(1), on)
         assert there == natively
     assert [c.rsplit(":", 1)[1] for c in calls] == ["float_on_target", "candidate_on_target", "candidate_on_target"]
     assert target.facts is not None and target.facts["name"] == "native"
