@@ -24,9 +24,10 @@ from graphscan_ort.shared.agreement import Metric, metric, paired_value
 from graphscan_ort.shared.inputs import check_same_inputs, model_samples, parse_shapes
 from graphscan_ort.shared.kernels import int8_fraction
 from graphscan_ort.shared.metrics import FloatOutputs, PairedOutputs, output_layout, output_pairs, paired_outputs
+from graphscan_ort.shared.on_target import Target, keyed_outputs, load_samples, read_outputs, save_samples
 from graphscan_ort.shared.options import Named
 from graphscan_ort.shared.sessions import CPU, deployed_options, inputs_hint, model_outputs
-from graphscan_ort.shared.targets import NATIVE, TARGETS, Facts, require, run
+from graphscan_ort.shared.targets import NATIVE, TARGETS, Facts, require
 
 
 def measurements(
@@ -69,24 +70,6 @@ def measurements(
     if agreement is not None:
         described["min_metric"] = {"metric": agreement.describe()}
     return values, described, target.facts
-
-
-class Target:
-    """The CPU the budgets run on: natively in this process, else its interpreter through
-    ``targets.run``, keeping the facts it reports."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.facts: Facts | None = None
-
-    @property
-    def native(self) -> bool:
-        return self.name == NATIVE
-
-    def run(self, function: str, args: list[Any]) -> Any:
-        reply = run(self.name, function, args)
-        self.facts = reply["cpu"]
-        return reply["result"]
 
 
 def float_measurements(
@@ -179,21 +162,6 @@ def measured_sqnr(outputs: PairedOutputs) -> float:
 # -- on a CPU target: the sessions run in its interpreter, the arrays come back in files
 
 
-def save_samples(folder: str, samples: list[dict]) -> tuple[str, list[list[str]]]:
-    """``samples`` in an .npz in ``folder`` (keys by position: input names need not be file
-    names) and each sample's input names."""
-    file = os.path.join(folder, "samples.npz")
-    np.savez(
-        file, **{f"s{i}_{j}": value for i, sample in enumerate(samples) for j, value in enumerate(sample.values())}
-    )
-    return file, [list(sample) for sample in samples]
-
-
-def load_samples(file: str, names: list[list[str]]) -> list[dict]:
-    with np.load(file) as saved:
-        return [{name: saved[f"s{i}_{j}"] for j, name in enumerate(sample)} for i, sample in enumerate(names)]
-
-
 def target_outputs(
     float_path: str,
     quant_path: str,
@@ -211,8 +179,7 @@ def target_outputs(
     options = deployed_options(level)
     saved = {}
     for prefix, path, wanted in (("f", float_path, float_names), ("q", quant_path, quant_names)):
-        outputs = model_outputs(load_with_weights(path), samples, path, wanted, options)
-        saved.update({f"{prefix}{i}_{j}": value for i, row in enumerate(outputs) for j, value in enumerate(row)})
+        saved.update(keyed_outputs(prefix, model_outputs(load_with_weights(path), samples, path, wanted, options)))
     np.savez(answer, **saved)
     return len(samples)
 
@@ -232,8 +199,7 @@ def outputs_on_target(
         with inputs_hint(runs.generated, 1, [float_path, quant_path]):
             count = target.run(f"{__name__}:target_outputs", arguments)
         with np.load(answer) as saved:
-            float_rows = [[saved[f"f{i}_{j}"] for j in range(len(pairs))] for i in range(count)]
-            quant_rows = [[saved[f"q{i}_{j}"] for j in range(len(pairs))] for i in range(count)]
+            float_rows, quant_rows = (read_outputs(saved, prefix, count, len(pairs)) for prefix in "fq")
     layout = output_layout(reference.model, float_names, runs.samples)
     return PairedOutputs(FloatOutputs(float_rows, tuple(float_names), layout), quant_rows)
 

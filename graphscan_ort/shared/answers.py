@@ -294,7 +294,8 @@ class Target(TypedDict):
 class Latency(TypedDict):
     inputs: dict[str, Any]  # the shapes timed
     samples: int
-    min_speedup: float
+    min_speedup: float | None  # None: no slower guard (an emulated --cpu without --min-speedup)
+    cpu: NotRequired[CpuFacts]  # with --cpu other than native only: the CPU the speed was timed on, this one
 
 
 TuneChoice = TypedDict(  # noqa: UP013 (a class body's "float" key would shadow the builtin below it)
@@ -318,6 +319,7 @@ TuneChoice = TypedDict(  # noqa: UP013 (a class body's "float" key would shadow 
 class TuneAnswer(TuneChoice):
     model: str
     environment: Environment
+    cpu: NotRequired[CpuFacts]  # with --cpu other than native only: the CPU of the accuracy and kernels
     calibration: Calibration
     evaluation: Evaluation
     output: str

@@ -20,7 +20,8 @@ the second time::
 
 Then ``run(target, "graphscan_ort.commands.runtime:function", args)`` calls a function
 of graphscan inside the target's interpreter (arguments and its JSON answer go through
-files) and returns ``{"cpu": {name, onnxruntime, machine}, "result": ...}``.
+files) and returns ``{"cpu": {name, onnxruntime, machine}, "result": ...}``; a ``Worker``
+keeps one interpreter for many such calls (an emulated one takes seconds to start).
 """
 
 from __future__ import annotations
@@ -40,7 +41,19 @@ from typing import Any, TypedDict
 
 from graphscan import EXIT_INTERNAL, EXIT_RUNTIME, EXIT_USAGE, GraphscanError, one_line, report, shown
 
-__all__ = ["INSTALL_COMMAND", "NATIVE", "TARGETS", "Facts", "installed", "missing", "require", "root", "run", "status"]
+__all__ = [
+    "INSTALL_COMMAND",
+    "NATIVE",
+    "TARGETS",
+    "Facts",
+    "Worker",
+    "installed",
+    "missing",
+    "require",
+    "root",
+    "run",
+    "status",
+]
 
 NATIVE = "native"
 X86_AVX2 = "x86-avx2"
@@ -206,24 +219,105 @@ def run(target: str, function: str, args: list[Any] | None = None, kwargs: dict[
             with open(answer, encoding="utf-8") as f:
                 reply = json.load(f)
         except (OSError, ValueError):
-            raise GraphscanError(f"CPU target {target}: {stopped(done)}", EXIT_RUNTIME) from None
+            why = stopped(done.returncode, done.stderr)
+            raise GraphscanError(f"CPU target {target}: {why}", EXIT_RUNTIME) from None
+    return answered(target, reply)
+
+
+def answered(target: str, reply: dict) -> dict:
+    """A target's reply to one call: its error raised here with its exit code, else the reply."""
     if "error" in reply:
         raise GraphscanError(reply["error"], reply["exit_code"])
     reply["cpu"]["name"] = target
     return reply
 
 
-def stopped(done: subprocess.CompletedProcess) -> str:
+def stopped(returncode: int, stderr: str) -> str:
     """How a target's interpreter ended without an answer: its signal or exit code, its last words."""
-    if done.returncode < 0:
+    if returncode < 0:
         try:
-            how = f"killed by {signal.Signals(-done.returncode).name}"
+            how = f"killed by {signal.Signals(-returncode).name}"
         except ValueError:
-            how = f"killed by signal {-done.returncode}"
+            how = f"killed by signal {-returncode}"
     else:
-        how = f"stopped (exit {done.returncode})"
-    last = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+        how = f"stopped (exit {returncode})"
+    last = [line.strip() for line in stderr.splitlines() if line.strip()]
     return f"its interpreter was {how} without an answer" + (f": {last[-1]}" if last else "")
+
+
+class Worker:
+    """One interpreter of ``target`` kept for many ``run`` calls, started at the first: under
+    emulation, starting Python and importing onnxruntime costs seconds for each call (see
+    docs/PERFORMANCE.md), the calls themselves often less. Requests go as ``run``'s do,
+    through files; a line on the interpreter's stdin asks, a line on its stdout answers.
+    ``close`` (or leaving the ``with`` block) ends it."""
+
+    def __init__(self, target: str) -> None:
+        require(target)
+        self.target = target
+        self.process: subprocess.Popen[str] | None = None
+        self.folder: str | None = None
+        self.calls = 0
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, function: str, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None) -> dict:
+        """``run(target, function, args, kwargs)`` in this worker's interpreter."""
+        if self.target == NATIVE:
+            return run(self.target, function, args, kwargs)
+        process, folder = self.started()
+        self.calls += 1
+        request = os.path.join(folder, f"request-{self.calls}.json")
+        answer = os.path.join(folder, f"answer-{self.calls}.json")
+        with open(request, "w", encoding="utf-8") as f:
+            json.dump({"function": function, "args": list(args or []), "kwargs": dict(kwargs or {})}, f)
+        assert process.stdin is not None and process.stdout is not None
+        try:
+            process.stdin.write(json.dumps([request, answer]) + "\n")
+            process.stdin.flush()
+            done = process.stdout.readline()
+        except OSError:  # a broken pipe: the interpreter has ended
+            done = ""
+        try:
+            with open(answer, encoding="utf-8") as f:
+                reply = json.load(f)
+        except (OSError, ValueError):
+            reply = None
+        if not done or reply is None:
+            if done:  # an answer line without an answer file: not a worker to trust again
+                process.kill()
+            self.process = None
+            returncode = ended(process)
+            with open(os.path.join(folder, "stderr"), encoding="utf-8", errors="replace") as f:
+                last = f.read()
+            raise GraphscanError(f"CPU target {self.target}: {stopped(returncode, last)}", EXIT_RUNTIME)
+        for file in (request, answer):
+            os.remove(file)
+        return answered(self.target, reply)
+
+    def started(self) -> tuple[subprocess.Popen[str], str]:
+        if self.folder is None:
+            self.folder = tempfile.mkdtemp(prefix="graphscan-target-")
+        if self.process is None:
+            line, env = command(self.target, ["-m", __name__, "serve"])
+            with open(os.path.join(self.folder, "stderr"), "w", encoding="utf-8") as stderr:
+                self.process = subprocess.Popen(
+                    line, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True
+                )
+        return self.process, self.folder
+
+    def close(self) -> None:
+        """End the interpreter (its stdin closed, then killed if it lingers) and remove its files."""
+        process, self.process = self.process, None
+        if process is not None:
+            ended(process)
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
 
 
 def resolve(function: str) -> Any:
@@ -374,12 +468,47 @@ def install() -> dict[str, Any]:
     return status()
 
 
+def ended(process: subprocess.Popen[str]) -> int:
+    """A worker's interpreter ended: its stdin closed (it stops at the end of its input),
+    killed if it lingers, its pipes closed; its exit code."""
+    try:
+        assert process.stdin is not None
+        process.stdin.close()
+    except OSError:  # a broken pipe: it has ended already
+        pass
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    if process.stdout is not None:
+        process.stdout.close()
+    return process.returncode
+
+
+def serve() -> None:
+    """Inside a target, for a ``Worker``: each line on stdin, ``[REQUEST, ANSWER]``, is one
+    ``call``; an empty line on stdout says its answer is written. Whatever else writes to
+    stdout (onnxruntime, a user's metric) goes to stderr: stdout is the worker's alone."""
+    channel = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        request, answer = json.loads(line)
+        call(request, answer)
+        channel.write("\n")
+        channel.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``install``, ``status`` (JSON on stdout) or ``call REQUEST ANSWER`` (inside a target)."""
+    """``install``, ``status`` (JSON on stdout), ``call REQUEST ANSWER`` or ``serve`` (inside a target)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if argv[:1] == ["call"] and len(argv) == 3:
             call(argv[1], argv[2])
+            return 0
+        if argv == ["serve"]:
+            serve()
             return 0
         if argv not in (["install"], ["status"]):
             raise GraphscanError(f"usage: {INSTALL_COMMAND} | python -m {__name__} status", EXIT_USAGE)

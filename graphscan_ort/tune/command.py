@@ -19,6 +19,9 @@
    calibration), its exclusions made real (fallback.py) and measured as
    deployed, and an addition is kept only if it helps, until the target,
    --max-trials (default 8) or --max-exclude nodes.
+   With ``--cpu`` another CPU target, each candidate's accuracy and kernels are that
+   CPU's (deployed.OnTarget, one interpreter for the run); its speed is still timed
+   here, and labelled so.
 6. Write model.onnx and prepared.onnx into --out: built in a temporary folder
    beside it and renamed into place, so --out is absent or complete. Target not
    met: the most accurate candidate that passes the guards is written (exit 8);
@@ -28,6 +31,7 @@
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import tempfile
 
@@ -61,6 +65,7 @@ from graphscan_ort.shared.answers import TuneAnswer
 from graphscan_ort.shared.files import check_out, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
 from graphscan_ort.shared.metrics import named_outputs
+from graphscan_ort.shared.on_target import Target
 from graphscan_ort.shared.options import (
     MAX_RUNS,
     MAX_THREADS,
@@ -71,7 +76,9 @@ from graphscan_ort.shared.options import (
 )
 from graphscan_ort.shared.parts import TensorParts
 from graphscan_ort.shared.sessions import environment, sample_outputs
+from graphscan_ort.shared.targets import NATIVE, TARGETS, Worker, native_facts, require
 from graphscan_ort.tune.candidates import METHODS
+from graphscan_ort.tune.deployed import OnTarget
 from graphscan_ort.tune.goal import Goal, metric_of
 from graphscan_ort.tune.progress import Progress
 from graphscan_ort.tune.seeds import user_seeds
@@ -94,13 +101,15 @@ def tune(
     threshold: float | None = None,
     blank: int | None = None,
     target: float | None = None,
-    min_speedup: float = 1.0,
+    min_speedup: float | None = None,
     latency_inputs: list[str] | None = None,
     max_trials: int | None = None,
     exclude: list[str] | None = None,
     keep_outputs_float: bool = False,
+    cpu: str = NATIVE,
 ) -> TuneAnswer:
-    """Quantize ``path`` every way candidates.py knows, measure each as deployed, write the best into ``out``."""
+    """Quantize ``path`` every way candidates.py knows, measure each as deployed (its accuracy
+    and kernels on ``cpu``), write the best into ``out``."""
     if not calibrate:
         raise GraphscanError("usage: tune needs --calibrate FILE.npz (one sample per file, repeatable)", EXIT_USAGE)
     if out is None:
@@ -108,8 +117,14 @@ def tune(
     timing, session = Timing(runs), Session(level, threads)  # each group checks its own ranges
     chosen_metric = metric_of(MetricChoice(metric, threshold, blank), target, target_sqnr)
     target = target_sqnr if target is None else target
-    if not (isinstance(min_speedup, (int, float)) and math.isfinite(min_speedup) and min_speedup >= 0):
+    if min_speedup is not None and not (
+        isinstance(min_speedup, (int, float)) and math.isfinite(min_speedup) and min_speedup >= 0
+    ):
         raise GraphscanError(f"usage: --min-speedup must be a finite number >= 0, not {min_speedup!r}", EXIT_USAGE)
+    if cpu not in TARGETS:
+        raise GraphscanError(f"usage: --cpu must be one of {', '.join(TARGETS)}", EXIT_USAGE)
+    require(cpu)  # a missing target is one line naming the install command, before any work
+    speedup_floor = speedup_guard(min_speedup, cpu)
     calibrate, inputs = sample_files(calibrate), sample_files(inputs) if inputs else None
     latency_files = sample_files(latency_inputs) if latency_inputs else None
     parent = check_out(out)
@@ -134,10 +149,14 @@ def tune(
     except OSError as exc:
         raise GraphscanError(f"{shown(out)}: cannot write ({exc.strerror or exc})", EXIT_NO_FILE)
     progress = Progress()
+    worker = None if cpu == NATIVE else Worker(cpu)
     try:
-        measure = Measure(Named(model, path), evaluation, session, timing, chosen_metric, latency, float(min_speedup))
+        on = None if worker is None else on_target(Target(cpu, worker), work, evaluation, session)
+        measure = Measure(Named(model, path), evaluation, session, timing, chosen_metric, latency, speedup_floor, on)
         goal = Goal(chosen_metric, target, own)
         answer = tune_in(calibration, work, goal, measure, (max_exclude, max_trials), progress, seeds)
+        if on is not None:
+            answer["warnings"] += speed_warnings(cpu, min_speedup)
         place(work, out)
     except Exception as exc:
         if isinstance(exc, GraphscanError) or not write_failure(exc):
@@ -146,14 +165,22 @@ def tune(
         raise GraphscanError(f"--out {shown(out)}: cannot write ({why})", EXIT_NO_FILE) from None
     finally:
         progress.close()
+        if worker is not None:
+            worker.close()
         shutil.rmtree(work, ignore_errors=True)  # also on Ctrl-C: nothing half-written
     if not inputs:
         answer["warnings"].insert(
             0, "the evaluation samples are the calibration samples: give held-out --inputs to measure accuracy"
         )
+    facts: dict = {}
+    if on is not None:  # the CPU the accuracy and kernels are from; the speed's, this one
+        assert on.target.facts is not None, "every candidate measured ran on the target"
+        facts["cpu"] = on.target.facts
+        answer["latency"]["cpu"] = native_facts()
     return {
         "model": path,
         "environment": environment(level, threads=threads),
+        **facts,
         "calibration": {"samples": len(calibration), "methods": METHODS},
         "evaluation": {
             "samples": len(evaluation),
@@ -165,6 +192,35 @@ def tune(
         **answer,
         "output": out,
     }
+
+
+def speedup_guard(min_speedup: float | None, cpu: str) -> float | None:
+    """The speedup a model must beat (None: no ``slower`` guard): ``--min-speedup``, else 1
+    natively and none on an emulated CPU target, whose time is no latency."""
+    if min_speedup is not None:
+        return float(min_speedup)
+    return 1.0 if cpu == NATIVE else None
+
+
+def on_target(target: Target, work: str, evaluation: list[dict[str, np.ndarray]], session: Session) -> OnTarget:
+    """The measurements on ``target``, its files in a folder of ``work`` (removed with it)."""
+    folder = os.path.join(work, "target")
+    os.mkdir(folder)
+    return OnTarget(target, folder, evaluation, session)
+
+
+def speed_warnings(cpu: str, min_speedup: float | None) -> list[str]:
+    """What a run on an emulated CPU target says of its speed figures."""
+    said = [
+        f"ms, float_ms, speedup and speedup_spread are this machine's (latency.cpu), timed natively: {cpu} runs "
+        "emulated, and an emulated CPU's time is no latency; the accuracy figures and the kernels are " + cpu + "'s"
+    ]
+    if min_speedup is None:
+        said.append(
+            f"the slower guard is off: {cpu}'s speed is not measured (give --min-speedup to guard by "
+            "this machine's speedup)"
+        )
+    return said
 
 
 def seed_rows(model: onnx.ModelProto, exclude: list[str] | None, keep_outputs_float: bool, path: str) -> list[dict]:
@@ -253,8 +309,8 @@ COMMAND = Command(
             {
                 "metavar": "X",
                 "type": finite_float,
-                "default": 1.0,
-                "help": "a model written must be faster than float by more than this (default: 1, faster; 0: any)",
+                "help": "a model written must be faster than float by more than this (default: 1, faster; 0: any; "
+                "none under an emulated --cpu)",
             },
         ),
         (
@@ -295,6 +351,16 @@ COMMAND = Command(
                 "metavar": "N",
                 "type": non_negative_int,
                 "help": f"at most N re-quantizations in the fallback search (default: {DEFAULT_MAX_TRIALS})",
+            },
+        ),
+        (
+            "--cpu",
+            {
+                "choices": list(TARGETS),
+                "default": NATIVE,
+                "help": "measure accuracy and kernels in onnxruntime built for this CPU, emulated; speed stays "
+                "this machine's (default: native; install the others: python -m graphscan_ort.shared.targets "
+                "install)",
             },
         ),
         level_option(list(RUNTIME_LEVELS), "all", "deployed optimization level (default: all)"),

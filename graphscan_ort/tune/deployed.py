@@ -15,6 +15,11 @@ level users run (default: onnxruntime's own default, all optimizations) with
   with the float model in this process; ``speedup`` is the float model's ms over the
   candidate's, and ``speedup_spread`` the quartiles of the run-by-run ratios;
 - ``bytes``: the file's size.
+
+On a CPU target (``OnTarget``), the accuracy figures and the kernels are that CPU's: the
+float model runs there once for the whole run, each candidate once more in the same
+interpreter (its outputs and runtime's classes of its optimized session in one call);
+the time is still this machine's, natively (an emulated CPU's time is no latency).
 """
 
 from __future__ import annotations
@@ -27,14 +32,15 @@ from collections import Counter
 import numpy as np
 import onnx
 
-from graphscan import EXIT_USAGE, GraphscanError, shown
+from graphscan import EXIT_USAGE, GraphscanError, load_with_weights, shown
 from graphscan_ort.engines.classify import classify, runtime_counts
 from graphscan_ort.engines.timing import interleaved_runs
 from graphscan_ort.shared.agreement import Metric, paired_events, paired_value
 from graphscan_ort.shared.kernels import int8_fraction
-from graphscan_ort.shared.metrics import FloatOutputs, PairedOutputs, output_pairs, paired_outputs
+from graphscan_ort.shared.metrics import FloatOutputs, PairedOutputs, output_layout, output_pairs, paired_outputs
+from graphscan_ort.shared.on_target import Target, keyed_outputs, load_samples, read_outputs, save_samples
 from graphscan_ort.shared.options import Named, Session, Timing
-from graphscan_ort.shared.sessions import open_session, session_options
+from graphscan_ort.shared.sessions import model_outputs, open_session, session_options
 from graphscan_ort.tune.verdict import spread
 
 
@@ -62,18 +68,24 @@ def measure_candidate(
     samples: list[dict],
     session: Session = DEPLOYED,
     timing: Timing = TIMED,
-    references: dict[tuple[str, ...], FloatOutputs] | None = None,
+    references: dict[tuple[str, ...], FloatOutputs] | OnTarget | None = None,
     metric: Metric | None = None,
     latency: list[dict] | None = None,
 ) -> dict:
     """``{"sqnr_db", "metric_value", "int8_fraction", "int8_kernels", "wrapped_but_float", "ms",
     "float_ms", "speedup", "speedup_spread", "bytes"}`` of ``candidate`` (the quantized model
-    as written) against ``reference`` (the float model as read); ``references`` keeps
-    the float model's outputs from one candidate to the next; ``latency``: the samples
-    timed (default: the first of ``samples``); no ``metric``: ``metric_value`` is the SQNR."""
+    as written) against ``reference`` (the float model as read); ``references``: where the
+    float model's outputs are kept from one candidate to the next, a dict (run in this
+    process) or an ``OnTarget`` (run on that CPU target, whose outputs and kernels the
+    candidate's then are too); ``latency``: the samples timed (default: the first of
+    ``samples``); no ``metric``: ``metric_value`` is the SQNR."""
     pairs = output_pairs(reference, candidate)
-    options = session_options(session.level, session.threads)
-    outputs = paired_outputs(reference, candidate, samples, pairs, options, references)
+    if isinstance(references, OnTarget):
+        outputs, kernels = references.measure(reference, candidate, pairs)
+    else:
+        options = session_options(session.level, session.threads)
+        outputs = paired_outputs(reference, candidate, samples, pairs, options, references)
+        kernels = kernel_counts(candidate.model, candidate.path, session.level)
     figures = outputs.figures()
     sqnr = math.inf if figures.exact else figures.worst_db  # equal to float's: infinitely accurate, never the worst
     value, events = (sqnr, None) if metric is None or metric.name == "sqnr" else paired_events(outputs, metric)
@@ -86,7 +98,7 @@ def measure_candidate(
         "metric_events": events,
         "metric_worst": worst,
         "metric_spread": spread_of,
-        **kernel_counts(candidate.model, candidate.path, session.level),
+        **kernels,
         **latency_figures(reference, candidate, latency or samples[:1], session, timing),
         "bytes": os.path.getsize(candidate.path),
     }
@@ -134,3 +146,71 @@ def quartiles(values: list[float]) -> list[float] | None:
         return None
     low, high = np.percentile(np.asarray(values, dtype=np.float64), [25, 75])
     return [float(low), float(high)]
+
+
+class OnTarget:
+    """tune's accuracy and kernels as a CPU target computes them, in one interpreter kept
+    for the run (``target``'s worker): the evaluation ``samples`` saved once into
+    ``folder``, the float model's outputs run there once and kept, then one call per
+    candidate for its outputs and its kernels (``candidate_on_target``)."""
+
+    def __init__(self, target: Target, folder: str, samples: list[dict], session: Session) -> None:
+        self.target, self.folder, self.samples, self.session = target, folder, samples, session
+        self.samples_file, self.names = save_samples(folder, samples)
+        self.floats: dict[tuple[str, ...], FloatOutputs] = {}  # the float model's outputs, by the outputs wanted
+
+    def measure(self, reference: Named, candidate: Named, pairs: list[tuple[str, str]]) -> tuple[PairedOutputs, dict]:
+        """``candidate``'s outputs paired with the float model's, both as the target computes
+        them, and ``kernel_counts`` of its optimized session there."""
+        float_names = tuple(f for f, _ in pairs)
+        if float_names not in self.floats:
+            rows = self.outputs("float_on_target", reference.path, list(float_names), "f")
+            layout = output_layout(reference.model, float_names, self.samples)
+            self.floats[float_names] = FloatOutputs(rows, float_names, layout)
+        answer = os.path.join(self.folder, "outputs.npz")
+        kernels = self.target.run(
+            f"{__name__}:candidate_on_target",
+            [candidate.path, [q for _, q in pairs], *self.arguments(), answer],
+        )
+        with np.load(answer) as saved:
+            rows = read_outputs(saved, "q", len(self.samples), len(pairs))
+        return PairedOutputs(self.floats[float_names], rows), kernels
+
+    def outputs(self, function: str, path: str, names: list[str], prefix: str) -> list[list[np.ndarray]]:
+        answer = os.path.join(self.folder, "outputs.npz")
+        self.target.run(f"{__name__}:{function}", [path, names, *self.arguments(), answer])
+        with np.load(answer) as saved:
+            return read_outputs(saved, prefix, len(self.samples), len(names))
+
+    def arguments(self) -> list:
+        return [self.session.level, self.session.threads, self.samples_file, self.names]
+
+
+def saved_model_outputs(
+    model: onnx.ModelProto, path: str, names: list[str], run: list, answer: str, prefix: str
+) -> None:
+    """``names`` of ``model`` on the saved samples in a session as measure_candidate opens it
+    (``run``: ``OnTarget.arguments``, level, threads, the samples' file and input names),
+    saved to ``answer`` (.npz) under ``prefix``."""
+    level, threads, samples_file, sample_names = run
+    samples = load_samples(samples_file, sample_names)
+    outputs = model_outputs(model, samples, path, names, session_options(level, threads))
+    np.savez(answer, **keyed_outputs(prefix, outputs))
+
+
+def float_on_target(
+    path: str, names: list[str], level: str, threads: int, samples_file: str, sample_names: list[list[str]], answer: str
+) -> None:
+    """Inside a CPU target: the float model's outputs ``names`` on the saved samples."""
+    run = [level, threads, samples_file, sample_names]
+    saved_model_outputs(load_with_weights(path), path, names, run, answer, "f")
+
+
+def candidate_on_target(
+    path: str, names: list[str], level: str, threads: int, samples_file: str, sample_names: list[list[str]], answer: str
+) -> dict:
+    """Inside a CPU target: a candidate's outputs ``names`` on the saved samples (saved to
+    ``answer``) and ``kernel_counts`` of the session that target optimizes it into."""
+    model = load_with_weights(path)
+    saved_model_outputs(model, path, names, [level, threads, samples_file, sample_names], answer, "q")
+    return kernel_counts(model, path, level)

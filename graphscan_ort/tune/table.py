@@ -16,7 +16,9 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
     described = answer["metric"]
     latency = answer["latency"]
     head = format_fields(
-        [("model", answer["model"]), ("level", answer["environment"]["level"]), ("float ms", answer["float"]["ms"])]
+        [("model", answer["model"]), ("level", answer["environment"]["level"])]
+        + ([("cpu", answer["cpu"]["name"]), ("speed on", latency["cpu"]["name"])] if "cpu" in answer else [])
+        + [("float ms", answer["float"]["ms"])]
         + [("metric", " ".join(metric_words(described)))]
         + [("target", target["value"]), ("from", target["source"])]
         + [("latency at", shapes_text(latency["inputs"])), ("min speedup", latency["min_speedup"])]

@@ -35,7 +35,7 @@ from graphscan_ort.tune.candidates import (
     quantize_candidate,
     quantize_dynamic_candidate,
 )
-from graphscan_ort.tune.deployed import measure_candidate
+from graphscan_ort.tune.deployed import OnTarget, measure_candidate
 from graphscan_ort.tune.fallback import honoured
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
 from graphscan_ort.tune.verdict import levels_figures, sqnr_broken
@@ -44,8 +44,10 @@ from graphscan_ort.tune.verdict import levels_figures, sqnr_broken
 class Measure:
     """How every candidate is measured: the float model (and its path), the evaluation
     samples, the session group (level, threads), the timed runs, the metric (None: the
-    SQNR), the latency samples (None: the first evaluation sample) and the speedup a
-    model must beat. ``models`` keeps every candidate written, read once by Trials.add,
+    SQNR), the latency samples (None: the first evaluation sample), the speedup a
+    model must beat (None: no ``slower`` guard, an emulated CPU target's run without
+    --min-speedup) and the CPU target the accuracy and kernels are measured on (None:
+    this process). ``models`` keeps every candidate written, read once by Trials.add,
     by path for the exclusions."""
 
     def __init__(
@@ -56,11 +58,12 @@ class Measure:
         timing: Timing,
         metric: Metric | None = None,
         latency: list[dict[str, np.ndarray]] | None = None,
-        min_speedup: float = 1.0,
+        min_speedup: float | None = 1.0,
+        on: OnTarget | None = None,
     ) -> None:
         self.reference, self.evaluation, self.session, self.timing = reference, evaluation, session, timing
         self.model, self.path, self.level = reference.model, reference.path, session.level  # as Trials reads them
-        self.metric, self.latency, self.min_speedup = metric, latency, min_speedup
+        self.metric, self.latency, self.min_speedup, self.on = metric, latency, min_speedup, on
         self.models: dict[str, onnx.ModelProto] = {}
         self.references: dict[tuple[str, ...], FloatOutputs] = {}  # the float model's outputs, run once
         self.float_bytes = file_bytes(reference.path, reference.model)
@@ -74,7 +77,7 @@ class Measure:
             self.evaluation,
             self.session,
             self.timing,
-            self.references,
+            self.references if self.on is None else self.on,
             self.metric,
             self.latency,
         )

@@ -58,3 +58,29 @@ def integer_kernel_nodes(path: str, level: str = "extended") -> dict[str, list[s
         if node.op_type.startswith(INTEGER_OPS):
             found.setdefault(node.op_type, []).append(node.name)
     return {op: sorted(names) for op, names in sorted(found.items())}
+
+
+def one_thread_outputs(paths: list[str], feeds: str) -> list[list[list[float]]]:
+    """Per model in ``paths``, every output for the inputs saved in ``feeds`` (.npz), flattened:
+    a session at onnxruntime's default level (all) with one intra-op thread, as tune measures."""
+    with np.load(feeds) as saved:
+        inputs = {name: saved[name] for name in saved.files}
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    answers = []
+    for path in paths:
+        session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        answers.append([np.asarray(value, dtype=np.float64).ravel().tolist() for value in session.run(None, inputs)])
+    return answers
+
+
+def tune_evidence(float_path: str, model_path: str, feeds: str) -> dict:
+    """What tune --cpu's chosen row is checked against, in one start of the target: both
+    models' plain outputs (``one_thread_outputs``) and runtime's classes of the written model
+    at level all, the function ``runtime --cpu`` itself runs inside the target."""
+    from graphscan_ort.commands.runtime import classes
+
+    return {
+        "outputs": one_thread_outputs([float_path, model_path], feeds),
+        "classes": classes(model_path, "all", "CPUExecutionProvider", False)["classes"],
+    }
