@@ -160,9 +160,8 @@ def emulated(monkeypatch):
 
 def test_an_emulated_target_labels_the_speed_native_and_guards_it_only_with_min_speedup(cnn, tmp_path, emulated):
     given = {"calibrate": cnn["calibrate"], "inputs": cnn["inputs"], "runs": 1}
-    natively = tune.tune(cnn["float"], out=str(tmp_path / "a"), **given)
-    assert natively["chosen"] is None  # every candidate is slower than float here
-    answer = tune.tune(cnn["float"], out=str(tmp_path / "b"), cpu="arm64", **given)  # its speed: not measured
+    # Every candidate is slower than float here (natively: nothing written, test_guards.py).
+    answer = tune.tune(cnn["float"], out=str(tmp_path / "b"), cpu="arm64", **given)
     assert list(answer)[:3] == ["model", "environment", "cpu"]
     assert answer["cpu"] == {"name": "arm64", "onnxruntime": answer["environment"]["onnxruntime"], "machine": "aarch64"}
     assert answer["latency"]["min_speedup"] is None
