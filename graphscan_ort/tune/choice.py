@@ -44,16 +44,33 @@ def listing_order(rows: list[Candidate]) -> list[Candidate]:
 
 
 def chosen_row(rows: list[Candidate], target: float | None) -> tuple[Candidate | None, bool]:
-    """The fastest row that passes the guards and meets ``target`` with no part of its outputs
-    broken (verdict.py), else the most accurate that passes them (None: none does); and
-    whether the target was met. An undefined target (None) is never met."""
+    """Of the rows that pass the guards and meet ``target`` with no part of its outputs broken
+    (verdict.py), the most accurate of those tied in speed with the fastest (speed_tied), else
+    the most accurate that passes them (None: none does); and whether the target was met. An
+    undefined target (None) is never met."""
     passing = [r for r in rows if r["error"] is None and not r.get("fails")]
     meeting = [r for r in passing if target is not None and accuracy(r) >= target and not r.get("broken_parts")]
     if meeting:
-        return max(meeting, key=lambda r: (speed(r), accuracy(r))), True
+        return max(speed_tied(meeting), key=lambda r: (accuracy(r), sqnr_rank(r), speed(r))), True
     if passing:
         return max(passing, key=lambda r: (accuracy(r), speed(r))), False
     return None, False
+
+
+def speed_tied(rows: list[Candidate]) -> list[Candidate]:
+    """The fastest of ``rows`` (by speedup) and every row whose run-by-run speedups overlap
+    its: the row's 75th percentile (``speedup_spread``) at or above the fastest's 25th. One
+    timing on a shared machine cannot order those; the choice takes the most accurate of them.
+    A row without a spread stands for its speedup alone (both quartiles)."""
+    fastest = max(rows, key=lambda r: (speed(r), accuracy(r)))
+    low = quartiles(fastest)[0]
+    return [r for r in rows if r is fastest or quartiles(r)[1] >= low]
+
+
+def quartiles(row: Mapping[str, Any]) -> tuple[float, float]:
+    """A row's ``speedup_spread`` (its speedup twice when it has none)."""
+    spread = row.get("speedup_spread")
+    return (spread[0], spread[1]) if spread else (speed(row), speed(row))
 
 
 def settle(rows: list[Candidate], target: float | None) -> tuple[Candidate | None, bool]:
