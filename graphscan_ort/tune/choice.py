@@ -43,18 +43,29 @@ def listing_order(rows: list[Candidate]) -> list[Candidate]:
     return sorted(rows, key=lambda r: (not r["pareto"], r["error"] is not None, -speed(r), r["id"]))
 
 
-def chosen_row(rows: list[Candidate], target: float | None) -> tuple[Candidate | None, bool]:
+def chosen_row(rows: list[Candidate], target: float | None, emulated: bool = False) -> tuple[Candidate | None, bool]:
     """Of the rows that pass the guards and meet ``target`` with no part of its outputs broken
     (verdict.py), the most accurate of those tied in speed with the fastest (speed_tied), else
     the most accurate that passes them (None: none does); and whether the target was met. An
-    undefined target (None) is never met."""
+    undefined target (None) is never met. ``emulated``: the rows' accuracy and kernels are an
+    emulated CPU target's, whose speed is not measured: of the rows that meet the target, the
+    one with the most int8 kernels on that CPU (kernels_first)."""
     passing = [r for r in rows if r["error"] is None and not r.get("fails")]
     meeting = [r for r in passing if target is not None and accuracy(r) >= target and not r.get("broken_parts")]
+    if meeting and emulated:
+        return max(meeting, key=kernels_first), True
     if meeting:
         return max(speed_tied(meeting), key=lambda r: (accuracy(r), sqnr_rank(r), speed(r))), True
     if passing:
         return max(passing, key=lambda r: (accuracy(r), speed(r))), False
     return None, False
+
+
+def kernels_first(row: Mapping[str, Any]) -> tuple[float, float, float, float]:
+    """A row's rank on an emulated CPU target: its int8 kernels there (what makes a model fast
+    on that CPU, the one speed figure the target gives), then accuracy, the worst part's SQNR
+    and this machine's speedup."""
+    return (row.get("int8_kernels") or 0, accuracy(row), sqnr_rank(row), speed(row))
 
 
 def speed_tied(rows: list[Candidate]) -> list[Candidate]:
@@ -73,10 +84,10 @@ def quartiles(row: Mapping[str, Any]) -> tuple[float, float]:
     return (spread[0], spread[1]) if spread else (speed(row), speed(row))
 
 
-def settle(rows: list[Candidate], target: float | None) -> tuple[Candidate | None, bool]:
+def settle(rows: list[Candidate], target: float | None, emulated: bool = False) -> tuple[Candidate | None, bool]:
     """After a stage adds rows: mark the Pareto front anew, then choose (chosen_row)."""
     pareto(rows)
-    return chosen_row(rows, target)
+    return chosen_row(rows, target, emulated)
 
 
 def part_words(part: dict[str, Any]) -> str:

@@ -106,21 +106,22 @@ def tune_in(
         refused = f"onnxruntime's quantize_static refused every candidate ({rows[0]['error']})"
         raise GraphscanError(f"{shown(path)}: {refused}{typing_failures(steps + dynamic_steps)}", EXIT_RUNTIME)
     target, warnings = goal.target(default_row(rows))
-    chosen, reached = settle(rows, target["value"])
+    emulated = measure.on is not None  # a CPU target's accuracy and kernels, this machine's time
+    chosen, reached = settle(rows, target["value"], emulated)
     if not reached and target["value"] is not None:
         seeded(trials, rows, calibration, progress)
-        chosen, reached = settle(rows, target["value"])
+        chosen, reached = settle(rows, target["value"], emulated)
     # The refinements and exclusions start from a quantize_static row: a dynamic one calibrates nothing.
     searchable = not reached and target["value"] is not None and any(r["error"] is None for r in static_rows(rows))
     if searchable:
         refine(trials, start_row(static_rows(rows)), progress)
         steps += recover(trials, target["value"], model, calibration, progress)  # still short: int8 kept
-        chosen, reached = settle(rows, target["value"])
+        chosen, reached = settle(rows, target["value"], emulated)
     if searchable and not reached and target["value"] is not None:
         progress.show("ranking the operators to exclude")
         start = start_row(static_rows(rows))
         exclusions(trials, start, target["value"], limits, prepared, goal.metric.name == "sqnr", progress)
-        chosen, reached = settle(rows, target["value"])
+        chosen, reached = settle(rows, target["value"], emulated)
     written = write_choice(work, files, rows, chosen)
     warnings += choice_warnings(rows, chosen, reached, target["value"])
     if chosen is not None:

@@ -55,3 +55,18 @@ def test_rows_without_a_spread_tie_only_at_equal_speedups():
     # A spread on one side only: the fastest without one stands for its speedup.
     rows[1]["speedup_spread"] = [1.9, 2.05]
     assert tune_choice.chosen_row(rows, 5.0) == (rows[1], True)
+
+
+def test_on_an_emulated_target_the_most_int8_kernels_there_are_chosen_not_this_machines_speed():
+    """The target's time is not measured: the row with the most int8 kernels on it wins, ties
+    broken by the metric, the worst part's SQNR, then this machine's speedup."""
+    rows = [
+        row(0, 2.0, [1.9, 2.1], 10.0, int8_kernels=51),  # fastest here, few kernels there
+        row(1, 1.2, [1.1, 1.3], 9.0, int8_kernels=293),
+        row(2, 1.1, [1.0, 1.2], 12.0, int8_kernels=293),  # as many kernels, more accurate
+        row(3, 1.5, [1.4, 1.6], 20.0, int8_kernels=300, fails=["larger"]),
+        row(4, 1.4, [1.3, 1.5], 5.0, int8_kernels=400),  # below the target
+    ]
+    assert tune_choice.chosen_row(rows, 8.0, emulated=True) == (rows[2], True)
+    assert tune_choice.chosen_row(rows, 8.0) == (rows[0], True)
+    assert tune_choice.chosen_row(rows, 30.0, emulated=True) == (rows[2], False)  # none meets it: the most accurate
