@@ -77,7 +77,7 @@ def ranges(prepared_path: str, settings: dict[str, Any], make_reader: Any, folde
     """The calibration ranges of ``settings``' method for ``prepared_path``, from the cache in
     ``folder`` that every candidate of that method reads (calibrated into it when missing)."""
     cache = cache_path(folder, calibration_key(settings))
-    if not os.path.isfile(cache):
+    if not os.path.exists(cache):  # every candidate of a method reads one cache, written once
         with quiet():
             calibrate(prepared_path, keyword_arguments(settings), make_reader, cache)
     return load_tensors_data(cache)
@@ -89,7 +89,8 @@ def overridden(trials: Any, target: float | None, progress: Progress) -> None:
     whose ``recovery`` says which tensors and what it gained (see the module); none when no
     tensor is outlier-dominated."""
     pareto(trials.rows)
-    if target is None or chosen_row(trials.rows, target)[1]:
+    _, reached = chosen_row(trials.rows, target)
+    if reached or target is None:
         return
     base = start_row([r for r in static_rows(trials.rows) if r["recovery"] is None])  # recovery's own start
     _, prepared_path, cache = trials.files[base["id"]]

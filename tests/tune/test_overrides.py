@@ -13,7 +13,8 @@ from onnxruntime.quantization.calibrate import TensorsData
 import gen_models
 import graphscan_ort.tune.command as tune
 from graphscan_ort.tune.candidates import keyword_arguments, quiet
-from graphscan_ort.tune.overrides import OUTLIER_FACTOR, STEP, outlier_overrides
+from graphscan_ort.tune.overrides import OUTLIER_FACTOR, STEP, outlier_overrides, overridden
+from graphscan_ort.tune.progress import Progress
 from tests.helpers import calibration_reader
 from tests.tune.outliers import outlier_model, outlier_samples
 
@@ -150,3 +151,22 @@ def test_without_an_outlier_dominated_tensor_no_row_is_added(tmp_path):
     assert sorted(steps) == ["bias_correction", "equalize"]
     assert all("extra_options" not in (c["quantize_static"] or {}) or "TensorQuantOverrides" not in
                c["quantize_static"]["extra_options"] for c in answer["candidates"])  # fmt: skip
+
+
+class ReachedTrials:
+    """Trials whose one row already reaches the target: an overrides row would need its
+    files, which it has none of."""
+
+    def __init__(self):
+        settings = {"quant_format": "QDQ", "activation_type": "QUInt8", "per_channel": False}
+        self.rows = [
+            {"id": 0, "quantize_static": settings, "error": None, "fails": [], "broken_parts": [], "recovery": None}
+            | {"metric_value": 30.0, "sqnr_db": 30.0, "speedup": 2.0, "float_weights": 0, "kept_float": []}
+        ]
+        self.files = {}
+
+
+def test_a_reached_target_tries_no_overrides():
+    trials = ReachedTrials()
+    overridden(trials, 25.0, Progress())
+    assert len(trials.rows) == 1
