@@ -15,7 +15,8 @@ give ``{"x": [{"rmin": -4.1, "rmax": 4.3}]}``; a tensor at [0, 6.2] against [0, 
 times) keeps its MinMax range.
 
 ``overridden`` is the variant of the recovery stage (recovery.py): when no row reaches the
-target, the search's start (choice.start_row) calibrated with MinMax and these overrides is a
+target, the stage's start (choice.start_row among the rows before it: an equalized or
+bias-corrected row is never the start) calibrated with MinMax and these overrides is a
 candidate row of its own, ``recovery`` ``{"step": "calibration_overrides", ...}``; no row when
 no tensor is outlier-dominated. Its ``quantize_static`` holds the overrides (``extra_options``),
 so its arguments reproduce its model like any other row's.
