@@ -119,7 +119,12 @@ AREA_TESTS = {
         "tests/cli/test_keyword_rules.py",
     ],
     "plugin": ["tests/cli/test_plugin.py"],
-    "recovery": ["tests/tune/test_equalize.py", "tests/tune/test_bias.py", "tests/tune/test_recovery.py"],
+    "recovery": [
+        "tests/tune/test_equalize.py",
+        "tests/tune/test_bias.py",
+        "tests/tune/test_recovery.py",
+        "tests/tune/test_overrides.py",
+    ],
     "calibration": ["tests/tune/test_calibration.py", "tests/tune/test_candidates.py"],
 }
 IGNORED = shutil.ignore_patterns(

@@ -28,6 +28,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+import numpy as np
 import onnx
 from onnxruntime.quantization import (
     CalibrationDataReader,
@@ -148,9 +149,20 @@ def keyword_arguments(settings: dict) -> dict:
             arguments[key] = QuantFormat[value]
         elif key in ENUMS:
             arguments[key] = ENUMS[key][value]
+        elif key == "extra_options" and "TensorQuantOverrides" in value:
+            arguments[key] = {**value, "TensorQuantOverrides": overrides_arguments(value["TensorQuantOverrides"])}
         else:
             arguments[key] = value
     return arguments
+
+
+def overrides_arguments(overrides: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """TensorQuantOverrides in JSON form as quantize_static takes them: ``rmin`` and ``rmax``
+    as numpy float32 (onnxruntime reads their dtype; a Python float fails)."""
+    return {
+        name: [{k: np.float32(v) if k in ("rmin", "rmax") else v for k, v in entry.items()} for entry in entries]
+        for name, entries in overrides.items()
+    }
 
 
 def cache_path(folder: str, key: str) -> str:

@@ -45,6 +45,7 @@ from graphscan_ort.tune.choice import (
 )
 from graphscan_ort.tune.fallback import STILL_INT8
 from graphscan_ort.tune.goal import Goal
+from graphscan_ort.tune.overrides import overridden
 from graphscan_ort.tune.prepare import dynamic_base, prepare, typing_failures
 from graphscan_ort.tune.progress import Progress
 from graphscan_ort.tune.recovery import recover
@@ -116,6 +117,7 @@ def tune_in(
     if searchable:
         refine(trials, start_row(static_rows(rows)), progress)
         steps += recover(trials, target["value"], model, calibration, progress)  # still short: int8 kept
+        overridden(trials, target["value"], progress)  # still short: outlier-dominated tensors clipped alone
         chosen, reached = settle(rows, target["value"], emulated)
     if searchable and not reached and target["value"] is not None:
         progress.show("ranking the operators to exclude")
