@@ -43,8 +43,8 @@ from graphscan_ort.shared.sessions import OUT_OF_MEMORY, does_not_run, open_sess
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-    # trace's rows: engines/trace.py imports this module, so its class is named for the types only.
-    from graphscan_ort.engines.trace import TraceRow
+# trace's rows (engines/trace.py's TraceRow, which imports this module): what the combined model reads of one.
+TraceRow = Any
 
 
 # A comparison whose tensors are of known size, with at most TRACE_FETCH_ELEMENTS
