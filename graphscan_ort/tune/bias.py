@@ -14,7 +14,10 @@ scale)`` steps, a float bias by the error.
 
 MatMul has no bias input: a MatMul's following Add is left alone. The correction changes
 the float function by design, so the model is measured like any other candidate, never
-verified against the original.
+verified against the original. It changes initializer values and nothing else, so the
+corrected model runs the very kernels its parent runs: ``same_graph`` proves that of the two
+files, and then the parent's timing stands for both (timing it again would only let noise
+choose between them).
 """
 
 from __future__ import annotations
@@ -182,3 +185,21 @@ def corrected_bias(
         shift = (new.astype(np.float64) - bias) * scale
     init.CopyFrom(onnx.numpy_helper.from_array(new, name))
     return shift
+
+
+def same_graph(model: onnx.ModelProto, other: onnx.ModelProto) -> bool:
+    """Whether ``model`` and ``other`` differ at most in their initializers' values: the same
+    nodes (operator, domain, name, inputs, outputs, attributes) in the same order, the same
+    graph inputs, outputs, value infos and opsets, and the same initializers by name, type and
+    shape. Such models make one session plan with the same kernels."""
+    return skeleton(model) == skeleton(other)
+
+
+def skeleton(model: onnx.ModelProto) -> bytes:
+    """``model`` serialized with every top-level initializer reduced to its name, type and shape
+    (its values, wherever stored, dropped; a subgraph's initializers are kept whole)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for init in copy.graph.initializer:
+        init.CopyFrom(onnx.TensorProto(name=init.name, data_type=init.data_type, dims=init.dims))
+    return copy.SerializeToString(deterministic=True)

@@ -27,6 +27,7 @@ from graphscan_ort.shared.answers import Candidate
 from graphscan_ort.shared.files import in_folder, out_of_room, write_failure
 from graphscan_ort.shared.metrics import FloatOutputs
 from graphscan_ort.shared.options import Named, Session, Timing
+from graphscan_ort.tune.bias import same_graph
 from graphscan_ort.tune.candidates import (
     DYNAMIC,
     STATIC,
@@ -39,6 +40,8 @@ from graphscan_ort.tune.deployed import measure_candidate
 from graphscan_ort.tune.fallback import honoured
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
 from graphscan_ort.tune.verdict import levels_figures, sqnr_broken
+
+LATENCY = ("ms", "float_ms", "speedup", "speedup_spread")  # deployed.latency_figures' keys
 
 
 class Measure:
@@ -65,9 +68,15 @@ class Measure:
         self.references: dict[tuple[str, ...], FloatOutputs] = {}  # the float model's outputs, run once
         self.float_bytes = file_bytes(reference.path, reference.model)
 
-    def __call__(self, candidate: onnx.ModelProto, candidate_path: str, excluded: list[str] | None = None) -> dict:
+    def __call__(
+        self,
+        candidate: onnx.ModelProto,
+        candidate_path: str,
+        excluded: list[str] | None = None,
+        speed: dict | None = None,
+    ) -> dict:
         """A candidate's figures as deployed (``candidate``, read from ``candidate_path``), with
-        its weights' storage and the guards it breaks."""
+        its weights' storage and the guards it breaks; ``speed``: latency figures it inherits."""
         row = measure_candidate(
             self.reference,
             Named(candidate, candidate_path),
@@ -77,6 +86,7 @@ class Measure:
             self.references,
             self.metric,
             self.latency,
+            speed,
         )
         row["float_weights"] = len(float_weight_nodes(candidate, excluded))
         row["fails"] = failed_guards(row, self.float_bytes, self.min_speedup)
@@ -193,6 +203,7 @@ class Trials:
         self.given: dict[str, onnx.ModelProto] = {}  # the prepared models the quantizer is given, by path
         self.digests: dict[str, Candidate] = {}  # a model's SHA-256: the row that measured it
         self.ranges: dict[str, FloatRanges] = {}  # per prepared model: its float values by part
+        self.speed_from: dict[int, int] = {}  # a row's id: the row whose timing it inherits (bias.same_graph)
 
     def add(
         self,
@@ -204,13 +215,15 @@ class Trials:
         kept: list[dict[str, str]] | None = None,
         quantizer: str = STATIC,
         post: Callable[[str], None] | None = None,
+        speed_of: Candidate | None = None,
     ) -> Candidate:
         """Quantize ``prepared_path`` with ``settings`` and measure the model as deployed:
         its row, also when the quantizer refused it (with its error, never a crash);
         ``trial``: the block a search stage added (its kind and the nodes it added);
         ``kept``: the seeds kept float in it, ``{"node", "why"}`` each (seeds.py); ``quantizer``:
         quantize_static or quantize_dynamic (no calibration), the row's key holding ``settings``;
-        ``post``: applied to the quantized file before it is measured."""
+        ``post``: applied to the quantized file before it is measured; ``speed_of``: a row whose
+        latency figures the model takes, untimed, when its graph is that row's (bias.same_graph)."""
         ident = len(self.rows)
         target_path = os.path.join(self.work, f"candidate-{ident}.onnx")
         row = functools.partial(candidate_row, ident, quantizer, settings, rewrites, kept or [], trial)
@@ -239,8 +252,12 @@ class Trials:
         if twin is not None:  # the quantizer made the very same model: measured once
             measured = row(excluded=status, post_step=post_step, same_as=twin["id"], figures=twin)
         else:
+            speed = None
+            if speed_of is not None and same_graph(model, self.measure.models[self.files[speed_of["id"]][0]]):
+                self.speed_from[ident] = speed_of["id"]  # the same kernels: timing it again adds only noise
+                speed = {key: speed_of.get(key) for key in LATENCY}
             try:
-                figures = self.measure(model, target_path, excluded)
+                figures = self.measure(model, target_path, excluded, speed)
             except GraphscanError as exc:  # a model the quantizer made that onnxruntime refuses
                 if exc.exit_code != EXIT_RUNTIME:
                     raise
