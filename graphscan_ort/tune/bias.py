@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import onnx
 
-from graphscan import DEQUANTIZE
+from graphscan import DEQUANTIZE, shown
 from graphscan_ort.shared.graph import fresh_name, graph_names, with_outputs
-from graphscan_ort.shared.sessions import model_outputs
+from graphscan_ort.shared.sessions import does_not_run, impact_options, open_session
 
 CORRECTED = ("Conv", "Gemm")
 INT32_LIMITS = (np.iinfo(np.int32).min, np.iinfo(np.int32).max)
@@ -77,10 +77,16 @@ def mean_errors(
     copy = onnx.ModelProto()
     copy.CopyFrom(quantized)
     twins, exposed = float_twins(copy, prepared, nodes)
-    values = model_outputs(with_outputs(copy, exposed, twins), samples, path)
+    exposing = with_outputs(copy, exposed, twins)
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, int] = {}
-    for sample in values:
+    session = open_session(exposing, f"{shown(path)}: model", impact_options())
+    names = [o.name for o in exposing.graph.output]
+    for feeds in samples:  # one sample's outputs held at a time: every node's output and its twin's
+        try:
+            sample = session.run(names, feeds)
+        except Exception as exc:
+            raise does_not_run(f"{shown(path)}: model", exc)
         for k, node in enumerate(nodes):
             error = np.asarray(sample[2 * k], np.float64) - np.asarray(sample[2 * k + 1], np.float64)
             if error.ndim < 2:

@@ -65,14 +65,28 @@ def measure_candidate(
     references: dict[tuple[str, ...], FloatOutputs] | None = None,
     metric: Metric | None = None,
     latency: list[dict] | None = None,
-    speed: dict | None = None,
 ) -> dict:
     """``{"sqnr_db", "metric_value", "int8_fraction", "int8_kernels", "wrapped_but_float", "ms",
     "float_ms", "speedup", "speedup_spread", "bytes"}`` of ``candidate`` (the quantized model
     as written) against ``reference`` (the float model as read); ``references`` keeps
     the float model's outputs from one candidate to the next; ``latency``: the samples
-    timed (default: the first of ``samples``); no ``metric``: ``metric_value`` is the SQNR;
-    ``speed``: the latency figures of a model with the very same graph, taken instead of timing."""
+    timed (default: the first of ``samples``); no ``metric``: ``metric_value`` is the SQNR."""
+    return {
+        **accuracy_figures(reference, candidate, samples, session, references, metric),
+        **latency_figures(reference, candidate, latency or samples[:1], session, timing),
+        "bytes": os.path.getsize(candidate.path),
+    }
+
+
+def accuracy_figures(
+    reference: Named,
+    candidate: Named,
+    samples: list[dict],
+    session: Session = DEPLOYED,
+    references: dict[tuple[str, ...], FloatOutputs] | None = None,
+    metric: Metric | None = None,
+) -> dict:
+    """measure_candidate's figures but the timing and the file's size: accuracy and kernels."""
     pairs = output_pairs(reference, candidate)
     options = session_options(session.level, session.threads)
     outputs = paired_outputs(reference, candidate, samples, pairs, options, references)
@@ -89,8 +103,6 @@ def measure_candidate(
         "metric_worst": worst,
         "metric_spread": spread_of,
         **kernel_counts(candidate.model, candidate.path, session.level),
-        **(speed or latency_figures(reference, candidate, latency or samples[:1], session, timing)),
-        "bytes": os.path.getsize(candidate.path),
     }
 
 

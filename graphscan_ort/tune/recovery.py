@@ -43,6 +43,7 @@ from graphscan_ort.tune.candidates import static_rows
 from graphscan_ort.tune.choice import accuracy, chosen_row, pareto, sqnr_rank, start_row
 from graphscan_ort.tune.equalize import equalized
 from graphscan_ort.tune.prepare import checked, step
+from graphscan_ort.tune.trials import Post
 
 if TYPE_CHECKING:
     from graphscan_ort.tune.progress import Progress
@@ -105,7 +106,7 @@ def corrected_variant(
 
     settings = parent["quantize_static"]
     row: Candidate = trials.add(
-        settings, parent["rewrites"], prepared, cache, kept=parent["kept_float"], post=correct, speed_of=parent
+        settings, parent["rewrites"], prepared, cache, kept=parent["kept_float"], post=Post(correct, parent)
     )
     detail = f"{done.get('nodes', 0)} biases moved, by {done.get('mean_shift', 0.0):.3g} on average"
     recovery = gains({"step": "bias_correction", "from": parent["id"], "detail": detail}, row, parent)

@@ -15,7 +15,7 @@ import os
 import re
 import tempfile
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
@@ -36,12 +36,20 @@ from graphscan_ort.tune.candidates import (
     quantize_candidate,
     quantize_dynamic_candidate,
 )
-from graphscan_ort.tune.deployed import measure_candidate
+from graphscan_ort.tune.deployed import accuracy_figures, measure_candidate
 from graphscan_ort.tune.fallback import honoured
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
 from graphscan_ort.tune.verdict import levels_figures, sqnr_broken
 
 LATENCY = ("ms", "float_ms", "speedup", "speedup_spread")  # deployed.latency_figures' keys
+
+
+class Post(NamedTuple):
+    """A change made to a quantized file before it is measured (recovery.py's bias
+    correction), and the row whose model it changes."""
+
+    change: Callable[[str], None]
+    parent: Candidate
 
 
 class Measure:
@@ -77,17 +85,23 @@ class Measure:
     ) -> dict:
         """A candidate's figures as deployed (``candidate``, read from ``candidate_path``), with
         its weights' storage and the guards it breaks; ``speed``: latency figures it inherits."""
-        row = measure_candidate(
-            self.reference,
-            Named(candidate, candidate_path),
-            self.evaluation,
-            self.session,
-            self.timing,
-            self.references,
-            self.metric,
-            self.latency,
-            speed,
-        )
+        named = Named(candidate, candidate_path)
+        if speed is None:
+            row = measure_candidate(
+                self.reference,
+                named,
+                self.evaluation,
+                self.session,
+                self.timing,
+                self.references,
+                self.metric,
+                self.latency,
+            )
+        else:  # the same graph as a row timed already: its speed, this model's own accuracy and file
+            accuracy = accuracy_figures(
+                self.reference, named, self.evaluation, self.session, self.references, self.metric
+            )
+            row = {**accuracy, **speed, "bytes": os.path.getsize(candidate_path)}
         row["float_weights"] = len(float_weight_nodes(candidate, excluded))
         row["fails"] = failed_guards(row, self.float_bytes, self.min_speedup)
         return row
@@ -214,16 +228,15 @@ class Trials:
         trial: dict[str, Any] | None = None,
         kept: list[dict[str, str]] | None = None,
         quantizer: str = STATIC,
-        post: Callable[[str], None] | None = None,
-        speed_of: Candidate | None = None,
+        post: Post | None = None,
     ) -> Candidate:
         """Quantize ``prepared_path`` with ``settings`` and measure the model as deployed:
         its row, also when the quantizer refused it (with its error, never a crash);
         ``trial``: the block a search stage added (its kind and the nodes it added);
         ``kept``: the seeds kept float in it, ``{"node", "why"}`` each (seeds.py); ``quantizer``:
         quantize_static or quantize_dynamic (no calibration), the row's key holding ``settings``;
-        ``post``: applied to the quantized file before it is measured; ``speed_of``: a row whose
-        latency figures the model takes, untimed, when its graph is that row's (bias.same_graph)."""
+        ``post``: a change to the quantized file before it is measured, and the row it changes
+        (whose speed the model takes, untimed, when its graph is that row's: bias.same_graph)."""
         ident = len(self.rows)
         target_path = os.path.join(self.work, f"candidate-{ident}.onnx")
         row = functools.partial(candidate_row, ident, quantizer, settings, rewrites, kept or [], trial)
@@ -231,7 +244,7 @@ class Trials:
             quantize = quantize_dynamic_candidate if quantizer == DYNAMIC else quantize_candidate
             quantize(prepared_path, target_path, settings, self.reader, cache)
             if post is not None:  # a change to the quantized file itself (recovery.py's bias correction)
-                post(target_path)
+                post.change(target_path)
         except Exception as exc:
             blame_the_disk(exc, self.work, os.path.getsize(prepared_path))
             return self.book(row(error=f"{quantizer}: {self.users_terms(one_line(exc))}"))
@@ -253,9 +266,9 @@ class Trials:
             measured = row(excluded=status, post_step=post_step, same_as=twin["id"], figures=twin)
         else:
             speed = None
-            if speed_of is not None and same_graph(model, self.measure.models[self.files[speed_of["id"]][0]]):
-                self.speed_from[ident] = speed_of["id"]  # the same kernels: timing it again adds only noise
-                speed = {key: speed_of.get(key) for key in LATENCY}
+            if post is not None and same_graph(model, self.measure.models[self.files[post.parent["id"]][0]]):
+                self.speed_from[ident] = post.parent["id"]  # the same kernels: timing it again adds only noise
+                speed = {key: post.parent.get(key) for key in LATENCY}
             try:
                 figures = self.measure(model, target_path, excluded, speed)
             except GraphscanError as exc:  # a model the quantizer made that onnxruntime refuses

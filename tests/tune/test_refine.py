@@ -96,8 +96,8 @@ def test_twins_are_found_by_content(tmp_path, monkeypatch):
     )  # fmt: skip
     made = [c for c in answer["candidates"] if c["recovery"] is None]  # the chosen one's bias correction apart
     assert sorted(c["same_as"] for c in made if c["same_as"] is not None) == [0]
-    corrected = [c for c in answer["candidates"] if c["recovery"] and c["same_as"] is None]
-    assert len(made) == 2 and len(calls) == 1 + len(corrected)
+    timed = [c for c in answer["candidates"] if c["recovery"] and c["recovery"]["speed_from"] is None]
+    assert len(made) == 2 and len(calls) == 1 + len([c for c in timed if c["same_as"] is None])
 
 
 def test_the_calibration_cache_is_one_per_way_of_calibrating():
