@@ -245,6 +245,7 @@ class Candidate(TypedDict):
     excluded: dict[str, str] | None  # per excluded node, what it runs: float, float_inputs or int8
     same_as: int | None  # the candidate whose model the quantizer made byte for byte: measured once
     recovery: dict[str, Any] | None  # recovery.py: {"step", "from", "detail", "sqnr_gain_db", "metric_gain", "helps"}
+    # (bias_correction also "speed_from": the row whose timing it inherits, null when timed)
     sqnr_db: float | None  # the worst part's output SQNR (parts.py)
     pooled_sqnr_db: float | None  # every output and sample summed
     worst_part: WorstPart | None

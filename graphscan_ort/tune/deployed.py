@@ -79,6 +79,22 @@ def measure_candidate(
     process) or an ``OnTarget`` (run on that CPU target, whose outputs and kernels the
     candidate's then are too); ``latency``: the samples timed (default: the first of
     ``samples``); no ``metric``: ``metric_value`` is the SQNR."""
+    return {
+        **accuracy_figures(reference, candidate, samples, session, references, metric),
+        **latency_figures(reference, candidate, latency or samples[:1], session, timing),
+        "bytes": os.path.getsize(candidate.path),
+    }
+
+
+def accuracy_figures(
+    reference: Named,
+    candidate: Named,
+    samples: list[dict],
+    session: Session = DEPLOYED,
+    references: dict[tuple[str, ...], FloatOutputs] | OnTarget | None = None,
+    metric: Metric | None = None,
+) -> dict:
+    """measure_candidate's figures but the timing and the file's size: accuracy and kernels."""
     pairs = output_pairs(reference, candidate)
     if isinstance(references, OnTarget):
         outputs, kernels = references.measure(reference, candidate, pairs)
@@ -99,8 +115,6 @@ def measure_candidate(
         "metric_worst": worst,
         "metric_spread": spread_of,
         **kernels,
-        **latency_figures(reference, candidate, latency or samples[:1], session, timing),
-        "bytes": os.path.getsize(candidate.path),
     }
 
 

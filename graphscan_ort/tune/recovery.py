@@ -11,11 +11,20 @@ with ``recovery`` saying what was done and what it did:
    again (the same arguments and calibration), then its biases corrected on the
    calibration samples (bias.py): the step after ``quantize_static`` that reproduces it.
 
-``recovery`` is ``{"step", "from", "detail", "sqnr_gain_db", "metric_gain", "helps"}``:
-the gains are the row's minus the ``from`` row's (worst-part SQNR in dB, and the
-metric in its unit; null where either is undefined), ``helps`` whether the metric rose.
-Nothing is kept on trust: the choice weighs these rows like any other, so a step that
-does not help as deployed is never written.
+Whatever the stages found, the row finally chosen is bias-corrected too (``polished``),
+also when it reaches the target: the variant is written instead only where it helps as
+deployed (``helps_as_deployed``: the target's metric higher, ties broken by the worst
+part's SQNR; never below the target, never breaking a guard or a part).
+
+``recovery`` is ``{"step", "from", "detail", "sqnr_gain_db", "metric_gain", "helps"}``
+(and ``"speed_from"`` for bias correction): the gains are the row's minus the ``from``
+row's (worst-part SQNR in dB, and the metric in its unit; null where either is
+undefined), ``helps`` whether the metric rose. A bias-corrected model differs from its
+source in initializer values only (bias.same_graph proves it of the two models), so it
+runs the same kernels: it is not timed again, its speed figures are its source's and
+``speed_from`` names that row (null: timed itself). Nothing is kept on trust: the choice
+weighs these rows by what they measure, so a step that does not help as deployed is never
+written.
 """
 
 from __future__ import annotations
@@ -28,12 +37,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx
 
-from graphscan_ort.shared.answers import PrepareStep
+from graphscan_ort.shared.answers import Candidate, PrepareStep
 from graphscan_ort.tune.bias import bias_corrected
 from graphscan_ort.tune.candidates import static_rows
-from graphscan_ort.tune.choice import accuracy, chosen_row, pareto, start_row
+from graphscan_ort.tune.choice import accuracy, chosen_row, pareto, sqnr_rank, start_row
 from graphscan_ort.tune.equalize import equalized
 from graphscan_ort.tune.prepare import checked, step
+from graphscan_ort.tune.trials import Post
 
 if TYPE_CHECKING:
     from graphscan_ort.tune.progress import Progress
@@ -73,9 +83,20 @@ def recover(
             row["recovery"] = gains({"step": "equalize", "from": base["id"], "detail": detail}, row, base)
             if row["error"] is None and accuracy(row) > accuracy(base):
                 best = row
+    corrected_variant(trials, best, calibration, progress)
+    return steps
+
+
+def corrected_variant(
+    trials: Any, parent: Candidate, calibration: list[dict[str, np.ndarray]], progress: Progress
+) -> Candidate:
+    """``parent`` (a measured quantize_static row) quantized again with its arguments, its
+    prepared model and its calibration, then its biases corrected (bias.py): a row of its
+    own, whose speed figures are ``parent``'s when bias.same_graph proves the two graphs one
+    (``recovery["speed_from"]``; else it is timed like any other)."""
     progress.show("correcting the biases")
-    _, best_prepared, best_cache = trials.files[best["id"]]
-    given = trials.given[best_prepared]
+    _, prepared, cache = trials.files[parent["id"]]
+    given = trials.given[prepared]
     done: dict[str, Any] = {}
 
     def correct(target_path: str) -> None:
@@ -83,10 +104,64 @@ def recover(
         done.update(what)
         onnx.save(corrected, target_path)
 
-    row = trials.add(settings, best["rewrites"], best_prepared, best_cache, kept=kept, post=correct)
+    settings = parent["quantize_static"]
+    row: Candidate = trials.add(
+        settings, parent["rewrites"], prepared, cache, kept=parent["kept_float"], post=Post(correct, parent)
+    )
     detail = f"{done.get('nodes', 0)} biases moved, by {done.get('mean_shift', 0.0):.3g} on average"
-    row["recovery"] = gains({"step": "bias_correction", "from": best["id"], "detail": detail}, row, best)
-    return steps
+    recovery = gains({"step": "bias_correction", "from": parent["id"], "detail": detail}, row, parent)
+    row["recovery"] = {**recovery, "speed_from": trials.speed_from.get(row["id"])}
+    return row
+
+
+def polished(
+    trials: Any,
+    chosen: Candidate | None,
+    reached: bool,
+    target: float | None,
+    calibration: list[dict[str, np.ndarray]],
+    progress: Progress,
+) -> tuple[Candidate | None, bool]:
+    """The row to write and whether it reaches ``target``: ``chosen`` or its bias-corrected
+    variant (corrected_variant; the one recover made when ``chosen`` was its source), the
+    variant where it helps (``helps_as_deployed``). A dynamic row (nothing calibrated) and a
+    row already corrected are left as they are. The Pareto front is marked anew."""
+    if chosen is None or chosen["quantize_static"] is None or step_of(chosen) == "bias_correction":
+        return chosen, reached
+    variant = next(
+        (r for r in trials.rows if step_of(r) == "bias_correction" and r["recovery"]["from"] == chosen["id"]), None
+    ) or corrected_variant(trials, chosen, calibration, progress)
+    pareto(trials.rows)
+    if not helps_as_deployed(variant, chosen, reached, target):
+        return chosen, reached
+    return variant, reached or meets(variant, target)
+
+
+def helps_as_deployed(variant: Candidate, parent: Candidate, reached: bool, target: float | None) -> bool:
+    """Whether ``variant`` is written instead of ``parent``: measured, no guard broken, the
+    target's metric higher (or equal with a higher worst-part SQNR); when ``parent`` reaches
+    ``target``, the variant reaches it too with no part broken, and otherwise breaks no part
+    ``parent`` holds. Speed is not weighed: the variant's is its parent's (or, when its graph
+    differs, guarded like any row's)."""
+    if variant["error"] is not None or variant["fails"]:
+        return False
+    better = accuracy(variant) > accuracy(parent) or (
+        accuracy(variant) == accuracy(parent) and sqnr_rank(variant) > sqnr_rank(parent)
+    )
+    if reached:
+        return better and meets(variant, target)
+    held = {(p["output"], p["part"]) for p in parent["broken_parts"] or []}
+    return better and all((p["output"], p["part"]) in held for p in variant["broken_parts"] or [])
+
+
+def meets(row: Candidate, target: float | None) -> bool:
+    """Whether ``row`` reaches ``target`` with no part of its outputs broken (choice.chosen_row's rule)."""
+    return target is not None and accuracy(row) >= target and not row["broken_parts"]
+
+
+def step_of(row: Mapping[str, Any]) -> str | None:
+    """The recovery step that made ``row`` (None: not a recovery row)."""
+    return (row.get("recovery") or {}).get("step")
 
 
 def gains(recovery: dict[str, Any], row: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:

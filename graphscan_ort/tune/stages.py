@@ -5,7 +5,9 @@ quantize_dynamic; when none meets the target, the structural seeds kept float
 in the fastest rows of the Pareto front (``seeded``), the best row calibrated
 each other way (``refine``), and blocks of operators excluded in turn
 (``exclusions``). After each stage the rows settle (choice.settle: the front
-marked, a row chosen); ``write_choice`` leaves the chosen model in the folder.
+marked, a row chosen); the chosen row is then bias-corrected, the variant kept where
+it helps as deployed (recovery.polished), and ``write_choice`` leaves the chosen model
+in the folder.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from graphscan_ort.tune.goal import Goal
 from graphscan_ort.tune.overrides import overridden
 from graphscan_ort.tune.prepare import dynamic_base, prepare, typing_failures
 from graphscan_ort.tune.progress import Progress
-from graphscan_ort.tune.recovery import recover
+from graphscan_ort.tune.recovery import polished, recover
 from graphscan_ort.tune.seeds import structural_seeds
 from graphscan_ort.tune.trials import HISTOGRAM_SHAPES, Measure, Trials
 from graphscan_ort.tune.verdict import FEW_SAMPLES, low_levels_warning
@@ -124,6 +126,8 @@ def tune_in(
         start = start_row(static_rows(rows))
         exclusions(trials, start, target["value"], limits, prepared, goal.metric.name == "sqnr", progress)
         chosen, reached = settle(rows, target["value"], emulated)
+    # The chosen row bias-corrected, written instead where that helps as deployed (reached or not).
+    chosen, reached = polished(trials, chosen, reached, target["value"], calibration, progress)
     written = write_choice(work, files, rows, chosen)
     warnings += choice_warnings(rows, chosen, reached, target["value"])
     if chosen is not None:

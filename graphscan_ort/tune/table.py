@@ -98,13 +98,16 @@ def exclusion(candidate: dict[str, Any]) -> str:
 
 
 def recovered(candidate: dict[str, Any]) -> str:
-    """What a recovery row did: its step, its source and its gains in dB and in the metric."""
+    """What a recovery row did: its step, its source, its gains in dB and in the metric, and
+    whose speed it inherits."""
     done = candidate["recovery"]
     gains = ", ".join(
         f"{value:+.3g}{unit}" if value is not None else f"undefined{unit}"
         for value, unit in ((done["sqnr_gain_db"], " dB"), (done["metric_gain"], " in the metric"))
     )
-    return f"candidate {candidate['id']}: {done['step']} of candidate {done['from']} ({done['detail']}): {gains}"
+    inherited = done.get("speed_from")
+    speed = "" if inherited is None else f"; the same graph: candidate {inherited}'s speed, not timed again"
+    return f"candidate {candidate['id']}: {done['step']} of candidate {done['from']} ({done['detail']}): {gains}{speed}"
 
 
 def shapes_text(inputs: dict[str, Any]) -> str:

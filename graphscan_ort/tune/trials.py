@@ -15,7 +15,7 @@ import os
 import re
 import tempfile
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
@@ -27,6 +27,7 @@ from graphscan_ort.shared.answers import Candidate
 from graphscan_ort.shared.files import in_folder, out_of_room, write_failure
 from graphscan_ort.shared.metrics import FloatOutputs
 from graphscan_ort.shared.options import Named, Session, Timing
+from graphscan_ort.tune.bias import same_graph
 from graphscan_ort.tune.candidates import (
     DYNAMIC,
     STATIC,
@@ -35,10 +36,20 @@ from graphscan_ort.tune.candidates import (
     quantize_candidate,
     quantize_dynamic_candidate,
 )
-from graphscan_ort.tune.deployed import OnTarget, measure_candidate
+from graphscan_ort.tune.deployed import OnTarget, accuracy_figures, measure_candidate
 from graphscan_ort.tune.fallback import honoured
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
 from graphscan_ort.tune.verdict import levels_figures, sqnr_broken
+
+LATENCY = ("ms", "float_ms", "speedup", "speedup_spread")  # deployed.latency_figures' keys
+
+
+class Post(NamedTuple):
+    """A change made to a quantized file before it is measured (recovery.py's bias
+    correction), and the row whose model it changes."""
+
+    change: Callable[[str], None]
+    parent: Candidate
 
 
 class Measure:
@@ -68,19 +79,32 @@ class Measure:
         self.references: dict[tuple[str, ...], FloatOutputs] = {}  # the float model's outputs, run once
         self.float_bytes = file_bytes(reference.path, reference.model)
 
-    def __call__(self, candidate: onnx.ModelProto, candidate_path: str, excluded: list[str] | None = None) -> dict:
+    def __call__(
+        self,
+        candidate: onnx.ModelProto,
+        candidate_path: str,
+        excluded: list[str] | None = None,
+        speed: dict | None = None,
+    ) -> dict:
         """A candidate's figures as deployed (``candidate``, read from ``candidate_path``), with
-        its weights' storage and the guards it breaks."""
-        row = measure_candidate(
-            self.reference,
-            Named(candidate, candidate_path),
-            self.evaluation,
-            self.session,
-            self.timing,
-            self.references if self.on is None else self.on,
-            self.metric,
-            self.latency,
-        )
+        its weights' storage and the guards it breaks; ``speed``: latency figures it inherits."""
+        named = Named(candidate, candidate_path)
+        if speed is None:
+            row = measure_candidate(
+                self.reference,
+                named,
+                self.evaluation,
+                self.session,
+                self.timing,
+                self.references if self.on is None else self.on,
+                self.metric,
+                self.latency,
+            )
+        else:  # the same graph as a row timed already: its speed, this model's own accuracy and file
+            accuracy = accuracy_figures(
+                self.reference, named, self.evaluation, self.session, self.on or self.references, self.metric
+            )
+            row = {**accuracy, **speed, "bytes": os.path.getsize(candidate_path)}
         row["float_weights"] = len(float_weight_nodes(candidate, excluded))
         row["fails"] = failed_guards(row, self.float_bytes, self.min_speedup)
         return row
@@ -196,6 +220,7 @@ class Trials:
         self.given: dict[str, onnx.ModelProto] = {}  # the prepared models the quantizer is given, by path
         self.digests: dict[str, Candidate] = {}  # a model's SHA-256: the row that measured it
         self.ranges: dict[str, FloatRanges] = {}  # per prepared model: its float values by part
+        self.speed_from: dict[int, int] = {}  # a row's id: the row whose timing it inherits (bias.same_graph)
 
     def add(
         self,
@@ -206,14 +231,15 @@ class Trials:
         trial: dict[str, Any] | None = None,
         kept: list[dict[str, str]] | None = None,
         quantizer: str = STATIC,
-        post: Callable[[str], None] | None = None,
+        post: Post | None = None,
     ) -> Candidate:
         """Quantize ``prepared_path`` with ``settings`` and measure the model as deployed:
         its row, also when the quantizer refused it (with its error, never a crash);
         ``trial``: the block a search stage added (its kind and the nodes it added);
         ``kept``: the seeds kept float in it, ``{"node", "why"}`` each (seeds.py); ``quantizer``:
         quantize_static or quantize_dynamic (no calibration), the row's key holding ``settings``;
-        ``post``: applied to the quantized file before it is measured."""
+        ``post``: a change to the quantized file before it is measured, and the row it changes
+        (whose speed the model takes, untimed, when its graph is that row's: bias.same_graph)."""
         ident = len(self.rows)
         target_path = os.path.join(self.work, f"candidate-{ident}.onnx")
         row = functools.partial(candidate_row, ident, quantizer, settings, rewrites, kept or [], trial)
@@ -221,7 +247,7 @@ class Trials:
             quantize = quantize_dynamic_candidate if quantizer == DYNAMIC else quantize_candidate
             quantize(prepared_path, target_path, settings, self.reader, cache)
             if post is not None:  # a change to the quantized file itself (recovery.py's bias correction)
-                post(target_path)
+                post.change(target_path)
         except Exception as exc:
             blame_the_disk(exc, self.work, os.path.getsize(prepared_path))
             return self.book(row(error=f"{quantizer}: {self.users_terms(one_line(exc))}"))
@@ -242,8 +268,12 @@ class Trials:
         if twin is not None:  # the quantizer made the very same model: measured once
             measured = row(excluded=status, post_step=post_step, same_as=twin["id"], figures=twin)
         else:
+            speed = None
+            if post is not None and same_graph(model, self.measure.models[self.files[post.parent["id"]][0]]):
+                self.speed_from[ident] = post.parent["id"]  # the same kernels: timing it again adds only noise
+                speed = {key: post.parent.get(key) for key in LATENCY}
             try:
-                figures = self.measure(model, target_path, excluded)
+                figures = self.measure(model, target_path, excluded, speed)
             except GraphscanError as exc:  # a model the quantizer made that onnxruntime refuses
                 if exc.exit_code != EXIT_RUNTIME:
                     raise

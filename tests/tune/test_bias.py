@@ -145,3 +145,55 @@ def test_specs_worked_example():
     shift = bias_module.corrected_bias(conv, np.array([0.003, -0.0004]), {"b": dequantize}, inits, {"b": 1, "b_int": 1})
     assert onnx.numpy_helper.to_array(inits["b_int"]).tolist() == [97, -7]
     np.testing.assert_allclose(shift, [-0.003, 0.0], atol=1e-9)
+
+
+def quantized_pointwise(tmp_path):
+    """The pointwise model quantized (int8 QDQ) and its biases corrected: two models whose
+    initializer values differ and nothing else."""
+    weight, bias = RNG.normal(size=(OUT, IN, 1, 1)), RNG.normal(size=OUT)
+    samples = [{"x": (RNG.normal(size=(1, IN, 6, 6)) + 0.7).astype(np.float32)} for _ in range(3)]
+    source, target = tmp_path / "float.onnx", tmp_path / "int8.onnx"
+    onnx.save(pointwise_model(weight, bias), source)
+    quantize_static(str(source), str(target), Reader(samples), quant_format=QuantFormat.QDQ)
+    quantized = onnx.load(target)
+    corrected, done = bias_corrected(quantized, onnx.load(source), samples, str(target))
+    assert done["nodes"] == 1 and corrected.SerializeToString() != quantized.SerializeToString()
+    return quantized, corrected
+
+
+def changed(model, how):
+    """A copy of ``model`` changed in its structure, one way."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    graph = copy.graph
+    conv = next(n for n in graph.node if n.op_type == "Conv")
+    if how == "attribute":
+        conv.attribute.append(helper.make_attribute("group", 1))
+    elif how == "node":
+        graph.node.append(helper.make_node("Identity", ["z"], ["z2"], name="extra"))
+    elif how == "input":
+        conv.input[2] = conv.input[1]
+    elif how == "shape":
+        init = next(i for i in graph.initializer if i.data_type == TensorProto.INT32)
+        init.CopyFrom(onnx.numpy_helper.from_array(np.zeros(OUT + 1, np.int32), init.name))
+    elif how == "type":
+        init = next(i for i in graph.initializer if i.data_type == TensorProto.INT32)
+        init.CopyFrom(onnx.numpy_helper.from_array(np.zeros(OUT, np.int64), init.name))
+    elif how == "name":
+        graph.initializer[0].name += "_renamed"
+    elif how == "output":
+        graph.output[0].name = "y"
+    return copy
+
+
+def test_a_bias_corrected_model_has_its_parents_graph(tmp_path):
+    quantized, corrected = quantized_pointwise(tmp_path)
+    assert bias_module.same_graph(corrected, quantized)
+
+
+@pytest.mark.parametrize("how", ["attribute", "node", "input", "shape", "type", "name", "output"])
+def test_any_other_difference_is_another_graph(tmp_path, how):
+    """Only initializer values may differ: an attribute, a node, an input, an initializer's
+    shape, type or name, or a graph output makes another graph (timed on its own)."""
+    quantized, corrected = quantized_pointwise(tmp_path)
+    assert not bias_module.same_graph(changed(corrected, how), quantized)

@@ -253,12 +253,13 @@ def test_latency_is_measured_at_the_deployed_shape_and_named(tmp_path, build_cas
 def test_when_every_metric_is_undefined_the_target_is_never_reached(cnn, tmp_path, monkeypatch):
     """The ruling: an undefined target (here the defaults' SQNR) is never reached, and tune
     says why; exit 8, never a "reached" over nothing."""
-    measured = tune_trials.measure_candidate
+    for name in ("measure_candidate", "accuracy_figures"):  # the latter: a row that inherits its timing
+        measured = getattr(tune_trials, name)
 
-    def undefined(*args, **kwargs):
-        return {**measured(*args, **kwargs), "sqnr_db": None, "metric_value": None}
+        def undefined(*args, measured=measured, **kwargs):
+            return {**measured(*args, **kwargs), "sqnr_db": None, "metric_value": None}
 
-    monkeypatch.setattr(tune_trials, "measure_candidate", undefined)
+        monkeypatch.setattr(tune_trials, name, undefined)
     monkeypatch.setattr(tune_stages, "impact_of", lambda *args, **kwargs: {"ops": []})
     answer = run_tune(cnn, tmp_path / "out", runs=1)
     assert answer["target"] == {"value": None, "source": "defaults"} and answer["reached"] is False

@@ -26,6 +26,7 @@ import graphscan_ort.tune.command as tune
 import graphscan_ort.tune.stages as tune_stages
 import graphscan_ort.tune.trials as tune_trials
 from graphscan_ort.shared.options import Named, Timing
+from graphscan_ort.tune.bias import bias_corrected
 from tests.helpers import (
     INTERRUPT_AT,
     TERMINATE_AT,
@@ -77,7 +78,9 @@ def test_the_answer_has_the_issues_keys_and_writes_two_files(tuned):
     os.umask(umask)
     assert stat.S_IMODE(tuned["out"].stat().st_mode) == 0o777 & ~umask  # as mkdir makes it, not 0700
     assert answer["evaluation"]["held_out"] is True and answer["calibration"]["samples"] == 2
-    assert len(answer["candidates"]) == 8  # no Div or HardSigmoid here: no rewritten variant
+    # 8 ways to quantize (no Div or HardSigmoid here: no rewritten variant), and the chosen row's bias correction
+    assert len(answer["candidates"]) == 9
+    assert [c["recovery"]["step"] for c in answer["candidates"] if c["recovery"]] == ["bias_correction"]
     assert list(tuned["out"].parent.glob(".graphscan-tune-*")) == []
 
 
@@ -429,6 +432,10 @@ def test_the_lab_mlp_is_tuned_and_reproduced(tmp_path, build_case):
             quantize_dynamic(prepared, again, **candidates.keyword_arguments(chosen["quantize_dynamic"]))
         else:
             quantize_static(prepared, again, Reader(), **candidates.keyword_arguments(chosen["quantize_static"]))
+    if chosen["recovery"] is not None:  # the chosen row's biases corrected on the calibration samples
+        calibration = [dict(np.load(p)) for p in samples[:2]]
+        corrected, _ = bias_corrected(onnx.load(again), onnx.load(prepared), calibration, prepared)
+        onnx.save(corrected, again)
     assert (tmp_path / "again.onnx").read_bytes() == (tmp_path / "o" / "model.onnx").read_bytes()
     budget = graphscan.check(
         str(tmp_path / "o" / "model.onnx"), float_path=lab["fp32"], min_sqnr=-100, inputs=[str(samples[2])]
