@@ -69,19 +69,16 @@ def kernels_first(row: Mapping[str, Any]) -> tuple[float, float, float, float]:
 
 
 def speed_tied(rows: list[Candidate]) -> list[Candidate]:
-    """The fastest of ``rows`` (by speedup) and every row whose run-by-run speedups overlap
-    its: the row's 75th percentile (``speedup_spread``) at or above the fastest's 25th. One
+    """The fastest of ``rows`` (by speedup) and every row whose speedup lies within the
+    fastest's run-by-run spread: at or above its 25th percentile (``speedup_spread``). One
     timing on a shared machine cannot order those; the choice takes the most accurate of them.
-    A row without a spread stands for its speedup alone (both quartiles)."""
+    The row's own median, not its spread, must lie there: a few noisy runs widen a slow row's
+    spread up to the fastest's, never its median. A fastest row without a spread stands for
+    its speedup alone."""
     fastest = max(rows, key=lambda r: (speed(r), accuracy(r)))
-    low = quartiles(fastest)[0]
-    return [r for r in rows if r is fastest or quartiles(r)[1] >= low]
-
-
-def quartiles(row: Mapping[str, Any]) -> tuple[float, float]:
-    """A row's ``speedup_spread`` (its speedup twice when it has none)."""
-    spread = row.get("speedup_spread")
-    return (spread[0], spread[1]) if spread else (speed(row), speed(row))
+    spread = fastest.get("speedup_spread")
+    low = spread[0] if spread else speed(fastest)
+    return [r for r in rows if r is fastest or speed(r) >= low]
 
 
 def settle(rows: list[Candidate], target: float | None, emulated: bool = False) -> tuple[Candidate | None, bool]:

@@ -9,8 +9,9 @@
    has a constant weight, also onnxruntime's quantize_dynamic (uncalibrated).
 3. Measure each as deployed (deployed.py) on the --inputs samples, held out
    from calibration (or the calibration samples, said so).
-4. Choose the fastest candidate that passes the guards (guards.py: faster and no
-   larger than float, integer weights) and whose --metric meets the target
+4. Choose, of the candidates that pass the guards (guards.py: faster and no
+   larger than float, integer weights) and whose --metric meets the target, the most
+   accurate of those tied in speed with the fastest (choice.py)
    (default: sqnr, and the SQNR of onnxruntime's default settings on this model;
    an agreement metric's default target is float's own agreement, 1.0).
 5. When none does: exclusions realized by the quantizer. impact ranks the

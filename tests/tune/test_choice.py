@@ -20,8 +20,8 @@ def row(k, speedup, spread, value, sqnr=None, **more):
 def test_a_speed_within_the_fastests_spread_is_a_tie_and_the_most_accurate_tied_row_is_chosen():
     rows = [
         row(0, 2.00, [1.80, 2.20], 10.0),  # the fastest
-        row(1, 1.90, [1.70, 1.80], 15.0),  # its 75th percentile reaches the fastest's 25th: tied
-        row(2, 1.60, [1.50, 1.79], 20.0),  # just below it: slower, however accurate
+        row(1, 1.80, [1.70, 1.85], 15.0),  # its median at the fastest's 25th percentile: tied
+        row(2, 1.79, [1.50, 1.95], 20.0),  # its median just below it: slower, however wide its spread
         row(3, 1.95, [1.85, 2.05], 9.0),  # tied, less accurate
     ]
     assert [r["id"] for r in tune_choice.speed_tied(rows)] == [0, 1, 3]
@@ -52,8 +52,11 @@ def test_only_rows_that_pass_the_guards_and_meet_the_target_unbroken_can_tie():
 def test_rows_without_a_spread_tie_only_at_equal_speedups():
     rows = [row(0, 2.0, None, 10.0), row(1, 1.99, None, 20.0), row(2, 2.0, None, 12.0)]
     assert tune_choice.chosen_row(rows, 5.0) == (rows[2], True)
-    # A spread on one side only: the fastest without one stands for its speedup.
+    # A spread on the slower row only: its median is what counts, below the fastest's speedup.
     rows[1]["speedup_spread"] = [1.9, 2.05]
+    assert tune_choice.chosen_row(rows, 5.0) == (rows[2], True)
+    # A spread on the fastest: the slower row's median within it ties.
+    rows[0]["speedup_spread"] = rows[2]["speedup_spread"] = [1.98, 2.02]
     assert tune_choice.chosen_row(rows, 5.0) == (rows[1], True)
 
 
