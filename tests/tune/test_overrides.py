@@ -10,13 +10,13 @@ import pytest
 from onnxruntime.quantization import CalibrationMethod, quantize_static
 from onnxruntime.quantization.calibrate import TensorsData
 
-import gen_models
 import graphscan_ort.tune.command as tune
 from graphscan_ort.tune.candidates import keyword_arguments, quiet
 from graphscan_ort.tune.overrides import OUTLIER_FACTOR, STEP, outlier_overrides, overridden
 from graphscan_ort.tune.progress import Progress
 from tests.helpers import calibration_reader
 from tests.tune.outliers import outlier_model, outlier_samples
+from tests.tune.test_recovery import tuned as recovery_run
 
 
 def tensors(method, ranges):
@@ -136,22 +136,7 @@ def test_the_override_helps_as_deployed_by_an_independent_computation(outliers, 
 def test_without_an_outlier_dominated_tensor_no_row_is_added(tmp_path):
     """A small CNN on standard normal samples: every MinMax range within the factor of its
     Percentile range, so the recovery stage adds its two rows and no third."""
-    onnx.save(gen_models.build_cnn(2, 32, 16, 0), tmp_path / "cnn.onnx")
-    rng = np.random.default_rng(33)
-    files = []
-    for k in range(5):
-        files.append(str(tmp_path / f"s{k}.npz"))
-        np.savez(files[-1], x=rng.standard_normal((1, 3, 16, 16)).astype(np.float32))
-    answer = tune.tune(
-        str(tmp_path / "cnn.onnx"),
-        calibrate=files[:3],
-        inputs=files[3:],
-        out=str(tmp_path / "out"),
-        target=500.0,
-        runs=1,
-        min_speedup=0,
-        max_trials=0,
-    )
+    answer = recovery_run(tmp_path, 500.0)["answer"]  # the recovery tests' unreachable scenario
     steps = [c["recovery"]["step"] for c in answer["candidates"] if c["recovery"]]
     assert sorted(steps) == ["bias_correction", "equalize"]
     assert all("extra_options" not in (c["quantize_static"] or {}) or "TensorQuantOverrides" not in
