@@ -89,6 +89,7 @@ class Measure:
         """A candidate's figures as deployed (``candidate``, read from ``candidate_path``), with
         its weights' storage and the guards it breaks; ``speed``: latency figures it inherits."""
         named = Named(candidate, candidate_path)
+        references = self.references if self.on is None else self.on  # where the float outputs are run
         if speed is None:
             row = measure_candidate(
                 self.reference,
@@ -96,14 +97,12 @@ class Measure:
                 self.evaluation,
                 self.session,
                 self.timing,
-                self.references if self.on is None else self.on,
+                references,
                 self.metric,
                 self.latency,
             )
         else:  # the same graph as a row timed already: its speed, this model's own accuracy and file
-            accuracy = accuracy_figures(
-                self.reference, named, self.evaluation, self.session, self.on or self.references, self.metric
-            )
+            accuracy = accuracy_figures(self.reference, named, self.evaluation, self.session, references, self.metric)
             row = {**accuracy, **speed, "bytes": os.path.getsize(candidate_path)}
         row["float_weights"] = len(float_weight_nodes(candidate, excluded))
         row["fails"] = failed_guards(row, self.float_bytes, self.min_speedup)
