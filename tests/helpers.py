@@ -588,3 +588,22 @@ def without_structural_seeds(monkeypatch):
 
     monkeypatch.setattr(tune_stages, "structural_seeds", lambda *args, **kwargs: [])
     monkeypatch.setattr(tune_stages, "part_blocks", lambda *args, **kwargs: [])
+
+
+def small_cnn(folder, blocks, count, seed):
+    """gen_models' residual CNN (``blocks`` blocks, 16 channels: int8 is smaller than float, 8x8
+    pixels) saved as ``folder/cnn.onnx``, and ``count`` seeded standard-normal samples
+    ``s0.npz``, ``s1.npz``, ...: the model's path and the sample files."""
+    import numpy as np
+    import onnx
+
+    import gen_models
+
+    fp32 = Path(folder) / "cnn.onnx"
+    onnx.save(gen_models.build_cnn(blocks, channels=16, size=8, seed=0), fp32)
+    rng = np.random.default_rng(seed)
+    files = []
+    for k in range(count):
+        files.append(str(Path(folder) / f"s{k}.npz"))
+        np.savez(files[-1], x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    return fp32, files

@@ -21,7 +21,7 @@ import graphscan_ort.tune.trials as tune_trials
 from graphscan_ort.shared.agreement import DEFAULT_TARGET_FLOOR_DB, POOR_SQNR_DB, metric
 from graphscan_ort.tune.candidates import SampleReader, quiet
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
-from tests.helpers import main_error_line, run_main, without_structural_seeds
+from tests.helpers import main_error_line, run_main, small_cnn, without_structural_seeds
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +29,7 @@ def cnn(tmp_path_factory):
     """A 16-channel residual CNN (int8 is smaller than float), two calibration samples
     and two held-out ones."""
     folder = tmp_path_factory.mktemp("guards")
-    fp32 = folder / "cnn.onnx"
-    onnx.save(gen_models.build_cnn(2, channels=16, size=8, seed=0), fp32)
-    rng = np.random.default_rng(9)
-    files = []
-    for k in range(4):
-        files.append(str(folder / f"s{k}.npz"))
-        np.savez(files[-1], x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    fp32, files = small_cnn(folder, 2, 4, seed=9)
     return {"float": str(fp32), "calibrate": files[:2], "inputs": files[2:], "folder": folder}
 
 

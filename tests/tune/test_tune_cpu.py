@@ -14,7 +14,6 @@ import numpy as np
 import onnx
 import pytest
 
-import gen_models
 import graphscan
 import graphscan_ort.tune.command as tune
 import graphscan_ort.tune.deployed as deployed
@@ -22,7 +21,7 @@ from graphscan_ort.shared import targets
 from graphscan_ort.shared.on_target import Target
 from graphscan_ort.shared.options import Named, Session, Timing
 from graphscan_ort.tune.guards import failed_guards
-from tests.helpers import main_error_line, run_main
+from tests.helpers import main_error_line, run_main, small_cnn
 from tests.targets.test_targets import INSTALL, empty_bin, fake_tools
 
 FLOAT, QUANT = "ops/fp32.onnx", "ops/full.onnx"
@@ -31,14 +30,7 @@ FLOAT, QUANT = "ops/fp32.onnx", "ops/full.onnx"
 @pytest.fixture(scope="module")
 def cnn(tmp_path_factory):
     """A small residual CNN (16 channels: int8 is smaller than float), two calibration samples, one held-out."""
-    folder = tmp_path_factory.mktemp("tune_cpu")
-    fp32 = folder / "cnn.onnx"
-    onnx.save(gen_models.build_cnn(1, channels=16, size=8, seed=0), fp32)
-    rng = np.random.default_rng(5)
-    files = []
-    for k in range(3):
-        files.append(str(folder / f"s{k}.npz"))
-        np.savez(files[-1], x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    fp32, files = small_cnn(tmp_path_factory.mktemp("tune_cpu"), 1, 3, seed=5)
     return {"float": str(fp32), "calibrate": files[:2], "inputs": files[2:]}
 
 
