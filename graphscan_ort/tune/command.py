@@ -18,7 +18,8 @@
    operators of the most accurate candidate; blocks of them (blocks.py) are
    added to ``nodes_to_exclude`` in turn, the model re-quantized (same
    calibration), its exclusions made real (fallback.py) and measured as
-   deployed, and an addition is kept only if it helps, until the target,
+   deployed, and an addition is kept only if it helps and breaks no guard the
+   start passed (no block as costly is tried after one that does), until the target,
    --max-trials (default 8) or --max-exclude nodes.
    With ``--cpu`` another CPU target, each candidate's accuracy and kernels are that
    CPU's (deployed.OnTarget, one interpreter for the run); its speed is still timed

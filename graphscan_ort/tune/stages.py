@@ -229,7 +229,8 @@ def exclusions(
 ) -> None:
     """Blocks of operators of ``best`` (blocks.py) added to nodes_to_exclude, the next one
     chosen by its estimated gain per cost, each re-quantized and measured as deployed; an
-    addition stays only if the metric rises and its nodes really run float. ``limits``:
+    addition stays only if the metric rises, its nodes really run float and it breaks no guard
+    the start passed (then no block as costly is tried again). ``limits``:
     (--max-exclude nodes, --max-trials re-quantizations); ``in_db``: the metric is the SQNR,
     so impact's estimates are in its unit. Every model tried is a candidate row of its own
     (the quantizer's, never a promise)."""
@@ -251,6 +252,7 @@ def exclusions(
     kept_share = 0.0
     tried: set[tuple[str, ...]] = set()
     current = best
+    ceiling = math.inf  # a block this costly made a model the guards refuse: none as costly is tried again
     for k in range(budget):
         if accuracy(current) >= target:  # met: more exclusions would only make it slower
             break
@@ -261,11 +263,14 @@ def exclusions(
                 b
                 for b in first
                 if b.nodes not in tried
+                and b.cost < ceiling
                 and not set(b.nodes) <= set(kept)
                 and (room is None or len(set(b.nodes) - set(kept)) <= room)
             ),
             None,
-        ) or next_block(blocks, tried, frozenset(kept + seeded), kept_share, needed, room)
+        ) or next_block(
+            [b for b in blocks if b.cost < ceiling], tried, frozenset(kept + seeded), kept_share, needed, room
+        )
         if block is None:
             break
         tried.add(block.nodes)
@@ -276,7 +281,11 @@ def exclusions(
         trial = {"block": block.kind, "added": added}
         row = trials.add(settings, best["rewrites"], prepared_path, cache, trial, best["kept_float"])
         real = row["error"] is None and all((row["excluded"] or {})[n] != STILL_INT8 for n in added)  # they run float
-        if real and accuracy(row) > accuracy(current):
+        if set(row["fails"] or []) - set(best["fails"] or []):
+            # Larger or slower than the guards allow, where the start was not: keeping more float only
+            # makes a model more so, so this block is never kept and no block as costly is tried again.
+            ceiling = min(ceiling, block.cost)
+        elif real and accuracy(row) > accuracy(current):
             kept_share += sum(s for n, s in zip(block.nodes, block.shares, strict=True) if n in added)
             kept += added
             current = row

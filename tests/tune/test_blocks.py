@@ -12,7 +12,8 @@ import gen_models
 import graphscan
 import graphscan_ort.tune.command as tune
 from graphscan_ort.tune import fallback
-from graphscan_ort.tune.blocks import Block, next_block, noise_share, search_blocks
+from graphscan_ort.tune import trials as trials_module
+from graphscan_ort.tune.blocks import Block, next_block, noise_share, search_blocks, weight_elements
 from graphscan_ort.tune.candidates import keyword_arguments, quiet
 from tests.helpers import calibration_reader, without_dynamic_candidates
 
@@ -97,3 +98,64 @@ def test_a_target_no_single_exclusion_reaches_is_reached_by_a_set_of_them(tmp_pa
         fallback.honoured(onnx.load(single), str(single), "all", [name], given)
         budget = graphscan.check(str(single), float_path=str(tmp_path / "mlp.onnx"), inputs=files[2:], min_sqnr=-100)
         assert budget["budgets"][0]["value"] < target, name
+
+
+def test_a_block_that_makes_a_model_the_guards_refuse_is_never_kept_nor_outdone_in_cost(tmp_path, monkeypatch):
+    """The MLP above with a guard that refuses a model holding more than about one Gemm's weights
+    in float (as ``larger`` refuses one over float's bytes): a refused block is not kept, whatever
+    its accuracy (every later model would hold its float weights too and be refused as well), and
+    no block at least as costly is tried after it, so the trials go to models that can be written."""
+    without_dynamic_candidates(monkeypatch)
+    onnx.save(gen_models.build_mlp(8, 64, 0, ("N",)), tmp_path / "mlp.onnx")
+    rng = np.random.default_rng(2)
+    files = []
+    for k in range(4):
+        files.append(str(tmp_path / f"s{k}.npz"))
+        np.savez(files[-1], x=rng.standard_normal((16, 64)).astype(np.float32))
+    float_bytes = (tmp_path / "mlp.onnx").stat().st_size
+    real_guards = trials_module.failed_guards
+
+    def one_float_gemm_at_most(row, float_bytes_, min_speedup):
+        fails = real_guards(row, float_bytes_, min_speedup)
+        return fails + ["larger"] if row["bytes"] > 0.45 * float_bytes and "larger" not in fails else fails
+
+    monkeypatch.setattr(trials_module, "failed_guards", one_float_gemm_at_most)
+    answer = tune.tune(
+        str(tmp_path / "mlp.onnx"),
+        calibrate=files[:2],
+        inputs=files[2:],
+        out=str(tmp_path / "out"),
+        target=60.0,
+        runs=1,
+        min_speedup=0,
+        max_trials=6,
+    )
+    rows = sorted((c for c in answer["candidates"] if c["trial"] is not None), key=lambda c: c["id"])
+    refused = [r for r in rows if "larger" in r["fails"]]
+    assert refused and any(not r["fails"] for r in rows)  # the guard bit, and cheaper blocks were tried
+    given = onnx.load(tmp_path / "out" / "prepared.onnx")
+    cost = weight_elements(given)
+    start = next(c for c in answer["candidates"] if c["id"] == trials_start(answer, rows[0]))
+    kept, current = list(start["quantize_static"].get("nodes_to_exclude") or []), start["sqnr_db"]
+    ceiling = math.inf
+    for row in rows:
+        added = row["trial"]["added"]
+        assert row["quantize_static"]["nodes_to_exclude"] == kept + added  # only accepted blocks stay
+        assert sum(1 + cost[n] for n in added) < ceiling  # never as costly as a refused block
+        if row["fails"]:
+            ceiling = min(ceiling, sum(1 + cost[n] for n in added))
+        elif row["sqnr_db"] > current and all(row["excluded"][n] != "int8" for n in added):
+            kept, current = kept + added, row["sqnr_db"]
+
+
+def trials_start(answer, first_trial):
+    """The id of the row the exclusion search started from: the row whose settings its first
+    trial extends (the same quantize_static arguments apart from nodes_to_exclude)."""
+    settings = {k: v for k, v in first_trial["quantize_static"].items() if k != "nodes_to_exclude"}
+    same = [
+        c for c in answer["candidates"]
+        if c["trial"] is None and c["recovery"] is None and c["quantize_static"] is not None
+        and {k: v for k, v in c["quantize_static"].items() if k != "nodes_to_exclude"} == settings
+        and not c["fails"]
+    ]  # fmt: skip
+    return max(same, key=lambda c: c["sqnr_db"])["id"]
