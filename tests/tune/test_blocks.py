@@ -58,17 +58,23 @@ def test_blocks_cover_single_nodes_tails_and_neighbourhoods():
     assert len(around.nodes) > 1 and set(around.nodes) <= set(names)
 
 
+def mlp_and_samples(folder):
+    """``folder``/mlp.onnx, an 8-layer MLP 64 wide, and its 4 samples (2 to calibrate, 2 to evaluate)."""
+    onnx.save(gen_models.build_mlp(8, 64, 0, ("N",)), folder / "mlp.onnx")
+    rng = np.random.default_rng(2)
+    files = []
+    for k in range(4):
+        files.append(str(folder / f"s{k}.npz"))
+        np.savez(files[-1], x=rng.standard_normal((16, 64)).astype(np.float32))
+    return files
+
+
 def test_a_target_no_single_exclusion_reaches_is_reached_by_a_set_of_them(tmp_path, monkeypatch):
     """An 8-layer MLP, 64 wide. Measured: every Gemm kept float alone (as deployed, its
     exclusion made real) stays below the target; tune's search reaches it with more (the
     search of quantize_static's rows: a dynamic row would meet this target at once)."""
     without_dynamic_candidates(monkeypatch)
-    onnx.save(gen_models.build_mlp(8, 64, 0, ("N",)), tmp_path / "mlp.onnx")
-    rng = np.random.default_rng(2)
-    files = []
-    for k in range(4):
-        files.append(str(tmp_path / f"s{k}.npz"))
-        np.savez(files[-1], x=rng.standard_normal((16, 64)).astype(np.float32))
+    files = mlp_and_samples(tmp_path)
     target = 34.0
     answer = tune.tune(
         str(tmp_path / "mlp.onnx"),
@@ -106,12 +112,7 @@ def test_a_block_that_makes_a_model_the_guards_refuse_is_never_kept_nor_outdone_
     its accuracy (every later model would hold its float weights too and be refused as well), and
     no block at least as costly is tried after it, so the trials go to models that can be written."""
     without_dynamic_candidates(monkeypatch)
-    onnx.save(gen_models.build_mlp(8, 64, 0, ("N",)), tmp_path / "mlp.onnx")
-    rng = np.random.default_rng(2)
-    files = []
-    for k in range(4):
-        files.append(str(tmp_path / f"s{k}.npz"))
-        np.savez(files[-1], x=rng.standard_normal((16, 64)).astype(np.float32))
+    files = mlp_and_samples(tmp_path)
     float_bytes = (tmp_path / "mlp.onnx").stat().st_size
     real_guards = trials_module.failed_guards
 
