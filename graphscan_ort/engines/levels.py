@@ -21,7 +21,7 @@ import onnx
 from graphscan import DEQUANTIZE, QUANTIZE
 from graphscan_ort.shared.graph import QDQ_SUFFIX, constant_arrays, with_outputs
 from graphscan_ort.shared.parts import PASS_THROUGH, TensorParts
-from graphscan_ort.shared.sessions import model_outputs
+from graphscan_ort.shared.sessions import each_sample_outputs
 
 # Below this many levels, tune warns that a part of the model it writes has lost its values.
 LEVELS_FLOOR = 16.0
@@ -66,7 +66,7 @@ def part_ranges(
     for start in range(0, len(tensors), TENSORS_PER_RUN):
         chunk = tensors[start : start + TENSORS_PER_RUN]
         copy = with_outputs(float_model, chunk)
-        for sample, values in zip(samples, model_outputs(copy, samples, path, chunk), strict=True):
+        for sample, values in zip(samples, each_sample_outputs(copy, samples, path, chunk), strict=True):
             labels = parts.labels(sample)
             for tensor, value in zip(chunk, values, strict=True):
                 widen(ranges[tensor], np.asarray(value), labels[tensor])
