@@ -4,9 +4,7 @@ and class probabilities under one scale, the probabilities span less than one st
 expected values are numpy's, on the float model's own tensors, with the scale read from
 the quantized file."""
 
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -18,8 +16,7 @@ import gen_models
 import graphscan
 from graphscan_ort.engines import levels
 from tests import yolo_like
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT, load_bench_script
 
 
 @pytest.fixture(scope="module")
@@ -92,33 +89,35 @@ def test_the_table_leads_with_the_parts_that_span_few_levels(traced):
     assert "head_concat" in first and "box_conv" not in first
 
 
-PEAK_RSS = """
-import resource, sys
+RANGES_OF_SAMPLES = """
+import sys
+sys.path.insert(0, sys.argv[1])
 import numpy as np
 import gen_models
 from graphscan_ort.engines import levels
-count = int(sys.argv[1])
+count = int(sys.argv[2])
 model = gen_models.build_cnn(2, channels=8, size=160, seed=0)
 tensors = [n.output[0] for n in model.graph.node if n.op_type in ("Conv", "Relu")]
 rng = np.random.default_rng(5)
 samples = [{"x": rng.standard_normal((1, 3, 160, 160)).astype(np.float32)} for _ in range(count)]
 levels.part_ranges(model, tensors, samples, "cnn.onnx")
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, len(tensors) * 8 * 160 * 160 * 4)
+print(len(tensors) * 8 * 160 * 160 * 4)  # one sample's inner tensors, in bytes
 """
 
 
-def test_the_float_ranges_hold_one_samples_tensors_at_a_time():
+def test_the_float_ranges_hold_one_samples_tensors_at_a_time(tmp_path):
     """part_ranges over 32 samples peaks within a few samples' inner tensors of where 2 do
-    (peak RSS of a fresh process; onnxruntime's outputs are not numpy allocations that
-    tracemalloc sees): each sample's tensors are reduced before the next sample runs. Holding
-    every sample's (11.5 MB a sample here: 321 MB more at 32), a recognizer's 40 crops took
-    tune to 3.6 GB."""
+    (peak RSS of a fresh process, bench/measure.py; onnxruntime's outputs are not numpy
+    allocations that tracemalloc sees): each sample's tensors are reduced before the next
+    sample runs. Holding every sample's (11.5 MB a sample here: 321 MB more at 32), a
+    recognizer's 40 crops took tune to 3.6 GB."""
+    measure = load_bench_script("measure")
 
     def peak(count):
-        run = subprocess.run([sys.executable, "-c", PEAK_RSS, str(count)], capture_output=True, text=True, cwd=ROOT)
-        assert run.returncode == 0, run.stderr
-        top, per_sample = map(int, run.stdout.split())
-        return top, per_sample
+        out, err = tmp_path / f"{count}.out", tmp_path / f"{count}.err"
+        result = measure.measured([sys.executable, "-c", RANGES_OF_SAMPLES, ROOT, count], out, err)
+        assert result["exit"] == 0, err.read_text()
+        return result["peak_rss"], int(out.read_text())
 
     (few, per_sample), (many, _) = peak(2), peak(32)
     assert many - few < 4 * per_sample, (few, many, per_sample)
