@@ -4,10 +4,15 @@ row chosen, where the search starts, and what a user is told about the choice.""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from graphscan_ort.shared.answers import Candidate
+
+BySample = Mapping[int, Sequence[float | None] | None]  # a row's id: its metric on each evaluation sample
+NOISE_SE = 2.0  # a mean paired per-sample difference this many standard errors below zero is measurable
 
 
 def accuracy(row: Mapping[str, Any]) -> float:
@@ -25,16 +30,23 @@ def speed(row: Mapping[str, Any]) -> float:
 
 def pareto(rows: list[Candidate]) -> None:
     """Mark each measured row on the front of (fastest, most accurate): no other is at least as fast and as
-    accurate, and better in one."""
+    accurate, and better in one. Accuracy is the target's metric, its ties broken by the worst
+    part's SQNR (ranked): where a metric scores every row alike (all collapsed, say), the front
+    still holds the most accurate fast row, not only the one a timing put first."""
     measured = [r for r in rows if r["error"] is None]
     for row in rows:
         row["pareto"] = row["error"] is None and not any(
             other is not row
             and speed(other) >= speed(row)
-            and accuracy(other) >= accuracy(row)
-            and (speed(other) > speed(row) or accuracy(other) > accuracy(row))
+            and ranked(other) >= ranked(row)
+            and (speed(other) > speed(row) or ranked(other) > ranked(row))
             for other in measured
         )
+
+
+def ranked(row: Mapping[str, Any]) -> tuple[float, float]:
+    """A row's accuracy for the front: the target's metric, then the worst part's SQNR."""
+    return accuracy(row), sqnr_rank(row)
 
 
 def listing_order(rows: list[Candidate]) -> list[Candidate]:
@@ -43,13 +55,15 @@ def listing_order(rows: list[Candidate]) -> list[Candidate]:
     return sorted(rows, key=lambda r: (not r["pareto"], r["error"] is not None, -speed(r), r["id"]))
 
 
-def chosen_row(rows: list[Candidate], target: float | None, emulated: bool = False) -> tuple[Candidate | None, bool]:
+def chosen_row(
+    rows: list[Candidate], target: float | None, emulated: bool = False, by_sample: BySample | None = None
+) -> tuple[Candidate | None, bool]:
     """Of the rows that pass the guards and meet ``target`` with no part of its outputs broken
     (verdict.py), the most accurate of those tied in speed with the fastest (speed_tied), else
-    the most accurate that passes them (None: none does); and whether the target was met. An
-    undefined target (None) is never met. ``emulated``: the rows' accuracy and kernels are an
-    emulated CPU target's, whose speed is not measured: of the rows that meet the target, the
-    one with the most int8 kernels on that CPU (kernels_first)."""
+    the most accurate that passes them (most_accurate; None: none does); and whether the
+    target was met. An undefined target (None) is never met. ``emulated``: the rows' accuracy
+    and kernels are an emulated CPU target's, whose speed is not measured: of the rows that
+    meet the target, the one with the most int8 kernels on that CPU (kernels_first)."""
     passing = [r for r in rows if r["error"] is None and not r.get("fails")]
     meeting = [r for r in passing if target is not None and accuracy(r) >= target and not r.get("broken_parts")]
     if meeting and emulated:
@@ -57,8 +71,39 @@ def chosen_row(rows: list[Candidate], target: float | None, emulated: bool = Fal
     if meeting:
         return max(speed_tied(meeting), key=lambda r: (accuracy(r), sqnr_rank(r), speed(r))), True
     if passing:
-        return max(passing, key=lambda r: (accuracy(r), speed(r))), False
+        return most_accurate(passing, by_sample), False
     return None, False
+
+
+def most_accurate(rows: list[Candidate], by_sample: BySample | None = None) -> Candidate:
+    """The most accurate of ``rows`` by the target's metric (ties broken by the worst part's
+    SQNR, then speed). Where each row's metric is known sample by sample (``by_sample``), the
+    rows the metric cannot tell from that one (within_noise) tie with it, and the worst
+    part's SQNR, a figure of every output element, decides among them: a metric resting on
+    a few events moves by one event from one row to the next, and that is not accuracy."""
+    best = max(rows, key=lambda r: (accuracy(r), sqnr_rank(r), speed(r)))
+    if by_sample is None:
+        return best
+    tied = [r for r in rows if r is best or within_noise(by_sample.get(r["id"]), by_sample.get(best["id"]))]
+    return max(tied, key=lambda r: (sqnr_rank(r), accuracy(r), speed(r)))
+
+
+def within_noise(values: Sequence[float | None] | None, best: Sequence[float | None] | None) -> bool:
+    """Whether a row's metric, sample by sample (``values``), is not measurably below the
+    best row's (``best``): over the samples where both are finite (at least 2), the mean
+    difference is at least 0 or within NOISE_SE standard errors of it (a paired comparison:
+    both rows ran on the same samples)."""
+    if values is None or best is None:
+        return False
+    differences = np.asarray(
+        [v - b for v, b in zip(values, best, strict=True) if v is not None and b is not None], dtype=np.float64
+    )
+    differences = differences[np.isfinite(differences)]  # a sample where either is undefined or infinite
+    if len(differences) < 2:
+        return False
+    mean = float(differences.mean())
+    error = float(differences.std(ddof=1)) / math.sqrt(len(differences))
+    return mean >= 0 or mean >= -NOISE_SE * error
 
 
 def kernels_first(row: Mapping[str, Any]) -> tuple[float, float, float, float]:
@@ -81,10 +126,12 @@ def speed_tied(rows: list[Candidate]) -> list[Candidate]:
     return [r for r in rows if r is fastest or speed(r) >= low]
 
 
-def settle(rows: list[Candidate], target: float | None, emulated: bool = False) -> tuple[Candidate | None, bool]:
+def settle(
+    rows: list[Candidate], target: float | None, emulated: bool = False, by_sample: BySample | None = None
+) -> tuple[Candidate | None, bool]:
     """After a stage adds rows: mark the Pareto front anew, then choose (chosen_row)."""
     pareto(rows)
-    return chosen_row(rows, target, emulated)
+    return chosen_row(rows, target, emulated, by_sample)
 
 
 def part_words(part: dict[str, Any]) -> str:
@@ -92,9 +139,9 @@ def part_words(part: dict[str, Any]) -> str:
     return f"{part['output']} part {part['part']} (from {part['node']}): {part['why']}"
 
 
-def start_row(rows: list[Candidate]) -> Candidate:
-    """Where the refinements and exclusions start: the most accurate row by the target's
-    metric (ties broken by the worst part's SQNR, then speed) that passes the guards (each
+def start_row(rows: list[Candidate], by_sample: BySample | None = None) -> Candidate:
+    """Where the refinements and exclusions start: the most accurate row (most_accurate:
+    by the target's metric, its ties and noise broken by the worst part's SQNR) that passes the guards (each
     exclusion only makes a model slower and larger: one that fails them already can never
     be written), else the most accurate with integer weights, else the most accurate of all.
     A bias-corrected row (recovery.py) is never the start: its correction fits its own
@@ -102,7 +149,7 @@ def start_row(rows: list[Candidate]) -> Candidate:
     measured = [r for r in rows if r["error"] is None and (r.get("recovery") or {}).get("step") != "bias_correction"]
     passing = [r for r in measured if not r["fails"]]
     stored = passing or [r for r in measured if not r["float_weights"]] or measured
-    return max(stored, key=lambda r: (accuracy(r), sqnr_rank(r), speed(r)))
+    return most_accurate(stored, by_sample)
 
 
 def sqnr_rank(row: Mapping[str, Any]) -> float:

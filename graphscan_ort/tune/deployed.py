@@ -105,7 +105,8 @@ def accuracy_figures(
     figures = outputs.figures()
     sqnr = math.inf if figures.exact else figures.worst_db  # equal to float's: infinitely accurate, never the worst
     value, events = (sqnr, None) if metric is None or metric.name == "sqnr" else paired_events(outputs, metric)
-    worst, spread_of = spread([sample_value(outputs.sample(k), metric) for k in range(len(samples))])
+    by_sample = [sample_value(outputs.sample(k), metric) for k in range(len(samples))]
+    worst, spread_of = spread(by_sample)
     return {
         "sqnr_db": sqnr,
         "pooled_sqnr_db": math.inf if figures.exact else figures.pooled_db,
@@ -114,6 +115,7 @@ def accuracy_figures(
         "metric_events": events,
         "metric_worst": worst,
         "metric_spread": spread_of,
+        "metric_by_sample": by_sample,  # not a row's key: Trials keeps it for choice.within_noise
         **kernels,
     }
 

@@ -93,7 +93,8 @@ def overridden(trials: Any, target: float | None, progress: Progress) -> None:
     _, reached = chosen_row(trials.rows, target)
     if reached or target is None:
         return
-    base = start_row([r for r in static_rows(trials.rows) if r["recovery"] is None])  # recovery's own start
+    unrecovered = [r for r in static_rows(trials.rows) if r["recovery"] is None]  # recovery's own start
+    base = start_row(unrecovered, trials.by_sample)
     _, prepared_path, cache = trials.files[base["id"]]
     given = cast(dict[str, Any], base["quantize_static"])  # static_rows: never null
     plain = {k: v for k, v in given.items() if k not in ("calibrate_method", "extra_options")}

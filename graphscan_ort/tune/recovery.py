@@ -62,7 +62,7 @@ def recover(
     pareto(trials.rows)
     if target is None or chosen_row(trials.rows, target)[1]:
         return []
-    base = start_row(static_rows(trials.rows))
+    base = start_row(static_rows(trials.rows), trials.by_sample)
     prepared_path = trials.files[base["id"]][1]
     steps: list[PrepareStep] = []
     settings, kept = base["quantize_static"], base["kept_float"]

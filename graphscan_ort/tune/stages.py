@@ -110,22 +110,22 @@ def tune_in(
         raise GraphscanError(f"{shown(path)}: {refused}{typing_failures(steps + dynamic_steps)}", EXIT_RUNTIME)
     target, warnings = goal.target(default_row(rows))
     emulated = measure.on is not None  # a CPU target's accuracy and kernels, this machine's time
-    chosen, reached = settle(rows, target["value"], emulated)
+    chosen, reached = settle(rows, target["value"], emulated, trials.by_sample)
     if not reached and target["value"] is not None:
         seeded(trials, rows, calibration, progress)
-        chosen, reached = settle(rows, target["value"], emulated)
+        chosen, reached = settle(rows, target["value"], emulated, trials.by_sample)
     # The refinements and exclusions start from a quantize_static row: a dynamic one calibrates nothing.
     searchable = not reached and target["value"] is not None and any(r["error"] is None for r in static_rows(rows))
     if searchable:
-        refine(trials, start_row(static_rows(rows)), progress)
+        refine(trials, start_row(static_rows(rows), trials.by_sample), progress)
         steps += recover(trials, target["value"], model, calibration, progress)  # still short: int8 kept
         overridden(trials, target["value"], progress)  # still short: outlier-dominated tensors clipped alone
-        chosen, reached = settle(rows, target["value"], emulated)
+        chosen, reached = settle(rows, target["value"], emulated, trials.by_sample)
     if searchable and not reached and target["value"] is not None:
         progress.show("ranking the operators to exclude")
-        start = start_row(static_rows(rows))
+        start = start_row(static_rows(rows), trials.by_sample)
         exclusions(trials, start, target["value"], limits, prepared, goal.metric.name == "sqnr", progress)
-        chosen, reached = settle(rows, target["value"], emulated)
+        chosen, reached = settle(rows, target["value"], emulated, trials.by_sample)
     # The chosen row bias-corrected, written instead where that helps as deployed (reached or not).
     chosen, reached = polished(trials, chosen, reached, target["value"], calibration, progress)
     written = write_choice(work, files, rows, chosen)

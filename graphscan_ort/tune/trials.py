@@ -220,6 +220,7 @@ class Trials:
         self.digests: dict[str, Candidate] = {}  # a model's SHA-256: the row that measured it
         self.ranges: dict[str, FloatRanges] = {}  # per prepared model: its float values by part
         self.speed_from: dict[int, int] = {}  # a row's id: the row whose timing it inherits (bias.same_graph)
+        self.by_sample: dict[int, list[float | None] | None] = {}  # a measured row's id: its metric sample by sample
 
     def add(
         self,
@@ -266,6 +267,7 @@ class Trials:
         twin = self.digests.get(digest)
         if twin is not None:  # the quantizer made the very same model: measured once
             measured = row(excluded=status, post_step=post_step, same_as=twin["id"], figures=twin)
+            self.by_sample[ident] = self.by_sample[twin["id"]]
         else:
             speed = None
             if post is not None and same_graph(model, self.measure.models[self.files[post.parent["id"]][0]]):
@@ -280,6 +282,7 @@ class Trials:
                 return self.book(row(excluded=status, post_step=post_step, error=error))
             figures.update(self.verdict(model, prepared_path, figures))
             measured = row(excluded=status, post_step=post_step, figures=figures)
+            self.by_sample[ident] = figures.get("metric_by_sample")
             self.digests[digest] = measured
         self.files[ident] = (target_path, prepared_path, cache)
         self.measure.models[target_path] = model

@@ -1,6 +1,17 @@
 """tune's choice among the rows that meet the target: speeds whose run-by-run spreads overlap
-the fastest's are a tie, and the most accurate of the tied rows is chosen."""
+the fastest's are a tie, and the most accurate of the tied rows is chosen. Where none meets
+it, a metric difference within its paired per-sample noise is a tie too, and the worst
+part's SQNR decides."""
 
+import math
+import statistics
+
+import numpy as np
+import onnx
+import pytest
+
+import gen_models
+import graphscan_ort.tune.command as tune
 from graphscan_ort.tune import choice as tune_choice
 
 
@@ -73,3 +84,84 @@ def test_on_an_emulated_target_the_most_int8_kernels_there_are_chosen_not_this_m
     assert tune_choice.chosen_row(rows, 8.0, emulated=True) == (rows[2], True)
     assert tune_choice.chosen_row(rows, 8.0) == (rows[0], True)
     assert tune_choice.chosen_row(rows, 30.0, emulated=True) == (rows[2], False)  # none meets it: the most accurate
+
+
+def paired_z(values, best):
+    """The mean per-sample difference in standard errors, by the statistics module."""
+    differences = [v - b for v, b in zip(values, best, strict=True)]
+    return statistics.fmean(differences) / (statistics.stdev(differences) / math.sqrt(len(differences)))
+
+
+def test_a_metric_difference_within_its_paired_noise_ties_and_the_worst_parts_sqnr_decides():
+    """Not reached: row 0 is the most accurate by the metric (0.87), row 1 (0.76) has the
+    higher worst-part SQNR. On 4 samples row 1 loses on one (differences 0, 0, 0, -1: mean
+    -0.25, one standard error): tied, row 1 is chosen. On 8 samples losing on four (mean -0.5,
+    -2.65 standard errors): measurably worse, row 0 is."""
+    rows = [row(0, 1.6, [1.5, 1.7], 0.87, sqnr=10.0), row(1, 1.6, [1.5, 1.7], 0.76, sqnr=12.0)]
+    one_lost = {0: [1.0, 1.0, 1.0, 1.0], 1: [1.0, 1.0, 1.0, 0.0]}
+    assert paired_z(one_lost[1], one_lost[0]) == pytest.approx(-1.0)
+    assert tune_choice.chosen_row(rows, 2.0, by_sample=one_lost) == (rows[1], False)
+    assert tune_choice.start_row(rows, one_lost) is rows[1]
+    four_lost = {0: [1.0] * 8, 1: [1.0] * 4 + [0.0] * 4}
+    assert paired_z(four_lost[1], four_lost[0]) == pytest.approx(-2.6458, abs=1e-4)
+    assert tune_choice.chosen_row(rows, 2.0, by_sample=four_lost) == (rows[0], False)
+    assert tune_choice.start_row(rows, four_lost) is rows[0]
+    assert tune_choice.chosen_row(rows, 2.0) == (rows[0], False)  # no samples known: the pooled metric alone
+    assert tune_choice.chosen_row(rows, 0.8, by_sample=one_lost) == (rows[0], True)  # met: speed, then metric
+
+
+@pytest.mark.parametrize(
+    ("values", "best", "tied"),
+    [
+        pytest.param([1.0, 1.0, 1.0], [1.0, 1.0, 1.0], True, id="equal-on-every-sample"),
+        pytest.param([0.5, 0.5, 0.5], [1.0, 1.0, 1.0], False, id="the-same-loss-on-every-sample"),
+        pytest.param([1.0, 0.9, 0.8], [0.9, 0.9, 0.9], True, id="a-mean-at-zero"),
+        pytest.param([0.0, None, 1.0], [1.0, 1.0, None], False, id="one-paired-sample-is-too-few"),
+        pytest.param([0.0, None, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0], True, id="undefined-samples-left-out"),
+        pytest.param([float("inf"), 9.0, 8.0], [10.0, 10.0, 10.0], False, id="infinite-samples-left-out"),
+        pytest.param(None, [1.0, 1.0], False, id="not-known"),
+    ],
+)
+def test_within_noise_is_a_paired_comparison_of_the_defined_samples(values, best, tied):
+    assert tune_choice.within_noise(values, best) is tied
+
+
+def test_tune_breaks_a_metrics_noise_by_the_worst_parts_sqnr(tmp_path, monkeypatch):
+    """Wired through tune: with every difference taken for noise (NOISE_SE huge), a target out
+    of reach writes the passing row of the highest worst-part SQNR, not the best by a metric
+    that here rises with the error (the mean absolute difference from float)."""
+    metric = tmp_path / "error.py"
+    metric.write_text(
+        "import numpy as np\n"
+        "def error(reference, candidate):\n"
+        "    return float(np.mean([np.abs(c['y'] - r['y']).mean() for r, c in zip(reference, candidate)]))\n"
+    )
+    onnx.save(gen_models.build_mlp(4, 32, 0, ("N",)), tmp_path / "mlp.onnx")
+    rng = np.random.default_rng(3)
+    files = []
+    for k in range(5):
+        files.append(str(tmp_path / f"s{k}.npz"))
+        np.savez(files[-1], x=rng.standard_normal((8, 32)).astype(np.float32))
+    monkeypatch.setattr(tune_choice, "NOISE_SE", 1e9)
+    answer = tune.tune(
+        str(tmp_path / "mlp.onnx"), calibrate=files[:2], inputs=files[2:], out=str(tmp_path / "out"),
+        metric=f"{metric}:error", target=1e9, runs=1, min_speedup=0, max_trials=1,
+    )  # fmt: skip
+    passing = [c for c in answer["candidates"] if c["error"] is None and not c["fails"]]
+    chosen = next(c for c in passing if c["id"] == answer["chosen"])
+    assert answer["reached"] is False
+    assert chosen["sqnr_db"] == max(c["sqnr_db"] for c in passing)
+    assert chosen["metric_value"] < max(c["metric_value"] for c in passing)  # the pooled metric alone differs
+
+
+def test_rows_a_metric_scores_alike_stay_on_the_front_by_their_worst_parts_sqnr():
+    """Every row 0.0 by a score-aware metric (collapsed class scores): the fastest by a timing's
+    noise (0, 0.5 dB) and a hair slower one at 1.3 dB are both on the front, so the structural
+    seeds go on both; a slower row no more accurate by either is not."""
+    rows = [
+        row(0, 1.597, [1.57, 1.60], 0.0, sqnr=0.5),
+        row(1, 1.596, [1.58, 1.60], 0.0, sqnr=1.3),
+        row(2, 1.590, [1.58, 1.60], 0.0, sqnr=1.3),
+    ]
+    tune_choice.pareto(rows)
+    assert [r["pareto"] for r in rows] == [True, True, False]
