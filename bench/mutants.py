@@ -89,6 +89,7 @@ AREA_TESTS = {
     "impact": ["tests/impact/test_impact.py", "tests/loading/test_malformed_graphs.py"],
     "tune": [
         "tests/tune/test_candidate_rows.py",
+        "tests/tune/test_choice.py",
         "tests/tune/test_laws.py",
         "tests/tune/test_guards.py",
         "tests/tune/test_blocks.py",
