@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import itertools
 import os
+import pickle
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -87,7 +88,7 @@ def calibrate(
             extra_options=options,
         )
         if isinstance(calibrator, HistogramCalibrater):
-            ranges = histogram_ranges(calibrator, make_reader)
+            ranges = histogram_ranges(calibrator, make_reader, os.path.dirname(os.path.abspath(cache)))
         else:
             assert isinstance(calibrator, MinMaxCalibrater)
             ranges = minmax_ranges(calibrator, make_reader())
@@ -188,17 +189,16 @@ class Extremes:
             self.most = most if first else max(self.most, most)
 
 
-def histogram_ranges(calibrator: HistogramCalibrater, make_reader: Callable[[], CalibrationDataReader]) -> TensorsData:
+def histogram_ranges(
+    calibrator: HistogramCalibrater, make_reader: Callable[[], CalibrationDataReader], folder: str | None = None
+) -> TensorsData:
     """onnxruntime's histogram ranges from two passes over the samples, one sample's tensors
-    held at a time: the bins ``HistogramCollector.collect`` sets over all, then the counts."""
+    held at a time: the bins ``HistogramCollector.collect`` sets over all, then the counts.
+    ``folder``: where the histograms are kept for the next calibration that bins alike
+    (histogram_file: Percentile at 99.999, 99.99 and 99.9 differ only in the ranges read
+    off them), and read from instead of running the samples again."""
     # HistogramCollector.collect: magnitudes for a symmetric Percentile, values otherwise.
     magnitudes = calibrator.method == "percentile" and calibrator.symmetric
-    extremes: dict[str, Extremes] = {}
-    for tensors in calibrated_tensors(calibrator, make_reader()):
-        for name, array in tensors.items():
-            extremes.setdefault(name, Extremes(array, magnitudes)).add(name, array)
-    if not extremes:
-        raise ValueError("No data is collected.")
     collector = HistogramCollector(
         method=calibrator.method,
         symmetric=calibrator.symmetric,
@@ -207,6 +207,39 @@ def histogram_ranges(calibrator: HistogramCalibrater, make_reader: Callable[[], 
         percentile=calibrator.percentile,
         scenario=calibrator.scenario,
     )
+    kept = None if folder is None else histogram_file(folder, magnitudes, calibrator.num_bins)
+    if kept is not None and os.path.isfile(kept):
+        with open(kept, "rb") as f:
+            collector.histogram_dict = pickle.load(f)  # tune's own file in its own temporary folder
+    else:
+        collector.histogram_dict = histograms(calibrator, make_reader, collector, magnitudes)
+        if kept is not None:
+            with open(kept, "wb") as f:
+                pickle.dump(collector.histogram_dict, f)
+    calibrator.collector = collector
+    return calibrator.compute_data()
+
+
+def histogram_file(folder: str, magnitudes: bool, bins: int) -> str:
+    """Where the histograms of one binning are kept in a calibration cache's folder (one
+    prepared model's): what they count (magnitudes or values) and how many bins decide them,
+    not the method nor the percentile read off them."""
+    return os.path.join(folder, f"histograms-{'magnitudes' if magnitudes else 'values'}-{bins}.pickle")
+
+
+def histograms(
+    calibrator: HistogramCalibrater,
+    make_reader: Callable[[], CalibrationDataReader],
+    collector: HistogramCollector,
+    magnitudes: bool,
+) -> dict[str, tuple]:
+    """The histogram of every calibrated tensor, as ``collector.histogram_dict`` holds it."""
+    extremes: dict[str, Extremes] = {}
+    for tensors in calibrated_tensors(calibrator, make_reader()):
+        for name, array in tensors.items():
+            extremes.setdefault(name, Extremes(array, magnitudes)).add(name, array)
+    if not extremes:
+        raise ValueError("No data is collected.")
     bounds = {name: outer_edges(e, magnitudes) for name, e in extremes.items() if e.size}
     counts: dict[str, np.ndarray] = {}
     edges: dict[str, np.ndarray] = {}
@@ -224,8 +257,7 @@ def histogram_ranges(calibrator: HistogramCalibrater, make_reader: Callable[[], 
             collector.histogram_dict[name] = (counts[name], edges[name].astype(e.dtype), e.low, e.high)
         else:
             collector.histogram_dict[name] = (counts[name], edges[name], e.low, e.high, threshold(e))
-    calibrator.collector = collector
-    return calibrator.compute_data()
+    return collector.histogram_dict
 
 
 def outer_edges(e: Extremes, magnitudes: bool) -> tuple[Any, Any]:

@@ -79,6 +79,46 @@ def test_the_ranges_are_onnxruntimes_own_over_every_sample_at_once(cnn, tmp_path
             np.testing.assert_array_equal(getattr(got, attribute), getattr(expected, attribute), err_msg=name)
 
 
+def test_histograms_are_collected_once_per_binning_and_every_way_keeps_onnxruntimes_ranges(cnn, tmp_path):
+    """Every histogram way calibrated in turn into one folder (as tune's stages do on one
+    prepared model): the samples are run only for the first way of each binning (magnitudes
+    at 2048 bins: Percentile at 99.999, then 99.9, onnxruntime's Percentile being symmetric by
+    default; values at 2048: the values-Percentile; values at 128: Entropy, then
+    Distribution), and each cache still holds the ranges onnxruntime computes on its own."""
+    readers = []
+
+    def make_reader():
+        readers.append(Samples(11))
+        return readers[-1]
+
+    histogram_ways = [w for w in WAYS if w.values[0] != "MinMax"]
+    passes = []
+    for param in histogram_ways:
+        method, options = param.values
+        arguments = candidates.keyword_arguments(
+            {"calibrate_method": method, **({"extra_options": options} if options else {})}
+        )
+        ours, theirs = tmp_path / f"ours-{param.id}.json", tmp_path / "theirs" / f"{param.id}.json"
+        theirs.parent.mkdir(exist_ok=True)
+        before = len(readers)
+        with gen_models.quiet_quantizer():
+            calibration.calibrate(cnn, arguments, make_reader, str(ours))
+            quantize_static(cnn, str(tmp_path / "q.onnx"), Samples(11), calibration_cache_path=str(theirs), **arguments)
+        passes.append(len(readers) - before)
+        mine, reference = load_tensors_data(ours), load_tensors_data(theirs)
+        for name, expected in reference.items():
+            for attribute in expected._attrs:
+                got, want = getattr(mine[name], attribute), getattr(expected, attribute)
+                np.testing.assert_array_equal(got, want, err_msg=name)
+    assert [p.id for p in histogram_ways] == [
+        "percentile", "percentile-99.9", "percentile-values-not-magnitudes", "entropy", "distribution"
+    ]  # fmt: skip
+    assert passes == [2, 0, 2, 2, 0]
+    assert sorted(f.name for f in tmp_path.glob("histograms-*")) == [
+        "histograms-magnitudes-2048.pickle", "histograms-values-128.pickle", "histograms-values-2048.pickle"
+    ]  # fmt: skip
+
+
 def test_minmax_in_chunks_is_minmax_over_every_sample(cnn, tmp_path, monkeypatch):
     """An independent check of the merge: each tensor's range is numpy's min and max of that
     tensor over every sample (read off a copy of the model exposing every calibrated tensor)."""
