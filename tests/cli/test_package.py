@@ -213,11 +213,13 @@ def assert_console_script_is_graphscan_py(bin_dir, tmp_path):
     assert error_line(broken, 3)
 
 
+@pytest.mark.install
 @pytest.mark.skipif(os.name != "posix", reason="venv layout with bin/")
 def test_pip_install_gives_a_graphscan_command_equal_to_the_script(fresh_install, tmp_path):
     assert_console_script_is_graphscan_py(fresh_install, tmp_path)
 
 
+@pytest.mark.install
 @pytest.mark.skipif(os.name != "posix", reason="venv layout with bin/")
 @pytest.mark.parametrize(
     "argv", [pytest.param(["--help"], id="help"), pytest.param(["tune", "--help"], id="tune-help")]

@@ -266,6 +266,7 @@ def test_the_plugin_imports_nothing_heavy_until_asked():
     assert proc.stdout.strip() == "[]", proc.stderr
 
 
+@pytest.mark.install
 @pytest.mark.skipif(os.name != "posix", reason="venv layout with bin/")
 def test_after_pip_install_the_entry_point_gates_the_repository(repository, fresh_install, run_pytest):
     """``pip install .`` into a fresh venv: ``pytest --graphscan -n 2`` there finds the plugin
