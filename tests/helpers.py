@@ -566,6 +566,22 @@ def calibration_reader(paths):
     return SampleReader([dict(np.load(p)) for p in paths])
 
 
+def mlp_with_samples(folder, layers, width, count, rows, seed):
+    """``folder``/mlp.onnx (gen_models' MLP, ``layers`` deep, ``width`` wide) and ``count``
+    seeded samples of ``rows`` rows each beside it, s0.npz, s1.npz, ...: their paths."""
+    import numpy as np
+    import onnx
+
+    import gen_models
+
+    onnx.save(gen_models.build_mlp(layers, width, 0, ("N",)), Path(folder) / "mlp.onnx")
+    rng = np.random.default_rng(seed)
+    files = [str(Path(folder) / f"s{k}.npz") for k in range(count)]
+    for path in files:
+        np.savez(path, x=rng.standard_normal((rows, width)).astype(np.float32))
+    return files
+
+
 def searched(row):
     """A tune row's ``nodes_to_exclude`` without its seeds (``kept_float``): what the
     fallback search added."""

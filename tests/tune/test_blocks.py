@@ -3,7 +3,6 @@ that no single excluded node reaches but a set of them does, found by tune."""
 
 import math
 
-import numpy as np
 import onnx
 import pytest
 from onnxruntime.quantization import quantize_static
@@ -15,7 +14,7 @@ from graphscan_ort.tune import fallback
 from graphscan_ort.tune import trials as trials_module
 from graphscan_ort.tune.blocks import Block, next_block, noise_share, search_blocks, weight_elements
 from graphscan_ort.tune.candidates import keyword_arguments, quiet
-from tests.helpers import calibration_reader, without_dynamic_candidates
+from tests.helpers import calibration_reader, mlp_with_samples, without_dynamic_candidates
 
 
 def test_noise_shares_add_in_power():
@@ -60,13 +59,7 @@ def test_blocks_cover_single_nodes_tails_and_neighbourhoods():
 
 def mlp_and_samples(folder):
     """``folder``/mlp.onnx, an 8-layer MLP 64 wide, and its 4 samples (2 to calibrate, 2 to evaluate)."""
-    onnx.save(gen_models.build_mlp(8, 64, 0, ("N",)), folder / "mlp.onnx")
-    rng = np.random.default_rng(2)
-    files = []
-    for k in range(4):
-        files.append(str(folder / f"s{k}.npz"))
-        np.savez(files[-1], x=rng.standard_normal((16, 64)).astype(np.float32))
-    return files
+    return mlp_with_samples(folder, layers=8, width=64, count=4, rows=16, seed=2)
 
 
 def test_a_target_no_single_exclusion_reaches_is_reached_by_a_set_of_them(tmp_path, monkeypatch):

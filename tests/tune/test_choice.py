@@ -6,13 +6,11 @@ part's SQNR decides."""
 import math
 import statistics
 
-import numpy as np
-import onnx
 import pytest
 
-import gen_models
 import graphscan_ort.tune.command as tune
 from graphscan_ort.tune import choice as tune_choice
+from tests.helpers import mlp_with_samples
 
 
 def row(k, speedup, spread, value, sqnr=None, **more):
@@ -136,12 +134,7 @@ def test_tune_breaks_a_metrics_noise_by_the_worst_parts_sqnr(tmp_path, monkeypat
         "def error(reference, candidate):\n"
         "    return float(np.mean([np.abs(c['y'] - r['y']).mean() for r, c in zip(reference, candidate)]))\n"
     )
-    onnx.save(gen_models.build_mlp(4, 32, 0, ("N",)), tmp_path / "mlp.onnx")
-    rng = np.random.default_rng(3)
-    files = []
-    for k in range(5):
-        files.append(str(tmp_path / f"s{k}.npz"))
-        np.savez(files[-1], x=rng.standard_normal((8, 32)).astype(np.float32))
+    files = mlp_with_samples(tmp_path, layers=4, width=32, count=5, rows=8, seed=3)
     monkeypatch.setattr(tune_choice, "NOISE_SE", 1e9)
     answer = tune.tune(
         str(tmp_path / "mlp.onnx"), calibrate=files[:2], inputs=files[2:], out=str(tmp_path / "out"),

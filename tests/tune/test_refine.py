@@ -12,18 +12,13 @@ import graphscan_ort.tune.command as tune
 import graphscan_ort.tune.stages as tune_stages
 import graphscan_ort.tune.trials as tune_trials
 from graphscan_ort.tune.candidates import REFINEMENTS, calibration_key, keyword_arguments, quiet, refinements
-from tests.helpers import calibration_reader, without_dynamic_candidates
+from tests.helpers import calibration_reader, mlp_with_samples, without_dynamic_candidates
 
 
 @pytest.fixture(scope="module")
 def unreachable(tmp_path_factory):
     folder = tmp_path_factory.mktemp("refine")
-    onnx.save(gen_models.build_mlp(3, 64, 0, ("N",)), folder / "mlp.onnx")
-    rng = np.random.default_rng(8)
-    files = []
-    for k in range(3):
-        files.append(str(folder / f"s{k}.npz"))
-        np.savez(files[-1], x=rng.standard_normal((16, 64)).astype(np.float32))
+    files = mlp_with_samples(folder, layers=3, width=64, count=3, rows=16, seed=8)
     with pytest.MonkeyPatch.context() as monkeypatch:  # the refinements of quantize_static's rows
         without_dynamic_candidates(monkeypatch)
         monkeypatch.setattr(tune_stages, "recover", lambda *args: [])  # the rows of the refinements alone
