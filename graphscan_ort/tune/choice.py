@@ -69,7 +69,7 @@ def chosen_row(
     if meeting and emulated:
         return max(meeting, key=kernels_first), True
     if meeting:
-        return max(speed_tied(meeting), key=lambda r: (accuracy(r), sqnr_rank(r), speed(r))), True
+        return most_accurate(speed_tied(meeting)), True
     if passing:
         return most_accurate(passing, by_sample), False
     return None, False
@@ -81,7 +81,7 @@ def most_accurate(rows: list[Candidate], by_sample: BySample | None = None) -> C
     rows the metric cannot tell from that one (within_noise) tie with it, and the worst
     part's SQNR, a figure of every output element, decides among them: a metric resting on
     a few events moves by one event from one row to the next, and that is not accuracy."""
-    best = max(rows, key=lambda r: (accuracy(r), sqnr_rank(r), speed(r)))
+    best = max(rows, key=lambda r: (*ranked(r), speed(r)))
     if by_sample is None:
         return best
     tied = [r for r in rows if r is best or within_noise(by_sample.get(r["id"]), by_sample.get(best["id"]))]
@@ -91,8 +91,8 @@ def most_accurate(rows: list[Candidate], by_sample: BySample | None = None) -> C
 def within_noise(values: Sequence[float | None] | None, best: Sequence[float | None] | None) -> bool:
     """Whether a row's metric, sample by sample (``values``), is not measurably below the
     best row's (``best``): over the samples where both are finite (at least 2), the mean
-    difference is at least 0 or within NOISE_SE standard errors of it (a paired comparison:
-    both rows ran on the same samples)."""
+    difference is at least -NOISE_SE standard errors (0 or above always is; a paired
+    comparison: both rows ran on the same samples)."""
     if values is None or best is None:
         return False
     differences = np.asarray(
@@ -103,7 +103,7 @@ def within_noise(values: Sequence[float | None] | None, best: Sequence[float | N
         return False
     mean = float(differences.mean())
     error = float(differences.std(ddof=1)) / math.sqrt(len(differences))
-    return mean >= 0 or mean >= -NOISE_SE * error
+    return mean >= -NOISE_SE * error
 
 
 def kernels_first(row: Mapping[str, Any]) -> tuple[float, float, float, float]:

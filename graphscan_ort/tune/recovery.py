@@ -40,7 +40,7 @@ import onnx
 from graphscan_ort.shared.answers import Candidate, PrepareStep
 from graphscan_ort.tune.bias import bias_corrected
 from graphscan_ort.tune.candidates import static_rows
-from graphscan_ort.tune.choice import accuracy, chosen_row, pareto, sqnr_rank, start_row
+from graphscan_ort.tune.choice import accuracy, chosen_row, pareto, ranked, start_row
 from graphscan_ort.tune.equalize import equalized
 from graphscan_ort.tune.prepare import checked, step
 from graphscan_ort.tune.trials import Post
@@ -145,9 +145,7 @@ def helps_as_deployed(variant: Candidate, parent: Candidate, reached: bool, targ
     differs, guarded like any row's)."""
     if variant["error"] is not None or variant["fails"]:
         return False
-    better = accuracy(variant) > accuracy(parent) or (
-        accuracy(variant) == accuracy(parent) and sqnr_rank(variant) > sqnr_rank(parent)
-    )
+    better = ranked(variant) > ranked(parent)  # the metric, ties broken by the worst part's SQNR
     if reached:
         return better and meets(variant, target)
     held = {(p["output"], p["part"]) for p in parent["broken_parts"] or []}
