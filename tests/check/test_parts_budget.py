@@ -12,6 +12,7 @@ import pytest
 from onnx import numpy_helper
 
 import graphscan
+from tests import parts_by_value as by_value
 from tests import yolo_like
 
 
@@ -85,3 +86,23 @@ def test_top1_is_refused_on_an_output_that_joins_parts(detector):
             str(quant_path), float_path=str(float_path), min_metric=0.9, metric="top1", inputs=[str(paths[0])]
         )
     assert raised.value.exit_code == 2
+
+
+@pytest.mark.parametrize(
+    "repeat", [pytest.param(False, id="k-moves-the-border"), pytest.param(True, id="k-sizes-both-parts")]
+)
+@pytest.mark.parametrize("order", [pytest.param((2, 6), id="k-2-then-6"), pytest.param((6, 2), id="k-6-then-2")])
+def test_min_sqnr_labels_each_sample_by_the_input_values_that_decide_its_parts(tmp_path, repeat, order):
+    """y = Concat(x[:k] * 100, x[k:] * 2) (or x[:k] twice): which values are part 0 depends on
+    k's value, so two samples of one shape have two partitions; the figure is the same in either
+    order and equals numpy's on the partitions known by hand."""
+    float_path, quant_path = tmp_path / "float.onnx", tmp_path / "quant.onnx"
+    by_value.sliced_model(float_path, False, repeat)
+    by_value.sliced_model(quant_path, True, repeat)
+    paths = [by_value.sample(tmp_path, k) for k in order]
+    answer = graphscan.check(str(quant_path), float_path=str(float_path), min_sqnr=0.0, inputs=[str(p) for p in paths])
+    (row,) = answer["budgets"]
+    labels = [by_value.partition(k, repeat) for k in order]
+    expected, part = by_value.worst_part_db(outputs(float_path, paths), outputs(quant_path, paths), labels)
+    assert row["value"] == pytest.approx(expected, abs=1e-9)
+    assert row["worst_part"] == {"output": "y", "part": part, "node": ["big_part", "small_part"][part]}

@@ -6,10 +6,12 @@ and every SQNR computed in numpy from the two models' outputs."""
 import math
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from graphscan_ort.shared import metrics, parts, sessions
+from tests import parts_by_value as by_value
 
 
 def model_of(nodes, inputs, output, shape, inits=(), opset=17):
@@ -169,21 +171,63 @@ def test_an_exact_part_is_never_the_worst_and_all_exact_is_exact():
     assert metrics.OutputNoise([[f]], layout).figures([[f]]) == metrics.SqnrFigures(None, None, None, True)
 
 
-def test_labels_are_the_runtimes_and_kept_per_input_shape(monkeypatch):
+def test_labels_are_the_runtimes_and_kept_per_input_shape_where_only_floats_come_in(monkeypatch):
+    """y = Concat(a, Reshape(b, Shape(b))): the floats' values reach no shape (Shape reads b's
+    shape alone), so samples of one shape are labelled by one run, whatever their values."""
     model = model_of(
-        [helper.make_node("Concat", ["a", "b"], ["y"], name="cat", axis=1)],
+        [
+            helper.make_node("Shape", ["b"], ["b_shape"]),
+            helper.make_node("Reshape", ["b", "b_shape"], ["rb"]),
+            helper.make_node("Concat", ["a", "rb"], ["y"], name="cat", axis=1),
+        ],
         {"a": [1, "n"], "b": [1, 2]},
         "y",
         [1, None],
     )
     found = parts.TensorParts(model, ["y"])
     runs = []
-    real = parts.run_model
-    monkeypatch.setattr(parts, "run_model", lambda *args: runs.append(1) or real(*args))
+    real = parts.TensorParts.run
+    monkeypatch.setattr(parts.TensorParts, "run", lambda *args: runs.append(1) or real(*args))
+    rng = np.random.default_rng(0)
     for n in (3, 3, 5):
-        labels = found.labels({"a": np.zeros((1, n), np.float32), "b": np.zeros((1, 2), np.float32)})["y"]
-        np.testing.assert_array_equal(labels, [[0] * n + [1, 1]])
+        feeds = {"a": rng.normal(size=(1, n)).astype(np.float32), "b": rng.normal(size=(1, 2)).astype(np.float32)}
+        np.testing.assert_array_equal(found.labels(feeds)["y"], [[0] * n + [1, 1]])
     assert len(runs) == 2  # once per shape
+
+
+@pytest.mark.parametrize(
+    "repeat", [pytest.param(False, id="k-moves-the-border"), pytest.param(True, id="k-sizes-both-parts")]
+)
+def test_labels_follow_an_input_whose_values_decide_the_parts(tmp_path, repeat):
+    """y = Concat(x[:k] * 100, x[k:] * 2) (or x[:k] twice): one shape of inputs, and a partition
+    per value of k, in any order."""
+    by_value.sliced_model(tmp_path / "m.onnx", False, repeat)
+    found = parts.TensorParts(onnx.load(tmp_path / "m.onnx"), ["y"])
+    x = np.zeros(by_value.SIZE, np.float32)
+    for k in (2, 6, 2, 3):
+        labels = found.labels({"x": x, "k": np.array([k], np.int64)})["y"]
+        np.testing.assert_array_equal(labels, by_value.partition(k, repeat))
+
+
+def test_the_inputs_whose_values_decide_the_parts_are_those_that_reach_a_shape():
+    """k sets a Slice's end; f, cast to int64, a Reshape's shape; m's values only scale a part
+    (Mul), and b reaches a Reshape through Shape, which reads its shape alone."""
+    ints = [helper.make_tensor_value_info(name, TensorProto.INT64, [1]) for name in ("k", "m")]
+    floats = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [None]) for name in ("x", "f", "b")]
+    nodes = [
+        helper.make_node("Slice", ["x", "zero", "k"], ["head"]),
+        helper.make_node("Cast", ["m"], ["mf"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["head", "mf"], ["scaled"]),
+        helper.make_node("Cast", ["f"], ["fi"], to=TensorProto.INT64),
+        helper.make_node("Reshape", ["x", "fi"], ["shaped"]),
+        helper.make_node("Shape", ["b"], ["b_shape"]),
+        helper.make_node("Reshape", ["b", "b_shape"], ["rb"]),
+        helper.make_node("Concat", ["scaled", "shaped", "rb"], ["y"], axis=0),
+    ]
+    graph = helper.make_graph(
+        nodes, "m", ints + floats, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None])], [const("zero", [0])]
+    )
+    assert parts.value_inputs(helper.make_model(graph), ["y"]) == {"k", "f"}
 
 
 def test_a_model_before_opset_9_is_one_part_per_output():
