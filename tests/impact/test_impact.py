@@ -22,7 +22,7 @@ import graphscan_ort.shared.graph as graph_edit
 import graphscan_ort.shared.metrics as metrics
 import graphscan_ort.shared.sessions as sessions
 from tests import impact_reference as reference
-from tests import parts_by_value as by_value
+from tests import parts_models
 from tests.helpers import error_line, json_answer, run_graphscan, run_onnx, with_weight_scale_times
 from tests.lab import TRACE_LAB
 
@@ -933,15 +933,15 @@ def test_each_sample_is_labelled_by_the_input_values_that_decide_its_parts(tmp_p
     """y = Concat(x[:k] * 100, x[k:] * 2) (or x[:k] twice), its Q->DQ twin: the baseline and the
     deployed figure equal numpy's worst part on the partitions known by hand, in either order."""
     a, b = tmp_path / "float.onnx", tmp_path / "quant.onnx"
-    by_value.sliced_model(a, False, repeat)
-    by_value.sliced_model(b, True, repeat)
-    paths = [by_value.sample(tmp_path, k) for k in order]
+    parts_models.sliced_model(a, False, repeat)
+    parts_models.sliced_model(b, True, repeat)
+    paths = [parts_models.sample(tmp_path, k) for k in order]
     answer = graphscan.impact(str(a), str(b), inputs=[str(p) for p in paths])
     samples = load_samples(paths)
     floats = [run_onnx(a, s)[0] for s in samples]
     quants = [run_onnx(b, s)[0] for s in samples]
-    labels = [by_value.partition(k, repeat) for k in order]
-    expected, part = by_value.worst_part_db(floats, quants, labels)
+    labels = [parts_models.partition(k, repeat) for k in order]
+    expected, part = parts_models.worst_part_db(floats, quants, labels)
     assert answer["output_sqnr_db"] == pytest.approx(expected, abs=1e-9)
     assert answer["deployed_output_sqnr_db"] == pytest.approx(expected, abs=1e-9)
     assert answer["worst_part"] == {"output": "y", "part": part, "node": ["big_part", "small_part"][part]}

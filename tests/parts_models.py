@@ -1,8 +1,13 @@
-"""A model whose parts (graphscan_ort/shared/parts.py) are decided by an input's values, not
-its shape: ``y = Concat(x[:k] * 100, x[k:] * 2)`` with ``k`` an int64 input (``repeat``:
-``Concat(x[:k] * 100, x[:k] * 2)``, whose size is 2k), and its quantized twin, one int8 Q->DQ
-of scale 0.8 on y (set by the first part's +-100). Part 0 is then always the first k values, so
-a test knows every sample's partition by hand."""
+"""Small models whose parts (graphscan_ort/shared/parts.py) a test knows by hand.
+
+``sliced_model``: parts decided by an input's values, not its shape: ``y = Concat(x[:k] *
+100, x[k:] * 2)`` with ``k`` an int64 input (``repeat``: ``Concat(x[:k] * 100, x[:k] * 2)``,
+whose size is 2k), and its quantized twin, one int8 Q->DQ of scale 0.8 on y (set by the first
+part's +-100). Part 0 is then always the first k values, so a test knows every sample's
+partition by hand.
+
+``two_parts``: ``y = Concat(x * 100 + offset, x * factor)``, parts of fixed size, where a
+factor of infinity gives a part whose energy is not finite."""
 
 import numpy as np
 import onnx
@@ -71,3 +76,24 @@ def worst_part_db(floats, quantized, labels):
         signal += np.bincount(part, f**2, minlength=2)
         noise += np.bincount(part, (f - q) ** 2, minlength=2)
     return float(np.min(10 * np.log10(signal / noise))), int(np.argmin(10 * np.log10(signal / noise)))
+
+
+def two_parts(path, offset, factor):
+    """Write ``y = Concat(x * 100 + offset, x * factor)`` (x [4]) to ``path``: part 0 from the
+    node "big_part", part 1 from "small_part"."""
+    nodes = [
+        helper.make_node("Mul", ["x", "hundred"], ["hundredfold"], name="big_scale"),
+        helper.make_node("Add", ["hundredfold", "offset"], ["big"], name="big_part"),
+        helper.make_node("Mul", ["x", "factor"], ["small"], name="small_part"),
+        helper.make_node("Concat", ["big", "small"], ["y"], name="cat", axis=0),
+    ]
+    constants = {"hundred": 100.0, "offset": offset, "factor": factor}
+    inits = [numpy_helper.from_array(np.array(value, np.float32), name) for name, value in constants.items()]
+    graph = helper.make_graph(
+        nodes,
+        "two_parts",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8])],
+        inits,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
