@@ -77,7 +77,11 @@ AREA_TESTS = {
         "tests/loading/test_big_models.py",
     ],
     "runtime": ["tests/runtime/test_runtime.py", "tests/check/test_check.py"],
-    "check": ["tests/check/test_check.py", "tests/targets/test_check_on_targets.py"],
+    "check": [
+        "tests/check/test_check.py",
+        "tests/targets/test_check_on_targets.py",
+        "tests/check/test_numbers_only.py",
+    ],
     # Issue 33: parts, the worst-part SQNR, levels, tune's seeds and verdict.
     "parts": [
         "tests/shared/test_parts.py",
@@ -86,7 +90,11 @@ AREA_TESTS = {
         "tests/tune/test_seeds.py",
         "tests/tune/test_guards.py",
     ],
-    "impact": ["tests/impact/test_impact.py", "tests/loading/test_malformed_graphs.py"],
+    "impact": [
+        "tests/impact/test_impact.py",
+        "tests/loading/test_malformed_graphs.py",
+        "tests/check/test_numbers_only.py",
+    ],
     "tune": [
         "tests/tune/test_candidate_rows.py",
         "tests/tune/test_choice.py",

@@ -23,7 +23,14 @@ from graphscan_ort.engines.levels import lowest_levels, quantized_activations, t
 from graphscan_ort.shared.agreement import Metric, metric, paired_value
 from graphscan_ort.shared.inputs import check_same_inputs, model_samples, parse_shapes
 from graphscan_ort.shared.kernels import int8_fraction
-from graphscan_ort.shared.metrics import FloatOutputs, PairedOutputs, output_layout, output_pairs, paired_outputs
+from graphscan_ort.shared.metrics import (
+    FloatOutputs,
+    PairedOutputs,
+    output_layout,
+    output_pairs,
+    paired_outputs,
+    require_numbers,
+)
 from graphscan_ort.shared.on_target import Target, keyed_outputs, load_samples, read_outputs, save_samples
 from graphscan_ort.shared.options import Named
 from graphscan_ort.shared.sessions import CPU, deployed_options, inputs_hint, model_outputs
@@ -179,7 +186,10 @@ def target_outputs(
     options = deployed_options(level)
     saved = {}
     for prefix, path, wanted in (("f", float_path, float_names), ("q", quant_path, quant_names)):
-        saved.update(keyed_outputs(prefix, model_outputs(load_with_weights(path), samples, path, wanted, options)))
+        model = load_with_weights(path)
+        outputs = model_outputs(model, samples, path, wanted, options)
+        require_numbers(Named(model, path), wanted, outputs)  # refused here as natively, never sent back
+        saved.update(keyed_outputs(prefix, outputs))
     np.savez(answer, **saved)
     return len(samples)
 
@@ -192,6 +202,8 @@ def outputs_on_target(
     float_path, quant_path = reference.path, candidate.path
     pairs = output_pairs(reference, candidate)
     float_names, quant_names = [f for f, _ in pairs], [q for _, q in pairs]
+    require_numbers(reference, float_names)
+    require_numbers(candidate, quant_names)
     with tempfile.TemporaryDirectory(prefix="graphscan-check-") as folder:
         samples_file, names = save_samples(folder, runs.samples)
         answer = os.path.join(folder, "outputs.npz")

@@ -9,7 +9,7 @@ from typing import Any, cast
 import numpy as np
 import onnx
 
-from graphscan import EXIT_INPUTS, EXIT_USAGE, GraphIndex, GraphscanError, shown
+from graphscan import EXIT_INPUTS, GraphIndex, GraphscanError, shown
 from graphscan_ort.engines.segments import IMPACT_PREFIX, segment_runner
 from graphscan_ort.shared.answers import Exclusion, ImpactMeasures, OpGain, TensorGain, WorstPart
 from graphscan_ort.shared.graph import (
@@ -22,7 +22,14 @@ from graphscan_ort.shared.graph import (
     quant_range,
     with_outputs,
 )
-from graphscan_ort.shared.metrics import OutputNoise, count_outside, output_layout, output_pairs, paired_outputs
+from graphscan_ort.shared.metrics import (
+    OutputNoise,
+    count_outside,
+    output_layout,
+    output_pairs,
+    paired_outputs,
+    require_numbers,
+)
 from graphscan_ort.shared.options import Named
 from graphscan_ort.shared.sessions import deployed_options, does_not_run, impact_options, model_outputs, open_session
 
@@ -492,9 +499,6 @@ def weight_warnings(plan: ImpactPlan, a: str) -> list[str]:
     return [warning]
 
 
-NOT_TENSORS: dict[type, str] = {list: "sequence", dict: "map"}  # how onnxruntime hands them to Python
-
-
 def measure(
     reference: Named,
     candidate: Named,
@@ -512,14 +516,10 @@ def measure(
     pairs = output_pairs(Named(float_model, a), Named(quant_model, b))
     output_names = [q for _, q in pairs]
 
+    require_numbers(reference, [f for f, _ in pairs])
+    require_numbers(candidate, output_names)
     float_outputs = model_outputs(float_model, samples, a, [f for f, _ in pairs])
-    for (name, _), value in zip(pairs, float_outputs[0], strict=True):
-        if not isinstance(value, np.ndarray):
-            raise GraphscanError(
-                f"usage: {shown(a)}: output {name} is a {NOT_TENSORS.get(type(value), type(value).__name__)}, "
-                "not a tensor: impact measures tensor outputs",
-                EXIT_USAGE,
-            )
+    require_numbers(reference, [f for f, _ in pairs], float_outputs)
     noise = OutputNoise(float_outputs, output_layout(float_model, [f for f, _ in pairs], samples))
     if noise.empty:
         raise GraphscanError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -15,6 +16,7 @@ import onnxruntime as ort
 
 from graphscan import (
     EXIT_INPUTS,
+    EXIT_USAGE,
     GraphscanError,
     shown,
 )
@@ -41,6 +43,65 @@ def output_pairs(reference: Named, candidate: Named) -> list[tuple[str, str]]:
 
 
 Outputs = list[dict[str, np.ndarray]]  # per sample: output name -> array
+
+# What an output is when it is not a tensor of numbers, by its declared type.
+DECLARED_KINDS = {
+    "sequence_type": "a sequence",
+    "map_type": "a map",
+    "optional_type": "an optional",
+    "sparse_tensor_type": "a sparse tensor",
+}
+NUMBERS = "biuf"  # numpy's kinds of the tensors the SQNR and the metrics measure
+
+
+def declared_kind(model: onnx.ModelProto, name: str) -> str | None:
+    """What ``model``'s output ``name`` is declared as when that is not a tensor of numbers
+    (None: a tensor of numbers, or nothing declared)."""
+    for output in model.graph.output:
+        if output.name == name and output.HasField("type"):
+            which = output.type.WhichOneof("value")
+            if which == "tensor_type":
+                elem_type = output.type.tensor_type.elem_type
+                if elem_type == onnx.TensorProto.STRING:
+                    return "a string tensor"
+                if elem_type in (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128):
+                    return "a complex tensor"
+                return None
+            return DECLARED_KINDS.get(str(which))
+    return None
+
+
+def value_kind(value: Any) -> str | None:
+    """What an onnxruntime output value is when it is not a tensor of numbers (None: it is)."""
+    if value is None:
+        return "an optional without a value"
+    if isinstance(value, (list, tuple)):
+        return "a sequence"
+    if isinstance(value, dict):
+        return "a map"
+    dtype = np.asarray(value).dtype
+    if dtype.kind in NUMBERS:
+        return None
+    return {"O": "a string tensor", "U": "a string tensor", "S": "a string tensor", "c": "a complex tensor"}.get(
+        dtype.kind, f"a tensor of {dtype}"
+    )
+
+
+def require_numbers(named: Named, names: Sequence[str], outputs: Iterable[Sequence[Any]] = ()) -> None:
+    """Exit 2 naming the first of ``named``'s outputs ``names`` that is not a tensor of numbers,
+    by its declared type, then by its value in each sample's ``outputs`` (onnxruntime's lists in
+    ``names``' order): the output SQNR and the metrics (impact, check's min_sqnr and min_metric,
+    tune) measure numbers only."""
+    declared = ((name, declared_kind(named.model, name)) for name in names)
+    found = ((name, value_kind(value)) for sample in outputs for name, value in zip(names, sample, strict=True))
+    for name, kind in itertools.chain(declared, found):
+        if kind is not None:
+            raise GraphscanError(
+                f"usage: {shown(named.path)}: output {name!r} is {kind}, not a tensor of numbers: the output "
+                "SQNR and the metrics measure numeric outputs only (measure a model cut to those, e.g. by "
+                "onnx.utils.extract_model)",
+                EXIT_USAGE,
+            )
 
 
 def named_outputs(outputs: Sequence[Sequence[np.ndarray]], names: Sequence[str]) -> Outputs:
@@ -103,17 +164,22 @@ def paired_outputs(
     """Both models (the float ``reference_model``, the quantized ``candidate_model``) run
     on ``samples`` in sessions at ``options``, the outputs paired by ``pairs`` (``output_pairs``):
     the one run behind impact's deployed SQNR, check's min_sqnr and min_metric, and every
-    tune candidate's accuracy. ``kept``: the float model's outputs already run, by the float
+    tune candidate's accuracy; exit 2 for an output that is not a tensor of numbers
+    (``require_numbers``). ``kept``: the float model's outputs already run, by the float
     outputs wanted; a new run is added to it (tune runs the float model once for all its
     candidates)."""
-    names = tuple(f for f, _ in pairs)
+    names, candidate_names = tuple(f for f, _ in pairs), [q for _, q in pairs]
+    require_numbers(reference_model, names)
+    require_numbers(candidate_model, candidate_names)
     reference = kept.get(names) if kept is not None else None
     if reference is None:
         outputs = model_outputs(reference_model.model, samples, reference_model.path, list(names), options)
+        require_numbers(reference_model, names, outputs)
         reference = FloatOutputs(outputs, names, output_layout(reference_model.model, names, samples))
         if kept is not None:
             kept[names] = reference
-    candidate = model_outputs(candidate_model.model, samples, candidate_model.path, [q for _, q in pairs], options)
+    candidate = model_outputs(candidate_model.model, samples, candidate_model.path, candidate_names, options)
+    require_numbers(candidate_model, candidate_names, candidate)
     return PairedOutputs(reference, candidate)
 
 

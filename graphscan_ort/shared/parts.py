@@ -14,8 +14,10 @@ other operator. A tensor with no such Concat behind it is one part.
 The labels are computed by onnxruntime itself: a copy of the model carries, beside
 the traced operators, the same operators applied to arrays of part ids (a Concat's
 inputs get ids of their own), so every Reshape, Split or Transpose is followed with
-the runtime's own semantics. Labels depend only on the inputs' shapes and are kept
-per shape.
+the runtime's own semantics. Labels depend on the inputs' shapes and on the values of
+the inputs that can decide a shape on the way (``value_inputs``: a Slice's ends, a Split's
+sizes, a NonZero's data, ...), and are kept per both: a model fed only floats that reach no
+such place is labelled once per shape.
 """
 
 from __future__ import annotations
@@ -25,15 +27,60 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from graphscan_ort.shared.graph import default_opset, fresh_prefix, with_outputs
-from graphscan_ort.shared.sessions import run_model
+from graphscan_ort.shared.graph import body_reads, default_opset, fresh_prefix, with_outputs
+from graphscan_ort.shared.sessions import does_not_run, open_session, run_options
 
 # Operators that move elements without changing them: a part is followed through them.
 PASS_THROUGH = ("Concat", "Split", "Reshape", "Transpose", "Squeeze", "Unsqueeze")
 # ConstantOfShape, which gives each traced input its ids, exists from opset 9.
 MIN_OPSET = 9
+# Where the values of an input, not only its shape, decide the shape of an output (of the
+# standard domain; None: every input). Any operator of another domain but ai.onnx.ml, and
+# any with a body (If, Loop, Scan), is taken to decide shapes by all it reads.
+SHAPE_FROM_VALUES: dict[str, tuple[int, ...] | None] = {
+    "AffineGrid": (1,),
+    "BlackmanWindow": (0,),
+    "CenterCropPad": (1,),
+    "Col2Im": (1, 2),
+    "Compress": (1,),
+    "ConstantOfShape": (0,),
+    "DFT": (1, 2),
+    "Expand": (1,),
+    "HammingWindow": (0,),
+    "HannWindow": (0,),
+    "ImageDecoder": (0,),
+    "MaxUnpool": (2,),
+    "MelWeightMatrix": None,
+    "NonMaxSuppression": None,
+    "NonZero": (0,),
+    "OneHot": (1,),
+    "Pad": (1, 3),
+    "Range": None,
+    "Reshape": (1,),
+    "Resize": (1, 2, 3),
+    "SequenceAt": (1,),
+    "SequenceErase": (1,),
+    "SequenceInsert": (2,),
+    "Slice": (1, 2, 3, 4),
+    "Split": (1,),
+    "SplitToSequence": (1,),
+    "Squeeze": (1,),
+    "STFT": (1, 2, 3),
+    "StringNormalizer": (0,),
+    "StringSplit": (0,),
+    "Tile": (1,),
+    "TopK": (1,),
+    "Unique": (0,),
+    "Unsqueeze": (1,),
+    "Upsample": (1,),
+    **{f"Reduce{kind}": (1,) for kind in ("L1", "L2", "LogSum", "LogSumExp", "Max", "Mean", "Min", "Prod", "Sum")},
+    "ReduceSumSquare": (1,),
+}
+# Their output's values depend on their input's shape alone.
+SHAPE_READERS = ("Shape", "Size")
 
 
 @dataclasses.dataclass
@@ -61,6 +108,9 @@ class TensorParts:
             self.traces[tensor] = self.trace(tensor) if traced else Trace(None, [self.source(tensor)])
         self.sources = {tensor: trace.sources for tensor, trace in self.traces.items()}
         self.kept: dict[tuple, dict[str, np.ndarray | None]] = {}
+        labelled = [tensor for tensor, trace in self.traces.items() if trace.label is not None]
+        self.deciding = value_inputs(model, labelled) if labelled else set()
+        self.session: ort.InferenceSession | None = None
 
     def source(self, tensor: str) -> str | None:
         """The node whose values ``tensor`` holds: its producer, followed back through the
@@ -148,15 +198,77 @@ class TensorParts:
         return with_outputs(self.model, wanted, self.nodes) if wanted else None
 
     def labels(self, sample: dict[str, np.ndarray]) -> dict[str, np.ndarray | None]:
-        """Each tensor's part id per element on ``sample``'s shapes (None: one part)."""
-        key = tuple(sorted((name, np.shape(value)) for name, value in sample.items()))
+        """Each tensor's part id per element on ``sample`` (None: one part)."""
+        key = self.key(sample)
         if key not in self.kept:
             found: dict[str, np.ndarray | None] = dict.fromkeys(self.traces)
             model = self.labelled()
             if model is not None:
-                values = iter(run_model(model, sample, "graphscan's copy of the model that labels its parts"))
+                values = iter(self.run(model, sample))
                 for tensor, trace in self.traces.items():
                     if trace.label is not None:
                         found[tensor] = np.asarray(next(values))
             self.kept[key] = found
         return self.kept[key]
+
+    def key(self, sample: dict[str, np.ndarray]) -> tuple:
+        """What the labels on ``sample`` depend on: every input's shape, and the values of
+        the inputs that can decide a shape (``self.deciding``)."""
+        return tuple(
+            (name, np.shape(value), value_bytes(value) if name in self.deciding else None)
+            for name, value in sorted(sample.items())
+        )
+
+    def run(self, model: onnx.ModelProto, sample: dict[str, np.ndarray]) -> list:
+        """The labelled copy's outputs on ``sample``, in one session kept for every sample."""
+        subject = "graphscan's copy of the model that labels its parts"
+        if self.session is None:
+            self.session = open_session(model, subject)
+        try:
+            return self.session.run(None, sample, run_options())
+        except Exception as exc:
+            raise does_not_run(subject, exc)
+
+
+def value_bytes(value: np.ndarray) -> tuple[str, bytes]:
+    """An input's values as a key: its element type and bytes."""
+    array = np.asarray(value)
+    return array.dtype.str, np.ascontiguousarray(array).tobytes()
+
+
+def value_inputs(model: onnx.ModelProto, tensors: Sequence[str]) -> set[str]:
+    """The graph inputs whose values, not only their shapes, can change the parts of
+    ``tensors``: those that reach a place deciding a shape (SHAPE_FROM_VALUES) of a node
+    the tensors come from, through any operator but Shape and Size, which read a shape alone."""
+    producer = {out: node for node in model.graph.node for out in node.output if out}
+    shaped, valued = set(tensors), set[str]()  # tensors whose shape, or whose values, matter
+    pending = [(tensor, False) for tensor in tensors]
+    while pending:
+        tensor, by_value = pending.pop()
+        node = producer.get(tensor)
+        if node is None:
+            continue
+        if by_value and node.op_type in SHAPE_READERS and node.domain in ("", "ai.onnx"):
+            reads = [(node.input[0], False)]
+        else:
+            deciding = shape_deciding(node)
+            reads = [(x, by_value or k in deciding) for k, x in enumerate(node.input) if x]
+            reads += [(x, True) for x in body_reads(node)]
+        for x, value in reads:
+            seen = valued if value else shaped
+            if x not in seen:
+                seen.add(x)
+                pending.append((x, value))
+    return valued & {value.name for value in model.graph.input}
+
+
+def shape_deciding(node: onnx.NodeProto) -> range | tuple[int, ...]:
+    """The positions of ``node``'s inputs whose values can decide its outputs' shapes."""
+    everything = range(len(node.input))
+    bodies = any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+    if bodies or node.domain not in ("", "ai.onnx", "ai.onnx.ml"):
+        return everything
+    if node.domain == "ai.onnx.ml":
+        return ()
+    positions = SHAPE_FROM_VALUES.get(node.op_type, ())
+    return everything if positions is None else positions

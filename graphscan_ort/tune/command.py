@@ -66,7 +66,7 @@ from graphscan_ort.shared.agreement import check_layout_fits
 from graphscan_ort.shared.answers import TuneAnswer
 from graphscan_ort.shared.files import check_out, place, write_failure
 from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
-from graphscan_ort.shared.metrics import named_outputs
+from graphscan_ort.shared.metrics import named_outputs, require_numbers
 from graphscan_ort.shared.on_target import Target
 from graphscan_ort.shared.options import (
     MAX_RUNS,
@@ -143,6 +143,7 @@ def tune(
     evaluated = sample_outputs(model, evaluation, path, inputs, "--inputs") if inputs else calibrated
     if latency_files:
         sample_outputs(model, latency, path, latency_files, "--latency-inputs")
+    require_numbers(Named(model, path), [o.name for o in model.graph.output], evaluated)
     reference = check_measurable(model, evaluated, path, inputs or calibrate)
     check_layout_fits(chosen_metric, TensorParts(model, [o.name for o in model.graph.output]).sources)
     own = chosen_metric.value(reference, reference)  # fits every output, and float's own agreement

@@ -12,7 +12,7 @@ import pytest
 from onnx import numpy_helper
 
 import graphscan
-from tests import yolo_like
+from tests import parts_models, yolo_like
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +85,43 @@ def test_top1_is_refused_on_an_output_that_joins_parts(detector):
             str(quant_path), float_path=str(float_path), min_metric=0.9, metric="top1", inputs=[str(paths[0])]
         )
     assert raised.value.exit_code == 2
+
+
+@pytest.mark.parametrize(
+    "repeat", [pytest.param(False, id="k-moves-the-border"), pytest.param(True, id="k-sizes-both-parts")]
+)
+@pytest.mark.parametrize("order", [pytest.param((2, 6), id="k-2-then-6"), pytest.param((6, 2), id="k-6-then-2")])
+def test_min_sqnr_labels_each_sample_by_the_input_values_that_decide_its_parts(tmp_path, repeat, order):
+    """y = Concat(x[:k] * 100, x[k:] * 2) (or x[:k] twice): which values are part 0 depends on
+    k's value, so two samples of one shape have two partitions; the figure is the same in either
+    order and equals numpy's on the partitions known by hand."""
+    float_path, quant_path = tmp_path / "float.onnx", tmp_path / "quant.onnx"
+    parts_models.sliced_model(float_path, False, repeat)
+    parts_models.sliced_model(quant_path, True, repeat)
+    paths = [parts_models.sample(tmp_path, k) for k in order]
+    answer = graphscan.check(str(quant_path), float_path=str(float_path), min_sqnr=0.0, inputs=[str(p) for p in paths])
+    (row,) = answer["budgets"]
+    labels = [parts_models.partition(k, repeat) for k in order]
+    expected, part = parts_models.worst_part_db(outputs(float_path, paths), outputs(quant_path, paths), labels)
+    assert row["value"] == pytest.approx(expected, abs=1e-9)
+    assert row["worst_part"] == {"output": "y", "part": part, "node": ["big_part", "small_part"][part]}
+
+
+@pytest.mark.parametrize(
+    ("float_factor", "quant_factor"),
+    [pytest.param(2.0, math.inf, id="quantized-part-infinite"), pytest.param(math.inf, 2.0, id="float-part-infinite")],
+)
+def test_a_part_whose_energy_is_not_finite_leaves_min_sqnr_undefined_and_broken(tmp_path, float_factor, quant_factor):
+    """y = Concat(x * 100 + offset, x * factor): part 0 alone has a finite SQNR (offset 1 against
+    0), part 1 is infinite in one model: the worst part is undefined, not part 0's figure."""
+    float_path, quant_path, sample = tmp_path / "float.onnx", tmp_path / "quant.onnx", tmp_path / "x.npz"
+    parts_models.two_parts(float_path, 0.0, float_factor)
+    parts_models.two_parts(quant_path, 1.0, quant_factor)
+    np.savez(sample, x=np.array([0.5, -1.0, 0.25, 2.0], np.float32))
+    f, q = outputs(float_path, [sample])[0], outputs(quant_path, [sample])[0]
+    assert math.isfinite(sqnr(f[:4], q[:4])) and not np.isfinite(np.concatenate([f[4:], q[4:]])).all()
+    answer = graphscan.check(str(quant_path), float_path=str(float_path), min_sqnr=-1000.0, inputs=[str(sample)])
+    (row,) = answer["budgets"]
+    assert (row["value"], row["worst_part"], row["pooled_sqnr_db"], row["ok"]) == (None, None, None, False)
+    impact = graphscan.impact(str(float_path), str(quant_path), inputs=[str(sample)])
+    assert (impact["output_sqnr_db"], impact["worst_part"], impact["deployed_output_sqnr_db"]) == (None, None, None)

@@ -22,7 +22,8 @@ import graphscan_ort.shared.graph as graph_edit
 import graphscan_ort.shared.metrics as metrics
 import graphscan_ort.shared.sessions as sessions
 from tests import impact_reference as reference
-from tests.helpers import error_line, json_answer, run_graphscan, with_weight_scale_times
+from tests import parts_models
+from tests.helpers import error_line, json_answer, run_graphscan, run_onnx, with_weight_scale_times
 from tests.lab import TRACE_LAB
 
 FAULTY = "fc2_matmul"
@@ -922,3 +923,25 @@ def test_a_sparse_initializer_is_measured_as_the_dense_tensor_it_stands_for(tmp_
     for answer in answers:
         del answer["a"], answer["b"]
     assert answers[0] == answers[1] and answers[0]["output_sqnr_db"] is not None
+
+
+@pytest.mark.parametrize(
+    "repeat", [pytest.param(False, id="k-moves-the-border"), pytest.param(True, id="k-sizes-both-parts")]
+)
+@pytest.mark.parametrize("order", [pytest.param((2, 6), id="k-2-then-6"), pytest.param((6, 2), id="k-6-then-2")])
+def test_each_sample_is_labelled_by_the_input_values_that_decide_its_parts(tmp_path, repeat, order):
+    """y = Concat(x[:k] * 100, x[k:] * 2) (or x[:k] twice), its Q->DQ twin: the baseline and the
+    deployed figure equal numpy's worst part on the partitions known by hand, in either order."""
+    a, b = tmp_path / "float.onnx", tmp_path / "quant.onnx"
+    parts_models.sliced_model(a, False, repeat)
+    parts_models.sliced_model(b, True, repeat)
+    paths = [parts_models.sample(tmp_path, k) for k in order]
+    answer = graphscan.impact(str(a), str(b), inputs=[str(p) for p in paths])
+    samples = load_samples(paths)
+    floats = [run_onnx(a, s)[0] for s in samples]
+    quants = [run_onnx(b, s)[0] for s in samples]
+    labels = [parts_models.partition(k, repeat) for k in order]
+    expected, part = parts_models.worst_part_db(floats, quants, labels)
+    assert answer["output_sqnr_db"] == pytest.approx(expected, abs=1e-9)
+    assert answer["deployed_output_sqnr_db"] == pytest.approx(expected, abs=1e-9)
+    assert answer["worst_part"] == {"output": "y", "part": part, "node": ["big_part", "small_part"][part]}

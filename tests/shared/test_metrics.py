@@ -93,3 +93,74 @@ def test_the_tolerance_is_relative_to_the_original_outputs_largest_magnitude_at_
     assert result.max_abs_error == pytest.approx(magnitude * d, rel=1e-2)
     _, scale, _, _ = metrics.compare_outputs([x], [x * np.float32(1 + d)])
     assert scale == float(np.max(np.abs(x)))  # the original's largest magnitude, never the changed one's
+
+
+def declared_output(type_proto):
+    """A model whose one output ``out`` is declared with ``type_proto`` (nothing computes it:
+    the rule reads declarations before anything runs)."""
+    graph = helper.make_graph([], "declared", [], [helper.make_value_info("out", type_proto)])
+    return Named(helper.make_model(graph), "m.onnx")
+
+
+@pytest.mark.parametrize(
+    ("type_proto", "kind"),
+    [
+        pytest.param(helper.make_tensor_type_proto(TensorProto.STRING, [2]), "a string tensor", id="string"),
+        pytest.param(helper.make_tensor_type_proto(TensorProto.COMPLEX64, [2]), "a complex tensor", id="complex"),
+        pytest.param(
+            helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None)),
+            "a sequence",
+            id="sequence",
+        ),
+        pytest.param(
+            helper.make_map_type_proto(TensorProto.INT64, helper.make_tensor_type_proto(TensorProto.FLOAT, [])),
+            "a map",
+            id="map",
+        ),
+        pytest.param(
+            helper.make_optional_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, [2])),
+            "an optional",
+            id="optional",
+        ),
+        pytest.param(helper.make_tensor_type_proto(TensorProto.FLOAT, [2]), None, id="float"),
+        pytest.param(helper.make_tensor_type_proto(TensorProto.FLOAT16, [2]), None, id="float16"),
+        pytest.param(helper.make_tensor_type_proto(TensorProto.INT64, [2]), None, id="int64"),
+        pytest.param(helper.make_tensor_type_proto(TensorProto.BOOL, [2]), None, id="bool"),
+        pytest.param(onnx.TypeProto(), None, id="undeclared"),
+    ],
+)
+def test_only_an_output_declared_as_a_tensor_of_numbers_passes_before_anything_runs(type_proto, kind):
+    named = declared_output(type_proto)
+    if kind is None:
+        metrics.require_numbers(named, ["out"])
+        return
+    with pytest.raises(
+        metrics.GraphscanError, match=f"^usage: m.onnx: output 'out' is {kind}, not a tensor of numbers"
+    ):
+        metrics.require_numbers(named, ["out"])
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [
+        pytest.param(np.array(["a", "b"], dtype=object), "a string tensor", id="strings"),
+        pytest.param([np.zeros(1, np.float32), np.zeros(3, np.float32)], "a sequence", id="ragged-sequence"),
+        pytest.param([{1: 0.5}], "a sequence", id="sequence-of-maps"),
+        pytest.param({1: 0.5}, "a map", id="map"),
+        pytest.param(None, "an optional without a value", id="empty-optional"),
+        pytest.param(np.zeros(2, np.complex64), "a complex tensor", id="complex"),
+        pytest.param(np.zeros(2, np.float16), None, id="float16"),
+        pytest.param(np.zeros(2, np.uint8), None, id="uint8"),
+        pytest.param(np.zeros(2, bool), None, id="bool"),
+    ],
+)
+def test_an_undeclared_output_is_judged_by_its_value_in_every_sample(value, kind):
+    named = declared_output(onnx.TypeProto())
+    fine = [np.zeros(2, np.float32)]
+    if kind is None:
+        metrics.require_numbers(named, ["out"], [fine, [value]])
+        return
+    with pytest.raises(
+        metrics.GraphscanError, match=f"^usage: m.onnx: output 'out' is {kind}, not a tensor of numbers"
+    ):
+        metrics.require_numbers(named, ["out"], [fine, [value]])  # the second sample's value tells

@@ -6,10 +6,12 @@ and every SQNR computed in numpy from the two models' outputs."""
 import math
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from graphscan_ort.shared import metrics, parts, sessions
+from tests import parts_models
 
 
 def model_of(nodes, inputs, output, shape, inits=(), opset=17):
@@ -169,21 +171,63 @@ def test_an_exact_part_is_never_the_worst_and_all_exact_is_exact():
     assert metrics.OutputNoise([[f]], layout).figures([[f]]) == metrics.SqnrFigures(None, None, None, True)
 
 
-def test_labels_are_the_runtimes_and_kept_per_input_shape(monkeypatch):
+def test_labels_are_the_runtimes_and_kept_per_input_shape_where_only_floats_come_in(monkeypatch):
+    """y = Concat(a, Reshape(b, Shape(b))): the floats' values reach no shape (Shape reads b's
+    shape alone), so samples of one shape are labelled by one run, whatever their values."""
     model = model_of(
-        [helper.make_node("Concat", ["a", "b"], ["y"], name="cat", axis=1)],
+        [
+            helper.make_node("Shape", ["b"], ["b_shape"]),
+            helper.make_node("Reshape", ["b", "b_shape"], ["rb"]),
+            helper.make_node("Concat", ["a", "rb"], ["y"], name="cat", axis=1),
+        ],
         {"a": [1, "n"], "b": [1, 2]},
         "y",
         [1, None],
     )
     found = parts.TensorParts(model, ["y"])
     runs = []
-    real = parts.run_model
-    monkeypatch.setattr(parts, "run_model", lambda *args: runs.append(1) or real(*args))
+    real = parts.TensorParts.run
+    monkeypatch.setattr(parts.TensorParts, "run", lambda *args: runs.append(1) or real(*args))
+    rng = np.random.default_rng(0)
     for n in (3, 3, 5):
-        labels = found.labels({"a": np.zeros((1, n), np.float32), "b": np.zeros((1, 2), np.float32)})["y"]
-        np.testing.assert_array_equal(labels, [[0] * n + [1, 1]])
+        feeds = {"a": rng.normal(size=(1, n)).astype(np.float32), "b": rng.normal(size=(1, 2)).astype(np.float32)}
+        np.testing.assert_array_equal(found.labels(feeds)["y"], [[0] * n + [1, 1]])
     assert len(runs) == 2  # once per shape
+
+
+@pytest.mark.parametrize(
+    "repeat", [pytest.param(False, id="k-moves-the-border"), pytest.param(True, id="k-sizes-both-parts")]
+)
+def test_labels_follow_an_input_whose_values_decide_the_parts(tmp_path, repeat):
+    """y = Concat(x[:k] * 100, x[k:] * 2) (or x[:k] twice): one shape of inputs, and a partition
+    per value of k, in any order."""
+    parts_models.sliced_model(tmp_path / "m.onnx", False, repeat)
+    found = parts.TensorParts(onnx.load(tmp_path / "m.onnx"), ["y"])
+    x = np.zeros(parts_models.SIZE, np.float32)
+    for k in (2, 6, 2, 3):
+        labels = found.labels({"x": x, "k": np.array([k], np.int64)})["y"]
+        np.testing.assert_array_equal(labels, parts_models.partition(k, repeat))
+
+
+def test_the_inputs_whose_values_decide_the_parts_are_those_that_reach_a_shape():
+    """k sets a Slice's end; f, cast to int64, a Reshape's shape; m's values only scale a part
+    (Mul), and b reaches a Reshape through Shape, which reads its shape alone."""
+    ints = [helper.make_tensor_value_info(name, TensorProto.INT64, [1]) for name in ("k", "m")]
+    floats = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [None]) for name in ("x", "f", "b")]
+    nodes = [
+        helper.make_node("Slice", ["x", "zero", "k"], ["head"]),
+        helper.make_node("Cast", ["m"], ["mf"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["head", "mf"], ["scaled"]),
+        helper.make_node("Cast", ["f"], ["fi"], to=TensorProto.INT64),
+        helper.make_node("Reshape", ["x", "fi"], ["shaped"]),
+        helper.make_node("Shape", ["b"], ["b_shape"]),
+        helper.make_node("Reshape", ["b", "b_shape"], ["rb"]),
+        helper.make_node("Concat", ["scaled", "shaped", "rb"], ["y"], axis=0),
+    ]
+    graph = helper.make_graph(
+        nodes, "m", ints + floats, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None])], [const("zero", [0])]
+    )
+    assert parts.value_inputs(helper.make_model(graph), ["y"]) == {"k", "f"}
 
 
 def test_a_model_before_opset_9_is_one_part_per_output():
@@ -200,3 +244,117 @@ def test_the_labelled_copy_leaves_the_model_alone():
     parts.TensorParts(model, ["y"]).labels({"x": np.zeros(8, np.float32)})
     assert model.SerializeToString() == before
     assert sessions.run_model(model, {"x": np.zeros(8, np.float32)}, "m")[0].shape == (16,)
+
+
+def concat_of_two(first, second, axis):
+    """Concat(a, b) on ``axis`` and the labels of its output by hand: a's elements 0, b's 1."""
+    node = helper.make_node("Concat", ["a", "b"], ["c"], name="cat", axis=axis)
+    labels = np.concatenate([np.zeros(first, np.int64), np.ones(second, np.int64)], axis=axis)
+    return node, labels
+
+
+def oldest_form(form):
+    """(nodes after c = Concat(a [1, 2, 3], b [1, 1, 3], axis=1), initializers, y's labels by
+    hand) of each form of a traced operator the tracer claims from opset 9 (MIN_OPSET) on:
+    attributes where opsets before 13 have them (Split's sizes, Squeeze's and Unsqueeze's
+    axes), Split's count of outputs from 18."""
+    _, c = concat_of_two((1, 2, 3), (1, 1, 3), 1)
+    if form == "split-sizes-attribute":  # rows 1 and 2 of c: a's second, b's
+        return [helper.make_node("Split", ["c"], ["lo", "y"], axis=1, split=[1, 2])], [], c[:, 1:]
+    if form == "split-equal-by-default":  # no sizes: three outputs of one row, the last b's
+        return [helper.make_node("Split", ["c"], ["r0", "r1", "y"], axis=1)], [], c[:, 2:]
+    if form == "split-num-outputs":  # from opset 18, the same by a count of outputs
+        return [helper.make_node("Split", ["c"], ["r0", "r1", "y"], axis=1, num_outputs=3)], [], c[:, 2:]
+    if form == "squeeze-unsqueeze-axes-attribute":  # [1, 3, 3] -> [1, 1, 3, 3] -> [1, 3, 3, 1] -> [3, 3, 1]
+        nodes = [
+            helper.make_node("Unsqueeze", ["c"], ["u"], axes=[1]),
+            helper.make_node("Transpose", ["u"], ["t"], perm=[0, 2, 3, 1]),
+            helper.make_node("Squeeze", ["t"], ["y"], axes=[0]),
+        ]
+        return nodes, [], c[0][:, :, np.newaxis]
+    if form == "transpose-perm":  # not the default reversal
+        nodes = [helper.make_node("Transpose", ["c"], ["y"], perm=[1, 2, 0])]
+        return nodes, [], c.transpose(1, 2, 0)
+    if form == "reshape-shape-input":  # [1, 3, 3] as [9, 1], row-major
+        nodes = [helper.make_node("Reshape", ["c", "shape"], ["y"])]
+        return nodes, [const("shape", [9, 1])], c.reshape(9, 1)
+    raise AssertionError(form)
+
+
+@pytest.mark.parametrize(
+    ("form", "opset"),
+    [
+        pytest.param("split-sizes-attribute", 9, id="split-sizes-attribute-opset-9"),
+        pytest.param("split-sizes-attribute", 11, id="split-sizes-attribute-opset-11"),
+        pytest.param("split-equal-by-default", 9, id="split-equal-by-default-opset-9"),
+        pytest.param("split-num-outputs", 18, id="split-num-outputs-opset-18"),
+        pytest.param("squeeze-unsqueeze-axes-attribute", 9, id="squeeze-unsqueeze-axes-attribute-opset-9"),
+        pytest.param("squeeze-unsqueeze-axes-attribute", 11, id="squeeze-unsqueeze-axes-attribute-opset-11"),
+        pytest.param("transpose-perm", 9, id="transpose-perm-opset-9"),
+        pytest.param("reshape-shape-input", 9, id="reshape-shape-input-opset-9"),
+    ],
+)
+def test_each_oldest_form_of_a_traced_operator_is_followed_index_by_index(form, opset):
+    """The labels by hand: c = Concat(a [1, 2, 3], b [1, 1, 3], axis=1) is rows [0, 0, 1], and
+    each form moves those rows as numpy does."""
+    nodes, inits, expected = oldest_form(form)
+    concat, _ = concat_of_two((1, 2, 3), (1, 1, 3), 1)
+    model = model_of([concat, *nodes], {"a": [1, 2, 3], "b": [1, 1, 3]}, "y", list(expected.shape), inits, opset)
+    feeds = {"a": np.ones((1, 2, 3), np.float32), "b": np.ones((1, 1, 3), np.float32)}
+    assert sessions.run_model(model, feeds, "m")[0].shape == expected.shape  # a valid model of that opset
+    np.testing.assert_array_equal(labels_of(model, "y", feeds), expected)
+
+
+def test_nodes_of_the_default_domain_spelled_ai_onnx_are_traced():
+    node, expected = concat_of_two((2,), (3,), 0)
+    node.domain = "ai.onnx"
+    graph = helper.make_graph(
+        [node],
+        "m",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [s]) for n, s in (("a", 2), ("b", 3))],
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT, [5])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("ai.onnx", 9)])
+    feeds = {"a": np.ones(2, np.float32), "b": np.ones(3, np.float32)}
+    np.testing.assert_array_equal(labels_of(model, "c", feeds), expected)
+
+
+def test_a_slice_of_opset_9_takes_its_bounds_from_attributes_so_no_input_decides_the_parts():
+    """Slice before opset 10 has starts and ends as attributes: x, its data, decides nothing
+    by its values; at opset 10 the same ends read from an input k do."""
+    old = model_of(
+        [
+            helper.make_node("Slice", ["x"], ["head"], starts=[0], ends=[2]),
+            helper.make_node("Concat", ["head", "x"], ["y"], axis=0),
+        ],
+        {"x": [6]},
+        "y",
+        [8],
+        opset=9,
+    )
+    assert parts.value_inputs(old, ["y"]) == set()
+    np.testing.assert_array_equal(labels_of(old, "y", {"x": np.zeros(6, np.float32)}), [0, 0] + [1] * 6)
+
+
+@pytest.mark.parametrize(
+    ("side", "bad"),
+    [
+        pytest.param("quantized", np.inf, id="quantized-part-infinite"),
+        pytest.param("quantized", np.nan, id="quantized-part-nan"),
+        pytest.param("float", np.inf, id="float-part-infinite"),
+    ],
+)
+def test_a_part_whose_energy_is_not_finite_makes_the_worst_part_undefined(side, bad):
+    """Part 0 alone is 20 dB by hand (signal 100, noise 1); part 1 holds a value that is not
+    finite, so its SQNR is unknown and may be the worst: the figure is undefined (None, shown
+    as null), never part 0's 20 dB, and no part is named."""
+    x = np.linspace(-3, 3, 8).astype(np.float32)
+    layout = metrics.output_layout(two_part_model(1.0), ["y"], [{"x": x}])
+    f = np.array([6.0, 8.0, 0, 0, 0, 0, 0, 0] + [1.0] * 8)
+    q = f.copy()
+    q[0] += 1.0  # part 0: 10 log10((36 + 64) / 1) = 20 dB
+    finite = metrics.OutputNoise([[f]], layout).figures([[q]])
+    assert finite.worst_db == pytest.approx(20.0) and finite.worst_part["part"] == 0  # part 1 exact
+    (f if side == "float" else q)[12] = bad
+    figures = metrics.OutputNoise([[f]], layout).figures([[q]])
+    assert (figures.worst_db, figures.worst_part, figures.pooled_db, figures.exact) == (None, None, None, False)

@@ -26,6 +26,7 @@ from graphscan_ort.commands import check as check_module
 from graphscan_ort.engines import kernel_numbers
 from graphscan_ort.shared import targets
 from graphscan_ort.shared.options import Named
+from tests import odd_outputs
 from tests.helpers import main_error_line, run_main
 from tests.targets.test_targets import INSTALL, MACHINES, empty_bin, fake_tools, host_has_vnni, needs
 
@@ -248,6 +249,21 @@ def test_budgets_through_the_runner_are_the_native_budgets(capsys, stand_in):
     assert list(answer) == ["model", "float", "cpu", "budgets", "ok"]
     assert answer["cpu"] == {"name": "x86-avx2", "onnxruntime": ort.__version__, "machine": platform.machine()}
     assert answer["budgets"] == native["budgets"]
+
+
+@pytest.mark.parametrize("kind", ["string", "sequence"])
+@pytest.mark.parametrize("declared", [pytest.param(True, id="declared"), pytest.param(False, id="undeclared")])
+def test_an_output_that_is_not_numbers_is_refused_through_the_runner_as_natively(
+    capsys, stand_in, tmp_path, kind, declared
+):
+    """A STRING or sequence output cannot come back in an .npz: refused in the same one line
+    as natively, by its declared type here or by its value in the target."""
+    float_path, quant_path = tmp_path / "float.onnx", tmp_path / "quant.onnx"
+    odd_outputs.odd_model(float_path, kind, False, declared)
+    odd_outputs.odd_model(quant_path, kind, True, declared)
+    argv = ["check", quant_path, "--float", float_path, "--min-sqnr", "20", "--inputs", odd_outputs.sample(tmp_path)]
+    line = main_error_line(capsys, [*argv, "--cpu", "x86-avx2"], 2)
+    assert line == main_error_line(capsys, argv, 2) == odd_outputs.refusal(float_path, kind)
 
 
 def test_trace_through_the_runner_is_the_native_trace(capsys, stand_in, tmp_path):
