@@ -33,7 +33,7 @@ def test_one_interpreter_answers_every_call_and_what_it_prints_is_not_its_answer
     assert worker.run("math:hypot", [3, 4])["result"] == 5.0
     assert worker.process is process and process.poll() is None  # the same interpreter throughout
     folder = worker.folder
-    assert os.listdir(folder) == ["stderr"]  # each call's files removed
+    assert sorted(os.listdir(folder)) == ["stderr", "tmp"]  # each call's files removed; tmp: the target's TMPDIR
     worker.close()  # ends the interpreter, removes its files
     assert process.poll() is not None and not os.path.exists(folder)
 
