@@ -217,9 +217,13 @@ class _Terminated(KeyboardInterrupt):
 
 def _note_interrupt(signum: int, frame: object) -> None:
     """main()'s SIGINT and SIGTERM handler: KeyboardInterrupt (Terminated), remembered
-    (onnxruntime's C initialization turns it into an ImportError, which must not hide it)."""
+    (onnxruntime's C initialization turns it into an ImportError, which must not hide it).
+    A signal that arrives while an interrupt unwinds is only remembered: a second Ctrl-C,
+    or a CI runner's SIGTERM after its SIGINT, must not cut short the code that removes
+    what the run made (the exit code still says terminated)."""
     INTERRUPTED.append(signum)
-    raise interruption()
+    if not isinstance(sys.exc_info()[1], KeyboardInterrupt):
+        raise interruption()
 
 
 def interruption() -> KeyboardInterrupt:
@@ -2695,7 +2699,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse after printing --help
         return exc.code if isinstance(exc.code, int) else EXIT_OK
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated): unwound, nothing half-written
-        terminated = isinstance(exc, _Terminated)
+        terminated = isinstance(exc, _Terminated) or signal.SIGTERM in INTERRUPTED
         report("terminated" if terminated else "interrupted")
         return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except MemoryError:  # graphscan's own arrays or onnxruntime's: the model did not run here
@@ -2720,7 +2724,7 @@ def console_main() -> None:
     try:
         code = main()
     except KeyboardInterrupt as exc:  # in the instant between main()'s own handlers
-        code = EXIT_TERMINATED if isinstance(exc, _Terminated) else EXIT_INTERRUPTED
+        code = EXIT_TERMINATED if isinstance(exc, _Terminated) or signal.SIGTERM in INTERRUPTED else EXIT_INTERRUPTED
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _exit_on_interrupt)  # no traceback during shutdown either
     for stream in (sys.stdout, sys.stderr):

@@ -135,6 +135,14 @@ AREA_TESTS = {
         "tests/tune/test_overrides.py",
     ],
     "calibration": ["tests/tune/test_calibration.py", "tests/tune/test_candidates.py"],
+    # The CPU targets without qemu: fake folders and tools, this interpreter standing in.
+    "targets": [
+        "tests/targets/test_install.py",
+        "tests/targets/test_targets.py",
+        "tests/targets/test_worker.py",
+        "tests/targets/test_interrupts.py",
+        "tests/tune/test_tune_cpu.py",
+    ],
 }
 IGNORED = shutil.ignore_patterns(
     ".git", ".venv*", "__pycache__", ".pytest_cache", ".hypothesis", "*.pyc", ".benchmarks"

@@ -12,8 +12,8 @@ timings mean nothing.
   mount namespace whose ``/proc/cpuinfo`` describes that CPU (onnxruntime reads it).
 
 Install once, as root (apt-get), into ``${XDG_CACHE_HOME:-~/.cache}/graphscan/targets``
-(or ``$GRAPHSCAN_TARGETS``); it prints the targets' state as JSON, and does nothing
-the second time::
+(or ``$GRAPHSCAN_TARGETS``); it prints the targets' state as JSON, and repairs only what
+does not run the second time::
 
     $ python -m graphscan_ort.shared.targets install
     $ python -m graphscan_ort.shared.targets status
@@ -22,15 +22,22 @@ Then ``run(target, "graphscan_ort.commands.runtime:function", args)`` calls a fu
 of graphscan inside the target's interpreter (arguments and its JSON answer go through
 files) and returns ``{"cpu": {name, onnxruntime, machine}, "result": ...}``; a ``Worker``
 keeps one interpreter for many such calls (an emulated one takes seconds to start).
+
+Installed means the target runs a trivial call. Every command checks only what costs
+no start (``missing``: the tools, the arm64 folder's files and its packages' versions) and
+blames a target that then fails to start on its install (exit 2 naming the install
+command); ``status`` and ``install`` start each target once to know (``probed``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -39,7 +46,18 @@ import tempfile
 from pathlib import Path
 from typing import Any, TypedDict
 
-from graphscan import EXIT_INTERNAL, EXIT_RUNTIME, EXIT_USAGE, GraphscanError, one_line, report, shown
+from graphscan import (
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_NO_FILE,
+    EXIT_RUNTIME,
+    EXIT_USAGE,
+    INTERRUPTED,
+    GraphscanError,
+    one_line,
+    report,
+    shown,
+)
 
 __all__ = [
     "INSTALL_COMMAND",
@@ -49,6 +67,7 @@ __all__ = [
     "Worker",
     "installed",
     "missing",
+    "probed",
     "require",
     "root",
     "run",
@@ -60,7 +79,9 @@ X86_AVX2 = "x86-avx2"
 ARM64 = "arm64"
 TARGETS = (NATIVE, X86_AVX2, ARM64)  # the contract's names; more may follow
 
-INSTALL_COMMAND = "python -m graphscan_ort.shared.targets install"
+# What users type after ``python -m`` (run so, this module's __name__ is "__main__").
+MODULE = "graphscan_ort.shared.targets"
+INSTALL_COMMAND = f"python -m {MODULE} install"
 
 # What the aarch64 wheels are pinned to: this environment's own versions, so a target
 # runs the release native runs (their dependencies follow the same environment).
@@ -83,6 +104,11 @@ ARM64_CPUINFO = (
     "CPU revision\t: 1\n\n"
 )
 STAMP = "installed.json"
+# What a worker's interpreter writes first on its stdout, once onnxruntime is imported:
+# an interpreter that ends before it is a target that does not start (a damaged install).
+READY = "ready"
+# Seconds an idle worker's interpreter is given to stop at the end of its input.
+LINGER = 10
 
 
 class Facts(TypedDict):
@@ -141,34 +167,97 @@ def missing(target: str) -> str | None:
         return None if qemu("x86_64") else "qemu-x86_64 is not installed"
     if not qemu("aarch64"):
         return "qemu-aarch64 is not installed"
-    stamp = arm64_stamp()
-    if stamp is None:
-        return f"the arm64 Python is not installed in {shown(root())}"
-    if stamp.get("pins") != pins():
-        return f"the arm64 wheels in {shown(root())} are {stamp.get('pins')}, not this environment's {pins()}"
+    problem = arm64_damage()
+    if problem:
+        return problem
     if not shutil.which("unshare"):
         return "unshare (util-linux) is not installed: onnxruntime needs an ARM /proc/cpuinfo"
     return None
 
 
+def arm64_damage() -> str | None:
+    """What the arm64 folder lacks, from its files alone (None: nothing): the stamp a whole
+    install writes last, the interpreter and the ARM cpuinfo it runs with, and the pinned
+    packages at this environment's versions (what is installed, not what the stamp says)."""
+    if arm64_stamp() is None:
+        return f"the arm64 Python is not installed in {shown(root())}"
+    folder = root() / ARM64
+    absent = [name for name in (f"sysroot/{ARM64_PYTHON}", "cpuinfo") if not (folder / name).is_file()]
+    if absent:
+        return f"the arm64 install in {shown(root())} is damaged: no {' and no '.join(absent)}"
+    wanted = pins()
+    found = site_versions(folder / "site")
+    there = {name: found.get(canonical(name)) for name in wanted}
+    if there != wanted:
+        return f"the arm64 wheels in {shown(root())} are {there}, not this environment's {wanted}"
+    return None
+
+
+def canonical(name: str) -> str:
+    """A distribution's name as pip compares them (ml_dtypes and ml-dtypes are one)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def site_versions(site: Path) -> dict[str, str]:
+    """The version of each distribution installed in ``site``, by canonical name."""
+    found = importlib.metadata.distributions(path=[str(site)])
+    return {canonical(dist.metadata["Name"] or ""): dist.version for dist in found}
+
+
 def installed(target: str) -> bool:
-    """Whether ``target`` can run here."""
-    return missing(target) is None
+    """Whether ``target`` runs a trivial call here (an emulated one is started: seconds)."""
+    problem = missing(target)
+    return problem is None and (target == NATIVE or probed([target])[target] is None)
 
 
 def require(target: str) -> None:
-    """Exit 2 naming the install command when ``target`` cannot run here."""
+    """Exit 2 naming the install command when ``target`` cannot run here (its files tell)."""
     problem = missing(target)
     if problem:
-        raise GraphscanError(f"usage: CPU target {target}: {problem} (install it: {INSTALL_COMMAND})", EXIT_USAGE)
+        raise not_installed(target, problem)
+
+
+def not_installed(target: str, problem: str) -> GraphscanError:
+    """Exit 2: ``target`` is not installed whole, and the install command repairs it."""
+    return GraphscanError(f"usage: CPU target {target}: {problem} (install it: {INSTALL_COMMAND})", EXIT_USAGE)
 
 
 def status() -> dict[str, Any]:
-    """Each target's state: ``{"root", "targets": {name: {"installed", "missing"}}}``."""
+    """Each target's state: ``{"root", "targets": {name: {"installed", "missing"}}}``;
+    installed means it runs a trivial call (each emulated target started once, side by side)."""
+    problems = {name: missing(name) for name in TARGETS}
+    problems.update(probed([name for name, problem in problems.items() if problem is None and name != NATIVE]))
     return {
         "root": str(root()),
-        "targets": {name: {"installed": installed(name), "missing": missing(name)} for name in TARGETS},
+        "targets": {name: {"installed": problem is None, "missing": problem} for name, problem in problems.items()},
     }
+
+
+def probed(names: list[str]) -> dict[str, str | None]:
+    """Why each emulated target of ``names`` does not run a trivial call (None: it does),
+    all started at once: a start under emulation costs seconds."""
+    workers = [Worker(name) for name in names]
+    try:
+        for worker in workers:
+            worker.start()
+        return {worker.target: trivial_call(worker) for worker in workers}
+    finally:
+        for worker in workers:
+            worker.close()
+
+
+def trivial_call(worker: Worker) -> str | None:
+    """Why ``worker``'s target does not answer a call for its facts with this environment's
+    onnxruntime (None: it does)."""
+    problem = worker.start_problem()
+    if problem is not None:
+        return problem
+    try:
+        facts = worker.run(f"{MODULE}:native_facts")["result"]
+    except GraphscanError as exc:
+        return one_line(exc)
+    wanted = pins()["onnxruntime"]
+    return None if facts["onnxruntime"] == wanted else f"it runs onnxruntime {facts['onnxruntime']}, not {wanted}"
 
 
 # -- running a function inside a target
@@ -209,19 +298,8 @@ def run(target: str, function: str, args: list[Any] | None = None, kwargs: dict[
     require(target)
     if target == NATIVE:
         return {"cpu": native_facts(), "result": resolve(function)(*args, **kwargs)}
-    with tempfile.TemporaryDirectory(prefix="graphscan-target-") as folder:
-        request, answer = os.path.join(folder, "request.json"), os.path.join(folder, "answer.json")
-        with open(request, "w", encoding="utf-8") as f:
-            json.dump({"function": function, "args": args, "kwargs": kwargs}, f)
-        line, env = command(target, ["-m", __name__, "call", request, answer])
-        done = subprocess.run(line, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
-        try:
-            with open(answer, encoding="utf-8") as f:
-                reply = json.load(f)
-        except (OSError, ValueError):
-            why = stopped(done.returncode, done.stderr)
-            raise GraphscanError(f"CPU target {target}: {why}", EXIT_RUNTIME) from None
-    return answered(target, reply)
+    with Worker(target) as worker:
+        return worker.run(function, args, kwargs)
 
 
 def answered(target: str, reply: dict) -> dict:
@@ -232,8 +310,8 @@ def answered(target: str, reply: dict) -> dict:
     return reply
 
 
-def stopped(returncode: int, stderr: str) -> str:
-    """How a target's interpreter ended without an answer: its signal or exit code, its last words."""
+def stopped(returncode: int, stderr: str, when: str = "without an answer") -> str:
+    """How a target's interpreter ended ``when``: its signal or exit code, its last words."""
     if returncode < 0:
         try:
             how = f"killed by {signal.Signals(-returncode).name}"
@@ -242,15 +320,19 @@ def stopped(returncode: int, stderr: str) -> str:
     else:
         how = f"stopped (exit {returncode})"
     last = [line.strip() for line in stderr.splitlines() if line.strip()]
-    return f"its interpreter was {how} without an answer" + (f": {last[-1]}" if last else "")
+    return f"its interpreter was {how} {when}" + (f": {last[-1]}" if last else "")
 
 
 class Worker:
-    """One interpreter of ``target`` kept for many ``run`` calls, started at the first: under
-    emulation, starting Python and importing onnxruntime costs seconds for each call (see
-    docs/PERFORMANCE.md), the calls themselves often less. Requests go as ``run``'s do,
-    through files; a line on the interpreter's stdin asks, a line on its stdout answers.
-    ``close`` (or leaving the ``with`` block) ends it."""
+    """One interpreter of ``target`` kept for many ``run`` calls, started at the first (or by
+    ``start``): under emulation, starting Python and importing onnxruntime costs seconds for
+    each call (see docs/PERFORMANCE.md), the calls themselves often less. Requests go as
+    ``run``'s do, through files; a line on the interpreter's stdin asks, a line on its
+    stdout answers. ``close`` (or leaving the ``with`` block) ends it.
+
+    The interpreter runs in a process group of its own, with its temporary folder inside
+    this worker's: a Ctrl-C reaches graphscan alone, and ``close`` ends the whole group and
+    removes everything it wrote, even when it is killed in the middle of a call."""
 
     def __init__(self, target: str) -> None:
         require(target)
@@ -258,6 +340,7 @@ class Worker:
         self.process: subprocess.Popen[str] | None = None
         self.folder: str | None = None
         self.calls = 0
+        self.idle = False  # ready and waiting for a request: it may be asked to stop
 
     def __enter__(self) -> Worker:
         return self
@@ -269,13 +352,17 @@ class Worker:
         """``run(target, function, args, kwargs)`` in this worker's interpreter."""
         if self.target == NATIVE:
             return run(self.target, function, args, kwargs)
-        process, folder = self.started()
+        problem = self.start_problem()
+        if problem is not None:
+            raise not_installed(self.target, problem)
+        process, folder = self.process, self.folder
+        assert process is not None and process.stdin is not None and process.stdout is not None and folder
         self.calls += 1
         request = os.path.join(folder, f"request-{self.calls}.json")
         answer = os.path.join(folder, f"answer-{self.calls}.json")
         with open(request, "w", encoding="utf-8") as f:
             json.dump({"function": function, "args": list(args or []), "kwargs": dict(kwargs or {})}, f)
-        assert process.stdin is not None and process.stdout is not None
+        self.idle = False
         try:
             process.stdin.write(json.dumps([request, answer]) + "\n")
             process.stdin.flush()
@@ -288,36 +375,72 @@ class Worker:
         except (OSError, ValueError):
             reply = None
         if not done or reply is None:
-            if done:  # an answer line without an answer file: not a worker to trust again
-                process.kill()
-            self.process = None
-            returncode = ended(process)
-            with open(os.path.join(folder, "stderr"), encoding="utf-8", errors="replace") as f:
-                last = f.read()
-            raise GraphscanError(f"CPU target {self.target}: {stopped(returncode, last)}", EXIT_RUNTIME)
+            # an answer line without an answer file: not a worker to trust again
+            how = self.ended_how(at_once=bool(done), when="without an answer")
+            raise GraphscanError(f"CPU target {self.target}: {how}", EXIT_RUNTIME)
+        self.idle = True
         for file in (request, answer):
             os.remove(file)
         return answered(self.target, reply)
 
-    def started(self) -> tuple[subprocess.Popen[str], str]:
+    def start(self) -> None:
+        """Start the interpreter unless it runs, without waiting for it to be ready."""
+        if self.target == NATIVE or self.process is not None:
+            return
         if self.folder is None:
             self.folder = tempfile.mkdtemp(prefix="graphscan-target-")
-        if self.process is None:
-            line, env = command(self.target, ["-m", __name__, "serve"])
-            with open(os.path.join(self.folder, "stderr"), "w", encoding="utf-8") as stderr:
-                self.process = subprocess.Popen(
-                    line, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True
-                )
-        return self.process, self.folder
+            os.mkdir(os.path.join(self.folder, "tmp"))
+        line, env = command(self.target, ["-m", MODULE, "serve"])
+        env["TMPDIR"] = os.path.join(self.folder, "tmp")  # removed with this worker's folder, whatever happens
+        self.idle = False
+        with open(os.path.join(self.folder, "stderr"), "w", encoding="utf-8") as stderr:
+            self.process = subprocess.Popen(
+                line,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                start_new_session=True,
+            )
+
+    def start_problem(self) -> str | None:
+        """Why the interpreter does not start (None: it is ready, started now if need be):
+        one that ends before it says it is ready is a target whose install is damaged."""
+        self.start()
+        if self.target == NATIVE or self.idle:
+            return None
+        assert self.process is not None and self.process.stdout is not None
+        try:
+            said = self.process.stdout.readline()
+        except OSError:
+            said = ""
+        if said.strip() != READY:
+            return f"it does not start: {self.ended_how(at_once=True, when='before it was ready')}"
+        self.idle = True
+        return None
+
+    def ended_how(self, at_once: bool, when: str) -> str:
+        """The interpreter ended (``ended``), and how, with its last words, for a message."""
+        process, self.process, self.idle = self.process, None, False
+        assert process is not None and self.folder is not None
+        returncode = ended(process, at_once)
+        with open(os.path.join(self.folder, "stderr"), encoding="utf-8", errors="replace") as f:
+            return stopped(returncode, f.read(), when)
 
     def close(self) -> None:
-        """End the interpreter (its stdin closed, then killed if it lingers) and remove its files."""
+        """End the interpreter and remove its files: an idle one is asked to stop; one that is
+        starting or in a call (an interrupt, an error here), or any after a signal, is killed
+        at once (``ended``)."""
         process, self.process = self.process, None
-        if process is not None:
-            ended(process)
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
-            self.folder = None
+        try:
+            if process is not None:
+                ended(process, at_once=not self.idle or bool(INTERRUPTED))
+        finally:
+            self.idle = False
+            if self.folder is not None:
+                shutil.rmtree(self.folder, ignore_errors=True)
+                self.folder = None
 
 
 def resolve(function: str) -> Any:
@@ -381,26 +504,28 @@ def install_qemu() -> None:
 
 def install_arm64() -> None:
     """Debian's arm64 Python and the aarch64 wheels of the pins, into ``root()/arm64``,
-    built beside it and renamed into place, so a half install is never taken for one."""
-    stamp = arm64_stamp()
-    if stamp is not None and stamp.get("pins") == pins():
-        return
+    built beside it and renamed into place (over what was there), so a half install is
+    never taken for one."""
     for tool in ("apt-get", "apt-cache", "dpkg"):
         if not shutil.which(tool):
             raise GraphscanError(
                 f"targets: the arm64 Python comes from Debian's packages; {tool} is not here", EXIT_USAGE
             )
     base = root()
-    base.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".arm64-", dir=base))
     try:
-        build_arm64(work)
-        final = base / ARM64
-        if final.exists():
-            shutil.rmtree(final)
-        (work / "arm64").rename(final)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        base.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".arm64-", dir=base))
+        try:
+            build_arm64(work)
+            final = base / ARM64
+            if final.exists():
+                shutil.rmtree(final)
+            (work / "arm64").rename(final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    except OSError as exc:
+        why = exc.strerror or one_line(exc)
+        raise GraphscanError(f"targets: cannot write the targets' folder {shown(base)} ({why})", EXIT_NO_FILE) from None
 
 
 def build_arm64(work: Path) -> None:
@@ -458,31 +583,47 @@ def build_arm64(work: Path) -> None:
 
 
 def install() -> dict[str, Any]:
-    """Install what the targets need (idempotent) and return their state."""
+    """Install what the targets need, repairing what does not run a trivial call, and return
+    their state; exit 2 when one still does not run afterwards."""
     if not host_is_x86_64():
         raise GraphscanError(
             f"targets: the targets are emulated from an x86-64 host; this one is {platform.machine()}", EXIT_USAGE
         )
     install_qemu()
-    install_arm64()
-    return status()
+    state = status()
+    # arm64's folder is rebuilt when its files or a trivial call say it is not whole (without
+    # unshare nothing runs: then its files alone judge it).
+    if not state["targets"][ARM64]["installed"] and (arm64_damage() is not None or shutil.which("unshare")):
+        install_arm64()
+        state = status()
+    for name, target in state["targets"].items():
+        if not target["installed"]:
+            raise GraphscanError(
+                f"targets: {name} still does not run after the install: {target['missing']}", EXIT_USAGE
+            )
+    return state
 
 
-def ended(process: subprocess.Popen[str]) -> int:
-    """A worker's interpreter ended: its stdin closed (it stops at the end of its input),
-    killed if it lingers, its pipes closed; its exit code."""
+def ended(process: subprocess.Popen[str], at_once: bool = False) -> int:
+    """A worker's interpreter ended, its exit code: unless ``at_once``, its stdin closed (an
+    idle one stops at the end of its input) and ``LINGER`` seconds given; then, if it still
+    runs, its process group killed (what it started goes with it); its pipes closed."""
     try:
-        assert process.stdin is not None
-        process.stdin.close()
-    except OSError:  # a broken pipe: it has ended already
-        pass
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
+        if not at_once:
+            with contextlib.suppress(OSError):  # a broken pipe: it has ended already
+                assert process.stdin is not None
+                process.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=LINGER)
+    finally:  # also when a signal cuts the wait short
+        if process.poll() is None:
+            with contextlib.suppress(OSError):  # gone between the two calls
+                os.killpg(process.pid, signal.SIGKILL)
         process.wait()
-    if process.stdout is not None:
-        process.stdout.close()
+        for pipe in (process.stdin, process.stdout):
+            with contextlib.suppress(OSError):
+                if pipe is not None:
+                    pipe.close()
     return process.returncode
 
 
@@ -493,6 +634,9 @@ def serve() -> None:
     channel = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    native_facts()  # onnxruntime imported before the worker is told ready: a broken install never is
+    channel.write(READY + "\n")
+    channel.flush()
     for line in sys.stdin:
         request, answer = json.loads(line)
         call(request, answer)
@@ -501,21 +645,25 @@ def serve() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``install``, ``status`` (JSON on stdout), ``call REQUEST ANSWER`` or ``serve`` (inside a target)."""
+    """``install``, ``status`` (JSON on stdout) or ``serve`` (inside a target); an error is
+    one line on stderr and its exit code, never a traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        if argv[:1] == ["call"] and len(argv) == 3:
-            call(argv[1], argv[2])
-            return 0
         if argv == ["serve"]:
             serve()
             return 0
         if argv not in (["install"], ["status"]):
-            raise GraphscanError(f"usage: {INSTALL_COMMAND} | python -m {__name__} status", EXIT_USAGE)
+            raise GraphscanError(f"usage: {INSTALL_COMMAND} | python -m {MODULE} status", EXIT_USAGE)
         answer = install() if argv == ["install"] else status()
     except GraphscanError as exc:
         report(str(exc))
         return exc.exit_code
+    except KeyboardInterrupt:
+        report("interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a bug: still one line
+        report(f"internal error: {type(exc).__name__}: {one_line(exc)}")
+        return EXIT_INTERNAL
     print(json.dumps(answer))
     return 0
 

@@ -842,13 +842,18 @@ def stand_in(monkeypatch):
     protocol whole, the emulator left out): its answers must be native's. Yields the
     functions run through it."""
     ran = []
+    call = targets.Worker.run
+
+    def recorded(worker, function, args=None, kwargs=None):
+        ran.append(function)
+        return call(worker, function, args, kwargs)
 
     def command(target, argv):
-        ran.append(json.loads(Path(argv[-2]).read_text())["function"])
         return [sys.executable, *argv], dict(os.environ, PYTHONPATH=str(targets.repository()))
 
     monkeypatch.setattr(targets, "missing", lambda target: None)
     monkeypatch.setattr(targets, "command", command)
+    monkeypatch.setattr(targets.Worker, "run", recorded)
     return ran
 
 
