@@ -208,8 +208,9 @@ def read_config(path: Path) -> list[Gate]:
         dataclasses.replace(g, name=n if names.count(n) == 1 else os.path.relpath(g.settings["path"], path.parent))
         for g, n in zip(gates, names, strict=True)
     ]
+    models = [(g.name, g.settings["path"]) for g in gates]
     return [
-        dataclasses.replace(g, snapshot_name=n) for g, n in zip(gates, snapshot_names(gates, path.parent), strict=True)
+        dataclasses.replace(g, snapshot_name=n) for g, n in zip(gates, snapshot_names(models, path.parent), strict=True)
     ]
 
 

@@ -14,10 +14,7 @@ import re
 import stat
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # a gate's name and path, for snapshot_names
-    from graphscan_pytest import Gate
+from typing import Any
 
 SNAPSHOT_FOLDER = "graphscan_snapshots"
 
@@ -31,22 +28,23 @@ UPDATE = "pytest --graphscan --graphscan-snapshot-update"  # works with or witho
 PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
 
 
-def snapshot_names(gates: list[Gate], folder: Path) -> list[str]:
-    """Each gate's snapshot file name (without ``.json``), never one for two models: its
-    name where that is PLAIN_NAME and no other model's name equals it regardless of case
-    (committed snapshots keep their names), else that name squeezed, ``~`` and a hash of
-    the model's path from ``folder``. One path (``..`` resolved, links not followed), one name."""
-    where = [Path(os.path.relpath(g.settings["path"], folder)).as_posix() for g in gates]
+def snapshot_names(models: list[tuple[str, str]], folder: Path) -> list[str]:
+    """Each model's snapshot file name (without ``.json``), given ``(name, path)`` per table,
+    never one for two models: its name where that is PLAIN_NAME and no other model's name
+    equals it regardless of case (committed snapshots keep their names), else that name
+    squeezed, ``~`` and a hash of the model's path from ``folder``. One path (``..``
+    resolved, links not followed), one name."""
+    where = [Path(os.path.relpath(path, folder)).as_posix() for _, path in models]
     paths_of: dict[str, set[str]] = {}
-    for gate, relative in zip(gates, where, strict=True):
-        paths_of.setdefault(gate.name.casefold(), set()).add(relative)
+    for (name, _), relative in zip(models, where, strict=True):
+        paths_of.setdefault(name.casefold(), set()).add(relative)
     names = []
-    for gate, relative in zip(gates, where, strict=True):
-        if PLAIN_NAME.fullmatch(gate.name) and len(paths_of[gate.name.casefold()]) == 1:
-            names.append(gate.name)
+    for (name, _), relative in zip(models, where, strict=True):
+        if PLAIN_NAME.fullmatch(name) and len(paths_of[name.casefold()]) == 1:
+            names.append(name)
         else:
             digest = hashlib.sha256(relative.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-            names.append(f"{re.sub(r'[^A-Za-z0-9._-]+', '_', gate.name)[:100]}~{digest}")
+            names.append(f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)[:100]}~{digest}")
     return names
 
 
