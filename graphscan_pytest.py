@@ -21,25 +21,25 @@ snapshot, on each CPU target too: ``det.int8.onnx::min_int8[arm64]`` by
 ``graphscan check --cpu arm64``, pinned in ``<model>@arm64.json``. When every item
 ran, a snapshot no item pins is named at the end of the run (the update deletes it).
 
-The ``graphscan`` fixture has one typed method per command, run in-process for
-hand-written tests, answers cached per test session by the models' file contents.
+The ``graphscan`` fixture (graphscan_pytest_fixture.py) has one typed method per command,
+run in-process for hand-written tests, each answer kept for the test session under what
+its call reads and asks.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
-import math
 import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
+from graphscan_pytest_fixture import Graphscan, user_metric_file
 from graphscan_pytest_snapshots import (
     SNAPSHOT_FOLDER,
     UPDATE,
@@ -51,11 +51,6 @@ from graphscan_pytest_snapshots import (
     write_atomically,
 )
 
-if TYPE_CHECKING:  # the answers' types, for the fixture's methods: nothing is imported at run time
-    from graphscan import BoundaryAnswer, CheckAnswer, DiffAnswer, IslandsAnswer, NodesAnswer, QdqAnswer
-    from graphscan_ort.shared.answers import FuseAnswer, ImpactAnswer, RuntimeAnswer, TraceAnswer, TuneAnswer
-
-StrPath = str | os.PathLike[str]  # a path the fixture's methods take
 CONFIG_NAME = "graphscan.toml"
 
 Key = tuple[tuple[type, ...], str]  # the types a config key may have, and what it is
@@ -370,12 +365,6 @@ def command_line_rules(settings: dict[str, Any]) -> None:
         metric("sqnr" if user else settings["metric"], settings.get("threshold"), settings.get("blank"))
 
 
-def user_metric_file(name: str | None) -> tuple[str, str] | None:
-    """``(FILE.py, FUNCTION)`` of a user's metric ``FILE.py:FUNCTION``; None for any other name."""
-    file, sep, function = (name or "").rpartition(":")
-    return (file, function) if sep and file.endswith(".py") and function.isidentifier() else None
-
-
 # ---------------------------------------------------------------------------
 # Collection: the config file, one collector per model, one item per budget.
 
@@ -659,101 +648,10 @@ def gather(config: pytest.Config, workeroutput: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------
-# The fixture: graphscan's commands in-process, cached by file contents.
-
-
-def file_key(value: Any) -> Any:
-    """A hashable key for an argument: a path's file contents, a list's items."""
-    if isinstance(value, (list, tuple)):
-        return tuple(file_key(v) for v in value)
-    if isinstance(value, (str, os.PathLike)) and os.path.isfile(value):
-        digest = hashlib.sha256()
-        with open(value, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        return ("file", digest.hexdigest())
-    if isinstance(value, float) and math.isnan(value):
-        return ("nan",)
-    return value
-
-
-class Graphscan:
-    """graphscan's commands as typed methods, one per command of the core's registry
-    (``graphscan.runtime(path)``, ``graphscan.check(path, float=..., inputs=..., min_int8=...)``):
-    the paths as the command line takes them, the options as the function's keywords. An
-    answer is kept for the test session by the contents of the files the call reads and its
-    options; a call that writes a file (fuse, ``trace(save=...)``, ``tune(out=...)``) runs
-    every time. A bad input raises ``graphscan.GraphscanError`` with its one line and exit code."""
-
-    def __init__(self, answers: dict[Any, Any]) -> None:
-        self._answers = answers
-
-    def _answer(
-        self, command: Callable[..., Any], paths: tuple[StrPath, ...], options: dict[str, Any], writes: bool = False
-    ) -> Any:
-        if writes:  # a call that writes a file runs every time
-            return command(*map(str, paths), **options)
-        key = (command.__name__, file_key(paths), tuple(sorted((k, file_key(v)) for k, v in options.items())))
-        if key not in self._answers:
-            self._answers[key] = command(*map(str, paths), **options)
-        return self._answers[key]
-
-    def nodes(self, path: StrPath) -> NodesAnswer:
-        """Op census and initializer dtypes."""
-        return self._answer(graphscan_core().nodes, (path,), {})
-
-    def qdq(self, path: StrPath) -> QdqAnswer:
-        """Q/DQ counts, round trips, weight DQs."""
-        return self._answer(graphscan_core().qdq, (path,), {})
-
-    def islands(self, path: StrPath) -> IslandsAnswer:
-        """Wrapped versus float compute nodes and the float islands."""
-        return self._answer(graphscan_core().islands, (path,), {})
-
-    def boundary(self, path: StrPath) -> BoundaryAnswer:
-        """Per island, the DQs entering it and the Qs leaving it."""
-        return self._answer(graphscan_core().boundary, (path,), {})
-
-    def diff(self, a: StrPath, b: StrPath) -> DiffAnswer:
-        """b minus a for the counts."""
-        return self._answer(graphscan_core().diff, (a, b), {})
-
-    def fuse(self, path: StrPath, output: StrPath, **options: Any) -> FuseAnswer:
-        """MatMul+Add fused into Gemm, verified, written to ``output`` (every call writes it)."""
-        return self._answer(graphscan_core().fuse, (path, output), options, writes=True)
-
-    def trace(self, a: StrPath, b: StrPath, **options: Any) -> TraceAnswer:
-        """Per-op isolated and propagated error of ``b`` (quantized) against ``a`` (float)."""
-        return self._answer(graphscan_core().trace, (a, b), options, writes=options.get("save") is not None)
-
-    def runtime(self, path: StrPath, **options: Any) -> RuntimeAnswer:
-        """What onnxruntime runs for each node: int8, int8_data, float, absorbed."""
-        return self._answer(graphscan_core().runtime, (path,), options)
-
-    def check(self, path: StrPath, **options: Any) -> CheckAnswer:
-        """The budgets measured and whether each holds (``float=`` is ``float_path=``)."""
-        if "float" in options:
-            options["float_path"] = options.pop("float")
-        return self._answer(graphscan_core().check, (path,), options)
-
-    def dot(self, path: StrPath, **options: Any) -> str:
-        """The island map as Graphviz DOT text."""
-        return self._answer(graphscan_core().dot, (path,), options)
-
-    def impact(self, a: StrPath, b: StrPath, **options: Any) -> ImpactAnswer:
-        """Output SQNR gained by keeping each op or tensor of ``b`` float."""
-        return self._answer(graphscan_core().impact, (a, b), options)
-
-    def tune(self, path: StrPath, **options: Any) -> TuneAnswer:
-        """The fastest quantization accurate enough (with ``out=``, written there on every call)."""
-        return self._answer(graphscan_core().tune, (path,), options, writes=options.get("out") is not None)
-
-    def table(self, answer: StrPath, **options: Any) -> str:
-        """A saved JSON answer shown as its command's table."""
-        return self._answer(graphscan_core().table, (answer,), options)
+# The fixture: graphscan's commands in-process (graphscan_pytest_fixture.py).
 
 
 @pytest.fixture(scope="session")
 def graphscan(request: pytest.FixtureRequest) -> Graphscan:
-    """graphscan's commands in this process, answers cached per session by file content."""
+    """graphscan's commands in this process, answers kept per session by what each call reads."""
     return Graphscan(session_state(request.config).answers)

@@ -335,5 +335,5 @@ def test_the_plugins_fixture_reaches_each_command_in_the_readers_sight():
     by a name it holds: the reader above checks each against ``__all__``."""
     import graphscan
 
-    used = {name for _, name in core_names_used(ROOT / "graphscan_pytest.py")}
+    used = {name for _, name in core_names_used(ROOT / "graphscan_pytest_fixture.py")}
     assert set(graphscan._COMMANDS) <= used

@@ -29,7 +29,7 @@ import graphscan_pytest
 import graphscan_pytest_snapshots
 from graphscan_ort.shared import targets
 from graphscan_ort.tune.candidates import SampleReader, quiet
-from tests.helpers import ROOT, run_main
+from tests.helpers import ROOT, item_outcomes, run_main
 from tests.lab import DEFAULT_LAB
 from tests.targets.test_targets import needs
 
@@ -119,30 +119,6 @@ snapshot = true
         "graphscan.toml::cnn.u8.onnx::snapshot": "passed",
     }
     return {"folder": folder, "expected": expected, "islands": islands}
-
-
-@pytest.fixture
-def run_pytest(pytester, monkeypatch):
-    """``run(folder, *args)``: pytest in ``folder``, in this process (pytester's run, which
-    restores every module and option after it), the plugin loaded with -p:
-    ``(exit code, output)``."""
-
-    def run(folder, *args):
-        monkeypatch.chdir(folder)
-        result = pytester.runpytest("-p", "graphscan_pytest", "-p", "no:cacheprovider", *args)
-        return int(result.ret), "\n".join(result.outlines + result.errlines)
-
-    return run
-
-
-def item_outcomes(output):
-    """``{item id: outcome}`` from ``-rA``'s summary lines (``PASSED id`` / ``FAILED id - ...``)."""
-    found = {}
-    for line in output.splitlines():
-        for outcome in ("PASSED", "FAILED", "ERROR"):
-            if line.startswith(outcome + " "):
-                found[line[len(outcome) + 1 :].split(" - ")[0].strip()] = outcome.lower()
-    return found
 
 
 def test_each_budget_is_an_item_that_passes_or_fails_as_graphscan_check_says(repository, run_pytest):
@@ -238,15 +214,19 @@ def test_a_bad_config_is_one_collection_error(repository, run_pytest):
     assert "bad.toml:3: [[model]] 1: unknown key 'max_islnds'" in output and "Traceback" not in output
 
 
-def test_the_fixture_answers_in_process_cached_by_file_content(repository, tmp_path, run_pytest):
+def test_the_fixture_answers_in_process_in_a_users_test(repository, tmp_path, run_pytest):
+    """A test file of the user's asks for ``graphscan``: each call answers for its own paths
+    (a copy of a model is named as the copy) and options."""
     folder = repository["folder"]
     (folder / "test_hand.py").write_text(
         "import shutil\n"
         "def test_hand(graphscan, tmp_path):\n"
         "    first = graphscan.runtime('models/cnn.s8.onnx')\n"
         "    shutil.copy('models/cnn.s8.onnx', tmp_path / 'copy.onnx')\n"
-        "    assert graphscan.runtime(tmp_path / 'copy.onnx') is first  # the same bytes: one answer\n"
-        "    assert graphscan.runtime('models/cnn.u8.onnx') is not first\n"
+        "    copied = graphscan.runtime(tmp_path / 'copy.onnx')\n"
+        "    assert first['model'] == 'models/cnn.s8.onnx' and copied['model'] == str(tmp_path / 'copy.onnx')\n"
+        "    assert copied['nodes'] == first['nodes']  # the same bytes: the same kernels\n"
+        "    assert graphscan.runtime('models/cnn.s8.onnx', level='basic')['environment']['level'] == 'basic'\n"
         "    answer = graphscan.check('models/full.onnx', float='models/fp32.onnx', min_sqnr=-100)\n"
         "    assert answer['ok'] and answer['float'].endswith('fp32.onnx')\n"
         f"    assert graphscan.islands('models/matmul_only.onnx')['island_count'] == {repository['islands']}\n"
@@ -1010,40 +990,3 @@ def test_an_unused_snapshot_that_cannot_be_deleted_is_one_line_not_a_traceback(t
         f"graphscan: cannot delete the unused snapshot graphscan_snapshots/kept.onnx.json ({why})",
     ]
     assert sorted(p.name for p in folder.iterdir()) == ["kept.onnx.json", "m.onnx.json"]
-
-
-# ---------------------------------------------------------------------------
-# The fixture: one typed method per command of the core.
-
-
-def test_the_fixture_has_one_typed_method_per_command_of_the_core():
-    """The core's registry names every command it runs in-process: the fixture has a method
-    for each, and no other, taking the command's paths in order and returning its answer's
-    type (text for dot and table). A command added to the core fails here until it has one."""
-    import inspect
-
-    methods = {
-        name
-        for name, value in vars(graphscan_pytest.Graphscan).items()
-        if inspect.isfunction(value) and not name.startswith("_")
-    }
-    assert methods == set(graphscan._COMMANDS) and methods <= set(graphscan.__all__)
-    for name in sorted(methods):
-        declared = graphscan._load_command(name)
-        signature = inspect.signature(getattr(graphscan_pytest.Graphscan, name))
-        positional = [p for p in signature.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD][1:]
-        assert [p.annotation for p in positional] == ["StrPath"] * len(declared.paths), name
-        returned = "str" if declared.text else declared.answer.__name__
-        assert signature.return_annotation == returned, name
-
-
-def test_a_fixture_call_that_writes_a_file_writes_it_every_time(repository, tmp_path):
-    """fuse writes its output: the fixture runs it on every call (a cached answer would leave
-    the file a test removed unwritten), while a call that only reads is answered once."""
-    fixture = graphscan_pytest.Graphscan({})
-    model, output = repository["folder"] / "models" / "fp32.onnx", tmp_path / "fused.onnx"
-    first = fixture.fuse(model, output)
-    output.unlink()
-    second = fixture.fuse(model, output)
-    assert output.is_file() and second is not first and second == first
-    assert fixture.dot(model) is fixture.dot(model)
