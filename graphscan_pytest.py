@@ -10,12 +10,13 @@ standard library (graphscan, onnx and onnxruntime are imported when a gate or th
 reads ``graphscan.toml`` in the rootdir (or FILE): one ``[[model]]`` table per
 quantized model, its budgets as keys. Each budget is one test item,
 ``graphscan.toml::det.int8.onnx::min_int8``; a broken one fails with one sentence.
-Each model is measured once per test session (per xdist worker), however many
-budgets it has. ``snapshot = true`` pins what onnxruntime runs, node by node, in a
-JSON file beside the config (``graphscan_snapshots/<model>.json``, written by syrupy's
-JSON extension when syrupy is installed, by json otherwise, the same text): a changed
-class is a failure that lists the nodes that changed, and ``--graphscan-snapshot-update``
-(or syrupy's ``--snapshot-update`` when syrupy is installed) rewrites it.
+Each table is measured once per test session (per xdist worker), however many
+budgets it has; a path in two tables is two sets of items, ``det.int8.onnx:2::min_int8``.
+``snapshot = true`` pins what onnxruntime runs, node by node, in a JSON file beside
+the config (``graphscan_snapshots/<model>.json``, written by syrupy's JSON extension when
+syrupy is installed, by json otherwise, the same text): a changed class is a failure that
+lists the nodes that changed, and ``--graphscan-snapshot-update`` (or syrupy's
+``--snapshot-update`` when syrupy is installed) rewrites it.
 ``cpu = ["native", "arm64"]`` measures the budgets that run the model, and the
 snapshot, on each CPU target too: ``det.int8.onnx::min_int8[arm64]`` by
 ``graphscan check --cpu arm64``, pinned in ``<model>@arm64.json``. When every item
@@ -143,9 +144,10 @@ class Gate:
     """One ``[[model]]`` of the config, its paths resolved."""
 
     index: int
-    name: str  # the model's id part: its file name, or its path when two share a name
+    name: str  # the model's name: its file name, or its path when two models share a name
     settings: dict[str, Any]
     snapshot_name: str = ""  # its snapshot's file name without .json (snapshot_names)
+    node_name: str = ""  # its part of the item ids: the name, ``NAME:N`` (the table's number) where a path repeats
 
     @property
     def budgets(self) -> list[str]:
@@ -204,9 +206,17 @@ def read_config(path: Path) -> list[Gate]:
         for g, n in zip(gates, names, strict=True)
     ]
     models = [(g.name, g.settings["path"]) for g in gates]
+    paths = [model_path for _, model_path in models]
     return [
-        dataclasses.replace(g, snapshot_name=n) for g, n in zip(gates, snapshot_names(models, path.parent), strict=True)
+        dataclasses.replace(g, snapshot_name=n, node_name=table_node_name(g, paths.count(g.settings["path"]) > 1))
+        for g, n in zip(gates, snapshot_names(models, path.parent), strict=True)
     ]
+
+
+def table_node_name(gate: Gate, path_repeats: bool) -> str:
+    """The table's part of its item ids: the model's name, and the table's number where
+    another table names the same path (two tables, two ids; one model, one snapshot)."""
+    return f"{gate.name}:{gate.index + 1}" if path_repeats else gate.name
 
 
 def budget_rules() -> dict[str, Any]:
@@ -380,11 +390,11 @@ class GateFile(pytest.File):
         state = session_state(self.config)
         for gate in gates:
             for name, budget, target in gate_items(gate):
-                state.declared.add(f"{self.nodeid}::{gate.name}::{name}")
+                state.declared.add(f"{self.nodeid}::{gate.node_name}::{name}")
                 if budget is None:
                     state.pinned.add(snapshot_file(self.config, gate, target).name)
         for gate in gates:
-            yield ModelGates.from_parent(self, name=gate.name, gate=gate)
+            yield ModelGates.from_parent(self, name=gate.node_name, gate=gate)
 
 
 def gate_items(gate: Gate) -> Iterator[tuple[str, str | None, str]]:
@@ -430,7 +440,7 @@ class GateItem(pytest.Item):
         return super().repr_failure(excinfo)  # a bug of the plugin: its traceback
 
     def reportinfo(self) -> tuple[Path, int, str]:
-        return self.path, 0, f"{self.gate.name}::{self.name}"
+        return self.path, 0, f"{self.gate.node_name}::{self.name}"
 
 
 class BudgetItem(GateItem):
