@@ -19,8 +19,10 @@ lists the nodes that changed, and ``--graphscan-snapshot-update`` (or syrupy's
 ``--snapshot-update`` when syrupy is installed) rewrites it.
 ``cpu = ["native", "arm64"]`` measures the budgets that run the model, and the
 snapshot, on each CPU target too: ``det.int8.onnx::min_int8[arm64]`` by
-``graphscan check --cpu arm64``, pinned in ``<model>@arm64.json``. When every item
-ran, a snapshot no item pins is named at the end of the run (the update deletes it).
+``graphscan check --cpu arm64``, pinned in ``<model>@arm64.json``. The update records
+which snapshots each config wrote (``graphscan_snapshots/written.json``); when every item
+ran, a snapshot the config wrote and no item pins is named at the end of the run (the
+update deletes it), and no other file ever is.
 
 The ``graphscan`` fixture (graphscan_pytest_fixture.py) has one typed method per command,
 run in-process for hand-written tests, each answer kept for the test session under what
@@ -42,8 +44,12 @@ import pytest
 
 from graphscan_pytest_fixture import Graphscan, user_metric_file
 from graphscan_pytest_snapshots import (
+    RECORD,
+    SNAPSHOT_FILE,
     SNAPSHOT_FOLDER,
     UPDATE,
+    read_record,
+    record_text,
     runtime_snapshot,
     snapshot_names,
     snapshot_text,
@@ -473,6 +479,7 @@ class SessionState:
     declared: set[str] = dataclasses.field(default_factory=set)  # the config's item ids, once it is read
     pinned: set[str] = dataclasses.field(default_factory=set)  # the snapshot files its items pin
     ran: set[str] = dataclasses.field(default_factory=set)  # the ids of the items that ran
+    written: set[str] = dataclasses.field(default_factory=set)  # the snapshot files this session wrote
     report: list[str] = dataclasses.field(default_factory=list)  # the terminal summary's lines
 
 
@@ -590,6 +597,7 @@ def compare_snapshot(config: pytest.Config, gate: Gate, target: str = NATIVE) ->
             write_atomically(path, snapshot_text(now))
         except OSError as exc:  # a full disk, a read-only checkout: not a bug of the plugin
             raise GateFailed(f"snapshot: cannot write {path} ({exc.strerror or exc})") from None
+        session_state(config).written.add(path.name)  # the config's own: the record says so
         return
     try:
         pinned = json.loads(path.read_text(encoding="utf-8"))
@@ -601,42 +609,73 @@ def compare_snapshot(config: pytest.Config, gate: Gate, target: str = NATIVE) ->
 
 
 # ---------------------------------------------------------------------------
-# Unused snapshots: when the whole config ran, the files no item of it pins are named
-# (syrupy's report); --graphscan-snapshot-update deletes them. Each xdist worker sends
-# what it collected and ran to the controller, which reports.
+# Unused snapshots: when the whole config ran, the files it wrote (the folder's record) that
+# no item of it pins are named (syrupy's report); --graphscan-snapshot-update deletes them
+# and records what the config wrote. Each xdist worker sends what it collected, ran and
+# wrote to the controller, which reports and records.
 
 GATHERED = "graphscan_snapshots"  # the key of a worker's workeroutput
 
 
 def unused_report(config: pytest.Config, state: SessionState) -> list[str]:
-    """The summary's lines on the unused snapshots (none unless every item of the config ran),
-    each deleted first when updating."""
-    if not state.declared or not state.declared <= state.ran:
-        return []  # part of the config (-k, a node id, -x): its other items' snapshots are unknown
+    """The summary's lines on the config's unused snapshots (none unless every item of it ran),
+    each deleted first when updating; an update then records what the config wrote."""
     path = config_path(config)
-    unused = unused_snapshots(path.parent / SNAPSHOT_FOLDER, state.pinned)
+    folder = path.parent / SNAPSHOT_FOLDER
+    record = read_record(folder)
+    wrote = set(record.get(path.name, [])) | state.written
+    others = {name for other, names in record.items() if other != path.name for name in names}
+    # Part of the config (-k, a node id, -x): its other items' snapshots are unknown.
+    whole = bool(state.declared) and state.declared <= state.ran
+    unused = unused_snapshots(folder, wrote, state.pinned | others) if whole else []
+    lines, left = unused_lines(config, unused)
+    if updating(config):
+        claimed = (wrote & state.pinned) | {file.name for file in left} if whole else wrote
+        lines += record_claims(config, record, claimed)
+    return lines
+
+
+def shown(config: pytest.Config, file: Path) -> str:
+    """A file as the summary names it: its path from the rootdir."""
+    return os.path.relpath(file, config.rootpath)
+
+
+def unused_lines(config: pytest.Config, unused: list[Path]) -> tuple[list[str], list[Path]]:
+    """The summary's lines naming the ``unused`` snapshots, or, updating, deleting them; and
+    the files still there."""
     if not unused:
-        return []
-
-    def shown(file: Path) -> str:
-        return os.path.relpath(file, config.rootpath)
-
-    pinned_by = f"pinned by no item of {shown(path)}"
+        return [], []
+    pinned_by = f"pinned by no item of {shown(config, config_path(config))}"
     if not updating(config):
-        return [
-            f"graphscan: unused snapshot(s), {pinned_by}: {', '.join(map(shown, unused))} (delete them with {UPDATE})"
-        ]
-    deleted, lines = [], []
+        named = ", ".join(shown(config, file) for file in unused)
+        return [f"graphscan: unused snapshot(s), {pinned_by}: {named} (delete them with {UPDATE})"], unused
+    deleted, left, lines = [], [], []
     for file in unused:
         try:
             file.unlink()
         except OSError as exc:
-            lines.append(f"graphscan: cannot delete the unused snapshot {shown(file)} ({exc.strerror or exc})")
+            lines.append(f"graphscan: cannot delete the unused snapshot {shown(config, file)} ({exc.strerror or exc})")
+            left.append(file)
         else:
-            deleted.append(shown(file))
+            deleted.append(shown(config, file))
     if deleted:
         lines.insert(0, f"graphscan: deleted unused snapshot(s), {pinned_by}: {', '.join(deleted)}")
-    return lines
+    return lines, left
+
+
+def record_claims(config: pytest.Config, record: dict[str, list[str]], claimed: set[str]) -> list[str]:
+    """The record rewritten with ``claimed`` (those still there and named as snapshots) as
+    what the config wrote, when that changed; a summary line when it cannot be written."""
+    path = config_path(config)
+    folder = path.parent / SNAPSHOT_FOLDER
+    mine = {name for name in claimed if SNAPSHOT_FILE.fullmatch(name) and (folder / name).is_file()} - {RECORD}
+    if mine == set(record.get(path.name, [])):
+        return []
+    try:
+        write_atomically(folder / RECORD, record_text({**record, path.name: sorted(mine)}))
+    except OSError as exc:
+        return [f"graphscan: cannot write the snapshot record {shown(config, folder / RECORD)} ({exc.strerror or exc})"]
+    return []
 
 
 def finish_session(config: pytest.Config) -> None:
@@ -645,7 +684,7 @@ def finish_session(config: pytest.Config) -> None:
     state = session_state(config)
     workeroutput = getattr(config, "workeroutput", None)
     if workeroutput is not None:
-        workeroutput[GATHERED] = {key: sorted(getattr(state, key)) for key in ("declared", "pinned", "ran")}
+        workeroutput[GATHERED] = {key: sorted(getattr(state, key)) for key in ("declared", "pinned", "ran", "written")}
     else:
         state.report = unused_report(config, state)
 

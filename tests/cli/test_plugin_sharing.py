@@ -1,10 +1,20 @@
-"""What the plugin's tables share (graphscan_pytest.py): one model named by two tables of a
-config is two sets of items, each named by its table's number.
+"""What the plugin's tables and configs share (graphscan_pytest.py): one model named by two
+tables of a config, and one snapshot folder beside two configs.
+
+Two tables of one model are two sets of items, each named by its table's number. Two
+configs in one folder, and the user's own files there, keep their files through either
+config's ``--graphscan-snapshot-update``: only what a config wrote (the folder's record,
+``graphscan_snapshots/written.json``) is ever named unused or deleted, and a file another
+config wrote is that config's to delete.
 """
 
+import json
+
 import onnx
+import pytest
 from onnx import TensorProto, helper
 
+from tests.cli.test_plugin import RECORD, UPDATE, snapshot_gates, snapshots_taken, unused_lines
 from tests.helpers import item_outcomes
 
 
@@ -42,3 +52,61 @@ def test_two_tables_of_one_model_are_two_items_each_named_by_its_tables_number(t
     assert code == 0 and item_outcomes(output) == {first: "passed", other: "passed"}, output
     code, output = run_pytest(tmp_path, "--graphscan", "-rA", second)
     assert code == 1 and item_outcomes(output) == {second: "failed"}, output
+
+
+def record(folder):
+    return json.loads((folder / "graphscan_snapshots" / RECORD).read_text())
+
+
+def test_an_update_deletes_only_the_snapshots_its_own_config_wrote(tmp_path, run_pytest):
+    """a.toml and b.toml beside each other, each pinning its own model and both a shared one,
+    and the user's files in graphscan_snapshots/: updating either config, or running it,
+    names and deletes none of the other's snapshots nor the user's files. A snapshot one
+    config no longer pins stays while the other still wrote it, and goes with the update of
+    the last config that wrote it."""
+    for model in ("a.onnx", "b.onnx", "shared.onnx"):
+        relu(tmp_path / model)
+    snapshots = tmp_path / "graphscan_snapshots"
+    snapshots.mkdir()
+    user_files = {"labels.json": '{"cat": 0}\n', "old.onnx.json": "{}\n", "notes.txt": "mine\n"}
+    for name, text in user_files.items():
+        (snapshots / name).write_text(text)
+
+    def run(config, *args):
+        code, output = run_pytest(tmp_path, "--graphscan", "--graphscan-config", config, "-rA", *args)
+        assert code == 0 and set(item_outcomes(output).values()) == {"passed"}, output
+        return unused_lines(output)
+
+    for config, own in (("a.toml", "a.onnx"), ("b.toml", "b.onnx")):
+        (tmp_path / config).write_text(tables(own, "shared.onnx"))
+        assert run(config, "--graphscan-snapshot-update") == []
+    everything = sorted([*user_files, "a.onnx.json", "b.onnx.json", "shared.onnx.json"])
+    assert snapshots_taken(tmp_path) == everything
+    assert record(tmp_path) == {
+        "a.toml": ["a.onnx.json", "shared.onnx.json"],
+        "b.toml": ["b.onnx.json", "shared.onnx.json"],
+    }
+    assert run("a.toml") == run("b.toml") == []
+    (tmp_path / "a.toml").write_text(tables("a.onnx"))
+    assert run("a.toml") == run("a.toml", "--graphscan-snapshot-update") == []  # b.toml wrote it too: b's
+    assert snapshots_taken(tmp_path) == everything and record(tmp_path)["a.toml"] == ["a.onnx.json"]
+    (tmp_path / "b.toml").write_text(tables("b.onnx"))
+    pinned_by = "pinned by no item of b.toml"
+    named = (
+        f"graphscan: unused snapshot(s), {pinned_by}: graphscan_snapshots/shared.onnx.json (delete them with {UPDATE})"
+    )
+    assert run("b.toml") == [named]
+    deleted = f"graphscan: deleted unused snapshot(s), {pinned_by}: graphscan_snapshots/shared.onnx.json"
+    assert run("b.toml", "--graphscan-snapshot-update") == [deleted]
+    assert snapshots_taken(tmp_path) == sorted([*user_files, "a.onnx.json", "b.onnx.json"])
+    assert record(tmp_path) == {"a.toml": ["a.onnx.json"], "b.toml": ["b.onnx.json"]}
+    assert [(snapshots / name).read_text() for name in user_files] == list(user_files.values())
+
+
+@pytest.mark.parametrize("name", ["written", "WRITTEN"])
+def test_no_model_takes_the_records_name(tmp_path, name):
+    """A model file named ``written`` would pin ``written.json``, the record (in any case, on
+    a case-blind disk): its snapshot name is hashed as a clash is; other names keep theirs."""
+    taken, other = snapshot_gates(tmp_path, [name, "written.onnx"])
+    assert taken.casefold() != RECORD.casefold() and taken.startswith(f"{name}~")
+    assert other == "written.onnx.json"
