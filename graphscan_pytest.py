@@ -679,8 +679,9 @@ def record_claims(config: pytest.Config, record: dict[str, list[str]], claimed: 
 
 
 def finish_session(config: pytest.Config) -> None:
-    """An xdist worker sends what it collected and ran to the controller; the controller, or
-    a session without workers, writes the report (and deletes when updating)."""
+    """An xdist worker sends what it collected, ran and wrote to the controller; the
+    controller, or a session without workers, writes the report (and, updating, deletes and
+    records)."""
     state = session_state(config)
     workeroutput = getattr(config, "workeroutput", None)
     if workeroutput is not None:

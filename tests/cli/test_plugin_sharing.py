@@ -9,12 +9,14 @@ config wrote is that config's to delete.
 """
 
 import json
+import os
 
 import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from tests.cli.test_plugin import RECORD, UPDATE, snapshot_gates, snapshots_taken, unused_lines
+import graphscan_pytest
+from tests.cli.test_plugin import RECORD, UPDATE, snapshot_gates, snapshots_taken, unused_lines, updating_session
 from tests.helpers import item_outcomes
 
 
@@ -110,3 +112,25 @@ def test_no_model_takes_the_records_name(tmp_path, name):
     taken, other = snapshot_gates(tmp_path, [name, "written.onnx"])
     assert taken.casefold() != RECORD.casefold() and taken.startswith(f"{name}~")
     assert other == "written.onnx.json"
+
+
+def test_a_record_that_cannot_be_written_is_one_line_and_the_snapshots_stay(tmp_path, monkeypatch):
+    """A full disk when the update records what it wrote: one summary line naming the record
+    and why, no traceback, and the snapshot just written kept."""
+    import errno
+
+    _, config = updating_session(tmp_path, {"a": "int8"})
+    state = graphscan_pytest.session_state(config)
+    state.declared = state.ran = {"graphscan.toml::m.onnx::snapshot"}
+    state.pinned = state.written = {"m.onnx.json"}
+    (tmp_path / "graphscan_snapshots").mkdir()
+    (tmp_path / "graphscan_snapshots" / "m.onnx.json").write_text("{}")
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(graphscan_pytest, "write_atomically", full)
+    assert graphscan_pytest.unused_report(config, state) == [
+        f"graphscan: cannot write the snapshot record graphscan_snapshots/{RECORD} ({os.strerror(errno.ENOSPC)})"
+    ]
+    assert snapshots_taken(tmp_path) == ["m.onnx.json"]
