@@ -119,7 +119,7 @@ AREA_TESTS = {
         "tests/shared/test_metrics.py",
         "tests/cli/test_keyword_rules.py",
     ],
-    "plugin": ["tests/cli/test_plugin_fixture.py", "tests/cli/test_plugin.py"],
+    "plugin": ["tests/cli/test_plugin_fixture.py", "tests/cli/test_plugin_sharing.py", "tests/cli/test_plugin.py"],
     "recovery": [
         "tests/tune/test_equalize.py",
         "tests/tune/test_bias.py",
