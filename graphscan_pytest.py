@@ -10,39 +10,46 @@ standard library (graphscan, onnx and onnxruntime are imported when a gate or th
 reads ``graphscan.toml`` in the rootdir (or FILE): one ``[[model]]`` table per
 quantized model, its budgets as keys. Each budget is one test item,
 ``graphscan.toml::det.int8.onnx::min_int8``; a broken one fails with one sentence.
-Each model is measured once per test session (per xdist worker), however many
-budgets it has. ``snapshot = true`` pins what onnxruntime runs, node by node, in a
-JSON file beside the config (``graphscan_snapshots/<model>.json``, written by syrupy's
-JSON extension when syrupy is installed, by json otherwise, the same text): a changed
-class is a failure that lists the nodes that changed, and ``--graphscan-snapshot-update``
-(or syrupy's ``--snapshot-update`` when syrupy is installed) rewrites it.
+Each table is measured once per test session (per xdist worker), however many
+budgets it has; a path in two tables is two sets of items, ``det.int8.onnx:2::min_int8``.
+``snapshot = true`` pins what onnxruntime runs, node by node, in a JSON file beside
+the config (``graphscan_snapshots/<model>.json``, written by syrupy's JSON extension when
+syrupy is installed, by json otherwise, the same text): a changed class is a failure that
+lists the nodes that changed, and ``--graphscan-snapshot-update`` (or syrupy's
+``--snapshot-update`` when syrupy is installed) rewrites it.
 ``cpu = ["native", "arm64"]`` measures the budgets that run the model, and the
 snapshot, on each CPU target too: ``det.int8.onnx::min_int8[arm64]`` by
-``graphscan check --cpu arm64``, pinned in ``<model>@arm64.json``. When every item
-ran, a snapshot no item pins is named at the end of the run (the update deletes it).
+``graphscan check --cpu arm64``, pinned in ``<model>@arm64.json``. The update records
+which snapshots each config wrote (``graphscan_snapshots/written.json``); when every item
+ran, a snapshot the config wrote and no item pins is named at the end of the run (the
+update deletes it), and no other file ever is.
 
-The ``graphscan`` fixture has one typed method per command, run in-process for
-hand-written tests, answers cached per test session by the models' file contents.
+The ``graphscan`` fixture (graphscan_pytest_fixture.py) has one typed method per command,
+run in-process for hand-written tests, each answer kept for the test session under what
+its call reads and asks.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
-import math
 import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
+from graphscan_pytest_fixture import Graphscan, user_metric_file
 from graphscan_pytest_snapshots import (
+    RECORD,
+    SNAPSHOT_FILE,
     SNAPSHOT_FOLDER,
     UPDATE,
+    read_record,
+    record_text,
     runtime_snapshot,
     snapshot_names,
     snapshot_text,
@@ -51,11 +58,6 @@ from graphscan_pytest_snapshots import (
     write_atomically,
 )
 
-if TYPE_CHECKING:  # the answers' types, for the fixture's methods: nothing is imported at run time
-    from graphscan import BoundaryAnswer, CheckAnswer, DiffAnswer, IslandsAnswer, NodesAnswer, QdqAnswer
-    from graphscan_ort.shared.answers import FuseAnswer, ImpactAnswer, RuntimeAnswer, TraceAnswer, TuneAnswer
-
-StrPath = str | os.PathLike[str]  # a path the fixture's methods take
 CONFIG_NAME = "graphscan.toml"
 
 Key = tuple[tuple[type, ...], str]  # the types a config key may have, and what it is
@@ -148,9 +150,10 @@ class Gate:
     """One ``[[model]]`` of the config, its paths resolved."""
 
     index: int
-    name: str  # the model's id part: its file name, or its path when two share a name
+    name: str  # the model's name: its file name, or its path when two models share a name
     settings: dict[str, Any]
     snapshot_name: str = ""  # its snapshot's file name without .json (snapshot_names)
+    node_name: str = ""  # its part of the item ids: the name, ``NAME:N`` (the table's number) where a path repeats
 
     @property
     def budgets(self) -> list[str]:
@@ -208,9 +211,18 @@ def read_config(path: Path) -> list[Gate]:
         dataclasses.replace(g, name=n if names.count(n) == 1 else os.path.relpath(g.settings["path"], path.parent))
         for g, n in zip(gates, names, strict=True)
     ]
+    models = [(g.name, g.settings["path"]) for g in gates]
+    paths = [model_path for _, model_path in models]
     return [
-        dataclasses.replace(g, snapshot_name=n) for g, n in zip(gates, snapshot_names(gates, path.parent), strict=True)
+        dataclasses.replace(g, snapshot_name=n, node_name=table_node_name(g, paths.count(g.settings["path"]) > 1))
+        for g, n in zip(gates, snapshot_names(models, path.parent), strict=True)
     ]
+
+
+def table_node_name(gate: Gate, path_repeats: bool) -> str:
+    """The table's part of its item ids: the model's name, and the table's number where
+    another table names the same path (two tables, two ids; one model, one snapshot)."""
+    return f"{gate.name}:{gate.index + 1}" if path_repeats else gate.name
 
 
 def budget_rules() -> dict[str, Any]:
@@ -369,12 +381,6 @@ def command_line_rules(settings: dict[str, Any]) -> None:
         metric("sqnr" if user else settings["metric"], settings.get("threshold"), settings.get("blank"))
 
 
-def user_metric_file(name: str | None) -> tuple[str, str] | None:
-    """``(FILE.py, FUNCTION)`` of a user's metric ``FILE.py:FUNCTION``; None for any other name."""
-    file, sep, function = (name or "").rpartition(":")
-    return (file, function) if sep and file.endswith(".py") and function.isidentifier() else None
-
-
 # ---------------------------------------------------------------------------
 # Collection: the config file, one collector per model, one item per budget.
 
@@ -390,11 +396,11 @@ class GateFile(pytest.File):
         state = session_state(self.config)
         for gate in gates:
             for name, budget, target in gate_items(gate):
-                state.declared.add(f"{self.nodeid}::{gate.name}::{name}")
+                state.declared.add(f"{self.nodeid}::{gate.node_name}::{name}")
                 if budget is None:
                     state.pinned.add(snapshot_file(self.config, gate, target).name)
         for gate in gates:
-            yield ModelGates.from_parent(self, name=gate.name, gate=gate)
+            yield ModelGates.from_parent(self, name=gate.node_name, gate=gate)
 
 
 def gate_items(gate: Gate) -> Iterator[tuple[str, str | None, str]]:
@@ -440,7 +446,7 @@ class GateItem(pytest.Item):
         return super().repr_failure(excinfo)  # a bug of the plugin: its traceback
 
     def reportinfo(self) -> tuple[Path, int, str]:
-        return self.path, 0, f"{self.gate.name}::{self.name}"
+        return self.path, 0, f"{self.gate.node_name}::{self.name}"
 
 
 class BudgetItem(GateItem):
@@ -473,6 +479,7 @@ class SessionState:
     declared: set[str] = dataclasses.field(default_factory=set)  # the config's item ids, once it is read
     pinned: set[str] = dataclasses.field(default_factory=set)  # the snapshot files its items pin
     ran: set[str] = dataclasses.field(default_factory=set)  # the ids of the items that ran
+    written: set[str] = dataclasses.field(default_factory=set)  # the snapshot files this session wrote
     report: list[str] = dataclasses.field(default_factory=list)  # the terminal summary's lines
 
 
@@ -590,6 +597,7 @@ def compare_snapshot(config: pytest.Config, gate: Gate, target: str = NATIVE) ->
             write_atomically(path, snapshot_text(now))
         except OSError as exc:  # a full disk, a read-only checkout: not a bug of the plugin
             raise GateFailed(f"snapshot: cannot write {path} ({exc.strerror or exc})") from None
+        session_state(config).written.add(path.name)  # the config's own: the record says so
         return
     try:
         pinned = json.loads(path.read_text(encoding="utf-8"))
@@ -601,51 +609,83 @@ def compare_snapshot(config: pytest.Config, gate: Gate, target: str = NATIVE) ->
 
 
 # ---------------------------------------------------------------------------
-# Unused snapshots: when the whole config ran, the files no item of it pins are named
-# (syrupy's report); --graphscan-snapshot-update deletes them. Each xdist worker sends
-# what it collected and ran to the controller, which reports.
+# Unused snapshots: when the whole config ran, the files it wrote (the folder's record) that
+# no item of it pins are named (syrupy's report); --graphscan-snapshot-update deletes them
+# and records what the config wrote. Each xdist worker sends what it collected, ran and
+# wrote to the controller, which reports and records.
 
 GATHERED = "graphscan_snapshots"  # the key of a worker's workeroutput
 
 
 def unused_report(config: pytest.Config, state: SessionState) -> list[str]:
-    """The summary's lines on the unused snapshots (none unless every item of the config ran),
-    each deleted first when updating."""
-    if not state.declared or not state.declared <= state.ran:
-        return []  # part of the config (-k, a node id, -x): its other items' snapshots are unknown
+    """The summary's lines on the config's unused snapshots (none unless every item of it ran),
+    each deleted first when updating; an update then records what the config wrote."""
     path = config_path(config)
-    unused = unused_snapshots(path.parent / SNAPSHOT_FOLDER, state.pinned)
+    folder = path.parent / SNAPSHOT_FOLDER
+    record = read_record(folder)
+    wrote = set(record.get(path.name, [])) | state.written
+    others = {name for other, names in record.items() if other != path.name for name in names}
+    # Part of the config (-k, a node id, -x): its other items' snapshots are unknown.
+    whole = bool(state.declared) and state.declared <= state.ran
+    unused = unused_snapshots(folder, wrote, state.pinned | others) if whole else []
+    lines, left = unused_lines(config, unused)
+    if updating(config):
+        claimed = (wrote & state.pinned) | {file.name for file in left} if whole else wrote
+        lines += record_claims(config, record, claimed)
+    return lines
+
+
+def shown(config: pytest.Config, file: Path) -> str:
+    """A file as the summary names it: its path from the rootdir."""
+    return os.path.relpath(file, config.rootpath)
+
+
+def unused_lines(config: pytest.Config, unused: list[Path]) -> tuple[list[str], list[Path]]:
+    """The summary's lines naming the ``unused`` snapshots, or, updating, deleting them; and
+    the files still there."""
     if not unused:
-        return []
-
-    def shown(file: Path) -> str:
-        return os.path.relpath(file, config.rootpath)
-
-    pinned_by = f"pinned by no item of {shown(path)}"
+        return [], []
+    pinned_by = f"pinned by no item of {shown(config, config_path(config))}"
     if not updating(config):
-        return [
-            f"graphscan: unused snapshot(s), {pinned_by}: {', '.join(map(shown, unused))} (delete them with {UPDATE})"
-        ]
-    deleted, lines = [], []
+        named = ", ".join(shown(config, file) for file in unused)
+        return [f"graphscan: unused snapshot(s), {pinned_by}: {named} (delete them with {UPDATE})"], unused
+    deleted, left, lines = [], [], []
     for file in unused:
         try:
             file.unlink()
         except OSError as exc:
-            lines.append(f"graphscan: cannot delete the unused snapshot {shown(file)} ({exc.strerror or exc})")
+            lines.append(f"graphscan: cannot delete the unused snapshot {shown(config, file)} ({exc.strerror or exc})")
+            left.append(file)
         else:
-            deleted.append(shown(file))
+            deleted.append(shown(config, file))
     if deleted:
         lines.insert(0, f"graphscan: deleted unused snapshot(s), {pinned_by}: {', '.join(deleted)}")
-    return lines
+    return lines, left
+
+
+def record_claims(config: pytest.Config, record: dict[str, list[str]], claimed: set[str]) -> list[str]:
+    """The record rewritten with ``claimed`` (those still there and named as snapshots) as
+    what the config wrote, when that changed; a summary line when it cannot be written."""
+    path = config_path(config)
+    folder = path.parent / SNAPSHOT_FOLDER
+    mine = {name for name in claimed if SNAPSHOT_FILE.fullmatch(name) and (folder / name).is_file()} - {RECORD}
+    if mine == set(record.get(path.name, [])):
+        return []
+    try:
+        write_atomically(folder / RECORD, record_text({**record, path.name: sorted(mine)}))
+    except OSError as exc:
+        return [f"graphscan: cannot write the snapshot record {shown(config, folder / RECORD)} ({exc.strerror or exc})"]
+    return []
 
 
 def finish_session(config: pytest.Config) -> None:
-    """An xdist worker sends what it collected and ran to the controller; the controller, or
-    a session without workers, writes the report (and deletes when updating)."""
+    """An xdist worker sends what it collected, ran and wrote to the controller; the
+    controller, or a session without workers, writes the report (and, updating, deletes and
+    records)."""
     state = session_state(config)
     workeroutput = getattr(config, "workeroutput", None)
     if workeroutput is not None:
-        workeroutput[GATHERED] = {key: sorted(getattr(state, key)) for key in ("declared", "pinned", "ran")}
+        workeroutput[GATHERED] = {key: sorted(getattr(state, key)) for key in ("declared", "pinned", "ran", "written")}
     else:
         state.report = unused_report(config, state)
 
@@ -658,101 +698,10 @@ def gather(config: pytest.Config, workeroutput: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------
-# The fixture: graphscan's commands in-process, cached by file contents.
-
-
-def file_key(value: Any) -> Any:
-    """A hashable key for an argument: a path's file contents, a list's items."""
-    if isinstance(value, (list, tuple)):
-        return tuple(file_key(v) for v in value)
-    if isinstance(value, (str, os.PathLike)) and os.path.isfile(value):
-        digest = hashlib.sha256()
-        with open(value, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        return ("file", digest.hexdigest())
-    if isinstance(value, float) and math.isnan(value):
-        return ("nan",)
-    return value
-
-
-class Graphscan:
-    """graphscan's commands as typed methods, one per command of the core's registry
-    (``graphscan.runtime(path)``, ``graphscan.check(path, float=..., inputs=..., min_int8=...)``):
-    the paths as the command line takes them, the options as the function's keywords. An
-    answer is kept for the test session by the contents of the files the call reads and its
-    options; a call that writes a file (fuse, ``trace(save=...)``, ``tune(out=...)``) runs
-    every time. A bad input raises ``graphscan.GraphscanError`` with its one line and exit code."""
-
-    def __init__(self, answers: dict[Any, Any]) -> None:
-        self._answers = answers
-
-    def _answer(
-        self, command: Callable[..., Any], paths: tuple[StrPath, ...], options: dict[str, Any], writes: bool = False
-    ) -> Any:
-        if writes:  # a call that writes a file runs every time
-            return command(*map(str, paths), **options)
-        key = (command.__name__, file_key(paths), tuple(sorted((k, file_key(v)) for k, v in options.items())))
-        if key not in self._answers:
-            self._answers[key] = command(*map(str, paths), **options)
-        return self._answers[key]
-
-    def nodes(self, path: StrPath) -> NodesAnswer:
-        """Op census and initializer dtypes."""
-        return self._answer(graphscan_core().nodes, (path,), {})
-
-    def qdq(self, path: StrPath) -> QdqAnswer:
-        """Q/DQ counts, round trips, weight DQs."""
-        return self._answer(graphscan_core().qdq, (path,), {})
-
-    def islands(self, path: StrPath) -> IslandsAnswer:
-        """Wrapped versus float compute nodes and the float islands."""
-        return self._answer(graphscan_core().islands, (path,), {})
-
-    def boundary(self, path: StrPath) -> BoundaryAnswer:
-        """Per island, the DQs entering it and the Qs leaving it."""
-        return self._answer(graphscan_core().boundary, (path,), {})
-
-    def diff(self, a: StrPath, b: StrPath) -> DiffAnswer:
-        """b minus a for the counts."""
-        return self._answer(graphscan_core().diff, (a, b), {})
-
-    def fuse(self, path: StrPath, output: StrPath, **options: Any) -> FuseAnswer:
-        """MatMul+Add fused into Gemm, verified, written to ``output`` (every call writes it)."""
-        return self._answer(graphscan_core().fuse, (path, output), options, writes=True)
-
-    def trace(self, a: StrPath, b: StrPath, **options: Any) -> TraceAnswer:
-        """Per-op isolated and propagated error of ``b`` (quantized) against ``a`` (float)."""
-        return self._answer(graphscan_core().trace, (a, b), options, writes=options.get("save") is not None)
-
-    def runtime(self, path: StrPath, **options: Any) -> RuntimeAnswer:
-        """What onnxruntime runs for each node: int8, int8_data, float, absorbed."""
-        return self._answer(graphscan_core().runtime, (path,), options)
-
-    def check(self, path: StrPath, **options: Any) -> CheckAnswer:
-        """The budgets measured and whether each holds (``float=`` is ``float_path=``)."""
-        if "float" in options:
-            options["float_path"] = options.pop("float")
-        return self._answer(graphscan_core().check, (path,), options)
-
-    def dot(self, path: StrPath, **options: Any) -> str:
-        """The island map as Graphviz DOT text."""
-        return self._answer(graphscan_core().dot, (path,), options)
-
-    def impact(self, a: StrPath, b: StrPath, **options: Any) -> ImpactAnswer:
-        """Output SQNR gained by keeping each op or tensor of ``b`` float."""
-        return self._answer(graphscan_core().impact, (a, b), options)
-
-    def tune(self, path: StrPath, **options: Any) -> TuneAnswer:
-        """The fastest quantization accurate enough (with ``out=``, written there on every call)."""
-        return self._answer(graphscan_core().tune, (path,), options, writes=options.get("out") is not None)
-
-    def table(self, answer: StrPath, **options: Any) -> str:
-        """A saved JSON answer shown as its command's table."""
-        return self._answer(graphscan_core().table, (answer,), options)
+# The fixture: graphscan's commands in-process (graphscan_pytest_fixture.py).
 
 
 @pytest.fixture(scope="session")
 def graphscan(request: pytest.FixtureRequest) -> Graphscan:
-    """graphscan's commands in this process, answers cached per session by file content."""
+    """graphscan's commands in this process, answers kept per session by what each call reads."""
     return Graphscan(session_state(request.config).answers)

@@ -1,7 +1,8 @@
 """The runtime snapshots of graphscan's pytest plugin (graphscan_pytest.py): each file's name,
-what it pins, how it is written, why a pinned one no longer holds, and which files of the
-folder no item pins. Plain functions of paths and answers, standard library only (the
-plugin imports this module at start-up): the plugin holds the session and the items.
+what it pins, how it is written, why a pinned one no longer holds, which files each config
+wrote (the folder's record), and which of those no item pins. Plain functions of paths and
+answers, standard library only (the plugin imports this module at start-up): the plugin holds
+the session and the items.
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ import re
 import stat
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # a gate's name and path, for snapshot_names
-    from graphscan_pytest import Gate
+from typing import Any
 
 SNAPSHOT_FOLDER = "graphscan_snapshots"
+# In SNAPSHOT_FOLDER, {config file name: [the snapshot files it wrote]}; never a snapshot's name.
+RECORD = "written.json"
 
 UPDATE = "pytest --graphscan --graphscan-snapshot-update"  # works with or without syrupy
 
@@ -31,22 +31,24 @@ UPDATE = "pytest --graphscan --graphscan-snapshot-update"  # works with or witho
 PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
 
 
-def snapshot_names(gates: list[Gate], folder: Path) -> list[str]:
-    """Each gate's snapshot file name (without ``.json``), never one for two models: its
-    name where that is PLAIN_NAME and no other model's name equals it regardless of case
-    (committed snapshots keep their names), else that name squeezed, ``~`` and a hash of
-    the model's path from ``folder``. One path (``..`` resolved, links not followed), one name."""
-    where = [Path(os.path.relpath(g.settings["path"], folder)).as_posix() for g in gates]
+def snapshot_names(models: list[tuple[str, str]], folder: Path) -> list[str]:
+    """Each model's snapshot file name (without ``.json``), given ``(name, path)`` per table,
+    never one for two models: its name where that is PLAIN_NAME, no other model's name equals
+    it regardless of case and it is not the record's (committed snapshots keep their names),
+    else that name squeezed, ``~`` and a hash of the model's path from ``folder``. One path
+    (``..`` resolved, links not followed), one name."""
+    where = [Path(os.path.relpath(path, folder)).as_posix() for _, path in models]
     paths_of: dict[str, set[str]] = {}
-    for gate, relative in zip(gates, where, strict=True):
-        paths_of.setdefault(gate.name.casefold(), set()).add(relative)
+    for (name, _), relative in zip(models, where, strict=True):
+        paths_of.setdefault(name.casefold(), set()).add(relative)
     names = []
-    for gate, relative in zip(gates, where, strict=True):
-        if PLAIN_NAME.fullmatch(gate.name) and len(paths_of[gate.name.casefold()]) == 1:
-            names.append(gate.name)
+    for (name, _), relative in zip(models, where, strict=True):
+        alone = len(paths_of[name.casefold()]) == 1 and f"{name}.json".casefold() != RECORD.casefold()
+        if PLAIN_NAME.fullmatch(name) and alone:
+            names.append(name)
         else:
             digest = hashlib.sha256(relative.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-            names.append(f"{re.sub(r'[^A-Za-z0-9._-]+', '_', gate.name)[:100]}~{digest}")
+            names.append(f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)[:100]}~{digest}")
     return names
 
 
@@ -164,16 +166,38 @@ def snapshot_changes(pinned: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------
-# The files no item pins.
+# The record of what each config wrote, and which of those files no item pins. Only a
+# config's own snapshots are ever named unused or deleted: another config of the folder
+# keeps its own, and a file the plugin did not write is the user's.
 
 
-def unused_snapshots(folder: Path, pinned: set[str]) -> list[Path]:
-    """The snapshot files of ``folder`` that are none of the ``pinned`` files (a case-blind disk
-    shows a pinned file under a name that differs in case: it is the same file, kept)."""
+def read_record(folder: Path) -> dict[str, list[str]]:
+    """The folder's record; empty when it is missing or damaged (then no file is known to
+    be a config's, and none is named or deleted)."""
     try:
-        names = sorted(os.listdir(folder))
-    except OSError:  # no snapshot taken yet
-        return []
+        record = json.loads((folder / RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    return {
+        config: [name for name in names if isinstance(name, str)]
+        for config, names in record.items()
+        if isinstance(names, list)
+    }
+
+
+def record_text(record: dict[str, list[str]]) -> str:
+    """The record file's text: configs and their files sorted, a config without files left out."""
+    kept = {config: sorted(set(names)) for config, names in record.items() if names}
+    return json.dumps(kept, indent=2, sort_keys=True) + "\n"
+
+
+def unused_snapshots(folder: Path, written: set[str], kept: set[str]) -> list[Path]:
+    """The files of ``folder`` among ``written`` (what a config wrote, named as snapshots are)
+    that are none of the ``kept`` files (those it pins, and those another config wrote) nor
+    the record. A case-blind disk shows a kept file under a name that differs in case: it is
+    the same file, kept."""
 
     def identity(name: str) -> tuple[int, int] | None:
         try:
@@ -182,6 +206,6 @@ def unused_snapshots(folder: Path, pinned: set[str]) -> list[Path]:
             return None
         return (found.st_dev, found.st_ino) if stat.S_ISREG(found.st_mode) else None
 
-    held = {identity(name) for name in pinned}
-    candidates = [name for name in names if SNAPSHOT_FILE.fullmatch(name) and name not in pinned]
+    held = {identity(name) for name in kept | {RECORD}}
+    candidates = sorted(name for name in written if SNAPSHOT_FILE.fullmatch(name) and name not in kept)
     return [folder / name for name in candidates if identity(name) not in held | {None}]

@@ -107,9 +107,9 @@ def export_revision(revision: str, folder: Path) -> Path:
 
 
 def snapshot_tree(folder: Path) -> Path:
-    """A copy of the working tree's graphscan.py, the plugin's two modules and graphscan_ort package in ``folder``."""
+    """A copy of the working tree's graphscan.py, the plugin's modules and graphscan_ort package in ``folder``."""
     folder.mkdir(parents=True)
-    for name in ("graphscan.py", "graphscan_pytest.py", "graphscan_pytest_snapshots.py"):
+    for name in ("graphscan.py", "graphscan_pytest.py", "graphscan_pytest_fixture.py", "graphscan_pytest_snapshots.py"):
         if (REPO_ROOT / name).is_file():
             shutil.copy2(REPO_ROOT / name, folder / name)
     if (REPO_ROOT / "graphscan_ort").is_dir():

@@ -5,7 +5,7 @@
 Reads the curated single-edit mutants of bench/mutants.toml. The repository is
 copied once into a temporary folder (tracked and untracked files, no caches);
 for each mutant its one edit is applied to the one file of that copy
-that holds its snippet (graphscan.py, graphscan_pytest.py, graphscan_pytest_snapshots.py or a
+that holds its snippet (graphscan.py, the plugin's graphscan_pytest*.py or a
 module of graphscan_ort/), the tests of its area run (``pytest -x -q -n 2``; ``--whole-suite`` runs every test), and
 the file is restored. A mutant is
 
@@ -35,7 +35,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = Path(__file__).resolve().parent / "mutants.toml"
 # The files a mutant may edit: its snippet must occur exactly once among all of them.
-TARGETS = ["graphscan.py", "graphscan_pytest.py", "graphscan_pytest_snapshots.py", "graphscan_ort/**/*.py"]
+TARGETS = ["graphscan.py", "graphscan_pytest*.py", "graphscan_ort/**/*.py"]
 TIMEOUT = 600  # seconds per mutant; a hang (e.g. reading a FIFO) counts as killed
 
 # The test files that speak for each area. Chosen for speed (one pytest run per mutant on a
@@ -127,7 +127,7 @@ AREA_TESTS = {
         "tests/shared/test_metrics.py",
         "tests/cli/test_keyword_rules.py",
     ],
-    "plugin": ["tests/cli/test_plugin.py"],
+    "plugin": ["tests/cli/test_plugin_fixture.py", "tests/cli/test_plugin_sharing.py", "tests/cli/test_plugin.py"],
     "recovery": [
         "tests/tune/test_equalize.py",
         "tests/tune/test_bias.py",

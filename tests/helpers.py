@@ -529,7 +529,7 @@ def install_into_fresh_venv(folder, index):
     (fresh dependencies), else the dependencies already installed here."""
     source = folder / "source"
     source.mkdir()
-    for name in ("graphscan.py", "graphscan_pytest.py", "graphscan_pytest_snapshots.py", "pyproject.toml", "README.md"):
+    for name in [*sorted(path.name for path in ROOT.glob("graphscan*.py")), "pyproject.toml", "README.md"]:
         shutil.copy2(ROOT / name, source / name)
     shutil.copytree(ROOT / "graphscan_ort", source / "graphscan_ort", ignore=shutil.ignore_patterns("__pycache__"))
     env_dir = folder / "venv"
@@ -623,3 +623,13 @@ def small_cnn(folder, blocks, count, seed):
         files.append(str(Path(folder) / f"s{k}.npz"))
         np.savez(files[-1], x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
     return fp32, files
+
+
+def item_outcomes(output):
+    """``{item id: outcome}`` from pytest ``-rA``'s summary lines (``PASSED id`` / ``FAILED id - ...``)."""
+    found = {}
+    for line in output.splitlines():
+        for outcome in ("PASSED", "FAILED", "ERROR"):
+            if line.startswith(outcome + " "):
+                found[line[len(outcome) + 1 :].split(" - ")[0].strip()] = outcome.lower()
+    return found

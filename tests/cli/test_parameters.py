@@ -30,7 +30,7 @@ ALLOWED = {
 
 
 def product_files() -> list[Path]:
-    plugin = [ROOT / "graphscan_pytest.py", ROOT / "graphscan_pytest_snapshots.py"]
+    plugin = sorted(ROOT.glob("graphscan_pytest*.py"))
     return [ROOT / "graphscan.py", *plugin, *sorted((ROOT / "graphscan_ort").rglob("*.py"))]
 
 

@@ -29,11 +29,17 @@ import graphscan_pytest
 import graphscan_pytest_snapshots
 from graphscan_ort.shared import targets
 from graphscan_ort.tune.candidates import SampleReader, quiet
-from tests.helpers import ROOT, run_main
+from tests.helpers import ROOT, item_outcomes, run_main
 from tests.lab import DEFAULT_LAB
 from tests.targets.test_targets import needs
 
 UPDATE = "pytest --graphscan --graphscan-snapshot-update"  # the one update command a plain install has
+RECORD = "written.json"  # beside the snapshots: which files each config wrote
+
+
+def snapshots_taken(folder):
+    """The files of ``folder``'s graphscan_snapshots/, sorted, the record left out."""
+    return sorted(p.name for p in (folder / "graphscan_snapshots").iterdir() if p.name != RECORD)
 
 
 @pytest.fixture(scope="module")
@@ -119,30 +125,6 @@ snapshot = true
         "graphscan.toml::cnn.u8.onnx::snapshot": "passed",
     }
     return {"folder": folder, "expected": expected, "islands": islands}
-
-
-@pytest.fixture
-def run_pytest(pytester, monkeypatch):
-    """``run(folder, *args)``: pytest in ``folder``, in this process (pytester's run, which
-    restores every module and option after it), the plugin loaded with -p:
-    ``(exit code, output)``."""
-
-    def run(folder, *args):
-        monkeypatch.chdir(folder)
-        result = pytester.runpytest("-p", "graphscan_pytest", "-p", "no:cacheprovider", *args)
-        return int(result.ret), "\n".join(result.outlines + result.errlines)
-
-    return run
-
-
-def item_outcomes(output):
-    """``{item id: outcome}`` from ``-rA``'s summary lines (``PASSED id`` / ``FAILED id - ...``)."""
-    found = {}
-    for line in output.splitlines():
-        for outcome in ("PASSED", "FAILED", "ERROR"):
-            if line.startswith(outcome + " "):
-                found[line[len(outcome) + 1 :].split(" - ")[0].strip()] = outcome.lower()
-    return found
 
 
 def test_each_budget_is_an_item_that_passes_or_fails_as_graphscan_check_says(repository, run_pytest):
@@ -238,15 +220,19 @@ def test_a_bad_config_is_one_collection_error(repository, run_pytest):
     assert "bad.toml:3: [[model]] 1: unknown key 'max_islnds'" in output and "Traceback" not in output
 
 
-def test_the_fixture_answers_in_process_cached_by_file_content(repository, tmp_path, run_pytest):
+def test_the_fixture_answers_in_process_in_a_users_test(repository, tmp_path, run_pytest):
+    """A test file of the user's asks for ``graphscan``: each call answers for its own paths
+    (a copy of a model is named as the copy) and options."""
     folder = repository["folder"]
     (folder / "test_hand.py").write_text(
         "import shutil\n"
         "def test_hand(graphscan, tmp_path):\n"
         "    first = graphscan.runtime('models/cnn.s8.onnx')\n"
         "    shutil.copy('models/cnn.s8.onnx', tmp_path / 'copy.onnx')\n"
-        "    assert graphscan.runtime(tmp_path / 'copy.onnx') is first  # the same bytes: one answer\n"
-        "    assert graphscan.runtime('models/cnn.u8.onnx') is not first\n"
+        "    copied = graphscan.runtime(tmp_path / 'copy.onnx')\n"
+        "    assert first['model'] == 'models/cnn.s8.onnx' and copied['model'] == str(tmp_path / 'copy.onnx')\n"
+        "    assert copied['nodes'] == first['nodes']  # the same bytes: the same kernels\n"
+        "    assert graphscan.runtime('models/cnn.s8.onnx', level='basic')['environment']['level'] == 'basic'\n"
         "    answer = graphscan.check('models/full.onnx', float='models/fp32.onnx', min_sqnr=-100)\n"
         "    assert answer['ok'] and answer['float'].endswith('fp32.onnx')\n"
         f"    assert graphscan.islands('models/matmul_only.onnx')['island_count'] == {repository['islands']}\n"
@@ -463,7 +449,7 @@ def test_two_models_of_one_squeezed_name_keep_their_own_snapshots(repository, tm
     shutil.copy(models / "cnn.s8.onnx", tmp_path / "a b.onnx")
     shutil.copy(models / "matmul_only.onnx", tmp_path / "a_b.onnx")
     code, output = run_pytest(tmp_path, "--graphscan", "--graphscan-snapshot-update")
-    assert code == 0 and len(list((tmp_path / "graphscan_snapshots").iterdir())) == 2, output
+    assert code == 0 and len(snapshots_taken(tmp_path)) == 2, output
     code, output = run_pytest(tmp_path, "--graphscan", "-rA")
     assert code == 0 and set(item_outcomes(output).values()) == {"passed"}, output
 
@@ -476,7 +462,7 @@ def test_a_linked_model_is_named_by_its_link(repository, tmp_path, run_pytest):
     code, output = run_pytest(folder, "--graphscan", "--graphscan-snapshot-update", "-rA")
     assert code == 0, output
     assert set(item_outcomes(output)) == {f"graphscan.toml::link.onnx::{b}" for b in ("max_islands", "snapshot")}
-    assert [p.name for p in (folder / "graphscan_snapshots").iterdir()] == ["link.onnx.json"]
+    assert snapshots_taken(folder) == ["link.onnx.json"]
 
 
 def test_a_metric_file_is_found_beside_the_config_from_any_folder(repository, tmp_path, run_pytest):
@@ -741,7 +727,7 @@ def test_native_alone_is_todays_items_and_snapshot(repository, tmp_path, run_pyt
         runs[name] = ids, code, item_outcomes(output), snapshots
     ids, code, outcomes, snapshots = runs["without"]
     assert runs["native"] == runs["without"]
-    assert not any("[" in item for item in ids) and list(snapshots) == ["full.onnx.json"]
+    assert not any("[" in item for item in ids) and sorted(snapshots) == ["full.onnx.json", RECORD]
     assert code == 0 and set(outcomes.values()) == {"passed"} and len(outcomes) == len(ids) == 7
 
 
@@ -798,7 +784,7 @@ def test_a_missing_target_fails_its_items_with_the_runners_line(repository, tmp_
     lines = re.findall(r"^graphscan: usage: CPU target arm64: .*$", output, re.MULTILINE)
     assert len(lines) == 5 and all(re.fullmatch(rf".*\(install it: {install}\) \(exit 2\)", x) for x in lines), output
     assert "Traceback" not in output
-    assert [p.name for p in (folder / "graphscan_snapshots").iterdir()] == ["full.onnx.json"]
+    assert snapshots_taken(folder) == ["full.onnx.json"]
 
 
 @pytest.mark.targets
@@ -820,7 +806,7 @@ def test_on_arm64_min_int8_gates_the_targets_kernels_and_its_snapshot_pins_them(
     code, output = run_pytest(tmp_path, "--graphscan", "--graphscan-snapshot-update", "-rA")
     assert code == 0 and item_outcomes(output) == items, output
     taken = tmp_path / "graphscan_snapshots" / "full.onnx@arm64.json"
-    assert [p.name for p in taken.parent.iterdir()] == [taken.name]
+    assert snapshots_taken(tmp_path) == [taken.name]
     pinned = json.loads(taken.read_text())
     on_arm64 = graphscan.runtime(str(tmp_path / "full.onnx"), cpu="arm64")
     assert {node: entry["class"] for node, entry in pinned["nodes"].items()} == {
@@ -871,7 +857,7 @@ def test_a_target_item_is_measured_through_the_runner_as_native_is(repository, t
     native = re.search(r"^min_int8: (.*)$", output, re.MULTILINE)
     assert native and f"\nmin_int8[x86-avx2]: {native[1]}\n" in output, output
     snapshots = folder / "graphscan_snapshots"
-    assert sorted(p.name for p in snapshots.iterdir()) == ["cnn.u8.onnx.json", "cnn.u8.onnx@x86-avx2.json"]
+    assert snapshots_taken(folder) == ["cnn.u8.onnx.json", "cnn.u8.onnx@x86-avx2.json"]
     assert (snapshots / "cnn.u8.onnx.json").read_bytes() == (snapshots / "cnn.u8.onnx@x86-avx2.json").read_bytes()
     assert stand_in == ["graphscan_ort.commands.runtime:classes"] * 2  # once for check, once for runtime
 
@@ -879,10 +865,11 @@ def test_a_target_item_is_measured_through_the_runner_as_native_is(repository, t
 # ---------------------------------------------------------------------------
 # Unused snapshots (syrupy's report): named when the whole config ran, deleted by the update.
 
-# Files the plugin may have written for models or targets the config no longer has: a
-# removed model, a target left out of cpu, a hashed name whose clash is gone.
+# Files the config wrote for models or targets it no longer has: a removed model, a target
+# left out of cpu, a hashed name whose clash is gone.
 STALE = ["old.onnx.json", "cnn.s8.onnx@arm64.json", "cnn.s8.onnx~0123456789abcdef.json"]
-NOT_SNAPSHOTS = ["notes.txt", ".cnn.s8.onnx.json.k2x9.tmp", "README.md"]  # never named, never deleted
+# Files that are no snapshot, listed in the record by a hand: never named, never deleted.
+NOT_SNAPSHOTS = ["notes.txt", ".cnn.s8.onnx.json.k2x9.tmp", "README.md"]
 SNAPSHOT_CONFIG = """[[model]]
 path = "models/matmul_only.onnx"
 max_islands = LIMIT
@@ -895,15 +882,19 @@ snapshot = true
 
 
 def stale_folder(tmp_path, repository, run_pytest, limit=1000):
-    """A repository whose one snapshot is taken, then the STALE snapshots and NOT_SNAPSHOTS
-    files put beside it: ``(folder, the snapshots' folder)``."""
+    """A repository whose one snapshot is taken (and recorded), then the STALE snapshots and
+    NOT_SNAPSHOTS files put beside it, the record listing them and the config itself as the
+    config's: ``(folder, the snapshots' folder)``."""
     folder = gate_folder(tmp_path, repository, SNAPSHOT_CONFIG.replace("LIMIT", str(limit)))
     _, output = run_pytest(folder, "--graphscan", "--graphscan-snapshot-update")
     snapshots = folder / "graphscan_snapshots"
-    assert [p.name for p in snapshots.iterdir()] == ["cnn.s8.onnx.json"], output
+    assert snapshots_taken(folder) == ["cnn.s8.onnx.json"], output
+    assert json.loads((snapshots / RECORD).read_text()) == {"graphscan.toml": ["cnn.s8.onnx.json"]}
     assert "unused snapshot" not in output  # nothing unused yet: no line
     for name in STALE + NOT_SNAPSHOTS:
         (snapshots / name).write_text("{}\n")
+    # Not the snapshot taken: an update records what it writes, on whichever worker.
+    (snapshots / RECORD).write_text(json.dumps({"graphscan.toml": [*STALE, *NOT_SNAPSHOTS, "../graphscan.toml"]}))
     return folder, snapshots
 
 
@@ -914,9 +905,10 @@ def unused_lines(output):
 def test_unused_snapshots_are_named_when_the_whole_config_ran_and_deleted_by_the_update(
     repository, tmp_path, run_pytest
 ):
-    """Every item ran: one summary line names each stale snapshot, and it is not a failure.
-    The update, its items spread over two xdist workers (each saw only part of them run, the
-    controller none), deletes exactly those and says so; the next run has nothing to say."""
+    """Every item ran: one summary line names each stale snapshot the config wrote, and it is
+    not a failure. The update, its items spread over two xdist workers (each saw only part of
+    them run, the controller none), deletes exactly those and says so, and the record keeps
+    what the config pins; the next run has nothing to say."""
     folder, snapshots = stale_folder(tmp_path, repository, run_pytest)
     named = sorted(f"graphscan_snapshots/{name}" for name in STALE)
     code, output = run_pytest(folder, "--graphscan", "-rA")
@@ -928,7 +920,9 @@ def test_unused_snapshots_are_named_when_the_whole_config_ran_and_deleted_by_the
     assert code == 0 and unused_lines(output) == [
         f"graphscan: deleted unused snapshot(s), pinned by no item of graphscan.toml: {', '.join(named)}"
     ], output
-    assert sorted(p.name for p in snapshots.iterdir()) == sorted(["cnn.s8.onnx.json", *NOT_SNAPSHOTS])
+    assert snapshots_taken(folder) == sorted(["cnn.s8.onnx.json", *NOT_SNAPSHOTS])
+    assert json.loads((snapshots / RECORD).read_text()) == {"graphscan.toml": ["cnn.s8.onnx.json"]}
+    assert (folder / "graphscan.toml").is_file()
     code, output = run_pytest(folder, "--graphscan")
     assert code == 0 and unused_lines(output) == [], output
 
@@ -967,8 +961,9 @@ def test_every_snapshot_name_the_plugin_writes_is_one_the_report_knows(tmp_path,
     folder.mkdir()
     for name in files:
         (folder / name).touch()
-    assert graphscan_pytest_snapshots.unused_snapshots(folder, set(files)) == []
-    assert sorted(graphscan_pytest_snapshots.unused_snapshots(folder, set(files[1:]))) == [folder / files[0]]
+    assert graphscan_pytest_snapshots.unused_snapshots(folder, set(files), set(files)) == []
+    unused = graphscan_pytest_snapshots.unused_snapshots(folder, set(files), set(files[1:]))
+    assert unused == [folder / files[0]]
 
 
 def test_a_second_name_of_a_pinned_file_is_the_pinned_file(tmp_path):
@@ -979,11 +974,12 @@ def test_a_second_name_of_a_pinned_file_is_the_pinned_file(tmp_path):
     (folder / "m.onnx.json").write_text("{}")
     os.link(folder / "m.onnx.json", folder / "M.onnx.json")
     (folder / "n.onnx.json").write_text("{}")
-    assert graphscan_pytest_snapshots.unused_snapshots(folder, {"m.onnx.json"}) == [folder / "n.onnx.json"]
+    written = {"m.onnx.json", "M.onnx.json", "n.onnx.json"}
+    assert graphscan_pytest_snapshots.unused_snapshots(folder, written, {"m.onnx.json"}) == [folder / "n.onnx.json"]
     (folder / "M.onnx.json").unlink()
     (folder / "M.onnx.json").write_text("{}")
     if not (folder / "M.onnx.json").samefile(folder / "m.onnx.json"):  # a case-sensitive disk: two files
-        assert graphscan_pytest_snapshots.unused_snapshots(folder, {"m.onnx.json"}) == [
+        assert graphscan_pytest_snapshots.unused_snapshots(folder, written, {"m.onnx.json"}) == [
             folder / n for n in ("M.onnx.json", "n.onnx.json")
         ]
 
@@ -1001,6 +997,7 @@ def test_an_unused_snapshot_that_cannot_be_deleted_is_one_line_not_a_traceback(t
     folder.mkdir()
     for name in ("m.onnx.json", "gone.onnx.json", "kept.onnx.json"):
         (folder / name).write_text("{}")
+    (folder / RECORD).write_text(json.dumps({"graphscan.toml": ["gone.onnx.json", "kept.onnx.json", "m.onnx.json"]}))
     unlink = Path.unlink
 
     def refuse_kept(path, missing_ok=False):
@@ -1014,41 +1011,5 @@ def test_an_unused_snapshot_that_cannot_be_deleted_is_one_line_not_a_traceback(t
         f"graphscan: deleted unused snapshot(s), {pinned_by}: graphscan_snapshots/gone.onnx.json",
         f"graphscan: cannot delete the unused snapshot graphscan_snapshots/kept.onnx.json ({why})",
     ]
-    assert sorted(p.name for p in folder.iterdir()) == ["kept.onnx.json", "m.onnx.json"]
-
-
-# ---------------------------------------------------------------------------
-# The fixture: one typed method per command of the core.
-
-
-def test_the_fixture_has_one_typed_method_per_command_of_the_core():
-    """The core's registry names every command it runs in-process: the fixture has a method
-    for each, and no other, taking the command's paths in order and returning its answer's
-    type (text for dot and table). A command added to the core fails here until it has one."""
-    import inspect
-
-    methods = {
-        name
-        for name, value in vars(graphscan_pytest.Graphscan).items()
-        if inspect.isfunction(value) and not name.startswith("_")
-    }
-    assert methods == set(graphscan._COMMANDS) and methods <= set(graphscan.__all__)
-    for name in sorted(methods):
-        declared = graphscan._load_command(name)
-        signature = inspect.signature(getattr(graphscan_pytest.Graphscan, name))
-        positional = [p for p in signature.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD][1:]
-        assert [p.annotation for p in positional] == ["StrPath"] * len(declared.paths), name
-        returned = "str" if declared.text else declared.answer.__name__
-        assert signature.return_annotation == returned, name
-
-
-def test_a_fixture_call_that_writes_a_file_writes_it_every_time(repository, tmp_path):
-    """fuse writes its output: the fixture runs it on every call (a cached answer would leave
-    the file a test removed unwritten), while a call that only reads is answered once."""
-    fixture = graphscan_pytest.Graphscan({})
-    model, output = repository["folder"] / "models" / "fp32.onnx", tmp_path / "fused.onnx"
-    first = fixture.fuse(model, output)
-    output.unlink()
-    second = fixture.fuse(model, output)
-    assert output.is_file() and second is not first and second == first
-    assert fixture.dot(model) is fixture.dot(model)
+    assert snapshots_taken(tmp_path) == ["kept.onnx.json", "m.onnx.json"]
+    assert json.loads((folder / RECORD).read_text()) == {"graphscan.toml": ["kept.onnx.json", "m.onnx.json"]}
