@@ -26,6 +26,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -119,8 +120,11 @@ def load_function(path: str, function: str, name: str) -> Callable[[Outputs, Out
         raise GraphscanError(f"usage: --metric {shown(name)}: {shown(path)} is not a Python file", EXIT_USAGE)
     module = importlib.util.module_from_spec(spec)
     try:
+        # From its source, never from __pycache__: a cached file rewritten within the same
+        # second at the same size is taken for the old one (a user's test editing its metric).
+        code = compile(Path(path).read_bytes(), path, "exec", dont_inherit=True)
         with user_code():
-            spec.loader.exec_module(module)
+            exec(code, module.__dict__)  # the user's own metric, as asked
     except (Exception, SystemExit) as exc:
         raise GraphscanError(
             f"usage: --metric {shown(name)}: {shown(path)} fails to load ({type(exc).__name__}: {one_line(exc)})",

@@ -5,6 +5,8 @@ never computed with graphscan's own code.
 """
 
 import math
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -103,6 +105,19 @@ def test_a_user_function_gets_every_sample_in_order(tmp_path):
     )
     chosen = agreement.metric(f"{path}:agree")
     assert chosen.value(outputs([1.0], [2.0]), outputs([1.5], [1.0])) == pytest.approx(1.5)
+
+
+def test_a_metric_file_rewritten_at_the_same_size_and_second_is_read_anew(tmp_path, monkeypatch):
+    # Python's bytecode cache tells a source file only by its size and its mtime in whole
+    # seconds: a test that rewrites its metric in place must still get the new function.
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    path = write_metric(tmp_path, "def f(r, c):\n    return 0.75\n")
+    stamp = os.stat(path).st_mtime_ns
+    assert agreement.metric(f"{path}:f").value(outputs([1.0]), outputs([1.0])) == 0.75
+    write_metric(tmp_path, "def f(r, c):\n    return 0.25\n")
+    os.utime(path, ns=(stamp, stamp))
+    assert agreement.metric(f"{path}:f").value(outputs([1.0]), outputs([1.0])) == 0.25
+    assert not (tmp_path / "__pycache__").exists()  # nothing written beside the user's file
 
 
 @pytest.mark.parametrize(
