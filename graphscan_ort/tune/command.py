@@ -65,7 +65,7 @@ from graphscan import (
 from graphscan_ort.shared.agreement import check_layout_fits
 from graphscan_ort.shared.answers import TuneAnswer
 from graphscan_ort.shared.files import check_out, place, write_failure
-from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
+from graphscan_ort.shared.inputs import check_calibrates, input_specs, inputs_answer, read_npz_inputs, sample_files
 from graphscan_ort.shared.kernels import INT8_KERNELS, QUANTIZE_KERNELS
 from graphscan_ort.shared.metrics import named_outputs
 from graphscan_ort.shared.on_target import Target
@@ -145,6 +145,7 @@ def tune(
     if latency_files:
         sample_outputs(model, latency, path, latency_files, "--latency-inputs")
     reference = check_measurable(model, evaluated, path, inputs or calibrate)
+    check_calibrates(calibration, calibrate)  # after: samples that measure nothing say so first
     check_layout_fits(chosen_metric, TensorParts(model, [o.name for o in model.graph.output]).sources)
     own = chosen_metric.value(reference, reference)  # fits every output, and float's own agreement
     try:
