@@ -176,6 +176,38 @@ def test_a_concat_is_wide_when_its_inputs_ranges_differ_by_more_than_the_factor(
     assert (max(low, high) / min(low, high) > seeds.WIDE_CONCAT_FACTOR) == wide
 
 
+def concat_of_scaled(*factors):
+    """y = Concat(a * f for f in ``factors``): on a of [0, 1], input k spans ``factors[k]`` (0: never varies)."""
+    scales = [helper.make_tensor(f"f{k}", TensorProto.FLOAT, [], [f]) for k, f in enumerate(factors)]
+    nodes = [helper.make_node("Mul", ["a", f"f{k}"], [f"m{k}"], name=f"mul{k}") for k in range(len(factors))]
+    nodes.append(helper.make_node("Concat", [f"m{k}" for k in range(len(factors))], ["y"], name="cat", axis=0))
+    graph = helper.make_graph(
+        nodes,
+        "concat",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4 * len(factors)])],
+        scales,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(
+    ("factors", "wide"),
+    [
+        pytest.param((1.0, 10.0, 0.0), False, id="ranges-1-and-10-beside-one-that-never-varies"),
+        pytest.param((1.0, 0.0), False, id="one-varying-input-and-a-constant-one"),
+        pytest.param((0.5, 10.0, 0.0), True, id="ranges-0.5-and-10-beside-one-that-never-varies"),
+    ],
+)
+def test_a_concat_input_that_never_varies_is_left_out_of_the_comparison(factors, wide):
+    """A Concat input whose range is 0 (a * 0: zeros on every sample) takes no levels of the
+    shared scale, so it is left out: of the inputs that vary, ranges 1 and 10 lie within the
+    factor 16 (not wide) and 0.5 and 10 beyond it (20 times: wide); one varying input has
+    nothing to differ from. Counted, its 0 would make every such Concat wide (10 > 16 * 0)."""
+    samples = [{"a": np.linspace(0, 1, 4, dtype=np.float32)}, {"a": np.linspace(0, 1, 4, dtype=np.float32)[::-1]}]
+    assert seeds.wide_concats(concat_of_scaled(*factors), samples, "m.onnx") == (["cat"] if wide else [])
+
+
 def test_the_answer_is_strict_json_with_the_new_keys_in_place(tuned):
     row = tuned["answer"]["candidates"][0]
     keys = list(row)
