@@ -130,7 +130,7 @@ def tune_in(
     # The chosen row bias-corrected, written instead where that helps as deployed (reached or not).
     chosen, reached = polished(trials, chosen, reached, target["value"], calibration, progress)
     written = write_choice(work, files, rows, chosen)
-    warnings += choice_warnings(rows, chosen, reached, target["value"])
+    warnings += choice_warnings(rows, chosen, reached, target["value"]) + trials.disturbed
     if chosen is not None:
         _, prepared_path, _ = files[chosen["id"]]
         model_written = onnx.load(os.path.join(work, "model.onnx"), load_external_data=False)

@@ -69,7 +69,9 @@ def test_the_answer_has_the_issues_keys_and_writes_two_files(tuned):
         "metric", "target", "target_sqnr_db", "latency", "chosen", "reached", "written", "warnings", "output",
     ]  # fmt: skip
     assert answer["written"] == ["model.onnx", "prepared.onnx"]
-    assert answer["warnings"] == [  # one held-out sample: the verdict says how little it rests on
+    # One held-out sample: the verdict says how little it rests on. (On a busy machine a row whose
+    # timing stays disturbed is named too: that rule's own tests are in test_guards.py.)
+    assert [w for w in answer["warnings"] if "far off" not in w] == [
         "the verdict rests on 1 evaluation sample (fewer than 8): give more held-out --inputs"
     ]
     assert answer["metric"] == {"name": "sqnr"} and answer["target"]["source"] == "defaults"
@@ -247,16 +249,22 @@ def test_each_speedup_is_its_rows_float_ms_over_its_ms_and_float_ms_their_median
     for row in rows:
         keys = list(row)
         assert keys.index("float_ms") == keys.index("ms") + 1
+        if row["speedup"] is None:  # its float time stayed far off the run's: said, never ranked
+            assert any(w.startswith(f"candidate {row['id']}'s float time lay far off") for w in answer["warnings"])
+            continue
         assert row["speedup"] == pytest.approx(row["float_ms"] / row["ms"], rel=1e-12)
     times = sorted(row["float_ms"] for row in rows)
     assert answer["float"]["ms"] == times[len(times) // 2]  # the upper median of an even count
     section = graphscan.render_table("tune", answer).split("\ntimes (ms)")[1].split("\n\n")[0]
     lines = section.splitlines()[2:]
-    shown = {int(line.split()[0]): [float(v) for v in line.split()[1:4]] for line in lines if line.strip()}
+    cells = {int(line.split()[0]): line.split()[1:4] for line in lines if line.strip()}
+    shown = {k: [None if v == "-" else float(v) for v in values] for k, values in cells.items()}  # "-": null
     assert sorted(shown) == sorted(c["id"] for c in answer["candidates"])
     for row in rows:
         expected = [row["ms"], row["float_ms"], row["speedup"]]
-        assert shown[row["id"]] == pytest.approx(expected, rel=5e-3)  # three significant digits
+        assert [v is None for v in shown[row["id"]]] == [v is None for v in expected]
+        known = [(v, e) for v, e in zip(shown[row["id"]], expected, strict=True) if e is not None]
+        assert [v for v, _ in known] == pytest.approx([e for _, e in known], rel=5e-3)  # three significant digits
 
 
 # sympy's real message when quant_pre_process runs without it (PP-OCRv4 det, the README's tour).
