@@ -84,7 +84,8 @@ class Measure:
         self.float_bytes = file_bytes(reference.path, reference.model)
 
     def timed(self, candidate: onnx.ModelProto, candidate_path: str) -> dict:
-        """``candidate``'s latency figures timed again, as measure_candidate times them."""
+        """``candidate``'s latency figures timed again (Trials.steady) by the timer that
+        measure_candidate timed them with: deployed.latency_figures, looked up when called."""
         latency = self.latency or self.evaluation[:1]
         named = Named(candidate, candidate_path)
         return deployed.latency_figures(self.reference, named, latency, self.session, self.timing)
