@@ -113,6 +113,8 @@ AREA_TESTS = {
         "tests/tune/test_users_code.py",
         "tests/tune/test_dynamic.py",
         "tests/tune/test_contrib.py",
+        "tests/tune/test_seeds.py",
+        "tests/tune/test_tune_cpu.py",
     ],
     "shared": [
         "tests/shared/test_inputs.py",

@@ -1,11 +1,13 @@
-"""runtime --time: where the time goes, and what the Q/DQ round trips cost."""
+"""runtime --time: where the time goes, and what the Q/DQ round trips cost; and when a
+median time is too far off others of the same model to be the model's (``far_off``)."""
 
 from __future__ import annotations
 
 import bisect
 import json
 import os
-from collections.abc import Callable, Iterator
+import statistics
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -240,6 +242,26 @@ def interleaved_runs(sessions: list[Any], feeds: dict[str, np.ndarray], runs: in
             session.run(None, feeds)
             times[k].append(clock.perf_counter() - start)
     return times
+
+
+# A median time lies far off others of one model when it is beyond both: this many scaled
+# median absolute deviations from their median (1.4826 * MAD is a normal's standard
+# deviation, and a few wild values cannot move it), and this factor above or below it.
+FAR_OFF_MADS = 3.0
+FAR_OFF_FACTOR = 2.0
+
+
+def far_off(value: float, others: Sequence[float]) -> bool:
+    """Whether ``value``, a median time of a model, lies far off ``others``, medians of the
+    same model timed at other moments: more than FAR_OFF_MADS scaled MADs from their median
+    and beyond FAR_OFF_FACTOR times or a FAR_OFF_FACTOR-th of it. The factor keeps ordinary
+    jitter from counting (the medians of a 0.02 ms model spread up to about 2 times across
+    tune's rows on 2 shared cores); the MADs keep a run noisy throughout from judging one
+    row by it."""
+    middle = statistics.median(others)
+    spread = 1.4826 * statistics.median(abs(other - middle) for other in others)
+    beyond_factor = value > FAR_OFF_FACTOR * middle or value * FAR_OFF_FACTOR < middle
+    return abs(value - middle) > FAR_OFF_MADS * spread and beyond_factor
 
 
 def runtime_time(

@@ -239,7 +239,7 @@ class Candidate(TypedDict):
     quantize_static: dict[str, Any] | None  # quantize_static's keyword arguments, enums by name (null: dynamic)
     quantize_dynamic: dict[str, Any] | None  # quantize_dynamic's, for a dynamic candidate (null otherwise)
     rewrites: bool
-    kept_float: list[dict[str, str]]  # seeds kept float in it: {"node", "why"}
+    kept_float: list[dict[str, str]]  # seeds kept float in it: {"node", "why"} (+ "folded": the seed node holds)
     trial: dict[str, Any] | None  # the fallback search's block: {"block": kind, "added": [node, ...]}
     post_step: dict[str, list[str]] | None  # applied after quantize_static: {"float_inputs": [node, ...]}
     excluded: dict[str, str] | None  # per excluded node, what it runs: float, float_inputs or int8

@@ -285,6 +285,35 @@ def check_same_inputs(reference: Named, candidate: Named) -> None:
             )
 
 
+def check_calibrates(samples: list[dict[str, np.ndarray]], files: list[str]) -> None:
+    """Exit 7 naming ``--calibrate`` and the file of the first sample that cannot calibrate.
+
+    onnxruntime's calibrators range every tensor by its min and max over every value: a float
+    array holding a NaN or an infinity gives the tensors it reaches a NaN or infinite range
+    (the quantizer refuses the scale, MinMax drops a NaN sample unsaid, an infinity widens
+    every scale after it), and a sample whose arrays hold no value at all (a zero batch)
+    ranges nothing (every scale 1.0). Evaluation samples are measured over their finite
+    values and need neither rule."""
+    for sample, file in zip(samples, files, strict=True):
+        if all(array.size == 0 for array in sample.values()):
+            shapes = ", ".join(f"{name} {list(array.shape)}" for name, array in sample.items())
+            raise GraphscanError(
+                f"--calibrate {shown(file)}: its arrays hold no value ({shapes}): a sample without values calibrates "
+                "nothing",
+                EXIT_INPUTS,
+            )
+        for name, array in sample.items():
+            if array.dtype.kind != "f":
+                continue
+            bad = array.size - int(np.count_nonzero(np.isfinite(array)))
+            if bad:
+                raise GraphscanError(
+                    f"--calibrate {shown(file)}: array {name!r} holds {bad} NaN or infinite values of {array.size}: "
+                    "calibration ranges every tensor by its min and max, which they make NaN or infinite",
+                    EXIT_INPUTS,
+                )
+
+
 def inputs_answer(samples: list[dict[str, np.ndarray]]) -> dict[str, list[int] | list[list[int]]]:
     """``{input: shape}``; a list of shapes, one per sample, when the samples differ."""
     answer = {}

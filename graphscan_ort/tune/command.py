@@ -48,7 +48,6 @@ from graphscan import (
     EXIT_NO_FILE,
     EXIT_OK,
     EXIT_USAGE,
-    QUANTIZE,
     RUNTIME_LEVELS,
     Command,
     GraphscanError,
@@ -61,11 +60,13 @@ from graphscan import (
     one_line,
     samples_group,
     shown,
+    subgraphs,
 )
 from graphscan_ort.shared.agreement import check_layout_fits
 from graphscan_ort.shared.answers import TuneAnswer
 from graphscan_ort.shared.files import check_out, place, write_failure
-from graphscan_ort.shared.inputs import input_specs, inputs_answer, read_npz_inputs, sample_files
+from graphscan_ort.shared.inputs import check_calibrates, input_specs, inputs_answer, read_npz_inputs, sample_files
+from graphscan_ort.shared.kernels import INT8_KERNELS, QUANTIZE_KERNELS
 from graphscan_ort.shared.metrics import named_outputs, require_numbers
 from graphscan_ort.shared.on_target import Target
 from graphscan_ort.shared.options import (
@@ -145,6 +146,7 @@ def tune(
         sample_outputs(model, latency, path, latency_files, "--latency-inputs")
     require_numbers(Named(model, path), [o.name for o in model.graph.output], evaluated)
     reference = check_measurable(model, evaluated, path, inputs or calibrate)
+    check_calibrates(calibration, calibrate)  # after: samples that measure nothing say so first
     check_layout_fits(chosen_metric, TensorParts(model, [o.name for o in model.graph.output]).sources)
     own = chosen_metric.value(reference, reference)  # fits every output, and float's own agreement
     try:
@@ -253,15 +255,29 @@ def check_measurable(model: onnx.ModelProto, outputs: list, path: str, files: li
 
 
 def refuse_quantized(model: onnx.ModelProto, path: str) -> None:
-    """Exit 2 for a model that holds Q or DQ nodes: tune quantizes a float model, and a
-    quantized one given as the float reference would make every figure a comparison of
-    two quantized models."""
-    if any(node.op_type in (QUANTIZE, DEQUANTIZE) for node in model.graph.node):
+    """Exit 2 for a model that is already quantized: it holds Q or DQ nodes, or onnxruntime's
+    integer operators (QLinear*, *Integer, DynamicQuantize*, MatMulNBits: the kernel
+    vocabulary of shared.kernels). tune quantizes a float model; a quantized one given as the
+    float reference would make every figure a comparison of two quantized models, and the
+    quantizer fails on it (a dynamically quantized model's scales are not its tensors)."""
+    held = sorted(quantized_operators(model.graph))
+    if held:
         raise GraphscanError(
-            f"usage: {shown(path)} is already quantized (it holds QuantizeLinear/DequantizeLinear): "
-            "give tune the float model",
+            f"usage: {shown(path)} is already quantized (it holds {', '.join(held)}): give tune the float model",
             EXIT_USAGE,
         )
+
+
+def quantized_operators(graph: onnx.GraphProto) -> set[str]:
+    """The op types of ``graph`` and its bodies that only a quantized model holds."""
+    found = set()
+    for node in graph.node:
+        op = node.op_type
+        if op == DEQUANTIZE or op in QUANTIZE_KERNELS or op in INT8_KERNELS or op.startswith("QLinear"):
+            found.add(op)
+        for body in subgraphs(node):
+            found |= quantized_operators(body)
+    return found
 
 
 def sample_key(sample: dict[str, np.ndarray]) -> tuple[tuple[str, str, tuple[int, ...], bytes], ...]:

@@ -9,7 +9,11 @@ Two structural seeds reach such fixes without a search:
 - ``wide_concats``: the Concats whose inputs' float ranges (max - min over the calibration
   samples) differ by more than ``WIDE_CONCAT_FACTOR``: one scale cannot serve both.
 
-The user's seeds (``--exclude NODE``, ``--keep-outputs-float``) go into every candidate.
+The user's seeds (``--exclude NODE``, ``--keep-outputs-float``) go into every candidate,
+named as in the model the quantizer is given (``followed``): where preparing the model folded
+a seed into another node (quant_pre_process folds a BatchNormalization into the Conv before
+it, a MatMul and the Add after it into one Gemm), the node that now holds its arithmetic is
+kept float, and the row says whose arithmetic it holds.
 """
 
 from __future__ import annotations
@@ -78,3 +82,54 @@ def user_seeds(model: onnx.ModelProto, exclude: list[str] | None, keep_outputs_f
     if keep_outputs_float:
         seeds += [n for n in output_producers(model) if n not in seeds]
     return seeds
+
+
+def followed(
+    seeds: list[dict[str, str]], original: onnx.ModelProto, given: onnx.ModelProto, path: str
+) -> list[dict[str, str]]:
+    """The user's seeds (``{"node", "why"}``, nodes of ``original``) as nodes of ``given``, the
+    model the quantizer is given: a seed folded into another node becomes that node, its
+    entry ``{"node", "why", "folded": seed}``. Exit 2 for an ``--exclude`` of which nothing
+    runs in ``given`` (folded into a constant, or removed); such an output producer of
+    ``--keep-outputs-float`` is dropped (nothing to keep float)."""
+    placed = []
+    for seed in seeds:
+        node = where_it_runs(seed["node"], original, given)
+        if node is None and seed["why"] == "--exclude":
+            raise GraphscanError(
+                f"usage: --exclude {seed['node']!r}: preparing {shown(path)} for the quantizer removes it (nothing "
+                "of it runs there: folded into a constant, or dropped); exclude a node that runs",
+                EXIT_USAGE,
+            )
+        if node is not None:
+            placed.append(seed if node == seed["node"] else {"node": node, "why": seed["why"], "folded": seed["node"]})
+    return placed
+
+
+def where_it_runs(name: str, original: onnx.ModelProto, given: onnx.ModelProto) -> str | None:
+    """The node of ``given`` that computes what ``original``'s node ``name`` computed: itself,
+    else the node that makes one of its outputs (a fold into the node before it keeps the
+    folded node's output name), else, breadth first through readers that are gone too (fused
+    with it), the node that makes theirs. None when nothing does: the outputs became constants,
+    or the node was dropped and its readers, still there, read around it."""
+    present = {node.name for node in given.graph.node}
+    if name in present:
+        return name
+    made_by = {tensor: node.name for node in given.graph.node for tensor in node.output if tensor}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in original.graph.node:
+        for tensor in node.input:
+            readers.setdefault(tensor, []).append(node)
+    queue = [node for node in original.graph.node if node.name == name]
+    seen = {name}
+    while queue:
+        node = queue.pop(0)
+        for tensor in node.output:
+            if tensor in made_by:
+                return made_by[tensor]
+        for tensor in node.output:
+            for reader in readers.get(tensor, []):
+                if reader.name not in present and reader.name not in seen:
+                    seen.add(reader.name)
+                    queue.append(reader)
+    return None

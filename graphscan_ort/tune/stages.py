@@ -51,7 +51,7 @@ from graphscan_ort.tune.overrides import overridden
 from graphscan_ort.tune.prepare import dynamic_base, prepare, typing_failures
 from graphscan_ort.tune.progress import Progress
 from graphscan_ort.tune.recovery import polished, recover
-from graphscan_ort.tune.seeds import structural_seeds
+from graphscan_ort.tune.seeds import followed, structural_seeds
 from graphscan_ort.tune.trials import HISTOGRAM_SHAPES, Measure, Trials
 from graphscan_ort.tune.verdict import FEW_SAMPLES, low_levels_warning
 
@@ -87,7 +87,6 @@ def tune_in(
     rows, files = trials.rows, trials.files
     unfused, dynamic_steps = dynamic_base(model, evaluation, work)
     dynamic = dynamic_settings(unfused)
-    excluding = {"nodes_to_exclude": [seed["node"] for seed in seeds]} if seeds else {}
     planned = len(prepared) * len(candidate_settings()) + len(dynamic)
     for rewrites, prepared_model in prepared.items():
         prepared_path = os.path.join(work, f"prepared-{rewrites}.onnx")
@@ -95,16 +94,18 @@ def tune_in(
         trials.given[prepared_path] = prepared_model
         cache = os.path.join(work, f"cache-{rewrites}")
         os.mkdir(cache)
+        kept = followed(seeds, model, prepared_model, path)  # a seed prepare folded away: where it runs now
         for settings in candidate_settings():
             progress.show("quantizing and measuring candidate", len(rows) + 1, planned)
-            trials.add({**settings, **excluding}, rewrites != "none", prepared_path, cache, kept=seeds)
+            trials.add({**settings, **excluding(kept)}, rewrites != "none", prepared_path, cache, kept=kept)
     if dynamic:  # onnxruntime's one-line peer on transformers: weights int8, activations at run time
         prepared_path = os.path.join(work, "prepared-dynamic.onnx")
         onnx.save(unfused, prepared_path)
         trials.given[prepared_path] = unfused
+        kept = followed(seeds, model, unfused, path)
     for settings in dynamic:
         progress.show("quantizing and measuring candidate", len(rows) + 1, planned)
-        trials.add({**settings, **excluding}, False, prepared_path, work, kept=seeds, quantizer=DYNAMIC)
+        trials.add({**settings, **excluding(kept)}, False, prepared_path, work, kept=kept, quantizer=DYNAMIC)
     if not files:
         refused = f"onnxruntime's quantize_static refused every candidate ({rows[0]['error']})"
         raise GraphscanError(f"{shown(path)}: {refused}{typing_failures(steps + dynamic_steps)}", EXIT_RUNTIME)
@@ -129,7 +130,7 @@ def tune_in(
     # The chosen row bias-corrected, written instead where that helps as deployed (reached or not).
     chosen, reached = polished(trials, chosen, reached, target["value"], calibration, progress)
     written = write_choice(work, files, rows, chosen)
-    warnings += choice_warnings(rows, chosen, reached, target["value"])
+    warnings += choice_warnings(rows, chosen, reached, target["value"]) + trials.disturbed
     if chosen is not None:
         _, prepared_path, _ = files[chosen["id"]]
         model_written = onnx.load(os.path.join(work, "model.onnx"), load_external_data=False)
@@ -162,6 +163,11 @@ def tune_in(
         "written": written,
         "warnings": warnings,
     }
+
+
+def excluding(kept: list[dict[str, str]]) -> dict[str, list[str]]:
+    """The quantizer's ``nodes_to_exclude`` for the seeds ``kept`` (each node once; none: no key)."""
+    return {"nodes_to_exclude": list(dict.fromkeys(seed["node"] for seed in kept))} if kept else {}
 
 
 SEEDED_ROWS = 3  # the fastest rows on the Pareto front that the structural seeds are added to

@@ -13,6 +13,7 @@ import errno
 import functools
 import os
 import re
+import statistics
 import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -22,11 +23,13 @@ import onnx
 
 from graphscan import EXIT_NO_FILE, EXIT_RUNTIME, GraphscanError, one_line, shown
 from graphscan_ort.engines.levels import FloatRanges
+from graphscan_ort.engines.timing import far_off
 from graphscan_ort.shared.agreement import Metric
 from graphscan_ort.shared.answers import Candidate
 from graphscan_ort.shared.files import in_folder, out_of_room, write_failure
 from graphscan_ort.shared.metrics import FloatOutputs
 from graphscan_ort.shared.options import Named, Session, Timing
+from graphscan_ort.tune import deployed
 from graphscan_ort.tune.bias import same_graph
 from graphscan_ort.tune.candidates import (
     DYNAMIC,
@@ -42,6 +45,7 @@ from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_no
 from graphscan_ort.tune.verdict import levels_figures, sqnr_broken
 
 LATENCY = ("ms", "float_ms", "speedup", "speedup_spread")  # deployed.latency_figures' keys
+STEADY_ROWS = 5  # rows timed before one's float time is judged against the others' (Trials.steady)
 
 
 class Post(NamedTuple):
@@ -78,6 +82,13 @@ class Measure:
         self.models: dict[str, onnx.ModelProto] = {}
         self.references: dict[tuple[str, ...], FloatOutputs] = {}  # the float model's outputs, run once
         self.float_bytes = file_bytes(reference.path, reference.model)
+
+    def timed(self, candidate: onnx.ModelProto, candidate_path: str) -> dict:
+        """``candidate``'s latency figures timed again (Trials.steady) by the timer that
+        measure_candidate timed them with: deployed.latency_figures, looked up when called."""
+        latency = self.latency or self.evaluation[:1]
+        named = Named(candidate, candidate_path)
+        return deployed.latency_figures(self.reference, named, latency, self.session, self.timing)
 
     def __call__(
         self,
@@ -221,6 +232,8 @@ class Trials:
         self.ranges: dict[str, FloatRanges] = {}  # per prepared model: its float values by part
         self.speed_from: dict[int, int] = {}  # a row's id: the row whose timing it inherits (bias.same_graph)
         self.by_sample: dict[int, list[float | None] | None] = {}  # a measured row's id: its metric sample by sample
+        self.retimed: set[int] = set()  # the rows timed twice (steady)
+        self.disturbed: list[str] = []  # what the answer's warnings say of each row whose speed stayed disturbed
 
     def add(
         self,
@@ -286,12 +299,53 @@ class Trials:
             self.digests[digest] = measured
         self.files[ident] = (target_path, prepared_path, cache)
         self.measure.models[target_path] = model
-        return self.book(measured)
+        self.book(measured)
+        self.steady()
+        return measured
 
     def book(self, row: Candidate) -> Candidate:
         """Keep ``row`` among the rows tried (a refused one has no file to write)."""
         self.rows.append(row)
         return row
+
+    def steady(self) -> None:
+        """Time again, once, each row whose float time lies far off the other rows'
+        (timing.far_off): every row times the same float model, so only a disturbed moment
+        moves it, and the speedup with it. A row still far off keeps its times but loses its
+        speedup and spread (null: never ranked by them, and the ``slower`` guard fails it),
+        and is named in ``disturbed``. The rows that carry its speed (twins, bias-corrected
+        rows of its graph) take the new figures, their guards judged anew."""
+        floats = {
+            r["id"]: float(r["float_ms"])
+            for r in self.rows
+            if r["float_ms"] is not None and r["same_as"] is None and r["id"] not in self.speed_from
+        }  # the rows timed themselves
+        if len(floats) < STEADY_ROWS:
+            return
+        for row in [r for r in self.rows if r["id"] in floats and r["id"] not in self.retimed]:
+            others = [value for ident, value in floats.items() if ident != row["id"]]
+            if not far_off(floats[row["id"]], others):
+                continue
+            self.retimed.add(row["id"])
+            model_path = self.files[row["id"]][0]
+            speed = self.measure.timed(self.measure.models[model_path], model_path)
+            if far_off(speed["float_ms"], others):
+                self.disturbed.append(
+                    f"candidate {row['id']}'s float time lay far off the other rows' (median "
+                    f"{statistics.median(others):.3g} ms): {floats[row['id']]:.3g} ms, then {speed['float_ms']:.3g} ms "
+                    "timed again; its speedup is null, never ranked (time it on a quiet machine)"
+                )
+                speed = {**speed, "speedup": None, "speedup_spread": None}
+            floats[row["id"]] = speed["float_ms"]
+            carriers = [r for r in self.rows if r["same_as"] == row["id"] or self.speed_from.get(r["id"]) == row["id"]]
+            for carrier in [row, *carriers]:
+                self.retake(carrier, speed)
+
+    def retake(self, row: Candidate, speed: dict[str, Any]) -> None:
+        """``row`` with the latency figures ``speed``, its guards judged anew."""
+        row["ms"], row["float_ms"] = speed["ms"], speed["float_ms"]
+        row["speedup"], row["speedup_spread"] = speed["speedup"], speed["speedup_spread"]
+        row["fails"] = failed_guards(dict(row), self.measure.float_bytes, self.measure.min_speedup)
 
     def users_terms(self, text: str) -> str:
         """``text`` in the user's terms (users_terms): this run's folder and model."""

@@ -243,3 +243,65 @@ def test_a_model_onnxruntime_moves_to_another_opset_is_calibrated_as_it_moves_it
     for name, expected in reference.items():
         for attribute in expected._attrs:
             np.testing.assert_array_equal(getattr(mine[name], attribute), getattr(expected, attribute), err_msg=name)
+
+
+def nan_everywhere(shape):
+    return np.full(shape, np.nan, np.float32)
+
+
+def one_value(value):
+    def sample(shape):
+        array = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+        array.flat[5] = value
+        return array
+
+    return sample
+
+
+@pytest.mark.parametrize(
+    ("make", "alone", "said"),
+    [
+        pytest.param(nan_everywhere, True, "holds 192 NaN or infinite values of 192", id="nan-everywhere"),
+        pytest.param(one_value(np.nan), False, "holds 1 NaN or infinite values of 192", id="one-nan-beside-a-good-one"),
+        pytest.param(one_value(-np.inf), False, "holds 1 NaN or infinite values of 192", id="one-infinity"),
+        pytest.param(lambda shape: np.zeros((0, *shape[1:]), np.float32), True, "hold no value (x [0, 3, 8, 8])",
+                     id="zero-batch"),
+    ],
+)  # fmt: skip
+def test_a_sample_that_cannot_calibrate_is_exit_7_naming_it_and_calibrate(cnn, tmp_path, capsys, make, alone, said):
+    """The CNN's float runs on each of these (and the held-out sample is fine), but a
+    calibration range is a min and a max over every value. Alone, NaN everywhere made every
+    candidate "refused by quantize_static (scale issue)" (exit 5) and a zero batch ranged
+    nothing (every scale 1.0) yet a model was written; beside a good sample, a NaN is dropped
+    unsaid and an infinity widens the scales it reaches to infinity. The user's sample, named
+    with its option, is what to fix: exit 7, nothing left."""
+    from tests.helpers import main_error_line
+
+    rng = np.random.default_rng(0)
+    good, held, bad = tmp_path / "good.npz", tmp_path / "held.npz", tmp_path / "bad.npz"
+    np.savez(good, x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    np.savez(held, x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    np.savez(bad, x=make((1, 3, 8, 8)))
+    calibrate = [] if alone else ["--calibrate", str(good)]
+    argv = ["tune", cnn, *calibrate, "--calibrate", str(bad), "--inputs", str(held), "--out", str(tmp_path / "o")]
+    line = main_error_line(capsys, [*argv, "--runs", "1"], 7)
+    assert line.startswith(f"graphscan: --calibrate {bad}: ") and said in line, line
+    assert "good.npz" not in line and not (tmp_path / "o").exists()
+    assert list(tmp_path.glob(".graphscan-tune-*")) == []
+
+
+def test_a_sample_calibrates_when_some_array_holds_values_and_every_float_value_is_finite():
+    """The rule, input by input: an empty array beside one with values (a decoder's empty
+    past) ranges the tensors the values reach; integers hold no NaN; a float NaN anywhere is
+    refused, naming the array."""
+    from graphscan import GraphscanError
+    from graphscan_ort.shared.inputs import check_calibrates
+
+    ids, past = np.array([[3, 1]], np.int64), np.zeros((1, 0, 4), np.float32)
+    check_calibrates([{"ids": ids, "past": past}], ["a.npz"])
+    check_calibrates([{"ids": np.zeros((1, 0), np.int64), "x": np.ones((2,), np.float16)}], ["b.npz"])
+    with pytest.raises(GraphscanError, match=r"^--calibrate c\.npz: its arrays hold no value \(ids \[1, 0\], past"):
+        check_calibrates([{"ids": np.zeros((1, 0), np.int64), "past": past}], ["c.npz"])
+    with pytest.raises(GraphscanError, match=r"^--calibrate d\.npz: array 'h' holds 1 NaN") as refused:
+        check_calibrates([{"ids": ids}, {"ids": ids, "h": np.array([0.5, np.nan], np.float16)}], ["ok.npz", "d.npz"])
+    assert refused.value.exit_code == 7

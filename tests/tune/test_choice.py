@@ -124,6 +124,36 @@ def test_within_noise_is_a_paired_comparison_of_the_defined_samples(values, best
     assert tune_choice.within_noise(values, best) is tied
 
 
+def test_the_standard_error_is_the_sample_standard_deviation_over_the_root_of_the_count():
+    """Best 3, 3, 3 and the row 3, 2, 1: differences 0, -1, -2, mean -1. The sample variance
+    (over n - 1 = 2) is (1 + 0 + 1) / 2 = 1, a standard error of 1 / sqrt(3) = 0.577, so -1 lies
+    within 2 of them (-1.155): tied. Over n = 3 the variance would be 2/3, the standard error
+    0.471 and -1 beyond 2 of them (-0.943): not tied. Scaled, the same differences tie alike."""
+    assert paired_z([3.0, 2.0, 1.0], [3.0, 3.0, 3.0]) == pytest.approx(-math.sqrt(3))
+    assert tune_choice.within_noise([3.0, 2.0, 1.0], [3.0, 3.0, 3.0]) is True
+    assert tune_choice.within_noise([0.30, 0.20, 0.10], [0.30, 0.30, 0.30]) is True
+    # Differences -1, -3, -3: mean -7/3, sample variance 4/3, standard error 2/3: beyond 2 of them.
+    assert tune_choice.within_noise([2.0, 0.0, 0.0], [3.0, 3.0, 3.0]) is False
+
+
+def test_on_an_emulated_target_the_kernels_decide_then_the_metric_the_worst_part_and_speed():
+    """kernels_first, level by level, on rows that all meet the target and pass the guards:
+    the most int8 kernels on the target (none known counts as 0), then the metric, then the
+    worst part's SQNR, then this machine's speedup; never speed first."""
+    rows = [
+        row(0, 3.0, [2.9, 3.1], 30.0, int8_kernels=None),  # fastest and most accurate: kernels unknown
+        row(1, 1.0, [0.9, 1.1], 20.0, sqnr=20.0, int8_kernels=40),
+        row(2, 0.9, [0.8, 1.0], 20.0, sqnr=25.0, int8_kernels=40),
+        row(3, 1.1, [1.0, 1.2], 20.0, sqnr=25.0, int8_kernels=40),
+        row(4, 2.0, [1.9, 2.1], 25.0, int8_kernels=40),
+    ]
+    assert tune_choice.chosen_row(rows, 10.0, emulated=True) == (rows[4], True)  # 40 kernels, the metric
+    assert tune_choice.chosen_row(rows[:4], 10.0, emulated=True) == (rows[3], True)  # then sqnr, then speed
+    assert tune_choice.chosen_row(rows[:3], 10.0, emulated=True) == (rows[2], True)  # sqnr before speed
+    assert tune_choice.chosen_row([rows[0], rows[1]], 10.0, emulated=True) == (rows[1], True)  # None: 0 kernels
+    assert tune_choice.chosen_row(rows, 10.0) == (rows[0], True)  # natively: the fastest
+
+
 def test_tune_breaks_a_metrics_noise_by_the_worst_parts_sqnr(tmp_path, monkeypatch):
     """Wired through tune: with every difference taken for noise (NOISE_SE huge), a target out
     of reach writes the passing row of the highest worst-part SQNR, not the best by a metric

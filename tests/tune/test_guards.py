@@ -4,6 +4,7 @@ target and latency options that say what "better" means."""
 
 import json
 import math
+import re
 
 import numpy as np
 import onnx
@@ -338,3 +339,67 @@ def test_a_trial_onnxruntime_cannot_optimize_is_a_row_never_the_end_of_tune(cnn,
     assert row["error"].startswith("onnxruntime: ") and "graphscan's prepared copy" in row["error"]
     assert ".graphscan-tune-" not in row["error"] and row["sqnr_db"] is None
     assert answer["chosen"] is not None and answer["chosen"] != row["id"]
+
+
+def disturbed_timer(disturbed_times):
+    """A stub of deployed.latency_figures and the candidates it timed: candidate k (its file's
+    number) runs in 1.3 ms against float's 2.4 + 0.05 k ms, except that float runs take 15 ms
+    the first ``disturbed_times`` times candidate 3 is timed (a busy moment: speedup 11.5)."""
+    timed = []
+
+    def figures(reference, candidate, latency, session, timing):
+        k = int(re.search(r"candidate-(\d+)\.onnx$", candidate.path).group(1))
+        timed.append(k)
+        float_ms = 15.0 if k == 3 and timed.count(3) <= disturbed_times else 2.4 + 0.05 * k
+        speedup = float_ms / 1.3
+        return {"ms": 1.3, "float_ms": float_ms, "speedup": speedup, "speedup_spread": [0.95 * speedup, 1.05 * speedup]}
+
+    return figures, timed
+
+
+def test_a_float_time_far_off_the_runs_is_timed_again_and_then_its_own(cnn, tmp_path, monkeypatch):
+    """Candidate 3's float time, 15 ms where the other rows' lie at 2.4-2.75 ms, is timed again
+    once (the fifth row timed makes five to judge by) and the second timing, 2.55 ms, is its
+    row's: speedup 2.55 / 1.3. No other row is timed twice and nothing is said."""
+    figures, timed = disturbed_timer(1)
+    monkeypatch.setattr(deployed, "latency_figures", figures)
+    answer = run_tune(cnn, tmp_path / "out")
+    row = next(c for c in answer["candidates"] if c["id"] == 3)
+    assert timed.count(3) == 2 and all(timed.count(k) == 1 for k in set(timed) - {3})
+    assert row["float_ms"] == pytest.approx(2.55) and row["speedup"] == pytest.approx(2.55 / 1.3)
+    assert not any("far off" in w for w in answer["warnings"])
+
+
+def test_a_float_time_that_stays_far_off_is_flagged_and_never_ranked_by_its_speed(cnn, tmp_path, monkeypatch):
+    """Timed again and still 15 ms: the row keeps its times, its speedup and spread are null (so
+    it is neither listed first nor chosen for a speed of 11.5, and the slower guard fails it), a
+    warning names it, and its keys are every row's (the answer's schema is unchanged)."""
+    figures, timed = disturbed_timer(2)
+    monkeypatch.setattr(deployed, "latency_figures", figures)
+    answer = run_tune(cnn, tmp_path / "out")
+    rows = {c["id"]: c for c in answer["candidates"]}
+    row = rows[3]
+    assert timed.count(3) == 2
+    assert (row["float_ms"], row["ms"], row["speedup"], row["speedup_spread"]) == (15.0, 1.3, None, None)
+    assert row["fails"] == ["slower"] and answer["chosen"] != 3 and answer["candidates"][0]["id"] != 3
+    assert all(list(c) == list(row) for c in rows.values())
+    said = [w for w in answer["warnings"] if "far off" in w]
+    assert len(said) == 1 and said[0].startswith("candidate 3's float time") and "15 ms, then 15 ms" in said[0]
+
+
+@pytest.mark.parametrize(
+    ("value", "others", "far"),
+    [
+        pytest.param(15.0, [2.4, 2.5, 2.6, 2.7, 2.9], True, id="busy-moment"),  # median 2.6, 1.4826 * MAD 0.148
+        pytest.param(3.2, [2.4, 2.5, 2.6, 2.7, 2.9], False, id="beyond-3-mads-within-2-times"),
+        pytest.param(5.5, [2.4, 2.5, 2.6, 2.7, 2.9], True, id="just-beyond-2-times"),
+        pytest.param(1.2, [2.4, 2.5, 2.6, 2.7, 2.9], True, id="too-fast-as-well"),
+        pytest.param(7.0, [1.0, 2.0, 3.0, 4.0, 5.0], False, id="within-3-mads-of-a-noisy-run"),  # 4 < 4.45
+        pytest.param(2.6, [2.6] * 5, False, id="equal-times"),
+        pytest.param(6.0, [2.4, 2.5, 2.6, 2.7, 15.0], True, id="another-disturbed-row-widens-no-spread"),  # SD 4.9
+    ],
+)
+def test_a_time_is_far_off_beyond_3_scaled_mads_and_a_factor_of_2(value, others, far):
+    from graphscan_ort.engines.timing import far_off
+
+    assert far_off(value, others) is far

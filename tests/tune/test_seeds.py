@@ -14,6 +14,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from graphscan import GraphscanError
 from graphscan_ort.shared.agreement import DEFAULT_TARGET_FLOOR_DB
 from graphscan_ort.tune import seeds
 from graphscan_ort.tune.verdict import WORST_PART_FLOOR_DB
@@ -142,6 +143,135 @@ def test_an_unknown_node_to_exclude_is_a_usage_error(detector, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def conv_batchnorm(folder, channels=8):
+    """x -> conv1 -> bn (BatchNormalization) -> relu -> conv2 -> y, and 4 samples (2 to
+    calibrate, 2 held out): quant_pre_process folds bn into conv1. Returns the model's path,
+    its initializers by name, and the samples."""
+    rng = np.random.default_rng(0)
+    weights = {
+        "w1": rng.standard_normal((channels, 3, 3, 3)).astype(np.float32),
+        "b1": rng.standard_normal(channels).astype(np.float32),
+        "gamma": rng.uniform(0.5, 1.5, channels).astype(np.float32),
+        "beta": rng.standard_normal(channels).astype(np.float32),
+        "mean": rng.standard_normal(channels).astype(np.float32),
+        "var": rng.uniform(0.5, 1.5, channels).astype(np.float32),
+        "w2": (0.2 * rng.standard_normal((channels, channels, 3, 3))).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c1", "gamma", "beta", "mean", "var"], ["bn_out"], name="bn"),
+        helper.make_node("Relu", ["bn_out"], ["r"], name="relu"),
+        helper.make_node("Conv", ["r", "w2"], ["y"], name="conv2", pads=[1, 1, 1, 1]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "conv_bn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, channels, 8, 8])],
+        [onnx.numpy_helper.from_array(value, name) for name, value in weights.items()],
+    )
+    path = folder / "conv_bn.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
+    samples = []
+    for k in range(4):
+        samples.append(str(folder / f"s{k}.npz"))
+        np.savez(samples[-1], x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    return path, weights, samples
+
+
+def test_an_excluded_node_prepare_folds_away_is_followed_to_the_node_that_runs_it(tmp_path):
+    """--exclude bn, which quant_pre_process folds into conv1: every row keeps conv1 float and
+    says it holds bn; no row claims anything of bn, which no model tune writes holds. The
+    written conv1 is float and holds bn's scale and shift: its weight is w1 * gamma /
+    sqrt(var + eps) and its bias (b1 - mean) * gamma / sqrt(var + eps) + beta (numpy), and
+    onnxruntime runs it as a float Conv reading x, not a QLinearConv behind a QuantizeLinear."""
+    path, w, samples = conv_batchnorm(tmp_path)
+    proc = run_graphscan(
+        ["tune", path, "--calibrate", samples[0], "--calibrate", samples[1], "--inputs", samples[2],
+         "--inputs", samples[3], "--out", tmp_path / "out", "--exclude", "bn", "--runs", "1", "--min-speedup", "0"]
+    )  # fmt: skip
+    answer = json_answer(proc)
+    measured = [c for c in answer["candidates"] if c["error"] is None]
+    assert measured and all(
+        c["kept_float"] == [{"node": "conv1", "why": "--exclude", "folded": "bn"}] for c in measured
+    )
+    assert all(c["excluded"] == {"conv1": "float"} for c in measured)
+    assert all("bn" not in (c["quantize_static"] or c["quantize_dynamic"])["nodes_to_exclude"] for c in measured)
+    written = onnx.load(tmp_path / "out" / "model.onnx")
+    assert not any(n.op_type == "BatchNormalization" or n.name == "bn" for n in written.graph.node)
+    conv1 = next(n for n in written.graph.node if n.name == "conv1")
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in written.graph.initializer}
+    assert conv1.input[1] in weights and conv1.input[2] in weights  # float initializers, no DequantizeLinear
+    scale = w["gamma"].astype(np.float64) / np.sqrt(w["var"].astype(np.float64) + 1e-5)
+    np.testing.assert_allclose(weights[conv1.input[1]], w["w1"] * scale[:, None, None, None], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(weights[conv1.input[2]], (w["b1"] - w["mean"]) * scale + w["beta"], rtol=1e-5, atol=1e-5)
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    optimized = onnx.load(tmp_path / "optimized.onnx")
+    reads_x = [n.op_type for n in optimized.graph.node if "x" in n.input]  # conv1, whatever its kernel's name
+    assert reads_x == ["Conv"], reads_x  # a float Conv: a quantized one reads x through a QuantizeLinear
+
+
+def test_a_node_followed_through_a_fusion_and_one_nothing_runs():
+    """The model quant_pre_process makes of gen_models' MLP fuses each MatMul and the Add after
+    it into one Gemm: either is followed to it (fc1_matmul/MatMulAddFusion makes fc1_add's
+    output), a Relu stays itself; a node computed from constants alone becomes an initializer
+    there (constant folding) and nothing runs it."""
+    import gen_models
+
+    original = gen_models.build_mlp(2, 4, 0, ("N",))
+    fused = onnx.ModelProto()
+    fused.CopyFrom(original)
+    matmul, add = (n for n in fused.graph.node if n.name in ("fc1_matmul", "fc1_add"))
+    gemm = helper.make_node("Gemm", [matmul.input[0], matmul.input[1], add.input[1]], list(add.output))
+    gemm.name = "fc1_matmul/MatMulAddFusion"
+    nodes = [gemm if n is matmul else n for n in fused.graph.node if n is not add]
+    del fused.graph.node[:]
+    fused.graph.node.extend(nodes)
+    assert seeds.where_it_runs("fc1_add", original, fused) == "fc1_matmul/MatMulAddFusion"
+    assert seeds.where_it_runs("fc1_matmul", original, fused) == "fc1_matmul/MatMulAddFusion"
+    assert seeds.where_it_runs("fc1_relu", original, fused) == "fc1_relu"
+    folded = onnx.ModelProto()
+    folded.CopyFrom(original)  # fc2_add's output made an initializer: nothing of fc2_add runs
+    keep = [n for n in folded.graph.node if n.name != "fc2_add"]
+    del folded.graph.node[:]
+    folded.graph.node.extend(keep)
+    assert seeds.where_it_runs("fc2_add", original, folded) is None
+    given = [{"node": "fc1_add", "why": "--exclude"}, {"node": "fc2_add", "why": "--keep-outputs-float"}]
+    assert seeds.followed(given, original, folded, "mlp.onnx") == [{"node": "fc1_add", "why": "--exclude"}]
+    with pytest.raises(GraphscanError, match=r"^usage: --exclude 'fc2_add': preparing mlp.onnx .* removes it"):
+        seeds.followed([{"node": "fc2_add", "why": "--exclude"}], original, folded, "mlp.onnx")
+
+
+def test_an_excluded_node_that_prepare_folds_into_a_constant_is_refused(tmp_path):
+    """y = x + Mul(c, d), c and d initializers: quant_pre_process folds the Mul into a constant,
+    so nothing of it runs in any model tune writes: --exclude of it is exit 2 saying so."""
+    nodes = [
+        helper.make_node("Mul", ["c", "d"], ["k"], name="scale"),
+        helper.make_node("Add", ["x", "k"], ["y"], name="shift"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "folded",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        [
+            helper.make_tensor("c", TensorProto.FLOAT, [4], [1, 2, 3, 4]),
+            helper.make_tensor("d", TensorProto.FLOAT, [], [2]),
+        ],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "m.onnx")
+    np.savez(tmp_path / "s.npz", x=np.ones((1, 4), np.float32))
+    proc = run_graphscan(
+        ["tune", tmp_path / "m.onnx", "--calibrate", tmp_path / "s.npz", "--out", tmp_path / "o", "--exclude", "scale"]
+    )
+    assert proc.returncode == 2 and proc.stdout == b""
+    assert proc.stderr.decode().startswith("graphscan: usage: --exclude 'scale': preparing ")
+    assert "removes it" in proc.stderr.decode() and proc.stderr.count(b"\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
 def concat_of(low, high):
     """y = Concat(a * low, b * high): inputs whose ranges are ``low`` and ``high`` wide on [0, 1) inputs."""
     nodes = [
@@ -174,6 +304,38 @@ def test_a_concat_is_wide_when_its_inputs_ranges_differ_by_more_than_the_factor(
     samples = [{"a": np.linspace(0, 1, 4, dtype=np.float32), "b": np.linspace(0, 1, 4, dtype=np.float32)}]
     assert seeds.wide_concats(concat_of(low, high), samples, "m.onnx") == (["cat"] if wide else [])
     assert (max(low, high) / min(low, high) > seeds.WIDE_CONCAT_FACTOR) == wide
+
+
+def concat_of_scaled(*factors):
+    """y = Concat(a * f for f in ``factors``): on a of [0, 1], input k spans ``factors[k]`` (0: never varies)."""
+    scales = [helper.make_tensor(f"f{k}", TensorProto.FLOAT, [], [f]) for k, f in enumerate(factors)]
+    nodes = [helper.make_node("Mul", ["a", f"f{k}"], [f"m{k}"], name=f"mul{k}") for k in range(len(factors))]
+    nodes.append(helper.make_node("Concat", [f"m{k}" for k in range(len(factors))], ["y"], name="cat", axis=0))
+    graph = helper.make_graph(
+        nodes,
+        "concat",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4 * len(factors)])],
+        scales,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(
+    ("factors", "wide"),
+    [
+        pytest.param((1.0, 10.0, 0.0), False, id="ranges-1-and-10-beside-one-that-never-varies"),
+        pytest.param((1.0, 0.0), False, id="one-varying-input-and-a-constant-one"),
+        pytest.param((0.5, 10.0, 0.0), True, id="ranges-0.5-and-10-beside-one-that-never-varies"),
+    ],
+)
+def test_a_concat_input_that_never_varies_is_left_out_of_the_comparison(factors, wide):
+    """A Concat input whose range is 0 (a * 0: zeros on every sample) takes no levels of the
+    shared scale, so it is left out: of the inputs that vary, ranges 1 and 10 lie within the
+    factor 16 (not wide) and 0.5 and 10 beyond it (20 times: wide); one varying input has
+    nothing to differ from. Counted, its 0 would make every such Concat wide (10 > 16 * 0)."""
+    samples = [{"a": np.linspace(0, 1, 4, dtype=np.float32)}, {"a": np.linspace(0, 1, 4, dtype=np.float32)[::-1]}]
+    assert seeds.wide_concats(concat_of_scaled(*factors), samples, "m.onnx") == (["cat"] if wide else [])
 
 
 def test_the_answer_is_strict_json_with_the_new_keys_in_place(tuned):

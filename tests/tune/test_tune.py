@@ -69,7 +69,9 @@ def test_the_answer_has_the_issues_keys_and_writes_two_files(tuned):
         "metric", "target", "target_sqnr_db", "latency", "chosen", "reached", "written", "warnings", "output",
     ]  # fmt: skip
     assert answer["written"] == ["model.onnx", "prepared.onnx"]
-    assert answer["warnings"] == [  # one held-out sample: the verdict says how little it rests on
+    # One held-out sample: the verdict says how little it rests on. (On a busy machine a row whose
+    # timing stays disturbed is named too: that rule's own tests are in test_guards.py.)
+    assert [w for w in answer["warnings"] if "far off" not in w] == [
         "the verdict rests on 1 evaluation sample (fewer than 8): give more held-out --inputs"
     ]
     assert answer["metric"] == {"name": "sqnr"} and answer["target"]["source"] == "defaults"
@@ -247,16 +249,22 @@ def test_each_speedup_is_its_rows_float_ms_over_its_ms_and_float_ms_their_median
     for row in rows:
         keys = list(row)
         assert keys.index("float_ms") == keys.index("ms") + 1
+        if row["speedup"] is None:  # its float time stayed far off the run's: said, never ranked
+            assert any(w.startswith(f"candidate {row['id']}'s float time lay far off") for w in answer["warnings"])
+            continue
         assert row["speedup"] == pytest.approx(row["float_ms"] / row["ms"], rel=1e-12)
     times = sorted(row["float_ms"] for row in rows)
     assert answer["float"]["ms"] == times[len(times) // 2]  # the upper median of an even count
     section = graphscan.render_table("tune", answer).split("\ntimes (ms)")[1].split("\n\n")[0]
     lines = section.splitlines()[2:]
-    shown = {int(line.split()[0]): [float(v) for v in line.split()[1:4]] for line in lines if line.strip()}
+    cells = {int(line.split()[0]): line.split()[1:4] for line in lines if line.strip()}
+    shown = {k: [None if v == "-" else float(v) for v in values] for k, values in cells.items()}  # "-": null
     assert sorted(shown) == sorted(c["id"] for c in answer["candidates"])
     for row in rows:
         expected = [row["ms"], row["float_ms"], row["speedup"]]
-        assert shown[row["id"]] == pytest.approx(expected, rel=5e-3)  # three significant digits
+        assert [v is None for v in shown[row["id"]]] == [v is None for v in expected]
+        known = [(v, e) for v, e in zip(shown[row["id"]], expected, strict=True) if e is not None]
+        assert [v for v, _ in known] == pytest.approx([e for _, e in known], rel=5e-3)  # three significant digits
 
 
 # sympy's real message when quant_pre_process runs without it (PP-OCRv4 det, the README's tour).
@@ -624,6 +632,58 @@ def test_samples_that_measure_nothing_are_exit_7(tuned, tmp_path, capsys, values
     argv = ["tune", tuned["float"], "--calibrate", str(sample), "--out", str(tmp_path / "o")]
     line = main_error_line(capsys, argv, 7)
     assert "nothing to measure" in line and str(sample) in line and not (tmp_path / "o").exists()
+
+
+def one_node_model(folder, op_type, domain):
+    """A model whose one node is ``op_type`` (never run: tune refuses it before any work)."""
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])
+    node = onnx.helper.make_node(op_type, ["x"], ["y"], name="n", domain=domain)
+    opsets = [onnx.helper.make_opsetid("", 13), onnx.helper.make_opsetid("com.microsoft", 1)]
+    path = folder / f"{op_type}.onnx"
+    onnx.save(onnx.helper.make_model(onnx.helper.make_graph([node], "g", [x], [y]), opset_imports=opsets), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("op_type", "domain"),
+    [
+        pytest.param("QuantizeLinear", "", id="q"),
+        pytest.param("DequantizeLinear", "", id="dq"),
+        pytest.param("QLinearConv", "", id="qlinear"),
+        pytest.param("ConvInteger", "", id="integer"),
+        pytest.param("DynamicQuantizeLinear", "", id="dynamic-quantize"),
+        pytest.param("DynamicQuantizeLSTM", "com.microsoft", id="dynamic-lstm"),
+        pytest.param("MatMulNBits", "com.microsoft", id="nbits"),
+        pytest.param("QGemm", "com.microsoft", id="qgemm"),
+    ],
+)
+def test_a_model_holding_an_integer_operator_is_refused_as_already_quantized(tmp_path, capsys, op_type, domain):
+    """Q/DQ, onnxruntime's integer kernels (QLinear*, *Integer, DynamicQuantize*, MatMulNBits)
+    say a model is quantized already: exit 2 naming the operator, before any work."""
+    path = one_node_model(tmp_path, op_type, domain)
+    np.savez(tmp_path / "s.npz", x=np.ones((1, 4), np.float32))
+    argv = ["tune", str(path), "--calibrate", str(tmp_path / "s.npz"), "--out", str(tmp_path / "o")]
+    line = main_error_line(capsys, argv, graphscan.EXIT_USAGE)
+    assert line == f"graphscan: usage: {path} is already quantized (it holds {op_type}): give tune the float model"
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_dynamically_quantized_cnn_is_refused_not_blamed_on_the_quantizer(tmp_path, capsys):
+    """onnxruntime's quantize_dynamic of a CNN (ConvInteger, DynamicQuantizeLinear: an OCR
+    wheel's default model) given as the float model: exit 2 in one line, where the quantizer
+    failed on its scales (exit 5, KeyError '..._scale')."""
+    onnx.save(gen_models.build_cnn(1, channels=8, size=8, seed=0), tmp_path / "cnn.onnx")
+    with candidates.quiet():
+        quantize_dynamic(str(tmp_path / "cnn.onnx"), str(tmp_path / "dynamic.onnx"), op_types_to_quantize=["Conv"])
+    held = {n.op_type for n in onnx.load(tmp_path / "dynamic.onnx").graph.node}
+    assert {"ConvInteger", "DynamicQuantizeLinear"} <= held  # what the refusal must name
+    np.savez(tmp_path / "s.npz", x=np.ones((1, 3, 8, 8), np.float32))
+    dynamic, sample = str(tmp_path / "dynamic.onnx"), str(tmp_path / "s.npz")
+    argv = ["tune", dynamic, "--calibrate", sample, "--out", str(tmp_path / "o")]
+    line = main_error_line(capsys, argv, graphscan.EXIT_USAGE)
+    assert "is already quantized (it holds ConvInteger, DynamicQuantizeLinear" in line and "float model" in line
+    assert not (tmp_path / "o").exists()
 
 
 def test_the_table_shows_each_failed_prepare_step_in_full_and_no_passed_one(tuned):

@@ -168,3 +168,27 @@ def test_an_emulated_target_labels_the_speed_native_and_guards_it_only_with_min_
     assert all(c["fails"] == ["slower"] for c in guarded["candidates"] if c["error"] is None)
     assert not any("slower guard is off" in w for w in guarded["warnings"])
     assert "cpu arm64" in re.sub(r" +", " ", graphscan.render_table("tune", guarded))
+
+
+def test_on_an_emulated_target_tune_chooses_by_the_targets_kernels_first(cnn, tmp_path, emulated, monkeypatch):
+    """Wired through tune: the target reports more int8 kernels the less accurate a candidate is
+    (a stand-in for a CPU whose kernels differ from this one's), every speed is the same here
+    and every candidate meets the target (0 dB). The one with the most kernels there is chosen,
+    the least accurate, where this machine's rule (speed, then the metric) takes the most accurate."""
+    measured = deployed.OnTarget.measure
+
+    def fewer_kernels_the_more_accurate(self, reference, candidate, pairs):
+        outputs, kernels = measured(self, reference, candidate, pairs)
+        return outputs, {**kernels, "int8_kernels": 10**9 - round(10**6 * outputs.figures().worst_db)}
+
+    monkeypatch.setattr(deployed.OnTarget, "measure", fewer_kernels_the_more_accurate)
+    given = {"calibrate": cnn["calibrate"], "inputs": cnn["inputs"], "runs": 1, "max_trials": 0, "target": 0.0}
+    answer = tune.tune(cnn["float"], out=str(tmp_path / "o"), cpu="arm64", **given)
+    rows = {c["id"]: c for c in answer["candidates"]}
+    chosen = rows[answer["chosen"]]
+    if (chosen["recovery"] or {}).get("step") == "bias_correction":  # written in its row's place where it helps
+        chosen = rows[chosen["recovery"]["from"]]
+    made = [c for c in rows.values() if c["error"] is None and not c["fails"] and c["recovery"] is None]
+    assert answer["reached"] and min(c["sqnr_db"] for c in made) < max(c["sqnr_db"] for c in made)  # rules differ
+    assert chosen["int8_kernels"] == max(c["int8_kernels"] for c in made)
+    assert chosen["sqnr_db"] == min(c["sqnr_db"] for c in made)
