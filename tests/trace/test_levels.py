@@ -123,6 +123,41 @@ def test_the_float_ranges_hold_one_samples_tensors_at_a_time(tmp_path):
     assert many - few < 4 * per_sample, (few, many, per_sample)
 
 
+FLOAT_RUN_OR_RANGES = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+from graphscan_ort.engines import levels
+from graphscan_ort.shared.sessions import impact_options, open_session
+from tests.helpers import load_bench_script
+width, count = 2**21, 12
+model, _ = load_bench_script("bench_trace_memory").chain_models(count, width)
+sample = {"x": np.random.default_rng(0).standard_normal((1, width)).astype(np.float32)}
+if sys.argv[2] == "ranges":
+    levels.part_ranges(model, [node.output[0] for node in model.graph.node], [sample], "chain.onnx")
+else:
+    open_session(model, "chain", impact_options()).run(None, sample)
+print(width * 4)  # bytes of one tensor
+"""
+
+
+def test_the_float_ranges_cost_about_one_run_of_the_float_model(tmp_path):
+    """The ranges of 12 tensors of 8 MiB each peak within two tensors of a plain run of the
+    float model (peak RSS of fresh processes, bench/measure.py): each tensor is reduced inside
+    the run right after it is made. Fetched 64 per run, all 12 were held at once (96 MiB more);
+    reduced at the end of the run, too."""
+    measure = load_bench_script("measure")
+
+    def peak(mode):
+        out, err = tmp_path / f"{mode}.out", tmp_path / f"{mode}.err"
+        result = measure.measured([sys.executable, "-c", FLOAT_RUN_OR_RANGES, ROOT, mode], out, err)
+        assert result["exit"] == 0, err.read_text()
+        return result["peak_rss"], int(out.read_text())
+
+    (run, tensor), (ranges, _) = peak("run"), peak("ranges")
+    assert ranges - run < 2 * tensor, (run / 2**20, ranges / 2**20)
+
+
 def test_the_float_ranges_are_numpys_over_every_sample(tmp_path):
     """The ranges part_ranges reduces sample by sample are numpy's over all samples at once."""
     path = tmp_path / "cnn.onnx"
