@@ -1,17 +1,18 @@
 """Peak memory of graphscan's trace against running both models once in onnxruntime.
 
-    python bench/bench_trace_memory.py [--ops N] [--width W] [--det FLOAT QUANT --shape x=1,3,640,640]
+    python bench/bench_trace_memory.py [--ops N] [--width W] [--det FLOAT QUANT [--shape S | --inputs X.npz]]
 
 Two pairs, each measured as whole processes through a small wrapper (ru_maxrss of its
 child, as bench/bench_trace.py does):
 
   chain: a generated chain of N elementwise ops on a [1, W] float32 tensor (W=65536 is
          256 KiB per activation), and its QDQ twin (Q->DQ after the input and every op);
-  det:   any float/quantized pair given with --det, fed seeded data of --shape.
+  det:   any float/quantized pair given with --det, fed seeded data of --shape, or the
+         sample of --inputs (an .npz: real data, as users trace).
 
-  baseline: python bench_trace_memory.py --run-both FLOAT QUANT SHAPE (both models loaded
-            in onnxruntime with graph optimizations off, as trace does, each run once);
-  trace:    python graphscan.py trace FLOAT QUANT --shape SHAPE.
+  baseline: python bench_trace_memory.py --run-both FLOAT QUANT SHAPE|X.npz (both models
+            loaded in onnxruntime with graph optimizations off, as trace does, each run once);
+  trace:    python graphscan.py trace FLOAT QUANT --shape SHAPE (or --inputs X.npz).
 
 The requirement (issue 10): trace's peak RSS at most BOUND times the baseline's.
 Exit 0 when every pair is within it, 1 when one is not, 3 when a run fails.
@@ -94,12 +95,16 @@ def chain_models(ops: int, width: int):
 
 
 def run_both(float_path: str, quant_path: str, shape: str) -> int:
-    """``--run-both FLOAT QUANT NAME=D0,D1,...``: load both in onnxruntime, run each once."""
+    """``--run-both FLOAT QUANT NAME=D0,D1,...|X.npz``: load both in onnxruntime, run each once."""
     import numpy as np
     import onnxruntime as ort
 
-    name, dims = shape.split("=")
-    feeds = {name: np.random.default_rng(0).standard_normal([int(d) for d in dims.split(",")]).astype(np.float32)}
+    if shape.endswith(".npz"):
+        with np.load(shape) as archive:
+            feeds = {name: archive[name] for name in archive.files}
+    else:
+        name, dims = shape.split("=")
+        feeds = {name: np.random.default_rng(0).standard_normal([int(d) for d in dims.split(",")]).astype(np.float32)}
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 4
@@ -138,9 +143,11 @@ def measure(command: list[str]) -> dict:
 
 
 def measure_pair(float_path: str, quant_path: str, shape: str) -> dict:
-    """Peak RSS and seconds of the baseline and of trace on one pair."""
+    """Peak RSS and seconds of the baseline and of trace on one pair (``shape``: NAME=D0,...
+    for seeded data, or an .npz sample)."""
     baseline = measure([sys.executable, str(THIS_FILE), "--run-both", float_path, quant_path, shape])
-    trace = measure([sys.executable, str(GRAPHSCAN), "trace", float_path, quant_path, "--shape", shape])
+    given = ["--inputs", shape] if shape.endswith(".npz") else ["--shape", shape]
+    trace = measure([sys.executable, str(GRAPHSCAN), "trace", float_path, quant_path, *given])
     return {"baseline": baseline, "trace": trace, "ratio": trace["peak_rss"] / baseline["peak_rss"]}
 
 
@@ -154,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", type=int, default=DEFAULT_OPS)
     parser.add_argument("--width", type=int, default=DEFAULT_WIDTH)
     parser.add_argument("--det", nargs=2, metavar=("FLOAT", "QUANT"))
-    parser.add_argument("--shape", default="x=1,3,640,640", help="input shape for --det")
+    parser.add_argument("--shape", default="x=1,3,640,640", help="input shape for --det (seeded data)")
+    parser.add_argument("--inputs", metavar="X.npz", help="the sample for --det instead of seeded data")
     args = parser.parse_args(argv)
 
     import onnx
@@ -168,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             onnx.save(quant_model, paths[1])
             results[f"chain {args.ops} ops x {args.width}"] = measure_pair(*paths, f"x=1,{args.width}")
         if args.det:
-            results[f"{Path(args.det[1]).name} at {args.shape}"] = measure_pair(*args.det, args.shape)
+            given = args.inputs or args.shape
+            results[f"{Path(args.det[1]).name} at {Path(given).name}"] = measure_pair(*args.det, given)
     except (RuntimeError, subprocess.CalledProcessError) as exc:
         print(f"bench_trace_memory: {exc}", file=sys.stderr)
         return 3

@@ -75,12 +75,14 @@ AREA_TESTS = {
         "tests/trace/test_memory.py",
         "tests/trace/test_control_flow.py",
         "tests/loading/test_big_models.py",
+        "tests/trace/test_levels.py",
     ],
     "runtime": ["tests/runtime/test_runtime.py", "tests/check/test_check.py"],
     "check": [
         "tests/check/test_check.py",
         "tests/targets/test_check_on_targets.py",
         "tests/check/test_numbers_only.py",
+        "tests/check/test_levels_budget.py",
     ],
     # Issue 33: parts, the worst-part SQNR, levels, tune's seeds and verdict.
     "parts": [

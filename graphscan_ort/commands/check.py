@@ -17,9 +17,20 @@ from typing import Any
 import numpy as np
 import onnx
 
-from graphscan import EXIT_USAGE, FLOAT_BUDGETS, NO_METRIC, GraphscanError, MetricChoice, Samples, load_with_weights
+from graphscan import (
+    EXIT_INPUTS,
+    EXIT_USAGE,
+    FLOAT_BUDGETS,
+    NO_METRIC,
+    GraphscanError,
+    MetricChoice,
+    Samples,
+    load_with_weights,
+    shown,
+)
 from graphscan_ort.engines.classify import classify
 from graphscan_ort.engines.levels import lowest_levels, quantized_activations, tensor_levels
+from graphscan_ort.engines.trace import float_counterparts
 from graphscan_ort.shared.agreement import Metric, metric, paired_value
 from graphscan_ort.shared.inputs import check_same_inputs, model_samples, parse_shapes
 from graphscan_ort.shared.kernels import int8_fraction
@@ -147,8 +158,18 @@ def lowest_levels_budget(reference: Named, candidate: Named, runs: CheckSamples)
     """min_levels' value (``inf`` when no quantized tensor has a part that varies) and what its
     row names: the tensor, its worst part and the node that part comes from."""
     with inputs_hint(runs.generated, 1, [reference.path]):
-        activations = quantized_activations(candidate.model)
-        found = lowest_levels(tensor_levels(reference.model, activations, runs.samples, reference.path))
+        steps = quantized_activations(candidate.model)
+        named = float_counterparts(reference.model, candidate.model, steps, runs.samples[0] if runs.samples else {})
+        unmatched = [tensor for tensor, found in named.items() if found is None]
+        if unmatched:  # a budget that cannot measure a tensor would hold without looking at it
+            shown_names = ", ".join(map(repr, unmatched[:3])) + (", ..." if len(unmatched) > 3 else "")
+            raise GraphscanError(
+                f"{shown(reference.path)}: {len(unmatched)} of {len(named)} quantized tensors of "
+                f"{shown(candidate.path)} have no float tensor of the same name or node ({shown_names}): "
+                "min_levels cannot measure them",
+                EXIT_INPUTS,
+            )
+        found = lowest_levels(tensor_levels(reference.model, steps, runs.samples, reference.path, named))
     if found is None:
         return math.inf, {"tensor": None, "part": None}
     return found.levels, {"tensor": found.tensor, "part": {"part": found.part, "node": found.node}}

@@ -23,7 +23,7 @@ import onnx
 
 from graphscan import EXIT_NO_FILE, GraphIndex, GraphscanError, data_source, output_chain, shown, value_inputs
 from graphscan_ort.engines.combined import CombinedModel, SingleOpModelError, float_in_quant_opset, run_combined
-from graphscan_ort.engines.levels import quantized_activations, tensor_levels
+from graphscan_ort.engines.levels import TensorLevels, quantized_activations, tensor_levels
 from graphscan_ort.engines.measures import shapes_agree, type_problem, value_info_of
 from graphscan_ort.shared.answers import NodeError, TraceMeasures, TraceOp, Unmatched
 from graphscan_ort.shared.files import write_atomically
@@ -109,7 +109,19 @@ class ReferenceMatcher:
         output_index: int | None = None,
         want: onnx.TypeProto | None = None,
     ) -> str | None:
-        """Same name without ORT's QDQ suffixes, else the same node's same output.
+        """``counterpart``, as the next op sees it: after the float model's own Q->DQ, if any."""
+        found = self.counterpart(tensor, producer_name, output_index, want)
+        return None if found is None else output_chain(self.index, self.graph, found)[1]
+
+    def counterpart(
+        self,
+        tensor: str,
+        producer_name: str | None = None,
+        output_index: int | None = None,
+        want: onnx.TypeProto | None = None,
+    ) -> str | None:
+        """The float tensor ``tensor`` stands for: the same name without ORT's QDQ suffixes,
+        else the same node's same output.
 
         A candidate whose shape is known to differ from ``want`` (the quantized
         tensor's type) is passed over: a name reused with another meaning.
@@ -119,7 +131,7 @@ class ReferenceMatcher:
         candidates.append(self.by_node.get((producer_name, output_index)))
         for candidate in candidates:
             if candidate is not None and shapes_agree(self.types.get(candidate), want) is not False:
-                return output_chain(self.index, self.graph, candidate)[1]
+                return candidate
         return None
 
 
@@ -214,11 +226,40 @@ def clip_range(
 def tensor_reference(
     index: GraphIndex, matcher: ReferenceMatcher, tensor: str, types: dict[str, onnx.TypeProto] | None = None
 ) -> str | None:
+    """The reference of a tensor of the quantized model (``index``): ``ReferenceMatcher.reference``."""
+    return tensor_match(index, matcher, tensor, types, matcher.reference)
+
+
+def tensor_counterpart(
+    index: GraphIndex, matcher: ReferenceMatcher, tensor: str, types: dict[str, onnx.TypeProto] | None = None
+) -> str | None:
+    """The float tensor a tensor of the quantized model stands for: ``ReferenceMatcher.counterpart``."""
+    return tensor_match(index, matcher, tensor, types, matcher.counterpart)
+
+
+def tensor_match(
+    index: GraphIndex,
+    matcher: ReferenceMatcher,
+    tensor: str,
+    types: dict[str, onnx.TypeProto] | None,
+    match: Callable[[str, str | None, int | None, onnx.TypeProto | None], str | None],
+) -> str | None:
     want = (types or {}).get(tensor)
     producer = index.producer_of(tensor)
     if producer is None:
-        return matcher.reference(tensor, want=want)
-    return matcher.reference(tensor, index.names[producer], index.outputs[producer].index(tensor), want)
+        return match(tensor, None, None, want)
+    return match(tensor, index.names[producer], index.outputs[producer].index(tensor), want)
+
+
+def float_counterparts(
+    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, tensors: Iterable[str], feeds: dict[str, np.ndarray]
+) -> dict[str, str | None]:
+    """Per tensor of ``quant_model``, the float tensor of ``float_model`` it stands for, as
+    trace's rows pair them (``ReferenceMatcher.counterpart``, shapes inferred on ``feeds``);
+    None where neither its name nor its node's is in the float model."""
+    matcher = ReferenceMatcher(float_model.graph, inferred_types(float_model, feeds))
+    index, types = GraphIndex(quant_model.graph), inferred_types(quant_model, feeds)
+    return {tensor: tensor_counterpart(index, matcher, tensor, types) for tensor in tensors}
 
 
 REASON_ABSORBED = "its output is compared with a quantized node of another type (absorbed)"
@@ -433,6 +474,8 @@ def compare(
     matcher = ReferenceMatcher(float_model.graph, float_types)
     plan = plan_rows(quant_model, quant_index, matcher, quant_types)
 
+    # Before the combined model: its sessions reuse the arena this run leaves (levels.py).
+    levels = row_levels(float_model, quant_model, plan, quant_index, matcher, quant_types, feeds, a)
     float_for_session = float_in_quant_opset(float_model, quant_model, a, b)
     failed: dict[int, str] = {}  # row index -> onnxruntime's reason its single-op model failed
     while True:
@@ -453,8 +496,6 @@ def compare(
             failed[failure.row] = failure.reason
             plan[failure.row].op = None  # traced without it: its isolated error is null
     kept.update(feeds)
-    # Float values by part at each quantized tensor, in steps of its scale (levels.py).
-    levels = tensor_levels(float_model, quantized_activations(quant_model), [feeds], a)
 
     rows, saved = [], []
     for row, (isolated, propagated, clip, op_output) in zip(plan, measured):
@@ -468,7 +509,7 @@ def compare(
                 clip.outcome if clip else None,
             )
         )
-        found = levels.get(quant_index.outputs[row.i][0]) if quant_index.outputs[row.i] else None
+        found = levels.get(row.output)
         rows[-1]["levels"] = None if found is None else found.levels
         arrays = None
         if save is not None and isolated is not None and rows[-1]["isolated_max_abs"] is not None:
@@ -497,6 +538,24 @@ def compare(
             for k, reason in sorted(failed.items())
         ],
     }
+
+
+def row_levels(
+    float_model: onnx.ModelProto,
+    quant_model: onnx.ModelProto,
+    plan: list[TraceRow],
+    quant_index: GraphIndex,
+    matcher: ReferenceMatcher,
+    quant_types: dict[str, onnx.TypeProto],
+    feeds: dict[str, np.ndarray],
+    a: str,
+) -> dict[str, TensorLevels]:
+    """The levels (levels.py) of each row's output that a Q reads, its float values taken at
+    the tensor the row's reference stands for."""
+    outputs = {row.output for row in plan if row.output}
+    steps = {t: s for t, s in quantized_activations(quant_model).items() if t in outputs}
+    named = {t: tensor_counterpart(quant_index, matcher, t, quant_types) for t in steps}
+    return tensor_levels(float_model, steps, [feeds], a, named, arena=True)
 
 
 def worst_isolated(rows: list[TraceOp]) -> NodeError | None:

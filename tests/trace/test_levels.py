@@ -123,6 +123,41 @@ def test_the_float_ranges_hold_one_samples_tensors_at_a_time(tmp_path):
     assert many - few < 4 * per_sample, (few, many, per_sample)
 
 
+FLOAT_RUN_OR_RANGES = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+from graphscan_ort.engines import levels
+from graphscan_ort.shared.sessions import impact_options, open_session
+from tests.helpers import load_bench_script
+width, count = 2**21, 12
+model, _ = load_bench_script("bench_trace_memory").chain_models(count, width)
+sample = {"x": np.random.default_rng(0).standard_normal((1, width)).astype(np.float32)}
+if sys.argv[2] == "ranges":
+    levels.part_ranges(model, [node.output[0] for node in model.graph.node], [sample], "chain.onnx")
+else:
+    open_session(model, "chain", impact_options()).run(None, sample)
+print(width * 4)  # bytes of one tensor
+"""
+
+
+def test_the_float_ranges_cost_about_one_run_of_the_float_model(tmp_path):
+    """The ranges of 12 tensors of 8 MiB each peak within two tensors of a plain run of the
+    float model (peak RSS of fresh processes, bench/measure.py): each tensor is reduced inside
+    the run right after it is made. Fetched 64 per run, all 12 were held at once (96 MiB more);
+    reduced at the end of the run, too."""
+    measure = load_bench_script("measure")
+
+    def peak(mode):
+        out, err = tmp_path / f"{mode}.out", tmp_path / f"{mode}.err"
+        result = measure.measured([sys.executable, "-c", FLOAT_RUN_OR_RANGES, ROOT, mode], out, err)
+        assert result["exit"] == 0, err.read_text()
+        return result["peak_rss"], int(out.read_text())
+
+    (run, tensor), (ranges, _) = peak("run"), peak("ranges")
+    assert ranges - run < 2 * tensor, (run / 2**20, ranges / 2**20)
+
+
 def test_the_float_ranges_are_numpys_over_every_sample(tmp_path):
     """The ranges part_ranges reduces sample by sample are numpy's over all samples at once."""
     path = tmp_path / "cnn.onnx"
@@ -137,3 +172,129 @@ def test_the_float_ranges_are_numpys_over_every_sample(tmp_path):
         every = np.stack([v[name] for v in values])
         # the copy runs unoptimized (impact's options), the reference optimized: last-bit differences
         assert ranges[name] == [pytest.approx((float(every.min()), float(every.max())), rel=1e-5)], name
+
+
+# The rules of levels.py on hand-made QDQ pairs: every figure derived by hand from the inputs.
+
+
+def qdq(tensor, scale, zero, axis=None):
+    """Q->DQ nodes of ``tensor`` reading the initializers ``scale`` and ``zero``; the DQ output."""
+    extra = {} if axis is None else {"axis": axis}
+    q, dq = f"{tensor}_q", f"{tensor}_dq"
+    return [
+        helper.make_node("QuantizeLinear", [tensor, scale, zero], [q], name=f"{tensor}_Q", **extra),
+        helper.make_node("DequantizeLinear", [q, scale, zero], [dq], name=f"{tensor}_DQ", **extra),
+    ], dq
+
+
+def save_pair(tmp_path, float_nodes, quant_nodes, inputs, outputs, quant_inits, float_inits=(), opset=17):
+    """The float model and its quantized twin in ``tmp_path``: ``(float path, quant path)``."""
+    paths = []
+    for name, nodes, inits in (("f", float_nodes, float_inits), ("q", quant_nodes, [*float_inits, *quant_inits])):
+        graph = helper.make_graph(nodes, name, inputs, outputs, list(inits))
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        onnx.save(model, tmp_path / f"{name}.onnx")
+        paths.append(str(tmp_path / f"{name}.onnx"))
+    return paths
+
+
+def traced_rows(paths, x, tmp_path):
+    np.savez(tmp_path / "x.npz", x=x)
+    answer = graphscan.trace(*paths, inputs=str(tmp_path / "x.npz"))
+    return {row["node"]: row["levels"] for row in answer["ops"]}
+
+
+def test_a_part_whose_values_are_all_equal_is_left_out(tmp_path):
+    """c = Concat(2x, 0x): part 0 spans 2 * (3 - -1) = 8, i.e. 16 steps of 0.5; part 1 is all
+    zeros, nothing to resolve: c's levels are part 0's, and z alone (every value equal) has none."""
+    x = np.array([[-1.0, 0.5, 2.0, 3.0]], np.float32)
+    inits = [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in (("two", 2.0), ("nought", 0.0))]
+    qparams = [numpy_helper.from_array(np.array(0.5, np.float32), "s"), numpy_helper.from_array(np.int8(0), "zp")]
+    z_chain, z_dq = qdq("z", "s", "zp")
+    c_chain, c_dq = qdq("c", "s", "zp")
+    twice, zero = (
+        helper.make_node("Mul", ["x", "two"], ["v"], name="twice"),
+        helper.make_node("Mul", ["x", "nought"], ["z"], name="zero"),
+    )
+    float_nodes = [twice, zero, helper.make_node("Concat", ["v", "z"], ["c"], name="join", axis=1)]
+    float_nodes.append(helper.make_node("Neg", ["c"], ["y"], name="neg"))
+    quant_nodes = [twice, zero, *z_chain, helper.make_node("Concat", ["v", z_dq], ["c"], name="join", axis=1)]
+    quant_nodes += [*c_chain, helper.make_node("Neg", [c_dq], ["y"], name="neg")]
+    io = ([helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],)
+    out = [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 8])]
+    paths = save_pair(tmp_path, float_nodes, quant_nodes, *io, out, qparams, inits)
+    rows = traced_rows(paths, x, tmp_path)
+    assert rows["join"] == 16.0
+    assert rows["zero"] is None  # z's only part never varies
+    assert rows["twice"] is None and rows["neg"] is None  # no Q reads their outputs
+    answer = graphscan.check(paths[1], float_path=paths[0], min_levels=16, inputs=[str(tmp_path / "x.npz")])
+    assert answer["budgets"][0]["value"] == 16.0 and answer["budgets"][0]["part"] == {"part": 0, "node": "twice"}
+
+
+def per_channel_pair(tmp_path, axis=1):
+    """t = Neg(x) on [1, 2, 3] under a Q with scales (0.5, 0.25) along ``axis``."""
+    qparams = [
+        numpy_helper.from_array(np.array([0.5, 0.25], np.float32), "s"),
+        numpy_helper.from_array(np.zeros(2, np.int8), "zp"),
+    ]
+    chain, dq = qdq("t", "s", "zp", axis=axis)
+    neg = helper.make_node("Neg", ["x"], ["t"], name="neg")
+    relu = helper.make_node("Relu", ["t"], ["y"], name="relu")
+    quant_nodes = [neg, *chain, helper.make_node("Relu", [dq], ["y"], name="relu")]
+    io = ([helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 2, 3])],)
+    out = [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 2, 3])]
+    return save_pair(tmp_path, [neg, relu], quant_nodes, *io, out, qparams)
+
+
+@pytest.mark.parametrize("axis", [1, -2], ids=["axis-1", "axis-minus-2"])
+def test_a_per_channel_q_counts_each_channels_values_in_that_channels_step(tmp_path, axis):
+    """Channel 0 spans 20 (-10..10) in steps of 0.5: 40 levels; channel 1 spans 2 (0..2) in
+    steps of 0.25: 8 levels. The tensor's levels are the fewest, 8 (the whole range over the
+    largest step would say 40, every channel over the first or largest step 4)."""
+    paths = per_channel_pair(tmp_path, axis)
+    x = np.array([[[-10.0, 0.0, 10.0], [0.0, 1.0, 2.0]]], np.float32)
+    assert traced_rows(paths, x, tmp_path)["neg"] == 8.0
+    answer = graphscan.check(paths[1], float_path=paths[0], min_levels=16, inputs=[str(tmp_path / "x.npz")])
+    assert answer["budgets"][0]["value"] == 8.0 and answer["budgets"][0]["tensor"] == "t"
+
+
+def test_a_per_channel_q_leaves_out_a_channel_whose_values_are_all_equal(tmp_path):
+    """Channel 1 holds 5 everywhere: nothing to resolve there; channel 0's 20 / 0.5 = 40 levels stand."""
+    paths = per_channel_pair(tmp_path)
+    x = np.array([[[-10.0, 0.0, 10.0], [5.0, 5.0, 5.0]]], np.float32)
+    assert traced_rows(paths, x, tmp_path)["neg"] == 40.0
+
+
+def test_values_that_are_not_finite_are_left_out_of_the_range(tmp_path):
+    """Log of (-1, 0, 1, 4) is (NaN, -inf, 0, log 4): the finite values span log 4, in
+    steps of 0.125: log(4) / 0.125 levels."""
+    qparams = [numpy_helper.from_array(np.array(0.125, np.float32), "s"), numpy_helper.from_array(np.int8(0), "zp")]
+    chain, dq = qdq("t", "s", "zp")
+    log = helper.make_node("Log", ["x"], ["t"], name="log")
+    io = ([helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],)
+    out = [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])]
+    float_nodes = [log, helper.make_node("Abs", ["t"], ["y"], name="abs")]
+    quant_nodes = [log, *chain, helper.make_node("Abs", [dq], ["y"], name="abs")]
+    paths = save_pair(tmp_path, float_nodes, quant_nodes, *io, out, qparams)
+    x = np.array([[-1.0, 0.0, 1.0, 4.0]], np.float32)
+    assert traced_rows(paths, x, tmp_path)["log"] == pytest.approx(float(np.log(np.float32(4.0))) / 0.125, rel=1e-7)
+
+
+def test_a_float16_tensors_levels_are_its_float16_values_span_in_steps_of_its_scale(tmp_path):
+    """m = x * 3 in float16 (onnxruntime's own values), under a float16 scale of 0.07."""
+    x16 = onnx.TensorProto.FLOAT16
+    scale = np.array(0.07, np.float16)
+    qparams = [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(np.int8(0), "zp")]
+    three = [numpy_helper.from_array(np.array(3, np.float16), "three")]
+    chain, dq = qdq("m", "s", "zp")
+    mul = helper.make_node("Mul", ["x", "three"], ["m"], name="mul")
+    io = ([helper.make_tensor_value_info("x", x16, [3, 5])],)
+    out = [helper.make_tensor_value_info("y", x16, [3, 5])]
+    float_nodes = [mul, helper.make_node("Neg", ["m"], ["y"], name="neg")]
+    quant_nodes = [mul, *chain, helper.make_node("Neg", [dq], ["y"], name="neg")]
+    paths = save_pair(tmp_path, float_nodes, quant_nodes, *io, out, qparams, three, opset=19)
+    x = (np.random.default_rng(2).standard_normal((3, 5)) * 4).astype(np.float16)
+    m = float_tensors(paths[0], ["m"], {"x": x})["m"]
+    assert m.dtype == np.float16
+    expected = (float(m.max()) - float(m.min())) / float(scale)
+    assert traced_rows(paths, x, tmp_path)["mul"] == expected
