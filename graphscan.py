@@ -125,28 +125,43 @@ __all__ += [
     "format_names",
     "metric_words",
     "page",
+    "part_words",
     "render_table",
     "section",
     "visible",
 ]
 # the command kit: declarations, option groups and their types
 __all__ += [
-    "NO_METRIC",
+    "MAX_THREADS",
     "RUNTIME_LEVELS",
     "Command",
+    "Given",
     "MetricChoice",
     "OnlyWith",
     "Option",
     "Samples",
+    "Session",
+    "Takes",
     "finite_float",
-    "level_option",
-    "metric_group",
+    "int_between",
     "non_negative_int",
     "only_with",
-    "samples_group",
 ]
-# check's budgets, as the plugin's config reads them
-__all__ += ["BUDGETS", "CHECK", "FLOAT_BUDGETS", "budget_limit", "either_of"]
+# the CPU targets: one object, its names and install command
+__all__ += ["CPU_TARGETS", "INSTALL_TARGETS", "NATIVE", "CpuTarget", "TargetRunner"]
+# check's budgets, as the plugin's config and the package's measurers read them
+__all__ += [
+    "BUDGETS",
+    "CHECK",
+    "FLOAT_BUDGETS",
+    "NEEDS",
+    "BudgetJob",
+    "Explaining",
+    "Measured",
+    "budget_limit",
+    "either_of",
+    "unmet_need",
+]
 # the answers of the core's commands, as the plugin's fixture returns them
 __all__ += ["BoundaryAnswer", "CheckAnswer", "DiffAnswer", "IslandsAnswer", "NodesAnswer", "QdqAnswer"]
 # the commands as functions, and the command line
@@ -1139,32 +1154,394 @@ def _package_needed(needed_by: str) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------
+# Option groups: each declares its options and builds itself from their values
+#
+# A command's options are its own (check's --float) or a group's (--inputs, --shape and
+# --seed are the Samples group's). A group is a frozen dataclass whose ``taken`` says how a
+# command takes it: the options it declares there (their help) and how their values build
+# it. The command line and an in-process call (graphscan.check(path, min_sqnr=...), the
+# plugin's fixture) go through one door (``_built_keywords``): each value checked by its
+# option's own type, then each group built once. A command receives its groups built and
+# checks none of them again.
+
+RUNTIME_LEVELS = {"basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+# The bound of --threads: beyond it onnxruntime fails or crashes (100,000 threads
+# segfaulted after 52 s), so it is a usage error at once.
+MAX_THREADS = 1024
+
+Option = tuple[str, dict]  # a flag and its argparse settings
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type of ``--seed``, ``--top``, ``--max-exclude``: an integer >= 0 (exit 2 otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite number (NaN and infinities are usage errors)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer from ``low`` to ``high`` (exit 2 otherwise)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {text!r}")
+        return value
+
+    parse.__name__ = f"integer from {low} to {high}"
+    return parse
+
+
+@dataclasses.dataclass(frozen=True)
+class Given:
+    """What one command was given for one group's options: each value by keyword (None:
+    not given), each checked by its option's type already; where it came from, to name an
+    option in a message as the user gave it (``--inputs`` or ``inputs=``); the command."""
+
+    values: Mapping[str, Any]
+    flags: Mapping[str, str]  # keyword: flag
+    command_line: bool
+    command: str
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values.get(key)
+
+    def named(self, key: str) -> str:
+        """How the user named option ``key``: its flag on the command line, ``key=`` in a call."""
+        return self.flags[key] if self.command_line else f"{key}="
+
+
+@dataclasses.dataclass(frozen=True)
+class Takes:
+    """A group as one command takes it: the keyword the command receives it as, the options
+    it declares there (flags and argparse settings, no defaults: ``build`` fills in what is
+    not given), and how their values build it."""
+
+    keyword: str
+    options: tuple[Option, ...]
+    build: Callable[[Given], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Samples:
+    """Where a command's samples come from: ``--inputs`` files (or folders of them),
+    else seeded data with ``--shape`` for symbolic dimensions and ``--seed``."""
+
+    inputs: list[str] | None = None
+    shape: list[str] | None = None
+    seed: int = 0
+
+    @classmethod
+    def taken(cls, default_size: int, many: bool = False, when: str = "") -> Takes:
+        """The group as a command takes it: ``many``: one sample per file, repeatable (else one
+        file); ``default_size``: what a symbolic dimension is without --shape; ``when``: the
+        option these apply with (``--time: ``), for the help."""
+        inputs_help = "one array per graph input, by name" + (" (one sample per file, repeatable)" if many else "")
+        options: tuple[Option, ...] = (
+            ("--inputs", {"metavar": "FILE.npz", "action": "append", "help": when + inputs_help}),
+            (
+                "--shape",
+                {
+                    "metavar": "NAME=D0,D1,...",
+                    "action": "append",
+                    "help": f"{when}shape of a generated input (repeatable; symbolic dims default to {default_size})",
+                },
+            ),
+            ("--seed", {"type": non_negative_int, "help": f"{when}seed of the generated inputs (default: 0)"}),
+        )
+        return Takes("samples", options, functools.partial(cls.built, many=many))
+
+    @classmethod
+    def built(cls, given: Given, many: bool) -> Samples:
+        inputs = given["inputs"]
+        if not many and inputs:  # one sample: one file, never a folder
+            if len(inputs) > 1:
+                raise GraphscanError(
+                    f"usage: {given.command} runs one sample: give {given.named('inputs')} once", EXIT_USAGE
+                )
+            if os.path.isdir(inputs[0]):
+                raise GraphscanError(
+                    f"{given.named('inputs')} {shown(inputs[0])}: a folder; {given.command} runs one sample: "
+                    "give one .npz file",
+                    EXIT_INPUTS,
+                )
+        seed = given["seed"]
+        return cls(inputs, given["shape"], 0 if seed is None else seed)
+
+
+_METRIC_NAMES = "sqnr, top1, iou, ctc, cosine"  # the built-in metrics (graphscan_ort.shared.agreement)
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricChoice:
+    """The metric ``--metric``, ``--threshold`` and ``--blank`` name (graphscan_ort's
+    shared/agreement.py makes it, and refuses what does not fit it)."""
+
+    name: str | None = None
+    threshold: float | None = None
+    blank: int | None = None
+
+    @classmethod
+    def taken(cls, when: str = "", default: str = "") -> Takes:
+        """``when``: the option these apply with, for the help; ``default``: what no --metric means."""
+        options: tuple[Option, ...] = (
+            (
+                "--metric",
+                {
+                    "metavar": "NAME|FILE.py:FUNCTION",
+                    "help": f"{when}agreement with the float model: {_METRIC_NAMES}, or FUNCTION(reference, "
+                    f"candidate) of a Python file{default}",
+                },
+            ),
+            (
+                "--threshold",
+                {
+                    "type": finite_float,
+                    "metavar": "T",
+                    "help": "--metric iou: the probability threshold (default: 0.5)",
+                },
+            ),
+            (
+                "--blank",
+                {"type": non_negative_int, "metavar": "CLASS", "help": "--metric ctc: the blank class (default: 0)"},
+            ),
+        )
+        return Takes("metric", options, lambda given: cls(given["metric"], given["threshold"], given["blank"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Session:
+    """The onnxruntime sessions a measurement runs in: ``--level`` (its graph optimization
+    level; "disabled" is no deployment) and ``--threads`` (intra-op threads)."""
+
+    level: str = "all"
+    threads: int = 1
+
+    @classmethod
+    def taken(cls, levels: list[str], default: str, help_text: str, threads_help: str | None = None) -> Takes:
+        """``--level`` of ``levels`` (``default`` when not given), and ``--threads`` when
+        ``threads_help`` says what it is for (else one thread)."""
+        options: tuple[Option, ...] = (("--level", {"choices": levels, "help": help_text}),)
+        if threads_help is not None:
+            threads = {"type": int_between(1, MAX_THREADS), "help": f"{threads_help}, 1 to {MAX_THREADS} (default: 1)"}
+            options += (("--threads", threads),)
+
+        def built(given: Given) -> Session:
+            level, threads = given["level"], given["threads"]
+            return cls(default if level is None else level, 1 if threads is None else threads)
+
+        return Takes("session", options, built)
+
+
+NATIVE = "native"  # this machine's CPU, in this process: every measurement without --cpu
+CPU_TARGETS = (NATIVE, "x86-avx2", "arm64")  # the contract's names (graphscan_ort/shared/targets.py)
+INSTALL_TARGETS = "python -m graphscan_ort.shared.targets install"
+
+ReturnT = typing.TypeVar("ReturnT")
+
+
+class TargetRunner(typing.Protocol):
+    """Calls functions of graphscan on a CPU target (``CpuTarget.runner``), keeping the facts
+    of the CPU that answered (name, onnxruntime, machine)."""
+
+    @property
+    def facts(self) -> Mapping[str, object] | None:
+        """The CPU that answered the last call (None: none yet)."""
+        ...
+
+    def call(self, function: Callable[..., ReturnT], *args: Any) -> ReturnT:
+        """``function(*args)`` on the target (a module-level function of graphscan whose
+        arguments and answer are JSON)."""
+        ...
+
+    def close(self) -> None:
+        """End what the runner started (an interpreter kept for many calls)."""
+        ...
+
+    def __enter__(self) -> TargetRunner: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuTarget:
+    """The CPU a command's measurements run on (``--cpu``): ``native`` is this machine, in this
+    process; the others run onnxruntime built for that CPU, emulated (installed by
+    graphscan_ort/shared/targets.py, reached through the package's door)."""
+
+    name: str = NATIVE
+
+    @property
+    def native(self) -> bool:
+        return self.name == NATIVE
+
+    @classmethod
+    def taken(cls, help_text: str) -> Takes:
+        option = ("--cpu", {"choices": list(CPU_TARGETS), "help": help_text})
+        return Takes("cpu", (option,), lambda given: cls(given["cpu"] or NATIVE))
+
+    def require(self) -> None:
+        """Exit 2 naming the install command when this target cannot run here."""
+        if not self.native:
+            with _package_needed(f"--cpu {self.name}"):
+                from graphscan_ort.extension import require_target
+
+            require_target(self.name)
+
+    def runner(self, kept: bool = False) -> TargetRunner:
+        """What calls functions on this target: in this process natively; else the target's
+        interpreter, started for each call, or once for every call when ``kept`` (close it)."""
+        with _package_needed(f"--cpu {self.name}"):
+            from graphscan_ort.extension import target_runner
+
+        return target_runner(self.name, kept)
+
+
+# The rule several commands share: options that apply only with another are a usage error
+# without it (never silently ignored).
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlyWith:
+    """Options that apply only with another: given without it they would be ignored, so they
+    are a usage error. ``enabled`` tells, from the command's keywords built from what was
+    given, whether ``flag`` is there; ``dependents`` are the options' keywords."""
+
+    flag: str
+    enabled: Callable[[Mapping[str, Any]], bool]
+    dependents: tuple[str, ...]
+    neutral: tuple[tuple[str, object], ...] = ()  # a dependent's value that changes nothing (--cpu native)
+
+    def given(self, values: Mapping[str, Any], flags: Mapping[str, str]) -> dict[str, object]:
+        """``{flag: value}`` of the dependents, a neutral value as not given."""
+        return {
+            flags[key]: None if (key, values.get(key)) in self.neutral else values.get(key) for key in self.dependents
+        }
+
+
+def only_with(flag: str, enabled: bool, given: Mapping[str, object]) -> None:
+    """Exit 2 when options of ``given`` (``{flag: value}``) that apply only with
+    ``flag`` are set while it is not: the one check of every "only with" rule."""
+    named = [name for name, value in given.items() if value is not None]
+    if named and not enabled:
+        raise GraphscanError(f"usage: {', '.join(named)}: only with {flag}", EXIT_USAGE)
+
+
+# --------------------------------------------------------------------------
 # check: a gate for CI. Each budget is measured and compared with its limit;
 # the answer is the same JSON whether the budgets hold (exit 0) or not (exit 8).
 
 
+class Explaining(typing.Protocol):
+    """What the pytest plugin knows when it words a budget's row (``_BudgetRule.detail``)."""
+
+    float_name: str  # the float model's file name, as the config names it
+
+    def int8_nodes(self) -> tuple[int, int]:
+        """The nodes that run int8 or int8_data kernels, and those with the float ones."""
+        ...
+
+    def metric_words(self, described: Mapping[str, Any]) -> list[str]:
+        """The row's metric in words, a user's file named as the config names it."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class _Counted:
+    """What the counted budgets are read from: the index of the model and its float islands."""
+
+    index: GraphIndex
+    islands: list[tuple[list[int], list[str]]]
+
+
+def part_words(part: Mapping[str, Any]) -> str:
+    """An output's part in words, as every sentence names it: ``y part 1 (from concat)``."""
+    return f"{part['output']} part {part['part']} (from {part['node']})"
+
+
+def _where_part(row: Mapping[str, Any]) -> str:
+    part = row.get("worst_part")
+    return f", worst {part_words(part)}" if part else ""
+
+
+def _where_levels(row: Mapping[str, Any]) -> str:
+    part = row.get("part") or {}
+    return f" at {row['tensor']}, part {part['part']} from {part['node']}" if part else ""
+
+
+def _int8_detail(row: Mapping[str, Any], explaining: Explaining) -> str:
+    integer, total = explaining.int8_nodes()
+    return f"{integer} of {total} nodes run int8 or int8_data kernels"
+
+
 @dataclasses.dataclass(frozen=True)
 class _BudgetRule:
-    """One budget of check, the one home of everything about it: check's option and its
-    help, ``budget_limit``'s rule, and the plugin's config key and its "needs" rules are
-    all derived from the BUDGETS table of these."""
+    """One budget of check, the one home of everything about it: its option and help, its
+    limit's rule, how it is measured (counted here from the graph, else by the package's
+    measurer of its name: graphscan_ort/commands/check.py), what else it needs, its table
+    note and the plugin's sentence. check, the budget file, the plugin's config keys and its
+    sentences, and the table are all derived from the BUDGETS table of these."""
 
     name: str  # the budget file's and the plugin's key; --max-float is its flag
-    measures: str  # what the value counts, in words (the plugin's failure sentence of a count)
+    measures: str  # what the value counts, in words
     direction: str  # "max": holds when value <= limit; "min": when value >= limit
-    structural: bool  # counted from the graph here; else it runs the model (graphscan_ort)
     value: type[int] | type[float]  # int: a whole number >= 0; float: any finite number (within ``between``)
     metavar: str
     help: str  # check's --help of its option
     key_help: str  # the plugin's config schema: what the key is
     between: tuple[float, float] | None = None  # the limit's closed range, when it has one
-    needs_float: bool = False  # runs the float model too, on samples (--float, --inputs...)
-    needs_metric: bool = False  # measured by --metric
+    # Counted from the graph here (None: measured by running the model, in the package).
+    count: Callable[[_Counted], int] | None = None
+    needs: tuple[str, ...] = ()  # check's keywords it cannot be measured without (float_path, metric)
+    note: str | None = None  # the table's note of how it was measured (budgets with one note share it)
+    # The plugin's words after the value (default: what it measures).
+    detail: Callable[[Mapping[str, Any], Explaining], str] | None = None
 
     @property
     def flag(self) -> str:
         """check's option for it: ``--max-float``."""
         return "--" + self.name.replace("_", "-")
+
+    @property
+    def structural(self) -> bool:
+        """Whether it is counted from the graph (the same on every CPU)."""
+        return self.count is not None
+
+    @property
+    def needs_float(self) -> bool:
+        """Whether it runs the float model too, on samples (--float, --inputs...)."""
+        return "float_path" in self.needs
+
+    @property
+    def needs_metric(self) -> bool:
+        """Whether it is measured by --metric."""
+        return "metric" in self.needs
+
+    def holds(self, value: float, limit: float) -> bool:
+        """Whether ``value`` keeps within ``limit`` (an SQNR of inf, equal outputs, holds; nan never)."""
+        return value <= limit if self.direction == "max" else value >= limit
+
+    def words(self, row: Mapping[str, Any], explaining: Explaining) -> str:
+        """What the plugin says after the value: ``54 of 292 nodes run int8 ...``."""
+        return self.measures if self.detail is None else self.detail(row, explaining)
 
 
 BUDGETS = {
@@ -1174,85 +1551,102 @@ BUDGETS = {
             name="max_float",
             measures="float compute nodes",
             direction="max",
-            structural=True,
             value=int,
             metavar="N",
             help="at most N float compute nodes",
             key_help="at most N float compute nodes",
+            count=lambda counted: len(counted.index.float_nodes),
         ),
         _BudgetRule(
             name="max_islands",
             measures="float islands",
             direction="max",
-            structural=True,
             value=int,
             metavar="N",
             help="at most N float islands",
             key_help="at most N float islands",
+            count=lambda counted: len(counted.islands),
         ),
         _BudgetRule(
             name="max_crossings",
             measures="boundary crossings",
             direction="max",
-            structural=True,
             value=int,
             metavar="N",
             help="at most N boundary crossings",
             key_help="at most N boundary crossings",
+            count=lambda counted: _boundary_report(counted.index, counted.islands)["crossings"],
         ),
         _BudgetRule(
             name="min_int8",
             measures="fraction of the compute nodes that run an int8 or int8_data kernel (runtime)",
             direction="min",
-            structural=False,
             value=float,
             metavar="FRACTION",
             help="at least this fraction of kernels run int8 (runtime)",
             key_help="at least this fraction of kernels int8",
             between=(0, 1),
+            note="what runs at level extended (runtime's default: its classes map back to the model)",
+            detail=_int8_detail,
         ),
         _BudgetRule(
             name="min_sqnr",
             measures="output SQNR in dB against --float: the worst part's (impact's definition)",
             direction="min",
-            structural=False,
             value=float,
             metavar="DB",
             help="output SQNR against --float of at least DB",
             key_help="output SQNR against float of at least DB",
-            needs_float=True,
+            needs=("float_path",),
+            note="both models in sessions at --level (default all)",
+            detail=lambda row, explaining: f"dB, against {explaining.float_name}{_where_part(row)}",
         ),
         _BudgetRule(
             name="min_levels",
             measures="steps of its scale the worst part of every quantized tensor spans (trace's levels)",
             direction="min",
-            structural=False,
             value=float,
             metavar="N",
             help="every quantized tensor's worst part spans at least N steps of its scale (needs --float)",
             key_help="every quantized tensor's worst part spans at least N steps of its scale",
-            needs_float=True,
+            needs=("float_path",),
+            note="the float model's values at each quantized tensor, by part",
+            detail=lambda row, explaining: f"steps of the scale{_where_levels(row)}",
         ),
         _BudgetRule(
             name="min_metric",
             measures="the --metric agreement with --float (a built-in metric or FILE.py:FUNCTION)",
             direction="min",
-            structural=False,
             value=float,
             metavar="X",
             help="the --metric agreement with --float of at least X",
             key_help="the metric's agreement with float of at least X",
-            needs_float=True,
-            needs_metric=True,
+            needs=("float_path", "metric"),
+            note="both models in sessions at --level (default all)",
+            detail=lambda row, explaining: (
+                f"{', '.join(explaining.metric_words(row.get('metric', {})))} against {explaining.float_name}"
+            ),
         ),
     )
 }
-# Budgets counted from the graph here; the others run the model (graphscan_ort.check).
-_STRUCTURAL_BUDGETS = tuple(rule.name for rule in BUDGETS.values() if rule.structural)
+# Budgets that run the model (graphscan_ort's measurers); those that run the float model too.
 _RUNNING_BUDGETS = tuple(rule.name for rule in BUDGETS.values() if not rule.structural)
-# Budgets that run the float model too, on the samples; those measured by --metric.
 FLOAT_BUDGETS = tuple(rule.name for rule in BUDGETS.values() if rule.needs_float)
 _METRIC_BUDGETS = tuple(rule.name for rule in BUDGETS.values() if rule.needs_metric)
+# What a budget's needs are named by: check's flag and what it takes, the plugin's key and what it is.
+NEEDS = {
+    "float_path": ("--float F.onnx", "float = the float model"),
+    "metric": ("--metric NAME|FILE.py:FUNCTION", "metric = NAME or FILE.py:FUNCTION"),
+}
+
+
+def unmet_need(names: Iterable[str], given: Collection[str]) -> tuple[str, str] | None:
+    """The first budget of ``names`` and what it needs that ``given`` (keywords) lacks."""
+    for name in names:
+        for need in BUDGETS[name].needs:
+            if need not in given:
+                return name, need
+    return None
 
 
 def either_of(names: Iterable[str]) -> str:
@@ -1310,153 +1704,121 @@ def budget_limit(name: str, value: object, where: str) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class Samples:
-    """Where a command's samples come from, as ``--inputs``, ``--shape`` and ``--seed`` give them."""
+class Budgets:
+    """check's budgets: each limit given, by budget in the table's order (options override
+    the ``--budget`` file)."""
 
-    inputs: list[str] | None = None
-    shape: list[str] | None = None
-    seed: int | None = None
+    limits: Mapping[str, float]
+
+    @classmethod
+    def taken(cls) -> Takes:
+        options: tuple[Option, ...] = (
+            ("--budget", {"metavar": "FILE.json", "help": "budgets as a JSON object (options override it)"}),
+            *(
+                (rule.flag, {"type": rule.value, "metavar": rule.metavar, "help": rule.help})
+                for rule in BUDGETS.values()
+            ),
+        )
+        return Takes("budgets", options, cls.built)
+
+    @classmethod
+    def built(cls, given: Given) -> Budgets:
+        limits = _read_budget_file(given["budget"]) if given["budget"] is not None else {}
+        for name, rule in BUDGETS.items():
+            if given[name] is not None:
+                limits[name] = budget_limit(name, given[name], rule.flag)
+        if not limits:
+            flags = " / ".join(rule.flag for rule in BUDGETS.values())
+            raise GraphscanError(f"usage: check needs at least one budget (--budget FILE or {flags})", EXIT_USAGE)
+        return cls({name: limits[name] for name in BUDGETS if name in limits})
+
+    def any_of(self, names: Iterable[str]) -> bool:
+        """Whether any budget of ``names`` is given."""
+        return any(name in self.limits for name in names)
 
 
 @dataclasses.dataclass(frozen=True)
-class MetricChoice:
-    """The metric ``--metric``, ``--threshold`` and ``--blank`` name (checked by the package)."""
+class BudgetJob:
+    """What the budgets that run the model are measured on (graphscan_ort's measurers):
+    the model (``model``: read with its weights already, or None), the float model, the
+    samples, the metric, the sessions and the CPU target."""
 
-    name: str | None = None
-    threshold: float | None = None
-    blank: int | None = None
+    path: str
+    model: onnx.ModelProto | None
+    float_path: str | None
+    samples: Samples
+    metric: MetricChoice
+    session: Session
+    cpu: CpuTarget
 
 
-NO_METRIC = MetricChoice()  # no --metric given
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """A budget's measured value and what its row says beside it (min_sqnr's worst part)."""
+
+    value: float
+    described: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def _budget_values(
-    path: str,
-    names: list[str],
-    float_path: str | None,
-    samples: Samples,
-    level: str = "all",
-    chosen: MetricChoice = NO_METRIC,
-    cpu: str = "native",
-) -> tuple[dict[str, float], dict[str, dict[str, Any]], Any]:
-    """The measured value of each budget in ``names`` (the model is read once), per
-    budget what its row says beside the value (min_metric's metric, min_sqnr's worst part),
-    and the facts of the CPU target they ran on (None: native)."""
-    values: dict[str, float] = {}
-    described: dict[str, dict[str, Any]] = {}
+def _measured_budgets(job: BudgetJob, names: list[str]) -> tuple[dict[str, Measured], dict[str, Any] | None]:
+    """Each budget of ``names``, measured (the model is read once), and the facts of the CPU
+    target those that run the model ran on (None: native)."""
+    found: dict[str, Measured] = {}
     facts = None
-    measured = [name for name in names if name not in _STRUCTURAL_BUDGETS]
-    model = None
-    if set(_STRUCTURAL_BUDGETS) & set(names):
+    running = [name for name in names if not BUDGETS[name].structural]
+    if len(running) < len(names):
         # Read with its weights when a budget runs it: one read serves both.
-        model = load_with_weights(path) if measured else load_model(path)
+        model = load_with_weights(job.path) if running else load_model(job.path)
         index = GraphIndex(model.graph)
-        islands_found = _float_islands(index)
-        values["max_float"] = len(index.float_nodes)
-        values["max_islands"] = len(islands_found)
-        values["max_crossings"] = _boundary_report(index, islands_found)["crossings"]
-    for name in FLOAT_BUDGETS:
-        if name in names and float_path is None:
-            raise GraphscanError(f"usage: {BUDGETS[name].flag} needs --float F.onnx", EXIT_USAGE)
-    if measured:
-        options = " and ".join(BUDGETS[name].flag for name in measured)
-        with _package_needed(f"check {options}"):
-            from graphscan_ort.extension import check_measurements
+        counted = _Counted(index, _float_islands(index))
+        for name in names:
+            count = BUDGETS[name].count
+            if count is not None:
+                found[name] = Measured(count(counted))
+        job = dataclasses.replace(job, model=model)
+    if running:
+        with _package_needed(f"check {' and '.join(BUDGETS[name].flag for name in running)}"):
+            from graphscan_ort.extension import measure_budgets
 
-            measurements = check_measurements()
-        measured_values, described, facts = measurements(path, measured, float_path, samples, level, model, chosen, cpu)
-        values.update(measured_values)
-    return values, described, facts
+        measured, facts = measure_budgets(job, running)
+        found.update(measured)
+    return found, facts
 
 
-def _budget_holds(name: str, value: float, limit: float) -> bool:
-    if BUDGETS[name].direction == "max":
-        return value <= limit
-    return value >= limit  # an SQNR of inf (equal outputs) holds, nan does not
-
-
-def check(
+def _check(
     path: str,
-    float_path: str | None = None,
-    budget: str | None = None,
-    max_float: int | None = None,
-    max_islands: int | None = None,
-    max_crossings: int | None = None,
-    min_int8: float | None = None,
-    min_sqnr: float | None = None,
-    inputs: list[str] | None = None,
-    shape: list[str] | None = None,
-    seed: int | None = None,
-    level: str | None = None,
-    metric: str | None = None,
-    threshold: float | None = None,
-    blank: int | None = None,
-    min_metric: float | None = None,
-    min_levels: float | None = None,
-    cpu: str = "native",
+    float_path: str | None,
+    budgets: Budgets,
+    metric: MetricChoice,
+    session: Session,
+    samples: Samples,
+    cpu: CpuTarget,
 ) -> CheckAnswer:
-    """Measure each budget given (options override the --budget file) and say which hold.
-
-    ``float_path``, ``inputs``, ``shape``, ``seed`` and ``level`` apply to the
-    budgets that run both models (min_sqnr, min_metric), and ``metric``,
-    ``threshold`` and ``blank`` to min_metric: given without them they are a
-    usage error, never ignored. ``cpu``: the CPU target the measured budgets run on."""
-    # The command line's rules, for in-process calls (the command line has applied them already).
-    rules = {"inputs": inputs, "shape": shape, "seed": seed, "level": level, "threshold": threshold, "blank": blank}
-    checked = _in_process_keywords(CHECK, rules)
-    inputs, shape, seed, level = checked["inputs"], checked["shape"], checked["seed"], checked["level"]
-    threshold, blank = checked["threshold"], checked["blank"]
-    limits = _read_budget_file(budget) if budget is not None else {}
-    given = {
-        "max_float": max_float,
-        "max_islands": max_islands,
-        "max_crossings": max_crossings,
-        "min_int8": min_int8,
-        "min_sqnr": min_sqnr,
-        "min_levels": min_levels,
-        "min_metric": min_metric,
-    }
-    assert list(given) == list(BUDGETS), "check() takes one keyword per budget, in the table's order"
-    for name, value in given.items():
-        if value is not None:
-            limits[name] = budget_limit(name, value, BUDGETS[name].flag)
-    if not limits:
-        raise GraphscanError(
-            f"usage: check needs at least one budget (--budget FILE or {' / '.join(r.flag for r in BUDGETS.values())})",
-            EXIT_USAGE,
-        )
-    sample = {"--float": float_path, "--inputs": inputs, "--shape": shape, "--seed": seed, "--level": level}
-    only_with(either_of(FLOAT_BUDGETS), bool(set(FLOAT_BUDGETS) & set(limits)), sample)
-    metric_budgets = [name for name in limits if BUDGETS[name].needs_metric]
-    only_with(
-        either_of(_METRIC_BUDGETS),
-        bool(metric_budgets),
-        {"--metric": metric, "--threshold": threshold, "--blank": blank},
-    )
-    if metric_budgets and metric is None:
-        raise GraphscanError(f"usage: the {metric_budgets[0]} budget needs --metric NAME|FILE.py:FUNCTION", EXIT_USAGE)
-    measured = bool(set(limits) & set(_RUNNING_BUDGETS))
-    only_with(either_of(_RUNNING_BUDGETS), measured, {"--cpu": None if cpu == "native" else cpu})
+    """Measure each budget given and say which hold (the rules of CHECK's options applied)."""
+    given = {key for key, value in (("float_path", float_path), ("metric", metric.name)) if value is not None}
+    need = unmet_need(budgets.limits, given)
+    if need is not None:
+        name, what = need
+        raise GraphscanError(f"usage: {BUDGETS[name].flag} needs {NEEDS[what][0]}", EXIT_USAGE)
     check_readable(path)
-    names = [name for name in BUDGETS if name in limits]  # a fixed order, whatever the file's
-    chosen = MetricChoice(metric, threshold, blank)
-    samples = Samples(inputs, shape, seed)
-    values, described, facts = _budget_values(path, names, float_path, samples, level or "all", chosen, cpu)
-    budgets: list[_Budget] = []
+    names = list(budgets.limits)
+    job = BudgetJob(path, None, float_path, samples, metric, session, cpu)
+    measured, facts = _measured_budgets(job, names)
+    rows: list[_Budget] = []
     for name in names:
-        budgets.append(
-            {
-                "name": name,
-                "value": values[name] if math.isfinite(values[name]) else None,  # strict JSON
-                "limit": limits[name],
-                "ok": _budget_holds(name, values[name], limits[name]),
-            }
-        )
-        budgets[-1].update(described.get(name, {}))  # type: ignore[typeddict-item]
-    ok = all(b["ok"] for b in budgets)
+        value, limit = measured[name].value, budgets.limits[name]
+        row: _Budget = {
+            "name": name,
+            "value": value if math.isfinite(value) else None,  # strict JSON
+            "limit": limit,
+            "ok": BUDGETS[name].holds(value, limit),
+        }
+        row.update(measured[name].described)  # type: ignore[typeddict-item]
+        rows.append(row)
+    ok = all(row["ok"] for row in rows)
     if facts is None:  # native: the answer's bytes as before --cpu
-        return {"model": path, "float": float_path, "budgets": budgets, "ok": ok}
-    return {"model": path, "float": float_path, "cpu": facts, "budgets": budgets, "ok": ok}
+        return {"model": path, "float": float_path, "budgets": rows, "ok": ok}
+    return {"model": path, "float": float_path, "cpu": facts, "budgets": rows, "ok": ok}
 
 
 # --------------------------------------------------------------------------
@@ -1794,21 +2156,23 @@ def _generic_table(answer: dict[str, Any], top: int | None) -> str:
 
 
 def _check_table(answer: dict[str, Any], top: int | None) -> str:
-    """The budgets, min_metric's naming its metric and parameters."""
+    """The budgets, min_metric's naming its metric and parameters, and how the measured ones ran."""
     cpu = [("cpu", answer["cpu"]["name"])] if "cpu" in answer else []
     head = format_fields([("model", answer["model"]), ("float", answer["float"]), *cpu, ("ok", answer["ok"])])
     rows = [[_budget_title(b), b["value"], b["limit"], b["ok"]] for b in answer["budgets"]]
-    names = {b["name"] for b in answer["budgets"]}
-    levels = "\n".join(note for budgets, note in _LEVEL_NOTES if names & budgets)
-    return page(head, section("budgets", ["name", "value", "limit", "ok"], rows, top), *([levels] if levels else []))
+    return page(head, section("budgets", ["name", "value", "limit", "ok"], rows, top), *_budget_notes(answer))
 
 
-# Which level each measured budget ran at: runtime's default differs from a session's default.
-_LEVEL_NOTES = [
-    ({"min_int8"}, "min_int8: what runs at level extended (runtime's default: its classes map back to the model)"),
-    ({"min_sqnr", "min_metric"}, "min_sqnr, min_metric: both models in sessions at --level (default all)"),
-    ({"min_levels"}, "min_levels: the float model's values at each quantized tensor, by part"),
-]
+def _budget_notes(answer: dict[str, Any]) -> list[str]:
+    """How the answer's measured budgets ran, one line per note, naming every budget
+    (of the table's, in its order) that shares it: ``min_sqnr, min_metric: both models ...``."""
+    given = {b["name"] for b in answer["budgets"]}
+    sharing: dict[str, list[str]] = {}
+    for rule in BUDGETS.values():
+        if rule.note is not None:
+            sharing.setdefault(rule.note, []).append(rule.name)
+    lines = [f"{', '.join(names)}: {note}" for note, names in sharing.items() if given & set(names)]
+    return ["\n".join(lines)] if lines else []
 
 
 def _budget_title(budget: dict[str, Any]) -> str:
@@ -2023,93 +2387,6 @@ def dot(path: str, runtime_colours: bool = False, collapse: bool = False) -> str
 # and dot below, the commands that run models in their modules of the
 # graphscan_ort package.
 
-RUNTIME_LEVELS = {"basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type of ``--seed``, ``--top``, ``--max-exclude``: an integer >= 0 (exit 2 otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def finite_float(text: str) -> float:
-    """argparse type: a finite number (NaN and infinities are usage errors)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}")
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
-Option = tuple[str, dict]  # a flag and its argparse settings
-
-
-# Argument groups: declared once, shared by every command that takes them, so
-# the same option parses and fails alike everywhere.
-
-
-def samples_group(default_size: int, samples: str = "one", when: str = "") -> list[Option]:
-    """``--inputs``, ``--shape`` and ``--seed``. ``samples``: "one" (one --inputs
-    file) or "many" (one sample per file, repeatable); ``when``: the option these
-    apply with (``--time: ``), for the help."""
-    inputs_help = "one array per graph input, by name" + (
-        " (one sample per file, repeatable)" if samples == "many" else ""
-    )
-    return [
-        ("--inputs", {"metavar": "FILE.npz", "action": "append", "help": when + inputs_help}),
-        (
-            "--shape",
-            {
-                "metavar": "NAME=D0,D1,...",
-                "action": "append",
-                "help": f"{when}shape of a generated input (repeatable; symbolic dims default to {default_size})",
-            },
-        ),
-        (
-            "--seed",
-            {"type": non_negative_int, "help": f"{when}seed of the generated inputs (default: 0)"},
-        ),
-    ]
-
-
-_METRIC_NAMES = "sqnr, top1, iou, ctc, cosine"  # the built-in metrics (graphscan_ort.shared.agreement)
-
-
-def metric_group(when: str = "", default: str = "") -> list[Option]:
-    """``--metric``, ``--threshold`` and ``--blank``: accuracy in the user's terms.
-    ``when``: the option these apply with, for the help; ``default``: what no --metric means."""
-    return [
-        (
-            "--metric",
-            {
-                "metavar": "NAME|FILE.py:FUNCTION",
-                "help": f"{when}agreement with the float model: {_METRIC_NAMES}, or FUNCTION(reference, candidate) "
-                f"of a Python file{default}",
-            },
-        ),
-        (
-            "--threshold",
-            {"type": finite_float, "metavar": "T", "help": "--metric iou: the probability threshold (default: 0.5)"},
-        ),
-        (
-            "--blank",
-            {"type": non_negative_int, "metavar": "CLASS", "help": "--metric ctc: the blank class (default: 0)"},
-        ),
-    ]
-
-
-def level_option(choices: list[str], default: str | None, help_text: str) -> Option:
-    """``--level``: the onnxruntime optimization level a command's sessions run at."""
-    return ("--level", {"choices": choices, "default": default, "help": help_text})
-
-
 _FORMATS = ["json", "table"]
 
 
@@ -2141,42 +2418,23 @@ class _Output:
 
 
 @dataclasses.dataclass(frozen=True)
-class OnlyWith:
-    """Options that apply only with another: given without it they would be
-    ignored, so they are a usage error. ``keyword`` enables ``dependents``."""
-
-    flag: str
-    keyword: str
-    dependents: tuple[str, ...]
-
-
-def only_with(flag: str, enabled: bool, given: Mapping[str, object]) -> None:
-    """Exit 2 when options of ``given`` (``{flag: value}``) that apply only with
-    ``flag`` are set while it is not: the one check of every "only with" rule."""
-    named = [name for name, value in given.items() if value is not None]
-    if named and not enabled:
-        raise GraphscanError(f"usage: {', '.join(named)}: only with {flag}", EXIT_USAGE)
-
-
-@dataclasses.dataclass(frozen=True)
 class Command:
     """One command as the command line knows it.
 
-    ``run`` is called with the ``paths`` (positional arguments) and one keyword
-    per option; ``only_with`` and ``absent`` (what an option left out means,
-    filled in after ``only_with`` saw what was given) shape those keywords;
-    ``one_sample``: --inputs takes one file; ``table`` renders the answer for
-    people (None: the generic table); ``text``: the answer is text, not JSON
+    ``run`` is called with the ``paths`` (positional arguments) and one keyword per option
+    of its own and per group it takes (``options``: each an option or a group's ``Takes``,
+    in the order --help lists them), built from the command line or an in-process call's
+    keywords alike (``_built_keywords``), each option left out given its declared default;
+    ``only_with``: the rules of options that apply only with another; ``table`` renders
+    the answer for people (None: the generic table); ``text``: the answer is text, not JSON
     (dot); ``exit_code``: the exit code an answer gives (check's 8).
     """
 
     name: str
     run: Callable[..., Any]  # its answer: a TypedDict of docs/SPEC.md (dot: text)
     paths: tuple[str, ...] = ("model",)
-    options: tuple[Option, ...] = ()
-    only_with: OnlyWith | None = None
-    absent: dict[str, object] = dataclasses.field(default_factory=dict)
-    one_sample: bool = False
+    options: tuple[Option | Takes, ...] = ()
+    only_with: tuple[OnlyWith, ...] = ()
     table: Callable[[dict, int | None], str] | None = None
     text: bool = False
     exit_code: Callable[[dict], int] | None = None
@@ -2190,7 +2448,21 @@ class Command:
     @property
     def own_top(self) -> bool:
         """Whether the command has a --top of its own (which also limits its JSON)."""
-        return any(flag == "--top" for flag, _ in self.options)
+        return any(flag == "--top" for flag, _ in self.own_options)
+
+    @property
+    def own_options(self) -> list[Option]:
+        """The options that are the command's own, not a group's."""
+        return [entry for entry in self.options if not isinstance(entry, Takes)]
+
+    @property
+    def groups(self) -> list[Takes]:
+        """The option groups the command takes."""
+        return [entry for entry in self.options if isinstance(entry, Takes)]
+
+    def flat_options(self) -> list[Option]:
+        """Every option, its own and its groups', in the order --help lists them."""
+        return [option for entry in self.options for option in (entry.options if isinstance(entry, Takes) else [entry])]
 
 
 _NODES = Command("nodes", nodes, table=_nodes_table, answer=NodesAnswer)
@@ -2201,27 +2473,38 @@ _DIFF = Command("diff", diff, ("a", "b"), table=_diff_table, answer=DiffAnswer)
 
 CHECK = Command(
     "check",
-    check,
+    _check,
     options=(
         ("--float", {"metavar": "F.onnx", "dest": "float_path", "help": "the float model, for --min-sqnr"}),
-        ("--budget", {"metavar": "FILE.json", "help": "budgets as a JSON object (options override it)"}),
-        *((rule.flag, {"type": rule.value, "metavar": rule.metavar, "help": rule.help}) for rule in BUDGETS.values()),
-        *metric_group(f"{either_of(_METRIC_BUDGETS)}: "),
-        level_option(
+        Budgets.taken(),
+        MetricChoice.taken(f"{either_of(_METRIC_BUDGETS)}: "),
+        Session.taken(
             ["disabled", *RUNTIME_LEVELS],
-            None,
+            "all",
             "--min-sqnr, --min-metric: onnxruntime optimization level both models run at (default: all)",
         ),
-        *samples_group(1, samples="many", when=f"{', '.join(BUDGETS[name].flag for name in FLOAT_BUDGETS)}: "),
-        (
-            "--cpu",
-            {
-                "metavar": "NAME",
-                "default": "native",
-                "help": f"{', '.join(BUDGETS[name].flag for name in _RUNNING_BUDGETS)}: run the models in onnxruntime"
-                " built for this CPU, emulated: native (default), x86-avx2 or arm64 (install: python -m"
-                " graphscan_ort.shared.targets install)",
-            },
+        Samples.taken(1, many=True, when=f"{', '.join(BUDGETS[name].flag for name in FLOAT_BUDGETS)}: "),
+        CpuTarget.taken(
+            f"{', '.join(BUDGETS[name].flag for name in _RUNNING_BUDGETS)}: run the models in onnxruntime"
+            f" built for this CPU, emulated: native (default), x86-avx2 or arm64 (install: {INSTALL_TARGETS})"
+        ),
+    ),
+    only_with=(
+        OnlyWith(
+            either_of(FLOAT_BUDGETS),
+            lambda built: built["budgets"].any_of(FLOAT_BUDGETS),
+            ("float_path", "inputs", "shape", "seed", "level"),
+        ),
+        OnlyWith(
+            either_of(_METRIC_BUDGETS),
+            lambda built: built["budgets"].any_of(_METRIC_BUDGETS),
+            ("metric", "threshold", "blank"),
+        ),
+        OnlyWith(
+            either_of(_RUNNING_BUDGETS),
+            lambda built: built["budgets"].any_of(_RUNNING_BUDGETS),
+            ("cpu",),
+            neutral=(("cpu", NATIVE),),
         ),
     ),
     exit_code=lambda answer: EXIT_OK if answer["ok"] else EXIT_BUDGET,
@@ -2438,11 +2721,13 @@ def _load_command(name: str) -> Command:
         return command(name)
 
 
-def _package_function(name: str) -> Callable[..., object]:
-    """Command ``name`` of the graphscan_ort package as a plain function of this
-    module (``graphscan.trace(a, b, ...)``), its module imported when it is first called."""
+def _command_function(name: str) -> Callable[..., Any]:
+    """Command ``name`` as a plain function of this module, with one keyword per option as
+    the command line takes them (``graphscan.check(path, min_sqnr=20, inputs=[...])``),
+    built into its groups as the command line's are; a package command's module is
+    imported when it is first called."""
 
-    def command(*args: object, **keywords: object) -> object:
+    def command(*args: object, **keywords: object) -> Any:
         declared = _load_command(name)
         return declared.run(*args, **_in_process_keywords(declared, keywords))
 
@@ -2451,11 +2736,12 @@ def _package_function(name: str) -> Callable[..., object]:
     return command
 
 
-fuse = _package_function("fuse")
-trace = _package_function("trace")
-runtime = _package_function("runtime")
-impact = _package_function("impact")
-tune = _package_function("tune")
+check = _command_function("check")
+fuse = _command_function("fuse")
+trace = _command_function("trace")
+runtime = _command_function("runtime")
+impact = _command_function("impact")
+tune = _command_function("tune")
 
 
 def render_table(command: str, answer: dict, top: int | None = None) -> str:
@@ -2488,10 +2774,10 @@ def _exit_code_epilog() -> str:
 
 
 def _add_arguments(parser: argparse.ArgumentParser, command: Command) -> None:
-    """``command``'s paths and options, then the output group (--format, --top)."""
+    """``command``'s paths and options (its own and its groups'), then the output group (--format, --top)."""
     for path in command.paths:
         parser.add_argument(path, help=command.path_help)
-    for flag, settings in command.options:
+    for flag, settings in command.flat_options():
         parser.add_argument(flag, **settings)
     if not command.text:
         _Output.add_to(parser, command.own_top)
@@ -2521,55 +2807,59 @@ def _build_parser(chosen: str | None = None) -> _OneLineParser:
     return parser
 
 
-def _command_keywords(command: Command, args: argparse.Namespace) -> dict:
+def _command_keywords(command: Command, args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments of ``command.run`` from the parsed ``args``."""
-    keywords = {_option_dest(f, s): getattr(args, _option_dest(f, s)) for f, s in command.options}
-    rule = command.only_with
-    if rule is not None:
-        given = {f"--{key.replace('_', '-')}": keywords.get(key) for key in rule.dependents}
-        only_with(rule.flag, bool(keywords[rule.keyword]), given)
-    for key, value in command.absent.items():
-        if keywords.get(key) is None:
-            keywords[key] = value
-    if command.one_sample:
-        given_inputs = keywords.get("inputs") or []
-        if len(given_inputs) > 1:
-            raise GraphscanError(f"usage: {command.name} runs one sample: give --inputs once", EXIT_USAGE)
-        keywords["inputs"] = given_inputs[0] if given_inputs else None
-        _one_sample_file(command, keywords["inputs"], "--inputs")
-    return keywords
-
-
-def _one_sample_file(command: Command, path: object, name: str) -> None:
-    """Exit 7 when ``path``, the sample of a command that runs one (option or keyword
-    ``name``), is a folder: the commands that take several take a folder of them."""
-    if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
-        raise GraphscanError(
-            f"{name} {shown(path)}: a folder; {command.name} runs one sample: give one .npz file", EXIT_INPUTS
-        )
+    values = {
+        _option_dest(flag, settings): getattr(args, _option_dest(flag, settings))
+        for flag, settings in command.flat_options()
+    }
+    return _built_keywords(command, values, command_line=True)
 
 
 def _in_process_keywords(command: Command, keywords: dict[str, Any]) -> dict[str, Any]:
-    """``keywords`` of an in-process call (``graphscan.check(...)``, the pytest plugin) checked
-    by the command line's own rule for each option (its argparse type or choices): a call
-    refuses what the command line refuses, in the same words, naming the keyword (``level=``)
-    where the command line names the flag. A path where a list of paths is taken is that
-    one path."""
-    settings_of = {_option_dest(flag, settings): settings for flag, settings in command.options}
-    checked = dict(keywords)
-    for key, value in keywords.items():
-        settings = settings_of.get(key)
-        if settings is not None and value is not None:
-            one_path = command.one_sample and key == "inputs"
-            checked[key] = _keyword_value(key, value, settings, one_path)
-            if one_path:
-                _one_sample_file(command, value, f"{key}=")
-    return checked
+    """The keyword arguments of ``command.run`` from an in-process call's (``graphscan.check(...)``,
+    the pytest plugin): each checked by the command line's own rule for its option (its
+    argparse type or choices), so a call refuses what the command line refuses, in the same
+    words, naming the keyword (``level=``) where the command line names the flag."""
+    settings_of = {_option_dest(flag, settings): settings for flag, settings in command.flat_options()}
+    unknown = sorted(set(keywords) - set(settings_of))
+    if unknown:
+        raise TypeError(f"{command.name}() got an unexpected keyword argument {unknown[0]!r}")
+    values = {
+        key: None if value is None else _keyword_value(key, value, settings_of[key]) for key, value in keywords.items()
+    }
+    return _built_keywords(command, values, command_line=False)
 
 
-def _keyword_value(key: str, value: object, settings: dict, one_path: bool) -> object:
+def _built_keywords(command: Command, values: Mapping[str, Any], command_line: bool) -> dict[str, Any]:
+    """``command.run``'s keywords from each option's value (None: not given), every value
+    checked by its type already: each group built from its options, each option of the
+    command's own given or its declared default; then its only-with rules."""
+    keywords: dict[str, Any] = {}
+    for entry in command.options:
+        if isinstance(entry, Takes):
+            flags = {_option_dest(flag, settings): flag for flag, settings in entry.options}
+            given = Given({key: values.get(key) for key in flags}, flags, command_line, command.name)
+            keywords[entry.keyword] = entry.build(given)
+        else:
+            flag, settings = entry
+            key = _option_dest(flag, settings)
+            value = values.get(key)
+            keywords[key] = _declared_default(settings) if value is None else value
+    flag_of = {_option_dest(flag, settings): flag for flag, settings in command.flat_options()}
+    for rule in command.only_with:
+        only_with(rule.flag, rule.enabled(keywords), rule.given(values, flag_of))
+    return keywords
+
+
+def _declared_default(settings: dict) -> object:
+    """What an option left out means: its declared default (a flag's False, else None)."""
+    return settings.get("default", False if settings.get("action") == "store_true" else None)
+
+
+def _keyword_value(key: str, value: object, settings: dict) -> object:
     """``value`` of keyword ``key`` by its option's ``settings``; exit 2 as the command line."""
-    if settings.get("action") == "append" and not one_path:
+    if settings.get("action") == "append":
         values = [value] if isinstance(value, (str, os.PathLike)) else value
         if not isinstance(values, (list, tuple)) or not all(isinstance(v, (str, os.PathLike)) for v in values):
             raise GraphscanError(

@@ -80,7 +80,6 @@ GATE_KEYS: dict[str, Key] = {
     "cpu": ((list,), "the CPU targets that run the model: native, x86-avx2, arm64"),
 }
 PATH_KEYS = ("path", "float")
-NATIVE = "native"  # the CPU target of a model without cpu = [...]; its items and snapshot keep their plain names
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -163,12 +162,12 @@ class Gate:
     @property
     def targets(self) -> list[str]:
         """The CPU targets its budgets that run the model are measured on (``cpu``; native by default)."""
-        return list(self.settings.get("cpu", [NATIVE]))
+        return list(self.settings.get("cpu", [native()]))
 
 
 def on_target(name: str, target: str) -> str:
     """An item's name on ``target``: ``min_int8`` natively, ``min_int8[arm64]`` on arm64."""
-    return name if target == NATIVE else f"{name}[{target}]"
+    return name if target == native() else f"{name}[{target}]"
 
 
 def key_line(text: str, index: int, key: str | None) -> int:
@@ -223,6 +222,13 @@ def table_node_name(gate: Gate, path_repeats: bool) -> str:
     """The table's part of its item ids: the model's name, and the table's number where
     another table names the same path (two tables, two ids; one model, one snapshot)."""
     return f"{gate.name}:{gate.index + 1}" if path_repeats else gate.name
+
+
+def native() -> str:
+    """The CPU target of a model without ``cpu = [...]`` (the core's name): its items and
+    snapshot keep their plain names."""
+    name: str = graphscan_core().NATIVE
+    return name
 
 
 def budget_rules() -> dict[str, Any]:
@@ -301,12 +307,12 @@ def checked_gate(path: Path, text: str, index: int, entry: Any) -> Gate:
                 raise fail(key, str(exc).removeprefix("usage: ")) from None
     if not any(key in settings for key in [*rules, "snapshot"]):
         raise fail(None, f"no budget (one of {', '.join(rules)}) and no snapshot")
-    for key, rule in rules.items():
-        if key in settings and rule.needs_float and "float" not in settings:
-            raise fail(key, f"{key} needs float = the float model")
-    for key, rule in rules.items():
-        if key in settings and rule.needs_metric and "metric" not in settings:
-            raise fail(key, f"{key} needs metric = NAME or FILE.py:FUNCTION")
+    # check's own rule of what a budget needs, the config's keys for check's keywords
+    keywords = {"float_path" if key == "float" else key for key in settings}
+    unmet = core.unmet_need([key for key in rules if key in settings], keywords)
+    if unmet is not None:
+        key, need = unmet
+        raise fail(key, f"{key} needs {core.NEEDS[need][1]}")
     try:
         command_line_rules(settings)
         metric_file = user_metric_file(settings.get("metric"))
@@ -327,18 +333,17 @@ def cpu_mistake(entry: dict[str, Any]) -> str | None:
     """What is wrong with a table's ``cpu = [...]`` (None: nothing): each name one of the
     targets, once; another target than native only where a budget or snapshot runs the model
     (check's rule for --cpu: the counts are the same on every CPU)."""
-    from graphscan_ort.shared.targets import TARGETS
-
+    targets = graphscan_core().CPU_TARGETS
     chosen = entry["cpu"]
     if not chosen:
         return "cpu: an empty list runs nothing (leave cpu out for native alone)"
     for name in chosen:
-        if not isinstance(name, str) or name not in TARGETS:
-            return f"cpu: {name!r} is not one of {', '.join(TARGETS)}"
+        if not isinstance(name, str) or name not in targets:
+            return f"cpu: {name!r} is not one of {', '.join(targets)}"
         if chosen.count(name) > 1:
             return f"cpu: {name!r} is given twice"
     running = [key for key in budget_rules() if not counted(key)]
-    if chosen != [NATIVE] and not (entry.get("snapshot") or any(key in entry for key in running)):
+    if chosen != [native()] and not (entry.get("snapshot") or any(key in entry for key in running)):
         return f"cpu: only with {', '.join(running)} or snapshot (the counts are the same on every CPU)"
     return None
 
@@ -355,7 +360,7 @@ def command_line_rules(settings: dict[str, Any]) -> None:
     metric_keys = {f"--{key}": settings.get(key) for key in METRIC_KEYS}
     measured_by_metric = [rule.name for rule in rules if rule.needs_metric]
     core.only_with(core.either_of(measured_by_metric), any(key in settings for key in measured_by_metric), metric_keys)
-    declared = dict(core.CHECK.options)  # check's own argparse types
+    declared = dict(core.CHECK.flat_options())  # check's own argparse types
     for key in ("seed", "blank", "threshold"):
         parse = declared[f"--{key}"]["type"]
         if key in settings:
@@ -363,7 +368,7 @@ def command_line_rules(settings: dict[str, Any]) -> None:
                 parse(str(settings[key]))
             except argparse.ArgumentTypeError as exc:
                 raise core.GraphscanError(f"--{key}: {exc}", core.EXIT_USAGE) from None
-    levels = dict(core.CHECK.options)["--level"]["choices"]
+    levels = declared["--level"]["choices"]
     if "level" in settings and settings["level"] not in levels:
         raise core.GraphscanError(f"--level: {settings['level']!r} is not one of {', '.join(levels)}", core.EXIT_USAGE)
     if "shape" in settings:
@@ -407,7 +412,7 @@ def gate_items(gate: Gate) -> Iterator[tuple[str, str | None, str]]:
     """``(name, budget, target)`` of each item of ``gate`` in order, its snapshot's with budget None."""
     for budget in gate.budgets:
         # A count reads the graph alone: one item whatever the CPUs; the others one per target.
-        for target in [NATIVE] if counted(budget) else gate.targets:
+        for target in [native()] if counted(budget) else gate.targets:
             yield on_target(budget, target), budget, target
     if gate.settings.get("snapshot"):
         for target in gate.targets:
@@ -432,7 +437,7 @@ class GateFailed(Exception):
 
 
 class GateItem(pytest.Item):
-    def __init__(self, *, gate: Gate, target: str = NATIVE, **kwargs: Any) -> None:
+    def __init__(self, *, gate: Gate, target: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.gate = gate
         self.target = target  # the CPU target it is measured on
@@ -507,7 +512,7 @@ def in_process(run: Callable[[], Any]) -> Any:
         raise GateFailed(f"graphscan: {exc} (exit {exc.exit_code})") from None
 
 
-def measured(config: pytest.Config, gate: Gate, budget: str, target: str = NATIVE) -> dict[str, Any]:
+def measured(config: pytest.Config, gate: Gate, budget: str, target: str) -> dict[str, Any]:
     """graphscan check's answer for ``budget`` on ``target`` and the other budgets of
     ``gate`` measured alike, once per session: those that run samples apart, so a sample
     that fails them never fails a count (max_islands needs no inputs). The counts are
@@ -519,8 +524,8 @@ def measured(config: pytest.Config, gate: Gate, budget: str, target: str = NATIV
         core = graphscan_core()
         s = gate.settings
         alike = [name for name in gate.budgets if sampled(name) == on_samples]
-        options = {name: s[name] for name in alike if target == NATIVE or not counted(name)}
-        if target != NATIVE:
+        options = {name: s[name] for name in alike if target == native() or not counted(name)}
+        if target != native():
             options["cpu"] = target
         if on_samples:
             for name in [key for key in [*OPTION_KEYS, *METRIC_KEYS] if key != "path"]:
@@ -531,55 +536,63 @@ def measured(config: pytest.Config, gate: Gate, budget: str, target: str = NATIV
     return answer
 
 
-def runtime_answer(config: pytest.Config, gate: Gate, target: str = NATIVE) -> dict[str, Any]:
+def runtime_answer(config: pytest.Config, gate: Gate, target: str) -> dict[str, Any]:
     cache = session_state(config).answers
     key = ("runtime", gate.index, target)
     if key not in cache:
         core = graphscan_core()
-        cpu = {} if target == NATIVE else {"cpu": target}
+        cpu = {} if target == native() else {"cpu": target}
         cache[key] = in_process(lambda: core.runtime(gate.settings["path"], **cpu))
     answer: dict[str, Any] = cache[key]
     return answer
 
 
-def budget_sentence(row: dict[str, Any], config: pytest.Config, gate: Gate, target: str = NATIVE) -> str:
+def budget_sentence(row: dict[str, Any], config: pytest.Config, gate: Gate, target: str) -> str:
     """``min_int8: 0.1849 < 0.8 (54 of 292 nodes run int8 or int8_data kernels)``
-    (``min_int8[arm64]: ...`` on a target, its nodes those the target runs)."""
+    (``min_int8[arm64]: ...`` on a target, its nodes those the target runs): the words
+    after the value are the budget's own (``BudgetRule.words``)."""
     name, value, limit = row["name"], row["value"], row["limit"]
     rule = budget_rules()[name]
     sign = ">" if rule.direction == "max" else "<"
     shown = "undefined" if value is None else f"{value:.4g}"
-    sentence = f"{on_target(name, target)}: {shown} {sign} {limit:g}"
-    if name == "min_int8":
-        classes = runtime_answer(config, gate, target)["classes"]
+    words = rule.words(row, GateExplaining(config, gate, target))
+    return f"{on_target(name, target)}: {shown} {sign} {limit:g} ({words})" + (
+        " (undefined never holds)" if value is None else ""
+    )
+
+
+@dataclasses.dataclass
+class GateExplaining:
+    """What a budget's words may ask of a gate (the core's ``Explaining``): the float model's
+    name, the nodes that run int8 on the gate's target, a metric named as the config names it."""
+
+    config: pytest.Config
+    gate: Gate
+    target: str
+
+    @property
+    def float_name(self) -> str:
+        return Path(self.gate.settings["float"]).name
+
+    def int8_nodes(self) -> tuple[int, int]:
+        classes = runtime_answer(self.config, self.gate, self.target)["classes"]
         integer = classes["int8"] + classes["int8_data"]
-        sentence += f" ({integer} of {integer + classes['float']} nodes run int8 or int8_data kernels)"
-    elif name == "min_metric":
-        described = row.get("metric", {})
+        return integer, integer + classes["float"]
+
+    def metric_words(self, described: dict[str, Any]) -> list[str]:
         if user_metric_file(described.get("name")) is not None:  # the file as the config's folder sees it
-            described = {**described, "name": os.path.relpath(described["name"], config_path(config).parent)}
-        words = graphscan_core().metric_words(described)
-        sentence += f" ({', '.join(words)} against {Path(gate.settings['float']).name})"
-    elif name == "min_sqnr":
-        part = row.get("worst_part") or {}
-        where = f", worst part {part['part']} of {part['output']} from {part['node']}" if part else ""
-        sentence += f" (dB, against {Path(gate.settings['float']).name}{where})"
-    elif name == "min_levels":
-        part = row.get("part") or {}
-        where = f" at {row['tensor']}, part {part['part']} from {part['node']}" if part else ""
-        sentence += f" (steps of the scale{where})"
-    else:
-        sentence += f" ({rule.measures})"
-    return sentence + (" (undefined never holds)" if value is None else "")
+            described = {**described, "name": os.path.relpath(described["name"], config_path(self.config).parent)}
+        words: list[str] = graphscan_core().metric_words(described)
+        return words
 
 
 # ---------------------------------------------------------------------------
 # Snapshots of what runs, node by node.
 
 
-def snapshot_file(config: pytest.Config, gate: Gate, target: str = NATIVE) -> Path:
+def snapshot_file(config: pytest.Config, gate: Gate, target: str) -> Path:
     """``NAME.json``, or ``NAME@TARGET.json`` for a CPU target (``@`` is never in a NAME)."""
-    name = gate.snapshot_name if target == NATIVE else f"{gate.snapshot_name}@{target}"
+    name = gate.snapshot_name if target == native() else f"{gate.snapshot_name}@{target}"
     return config_path(config).parent / SNAPSHOT_FOLDER / f"{name}.json"
 
 
@@ -587,7 +600,7 @@ def updating(config: pytest.Config) -> bool:
     return bool(config.getoption("graphscan_snapshot_update") or config.getoption("update_snapshots", False))
 
 
-def compare_snapshot(config: pytest.Config, gate: Gate, target: str = NATIVE) -> None:
+def compare_snapshot(config: pytest.Config, gate: Gate, target: str) -> None:
     now = runtime_snapshot(runtime_answer(config, gate, target))
     path = snapshot_file(config, gate, target)
     if not updating(config) and not path.is_file():

@@ -3,20 +3,21 @@
 The core (graphscan.py) imports nothing of the package but this module, and only
 when a command that runs models is asked for; everything else of the package
 imports the core, never this module. It hands the core the declarations of the
-package's commands and the two functions the core's own commands call. Each is
-imported when it is asked for, so a run imports only the modules it needs.
-``tests/cli/test_layout.py`` holds the door shut everywhere else.
+package's commands and the functions the core's own commands and its CPU target
+call, each typed by the core's own types. Each is imported when it is asked for, so
+a run imports only the modules it needs. ``tests/cli/test_layout.py`` holds the door
+shut everywhere else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import onnx
 
-    from graphscan import Command
+    from graphscan import BudgetJob, Command, Measured, TargetRunner
     from graphscan_ort.engines.classify import Classification
 
 
@@ -65,12 +66,12 @@ def command(name: str) -> Command:
     return DECLARED[name]()
 
 
-def check_measurements() -> Callable[..., tuple[dict[str, float], dict[str, dict[str, Any]], Any]]:
-    """check's budgets that run the model (``commands/check.measurements``: values, what each
-    row says beside its value, and the CPU target's facts or None), imported now."""
-    from graphscan_ort.commands.check import measurements
+def measure_budgets(job: BudgetJob, names: Sequence[str]) -> tuple[dict[str, Measured], dict[str, Any] | None]:
+    """check's budgets ``names`` that run the model, each by its measurer
+    (``commands/check.measure``), and the CPU target's facts (None: native)."""
+    from graphscan_ort.commands.check import measure
 
-    return measurements
+    return measure(job, names)
 
 
 def runtime_classifier() -> Callable[[onnx.ModelProto, str], Classification]:
@@ -79,3 +80,17 @@ def runtime_classifier() -> Callable[[onnx.ModelProto, str], Classification]:
     from graphscan_ort.engines.classify import classify
 
     return classify
+
+
+def require_target(name: str) -> None:
+    """Exit 2 naming the install command when CPU target ``name`` cannot run here."""
+    from graphscan_ort.shared.targets import require
+
+    require(name)
+
+
+def target_runner(name: str, kept: bool) -> TargetRunner:
+    """What calls functions of graphscan on CPU target ``name`` (``targets.Runner``)."""
+    from graphscan_ort.shared.targets import Runner
+
+    return Runner(name, kept)

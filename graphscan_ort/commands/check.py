@@ -1,34 +1,36 @@
-"""check's budgets that run the model: the int8 share (runtime), the output SQNR and the
-``--metric`` agreement (shared.agreement), on this CPU or on a CPU target (``--cpu``).
+"""check's budgets that run the model, one measurer each (MEASURERS, by the name of its row
+in the core's BUDGETS table): the int8 share (runtime's classes), the output SQNR, the
+levels and the ``--metric`` agreement (shared.agreement), on this CPU or on a CPU target
+(``--cpu``).
 
-On a target, its own interpreter runs the sessions (``targets.run``): runtime's classes
-for min_int8, both models' outputs for min_sqnr and min_metric (handed back in an .npz
-and measured here by the same code as natively) and the float model's levels for
+On a target, its own interpreter runs the sessions (``CpuTarget.runner``): runtime's
+classes for min_int8, both models' outputs for min_sqnr and min_metric (handed back in an
+.npz and measured here by the same code as natively) and the float model's levels for
 min_levels."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import tempfile
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import onnx
 
 from graphscan import (
     EXIT_INPUTS,
-    EXIT_USAGE,
-    FLOAT_BUDGETS,
-    NO_METRIC,
+    BudgetJob,
     GraphscanError,
-    MetricChoice,
+    Measured,
     Samples,
+    TargetRunner,
     load_with_weights,
     shown,
 )
-from graphscan_ort.engines.classify import classify
+from graphscan_ort.engines.classify import classes_answer, classify
 from graphscan_ort.engines.levels import lowest_levels, quantized_activations, tensor_levels
 from graphscan_ort.engines.trace import float_counterparts
 from graphscan_ort.shared.agreement import Metric, metric, paired_value
@@ -42,92 +44,106 @@ from graphscan_ort.shared.metrics import (
     paired_outputs,
     require_numbers,
 )
-from graphscan_ort.shared.on_target import Target, keyed_outputs, load_samples, read_outputs, save_samples
+from graphscan_ort.shared.on_target import keyed_outputs, load_samples, read_outputs, save_samples
 from graphscan_ort.shared.options import Named
 from graphscan_ort.shared.sessions import CPU, deployed_options, inputs_hint, model_outputs
-from graphscan_ort.shared.targets import NATIVE, TARGETS, Facts, require
 
 
-def measurements(
-    path: str,
-    names: list[str],
-    float_path: str | None,
-    samples: Samples,
-    level: str = "all",
-    model: onnx.ModelProto | None = None,
-    chosen: MetricChoice = NO_METRIC,
-    cpu: str = NATIVE,
-) -> tuple[dict[str, float], dict[str, dict[str, Any]], Facts | None]:
-    """The value of each budget in ``names`` (``min_int8``, ``min_sqnr``, ``min_levels``, ``min_metric``)
-    for the quantized model at ``path`` (``model``: that model, when the caller already
-    read it with its weights), what each budget's row says beside its value
-    (min_metric's metric described, min_sqnr's pooled SQNR and worst part), and the CPU
-    target's facts (None: native); ``level``: the optimization level min_sqnr and
-    min_metric run at."""
-    if cpu not in TARGETS:
-        raise GraphscanError(f"usage: --cpu must be one of {', '.join(TARGETS)}", EXIT_USAGE)
-    require(cpu)  # a missing target is one line naming the install command, before anything runs
-    target = Target(cpu)
-    values = {}
-    described: dict[str, dict[str, Any]] = {}
-    # The metric is checked before any model runs: a bad --metric is exit 2 at once.
-    agreement = metric(chosen.name, chosen.threshold, chosen.blank) if "min_metric" in names else None
-    if "min_int8" in names:
-        if cpu == NATIVE:
-            model = load_with_weights(path) if model is None else model
-            values["min_int8"] = int8_fraction(classify(model, path).counts["classes"])
-        else:  # the target's own optimized session, as runtime --cpu reads it
-            found_classes = target.run("graphscan_ort.commands.runtime:classes", [path, "extended", CPU, False])
-            values["min_int8"] = int8_fraction(found_classes["classes"])
-    if set(FLOAT_BUDGETS) & set(names):  # the budgets that run the float model too
-        assert float_path is not None, "the core checks that the budgets that run --float come with it"
-        model = load_with_weights(path) if model is None else model
-        found, more = float_measurements(Named(model, path), float_path, names, samples, level, agreement, target)
-        values.update(found)
-        described.update(more)
-    if agreement is not None:
-        described["min_metric"] = {"metric": agreement.describe()}
-    return values, described, target.facts
+class Measuring:
+    """One check's measuring of the budgets that run the model: the job (paths, samples,
+    metric, sessions, CPU target), each model read once, both models' outputs run once for
+    min_sqnr and min_metric alike, and what runs the sessions on the job's CPU (``runner``)."""
+
+    def __init__(self, job: BudgetJob, runner: TargetRunner) -> None:
+        self.job, self.runner = job, runner
+
+    @functools.cached_property
+    def candidate(self) -> Named:
+        model = self.job.model if self.job.model is not None else load_with_weights(self.job.path)
+        return Named(model, self.job.path)
+
+    @functools.cached_property
+    def reference(self) -> Named:
+        assert self.job.float_path is not None, "check refuses a budget that needs --float without it"
+        return Named(load_with_weights(self.job.float_path), self.job.float_path)
+
+    @functools.cached_property
+    def runs(self) -> CheckSamples:
+        return checked_samples(self.reference, self.candidate, self.job.samples)
+
+    @functools.cached_property
+    def agreement(self) -> Metric:
+        """The --metric, made from its choice (a built-in, or a user's function loaded)."""
+        chosen = self.job.metric
+        return metric(chosen.name, chosen.threshold, chosen.blank)
+
+    @functools.cached_property
+    def outputs(self) -> PairedOutputs:
+        """Both models' outputs on the samples, in sessions at the job's level, on its CPU."""
+        if self.job.cpu.native:
+            return deployed_outputs(self.reference, self.candidate, self.runs, self.job.session.level)
+        return outputs_on_target(self.runner, self.reference, self.candidate, self.runs, self.job.session.level)
 
 
-def float_measurements(
-    quantized: Named,
-    float_path: str,
-    names: list[str],
-    samples: Samples,
-    level: str,
-    agreement: Metric | None,
-    target: Target | None = None,
-) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
-    """min_sqnr, min_levels and min_metric: the budgets that run the float model too
-    (both models on ``target``'s CPU)."""
-    target = target or Target(NATIVE)
-    reference = Named(load_with_weights(float_path), float_path)
-    runs = checked_samples(reference, quantized, samples)
-    values: dict[str, float] = {}
-    described: dict[str, dict[str, Any]] = {}
-    if "min_levels" in names:
-        if target.native:
-            values["min_levels"], described["min_levels"] = lowest_levels_budget(reference, quantized, runs)
-        else:
-            values["min_levels"], described["min_levels"] = levels_on_target(target, float_path, quantized.path, runs)
-    if {"min_sqnr", "min_metric"} & set(names):
-        if target.native:
-            outputs = deployed_outputs(reference, quantized, runs, level)
-        else:
-            outputs = outputs_on_target(target, reference, quantized, runs, level)
-        if "min_sqnr" in names:
-            values["min_sqnr"] = measured_sqnr(outputs)
-            figures = outputs.figures()
-            pooled = math.inf if figures.exact else figures.pooled_db
-            described["min_sqnr"] = {
-                "pooled_sqnr_db": pooled if pooled is not None and math.isfinite(pooled) else None,
-                "worst_part": figures.worst_part,
-            }
-        if agreement is not None:
-            value = paired_value(outputs, agreement)
-            values["min_metric"] = math.nan if value is None else value
-    return values, described
+def min_int8(measuring: Measuring) -> Measured:
+    """The fraction of compute nodes that run an int8 or int8_data kernel, as runtime classes them
+    (on a target: its own optimized session, as runtime --cpu reads it)."""
+    job = measuring.job
+    if job.cpu.native:
+        found = classify(measuring.candidate.model, job.path).counts["classes"]
+    else:
+        found = measuring.runner.call(classes_answer, job.path, "extended", CPU, False)["classes"]
+    return Measured(int8_fraction(found))
+
+
+def min_sqnr(measuring: Measuring) -> Measured:
+    """The output SQNR against --float by impact's definition: the worst part's (``nan``, which
+    never holds, when undefined: an empty sample verifies nothing)."""
+    figures = measuring.outputs.figures()
+    described = {"pooled_sqnr_db": figures.pooled_db, "worst_part": figures.worst_part}
+    return Measured(math.nan if figures.worst_db is None else figures.worst_db, described)
+
+
+def min_levels(measuring: Measuring) -> Measured:
+    """The fewest steps of its scale the worst part of any quantized tensor spans."""
+    if measuring.job.cpu.native:
+        value, described = lowest_levels_budget(measuring.reference, measuring.candidate, measuring.runs)
+    else:
+        value, described = levels_on_target(
+            measuring.runner, measuring.reference.path, measuring.job.path, measuring.runs
+        )
+    return Measured(value, described)
+
+
+def min_metric(measuring: Measuring) -> Measured:
+    """The --metric's agreement of the quantized model's outputs with the float model's."""
+    value = paired_value(measuring.outputs, measuring.agreement)
+    return Measured(math.nan if value is None else value, {"metric": measuring.agreement.describe()})
+
+
+# Each budget that runs the model, by its name in the core's BUDGETS table: its measurer.
+MEASURERS: dict[str, Callable[[Measuring], Measured]] = {
+    "min_int8": min_int8,
+    "min_sqnr": min_sqnr,
+    "min_levels": min_levels,
+    "min_metric": min_metric,
+}
+
+
+def measure(job: BudgetJob, names: Sequence[str]) -> tuple[dict[str, Measured], dict[str, Any] | None]:
+    """Each budget of ``names`` (those that run the model), by its measurer, and the facts of
+    the CPU target they ran on (None: native). A metric is made before any model runs: a bad
+    --metric is exit 2 at once."""
+    job.cpu.require()  # a missing target is one line naming the install command, before anything runs
+    runner = job.cpu.runner(kept=True)  # one interpreter for every budget on an emulated CPU
+    try:
+        measuring = Measuring(job, runner)
+        if job.metric.name is not None:  # given only with min_metric (the core's rule)
+            measuring.agreement  # noqa: B018  (made now: a bad --metric is refused before any model runs)
+        found = {name: MEASURERS[name](measuring) for name in names}
+    finally:
+        runner.close()
+    return found, None if job.cpu.native else dict(runner.facts or {})
 
 
 @dataclasses.dataclass
@@ -175,18 +191,6 @@ def lowest_levels_budget(reference: Named, candidate: Named, runs: CheckSamples)
     return found.levels, {"tensor": found.tensor, "part": {"part": found.part, "node": found.node}}
 
 
-def measured_sqnr(outputs: PairedOutputs) -> float:
-    """The quantized model's output SQNR against the float one by impact's definition
-    (``metrics.OutputNoise``): ``inf`` when the outputs are equal, ``nan`` when the SQNR
-    is undefined (NaN or Inf in the outputs, all-zero float outputs, an empty sample)."""
-    sqnr, exact = outputs.sqnr()
-    if outputs.reference.noise.empty:  # an empty sample verifies nothing: the budget does not hold
-        return math.nan
-    if exact:
-        return math.inf
-    return math.nan if sqnr is None else sqnr
-
-
 # -- on a CPU target: the sessions run in its interpreter, the arrays come back in files
 
 
@@ -216,7 +220,7 @@ def target_outputs(
 
 
 def outputs_on_target(
-    target: Target, reference: Named, candidate: Named, runs: CheckSamples, level: str
+    runner: TargetRunner, reference: Named, candidate: Named, runs: CheckSamples, level: str
 ) -> PairedOutputs:
     """``deployed_outputs`` as ``target``'s CPU computes them: the same pairs, samples and
     sessions, run in its interpreter."""
@@ -230,7 +234,7 @@ def outputs_on_target(
         answer = os.path.join(folder, "outputs.npz")
         arguments = [float_path, quant_path, float_names, quant_names, level, samples_file, names, answer]
         with inputs_hint(runs.generated, 1, [float_path, quant_path]):
-            count = target.run(f"{__name__}:target_outputs", arguments)
+            count = runner.call(target_outputs, *arguments)
         with np.load(answer) as saved:
             float_rows, quant_rows = (read_outputs(saved, prefix, count, len(pairs)) for prefix in "fq")
     layout = output_layout(reference.model, float_names, runs.samples)
@@ -248,12 +252,10 @@ def target_levels(
 
 
 def levels_on_target(
-    target: Target, float_path: str, quant_path: str, runs: CheckSamples
+    runner: TargetRunner, float_path: str, quant_path: str, runs: CheckSamples
 ) -> tuple[float, dict[str, Any]]:
-    """min_levels with the float model run on ``target``'s CPU."""
+    """min_levels with the float model run on ``runner``'s CPU."""
     with tempfile.TemporaryDirectory(prefix="graphscan-check-") as folder:
         samples_file, names = save_samples(folder, runs.samples)
-        value, described = target.run(
-            f"{__name__}:target_levels", [float_path, quant_path, samples_file, names, runs.generated]
-        )
+        value, described = runner.call(target_levels, float_path, quant_path, samples_file, names, runs.generated)
     return (math.inf if value is None else value), described

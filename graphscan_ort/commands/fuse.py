@@ -13,11 +13,11 @@ from graphscan import (
     Command,
     GraphIndex,
     GraphscanError,
+    Samples,
     format_fields,
     load_with_weights,
     one_line,
     page,
-    samples_group,
     section,
     shown,
 )
@@ -27,9 +27,6 @@ from graphscan_ort.shared.graph import FLOAT_TYPES, declared_values, fresh_name
 from graphscan_ort.shared.inputs import model_samples, parse_shapes
 from graphscan_ort.shared.metrics import verify
 from graphscan_ort.shared.sessions import inputs_hint
-
-FUSE_SEED = 0
-
 
 SYMBOLIC_DIM_SIZE = 2  # size given to symbolic dimensions of verification inputs
 
@@ -172,13 +169,11 @@ def check_original(model: onnx.ModelProto, path: str) -> None:
             )
 
 
-def fuse(
-    path: str, output: str, inputs: str | None = None, shape: list[str] | None = None, seed: int = FUSE_SEED
-) -> FuseAnswer:
+def fuse(path: str, output: str, samples: Samples) -> FuseAnswer:
     """Fuse MatMul+Add into Gemm, verify with onnxruntime, then write ``output``.
 
-    The verification sample is ``inputs`` (an .npz) or seeded data whose
-    symbolic dimensions come from ``shape`` (``--shape NAME=D0,...``) or are 2.
+    The verification sample is the ``--inputs`` file or seeded data whose symbolic
+    dimensions come from ``--shape NAME=D0,...`` or are 2.
     """
     model = load_with_weights(path)
     check_original(model, path)
@@ -188,9 +183,9 @@ def fuse(
         onnx.checker.check_model(fused_model, full_check=True)
     except Exception as exc:
         raise GraphscanError(f"{shown(path)}: fused model fails the checker ({one_line(exc)})", EXIT_MISMATCH)
-    samples, _ = model_samples(model, [inputs] if inputs else None, parse_shapes(shape), seed, SYMBOLIC_DIM_SIZE)
-    with inputs_hint(not inputs, SYMBOLIC_DIM_SIZE, [path]):
-        result = verify(model, fused_model, samples[:1], (f"{shown(path)}: model", f"the fused model of {shown(path)}"))
+    chosen, _ = model_samples(model, samples.inputs, parse_shapes(samples.shape), samples.seed, SYMBOLIC_DIM_SIZE)
+    with inputs_hint(not samples.inputs, SYMBOLIC_DIM_SIZE, [path]):
+        result = verify(model, fused_model, chosen[:1], (f"{shown(path)}: model", f"the fused model of {shown(path)}"))
     if result.problem is None and not result.compared:
         why = "empty" if result.empty else "all NaN or infinite"
         raise GraphscanError(
@@ -235,9 +230,7 @@ COMMAND = Command(
     "fuse",
     fuse,
     ("model", "output"),
-    options=tuple(samples_group(SYMBOLIC_DIM_SIZE)),
-    absent={"seed": FUSE_SEED},
-    one_sample=True,
+    options=(Samples.taken(SYMBOLIC_DIM_SIZE),),
     table=fuse_table,
     answer=FuseAnswer,
 )

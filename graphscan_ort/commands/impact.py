@@ -14,15 +14,14 @@ from typing import Any
 from graphscan import (
     TABLE_WIDTH,
     Command,
+    OnlyWith,
     Samples,
     finite_float,
     format_fields,
     format_names,
     load_with_weights,
     non_negative_int,
-    only_with,
     page,
-    samples_group,
     section,
     visible,
 )
@@ -39,37 +38,23 @@ IMPACT_SYMBOLIC_DIM_SIZE = 1
 def impact(
     a: str,
     b: str,
-    inputs: list[str] | None = None,
-    seed: int = 0,
-    shape: list[str] | None = None,
-    target_sqnr: float | None = None,
-    max_exclude: int | None = None,
-    top: int | None = None,
-    min_gain: float | None = None,
-) -> ImpactAnswer:
-    """Per operator and per activation tensor of ``b`` (quantized): the output
-    SQNR against ``a`` (float) if it stayed float; optionally what to exclude."""
-    with inputs_hint(not inputs, IMPACT_SYMBOLIC_DIM_SIZE, [a, b]):
-        return impact_answer(a, b, Samples(inputs, shape, seed), target_sqnr, max_exclude, top, min_gain)
-
-
-def impact_answer(
-    a: str,
-    b: str,
-    given: Samples,
+    samples: Samples,
     target_sqnr: float | None,
     max_exclude: int | None,
     top: int | None,
     min_gain: float | None,
 ) -> ImpactAnswer:
-    """``impact``'s work, every argument as given (``given``: the samples group)."""
-    only_with("--target-sqnr", target_sqnr is not None, {"--max-exclude": max_exclude, "--min-gain": min_gain})
-    reference, candidate = Named(load_with_weights(a), a), Named(load_with_weights(b), b)
-    check_same_inputs(reference, candidate)
-    shapes = parse_shapes(given.shape)
-    samples, defaulted = model_samples(reference.model, given.inputs, shapes, given.seed or 0, IMPACT_SYMBOLIC_DIM_SIZE)
-    body = measure(reference, candidate, samples, target_sqnr, max_exclude, top, min_gain)
-    return {"a": a, "b": b, "inputs": inputs_answer(samples), "defaulted": defaulted, **body}
+    """Per operator and per activation tensor of ``b`` (quantized): the output
+    SQNR against ``a`` (float) if it stayed float; optionally what to exclude."""
+    with inputs_hint(not samples.inputs, IMPACT_SYMBOLIC_DIM_SIZE, [a, b]):
+        reference, candidate = Named(load_with_weights(a), a), Named(load_with_weights(b), b)
+        check_same_inputs(reference, candidate)
+        shapes = parse_shapes(samples.shape)
+        chosen, defaulted = model_samples(
+            reference.model, samples.inputs, shapes, samples.seed, IMPACT_SYMBOLIC_DIM_SIZE
+        )
+        body = measure(reference, candidate, chosen, target_sqnr, max_exclude, top, min_gain)
+    return {"a": a, "b": b, "inputs": inputs_answer(chosen), "defaulted": defaulted, **body}
 
 
 def impact_table(answer: dict[str, Any], top: int | None) -> str:
@@ -125,7 +110,7 @@ COMMAND = Command(
     impact,
     ("a", "b"),
     options=(
-        *samples_group(IMPACT_SYMBOLIC_DIM_SIZE, samples="many"),
+        Samples.taken(IMPACT_SYMBOLIC_DIM_SIZE, many=True),
         (
             "--target-sqnr",
             {"metavar": "DB", "type": finite_float, "help": "find the nodes to exclude to reach this output SQNR"},
@@ -151,7 +136,7 @@ COMMAND = Command(
             },
         ),
     ),
-    absent={"seed": 0},
+    only_with=(OnlyWith("--target-sqnr", lambda built: built["target_sqnr"] is not None, ("max_exclude", "min_gain")),),
     table=impact_table,
     answer=ImpactAnswer,
 )

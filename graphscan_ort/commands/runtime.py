@@ -14,41 +14,28 @@ from typing import Any, cast
 
 from graphscan import (
     EXIT_USAGE,
+    INSTALL_TARGETS,
     RUNTIME_LEVELS,
     TABLE_WIDTH,
     Command,
+    CpuTarget,
     GraphscanError,
     OnlyWith,
+    Samples,
+    Session,
     format_fields,
-    level_option,
     load_with_weights,
     page,
-    samples_group,
     section,
     visible,
 )
-from graphscan_ort.engines.classify import (
-    classify,
-)
+from graphscan_ort.engines.classify import classes_answer, classify
 from graphscan_ort.engines.timing import runtime_time
 from graphscan_ort.shared.answers import ClassChange, NodeRow, RuntimeAnswer
 from graphscan_ort.shared.inputs import model_samples, parse_shapes
 from graphscan_ort.shared.kernels import RUNTIME_CLASSES
-from graphscan_ort.shared.options import MAX_RUNS, RUNTIME_DEFAULT_RUNS, Session, Timing
+from graphscan_ort.shared.options import Timing
 from graphscan_ort.shared.sessions import CPU, environment, inputs_hint
-from graphscan_ort.shared.targets import NATIVE, TARGETS, require, run
-
-
-def classes(path: str, level: str, provider: str, int8_allowed: bool) -> dict[str, Any]:
-    """The runtime answer's classes, without its model and timing: what a CPU target
-    computes in its own interpreter and hands back as JSON."""
-    found = classify(load_with_weights(path), path, level, provider, int8_allowed)
-    return {
-        "environment": environment(level, provider, int8_allowed=int8_allowed),
-        **found.counts,
-        "nodes": found.rows,
-        "unmapped": found.unmapped,
-    }
 
 
 def differs(native: list[NodeRow], target: list[NodeRow]) -> list[ClassChange]:
@@ -62,54 +49,51 @@ def differs(native: list[NodeRow], target: list[NodeRow]) -> list[ClassChange]:
 
 def runtime(
     path: str,
-    level: str = "extended",
-    provider: str = "CPUExecutionProvider",
-    int8_allowed: bool = False,
-    timed: bool = False,
-    inputs: str | None = None,
-    shape: list[str] | None = None,
-    seed: int = 0,
-    runs: int = RUNTIME_DEFAULT_RUNS,
-    cpu: str = NATIVE,
+    provider: str,
+    int8_allowed: bool,
+    timed: bool,
+    session: Session,
+    samples: Samples,
+    timing: Timing,
+    cpu: CpuTarget,
 ) -> RuntimeAnswer:
-    """Per compute node: the kernel onnxruntime runs for it and its class (on ``cpu``)."""
-    Session(level)  # the session group checks --level (runtime's sessions take no --threads)
-    timing = Timing(runs)
-    if cpu not in TARGETS:
-        raise GraphscanError(f"usage: --cpu must be one of {', '.join(TARGETS)}", EXIT_USAGE)
-    if cpu != NATIVE and timed:
+    """Per compute node: the kernel onnxruntime runs for it and its class (on ``cpu``);
+    with ``timed``, each class's kernel time and the round trips' cost (this machine only)."""
+    if timed and not cpu.native:
         raise GraphscanError(
-            f"usage: --time measures this machine's latency; under --cpu {cpu} onnxruntime is emulated, "
+            f"usage: --time measures this machine's latency; under --cpu {cpu.name} onnxruntime is emulated, "
             "so its time is no latency (leave out --cpu to time natively)",
             EXIT_USAGE,
         )
-    require(cpu)
+    cpu.require()
     model = load_with_weights(path)
-    shapes = parse_shapes(shape)
-    found = classify(model, path, level, provider, int8_allowed)
-    if cpu != NATIVE:
-        return on_target(path, found.rows, level, provider, int8_allowed, cpu)
+    shapes = parse_shapes(samples.shape)
+    found = classify(model, path, session.level, provider, int8_allowed)
+    if not cpu.native:
+        return on_target(path, found.rows, session.level, provider, int8_allowed, cpu)
     answer: RuntimeAnswer = {
         "model": path,
-        "environment": environment(level, provider, int8_allowed=int8_allowed),
+        "environment": environment(session.level, provider, int8_allowed=int8_allowed),
         **found.counts,
         "nodes": found.rows,
         "unmapped": found.unmapped,
     }
     if timed:
-        samples, defaulted = model_samples(found.named, [inputs] if inputs else None, shapes, seed, 1)
-        with inputs_hint(not inputs, 1, [path]):
-            answer["time"] = runtime_time(found, path, samples[0], defaulted, level, provider, int8_allowed, timing)
+        chosen, defaulted = model_samples(found.named, samples.inputs, shapes, samples.seed, 1)
+        with inputs_hint(not samples.inputs, 1, [path]):
+            answer["time"] = runtime_time(
+                found, path, chosen[0], defaulted, session.level, provider, int8_allowed, timing
+            )
     return answer
 
 
 def on_target(
-    path: str, native: list[NodeRow], level: str, provider: str, int8_allowed: bool, cpu: str
+    path: str, native: list[NodeRow], level: str, provider: str, int8_allowed: bool, cpu: CpuTarget
 ) -> RuntimeAnswer:
     """runtime's answer from ``cpu``'s own session, with the nodes whose class differs from ``native``."""
-    reply = run(cpu, f"{__name__}:classes", [path, level, provider, int8_allowed])
-    there = reply["result"]
-    answer = {"model": path, "environment": there.pop("environment"), "cpu": reply["cpu"], **there}
+    runner = cpu.runner()
+    there = runner.call(classes_answer, path, level, provider, int8_allowed)
+    answer = {"model": path, "environment": there.pop("environment"), "cpu": runner.facts, **there}
     answer["differs_from_native"] = differs(native, there["nodes"])
     return cast(RuntimeAnswer, answer)
 
@@ -173,7 +157,7 @@ COMMAND = Command(
     "runtime",
     runtime,
     options=(
-        level_option(
+        Session.taken(
             list(RUNTIME_LEVELS),
             "extended",
             "onnxruntime graph optimization level (default: extended, where each kernel maps back to a node;"
@@ -189,21 +173,14 @@ COMMAND = Command(
                 "help": "profile kernel time per class and measure the Q/DQ round trips' cost",
             },
         ),
-        (
-            "--cpu",
-            {
-                "choices": list(TARGETS),
-                "default": NATIVE,
-                "help": "classify in onnxruntime built for this CPU, emulated (default: native; "
-                "install the others: python -m graphscan_ort.shared.targets install)",
-            },
+        CpuTarget.taken(
+            "classify in onnxruntime built for this CPU, emulated (default: native; install the others: "
+            f"{INSTALL_TARGETS})"
         ),
-        *samples_group(1, when="--time: "),
-        Timing.option(f"--time: timed runs, 1 to {MAX_RUNS} (default: {RUNTIME_DEFAULT_RUNS})"),
+        Samples.taken(1, when="--time: "),
+        Timing.taken("--time: timed runs"),
     ),
-    only_with=OnlyWith("--time", "timed", ("inputs", "shape", "seed", "runs")),
-    absent={"seed": 0, "runs": RUNTIME_DEFAULT_RUNS},
-    one_sample=True,
+    only_with=(OnlyWith("--time", lambda built: built["timed"], ("inputs", "shape", "seed", "runs")),),
     table=runtime_table,
     answer=RuntimeAnswer,
 )

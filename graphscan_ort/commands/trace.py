@@ -14,14 +14,14 @@ from typing import Any, cast
 
 from graphscan import (
     EXIT_RUNTIME,
-    EXIT_USAGE,
     Command,
+    CpuTarget,
     GraphscanError,
+    Samples,
     format_fields,
     load_with_weights,
     one_line,
     page,
-    samples_group,
     section,
 )
 from graphscan_ort.engines.kernel_numbers import differences, saved_outputs
@@ -32,32 +32,21 @@ from graphscan_ort.shared.inputs import check_same_inputs, model_samples, parse_
 from graphscan_ort.shared.options import Named, finite_non_negative
 from graphscan_ort.shared.sessions import inputs_hint, temporary_folder
 from graphscan_ort.shared.tables import RED_FLAGS, input_fields, largest_first, smallest_first
-from graphscan_ort.shared.targets import NATIVE, TARGETS, require, run
 
 TRACE_SYMBOLIC_DIM_SIZE = 1
 
 
-def trace(
-    a: str,
-    b: str,
-    inputs: str | None = None,
-    seed: int = 0,
-    tolerance: float = TRACE_TOLERANCE,
-    save: str | None = None,
-    shape: list[str] | None = None,
-    cpu: str = NATIVE,
-) -> TraceAnswer:
+def trace(a: str, b: str, tolerance: float, save: str | None, samples: Samples, cpu: CpuTarget) -> TraceAnswer:
     """Per operator of ``b`` (quantized): isolated and propagated error against ``a`` (float),
     both models run as ``cpu`` computes them (another target than native: with the operators
     whose numbers differ from this machine's)."""
-    if cpu not in TARGETS:
-        raise GraphscanError(f"usage: --cpu must be one of {', '.join(TARGETS)}", EXIT_USAGE)
-    require(cpu)
+    cpu.require()
+    inputs = samples.inputs[0] if samples.inputs else None
     try:
         with inputs_hint(not inputs, TRACE_SYMBOLIC_DIM_SIZE, [a, b]):
-            if cpu != NATIVE:
-                return on_target(a, b, inputs, seed, tolerance, save, shape, cpu)
-            return trace_models(a, b, inputs, seed, tolerance, save, shape)
+            if not cpu.native:
+                return on_target(a, b, inputs, samples, tolerance, save, cpu)
+            return trace_models(a, b, inputs, samples.seed, tolerance, save, samples.shape)
     except MemoryError as exc:
         raise GraphscanError(
             f"graphscan's combined model of {a} and {b}: out of memory ({one_line(exc)})", EXIT_RUNTIME
@@ -65,20 +54,21 @@ def trace(
 
 
 def on_target(
-    a: str, b: str, inputs: str | None, seed: int, tolerance: float, save: str | None, shape: list[str] | None, cpu: str
+    a: str, b: str, inputs: str | None, samples: Samples, tolerance: float, save: str | None, cpu: CpuTarget
 ) -> TraceAnswer:
     """trace run inside ``cpu``'s interpreter, with ``differs_from_native``: each operator's
     single-op model (trace's --save) run on the same inputs here and there, compared in LSB."""
-    with temporary_folder("graphscan-trace-") as work:
+    with temporary_folder("graphscan-trace-") as work, cpu.runner(kept=True) as runner:
         folder = save if save is not None else os.path.join(work, "ops")
-        reply = run(cpu, f"{__name__}:trace_models", [a, b, inputs, seed, tolerance, folder, shape])
-        answer = reply["result"]
+        answer: dict[str, Any] = dict(
+            runner.call(trace_models, a, b, inputs, samples.seed, tolerance, folder, samples.shape)
+        )
         here, there = os.path.join(work, "native.npz"), os.path.join(work, "target.npz")
         saved_outputs(folder, here)
-        run(cpu, f"{saved_outputs.__module__}:saved_outputs", [folder, there])
+        runner.call(saved_outputs, folder, there)
         op_types = {row["node"]: row["op_type"] for row in answer["ops"]}
-        answer["cpu"] = reply["cpu"]
-        answer["differs_from_native"] = differences(folder, here, there, cpu, op_types)
+        answer["cpu"] = runner.facts
+        answer["differs_from_native"] = differences(folder, here, there, cpu.name, op_types)
     return cast(TraceAnswer, answer)
 
 
@@ -88,10 +78,10 @@ def trace_models(
     """``trace``'s work: plan the rows, run graphscan's combined model, answer."""
     float_model, quant_model = load_with_weights(a), load_with_weights(b)
     check_same_inputs(Named(float_model, a), Named(quant_model, b))
-    samples, defaulted = model_samples(
+    chosen, defaulted = model_samples(
         float_model, [inputs] if inputs else None, parse_shapes(shape), seed, TRACE_SYMBOLIC_DIM_SIZE
     )
-    feeds = samples[0]
+    feeds = chosen[0]
     inputs_given = {name: list(array.shape) for name, array in feeds.items()}
     measures = compare(float_model, quant_model, feeds, a, b, tolerance, save)
     return {"a": a, "b": b, "inputs": inputs_given, "defaulted": defaulted, **measures}
@@ -158,21 +148,14 @@ COMMAND = Command(
     trace,
     ("a", "b"),
     options=(
-        *samples_group(TRACE_SYMBOLIC_DIM_SIZE),
+        Samples.taken(TRACE_SYMBOLIC_DIM_SIZE),
         ("--tolerance", {"type": finite_non_negative, "default": TRACE_TOLERANCE, "help": "first_over threshold"}),
         ("--save", {"metavar": "DIR", "help": "write each op's single-op model and inputs here"}),
-        (
-            "--cpu",
-            {
-                "choices": list(TARGETS),
-                "default": NATIVE,
-                "help": "run both models as this CPU target computes them (emulated: see runtime --cpu); "
-                "names the operators whose numbers differ from this machine's",
-            },
+        CpuTarget.taken(
+            "run both models as this CPU target computes them (emulated: see runtime --cpu); "
+            "names the operators whose numbers differ from this machine's"
         ),
     ),
-    absent={"seed": 0},
-    one_sample=True,
     table=trace_table,
     answer=TraceAnswer,
 )

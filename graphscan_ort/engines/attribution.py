@@ -24,6 +24,7 @@ from graphscan_ort.shared.graph import (
 )
 from graphscan_ort.shared.metrics import (
     OutputNoise,
+    answer_figures,
     count_outside,
     output_layout,
     output_pairs,
@@ -563,12 +564,13 @@ def measure(
     tensor_order = ranked(tensor_rows, tensor_exact, baseline[1])
     # As users run both models: onnxruntime may rewrite what impact measures as written.
     deployed = paired_outputs(reference, candidate, samples, pairs, deployed_options())
+    stated = answer_figures(measured.baseline_figures, measured.noise.empty)
     answer: ImpactMeasures = {
         "samples": len(samples),
-        "output_sqnr_db": baseline[0],
-        "pooled_sqnr_db": measured.baseline_figures.pooled_db,
-        "worst_part": cast(WorstPart | None, measured.baseline_figures.worst_part),
-        "deployed_output_sqnr_db": deployed.sqnr()[0],
+        "output_sqnr_db": stated.worst_db,
+        "pooled_sqnr_db": stated.pooled_db,
+        "worst_part": cast(WorstPart | None, stated.worst_part),
+        "deployed_output_sqnr_db": deployed.figures().worst_db,
         "weights": {"matched": len(plan.weight_of), "total": plan.weight_dqs},
         "warnings": weight_warnings(plan, a),
         "ops": [op_rows[k] for k in op_order][:top],

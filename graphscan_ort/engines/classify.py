@@ -20,6 +20,7 @@ from graphscan import (
     as_text,
     data_source,
     dtype_name,
+    load_with_weights,
     node_name,
     parse_model,
     shown,
@@ -35,7 +36,7 @@ from graphscan_ort.shared.kernels import (
     OptimizedGraph,
     kernel_class,
 )
-from graphscan_ort.shared.sessions import CPU, open_session, session_options, temporary_folder
+from graphscan_ort.shared.sessions import CPU, environment, open_session, session_options, temporary_folder
 
 REASON_LEVEL = "level"
 
@@ -385,3 +386,16 @@ def classify(
     graph = OptimizedGraph(optimized.graph)
     rows, unmapped = classify_nodes(GraphIndex(named.graph), names, graph, level, provider, int8_allowed)
     return Classification(rows, unmapped, named, named_bytes, optimized, graph)
+
+
+def classes_answer(path: str, level: str, provider: str, int8_allowed: bool) -> dict[str, Any]:
+    """The runtime answer's classes for the model at ``path``, without its model name and
+    timing: what runtime answers, what check's min_int8 counts, and what a CPU target
+    computes in its own interpreter and hands back as JSON."""
+    found = classify(load_with_weights(path), path, level, provider, int8_allowed)
+    return {
+        "environment": environment(level, provider, int8_allowed=int8_allowed),
+        **found.counts,
+        "nodes": found.rows,
+        "unmapped": found.unmapped,
+    }

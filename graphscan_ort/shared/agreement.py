@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from graphscan import EXIT_INPUTS, EXIT_USAGE, INTERRUPTED, GraphscanError, interruption, one_line, shown
-from graphscan_ort.shared.metrics import OutputNoise, Outputs, PairedOutputs
+from graphscan_ort.shared.metrics import OutputNoise, Outputs, PairedOutputs, answer_figures
 
 BUILT_IN = ["sqnr", "top1", "iou", "ctc", "cosine"]
 DEFAULT_THRESHOLD = 0.5  # iou's, where --threshold is not given
@@ -205,8 +205,7 @@ def paired_value(outputs: PairedOutputs, chosen: Metric | None) -> float | None:
     if chosen is not None and layout is not None:
         check_layout_fits(chosen, dict(zip(layout.names, layout.sources, strict=True)))
     if chosen is None or (chosen.name == "sqnr" and chosen.function is None):
-        sqnr, exact = outputs.sqnr()
-        return math.inf if exact and sqnr is None and not outputs.reference.noise.empty else sqnr
+        return outputs.figures().worst_db
     return chosen.value(outputs.reference.by_name, outputs.candidate_by_name())
 
 
@@ -270,12 +269,12 @@ def pairs(reference: Outputs, candidate: Outputs) -> list[tuple[str, np.ndarray,
 
 def sqnr(reference: Outputs, candidate: Outputs) -> float | None:
     """The output SQNR (``metrics.OutputNoise``: 10*log10(sum f^2 / sum (f - q)^2) over
-    every output and sample); ``inf`` when the outputs are equal, None when undefined
-    (no signal, or a value that is not finite)."""
+    every output and sample), by ``metrics.answer_figures``' rule: ``inf`` when the outputs
+    are equal, None when undefined (no signal, or a value that is not finite)."""
     pairs(reference, candidate)  # the shapes agree
     noise = OutputNoise([list(sample.values()) for sample in reference])
-    value, exact = noise.measure([[c[name] for name in r] for r, c in zip(reference, candidate, strict=True)])
-    return math.inf if exact and value is None and 0 < noise.signal < math.inf else value
+    figures = noise.figures([[c[name] for name in r] for r, c in zip(reference, candidate, strict=True)])
+    return answer_figures(figures, noise.empty).worst_db
 
 
 def top1(reference: Outputs, candidate: Outputs) -> float | None:

@@ -133,13 +133,10 @@ class PairedOutputs:
     reference: FloatOutputs
     candidate: list
 
-    def sqnr(self) -> tuple[float | None, bool]:
-        """``OutputNoise.measure``'s ``(sqnr_db, exact)`` of the quantized outputs: the worst part's."""
-        return self.reference.noise.measure(self.candidate)
-
     def figures(self) -> SqnrFigures:
-        """The quantized outputs' SQNR by part and pooled (``OutputNoise.figures``)."""
-        return self.reference.noise.figures(self.candidate)
+        """The quantized outputs' SQNR by part and pooled, as every answer states them
+        (``OutputNoise.figures``, finished by ``answer_figures``)."""
+        return answer_figures(self.reference.noise.figures(self.candidate), self.reference.noise.empty)
 
     def sample(self, k: int) -> PairedOutputs:
         """These outputs on sample ``k`` alone (its parts' labels kept)."""
@@ -212,6 +209,19 @@ class SqnrFigures:
     worst_part: dict[str, Any] | None
     pooled_db: float | None
     exact: bool
+
+
+def answer_figures(figures: SqnrFigures, empty: bool) -> SqnrFigures:
+    """``figures`` as every answer states them (impact, check, tune, the ``sqnr`` metric), one
+    edge rule for all: no output value at all (``empty``: a zero-size sample) verifies
+    nothing and is undefined (None); outputs equal to float's value by value are infinitely
+    accurate (``inf``, worst and pooled), whatever their energy; otherwise a figure whose
+    energies are not finite, or without signal, stays undefined (None)."""
+    if empty:
+        return SqnrFigures(None, None, None, False)
+    if figures.exact:
+        return dataclasses.replace(figures, worst_db=math.inf, pooled_db=math.inf)
+    return figures
 
 
 class OutputNoise:

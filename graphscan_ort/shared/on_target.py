@@ -1,10 +1,5 @@
-"""Running models on a CPU target (targets.py) with arrays going both ways: the samples
-saved to an .npz the target's interpreter reads, the outputs saved by it to another.
-
-``Target`` is the CPU the measurements run on, keeping the facts it reports; with a
-``targets.Worker`` it keeps one interpreter for all its calls (tune's candidates),
-else it starts one per call (check's budgets).
-"""
+"""Arrays to and from a CPU target (targets.py): the samples saved to an .npz the target's
+interpreter reads, the outputs saved by it to another."""
 
 from __future__ import annotations
 
@@ -12,27 +7,6 @@ import os
 from typing import Any
 
 import numpy as np
-
-from graphscan_ort.shared.targets import NATIVE, Facts, Worker, run
-
-
-class Target:
-    """The CPU the budgets run on: natively in this process, else its interpreter through
-    ``targets.run`` (or ``worker``'s, started once), keeping the facts it reports."""
-
-    def __init__(self, name: str, worker: Worker | None = None) -> None:
-        self.name = name
-        self.facts: Facts | None = None
-        self.worker = worker
-
-    @property
-    def native(self) -> bool:
-        return self.name == NATIVE
-
-    def run(self, function: str, args: list[Any]) -> Any:
-        reply = self.worker.run(function, args) if self.worker is not None else run(self.name, function, args)
-        self.facts = reply["cpu"]
-        return reply["result"]
 
 
 def save_samples(folder: str, samples: list[dict]) -> tuple[str, list[list[str]]]:

@@ -43,27 +43,34 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, TypedDict, TypeVar
 
 from graphscan import (
+    CPU_TARGETS,
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
     EXIT_NO_FILE,
     EXIT_RUNTIME,
     EXIT_USAGE,
+    INSTALL_TARGETS,
     INTERRUPTED,
+    NATIVE,
     GraphscanError,
     one_line,
     report,
     shown,
 )
 
+ReturnT = TypeVar("ReturnT")
+
 __all__ = [
     "INSTALL_COMMAND",
     "NATIVE",
     "TARGETS",
     "Facts",
+    "Runner",
     "Worker",
     "installed",
     "missing",
@@ -74,14 +81,13 @@ __all__ = [
     "status",
 ]
 
-NATIVE = "native"
-X86_AVX2 = "x86-avx2"
-ARM64 = "arm64"
-TARGETS = (NATIVE, X86_AVX2, ARM64)  # the contract's names; more may follow
+TARGETS = CPU_TARGETS  # the contract's names (the core's, with NATIVE); more may follow
+_, X86_AVX2, ARM64 = TARGETS
 
 # What users type after ``python -m`` (run so, this module's __name__ is "__main__").
 MODULE = "graphscan_ort.shared.targets"
-INSTALL_COMMAND = f"python -m {MODULE} install"
+INSTALL_COMMAND = INSTALL_TARGETS
+assert f"python -m {MODULE} install" == INSTALL_COMMAND, "the core names this module's install command"
 
 # What the aarch64 wheels are pinned to: this environment's own versions, so a target
 # runs the release native runs (their dependencies follow the same environment).
@@ -441,6 +447,38 @@ class Worker:
             if self.folder is not None:
                 shutil.rmtree(self.folder, ignore_errors=True)
                 self.folder = None
+
+
+class Runner:
+    """Calls functions of graphscan on one CPU target (``CpuTarget.runner``): natively in
+    this process; else in the target's interpreter, one started for each call, or one kept
+    for every call (``kept``: a ``Worker``; ``close`` ends it). ``facts``: the CPU that
+    answered the last call."""
+
+    def __init__(self, target: str, kept: bool = False) -> None:
+        require(target)
+        self.target = target
+        self.worker = Worker(target) if kept and target != NATIVE else None
+        self.facts: Facts | None = None
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def call(self, function: Callable[..., ReturnT], *args: Any) -> ReturnT:
+        """``function(*args)`` on the target: a module-level function of graphscan whose
+        arguments and answer are JSON (the import stays where readers and the layer test see it)."""
+        name = f"{function.__module__}:{function.__qualname__}"
+        assert "." not in function.__qualname__ and resolve(name) is function, f"{name}: not a module-level function"
+        reply = self.worker.run(name, list(args)) if self.worker is not None else run(self.target, name, list(args))
+        self.facts = reply["cpu"]
+        return reply["result"]
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
 
 
 def resolve(function: str) -> Any:

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from graphscan import part_words
 from graphscan_ort.shared.answers import Candidate
 
 BySample = Mapping[int, Sequence[float | None] | None]  # a row's id: its metric on each evaluation sample
@@ -134,9 +135,9 @@ def settle(
     return chosen_row(rows, target, emulated, by_sample)
 
 
-def part_words(part: dict[str, Any]) -> str:
+def broken_words(part: dict[str, Any]) -> str:
     """``output0 part 1 (from cls_sigmoid): 0.6 levels of its scale (floor 16)``."""
-    return f"{part['output']} part {part['part']} (from {part['node']}): {part['why']}"
+    return f"{part_words(part)}: {part['why']}"
 
 
 def start_row(rows: list[Candidate], by_sample: BySample | None = None) -> Candidate:

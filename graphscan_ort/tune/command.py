@@ -32,7 +32,7 @@
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -48,17 +48,21 @@ from graphscan import (
     EXIT_NO_FILE,
     EXIT_OK,
     EXIT_USAGE,
+    INSTALL_TARGETS,
     RUNTIME_LEVELS,
     Command,
+    CpuTarget,
+    Given,
     GraphscanError,
     MetricChoice,
+    Option,
+    Session,
+    Takes,
+    TargetRunner,
     finite_float,
-    level_option,
     load_with_weights,
-    metric_group,
     non_negative_int,
     one_line,
-    samples_group,
     shown,
     subgraphs,
 )
@@ -68,18 +72,10 @@ from graphscan_ort.shared.files import check_out, place, write_failure
 from graphscan_ort.shared.inputs import check_calibrates, input_specs, inputs_answer, read_npz_inputs, sample_files
 from graphscan_ort.shared.kernels import INT8_KERNELS, QUANTIZE_KERNELS
 from graphscan_ort.shared.metrics import named_outputs, require_numbers
-from graphscan_ort.shared.on_target import Target
-from graphscan_ort.shared.options import (
-    MAX_RUNS,
-    MAX_THREADS,
-    RUNTIME_DEFAULT_RUNS,
-    Named,
-    Session,
-    Timing,
-)
+from graphscan_ort.shared.options import Named, Timing, finite_non_negative
 from graphscan_ort.shared.parts import TensorParts
 from graphscan_ort.shared.sessions import environment, sample_outputs
-from graphscan_ort.shared.targets import NATIVE, TARGETS, Worker, native_facts, require
+from graphscan_ort.shared.targets import native_facts
 from graphscan_ort.tune.candidates import METHODS
 from graphscan_ort.tune.deployed import OnTarget
 from graphscan_ort.tune.goal import Goal, metric_of
@@ -90,51 +86,160 @@ from graphscan_ort.tune.table import tune_table
 from graphscan_ort.tune.trials import Measure
 
 
+@dataclasses.dataclass(frozen=True)
+class TuneSamples:
+    """tune's samples: ``--calibrate`` (needed), held-out ``--inputs`` (default: the
+    calibration samples) and ``--latency-inputs`` (default: the first evaluation sample),
+    each a file or a folder of them."""
+
+    calibrate: list[str]
+    inputs: list[str] | None = None
+    latency_inputs: list[str] | None = None
+
+    @classmethod
+    def taken(cls) -> Takes:
+        options: tuple[Option, ...] = (
+            (
+                "--calibrate",
+                {
+                    "metavar": "FILE.npz",
+                    "action": "append",
+                    "help": "a calibration sample, one array per input, or a folder of them (repeatable)",
+                },
+            ),
+            (
+                "--inputs",
+                {
+                    "metavar": "FILE.npz",
+                    "action": "append",
+                    "help": "a held-out evaluation sample (repeatable; default: the calibration samples)",
+                },
+            ),
+            (
+                "--latency-inputs",
+                {
+                    "metavar": "FILE.npz",
+                    "action": "append",
+                    "help": "a sample at the deployed shape, timed for the speedup (repeatable; default: the first "
+                    "--inputs sample)",
+                },
+            ),
+        )
+        return Takes("samples", options, cls.built)
+
+    @classmethod
+    def built(cls, given: Given) -> TuneSamples:
+        if not given["calibrate"]:
+            raise GraphscanError("usage: tune needs --calibrate FILE.npz (one sample per file, repeatable)", EXIT_USAGE)
+        return cls(given["calibrate"], given["inputs"] or None, given["latency_inputs"] or None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Search:
+    """What tune aims at and how far it searches: the ``--metric``'s ``--target`` (or
+    ``--target-sqnr``), the speedup a written model must beat (``--min-speedup``), the nodes
+    kept float in every candidate (``--exclude``, ``--keep-outputs-float``) and the fallback
+    search's limits (``--max-exclude``, ``--max-trials``)."""
+
+    target: float | None = None
+    target_sqnr: float | None = None
+    min_speedup: float | None = None
+    exclude: list[str] | None = None
+    keep_outputs_float: bool = False
+    max_exclude: int | None = None
+    max_trials: int | None = None
+
+    @classmethod
+    def taken(cls) -> Takes:
+        options: tuple[Option, ...] = (
+            (
+                "--target",
+                {
+                    "metavar": "X",
+                    "type": finite_float,
+                    "help": "the --metric to reach, in its unit (default: sqnr's is the SQNR of onnxruntime's "
+                    "default settings; an agreement's is float's own, 1.0)",
+                },
+            ),
+            ("--target-sqnr", {"metavar": "DB", "type": finite_float, "help": "--target of --metric sqnr"}),
+            (
+                "--min-speedup",
+                {
+                    "metavar": "X",
+                    "type": finite_non_negative,
+                    "help": "a model written must be faster than float by more than this (default: 1, faster; 0: "
+                    "any; none under an emulated --cpu)",
+                },
+            ),
+            (
+                "--exclude",
+                {"metavar": "NODE", "action": "append", "help": "keep NODE float in every candidate (repeatable)"},
+            ),
+            (
+                "--keep-outputs-float",
+                {
+                    "action": "store_true",
+                    "help": "keep the nodes that produce the graph's outputs float in every candidate",
+                },
+            ),
+            (
+                "--max-exclude",
+                {
+                    "metavar": "N",
+                    "type": non_negative_int,
+                    "help": "at most N nodes kept float by the fallback search (default: no limit)",
+                },
+            ),
+            (
+                "--max-trials",
+                {
+                    "metavar": "N",
+                    "type": non_negative_int,
+                    "help": f"at most N re-quantizations in the fallback search (default: {DEFAULT_MAX_TRIALS})",
+                },
+            ),
+        )
+        return Takes("search", options, cls.built)
+
+    @classmethod
+    def built(cls, given: Given) -> Search:
+        return cls(
+            given["target"],
+            given["target_sqnr"],
+            given["min_speedup"],
+            given["exclude"],
+            bool(given["keep_outputs_float"]),
+            given["max_exclude"],
+            given["max_trials"],
+        )
+
+
 def tune(
     path: str,
-    calibrate: list[str] | None = None,
-    inputs: list[str] | None = None,
-    out: str | None = None,
-    target_sqnr: float | None = None,
-    max_exclude: int | None = None,
-    level: str = "all",
-    threads: int = 1,
-    runs: int = 20,
-    metric: str | None = None,
-    threshold: float | None = None,
-    blank: int | None = None,
-    target: float | None = None,
-    min_speedup: float | None = None,
-    latency_inputs: list[str] | None = None,
-    max_trials: int | None = None,
-    exclude: list[str] | None = None,
-    keep_outputs_float: bool = False,
-    cpu: str = NATIVE,
+    out: str | None,
+    samples: TuneSamples,
+    metric: MetricChoice,
+    search: Search,
+    session: Session,
+    timing: Timing,
+    cpu: CpuTarget,
 ) -> TuneAnswer:
     """Quantize ``path`` every way candidates.py knows, measure each as deployed (its accuracy
     and kernels on ``cpu``), write the best into ``out``."""
-    if not calibrate:
-        raise GraphscanError("usage: tune needs --calibrate FILE.npz (one sample per file, repeatable)", EXIT_USAGE)
     if out is None:
         raise GraphscanError("usage: tune needs --out DIR", EXIT_USAGE)
-    timing, session = Timing(runs), Session(level, threads)  # each group checks its own ranges
-    chosen_metric = metric_of(MetricChoice(metric, threshold, blank), target, target_sqnr)
-    target = target_sqnr if target is None else target
-    if min_speedup is not None and not (
-        isinstance(min_speedup, (int, float)) and math.isfinite(min_speedup) and min_speedup >= 0
-    ):
-        raise GraphscanError(f"usage: --min-speedup must be a finite number >= 0, not {min_speedup!r}", EXIT_USAGE)
-    if cpu not in TARGETS:
-        raise GraphscanError(f"usage: --cpu must be one of {', '.join(TARGETS)}", EXIT_USAGE)
-    require(cpu)  # a missing target is one line naming the install command, before any work
-    speedup_floor = speedup_guard(min_speedup, cpu)
-    calibrate, inputs = sample_files(calibrate), sample_files(inputs) if inputs else None
-    latency_files = sample_files(latency_inputs) if latency_inputs else None
+    chosen_metric = metric_of(metric, search.target, search.target_sqnr)
+    target = search.target_sqnr if search.target is None else search.target
+    cpu.require()  # a missing target is one line naming the install command, before any work
+    speedup_floor = speedup_guard(search.min_speedup, cpu)
+    calibrate = sample_files(samples.calibrate)
+    inputs = sample_files(samples.inputs) if samples.inputs else None
+    latency_files = sample_files(samples.latency_inputs) if samples.latency_inputs else None
     parent = check_out(out)
     ort.set_default_logger_severity(4)  # the quantizer's own sessions log warnings on stderr
     model = load_with_weights(path)
     refuse_quantized(model, path)
-    seeds = seed_rows(model, exclude, keep_outputs_float, path)
+    seeds = seed_rows(model, search.exclude, search.keep_outputs_float, path)
     specs = input_specs(model)
     calibration = [read_npz_inputs(p, specs) for p in calibrate]
     evaluation = [read_npz_inputs(p, specs) for p in inputs] if inputs else calibration
@@ -154,14 +259,15 @@ def tune(
     except OSError as exc:
         raise GraphscanError(f"{shown(out)}: cannot write ({exc.strerror or exc})", EXIT_NO_FILE)
     progress = Progress()
-    worker = None if cpu == NATIVE else Worker(cpu)
+    runner = None if cpu.native else cpu.runner(kept=True)
     try:
-        on = None if worker is None else on_target(Target(cpu, worker), work, evaluation, session)
+        on = None if runner is None else on_target(runner, work, evaluation, session)
         measure = Measure(Named(model, path), evaluation, session, timing, chosen_metric, latency, speedup_floor, on)
         goal = Goal(chosen_metric, target, own)
-        answer = tune_in(calibration, work, goal, measure, (max_exclude, max_trials), progress, seeds)
+        limits = (search.max_exclude, search.max_trials)
+        answer = tune_in(calibration, work, goal, measure, limits, progress, seeds)
         if on is not None:
-            answer["warnings"] += speed_warnings(cpu, min_speedup)
+            answer["warnings"] += speed_warnings(cpu, search.min_speedup)
         place(work, out)
     except Exception as exc:
         if isinstance(exc, GraphscanError) or not write_failure(exc):
@@ -170,21 +276,21 @@ def tune(
         raise GraphscanError(f"--out {shown(out)}: cannot write ({why})", EXIT_NO_FILE) from None
     finally:
         progress.close()
-        if worker is not None:
-            worker.close()
+        if runner is not None:
+            runner.close()
         shutil.rmtree(work, ignore_errors=True)  # also on Ctrl-C: nothing half-written
     if not inputs:
         answer["warnings"].insert(
             0, "the evaluation samples are the calibration samples: give held-out --inputs to measure accuracy"
         )
     facts: dict = {}
-    if on is not None:  # the CPU the accuracy and kernels are from; the speed's, this one
-        assert on.target.facts is not None, "every candidate measured ran on the target"
-        facts["cpu"] = on.target.facts
+    if runner is not None:  # the CPU the accuracy and kernels are from; the speed's, this one
+        assert runner.facts is not None, "every candidate measured ran on the target"
+        facts["cpu"] = runner.facts
         answer["latency"]["cpu"] = native_facts()
     return {
         "model": path,
-        "environment": environment(level, threads=threads),
+        "environment": environment(session.level, threads=session.threads),
         **facts,
         "calibration": {"samples": len(calibration), "methods": METHODS},
         "evaluation": {
@@ -199,30 +305,31 @@ def tune(
     }
 
 
-def speedup_guard(min_speedup: float | None, cpu: str) -> float | None:
+def speedup_guard(min_speedup: float | None, cpu: CpuTarget) -> float | None:
     """The speedup a model must beat (None: no ``slower`` guard): ``--min-speedup``, else 1
     natively and none on an emulated CPU target, whose time is no latency."""
     if min_speedup is not None:
         return float(min_speedup)
-    return 1.0 if cpu == NATIVE else None
+    return 1.0 if cpu.native else None
 
 
-def on_target(target: Target, work: str, evaluation: list[dict[str, np.ndarray]], session: Session) -> OnTarget:
-    """The measurements on ``target``, its files in a folder of ``work`` (removed with it)."""
+def on_target(runner: TargetRunner, work: str, evaluation: list[dict[str, np.ndarray]], session: Session) -> OnTarget:
+    """The measurements on ``runner``'s CPU target, its files in a folder of ``work`` (removed with it)."""
     folder = os.path.join(work, "target")
     os.mkdir(folder)
-    return OnTarget(target, folder, evaluation, session)
+    return OnTarget(runner, folder, evaluation, session)
 
 
-def speed_warnings(cpu: str, min_speedup: float | None) -> list[str]:
+def speed_warnings(cpu: CpuTarget, min_speedup: float | None) -> list[str]:
     """What a run on an emulated CPU target says of its speed figures."""
+    name = cpu.name
     said = [
-        f"ms, float_ms, speedup and speedup_spread are this machine's (latency.cpu), timed natively: {cpu} runs "
-        "emulated, and an emulated CPU's time is no latency; the accuracy figures and the kernels are " + cpu + "'s"
+        f"ms, float_ms, speedup and speedup_spread are this machine's (latency.cpu), timed natively: {name} runs "
+        "emulated, and an emulated CPU's time is no latency; the accuracy figures and the kernels are " + name + "'s"
     ]
     if min_speedup is None:
         said.append(
-            f"the slower guard is off: {cpu}'s speed is not measured (give --min-speedup to guard by "
+            f"the slower guard is off: {name}'s speed is not measured (give --min-speedup to guard by "
             "this machine's speedup)"
         )
     return said
@@ -296,95 +403,21 @@ COMMAND = Command(
     "tune",
     tune,
     options=(
-        (
-            "--calibrate",
-            {
-                "metavar": "FILE.npz",
-                "action": "append",
-                "help": "a calibration sample, one array per input, or a folder of them (repeatable)",
-            },
-        ),
-        (
-            "--inputs",
-            {
-                **samples_group(1, samples="many")[0][1],
-                "help": "a held-out evaluation sample (repeatable; default: the calibration samples)",
-            },
-        ),
+        TuneSamples.taken(),
         ("--out", {"metavar": "DIR", "help": "absent or empty folder for model.onnx and prepared.onnx"}),
-        *metric_group(default=" (default: sqnr)"),
-        (
-            "--target",
-            {
-                "metavar": "X",
-                "type": finite_float,
-                "help": "the --metric to reach, in its unit (default: sqnr's is the SQNR of onnxruntime's default "
-                "settings; an agreement's is float's own, 1.0)",
-            },
+        MetricChoice.taken(default=" (default: sqnr)"),
+        Search.taken(),
+        CpuTarget.taken(
+            "measure accuracy and kernels in onnxruntime built for this CPU, emulated; speed stays this machine's "
+            f"(default: native; install the others: {INSTALL_TARGETS})"
         ),
-        ("--target-sqnr", {"metavar": "DB", "type": finite_float, "help": "--target of --metric sqnr"}),
-        (
-            "--min-speedup",
-            {
-                "metavar": "X",
-                "type": finite_float,
-                "help": "a model written must be faster than float by more than this (default: 1, faster; 0: any; "
-                "none under an emulated --cpu)",
-            },
+        Session.taken(
+            list(RUNTIME_LEVELS),
+            "all",
+            "deployed optimization level (default: all)",
+            "intra-op threads of the measurements",
         ),
-        (
-            "--latency-inputs",
-            {
-                "metavar": "FILE.npz",
-                "action": "append",
-                "help": "a sample at the deployed shape, timed for the speedup (repeatable; default: the first "
-                "--inputs sample)",
-            },
-        ),
-        (
-            "--exclude",
-            {
-                "metavar": "NODE",
-                "action": "append",
-                "help": "keep NODE float in every candidate (repeatable)",
-            },
-        ),
-        (
-            "--keep-outputs-float",
-            {
-                "action": "store_true",
-                "help": "keep the nodes that produce the graph's outputs float in every candidate",
-            },
-        ),
-        (
-            "--max-exclude",
-            {
-                "metavar": "N",
-                "type": non_negative_int,
-                "help": "at most N nodes kept float by the fallback search (default: no limit)",
-            },
-        ),
-        (
-            "--max-trials",
-            {
-                "metavar": "N",
-                "type": non_negative_int,
-                "help": f"at most N re-quantizations in the fallback search (default: {DEFAULT_MAX_TRIALS})",
-            },
-        ),
-        (
-            "--cpu",
-            {
-                "choices": list(TARGETS),
-                "default": NATIVE,
-                "help": "measure accuracy and kernels in onnxruntime built for this CPU, emulated; speed stays "
-                "this machine's (default: native; install the others: python -m graphscan_ort.shared.targets "
-                "install)",
-            },
-        ),
-        level_option(list(RUNTIME_LEVELS), "all", "deployed optimization level (default: all)"),
-        Session.threads_option(f"intra-op threads of the measurements, 1 to {MAX_THREADS} (default: 1)"),
-        Timing.option(f"timed runs per candidate, 1 to {MAX_RUNS} (default: 20)", RUNTIME_DEFAULT_RUNS),
+        Timing.taken("timed runs per candidate"),
     ),
     table=tune_table,
     exit_code=lambda answer: EXIT_OK if answer["reached"] else EXIT_BUDGET,

@@ -24,7 +24,6 @@ the time is still this machine's, natively (an emulated CPU's time is no latency
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 from collections import Counter
@@ -32,14 +31,14 @@ from collections import Counter
 import numpy as np
 import onnx
 
-from graphscan import EXIT_USAGE, GraphscanError, load_with_weights, shown
+from graphscan import EXIT_USAGE, GraphscanError, Session, TargetRunner, load_with_weights, shown
 from graphscan_ort.engines.classify import classify, runtime_counts
 from graphscan_ort.engines.timing import interleaved_runs
 from graphscan_ort.shared.agreement import Metric, paired_events, paired_value
 from graphscan_ort.shared.kernels import int8_fraction
 from graphscan_ort.shared.metrics import FloatOutputs, PairedOutputs, output_layout, output_pairs, paired_outputs
-from graphscan_ort.shared.on_target import Target, keyed_outputs, load_samples, read_outputs, save_samples
-from graphscan_ort.shared.options import Named, Session, Timing
+from graphscan_ort.shared.on_target import keyed_outputs, load_samples, read_outputs, save_samples
+from graphscan_ort.shared.options import Named, Timing
 from graphscan_ort.shared.sessions import model_outputs, open_session, session_options
 from graphscan_ort.tune.verdict import spread
 
@@ -103,13 +102,13 @@ def accuracy_figures(
         outputs = paired_outputs(reference, candidate, samples, pairs, options, references)
         kernels = kernel_counts(candidate.model, candidate.path, session.level)
     figures = outputs.figures()
-    sqnr = math.inf if figures.exact else figures.worst_db  # equal to float's: infinitely accurate, never the worst
+    sqnr = figures.worst_db
     value, events = (sqnr, None) if metric is None or metric.name == "sqnr" else paired_events(outputs, metric)
     by_sample = [sample_value(outputs.sample(k), metric) for k in range(len(samples))]
     worst, spread_of = spread(by_sample)
     return {
         "sqnr_db": sqnr,
-        "pooled_sqnr_db": math.inf if figures.exact else figures.pooled_db,
+        "pooled_sqnr_db": figures.pooled_db,
         "worst_part": figures.worst_part,
         "metric_value": value,
         "metric_events": events,
@@ -166,12 +165,12 @@ def quartiles(values: list[float]) -> list[float] | None:
 
 class OnTarget:
     """tune's accuracy and kernels as a CPU target computes them, in one interpreter kept
-    for the run (``target``'s worker): the evaluation ``samples`` saved once into
-    ``folder``, the float model's outputs run there once and kept, then one call per
-    candidate for its outputs and its kernels (``candidate_on_target``)."""
+    for the run (``runner``'s): the evaluation ``samples`` saved once into ``folder``, the
+    float model's outputs run there once and kept, then one call per candidate for its
+    outputs and its kernels (``candidate_on_target``)."""
 
-    def __init__(self, target: Target, folder: str, samples: list[dict], session: Session) -> None:
-        self.target, self.folder, self.samples, self.session = target, folder, samples, session
+    def __init__(self, runner: TargetRunner, folder: str, samples: list[dict], session: Session) -> None:
+        self.runner, self.folder, self.samples, self.session = runner, folder, samples, session
         self.samples_file, self.names = save_samples(folder, samples)
         self.floats: dict[tuple[str, ...], FloatOutputs] = {}  # the float model's outputs, by the outputs wanted
 
@@ -179,24 +178,19 @@ class OnTarget:
         """``candidate``'s outputs paired with the float model's, both as the target computes
         them, and ``kernel_counts`` of its optimized session there."""
         float_names = tuple(f for f, _ in pairs)
+        answer = os.path.join(self.folder, "outputs.npz")
         if float_names not in self.floats:
-            rows = self.outputs("float_on_target", reference.path, list(float_names), "f")
+            self.runner.call(float_on_target, reference.path, list(float_names), *self.arguments(), answer)
+            with np.load(answer) as saved:
+                rows = read_outputs(saved, "f", len(self.samples), len(float_names))
             layout = output_layout(reference.model, float_names, self.samples)
             self.floats[float_names] = FloatOutputs(rows, float_names, layout)
-        answer = os.path.join(self.folder, "outputs.npz")
-        kernels = self.target.run(
-            f"{__name__}:candidate_on_target",
-            [candidate.path, [q for _, q in pairs], *self.arguments(), answer],
+        kernels = self.runner.call(
+            candidate_on_target, candidate.path, [q for _, q in pairs], *self.arguments(), answer
         )
         with np.load(answer) as saved:
             rows = read_outputs(saved, "q", len(self.samples), len(pairs))
         return PairedOutputs(self.floats[float_names], rows), kernels
-
-    def outputs(self, function: str, path: str, names: list[str], prefix: str) -> list[list[np.ndarray]]:
-        answer = os.path.join(self.folder, "outputs.npz")
-        self.target.run(f"{__name__}:{function}", [path, names, *self.arguments(), answer])
-        with np.load(answer) as saved:
-            return read_outputs(saved, prefix, len(self.samples), len(names))
 
     def arguments(self) -> list:
         return [self.session.level, self.session.threads, self.samples_file, self.names]

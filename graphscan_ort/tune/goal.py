@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from graphscan import EXIT_USAGE, GraphscanError, MetricChoice
+from graphscan import EXIT_USAGE, GraphscanError, MetricChoice, part_words
 from graphscan_ort.shared.agreement import DEFAULT_TARGET_FLOOR_DB, POOR_SQNR_DB, Metric, metric
 from graphscan_ort.shared.answers import Candidate, Target
 
@@ -50,7 +50,7 @@ class Goal:
             return {"value": None, "source": "defaults"}, [why]
         if value < POOR_SQNR_DB:
             part = default.get("worst_part") if default is not None else None
-            where = f" on {part['output']} part {part['part']} (from {part['node']})" if part else ""
+            where = f" on {part_words(part)}" if part else ""
             poor = (
                 f"onnxruntime's default settings reach {value:.2f} dB{where}, poor (below {POOR_SQNR_DB:g} dB: models "
                 "that far from float lose their task)"

@@ -38,9 +38,9 @@ from graphscan_ort.tune.candidates import (
 )
 from graphscan_ort.tune.choice import (
     accuracy,
+    broken_words,
     choice_warnings,
     listing_order,
-    part_words,
     settle,
     speed,
     start_row,
@@ -135,7 +135,7 @@ def tune_in(
         _, prepared_path, _ = files[chosen["id"]]
         model_written = onnx.load(os.path.join(work, "model.onnx"), load_external_data=False)
         warnings += low_levels_warning(model_written, trials.float_ranges(prepared_path))
-        warnings += [f"the chosen model breaks a part: {part_words(part)}" for part in chosen["broken_parts"] or []]
+        warnings += [f"the chosen model breaks a part: {broken_words(part)}" for part in chosen["broken_parts"] or []]
     if len(evaluation) < FEW_SAMPLES:
         warnings.append(
             f"the verdict rests on {len(evaluation)} evaluation sample{'s' if len(evaluation) != 1 else ''} "

@@ -21,14 +21,14 @@ from typing import Any, NamedTuple
 import numpy as np
 import onnx
 
-from graphscan import EXIT_NO_FILE, EXIT_RUNTIME, GraphscanError, one_line, shown
+from graphscan import EXIT_NO_FILE, EXIT_RUNTIME, GraphscanError, Session, one_line, shown
 from graphscan_ort.engines.levels import FloatRanges
 from graphscan_ort.engines.timing import far_off
 from graphscan_ort.shared.agreement import Metric
 from graphscan_ort.shared.answers import Candidate
 from graphscan_ort.shared.files import in_folder, out_of_room, write_failure
 from graphscan_ort.shared.metrics import FloatOutputs
-from graphscan_ort.shared.options import Named, Session, Timing
+from graphscan_ort.shared.options import Named, Timing
 from graphscan_ort.tune import deployed
 from graphscan_ort.tune.bias import same_graph
 from graphscan_ort.tune.candidates import (

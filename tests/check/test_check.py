@@ -142,7 +142,7 @@ def test_outputs_are_paired_by_name_as_impact_pairs_them(tmp_path):
     answer = graphscan.check(b, float_path=a, min_sqnr=100)
     assert budget_rows(answer) == {"min_sqnr": (None, 100.0, True)}
     impact = graphscan.impact(a, b)
-    assert impact["output_sqnr_db"] is None and impact["deployed_output_sqnr_db"] is None
+    assert impact["output_sqnr_db"] == impact["deployed_output_sqnr_db"] == math.inf  # exact, as check says
 
 
 def test_an_undefined_sqnr_shows_null_and_does_not_hold(default_lab, tmp_path):

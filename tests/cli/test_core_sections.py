@@ -23,9 +23,6 @@ BANNER = re.compile(r"# -{20,}")
 # (user, what it uses, why): a definition using something defined in a later section. Named
 # by the objects themselves, so a rename reaches this list too.
 LATE_CALLS = [
-    (graphscan.check, graphscan.CHECK, "check() checks in-process keywords by its declaration, built on it"),
-    (graphscan.check, graphscan._in_process_keywords, "check() checks in-process keywords by the command line's rules"),
-    (graphscan.check, graphscan.only_with, "check()'s budgets enable options by the command line's only-with rule"),
     (graphscan._answer_command, graphscan._COMMANDS, "table reads any command's answer, and is in the registry"),
     (graphscan._answer_command, graphscan._load_command, "table renders any command's answer, and is in the registry"),
 ]

@@ -88,8 +88,8 @@ def test_help_names_every_command_the_readme_names_for_a_code():
 def test_the_level_runtime_defaults_to_is_said_where_users_read_it():
     """runtime classifies at one level by default and tune and check's SQNR measure at
     another: runtime's --help, the README's tour and min_int8's definition say both."""
-    runtime = graphscan._build_parser("runtime").parse_args(["runtime", "m.onnx"]).level
-    tune = graphscan._build_parser("tune").parse_args(["tune", "m.onnx"]).level
+    runtime = graphscan._in_process_keywords(graphscan._load_command("runtime"), {})["session"].level
+    tune = graphscan._in_process_keywords(graphscan._load_command("tune"), {"calibrate": ["c.npz"]})["session"].level
     assert runtime != tune  # else there is nothing to say
     helped = " ".join(run_graphscan(["runtime", "--help"]).stdout.decode().split())
     assert f"default: {runtime}" in helped and "tune" in helped and f"at {tune}" in helped, helped

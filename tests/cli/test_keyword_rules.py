@@ -117,7 +117,7 @@ def test_a_folder_given_where_one_sample_is_taken_is_one_line_exit_7(capsys, tmp
     argv = [out if a == "OUT" else a for a in argv]
     line = main_error_line(capsys, [*argv, "--inputs", str(tmp_path / "samples")], graphscan.EXIT_INPUTS)
     assert f"--inputs {tmp_path / 'samples'}: a folder" in line and "one sample" in line
-    extra = {"time": True} if name == "runtime" else {}
+    extra = {"timed": True} if name == "runtime" else {}
     given = [out if p == "OUT" else p for p in paths]
     with pytest.raises(graphscan.GraphscanError) as raised:
         getattr(graphscan, name)(*given, inputs=str(tmp_path / "samples"), **extra)

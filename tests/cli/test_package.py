@@ -120,20 +120,27 @@ def test_package_errors_are_one_class_when_graphscan_py_is_main(tmp_path):
 
 def test_every_command_is_a_function_of_graphscan_that_runs_its_declaration(monkeypatch):
     """``graphscan.trace`` & co. stay importable as plain functions; each runs what its
-    declaration (the module the registry names) runs, with the arguments given."""
+    declaration (the module the registry names) runs, with the paths given and the keywords
+    built into its groups as the command line's are. A core command without option groups (the
+    counts, dot) is its function."""
     calls = []
-    package = [name for name, entry in graphscan._COMMANDS.items() if entry.package]
+    given = {"check": {"max_float": 1}, "tune": {"calibrate": ["c.npz"]}}
     for name, entry in graphscan._COMMANDS.items():
         function, command = getattr(graphscan, name), graphscan._load_command(name)
         assert callable(function) and command.name == name, name
-        if entry.package:  # the core's own commands are their functions
+        if entry.package:
             assert command.run.__module__.startswith("graphscan_ort."), name
-            recorded = dataclasses.replace(command, run=lambda *a, name=name, **k: calls.append((name, a, k)))
-            monkeypatch.setitem(graphscan._COMMANDS, name, dataclasses.replace(entry, declared=lambda c=recorded: c))
-            function("x.onnx", option=1)
-        else:
+        if not entry.package and not command.groups:
             assert function is command.run, name
-    assert package and calls == [(name, ("x.onnx",), {"option": 1}) for name in package]
+            continue
+        recorded = dataclasses.replace(command, run=lambda *a, name=name, **k: calls.append((name, a, k)))
+        monkeypatch.setitem(graphscan._COMMANDS, name, dataclasses.replace(entry, declared=lambda c=recorded: c))
+        paths = [f"{path}.onnx" for path in command.paths]
+        function(*paths, **given.get(name, {}))
+        built = graphscan._in_process_keywords(command, given.get(name, {}))
+        assert calls[-1] == (name, tuple(paths), built), name
+        assert {group.keyword for group in command.groups} <= set(built), name
+    assert [name for name, _, _ in calls] == ["fuse", "trace", "runtime", "check", "impact", "tune"]
     with pytest.raises(AttributeError):
         graphscan.no_such_command  # noqa: B018
 
@@ -146,7 +153,7 @@ def sample_option_settings():
     """``{command: {flag: (type, action)}}`` for every command that takes sample options."""
     settings = {}
     for name in graphscan._COMMANDS:
-        options = graphscan._load_command(name).options
+        options = graphscan._load_command(name).flat_options()
         flags = {
             flag: (s.get("type"), s.get("action")) for flag, s in options if flag in ("--inputs", "--shape", "--seed")
         }

@@ -1,7 +1,8 @@
-"""Options travel as typed groups (Samples, MetricChoice, Session, Timing) and a model with its
-path (Named), not as long flat keyword lists. The functions of the product allowed more than
-MAX_PARAMETERS parameters are listed here, each with its reason; any other fails, and so does
-a listed one that no longer needs its place."""
+"""Options travel as typed groups (Samples, MetricChoice, Budgets, Session, Timing, CpuTarget, and
+tune's own) and a model with its path (Named), not as long flat keyword lists: each command
+receives its groups built, and its in-process keywords are derived from them. The functions of
+the product allowed more than MAX_PARAMETERS parameters are listed here, each with its reason;
+any other fails, and so does a listed one that no longer needs its place."""
 
 from __future__ import annotations
 
@@ -15,12 +16,6 @@ MAX_PARAMETERS = 8
 
 # "file:function" (a method as Class.method): why it takes more than MAX_PARAMETERS.
 ALLOWED = {
-    "graphscan.py:check": "documented in-process keywords (graphscan.check(path, float_path=..., min_int8=...)): "
-    "one per option of check, one per budget of the BUDGETS table",
-    "graphscan_ort/tune/command.py:tune": "documented in-process keywords (graphscan.tune(...)): one per option",
-    "graphscan_ort/commands/runtime.py:runtime": "documented in-process keywords (graphscan.runtime(...)): "
-    "one per option",
-    "graphscan_ort/commands/impact.py:impact": "documented in-process keywords (graphscan.impact(...)): one per option",
     "graphscan_ort/engines/combined.py:run_segment": "trace's segment runner: a failure is blamed on the float "
     "model, the quantized one or graphscan's own single-op model of a row, so it carries both paths, the rows "
     "and the combined model's names beside the session's inputs",

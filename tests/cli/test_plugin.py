@@ -529,11 +529,11 @@ def test_snapshot_writers_never_share_a_temporary_file(tmp_path, monkeypatch):
     def replace_after_the_other(source, target):
         if not interleaved:
             interleaved.append(True)
-            graphscan_pytest.compare_snapshot(second, gate)  # the other writer, whole
+            graphscan_pytest.compare_snapshot(second, gate, "native")  # the other writer, whole
         rename(source, target)
 
     monkeypatch.setattr(os, "replace", replace_after_the_other)
-    graphscan_pytest.compare_snapshot(first, gate)
+    graphscan_pytest.compare_snapshot(first, gate, "native")
     written = tmp_path / "graphscan_snapshots" / "m.onnx.json"
     assert json.loads(written.read_text())["nodes"] == {"a": {"class": "int8", "reason": None}}
     assert [p.name for p in written.parent.iterdir()] == ["m.onnx.json"]
@@ -551,7 +551,7 @@ def test_a_snapshot_that_cannot_be_written_fails_saying_so_and_leaves_nothing(tm
 
     monkeypatch.setattr(os, "replace", full)
     with pytest.raises(graphscan_pytest.GateFailed, match=r"^snapshot: cannot write .*m\.onnx\.json \(No space left"):
-        graphscan_pytest.compare_snapshot(config, gate)
+        graphscan_pytest.compare_snapshot(config, gate, "native")
     assert list((tmp_path / "graphscan_snapshots").iterdir()) == []
 
 
@@ -859,7 +859,7 @@ def test_a_target_item_is_measured_through_the_runner_as_native_is(repository, t
     snapshots = folder / "graphscan_snapshots"
     assert snapshots_taken(folder) == ["cnn.u8.onnx.json", "cnn.u8.onnx@x86-avx2.json"]
     assert (snapshots / "cnn.u8.onnx.json").read_bytes() == (snapshots / "cnn.u8.onnx@x86-avx2.json").read_bytes()
-    assert stand_in == ["graphscan_ort.commands.runtime:classes"] * 2  # once for check, once for runtime
+    assert stand_in == ["graphscan_ort.engines.classify:classes_answer"] * 2  # once for check, once for runtime
 
 
 # ---------------------------------------------------------------------------

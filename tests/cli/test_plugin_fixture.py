@@ -160,7 +160,7 @@ def option_values(settings):
 CALLS = [
     pytest.param(name, option, id=f"{name}-{option[0].lstrip('-')}")
     for name in graphscan._COMMANDS
-    for option in graphscan._load_command(name).options
+    for option in graphscan._load_command(name).flat_options()
 ]
 
 

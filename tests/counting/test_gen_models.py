@@ -9,7 +9,6 @@ import pytest
 
 import gen_models
 import graphscan
-import graphscan_ort.commands.fuse as fuse_command
 from tests.helpers import ROOT, SINGLE_MODEL_COMMANDS, run_onnx
 from tests.reference import reference_diff, reference_of
 
@@ -106,7 +105,7 @@ def test_fuse_json_agrees_with_the_reference_and_onnxruntime():
     assert fuse["removed_round_trips"] == fuse["before"]["round_trips"] - fuse["after"]["round_trips"]
     # fuse's verification input: seed 0, the symbolic batch set to 2.
     dim = onnx.load(OPS / "fp32.onnx").graph.input[0].type.tensor_type.shape.dim[1].dim_value
-    x = np.random.default_rng(fuse_command.FUSE_SEED).standard_normal((2, dim)).astype(np.float32)
+    x = np.random.default_rng(graphscan.Samples().seed).standard_normal((2, dim)).astype(np.float32)
     (expected,), (actual,) = run_onnx(OPS / "fp32.onnx", {"x": x}), run_onnx(OPS / "gemm.onnx", {"x": x})
     assert fuse["max_abs_error"] == pytest.approx(float(np.max(np.abs(expected - actual))), abs=1e-9)
 

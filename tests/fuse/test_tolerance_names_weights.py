@@ -47,7 +47,7 @@ def one_layer(path, weight_scale=1.0, value_info=(), extra_nodes=(), output="y",
 
 def seeded_input():
     """fuse's verification input for a [2, 3]: seed 0, standard normal (SPEC of fuse)."""
-    return np.random.default_rng(fuse_command.FUSE_SEED).standard_normal((2, 3)).astype(np.float32)
+    return np.random.default_rng(graphscan.Samples().seed).standard_normal((2, 3)).astype(np.float32)
 
 
 @pytest.fixture

@@ -54,11 +54,17 @@ def test_outputs_are_paired_by_name_whatever_order_the_quantized_model_lists_the
     assert figures.worst_db == pytest.approx(10 * math.log10(y_signal / noise)) and not figures.exact
     assert figures.worst_part == {"output": "y", "part": 0, "node": None} or figures.worst_part["output"] == "y"
     assert figures.pooled_db == pytest.approx(10 * math.log10((y_signal + z_signal) / noise))
-    assert outputs.sqnr() == (figures.worst_db, False)
 
 
-def test_equal_outputs_are_exact_with_no_sqnr():
-    assert paired(two_outputs(0.0, False), two_outputs(0.0, True)).sqnr() == (None, True)
+def test_equal_outputs_are_exact_and_infinitely_accurate_but_no_value_is_undefined():
+    """One edge rule for every answer (metrics.answer_figures): equal outputs are an infinite
+    SQNR, worst and pooled, with no worst part; a zero-size sample verifies nothing (None)."""
+    exact = paired(two_outputs(0.0, False), two_outputs(0.0, True)).figures()
+    assert exact == metrics.SqnrFigures(math.inf, None, math.inf, True)
+    raw = metrics.SqnrFigures(None, None, None, True)
+    assert metrics.answer_figures(raw, empty=True) == metrics.SqnrFigures(None, None, None, False)
+    measured = metrics.SqnrFigures(12.5, {"output": "y", "part": 0, "node": None}, 20.0, False)
+    assert metrics.answer_figures(measured, empty=False) == measured
 
 
 def test_the_float_model_runs_once_for_every_candidate_that_shares_what_is_kept(monkeypatch):
@@ -70,7 +76,7 @@ def test_the_float_model_runs_once_for_every_candidate_that_shares_what_is_kept(
         lambda model, samples, path, *rest: runs.append(path) or real(model, samples, path, *rest),
     )
     float_model, kept = two_outputs(0.0, False), {}
-    figures = [paired(float_model, two_outputs(shift, True), kept).sqnr()[0] for shift in (0.25, 0.5)]
+    figures = [paired(float_model, two_outputs(shift, True), kept).figures().worst_db for shift in (0.25, 0.5)]
     assert runs == ["f.onnx", "q.onnx", "q.onnx"]
     assert figures[0] > figures[1]  # the second candidate still measured against the float outputs
     # Without anything kept, every call runs the float model again.

@@ -70,7 +70,8 @@ def test_sqnr_is_the_output_sqnr_and_equal_outputs_are_infinitely_good():
     reference, candidate = outputs([3.0, 4.0]), outputs([3.0, 3.0])
     assert agreement.sqnr(reference, candidate) == pytest.approx(10 * math.log10(25 / 1))  # f^2 = 25, noise 1
     assert agreement.sqnr(reference, reference) == math.inf  # an exact candidate is the best, never the worst
-    assert agreement.sqnr(outputs([0.0]), outputs([0.0])) is None  # no signal: undefined
+    assert agreement.sqnr(outputs([0.0]), outputs([0.0])) == math.inf  # equal, even without signal
+    assert agreement.sqnr(outputs([0.0]), outputs([1.0])) is None  # no signal, some noise: undefined
     assert agreement.sqnr(outputs([np.nan]), outputs([1.0])) is None
 
 

@@ -10,7 +10,6 @@ from onnxruntime.quantization import quantize_static
 
 import gen_models
 import graphscan
-import graphscan_ort.tune.command as tune
 import graphscan_ort.tune.stages as stages
 from graphscan_ort.tune import fallback
 from graphscan_ort.tune import trials as trials_module
@@ -71,7 +70,7 @@ def test_a_target_no_single_exclusion_reaches_is_reached_by_a_set_of_them(tmp_pa
     without_dynamic_candidates(monkeypatch)
     files = mlp_and_samples(tmp_path)
     target = 34.0
-    answer = tune.tune(
+    answer = graphscan.tune(
         str(tmp_path / "mlp.onnx"),
         calibrate=files[:2],
         inputs=files[2:],
@@ -121,7 +120,7 @@ def test_a_block_that_makes_a_model_the_guards_refuse_is_never_kept_nor_outdone_
         return row
 
     monkeypatch.setattr(trials_module.Measure, "__call__", one_float_gemm_at_most)
-    answer = tune.tune(
+    answer = graphscan.tune(
         str(tmp_path / "mlp.onnx"),
         calibrate=files[:2],
         inputs=files[2:],

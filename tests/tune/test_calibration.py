@@ -17,6 +17,7 @@ from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, q
 from onnxruntime.quantization.calibrate import load_tensors_data
 
 import gen_models
+import graphscan
 import graphscan_ort.tune.calibration as calibration
 import graphscan_ort.tune.candidates as candidates
 import graphscan_ort.tune.command as tune
@@ -206,7 +207,7 @@ def test_tune_keeps_no_float_outputs_of_the_calibration_samples_beside_held_out_
     monkeypatch.setattr(tune, "tune_in", outputs_alive)
     for count in (12, 48):
         with pytest.raises(Stop) as stopped:
-            tune.tune(str(path), calibrate=files[:count], inputs=files[-1:], out=str(tmp_path / f"out{count}"))
+            graphscan.tune(str(path), calibrate=files[:count], inputs=files[-1:], out=str(tmp_path / f"out{count}"))
         assert stopped.value.args[0] == 1, count
 
 

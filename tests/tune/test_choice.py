@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-import graphscan_ort.tune.command as tune
+import graphscan
 from graphscan_ort.tune import choice as tune_choice
 from tests.helpers import mlp_with_samples
 
@@ -166,7 +166,7 @@ def test_tune_breaks_a_metrics_noise_by_the_worst_parts_sqnr(tmp_path, monkeypat
     )
     files = mlp_with_samples(tmp_path, layers=4, width=32, count=5, rows=8, seed=3)
     monkeypatch.setattr(tune_choice, "NOISE_SE", 1e9)
-    answer = tune.tune(
+    answer = graphscan.tune(
         str(tmp_path / "mlp.onnx"), calibrate=files[:2], inputs=files[2:], out=str(tmp_path / "out"),
         metric=f"{metric}:error", target=1e9, runs=1, min_speedup=0, max_trials=1,
     )  # fmt: skip

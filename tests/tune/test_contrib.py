@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import QuantType, quantize_dynamic
 
-import graphscan_ort.tune.command as tune
+import graphscan
 import graphscan_ort.tune.prepare as prepare
 import graphscan_ort.tune.stages as stages
 from graphscan_ort.tune.candidates import candidate_settings, keyword_arguments, quiet
@@ -117,7 +117,7 @@ def onnxruntimes_static_defaults():
 def tuned_encoder(folder, **options):
     onnx.save(encoder(), folder / "encoder.onnx")
     calibration, held = samples(folder, 2, 1), samples(folder, 2, 2)
-    answer = tune.tune(
+    answer = graphscan.tune(
         str(folder / "encoder.onnx"), calibrate=calibration, inputs=held, out=str(folder / "o"), **options
     )
     return {"answer": answer, "float": str(folder / "encoder.onnx"), "held": held}

@@ -10,7 +10,6 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import QuantType, quantize_dynamic
 
 import graphscan
-import graphscan_ort.tune.command as tune
 import graphscan_ort.tune.stages as tune_stages
 import graphscan_ort.tune.trials as tune_trials
 from graphscan_ort.tune.candidates import keyword_arguments, quiet
@@ -59,7 +58,7 @@ def tuned(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dynamic")
     onnx.save(encoder(), folder / "encoder.onnx")
     calibration, held = samples(folder, 2, 1), samples(folder, 2, 2)
-    answer = tune.tune(
+    answer = graphscan.tune(
         str(folder / "encoder.onnx"), calibrate=calibration, inputs=held, out=str(folder / "o"), runs=2, min_speedup=0
     )
     return {"answer": answer, "float": str(folder / "encoder.onnx"), "held": held, "folder": folder}
@@ -108,7 +107,9 @@ def test_a_written_dynamic_model_is_reproduced_by_its_arguments_on_prepared_onnx
     monkeypatch.setattr(tune_stages, "candidate_settings", list)
     onnx.save(encoder("Relu"), tmp_path / "encoder.onnx")
     files = samples(tmp_path, 2, 3)
-    answer = tune.tune(str(tmp_path / "encoder.onnx"), calibrate=files, out=str(tmp_path / "o"), runs=1, min_speedup=0)
+    answer = graphscan.tune(
+        str(tmp_path / "encoder.onnx"), calibrate=files, out=str(tmp_path / "o"), runs=1, min_speedup=0
+    )
     chosen = next(c for c in answer["candidates"] if c["id"] == answer["chosen"])
     assert chosen["quantize_dynamic"] is not None and answer["written"] == ["model.onnx", "prepared.onnx"]
     with quiet():
@@ -153,7 +154,7 @@ def test_a_refused_dynamic_model_is_a_row_with_its_error_never_the_end_of_the_ru
     refuse(monkeypatch)
     onnx.save(encoder(layers=2), tmp_path / "encoder.onnx")
     files = samples(tmp_path, 2, 4)
-    answer = tune.tune(
+    answer = graphscan.tune(
         str(tmp_path / "encoder.onnx"), calibrate=files, out=str(tmp_path / "o"), runs=1, min_speedup=0, target=-100.0
     )
     dynamic = [r for r in answer["candidates"] if r["quantize_dynamic"] is not None]
@@ -190,7 +191,7 @@ def test_a_target_none_reaches_searches_from_static_rows_and_writes_the_most_acc
     quantize_static row even where a dynamic row is the most accurate, and the run ends (exit 8)."""
     onnx.save(encoder(layers=2), tmp_path / "encoder.onnx")
     files = samples(tmp_path, 3, 5)
-    answer = tune.tune(
+    answer = graphscan.tune(
         str(tmp_path / "encoder.onnx"), calibrate=files[:2], inputs=files[2:], out=str(tmp_path / "o"),
         runs=1, min_speedup=0, target=500.0, max_trials=1,
     )  # fmt: skip

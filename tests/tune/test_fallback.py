@@ -13,7 +13,6 @@ from onnxruntime.quantization.shape_inference import quant_pre_process
 
 import gen_models
 import graphscan
-import graphscan_ort.tune.command as tune
 import graphscan_ort.tune.stages as tune_stages
 import graphscan_ort.tune.trials as tune_trials
 from graphscan_ort.tune import fallback
@@ -95,7 +94,7 @@ def test_tune_reports_each_exclusion_and_its_row_reproduces_the_model(prepared, 
 
     monkeypatch.setattr(tune_trials, "honoured", keep_copy)
     without_structural_seeds(monkeypatch)
-    answer = tune.tune(
+    answer = graphscan.tune(
         prepared["float"],
         calibrate=prepared["files"][:2],
         inputs=prepared["files"][2:],

@@ -36,7 +36,7 @@ def cnn(tmp_path_factory):
 
 def run_tune(cnn, out, **options):
     options = {"runs": 2, "min_speedup": 0, **options}
-    return tune.tune(cnn["float"], calibrate=cnn["calibrate"], inputs=cnn["inputs"], out=str(out), **options)
+    return graphscan.tune(cnn["float"], calibrate=cnn["calibrate"], inputs=cnn["inputs"], out=str(out), **options)
 
 
 def constant_weight_model(path):
@@ -226,7 +226,7 @@ def test_latency_is_measured_at_the_deployed_shape_and_named(tmp_path, build_cas
     for k, batch in enumerate([4, 4, 2, 7, 32]):
         files.append(str(tmp_path / f"s{k}.npz"))
         np.savez(files[-1], x=rng.standard_normal((batch, 64)).astype(np.float32))
-    answer = tune.tune(
+    answer = graphscan.tune(
         lab["fp32"],
         calibrate=files[:2],
         inputs=files[2:4],

@@ -11,13 +11,14 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
+import graphscan
 import graphscan_ort.shared.metrics as metrics
 import graphscan_ort.tune.choice as tune_choice
-import graphscan_ort.tune.command as tune
 import graphscan_ort.tune.deployed as deployed
 import graphscan_ort.tune.rewrites as rewrites
 import graphscan_ort.tune.stages as tune_stages
-from graphscan_ort.shared.options import Named, Session, Timing
+from graphscan import Session
+from graphscan_ort.shared.options import Named, Timing
 
 
 def one_node_model(op, shape, graph_name="g", **attributes):
@@ -131,7 +132,7 @@ def test_impact_ranks_the_quantized_candidate_against_the_model_the_quantizer_wa
         return {"ops": []}
 
     monkeypatch.setattr(tune_stages, "impact_of", recording)
-    tune.tune(
+    graphscan.tune(
         str(tmp_path / "mlp.onnx"),
         calibrate=[str(tmp_path / "s.npz")],
         out=str(tmp_path / "o"),

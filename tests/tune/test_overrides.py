@@ -10,7 +10,7 @@ import pytest
 from onnxruntime.quantization import CalibrationMethod, quantize_static
 from onnxruntime.quantization.calibrate import TensorsData
 
-import graphscan_ort.tune.command as tune
+import graphscan
 from graphscan_ort.tune.candidates import keyword_arguments, quiet
 from graphscan_ort.tune.overrides import OUTLIER_FACTOR, STEP, outlier_overrides, overridden
 from graphscan_ort.tune.progress import Progress
@@ -73,7 +73,7 @@ def outliers(tmp_path_factory):
     outlier_model(folder / "m.onnx")
     calibration = outlier_samples(folder, 8, 1, True)
     evaluation = outlier_samples(folder, 4, 2, False)
-    answer = tune.tune(
+    answer = graphscan.tune(
         str(folder / "m.onnx"),
         calibrate=calibration,
         inputs=evaluation,

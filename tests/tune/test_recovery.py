@@ -11,7 +11,7 @@ import pytest
 from onnxruntime.quantization import quantize_static
 
 import gen_models
-import graphscan_ort.tune.command as tune
+import graphscan
 from graphscan_ort.shared.metrics import verified
 from graphscan_ort.tune.bias import bias_corrected
 from graphscan_ort.tune.candidates import keyword_arguments, quiet
@@ -29,7 +29,7 @@ def tuned(folder, target):
     for k in range(5):
         files.append(str(folder / f"s{k}.npz"))
         np.savez(files[-1], x=rng.standard_normal((1, 3, 16, 16)).astype(np.float32))
-    answer = tune.tune(
+    answer = graphscan.tune(
         str(folder / "cnn.onnx"),
         calibrate=files[:3],
         inputs=files[3:],

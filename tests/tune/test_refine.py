@@ -8,7 +8,7 @@ import pytest
 from onnxruntime.quantization import quantize_static
 
 import gen_models
-import graphscan_ort.tune.command as tune
+import graphscan
 import graphscan_ort.tune.stages as tune_stages
 import graphscan_ort.tune.trials as tune_trials
 from graphscan_ort.tune.candidates import REFINEMENTS, calibration_key, keyword_arguments, quiet, refinements
@@ -23,7 +23,7 @@ def unreachable(tmp_path_factory):
         without_dynamic_candidates(monkeypatch)
         monkeypatch.setattr(tune_stages, "recover", lambda *args: [])  # the rows of the refinements alone
         monkeypatch.setattr(tune_stages, "polished", lambda trials, chosen, reached, *rest: (chosen, reached))
-        answer = tune.tune(
+        answer = graphscan.tune(
             str(folder / "mlp.onnx"),
             calibrate=files[:2],
             inputs=files[2:],
@@ -85,7 +85,7 @@ def test_twins_are_found_by_content(tmp_path, monkeypatch):
     calls = []
     measured = tune_trials.measure_candidate
     monkeypatch.setattr(tune_trials, "measure_candidate", lambda *a, **k: calls.append(1) or measured(*a, **k))
-    answer = tune.tune(
+    answer = graphscan.tune(
         str(tmp_path / "mlp.onnx"), calibrate=[str(tmp_path / "s.npz")], out=str(tmp_path / "o"),
         runs=1, min_speedup=0, target=-100.0,
     )  # fmt: skip
@@ -109,7 +109,7 @@ def test_calibration_samples_of_several_shapes_are_said_to_stop_histogram_method
     for k, batch in enumerate([4, 7]):
         files.append(str(tmp_path / f"s{k}.npz"))
         np.savez(files[-1], x=np.random.default_rng(k).standard_normal((batch, 64)).astype(np.float32))
-    answer = tune.tune(
+    answer = graphscan.tune(
         str(tmp_path / "mlp.onnx"), calibrate=files, out=str(tmp_path / "o"), runs=1, min_speedup=0, target=-100.0
     )
     refused = [c for c in answer["candidates"] if c["error"]]

@@ -205,7 +205,7 @@ def test_out_of_range_runs_threads_and_level_are_refused_before_any_work(tuned, 
         assert extra[0] in line
     assert not (tmp_path / "o").exists() and list(tmp_path.glob(".graphscan-tune-*")) == []
     with pytest.raises(graphscan.GraphscanError) as raised:  # in-process too
-        tune.tune(tuned["float"], calibrate=[str(tuned["calibration"][0])], out=str(tmp_path / "o"), threads=10**6)
+        graphscan.tune(tuned["float"], calibrate=[str(tuned["calibration"][0])], out=str(tmp_path / "o"), threads=10**6)
     assert raised.value.exit_code == graphscan.EXIT_USAGE
 
 
@@ -358,7 +358,7 @@ def test_exclusions_are_realized_by_the_quantizer_and_measured(tuned, tmp_path, 
     convs = [n.name for n in onnx.load(tuned["float"]).graph.node if n.op_type == "Conv"]
     ranking = {"ops": [{"node": name, "gain_db": 1.0} for name in convs] + [{"node": "noise", "gain_db": 1e-9}]}
     monkeypatch.setattr(tune_stages, "impact_of", lambda *args, **kwargs: ranking)
-    answer = tune.tune(
+    answer = graphscan.tune(
         tuned["float"],
         calibrate=[str(c) for c in tuned["calibration"]],
         inputs=[tuned["held"]],
@@ -423,7 +423,7 @@ def test_the_lab_mlp_is_tuned_and_reproduced(tmp_path, build_case):
     for k in range(3):
         samples.append(tmp_path / f"s{k}.npz")
         np.savez(samples[-1], x=np.random.default_rng(k).standard_normal((4, 64)).astype(np.float32))
-    answer = tune.tune(
+    answer = graphscan.tune(
         lab["fp32"],
         calibrate=[str(s) for s in samples[:2]],
         inputs=[str(samples[2])],
@@ -571,7 +571,7 @@ def test_held_out_compares_contents_not_paths(tuned, tmp_path):
     """The same arrays given to --calibrate and --inputs (another file) are not held out."""
     copy = tmp_path / "copy.npz"
     np.savez(copy, **dict(np.load(tuned["calibration"][0])))
-    answer = tune.tune(
+    answer = graphscan.tune(
         tuned["float"], calibrate=[str(tuned["calibration"][0])], inputs=[str(copy)], out=str(tmp_path / "o"), runs=1
     )
     assert answer["evaluation"]["held_out"] is False
@@ -612,7 +612,7 @@ class Terminal(io.StringIO):
 def test_a_progress_line_on_a_terminal_only(tuned, tmp_path, monkeypatch, terminal):
     stream = Terminal() if terminal else io.StringIO()
     monkeypatch.setattr(sys, "stderr", stream)
-    tune.tune(tuned["float"], calibrate=[str(tuned["calibration"][0])], out=str(tmp_path / "o"), runs=1)
+    graphscan.tune(tuned["float"], calibrate=[str(tuned["calibration"][0])], out=str(tmp_path / "o"), runs=1)
     text = stream.getvalue()
     if not terminal:
         assert text == ""  # in a pipe or in CI, stderr stays as the contract says

@@ -17,9 +17,9 @@ import pytest
 import graphscan
 import graphscan_ort.tune.command as tune
 import graphscan_ort.tune.deployed as deployed
+from graphscan import Session
 from graphscan_ort.shared import targets
-from graphscan_ort.shared.on_target import Target
-from graphscan_ort.shared.options import Named, Session, Timing
+from graphscan_ort.shared.options import Named, Timing
 from graphscan_ort.tune.guards import failed_guards
 from tests.helpers import main_error_line, run_main, small_cnn
 from tests.targets.test_targets import INSTALL, empty_bin, fake_tools
@@ -52,7 +52,7 @@ def test_an_unknown_cpu_is_a_usage_error(cnn, tmp_path, capsys):
     line = main_error_line(capsys, argv_of(cnn, tmp_path / "out", "--cpu", "sparc"), graphscan.EXIT_USAGE)
     assert "--cpu" in line and "sparc" in line
     with pytest.raises(graphscan.GraphscanError) as caught:  # the function refuses it as the command line does
-        tune.tune(cnn["float"], calibrate=cnn["calibrate"], out=str(tmp_path / "out"), cpu="sparc")
+        graphscan.tune(cnn["float"], calibrate=cnn["calibrate"], out=str(tmp_path / "out"), cpu="sparc")
     assert caught.value.exit_code == graphscan.EXIT_USAGE and all(t in str(caught.value) for t in targets.TARGETS)
     assert not (tmp_path / "out").exists()
 
@@ -90,9 +90,10 @@ def test_native_is_the_answer_without_cpu_byte_for_byte(cnn, tmp_path, capsys, m
 
 def test_the_slower_guard_is_off_on_an_emulated_target_unless_min_speedup_is_given():
     slow = {"speedup": 0.5, "bytes": 10, "float_weights": 0}
-    assert tune.speedup_guard(None, "native") == 1.0
-    assert tune.speedup_guard(None, "arm64") is None and tune.speedup_guard(None, "x86-avx2") is None
-    assert tune.speedup_guard(2, "arm64") == 2.0 and tune.speedup_guard(0.0, "native") == 0.0
+    native, arm64, x86 = (graphscan.CpuTarget(name) for name in ("native", "arm64", "x86-avx2"))
+    assert tune.speedup_guard(None, native) == 1.0
+    assert tune.speedup_guard(None, arm64) is None and tune.speedup_guard(None, x86) is None
+    assert tune.speedup_guard(2, arm64) == 2.0 and tune.speedup_guard(0.0, native) == 0.0
     assert failed_guards(slow, 100, None) == [] and failed_guards({**slow, "speedup": None}, 100, None) == []
     assert failed_guards(slow, 100, 1.0) == ["slower"] and failed_guards({**slow, "bytes": 200}, 100, None) == [
         "larger"
@@ -115,16 +116,16 @@ def test_on_a_target_the_float_model_runs_once_and_each_candidate_once_with_the_
     samples = [{"x": rng.standard_normal((2, 16)).astype(np.float32)} for _ in range(2)]
     monkeypatch.setattr(deployed, "latency_figures", fixed_speed(1.0))
     calls = []
-    target = Target("native")
-    ran = target.run
-    monkeypatch.setattr(target, "run", lambda function, args: calls.append(function) or ran(function, args))
-    on = deployed.OnTarget(target, str(tmp_path), samples, Session())
+    runner = graphscan.CpuTarget("native").runner()
+    ran = runner.call
+    monkeypatch.setattr(runner, "call", lambda function, *args: calls.append(function.__name__) or ran(function, *args))
+    on = deployed.OnTarget(runner, str(tmp_path), samples, Session())
     for candidate in candidates(tmp_path):
         natively = deployed.measure_candidate(reference, candidate, samples, Session(), Timing(1))
         there = deployed.measure_candidate(reference, candidate, samples, Session(), Timing(1), on)
         assert there == natively
-    assert [c.rsplit(":", 1)[1] for c in calls] == ["float_on_target", "candidate_on_target", "candidate_on_target"]
-    assert target.facts is not None and target.facts["name"] == "native"
+    assert calls == ["float_on_target", "candidate_on_target", "candidate_on_target"]
+    assert runner.facts is not None and runner.facts["name"] == "native"
 
 
 class NativeAsArm64(targets.Worker):
@@ -145,15 +146,15 @@ class NativeAsArm64(targets.Worker):
 
 @pytest.fixture
 def emulated(monkeypatch):
-    monkeypatch.setattr(tune, "require", lambda target: None)
-    monkeypatch.setattr(tune, "Worker", NativeAsArm64)
+    monkeypatch.setattr(targets, "require", lambda target: None)
+    monkeypatch.setattr(targets, "Worker", NativeAsArm64)
     monkeypatch.setattr(deployed, "latency_figures", fixed_speed(0.5))  # every candidate slower than float
 
 
 def test_an_emulated_target_labels_the_speed_native_and_guards_it_only_with_min_speedup(cnn, tmp_path, emulated):
     given = {"calibrate": cnn["calibrate"], "inputs": cnn["inputs"], "runs": 1}
     # Every candidate is slower than float here (natively: nothing written, test_guards.py).
-    answer = tune.tune(cnn["float"], out=str(tmp_path / "b"), cpu="arm64", **given)
+    answer = graphscan.tune(cnn["float"], out=str(tmp_path / "b"), cpu="arm64", **given)
     assert list(answer)[:3] == ["model", "environment", "cpu"]
     assert answer["cpu"] == {"name": "arm64", "onnxruntime": answer["environment"]["onnxruntime"], "machine": "aarch64"}
     assert answer["latency"]["min_speedup"] is None
@@ -163,7 +164,7 @@ def test_an_emulated_target_labels_the_speed_native_and_guards_it_only_with_min_
     said = [w for w in answer["warnings"] if "arm64" in w]
     assert len(said) == 2 and "timed natively" in said[0] and "no latency" in said[0]
     assert "slower guard is off" in said[1] and "--min-speedup" in said[1]
-    guarded = tune.tune(cnn["float"], out=str(tmp_path / "c"), cpu="arm64", min_speedup=1.0, **given)
+    guarded = graphscan.tune(cnn["float"], out=str(tmp_path / "c"), cpu="arm64", min_speedup=1.0, **given)
     assert guarded["latency"]["min_speedup"] == 1.0 and guarded["chosen"] is None
     assert all(c["fails"] == ["slower"] for c in guarded["candidates"] if c["error"] is None)
     assert not any("slower guard is off" in w for w in guarded["warnings"])
@@ -183,7 +184,7 @@ def test_on_an_emulated_target_tune_chooses_by_the_targets_kernels_first(cnn, tm
 
     monkeypatch.setattr(deployed.OnTarget, "measure", fewer_kernels_the_more_accurate)
     given = {"calibrate": cnn["calibrate"], "inputs": cnn["inputs"], "runs": 1, "max_trials": 0, "target": 0.0}
-    answer = tune.tune(cnn["float"], out=str(tmp_path / "o"), cpu="arm64", **given)
+    answer = graphscan.tune(cnn["float"], out=str(tmp_path / "o"), cpu="arm64", **given)
     rows = {c["id"]: c for c in answer["candidates"]}
     chosen = rows[answer["chosen"]]
     if (chosen["recovery"] or {}).get("step") == "bias_correction":  # written in its row's place where it helps
