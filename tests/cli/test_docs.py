@@ -27,6 +27,7 @@ with the code shown and print one JSON object (DOT text for ``dot``, a table for
 import re
 import shlex
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +119,45 @@ def test_relative_links_resolve(page):
     for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
         if "://" not in target:
             assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
+
+
+def heading_anchors(text):
+    """The anchors GitHub gives a page's headings: lower case, punctuation but ``-`` and ``_``
+    dropped, each space a ``-``; a repeated anchor gets ``-1``, ``-2``, ... (code blocks skipped)."""
+    anchors, seen, fenced = set(), Counter(), False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and (heading := re.match(r"#{1,6} (.+)", line)):
+            anchor = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            anchors.add(f"{anchor}-{seen[anchor]}" if seen[anchor] else anchor)
+            seen[anchor] += 1
+    return anchors
+
+
+def test_heading_anchors_follow_githubs_rule():
+    # SPEC links its own "### CPU targets (`--cpu`)" as #cpu-targets---cpu.
+    page = "### CPU targets (`--cpu`)\n## The README's tour\n```\n# not a heading\n```\n## Notes\n### Notes"
+    assert heading_anchors(page) == {"cpu-targets---cpu", "the-readmes-tour", "notes", "notes-1"}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[page.name for page in PAGES])
+def test_every_anchor_a_page_links_to_is_a_heading_there(page):
+    """A section renamed or merged away breaks the links into it: ``PAGE.md#anchor`` and
+    ``#anchor`` must name a heading of that page."""
+    text = page.read_text(encoding="utf-8")
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", text):
+        if "://" in target:
+            continue
+        linked = (page.parent / target) if target else page
+        assert anchor in heading_anchors(linked.read_text(encoding="utf-8")), f"{page.name} links to {target}#{anchor}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[page.name for page in PAGES])
+def test_no_page_names_an_issue(page):
+    """The docs say what is; which issue brought it belongs in the history (git log)."""
+    for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+        assert not re.search(r"\bissue \d+", line, re.I), f"{page.name}:{number}: {line.strip()}"
 
 
 # Commands shown in the docs -------------------------------------------------------------
