@@ -1320,11 +1320,12 @@ class Samples:
 
 @dataclasses.dataclass(frozen=True)
 class MetricChoice:
-    """The metric ``--metric``, ``--threshold`` and ``--blank`` name (checked by the package)."""
+    """The metric ``--metric``, ``--threshold``, ``--blank`` and ``--layout`` name (checked by the package)."""
 
     name: str | None = None
     threshold: float | None = None
     blank: int | None = None
+    layout: str | None = None
 
 
 NO_METRIC = MetricChoice()  # no --metric given
@@ -1391,6 +1392,7 @@ def check(
     metric: str | None = None,
     threshold: float | None = None,
     blank: int | None = None,
+    layout: str | None = None,
     min_metric: float | None = None,
     min_levels: float | None = None,
     cpu: str = "native",
@@ -1399,11 +1401,11 @@ def check(
 
     ``float_path``, ``inputs``, ``shape``, ``seed`` and ``level`` apply to the
     budgets that run both models (min_sqnr, min_metric), and ``metric``,
-    ``threshold`` and ``blank`` to min_metric: given without them they are a
+    ``threshold``, ``blank`` and ``layout`` to min_metric: given without them they are a
     usage error, never ignored. ``cpu``: the CPU target the measured budgets run on."""
     # The command line's rules, for in-process calls (the command line has applied them already).
     rules = {"inputs": inputs, "shape": shape, "seed": seed, "level": level, "threshold": threshold, "blank": blank}
-    checked = _in_process_keywords(CHECK, rules)
+    checked = _in_process_keywords(CHECK, {**rules, "layout": layout})
     inputs, shape, seed, level = checked["inputs"], checked["shape"], checked["seed"], checked["level"]
     threshold, blank = checked["threshold"], checked["blank"]
     limits = _read_budget_file(budget) if budget is not None else {}
@@ -1431,7 +1433,7 @@ def check(
     only_with(
         either_of(_METRIC_BUDGETS),
         bool(metric_budgets),
-        {"--metric": metric, "--threshold": threshold, "--blank": blank},
+        {"--metric": metric, "--threshold": threshold, "--blank": blank, "--layout": layout},
     )
     if metric_budgets and metric is None:
         raise GraphscanError(f"usage: the {metric_budgets[0]} budget needs --metric NAME|FILE.py:FUNCTION", EXIT_USAGE)
@@ -1439,7 +1441,7 @@ def check(
     only_with(either_of(_RUNNING_BUDGETS), measured, {"--cpu": None if cpu == "native" else cpu})
     check_readable(path)
     names = [name for name in BUDGETS if name in limits]  # a fixed order, whatever the file's
-    chosen = MetricChoice(metric, threshold, blank)
+    chosen = MetricChoice(metric, threshold, blank, layout)
     samples = Samples(inputs, shape, seed)
     values, described, facts = _budget_values(path, names, float_path, samples, level or "all", chosen, cpu)
     budgets: list[_Budget] = []
@@ -2079,11 +2081,12 @@ def samples_group(default_size: int, samples: str = "one", when: str = "") -> li
     ]
 
 
-_METRIC_NAMES = "sqnr, top1, iou, ctc, cosine"  # the built-in metrics (graphscan_ort.shared.agreement)
+# The built-in metrics (graphscan_ort.shared.agreement) and the axes they read.
+_METRIC_NAMES = "sqnr, top1 (argmax of the last axis), iou, ctc (see --layout), cosine"
 
 
 def metric_group(when: str = "", default: str = "") -> list[Option]:
-    """``--metric``, ``--threshold`` and ``--blank``: accuracy in the user's terms.
+    """``--metric``, ``--threshold``, ``--blank`` and ``--layout``: accuracy in the user's terms.
     ``when``: the option these apply with, for the help; ``default``: what no --metric means."""
     return [
         (
@@ -2101,6 +2104,14 @@ def metric_group(when: str = "", default: str = "") -> list[Option]:
         (
             "--blank",
             {"type": non_negative_int, "metavar": "CLASS", "help": "--metric ctc: the blank class (default: 0)"},
+        ),
+        (
+            "--layout",
+            {
+                "choices": ["NTC", "TNC"],
+                "help": "--metric ctc: the output's axes, NTC [batch, time, classes] or TNC [time, batch, classes] "
+                "(default: told by its shape or declared dims)",
+            },
         ),
     ]
 

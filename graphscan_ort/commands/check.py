@@ -71,7 +71,7 @@ def measurements(
     values = {}
     described: dict[str, dict[str, Any]] = {}
     # The metric is checked before any model runs: a bad --metric is exit 2 at once.
-    agreement = metric(chosen.name, chosen.threshold, chosen.blank) if "min_metric" in names else None
+    agreement = metric(chosen.name, chosen.threshold, chosen.blank, chosen.layout) if "min_metric" in names else None
     if "min_int8" in names:
         if cpu == NATIVE:
             model = load_with_weights(path) if model is None else model
@@ -125,7 +125,7 @@ def float_measurements(
                 "worst_part": figures.worst_part,
             }
         if agreement is not None:
-            value = paired_value(outputs, agreement)
+            value = paired_value(outputs, agreement.reading(reference.model))
             values["min_metric"] = math.nan if value is None else value
     return values, described
 

@@ -103,6 +103,7 @@ def tune(
     metric: str | None = None,
     threshold: float | None = None,
     blank: int | None = None,
+    layout: str | None = None,
     target: float | None = None,
     min_speedup: float | None = None,
     latency_inputs: list[str] | None = None,
@@ -118,7 +119,7 @@ def tune(
     if out is None:
         raise GraphscanError("usage: tune needs --out DIR", EXIT_USAGE)
     timing, session = Timing(runs), Session(level, threads)  # each group checks its own ranges
-    chosen_metric = metric_of(MetricChoice(metric, threshold, blank), target, target_sqnr)
+    chosen_metric = metric_of(MetricChoice(metric, threshold, blank, layout), target, target_sqnr)
     target = target_sqnr if target is None else target
     if min_speedup is not None and not (
         isinstance(min_speedup, (int, float)) and math.isfinite(min_speedup) and min_speedup >= 0
@@ -134,6 +135,7 @@ def tune(
     ort.set_default_logger_severity(4)  # the quantizer's own sessions log warnings on stderr
     model = load_with_weights(path)
     refuse_quantized(model, path)
+    chosen_metric = chosen_metric.reading(model)  # ctc's layout may be told by the outputs' declared dims
     seeds = seed_rows(model, exclude, keep_outputs_float, path)
     specs = input_specs(model)
     calibration = [read_npz_inputs(p, specs) for p in calibrate]
