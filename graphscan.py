@@ -1287,17 +1287,19 @@ class Samples:
         return cls(inputs, given["shape"], 0 if seed is None else seed)
 
 
-_METRIC_NAMES = "sqnr, top1, iou, ctc, cosine"  # the built-in metrics (graphscan_ort.shared.agreement)
+# The built-in metrics (graphscan_ort.shared.agreement) and the axes they read.
+_METRIC_NAMES = "sqnr, top1 (argmax of the last axis), iou, ctc (see --layout), cosine"
 
 
 @dataclasses.dataclass(frozen=True)
 class MetricChoice:
-    """The metric ``--metric``, ``--threshold`` and ``--blank`` name (graphscan_ort's
+    """The metric ``--metric``, ``--threshold``, ``--blank`` and ``--layout`` name (graphscan_ort's
     shared/agreement.py makes it, and refuses what does not fit it)."""
 
     name: str | None = None
     threshold: float | None = None
     blank: int | None = None
+    layout: str | None = None
 
     @classmethod
     def taken(cls, when: str = "", default: str = "") -> Takes:
@@ -1323,8 +1325,18 @@ class MetricChoice:
                 "--blank",
                 {"type": non_negative_int, "metavar": "CLASS", "help": "--metric ctc: the blank class (default: 0)"},
             ),
+            (
+                "--layout",
+                {
+                    "choices": ["NTC", "TNC"],
+                    "help": "--metric ctc: the output's axes, NTC [batch, time, classes] or TNC [time, batch, "
+                    "classes] (default: told by its shape or declared dims)",
+                },
+            ),
         )
-        return Takes("metric", options, lambda given: cls(given["metric"], given["threshold"], given["blank"]))
+        return Takes(
+            "metric", options, lambda given: cls(given["metric"], given["threshold"], given["blank"], given["layout"])
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2498,7 +2510,7 @@ CHECK = Command(
         OnlyWith(
             either_of(_METRIC_BUDGETS),
             lambda built: built["budgets"].any_of(_METRIC_BUDGETS),
-            ("metric", "threshold", "blank"),
+            ("metric", "threshold", "blank", "layout"),
         ),
         OnlyWith(
             either_of(_RUNNING_BUDGETS),

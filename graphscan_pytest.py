@@ -74,6 +74,7 @@ METRIC_KEYS: dict[str, Key] = {
     "metric": ((str,), "a built-in metric or FILE.py:FUNCTION"),
     "threshold": ((int, float), "iou's threshold"),
     "blank": ((int,), "ctc's blank class"),
+    "layout": ((str,), "ctc's output axes, NTC or TNC"),
 }
 GATE_KEYS: dict[str, Key] = {
     "snapshot": ((bool,), "pin the runtime class of every node"),
@@ -368,9 +369,10 @@ def command_line_rules(settings: dict[str, Any]) -> None:
                 parse(str(settings[key]))
             except argparse.ArgumentTypeError as exc:
                 raise core.GraphscanError(f"--{key}: {exc}", core.EXIT_USAGE) from None
-    levels = declared["--level"]["choices"]
-    if "level" in settings and settings["level"] not in levels:
-        raise core.GraphscanError(f"--level: {settings['level']!r} is not one of {', '.join(levels)}", core.EXIT_USAGE)
+    for key in ("level", "layout"):
+        choices = declared[f"--{key}"]["choices"]
+        if key in settings and settings[key] not in choices:
+            raise core.GraphscanError(f"--{key}: {settings[key]!r} is not one of {', '.join(choices)}", core.EXIT_USAGE)
     if "shape" in settings:
         bad = [item for item in settings["shape"] if not isinstance(item, str)]
         if bad:
@@ -382,8 +384,9 @@ def command_line_rules(settings: dict[str, Any]) -> None:
         from graphscan_ort.shared.agreement import metric
 
         user = user_metric_file(settings["metric"]) is not None
-        # A built-in or a malformed name is checked whole; a user's takes neither threshold nor blank.
-        metric("sqnr" if user else settings["metric"], settings.get("threshold"), settings.get("blank"))
+        # A built-in or a malformed name is checked whole; a user's takes neither threshold, blank nor layout.
+        parameters = [settings.get(key) for key in ("threshold", "blank", "layout")]
+        metric("sqnr" if user else settings["metric"], *parameters)
 
 
 # ---------------------------------------------------------------------------

@@ -112,6 +112,7 @@ AREA_TESTS = {
         "tests/tune/test_deployed.py",
         "tests/tune/test_candidates.py",
         "tests/check/test_metric.py",
+        "tests/check/test_metric_layouts.py",
         "tests/tune/test_users_code.py",
         "tests/tune/test_dynamic.py",
         "tests/tune/test_contrib.py",

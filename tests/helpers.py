@@ -633,3 +633,89 @@ def item_outcomes(output):
             if line.startswith(outcome + " "):
                 found[line[len(outcome) + 1 :].split(" - ")[0].strip()] = outcome.lower()
     return found
+
+
+CTC_ALPHABET = "-abcde"  # the classes of ctc_head: 0, the blank, is "-"
+CTC_CLASSES, CTC_FRAMES, CTC_HIDDEN = len(CTC_ALPHABET), 16, 64
+
+
+def ctc_head(path, sequences, time_first, noise=0.0, declared=None, seed=0, spread=1.0):
+    """A CTC head on [N, T, 6] frames: y = relu(x W1) W2, which is x when ``noise`` is 0
+    (W1 = [I, -I, spread * R], W2 = [I; -I; 0]; the noise is in W2's rows that pass x on;
+    a wide ``spread`` coarsens the int8 scale of x W1), with the output transposed to
+    [T, N, 6] when ``time_first``; ``declared``: the output's declared dims (default: its
+    fixed shape)."""
+    import numpy as np
+    import onnx
+
+    rng = np.random.default_rng(seed)
+    eye = np.eye(CTC_CLASSES)
+    w1 = np.concatenate([eye, -eye, spread * rng.standard_normal((CTC_CLASSES, CTC_HIDDEN - 2 * CTC_CLASSES))], axis=1)
+    w2 = np.concatenate([eye, -eye, np.zeros((CTC_HIDDEN - 2 * CTC_CLASSES, CTC_CLASSES))])
+    w2[: 2 * CTC_CLASSES] += noise * rng.standard_normal((2 * CTC_CLASSES, CTC_CLASSES))  # the rows that pass x on
+    nodes = [
+        onnx.helper.make_node("MatMul", ["x", "w1"], ["h"]),
+        onnx.helper.make_node("Relu", ["h"], ["r"]),
+        onnx.helper.make_node("MatMul", ["r", "w2"], ["logits" if time_first else "y"]),
+    ]
+    if time_first:
+        nodes.append(onnx.helper.make_node("Transpose", ["logits"], ["y"], perm=[1, 0, 2]))
+    shape = [CTC_FRAMES, sequences, CTC_CLASSES] if time_first else [sequences, CTC_FRAMES, CTC_CLASSES]
+    graph = onnx.helper.make_graph(
+        nodes,
+        "ctc_head",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [sequences, CTC_FRAMES, CTC_CLASSES])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, declared or shape)],
+        [onnx.numpy_helper.from_array(w.astype(np.float32), name) for w, name in ((w1, "w1"), (w2, "w2"))],
+    )
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)]), path)
+    return str(path)
+
+
+def ctc_frames(folder, sequences, count=4, seed=3, margin=2.0):
+    """Frames a recognizer might see, ``sequences`` per sample: mostly the blank, now and
+    then a character, ahead of the other classes by about ``margin``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    paths, arrays = [], []
+    for k in range(count):
+        classes = np.where(
+            rng.random((sequences, CTC_FRAMES)) < 0.6, 0, rng.integers(1, CTC_CLASSES, (sequences, CTC_FRAMES))
+        )
+        x = (np.eye(CTC_CLASSES)[classes] * margin + rng.normal(0, 0.3, (sequences, CTC_FRAMES, CTC_CLASSES))).astype(
+            np.float32
+        )
+        paths.append(str(folder / f"frames{sequences}x{k}.npz"))
+        np.savez(paths[-1], x=x)
+        arrays.append(x)
+    return paths, arrays
+
+
+def ctc_strings(logits, time_first, alphabet):
+    """The greedy CTC decode of every sequence of ``logits`` ([N, T, C], or [T, N, C] when
+    ``time_first``), written apart from graphscan's: the argmax of each frame (the first
+    maximum), repeats merged, the blank (class 0) dropped, each class its character of
+    ``alphabet``."""
+    sequences = logits.shape[1] if time_first else logits.shape[0]
+    strings = []
+    for n in range(sequences):
+        frames = logits[:, n, :] if time_first else logits[n, :, :]
+        text, previous = "", None
+        for frame in frames:
+            best = max(range(len(frame)), key=lambda c: (frame[c], -c))
+            if best != previous and best != 0:
+                text += alphabet[best]
+            previous = best
+        strings.append(text)
+    return strings
+
+
+def string_agreement(reference, candidate, time_first, alphabet):
+    """The share of sequences whose ``ctc_strings`` agree, over paired lists of logits."""
+    same = total = 0
+    for f, q in zip(reference, candidate, strict=True):
+        for a, b in zip(ctc_strings(f, time_first, alphabet), ctc_strings(q, time_first, alphabet), strict=True):
+            same += a == b
+            total += 1
+    return same / total

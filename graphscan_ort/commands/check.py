@@ -75,7 +75,7 @@ class Measuring:
     def agreement(self) -> Metric:
         """The --metric, made from its choice (a built-in, or a user's function loaded)."""
         chosen = self.job.metric
-        return metric(chosen.name, chosen.threshold, chosen.blank)
+        return metric(chosen.name, chosen.threshold, chosen.blank, chosen.layout)
 
     @functools.cached_property
     def outputs(self) -> PairedOutputs:
@@ -117,7 +117,7 @@ def min_levels(measuring: Measuring) -> Measured:
 
 def min_metric(measuring: Measuring) -> Measured:
     """The --metric's agreement of the quantized model's outputs with the float model's."""
-    value = paired_value(measuring.outputs, measuring.agreement)
+    value = paired_value(measuring.outputs, measuring.agreement.reading(measuring.reference.model))
     return Measured(math.nan if value is None else value, {"metric": measuring.agreement.describe()})
 
 

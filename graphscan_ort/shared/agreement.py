@@ -2,15 +2,19 @@
 
 A metric compares the float model's outputs with a candidate's, sample by sample,
 and gives one number where higher is better, or None where it is undefined. The
-built-in ones are label-free agreements (docs/SPEC.md defines each exactly):
+built-in ones are label-free agreements (docs/SPEC.md defines each exactly), each
+reading the axes it names:
 
-- ``sqnr``: the output SQNR in dB (``metrics.OutputNoise``), the default;
+- ``sqnr``: the output SQNR in dB (``metrics.OutputNoise``), the default; every
+  element, no axis;
 - ``top1``: the share of positions whose argmax over the class axis (the last
-  axis) agrees;
+  axis) agrees; every other index is a position;
 - ``iou``: the IoU of the two outputs thresholded at ``threshold`` (probability maps);
+  every element, no axis;
 - ``ctc``: the share of sequences whose greedy CTC decoding agrees (argmax over the
-  last axis, repeats merged, ``blank`` dropped);
-- ``cosine``: the cosine similarity of all outputs, flattened.
+  last axis, repeats merged, ``blank`` dropped); time is the axis ``layout`` names
+  (``[N, T, C]`` or ``[T, N, C]``), given or told by the output (``ctc_layout``);
+- ``cosine``: the cosine similarity of all outputs, flattened; every element, no axis.
 
 A user's metric is ``FILE.py:FUNCTION``, called as ``FUNCTION(reference, candidate)``
 with one ``{output name: array}`` per sample, in order, and returning a finite number.
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from graphscan import EXIT_INPUTS, EXIT_USAGE, INTERRUPTED, GraphscanError, interruption, one_line, shown
 from graphscan_ort.shared.metrics import OutputNoise, Outputs, PairedOutputs, answer_figures
@@ -37,6 +42,9 @@ from graphscan_ort.shared.metrics import OutputNoise, Outputs, PairedOutputs, an
 BUILT_IN = ["sqnr", "top1", "iou", "ctc", "cosine"]
 DEFAULT_THRESHOLD = 0.5  # iou's, where --threshold is not given
 DEFAULT_BLANK = 0  # ctc's blank class, where --blank is not given
+# ctc's layouts: [batch, time, classes] or time first, [time, batch, classes] (PyTorch's CTC loss).
+NTC, TNC = "NTC", "TNC"
+LAYOUTS = [NTC, TNC]
 # Below this many dB the default target (onnxruntime's defaults' SQNR) is poor: a
 # real recognizer at 5.5 dB read 1 line of 36, a detector at 10.1 dB lost 2 of 5.
 POOR_SQNR_DB = 20.0
@@ -54,7 +62,11 @@ class Metric:
     name: str
     threshold: float | None = None
     blank: int | None = None
+    layout: str | None = None
     function: Callable[[Outputs, Outputs], Any] | None = None
+    # Per output, the names of its declared dims ("" where fixed or unnamed): ctc tells
+    # the batch axis by them when the shape cannot (``reading``).
+    declared: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def unit(self) -> str:
@@ -67,7 +79,13 @@ class Metric:
             answer["threshold"] = DEFAULT_THRESHOLD if self.threshold is None else self.threshold
         if self.name == "ctc":
             answer["blank"] = DEFAULT_BLANK if self.blank is None else self.blank
+            if self.layout is not None:  # told by the output otherwise, and the answer as before
+                answer["layout"] = self.layout
         return answer
+
+    def reading(self, model: onnx.ModelProto) -> Metric:
+        """This metric as it reads ``model``'s outputs: with the names of their declared dims."""
+        return dataclasses.replace(self, declared=tuple(declared_dims(model).items()))
 
     def value(self, reference: Outputs, candidate: Outputs) -> float | None:
         """The metric of ``candidate`` against ``reference`` (the float model's outputs)."""
@@ -85,11 +103,14 @@ class Metric:
         if self.name == "iou":
             return iou(reference, candidate, self.threshold if self.threshold is not None else DEFAULT_THRESHOLD)
         if self.name == "ctc":
-            return ctc(reference, candidate, self.blank if self.blank is not None else DEFAULT_BLANK)
+            layouts = ctc_layouts(reference, self.layout, dict(self.declared))
+            return ctc(reference, candidate, self.blank if self.blank is not None else DEFAULT_BLANK, layouts)
         return {"sqnr": sqnr, "top1": top1, "cosine": cosine}[self.name](reference, candidate)
 
 
-def metric(name: str | None, threshold: float | None = None, blank: int | None = None) -> Metric:
+def metric(
+    name: str | None, threshold: float | None = None, blank: int | None = None, layout: str | None = None
+) -> Metric:
     """The metric ``--metric name`` asks for (None: sqnr); exit 2 for an unknown one, for
     parameters of another metric, or a ``FILE.py:FUNCTION`` that cannot be loaded."""
     name = name or "sqnr"
@@ -97,12 +118,16 @@ def metric(name: str | None, threshold: float | None = None, blank: int | None =
         raise GraphscanError("usage: --threshold: only with --metric iou", EXIT_USAGE)
     if blank is not None and name != "ctc":
         raise GraphscanError("usage: --blank: only with --metric ctc", EXIT_USAGE)
+    if layout is not None and name != "ctc":
+        raise GraphscanError("usage: --layout: only with --metric ctc", EXIT_USAGE)
+    if layout is not None and layout not in LAYOUTS:
+        raise GraphscanError(f"usage: --layout must be one of {', '.join(LAYOUTS)}, not {layout!r}", EXIT_USAGE)
     if threshold is not None and not math.isfinite(threshold):
         raise GraphscanError(f"usage: --threshold must be a finite number, not {threshold!r}", EXIT_USAGE)
     if blank is not None and blank < 0:
         raise GraphscanError(f"usage: --blank must be a class index >= 0, not {blank}", EXIT_USAGE)
     if name in BUILT_IN:
-        return Metric(name, threshold, blank)
+        return Metric(name, threshold, blank, layout)
     path, sep, function = name.rpartition(":")
     if not sep or not path.endswith(".py") or not function.isidentifier():
         raise GraphscanError(
@@ -247,7 +272,7 @@ def check_fits(chosen: Metric, reference: Outputs) -> None:
                 raise GraphscanError(
                     f"usage: --metric {chosen.name}: output {name!r} has {value.ndim} dimensions; "
                     f"{chosen.name} needs {least} or more (the class axis is the last"
-                    + (", time the one before it)" if chosen.name == "ctc" else ")"),
+                    + (": [T, C], [N, T, C] or [T, N, C])" if chosen.name == "ctc" else ")"),
                     EXIT_USAGE,
                 )
 
@@ -270,7 +295,8 @@ def pairs(reference: Outputs, candidate: Outputs) -> list[tuple[str, np.ndarray,
 def sqnr(reference: Outputs, candidate: Outputs) -> float | None:
     """The output SQNR (``metrics.OutputNoise``: 10*log10(sum f^2 / sum (f - q)^2) over
     every output and sample), by ``metrics.answer_figures``' rule: ``inf`` when the outputs
-    are equal, None when undefined (no signal, or a value that is not finite)."""
+    are equal, None when undefined (no signal, or a value that is not finite). Axes: none,
+    every element alike."""
     pairs(reference, candidate)  # the shapes agree
     noise = OutputNoise([list(sample.values()) for sample in reference])
     figures = noise.figures([[c[name] for name in r] for r, c in zip(reference, candidate, strict=True)])
@@ -279,8 +305,9 @@ def sqnr(reference: Outputs, candidate: Outputs) -> float | None:
 
 def top1(reference: Outputs, candidate: Outputs) -> float | None:
     """The share of positions (every index but the last axis, every output and sample)
-    where the argmax over the last axis agrees. Ties go to the first maximum, as numpy's
-    argmax; a position where the float model has a NaN is left out; None without any."""
+    where the argmax over the last axis agrees. Axes: the classes the last, a position
+    every index of the others. Ties go to the first maximum, as numpy's argmax; a position
+    where the float model has a NaN is left out; None without any."""
     agree = total = 0
     for _, f, q in pairs(reference, candidate):
         if f.shape[-1] == 0:
@@ -295,7 +322,8 @@ def top1(reference: Outputs, candidate: Outputs) -> float | None:
 
 def iou(reference: Outputs, candidate: Outputs, threshold: float = DEFAULT_THRESHOLD) -> float | None:
     """|F and Q| / |F or Q| of the masks f > threshold and q > threshold, pooled over every
-    output and sample (NaN is never above). Both masks empty everywhere: 1.0, they agree."""
+    output and sample (NaN is never above). Axes: none, every element alike. Both masks
+    empty everywhere: 1.0, they agree."""
     both = either = 0
     for _, f, q in pairs(reference, candidate):
         with np.errstate(invalid="ignore"):
@@ -305,10 +333,105 @@ def iou(reference: Outputs, candidate: Outputs, threshold: float = DEFAULT_THRES
     return both / either if either else 1.0
 
 
-def greedy_ctc(logits: np.ndarray, blank: int) -> list[tuple[int, ...]]:
-    """Every sequence's greedy CTC decoding: argmax over the last axis (time is the axis
-    before it), repeats merged, ``blank`` dropped."""
+def declared_dims(model: onnx.ModelProto) -> dict[str, tuple[str, ...]]:
+    """Per output of ``model``, the names of its declared dims ("" where a dim has none);
+    an output without a declared shape is left out."""
+    found = {}
+    for output in model.graph.output:
+        if output.type.HasField("tensor_type") and output.type.tensor_type.HasField("shape"):
+            found[output.name] = tuple(dim.dim_param for dim in output.type.tensor_type.shape.dim)
+    return found
+
+
+def is_batch_name(name: str) -> bool:
+    """Whether a declared dim's name says it is the batch axis (``batch``, ``batch_size``, ``N``, ``B``)."""
+    return name.lower() in {"n", "b", "bs"} or "batch" in name.lower()
+
+
+def time_axis(ndim: int, layout: str) -> int:
+    """The time axis of an output of ``ndim`` dimensions read in ``layout`` (both read
+    ``[T, C]`` alike: one sequence)."""
+    return 0 if layout == TNC else ndim - 2
+
+
+def frames(shape: Sequence[int], layout: str) -> int:
+    """How many frames each sequence of an output of ``shape`` has, read in ``layout``."""
+    return int(shape[time_axis(len(shape), layout)])
+
+
+def told_by_shape(shape: Sequence[int]) -> str | None:
+    """The one layout whose sequences are longer than a frame, where the other's are not
+    (``[1, T, C]``: NTC; ``[T, 1, C]``: TNC); None when both or neither are."""
+    longer = [layout for layout in LAYOUTS if frames(shape, layout) > 1]
+    return longer[0] if len(longer) == 1 else None
+
+
+def told_by_names(dims: Sequence[str]) -> str | None:
+    """The layout the declared dims' names tell: a batch name first (NTC) or second (TNC), alone."""
+    batch = [k for k, name in enumerate(dims[:-1]) if is_batch_name(name)]
+    return None if len(batch) != 1 else {0: NTC, 1: TNC}.get(batch[0])
+
+
+def ctc_layout(name: str, shapes: Sequence[tuple[int, ...]], given: str | None, dims: Sequence[str] | None) -> str:
+    """The layout ctc reads output ``name`` in, from its shape in every sample: ``given``
+    (--layout), else as its shape or declared dims tell it (``told_layout``). Exit 2 when
+    every sequence read is a single frame: what a wrong reading looks like (each time step
+    of ``[T, 1, C]`` taken for a sequence)."""
+    ndim = len(shapes[0])
+    layout = given or (NTC if ndim == 2 else told_layout(name, shapes, dims))  # [T, C]: one sequence either way
+    if all(frames(shape, layout) == 1 for shape in shapes):
+        other = TNC if layout == NTC else NTC
+        axes = "[T, C]" if ndim == 2 else "[T, N, C]" if layout == TNC else "[N, T, C]"
+        fix = (
+            f"time is its {'second' if other == NTC else 'first'} axis: give --layout {other}"
+            if ndim > 2 and any(frames(shape, other) > 1 for shape in shapes)
+            else "no CTC sequence"
+        )
+        raise GraphscanError(
+            f"usage: --metric ctc: output {name!r} is {list(shapes[0])}: read as {axes}, every sequence is a "
+            f"single frame, which decodes nothing to compare ({fix})",
+            EXIT_USAGE,
+        )
+    return layout
+
+
+def told_layout(name: str, shapes: Sequence[tuple[int, ...]], dims: Sequence[str] | None) -> str:
+    """The layout of output ``name`` (3 dimensions or more) without --layout: the shape's,
+    where only one layout has sequences longer than a frame; else that of the names of its
+    declared dims (``dims``, when as many as the output has); exit 2 naming --layout when
+    neither tells (``[26, 4, C]``, both readings decode sequences)."""
+    told = {layout for layout in map(told_by_shape, shapes) if layout is not None}
+    if len(told) == 1:
+        return told.pop()
+    named = told_by_names(dims) if dims is not None and len(dims) == len(shapes[0]) else None
+    if not told and named is not None:
+        return named
+    if told or any(frames(shape, NTC) > 1 and frames(shape, TNC) > 1 for shape in shapes):
+        raise GraphscanError(
+            f"usage: --metric ctc: output {name!r} is {list(shapes[0])}: time may be its first axis ([T, N, C]) "
+            "or its second ([N, T, C]), and neither its shape nor its declared dims tell; give --layout TNC or "
+            "--layout NTC",
+            EXIT_USAGE,
+        )
+    return NTC  # a single frame whichever the reading: ctc_layout refuses it
+
+
+def ctc_layouts(reference: Outputs, given: str | None, declared: Mapping[str, Sequence[str]]) -> dict[str, str]:
+    """Per output of ``reference`` (the float model's), the layout ctc reads it in (``ctc_layout``)."""
+    if not reference:
+        return {}
+    return {
+        name: ctc_layout(name, [np.shape(sample[name]) for sample in reference], given, declared.get(name))
+        for name in reference[0]
+    }
+
+
+def greedy_ctc(logits: np.ndarray, blank: int, layout: str = NTC) -> list[tuple[int, ...]]:
+    """Every sequence's greedy CTC decoding: argmax over the last axis (the classes), time
+    the axis before it (NTC) or the first (TNC), repeats merged, ``blank`` dropped."""
     best = np.argmax(np.nan_to_num(logits, nan=-np.inf), axis=-1)
+    if layout == TNC:
+        best = np.moveaxis(best, 0, -1)  # time last: [N..., T]
     rows = best.reshape(-1, best.shape[-1])
     decoded = []
     for row in rows:
@@ -318,14 +441,19 @@ def greedy_ctc(logits: np.ndarray, blank: int) -> list[tuple[int, ...]]:
     return decoded
 
 
-def ctc(reference: Outputs, candidate: Outputs, blank: int = DEFAULT_BLANK) -> float | None:
-    """The share of sequences (every index before the last two axes, every output and
-    sample) whose greedy CTC decoding equals the float model's; None without any."""
+def ctc(
+    reference: Outputs, candidate: Outputs, blank: int = DEFAULT_BLANK, layouts: Mapping[str, str] | None = None
+) -> float | None:
+    """The share of sequences whose greedy CTC decoding equals the float model's, every
+    output and sample pooled. Axes: the classes the last; per output, time the axis before
+    it and a sequence every index before that (NTC, the default), or time the first and a
+    sequence every index between (TNC, ``layouts[name]``); None without any sequence."""
     agree = total = 0
-    for _, f, q in pairs(reference, candidate):
+    for name, f, q in pairs(reference, candidate):
         if f.shape[-1] == 0:
             continue
-        for a, b in zip(greedy_ctc(f, blank), greedy_ctc(q, blank), strict=True):
+        layout = (layouts or {}).get(name, NTC)
+        for a, b in zip(greedy_ctc(f, blank, layout), greedy_ctc(q, blank, layout), strict=True):
             agree += a == b
             total += 1
     return agree / total if total else None
@@ -333,7 +461,7 @@ def ctc(reference: Outputs, candidate: Outputs, blank: int = DEFAULT_BLANK) -> f
 
 def cosine(reference: Outputs, candidate: Outputs) -> float | None:
     """f.q / (|f| |q|) of every output of every sample flattened and concatenated, in
-    float64; None when a norm is 0 or a value is not finite."""
+    float64; None when a norm is 0 or a value is not finite. Axes: none, every element alike."""
     dot = ff = qq = 0.0
     with np.errstate(all="ignore"):
         for _, f, q in pairs(reference, candidate):

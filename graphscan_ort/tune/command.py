@@ -239,6 +239,7 @@ def tune(
     ort.set_default_logger_severity(4)  # the quantizer's own sessions log warnings on stderr
     model = load_with_weights(path)
     refuse_quantized(model, path)
+    chosen_metric = chosen_metric.reading(model)  # ctc's layout may be told by the outputs' declared dims
     seeds = seed_rows(model, search.exclude, search.keep_outputs_float, path)
     specs = input_specs(model)
     calibration = [read_npz_inputs(p, specs) for p in calibrate]

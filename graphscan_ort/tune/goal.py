@@ -12,7 +12,7 @@ from graphscan_ort.shared.answers import Candidate, Target
 
 def metric_of(given: MetricChoice, target: float | None, target_sqnr: float | None) -> Metric:
     """The metric group's metric, with --target and its alias --target-sqnr checked (exit 2)."""
-    chosen = metric(given.name, given.threshold, given.blank)
+    chosen = metric(given.name, given.threshold, given.blank, given.layout)
     if target is not None and target_sqnr is not None:
         raise GraphscanError("usage: give --target or --target-sqnr, not both", EXIT_USAGE)
     if target_sqnr is not None and chosen.name != "sqnr":

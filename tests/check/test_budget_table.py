@@ -105,6 +105,7 @@ def test_the_config_lists_its_keys_as_before():
         "metric",
         "threshold",
         "blank",
+        "layout",
         "min_metric",
         "snapshot",
         "cpu",

@@ -29,7 +29,16 @@ import graphscan_pytest
 import graphscan_pytest_snapshots
 from graphscan_ort.shared import targets
 from graphscan_ort.tune.candidates import SampleReader, quiet
-from tests.helpers import ROOT, item_outcomes, run_main
+from tests.helpers import (
+    CTC_ALPHABET,
+    ROOT,
+    ctc_frames,
+    ctc_head,
+    item_outcomes,
+    run_main,
+    run_onnx,
+    string_agreement,
+)
 from tests.lab import DEFAULT_LAB
 from tests.targets.test_targets import needs
 
@@ -364,6 +373,13 @@ LAB_ARGV = ["models/full.onnx", "--float", "models/fp32.onnx"]
         pytest.param(f"[[model]]\n{LAB}min_metric = 0.5\nmetric = \"ctc\"\nblank = -3\n", 6,
                      "blank: expected an integer >= 0",
                      [*LAB_ARGV, "--min-metric", "0.5", "--metric", "ctc", "--blank", "-3"], id="blank-negative"),
+        pytest.param(f"[[model]]\n{LAB}min_metric = 0.5\nmetric = \"ctc\"\nlayout = \"NCT\"\n", 6,
+                     "layout: 'NCT' is not one of NTC, TNC",
+                     [*LAB_ARGV, "--min-metric", "0.5", "--metric", "ctc", "--layout", "NCT"], id="layout-not-one"),
+        pytest.param(f"[[model]]\n{LAB}min_metric = 0.5\nmetric = \"cosine\"\nlayout = \"TNC\"\n", 6,
+                     "layout: only with metric ctc",
+                     [*LAB_ARGV, "--min-metric", "0.5", "--metric", "cosine", "--layout", "TNC"],
+                     id="layout-of-cosine"),
         pytest.param(f"[[model]]\n{LAB}min_metric = 0.5\nmetric = \"cosine\"\nthreshold = 0.3\n", 6,
                      "threshold: only with metric iou",
                      [*LAB_ARGV, "--min-metric", "0.5", "--metric", "cosine", "--threshold", "0.3"],
@@ -476,6 +492,28 @@ def test_a_metric_file_is_found_beside_the_config_from_any_folder(repository, tm
     (folder / "f1.py").write_text("def f(reference, candidate):\n    return 0.0\n")
     code, output = run_pytest(folder, "--graphscan", "--graphscan-config", "models/graphscan.toml", "-rA")
     assert code == 0 and item_outcomes(output) == {"models/graphscan.toml::full.onnx::min_metric": "passed"}, output
+
+
+def test_a_ctc_gate_reads_its_output_in_the_layout_the_config_gives(tmp_path, run_pytest):
+    """``layout = "TNC"`` reaches check: a [16, 3, 6] output (time first, 3 sequences), which
+    no shape tells, holds its budget at the strings' agreement; without the key the item fails
+    naming --layout."""
+    ctc_head(tmp_path / "rec.onnx", 3, time_first=True)
+    ctc_head(tmp_path / "rec.noisy.onnx", 3, time_first=True, noise=0.3)
+    paths, arrays = ctc_frames(tmp_path, 3, count=1)
+    outputs = [[run_onnx(tmp_path / name, {"x": arrays[0]}, level="all")[0]] for name in ("rec.onnx", "rec.noisy.onnx")]
+    value = string_agreement(*outputs, time_first=True, alphabet=CTC_ALPHABET)
+    table = (
+        f'[[model]]\npath = "rec.noisy.onnx"\nfloat = "rec.onnx"\ninputs = ["{Path(paths[0]).name}"]\nmetric = "ctc"\n'
+    )
+    item = "graphscan.toml::rec.noisy.onnx::min_metric"
+    for limit, layout, outcome in ((value, 'layout = "TNC"\n', "passed"), (value + 0.01, 'layout = "TNC"\n', "failed")):
+        (tmp_path / "graphscan.toml").write_text(f"{table}{layout}min_metric = {limit!r}\n")
+        _, output = run_pytest(tmp_path, "--graphscan", "-rA")
+        assert item_outcomes(output) == {item: outcome}, output
+    (tmp_path / "graphscan.toml").write_text(f"{table}min_metric = 0\n")
+    _, output = run_pytest(tmp_path, "--graphscan", "-rA")
+    assert item_outcomes(output) == {item: "failed"} and "give --layout TNC or --layout NTC" in output, output
 
 
 def test_a_folder_of_inputs_never_fails_a_count(repository, tmp_path, run_pytest):

@@ -9,10 +9,12 @@ import os
 import sys
 
 import numpy as np
+import onnx
 import pytest
 
 import graphscan
 from graphscan_ort.shared import agreement
+from tests import helpers
 
 
 def outputs(*samples):
@@ -168,3 +170,118 @@ def test_a_metric_describes_the_parameters_it_used_defaults_included():
     assert metric("ctc").describe() == {"name": "ctc", "blank": 0}
     assert metric("ctc", blank=3).describe() == {"name": "ctc", "blank": 3}
     assert metric(None).describe() == {"name": "sqnr"}
+
+
+# --- ctc's layout: [N, T, C] or [T, N, C], given or told by the output ---------------------
+
+ALPHABET = "-abcde"  # class 0, the blank, is "-"
+
+
+def string_agreement(reference, candidate, time_first):
+    """The share of sequences whose strings, decoded apart from graphscan (tests/helpers.py), agree."""
+    return helpers.string_agreement([f["y"] for f in reference], [q["y"] for q in candidate], time_first, ALPHABET)
+
+
+def recognizer_outputs(sequences, time_first, samples=4, frames=16, seed=5):
+    """Logits a recognizer might give: mostly blank, a character now and then, and a
+    candidate with noise of another strength per sequence, which changes some strings and
+    leaves others."""
+    rng = np.random.default_rng(seed)
+    reference, candidate = [], []
+    for _ in range(samples):
+        classes = np.where(
+            rng.random((sequences, frames)) < 0.6, 0, rng.integers(1, len(ALPHABET), (sequences, frames))
+        )
+        logits = np.eye(len(ALPHABET))[classes] * 2 + rng.normal(0, 0.3, (sequences, frames, len(ALPHABET)))
+        noisy = logits + rng.normal(0, 1, logits.shape) * rng.uniform(0, 1.2, (sequences, 1, 1))
+        if time_first:
+            logits, noisy = logits.transpose(1, 0, 2), noisy.transpose(1, 0, 2)
+        reference.append({"y": logits.astype(np.float32)})
+        candidate.append({"y": noisy.astype(np.float32)})
+    return reference, candidate
+
+
+@pytest.mark.parametrize(
+    ("layout", "sequences", "given"),
+    [
+        pytest.param("NTC", 1, None, id="1xTxC-told-by-shape"),
+        pytest.param("TNC", 1, None, id="Tx1xC-told-by-shape"),
+        pytest.param("NTC", 3, "NTC", id="3xTxC-given"),
+        pytest.param("TNC", 3, "TNC", id="Tx3xC-given"),
+    ],
+)
+def test_ctc_is_the_share_of_sequences_whose_decoded_strings_agree_on_both_layouts(layout, sequences, given):
+    reference, candidate = recognizer_outputs(sequences, time_first=layout == "TNC")
+    expected = string_agreement(reference, candidate, time_first=layout == "TNC")
+    assert 0 < expected < 1  # some strings changed, some did not: the figure has something to tell
+    chosen = agreement.metric("ctc", **({"layout": given} if given else {}))  # told by the shape when not given
+    assert chosen.value(reference, candidate) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("dims", "layout"),
+    [
+        pytest.param(("batch", "T", ""), "NTC", id="batch-first"),
+        pytest.param(("seq", "N", ""), "TNC", id="N-second"),
+        pytest.param(("time", "batch_size", "classes"), "TNC", id="batch_size-second"),
+    ],
+)
+def test_a_declared_batch_dim_tells_the_layout_where_the_shape_cannot(dims, layout):
+    reference, candidate = recognizer_outputs(3, time_first=layout == "TNC")
+    expected = string_agreement(reference, candidate, time_first=layout == "TNC")
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, list(dims))
+    graph = onnx.helper.make_graph([], "g", [y], [y])
+    chosen = agreement.metric("ctc").reading(onnx.helper.make_model(graph))
+    assert chosen.value(reference, candidate) == pytest.approx(expected)
+
+
+def usage_error(call):
+    with pytest.raises(graphscan.GraphscanError) as raised:
+        call()
+    assert raised.value.exit_code == graphscan.EXIT_USAGE and "\n" not in str(raised.value)
+    return str(raised.value)
+
+
+def test_an_output_whose_layout_cannot_be_told_is_refused_naming_layout():
+    reference, candidate = recognizer_outputs(3, time_first=True)  # [16, 3, 6]: both readings decode sequences
+    said = usage_error(lambda: agreement.metric("ctc").value(reference, candidate))
+    assert "output 'y' is [16, 3, 6]" in said and "--layout TNC" in said
+    # Declared dims of another rank (a recognizer declaring [1, seqlen] for [T, 1, C]) tell nothing.
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, "seqlen"])
+    declared = agreement.metric("ctc").reading(onnx.helper.make_model(onnx.helper.make_graph([], "g", [y], [y])))
+    assert "--layout" in usage_error(lambda: declared.value(reference, candidate))
+    # A batch name at both places tells nothing either.
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", "batch", 6])
+    both = agreement.metric("ctc").reading(onnx.helper.make_model(onnx.helper.make_graph([], "g", [y], [y])))
+    assert "--layout" in usage_error(lambda: both.value(reference, candidate))
+
+
+@pytest.mark.parametrize(
+    ("shape", "given", "words"),
+    [
+        pytest.param((16, 1, 6), "NTC", "every sequence is a single frame", id="Tx1xC-read-as-NTC"),
+        pytest.param((1, 16, 6), "TNC", "give --layout NTC", id="1xTxC-read-as-TNC"),
+        pytest.param((1, 1, 6), None, "single frame", id="one-frame-either-way"),
+        pytest.param((1, 6), None, "no CTC sequence", id="a-2d-single-frame"),
+    ],
+)
+def test_a_reading_where_every_sequence_is_a_single_frame_is_refused(shape, given, words):
+    # [16, 1, 6] read as [N, T, C] is 16 sequences of one frame: each decodes to its frame's
+    # argmax, and their agreement, the argmax's, passes for the strings'.
+    logits = [{"y": np.random.default_rng(1).standard_normal(shape).astype(np.float32)}]
+    said = usage_error(lambda: agreement.metric("ctc", layout=given).value(logits, logits))
+    assert "output 'y'" in said and words in said
+
+
+def test_a_2d_output_is_one_sequence_without_a_layout():
+    reference, candidate = recognizer_outputs(1, time_first=False)
+    flat = [[{"y": sample["y"][0]} for sample in outputs] for outputs in (reference, candidate)]
+    expected = string_agreement(reference, candidate, time_first=False)
+    assert agreement.metric("ctc").value(*flat) == pytest.approx(expected)
+
+
+def test_layout_is_a_parameter_of_ctc_alone_and_described_only_when_given():
+    assert "--layout: only with --metric ctc" in usage_error(lambda: agreement.metric("top1", layout="NTC"))
+    assert "NTC, TNC" in usage_error(lambda: agreement.metric("ctc", layout="NCT"))
+    assert agreement.metric("ctc", layout="TNC").describe() == {"name": "ctc", "blank": 0, "layout": "TNC"}
+    assert agreement.metric("ctc").describe() == {"name": "ctc", "blank": 0}  # told by the output, as before
