@@ -139,7 +139,7 @@ AREA_TESTS = {
         "tests/tune/test_recovery.py",
         "tests/tune/test_overrides.py",
     ],
-    "calibration": ["tests/tune/test_calibration.py", "tests/tune/test_candidates.py"],
+    "calibration": ["tests/tune/test_calibration.py", "tests/tune/test_candidates.py", "tests/tune/test_requantize.py"],
     # The CPU targets without qemu: fake folders and tools, this interpreter standing in.
     "targets": [
         "tests/targets/test_install.py",
