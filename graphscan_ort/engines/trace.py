@@ -102,15 +102,10 @@ class ReferenceMatcher:
                 if tensor:
                     self.by_node[(self.index.names[i], k)] = tensor
 
-    def reference(
-        self,
-        tensor: str,
-        producer_name: str | None = None,
-        output_index: int | None = None,
-        want: onnx.TypeProto | None = None,
-    ) -> str | None:
-        """``counterpart``, as the next op sees it: after the float model's own Q->DQ, if any."""
-        found = self.counterpart(tensor, producer_name, output_index, want)
+    def reference(self, tensor: str, *where: Any) -> str | None:
+        """``counterpart`` (``where``: its other arguments), as the next op sees it: after the
+        float model's own Q->DQ, if any."""
+        found = self.counterpart(tensor, *where)
         return None if found is None else output_chain(self.index, self.graph, found)[1]
 
     def counterpart(
