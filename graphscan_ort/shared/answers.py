@@ -250,6 +250,7 @@ class Candidate(TypedDict):
     pooled_sqnr_db: float | None  # every output and sample summed
     worst_part: WorstPart | None
     metric_value: float | None  # the --metric agreement (sqnr: the SQNR again)
+    metric_bound: float | None  # its one-sided lower bound at the run's confidence, corrected for the rows compared
     metric_events: int | None  # a user's metric's (value, events)
     metric_worst: dict[str, Any] | None  # {"sample", "value"}: the metric's worst evaluation sample
     metric_spread: list[float] | None  # [25th, 75th] percentiles of the metric sample by sample
@@ -274,12 +275,21 @@ class Calibration(TypedDict):
     methods: list[str]
 
 
+class Shown(TypedDict):
+    confidence: float  # one-sided, --confidence
+    rows_compared: int  # the rows measured: each bound is corrected for them (Bonferroni)
+    method: str | None  # the chosen row's: student_t, wilson, paired_student_t or defaults_row (null: none)
+
+
 class Evaluation(TypedDict):
     samples: int
     held_out: bool
     inputs: dict[str, Any]
     defaulted: list[str]
     events: int | None  # what the chosen row's user metric says its value rests on
+    confidence: float  # as Shown: how the verdict was reached
+    rows_compared: int
+    method: str | None
 
 
 class FloatTime(TypedDict):

@@ -32,6 +32,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import shutil
@@ -76,12 +77,13 @@ from graphscan_ort.shared.options import Named, Timing, finite_non_negative
 from graphscan_ort.shared.parts import TensorParts
 from graphscan_ort.shared.sessions import environment, sample_outputs
 from graphscan_ort.shared.targets import native_facts
+from graphscan_ort.tune.bounds import DEFAULT_CONFIDENCE
 from graphscan_ort.tune.candidates import METHODS
 from graphscan_ort.tune.deployed import OnTarget
 from graphscan_ort.tune.goal import Goal, metric_of
 from graphscan_ort.tune.progress import Progress
 from graphscan_ort.tune.seeds import user_seeds
-from graphscan_ort.tune.stages import DEFAULT_MAX_TRIALS, tune_in
+from graphscan_ort.tune.stages import DEFAULT_MAX_TRIALS, stages_text, tune_in
 from graphscan_ort.tune.table import tune_table
 from graphscan_ort.tune.trials import Measure
 
@@ -143,6 +145,7 @@ class Search:
 
     target: float | None = None
     target_sqnr: float | None = None
+    confidence: float = DEFAULT_CONFIDENCE
     min_speedup: float | None = None
     exclude: list[str] | None = None
     keep_outputs_float: bool = False
@@ -162,6 +165,15 @@ class Search:
                 },
             ),
             ("--target-sqnr", {"metavar": "DB", "type": finite_float, "help": "--target of --metric sqnr"}),
+            (
+                "--confidence",
+                {
+                    "metavar": "P",
+                    "type": confidence_level,
+                    "help": "how sure the target must be shown met, one-sided, from 0.5 to 1 (default: "
+                    f"{DEFAULT_CONFIDENCE:g}: exit 0 is wrong at most once in 20)",
+                },
+            ),
             (
                 "--min-speedup",
                 {
@@ -203,15 +215,25 @@ class Search:
 
     @classmethod
     def built(cls, given: Given) -> Search:
+        confidence = given["confidence"]
         return cls(
             given["target"],
             given["target_sqnr"],
+            DEFAULT_CONFIDENCE if confidence is None else confidence,
             given["min_speedup"],
             given["exclude"],
             bool(given["keep_outputs_float"]),
             given["max_exclude"],
             given["max_trials"],
         )
+
+
+def confidence_level(text: str) -> float:
+    """argparse type of ``--confidence``: a probability from 0.5 (a point estimate) to below 1."""
+    value = finite_float(text)
+    if not 0.5 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a confidence from 0.5 to below 1, got {text!r}")
+    return value
 
 
 def tune(
@@ -264,9 +286,9 @@ def tune(
     try:
         on = None if runner is None else on_target(runner, work, evaluation, session)
         measure = Measure(Named(model, path), evaluation, session, timing, chosen_metric, latency, speedup_floor, on)
-        goal = Goal(chosen_metric, target, own)
+        goal = Goal(chosen_metric, target, own, search.confidence)
         limits = (search.max_exclude, search.max_trials)
-        answer = tune_in(calibration, work, goal, measure, limits, progress, seeds)
+        answer, verdict = tune_in(calibration, work, goal, measure, limits, progress, seeds)
         if on is not None:
             answer["warnings"] += speed_warnings(cpu, search.min_speedup)
         place(work, out)
@@ -300,6 +322,7 @@ def tune(
             "inputs": inputs_answer(evaluation),
             "defaulted": [],
             "events": next((c["metric_events"] for c in answer["candidates"] if c["id"] == answer["chosen"]), None),
+            **verdict,
         },
         **answer,
         "output": out,
@@ -423,4 +446,5 @@ COMMAND = Command(
     table=tune_table,
     exit_code=lambda answer: EXIT_OK if answer["reached"] else EXIT_BUDGET,
     answer=TuneAnswer,
+    epilog=stages_text(),
 )

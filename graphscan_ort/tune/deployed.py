@@ -12,8 +12,9 @@ level users run (default: onnxruntime's own default, all optimizations) with
   the runtime command's classes at that level;
 - ``ms``: the median wall time of ``runs`` runs on the latency samples (default: the
   first evaluation sample; several: the sum of their medians), timed in alternation
-  with the float model in this process; ``speedup`` is the float model's ms over the
-  candidate's, and ``speedup_spread`` the quartiles of the run-by-run ratios;
+  with the float model in this process; ``speedup`` is the median of the run-by-run
+  ratios (the float model's run over the candidate's next to it), and ``speedup_spread``
+  their quartiles: one statistic, the spread around it;
 - ``bytes``: the file's size.
 
 On a CPU target (``OnTarget``), the accuracy figures and the kernels are that CPU's: the
@@ -80,7 +81,7 @@ def measure_candidate(
     ``samples``); no ``metric``: ``metric_value`` is the SQNR."""
     return {
         **accuracy_figures(reference, candidate, samples, session, references, metric),
-        **latency_figures(reference, candidate, latency or samples[:1], session, timing),
+        **latency_figures(reference, [candidate], latency or samples[:1], session, timing)[0],
         "bytes": os.path.getsize(candidate.path),
     }
 
@@ -114,7 +115,7 @@ def accuracy_figures(
         "metric_events": events,
         "metric_worst": worst,
         "metric_spread": spread_of,
-        "metric_by_sample": by_sample,  # not a row's key: Trials keeps it for choice.within_noise
+        "metric_by_sample": by_sample,  # not a row's key: the ledger keeps it for the policy's paired rules
         **kernels,
     }
 
@@ -130,29 +131,34 @@ def sample_value(outputs: PairedOutputs, metric: Metric | None) -> float | None:
         return None
 
 
-def latency_figures(reference: Named, candidate: Named, latency: list[dict], session: Session, timing: Timing) -> dict:
-    """``ms``, ``float_ms``, ``speedup`` and ``speedup_spread`` of the two models timed in
-    alternation on each latency sample."""
-    sessions = [
-        open_session(
-            model.model, f"{shown(model.path)}: model", session_options(session.level, session.threads, spinning=True)
-        )
-        for model in (reference, candidate)
-    ]
-    float_s = quant_s = 0.0
-    ratios: list[float] = []
+def latency_figures(
+    reference: Named, candidates: list[Named], latency: list[dict], session: Session, timing: Timing
+) -> list[dict]:
+    """``ms``, ``float_ms``, ``speedup`` and ``speedup_spread`` of each of ``candidates``, timed
+    in one interleaved session with the float model on each latency sample: round k runs the
+    float model, then each candidate, so every candidate's ratios (``speedup_runs``) are paired
+    round by round with the float model's and with every other candidate's."""
+    options = session_options(session.level, session.threads, spinning=True)
+    sessions = [open_session(m.model, f"{shown(m.path)}: model", options) for m in (reference, *candidates)]
+    float_s = 0.0
+    quant_s = [0.0] * len(candidates)
+    ratios: list[list[float]] = [[] for _ in candidates]
     for feeds in latency:
-        float_runs, quant_runs = interleaved_runs(sessions, feeds, timing.runs)
+        float_runs, *quant_runs = interleaved_runs(sessions, feeds, timing.runs)
         float_s += statistics.median(float_runs)
-        quant_s += statistics.median(quant_runs)
-        ratios += [f / q for f, q in zip(float_runs, quant_runs, strict=True) if q > 0]
-    spread = quartiles(ratios)
-    return {
-        "ms": quant_s * 1e3,
-        "float_ms": float_s * 1e3,
-        "speedup": float_s / quant_s if quant_s > 0 else None,
-        "speedup_spread": spread,
-    }
+        for k, runs in enumerate(quant_runs):
+            quant_s[k] += statistics.median(runs)
+            ratios[k] += [f / max(q, 1e-12) for f, q in zip(float_runs, runs, strict=True)]
+    return [
+        {
+            "ms": quant_s[k] * 1e3,
+            "float_ms": float_s * 1e3,
+            "speedup": statistics.median(ratios[k]) if ratios[k] else None,
+            "speedup_spread": quartiles(ratios[k]),
+            "speedup_runs": ratios[k],  # not a row's key: the ledger keeps it for the policy's speed ties
+        }
+        for k in range(len(candidates))
+    ]
 
 
 def quartiles(values: list[float]) -> list[float] | None:

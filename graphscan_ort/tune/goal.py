@@ -8,6 +8,7 @@ import math
 from graphscan import EXIT_USAGE, GraphscanError, MetricChoice, part_words
 from graphscan_ort.shared.agreement import DEFAULT_TARGET_FLOOR_DB, POOR_SQNR_DB, Metric, metric
 from graphscan_ort.shared.answers import Candidate, Target
+from graphscan_ort.tune.bounds import DEFAULT_CONFIDENCE
 
 
 def metric_of(given: MetricChoice, target: float | None, target_sqnr: float | None) -> Metric:
@@ -27,10 +28,13 @@ def metric_of(given: MetricChoice, target: float | None, target_sqnr: float | No
 
 class Goal:
     """What tune aims at: the metric, the target the user gave (None: the default one),
-    and float's own agreement (the metric of the float model against itself)."""
+    float's own agreement (the metric of the float model against itself), and the confidence
+    the target must be shown at (bounds.py)."""
 
-    def __init__(self, chosen: Metric, given: float | None, own: float | None) -> None:
-        self.metric, self.given, self.own = chosen, given, own
+    def __init__(
+        self, chosen: Metric, given: float | None, own: float | None, confidence: float = DEFAULT_CONFIDENCE
+    ) -> None:
+        self.metric, self.given, self.own, self.confidence = chosen, given, own, confidence
 
     def target(self, default: Candidate | None) -> tuple[Target, list[str]]:
         """The target and where it came from, with the warnings it deserves; ``default``:

@@ -15,7 +15,7 @@ give ``{"x": [{"rmin": -4.1, "rmax": 4.3}]}``; a tensor at [0, 6.2] against [0, 
 times) keeps its MinMax range.
 
 ``overridden`` is the variant of the recovery stage (recovery.py): when no row reaches the
-target, the stage's start (choice.start_row among the rows before it: an equalized or
+target, the stage's start (choice.Policy.start among the rows before it: an equalized or
 bias-corrected row is never the start) calibrated with MinMax and these overrides is a
 candidate row of its own, ``recovery`` ``{"step": "calibration_overrides", ...}``; no row when
 no tensor is outlier-dominated. Its ``quantize_static`` holds the overrides (``extra_options``),
@@ -33,8 +33,8 @@ from onnxruntime.quantization.calibrate import TensorsData, load_tensors_data
 from graphscan_ort.shared.sessions import quiet
 from graphscan_ort.tune.calibration import calibrate
 from graphscan_ort.tune.candidates import cache_path, calibration_key, keyword_arguments, static_rows
-from graphscan_ort.tune.choice import chosen_row, pareto, start_row
-from graphscan_ort.tune.recovery import gains
+from graphscan_ort.tune.choice import Policy
+from graphscan_ort.tune.trials import Origin
 
 if TYPE_CHECKING:
     from graphscan_ort.tune.progress import Progress
@@ -84,17 +84,13 @@ def ranges(prepared_path: str, settings: dict[str, Any], make_reader: Any, folde
     return load_tensors_data(cache)
 
 
-def overridden(trials: Any, target: float | None, progress: Progress) -> None:
-    """When no row of ``trials`` (trials.Trials) reaches ``target``: the search's start quantized
+def overridden(trials: Any, policy: Policy, progress: Progress) -> None:
+    """The search's start (``policy.start`` among the rows recovery did not make) quantized
     again with MinMax ranges and the Percentile range of each outlier-dominated tensor, a row
-    whose ``recovery`` says which tensors and what it gained (see the module); none when no
-    tensor is outlier-dominated."""
-    pareto(trials.rows)
-    _, reached = chosen_row(trials.rows, target)
-    if reached or target is None:
-        return
+    of ``trials`` (trials.Trials) whose ``recovery`` says which tensors and what it gained (see
+    the module); none when no tensor is outlier-dominated."""
     unrecovered = [r for r in static_rows(trials.rows) if r["recovery"] is None]  # recovery's own start
-    base = start_row(unrecovered, trials.by_sample)
+    base = policy.start(unrecovered)
     _, prepared_path, cache = trials.files[base["id"]]
     given = cast(dict[str, Any], base["quantize_static"])  # static_rows: never null
     plain = {k: v for k, v in given.items() if k not in ("calibrate_method", "extra_options")}
@@ -108,10 +104,10 @@ def overridden(trials: Any, target: float | None, progress: Progress) -> None:
     if not found:
         return
     settings = {**plain, "calibrate_method": "MinMax", "extra_options": {"TensorQuantOverrides": found}}
-    row = trials.add(settings, base["rewrites"], prepared_path, cache, kept=base["kept_float"])
     widest = max(width(*bounds(minmax, n)) / width(*bounds(percentile, n)) for n in found)
     detail = (
         f"{len(found)} tensor{'s' if len(found) != 1 else ''} given {'their' if len(found) != 1 else 'its'} "
         f"Percentile range (MinMax up to {widest:.3g} times as wide), every other its MinMax range"
     )
-    row["recovery"] = gains({"step": STEP, "from": base["id"], "detail": detail}, row, base)
+    origin = Origin(STEP, base, lambda: detail)
+    trials.add(settings, base["rewrites"], prepared_path, cache, kept=base["kept_float"], origin=origin)

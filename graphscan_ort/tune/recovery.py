@@ -1,7 +1,7 @@
 """tune's recovery stage: accuracy won back with every kernel still int8.
 
 When no candidate reaches the target after the refinements, the most accurate row (the
-search's start, choice.start_row) is tried two more ways, each a candidate row of its own
+search's start, choice.Policy.start) is tried two more ways, each a candidate row of its own
 with ``recovery`` saying what was done and what it did:
 
 1. ``equalize``: its prepared model with cross-layer equalization (equalize.py), verified
@@ -29,7 +29,6 @@ written.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -40,10 +39,10 @@ import onnx
 from graphscan_ort.shared.answers import Candidate, PrepareStep
 from graphscan_ort.tune.bias import bias_corrected
 from graphscan_ort.tune.candidates import static_rows
-from graphscan_ort.tune.choice import accuracy, chosen_row, pareto, ranked, start_row
+from graphscan_ort.tune.choice import Policy
 from graphscan_ort.tune.equalize import equalized
 from graphscan_ort.tune.prepare import checked, step
-from graphscan_ort.tune.trials import Post
+from graphscan_ort.tune.trials import Origin, Post
 
 if TYPE_CHECKING:
     from graphscan_ort.tune.progress import Progress
@@ -51,18 +50,14 @@ if TYPE_CHECKING:
 
 def recover(
     trials: Any,
-    target: float | None,
+    policy: Policy,
     original: onnx.ModelProto,
     calibration: list[dict[str, np.ndarray]],
     progress: Progress,
 ) -> list[PrepareStep]:
-    """When no row of ``trials`` (trials.Trials) reaches ``target``, add the equalized and
-    the bias-corrected rows of the search's start (see the module); the prepare step
-    equalization took, if any."""
-    pareto(trials.rows)
-    if target is None or chosen_row(trials.rows, target)[1]:
-        return []
-    base = start_row(static_rows(trials.rows), trials.by_sample)
+    """Add the equalized and the bias-corrected rows of the search's start (``policy.start``)
+    to ``trials`` (trials.Trials; see the module); the prepare step equalization took, if any."""
+    base = policy.start(static_rows(trials.rows))
     prepared_path = trials.files[base["id"]][1]
     steps: list[PrepareStep] = []
     settings, kept = base["quantize_static"], base["kept_float"]
@@ -79,9 +74,9 @@ def recover(
             trials.given[path] = model
             folder = os.path.join(trials.work, f"cache-equalized-{base['id']}")
             os.mkdir(folder)
-            row = trials.add(settings, base["rewrites"], path, folder, kept=kept)
-            row["recovery"] = gains({"step": "equalize", "from": base["id"], "detail": detail}, row, base)
-            if row["error"] is None and accuracy(row) > accuracy(base):
+            origin = Origin("equalize", base, lambda: detail)
+            row = trials.add(settings, base["rewrites"], path, folder, kept=kept, origin=origin)
+            if row["error"] is None and policy.better(row, base):
                 best = row
     corrected_variant(trials, best, calibration, progress)
     return steps
@@ -104,74 +99,59 @@ def corrected_variant(
         done.update(what)
         onnx.save(corrected, target_path)
 
+    def detail() -> str:
+        return f"{done.get('nodes', 0)} biases moved, by {done.get('mean_shift', 0.0):.3g} on average"
+
     settings = parent["quantize_static"]
+    origin = Origin("bias_correction", parent, detail)
     row: Candidate = trials.add(
-        settings, parent["rewrites"], prepared, cache, kept=parent["kept_float"], post=Post(correct, parent)
+        settings,
+        parent["rewrites"],
+        prepared,
+        cache,
+        kept=parent["kept_float"],
+        post=Post(correct, parent),
+        origin=origin,
     )
-    detail = f"{done.get('nodes', 0)} biases moved, by {done.get('mean_shift', 0.0):.3g} on average"
-    recovery = gains({"step": "bias_correction", "from": parent["id"], "detail": detail}, row, parent)
-    row["recovery"] = {**recovery, "speed_from": trials.speed_from.get(row["id"])}
     return row
 
 
 def polished(
     trials: Any,
+    policy: Policy,
     chosen: Candidate | None,
     reached: bool,
-    target: float | None,
     calibration: list[dict[str, np.ndarray]],
     progress: Progress,
 ) -> tuple[Candidate | None, bool]:
-    """The row to write and whether it reaches ``target``: ``chosen`` or its bias-corrected
+    """The row to write and whether it reaches the target: ``chosen`` or its bias-corrected
     variant (corrected_variant; the one recover made when ``chosen`` was its source), the
     variant where it helps (``helps_as_deployed``). A dynamic row (nothing calibrated) and a
-    row already corrected are left as they are. The Pareto front is marked anew."""
+    row already corrected are left as they are."""
     if chosen is None or chosen["quantize_static"] is None or step_of(chosen) == "bias_correction":
         return chosen, reached
     variant = next(
         (r for r in trials.rows if step_of(r) == "bias_correction" and r["recovery"]["from"] == chosen["id"]), None
     ) or corrected_variant(trials, chosen, calibration, progress)
-    pareto(trials.rows)
-    if not helps_as_deployed(variant, chosen, reached, target):
+    if not helps_as_deployed(policy, variant, chosen, reached):
         return chosen, reached
-    return variant, reached or meets(variant, target)
+    return variant, reached or policy.meets(variant)
 
 
-def helps_as_deployed(variant: Candidate, parent: Candidate, reached: bool, target: float | None) -> bool:
-    """Whether ``variant`` is written instead of ``parent``: measured, no guard broken, the
-    target's metric higher (or equal with a higher worst-part SQNR); when ``parent`` reaches
-    ``target``, the variant reaches it too with no part broken, and otherwise breaks no part
-    ``parent`` holds. Speed is not weighed: the variant's is its parent's (or, when its graph
-    differs, guarded like any row's)."""
+def helps_as_deployed(policy: Policy, variant: Candidate, parent: Candidate, reached: bool) -> bool:
+    """Whether ``variant`` is written instead of ``parent``: measured, no guard broken, more
+    accurate by the policy's one order (``better``); when ``parent`` meets the target, the
+    variant meets it too, and otherwise breaks no part ``parent`` holds. Speed is not weighed:
+    the variant's is its parent's (or, when its graph differs, guarded like any row's)."""
     if variant["error"] is not None or variant["fails"]:
         return False
-    better = ranked(variant) > ranked(parent)  # the metric, ties broken by the worst part's SQNR
+    better = policy.better(variant, parent)
     if reached:
-        return better and meets(variant, target)
+        return better and policy.meets(variant)
     held = {(p["output"], p["part"]) for p in parent["broken_parts"] or []}
     return better and all((p["output"], p["part"]) in held for p in variant["broken_parts"] or [])
-
-
-def meets(row: Candidate, target: float | None) -> bool:
-    """Whether ``row`` reaches ``target`` with no part of its outputs broken (choice.chosen_row's rule)."""
-    return target is not None and accuracy(row) >= target and not row["broken_parts"]
 
 
 def step_of(row: Mapping[str, Any]) -> str | None:
     """The recovery step that made ``row`` (None: not a recovery row)."""
     return (row.get("recovery") or {}).get("step")
-
-
-def gains(recovery: dict[str, Any], row: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
-    """``recovery`` with the row's gains over ``base`` in dB and in the metric."""
-    recovery["sqnr_gain_db"] = difference(row.get("sqnr_db"), base.get("sqnr_db"))
-    recovery["metric_gain"] = difference(row.get("metric_value"), base.get("metric_value"))
-    recovery["helps"] = row["error"] is None and accuracy(row) > accuracy(base)
-    return recovery
-
-
-def difference(value: float | None, before: float | None) -> float | None:
-    """``value - before`` when both are finite numbers (None otherwise)."""
-    if value is None or before is None or not (math.isfinite(value) and math.isfinite(before)):
-        return None
-    return value - before

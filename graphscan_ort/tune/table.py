@@ -21,6 +21,7 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
         + [("float ms", answer["float"]["ms"])]
         + [("metric", " ".join(metric_words(described)))]
         + [("target", target["value"]), ("from", target["source"])]
+        + [("confidence", answer["evaluation"]["confidence"]), ("rows compared", answer["evaluation"]["rows_compared"])]
         + [("latency at", shapes_text(latency["inputs"])), ("min speedup", latency["min_speedup"])]
         + [("chosen", answer["chosen"]), ("reached", answer["reached"]), ("output", answer["output"])]
     )
@@ -32,6 +33,7 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
             c["rewrites"],
             len(arguments(c).get("nodes_to_exclude") or []) or None,
             c["metric_value"],
+            c["metric_bound"],
             c["int8_kernels"],
             c["speedup"],
             "error" if c["error"] else ",".join(c["fails"] or []) or ("-" if c["fails"] is None else "none"),
@@ -40,7 +42,7 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
         for c in answer["candidates"]
     ]
     metric = described["name"] if described["name"] in BUILT_IN else "metric"  # a FILE.py:FUNCTION: whole above
-    titles = ["id", "act", "pc", "method", "rw", "excl", metric, "int8", "speedup", "fails", "pareto"]
+    titles = ["id", "act", "pc", "method", "rw", "excl", metric, "bound", "int8", "speed", "fails", "front"]
     # What a column would cut is shown whole below: long details, exclusions, errors.
     whole = [
         f"{s['step']}: {s['detail']}" for s in answer["prepare"] if not s["ok"] or briefly(s["detail"]) != s["detail"]
@@ -78,7 +80,7 @@ TIME_TITLES = ["id", "ms", "float ms", "speedup"]
 
 def time_rows(answer: dict[str, Any]) -> list[list[Any]]:
     """Each candidate's ms beside the float model's own time in the same interleaved runs
-    (speedup = float ms / ms), in the candidates' order."""
+    (speedup: the median of the run-by-run ratios), in the candidates' order."""
     return [[c["id"], c["ms"], c["float_ms"], c["speedup"]] for c in answer["candidates"]]
 
 

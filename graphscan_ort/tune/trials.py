@@ -9,14 +9,17 @@ the quantizer or onnxruntime with its error, never a crash).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
+import itertools
+import math
 import os
 import re
 import statistics
 import tempfile
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import onnx
@@ -39,6 +42,7 @@ from graphscan_ort.tune.candidates import (
     quantize_candidate,
     quantize_dynamic_candidate,
 )
+from graphscan_ort.tune.choice import Policy, TimedRuns, accuracy
 from graphscan_ort.tune.deployed import OnTarget, accuracy_figures, measure_candidate
 from graphscan_ort.tune.fallback import honoured
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
@@ -88,7 +92,7 @@ class Measure:
         measure_candidate timed them with: deployed.latency_figures, looked up when called."""
         latency = self.latency or self.evaluation[:1]
         named = Named(candidate, candidate_path)
-        return deployed.latency_figures(self.reference, named, latency, self.session, self.timing)
+        return deployed.latency_figures(self.reference, [named], latency, self.session, self.timing)[0]
 
     def __call__(
         self,
@@ -176,6 +180,7 @@ def candidate_row(
         "pooled_sqnr_db": got.get("pooled_sqnr_db"),
         "worst_part": got.get("worst_part"),
         "metric_value": got.get("metric_value"),
+        "metric_bound": None,  # choice.Policy.settle bounds every measured row at the run's confidence
         "metric_events": got.get("metric_events"),
         "metric_worst": got.get("metric_worst"),
         "metric_spread": got.get("metric_spread"),
@@ -194,6 +199,22 @@ def candidate_row(
         "pareto": False,
         "error": error,
     }
+
+
+def gains(row: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, float | None]:
+    """A row's gains over ``base``: in the worst part's SQNR (dB) and in the metric's unit
+    (None where either is undefined or infinite)."""
+    return {
+        "sqnr_gain_db": difference(row.get("sqnr_db"), base.get("sqnr_db")),
+        "metric_gain": difference(row.get("metric_value"), base.get("metric_value")),
+    }
+
+
+def difference(value: float | None, before: float | None) -> float | None:
+    """``value - before`` when both are finite numbers (None otherwise)."""
+    if value is None or before is None or not (math.isfinite(value) and math.isfinite(before)):
+        return None
+    return value - before
 
 
 # onnxruntime's quantizer names the temporary copies it makes (ort.quant.*/augmented_model.onnx).
@@ -219,21 +240,93 @@ HISTOGRAM_SHAPES = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Where a row came from: its stage (``STAGE_OF``'s kinds: grid, seed, refinement,
+    equalize, bias_correction, calibration_overrides, trial) and the row it came from (None:
+    none), with what was done, in words, for a recovery row."""
+
+    stage: str = "grid"
+    source: Candidate | None = None
+    detail: Callable[[], str] | None = None  # read once the row is made (a bias correction's count)
+    trial: dict[str, Any] | None = None  # an exclusion trial's block: {"block": kind, "added": [node, ...]}
+
+
+RECOVERY_STEPS = ("equalize", "bias_correction", "calibration_overrides")  # a row's ``recovery``
+
+
+@dataclasses.dataclass
+class Record:
+    """Everything the run knows of one model tried, kept with it and nowhere else: its row
+    (the answer's), where it came from, its files (the model, the prepared model it was
+    quantized from and its calibration cache; None when refused), its metric sample by
+    sample, its speedup run by run, the row whose timing it carries (None: its own) and
+    whether it was timed twice."""
+
+    row: Candidate
+    origin: Origin
+    files: tuple[str, str, str] | None = None
+    by_sample: list[float | None] | None = None
+    runs: TimedRuns | None = None
+    speed_from: int | None = None
+    retimed: bool = False
+
+
+class Column(Mapping[int, Any]):
+    """One fact of every record, by row id, read from the records when asked (never a copy)."""
+
+    def __init__(self, records: dict[int, Record], fact: str) -> None:
+        self.records, self.fact = records, fact
+
+    def __getitem__(self, ident: int) -> Any:
+        return getattr(self.records[ident], self.fact)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
 class Trials:
-    """Every model tried, in order: ``rows`` (the candidate rows) and ``files``
-    (``{id: (model, prepared model, calibration cache)}`` of those the quantizer made)."""
+    """The ledger: every model tried, in order, one ``Record`` each (``records``, by id; their
+    rows in ``rows``), and what the run shares between them: the prepared models the quantizer
+    was given (``given``, by path), the digest of each model measured (its twins are measured
+    once), each prepared model's float values by part (``ranges``). ``policy``: the run's
+    policy (choice.Policy), once the target is known; a recovery row's ``helps`` is its word."""
 
     def __init__(self, work: str, reader: Callable[[], SampleReader], measure: Measure) -> None:
         self.work, self.reader, self.measure = work, reader, measure
+        self.records: dict[int, Record] = {}
         self.rows: list[Candidate] = []
-        self.files: dict[int, tuple[str, str, str]] = {}
         self.given: dict[str, onnx.ModelProto] = {}  # the prepared models the quantizer is given, by path
         self.digests: dict[str, Candidate] = {}  # a model's SHA-256: the row that measured it
         self.ranges: dict[str, FloatRanges] = {}  # per prepared model: its float values by part
-        self.speed_from: dict[int, int] = {}  # a row's id: the row whose timing it inherits (bias.same_graph)
-        self.by_sample: dict[int, list[float | None] | None] = {}  # a measured row's id: its metric sample by sample
-        self.retimed: set[int] = set()  # the rows timed twice (steady)
         self.disturbed: list[str] = []  # what the answer's warnings say of each row whose speed stayed disturbed
+        self.policy: Policy | None = None
+        self.sessions = itertools.count()  # each timing session's key: the runs of one are paired
+
+    @property
+    def files(self) -> dict[int, tuple[str, str, str]]:
+        """Each row's files (model, prepared model, cache), of the rows the quantizer made."""
+        return {ident: record.files for ident, record in self.records.items() if record.files is not None}
+
+    @property
+    def by_sample(self) -> Column:
+        """Each row's metric sample by sample (None: not measured, or not known), as the
+        records hold it now and later."""
+        return Column(self.records, "by_sample")
+
+    @property
+    def runs(self) -> Column:
+        """Each row's speedup run by run, and the session they were timed in (None: not
+        timed), as the records hold them now and later."""
+        return Column(self.records, "runs")
+
+    def timed_runs(self, figures: Mapping[str, Any]) -> TimedRuns | None:
+        """latency figures' run-by-run speedups, as timed in a session of their own."""
+        ratios = figures.get("speedup_runs")
+        return None if ratios is None else TimedRuns(next(self.sessions), tuple(ratios))
 
     def add(
         self,
@@ -241,21 +334,24 @@ class Trials:
         rewrites: bool,
         prepared_path: str,
         cache: str,
-        trial: dict[str, Any] | None = None,
         kept: list[dict[str, str]] | None = None,
         quantizer: str = STATIC,
         post: Post | None = None,
+        origin: Origin | None = None,
     ) -> Candidate:
         """Quantize ``prepared_path`` with ``settings`` and measure the model as deployed:
         its row, also when the quantizer refused it (with its error, never a crash);
-        ``trial``: the block a search stage added (its kind and the nodes it added);
         ``kept``: the seeds kept float in it, ``{"node", "why"}`` each (seeds.py); ``quantizer``:
         quantize_static or quantize_dynamic (no calibration), the row's key holding ``settings``;
         ``post``: a change to the quantized file before it is measured, and the row it changes
-        (whose speed the model takes, untimed, when its graph is that row's: bias.same_graph)."""
+        (whose speed the model takes, untimed, when its graph is that row's: bias.same_graph);
+        ``origin``: where the row came from (a recovery step's row says what it did and gained,
+        an exclusion trial the block it added)."""
         ident = len(self.rows)
+        origin = origin or Origin()
+        record = Record(cast(Candidate, {}), origin)
         target_path = os.path.join(self.work, f"candidate-{ident}.onnx")
-        row = functools.partial(candidate_row, ident, quantizer, settings, rewrites, kept or [], trial)
+        row = functools.partial(candidate_row, ident, quantizer, settings, rewrites, kept or [], origin.trial)
         try:
             quantize = quantize_dynamic_candidate if quantizer == DYNAMIC else quantize_candidate
             quantize(prepared_path, target_path, settings, self.reader, cache)
@@ -263,7 +359,7 @@ class Trials:
                 post.change(target_path)
         except Exception as exc:
             blame_the_disk(exc, self.work, os.path.getsize(prepared_path))
-            return self.book(row(error=f"{quantizer}: {self.users_terms(one_line(exc))}"))
+            return self.book(record, row(error=f"{quantizer}: {self.users_terms(one_line(exc))}"))
         excluded = settings.get("nodes_to_exclude")
         model = onnx.load(target_path)  # read once: checked, measured and kept for the exclusions
         status, post_step = None, None
@@ -274,37 +370,59 @@ class Trials:
             except GraphscanError as exc:  # a trial onnxruntime cannot even optimize: a row, not the end
                 if exc.exit_code != EXIT_RUNTIME:
                     raise
-                return self.book(row(error=f"onnxruntime: {self.users_terms(str(exc))}"))
+                return self.book(record, row(error=f"onnxruntime: {self.users_terms(str(exc))}"))
             post_step = {"float_inputs": fixed} if fixed else None
         digest = file_digest(target_path)
         twin = self.digests.get(digest)
         if twin is not None:  # the quantizer made the very same model: measured once
             measured = row(excluded=status, post_step=post_step, same_as=twin["id"], figures=twin)
-            self.by_sample[ident] = self.by_sample[twin["id"]]
+            record.by_sample, record.runs = self.records[twin["id"]].by_sample, self.records[twin["id"]].runs
         else:
             speed = None
-            if post is not None and same_graph(model, self.measure.models[self.files[post.parent["id"]][0]]):
-                self.speed_from[ident] = post.parent["id"]  # the same kernels: timing it again adds only noise
-                speed = {key: post.parent.get(key) for key in LATENCY}
+            parent = None if post is None else self.records[post.parent["id"]]
+            if parent is not None and parent.files and same_graph(model, self.measure.models[parent.files[0]]):
+                record.speed_from = parent.row["id"]  # the same kernels: timing it again adds only noise
+                speed = {key: parent.row.get(key) for key in LATENCY}
             try:
                 figures = self.measure(model, target_path, excluded, speed)
             except GraphscanError as exc:  # a model the quantizer made that onnxruntime refuses
                 if exc.exit_code != EXIT_RUNTIME:
                     raise
                 error = f"onnxruntime: {self.users_terms(str(exc))}"
-                return self.book(row(excluded=status, post_step=post_step, error=error))
+                return self.book(record, row(excluded=status, post_step=post_step, error=error))
             figures.update(self.verdict(model, prepared_path, figures))
             measured = row(excluded=status, post_step=post_step, figures=figures)
-            self.by_sample[ident] = figures.get("metric_by_sample")
+            record.by_sample = figures.get("metric_by_sample")
+            record.runs = parent.runs if record.speed_from is not None and parent else self.timed_runs(figures)
             self.digests[digest] = measured
-        self.files[ident] = (target_path, prepared_path, cache)
+        record.files = (target_path, prepared_path, cache)
         self.measure.models[target_path] = model
-        self.book(measured)
+        self.book(record, measured)
         self.steady()
         return measured
 
-    def book(self, row: Candidate) -> Candidate:
-        """Keep ``row`` among the rows tried (a refused one has no file to write)."""
+    def recovery(self, record: Record) -> dict[str, Any] | None:
+        """A recovery row's ``recovery``: its step and source, what it did and gained, whether
+        it helps (the policy's ``better``), and for a bias correction whose timing it carries."""
+        origin = record.origin
+        if origin.stage not in RECOVERY_STEPS or origin.source is None:
+            return None
+        row, base = record.row, origin.source
+        helps = row["error"] is None and (
+            self.policy.better(row, base) if self.policy is not None else accuracy(row) > accuracy(base)
+        )
+        detail = origin.detail() if origin.detail is not None else ""
+        found = {"step": origin.stage, "from": base["id"], "detail": detail, **gains(row, base), "helps": helps}
+        if origin.stage == "bias_correction":
+            found["speed_from"] = record.speed_from
+        return found
+
+    def book(self, record: Record, row: Candidate) -> Candidate:
+        """Keep ``row`` among the rows tried, in its record (a refused one has no file to write)."""
+        row["recovery"] = None
+        record.row = row
+        row["recovery"] = self.recovery(record)
+        self.records[row["id"]] = record
         self.rows.append(row)
         return row
 
@@ -316,35 +434,62 @@ class Trials:
         and is named in ``disturbed``. The rows that carry its speed (twins, bias-corrected
         rows of its graph) take the new figures, their guards judged anew."""
         floats = {
-            r["id"]: float(r["float_ms"])
-            for r in self.rows
-            if r["float_ms"] is not None and r["same_as"] is None and r["id"] not in self.speed_from
+            ident: float(record.row["float_ms"])
+            for ident, record in self.records.items()
+            if record.row["float_ms"] is not None and record.row["same_as"] is None and record.speed_from is None
         }  # the rows timed themselves
         if len(floats) < STEADY_ROWS:
             return
-        for row in [r for r in self.rows if r["id"] in floats and r["id"] not in self.retimed]:
-            others = [value for ident, value in floats.items() if ident != row["id"]]
-            if not far_off(floats[row["id"]], others):
+        for ident in list(floats):
+            record = self.records[ident]
+            others = [value for other, value in floats.items() if other != ident]
+            if record.retimed or not far_off(floats[ident], others):
                 continue
-            self.retimed.add(row["id"])
-            model_path = self.files[row["id"]][0]
+            record.retimed = True
+            assert record.files is not None, "a timed row has its model"
+            model_path = record.files[0]
             speed = self.measure.timed(self.measure.models[model_path], model_path)
             if far_off(speed["float_ms"], others):
                 self.disturbed.append(
-                    f"candidate {row['id']}'s float time lay far off the other rows' (median "
-                    f"{statistics.median(others):.3g} ms): {floats[row['id']]:.3g} ms, then {speed['float_ms']:.3g} ms "
+                    f"candidate {ident}'s float time lay far off the other rows' (median "
+                    f"{statistics.median(others):.3g} ms): {floats[ident]:.3g} ms, then {speed['float_ms']:.3g} ms "
                     "timed again; its speedup is null, never ranked (time it on a quiet machine)"
                 )
-                speed = {**speed, "speedup": None, "speedup_spread": None}
-            floats[row["id"]] = speed["float_ms"]
-            carriers = [r for r in self.rows if r["same_as"] == row["id"] or self.speed_from.get(r["id"]) == row["id"]]
-            for carrier in [row, *carriers]:
-                self.retake(carrier, speed)
+                speed = {**speed, "speedup": None, "speedup_spread": None, "speedup_runs": None}
+            floats[ident] = speed["float_ms"]
+            runs = self.timed_runs(speed)
+            carriers = [r for r in self.records.values() if r.row["same_as"] == ident or r.speed_from == ident]
+            for carrier in [record, *carriers]:
+                self.retake(carrier, speed, runs)
 
-    def retake(self, row: Candidate, speed: dict[str, Any]) -> None:
-        """``row`` with the latency figures ``speed``, its guards judged anew."""
+    def retime_together(self, rows: list[Candidate]) -> None:
+        """``rows`` timed again together in one interleaved session with the float model
+        (deployed.latency_figures): their runs paired round by round, their guards judged
+        anew, and the rows that carry their speed with them."""
+        measure = self.measure
+        # The records whose timing they are: a row that carries another's (a bias-corrected
+        # row of the same graph) is timed as that one, and takes its figures with the rest.
+        owners = [self.records[row["id"]] for row in rows]
+        owners = [self.records[r.speed_from] if r.speed_from is not None else r for r in owners]
+        records = list({id(r): r for r in owners}.values())
+        models = [Named(measure.models[r.files[0]], r.files[0]) for r in records if r.files is not None]
+        latency = measure.latency or measure.evaluation[:1]
+        timed = deployed.latency_figures(measure.reference, models, latency, measure.session, measure.timing)
+        session = next(self.sessions)
+        for record, speed in zip(records, timed, strict=True):
+            ratios = speed.get("speedup_runs")
+            runs = None if ratios is None else TimedRuns(session, tuple(ratios))
+            ident = record.row["id"]
+            carriers = [r for r in self.records.values() if r.row["same_as"] == ident or r.speed_from == ident]
+            for carrier in [record, *carriers]:
+                self.retake(carrier, speed, runs)
+
+    def retake(self, record: Record, speed: Mapping[str, Any], runs: TimedRuns | None) -> None:
+        """``record``'s row with the latency figures ``speed`` and their ``runs``, its guards judged anew."""
+        row = record.row
         row["ms"], row["float_ms"] = speed["ms"], speed["float_ms"]
         row["speedup"], row["speedup_spread"] = speed["speedup"], speed["speedup_spread"]
+        record.runs = runs
         row["fails"] = failed_guards(dict(row), self.measure.float_bytes, self.measure.min_speedup)
 
     def users_terms(self, text: str) -> str:

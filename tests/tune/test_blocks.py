@@ -15,7 +15,8 @@ from graphscan_ort.tune import fallback
 from graphscan_ort.tune import trials as trials_module
 from graphscan_ort.tune.blocks import Block, next_block, noise_share, search_blocks, weight_elements
 from graphscan_ort.tune.candidates import keyword_arguments, quiet
-from tests.helpers import calibration_reader, mlp_with_samples, without_dynamic_candidates
+from graphscan_ort.tune.choice import Policy
+from tests.helpers import calibration_reader, mlp_with_samples, point_estimates, without_dynamic_candidates
 
 
 def test_noise_shares_add_in_power():
@@ -66,8 +67,10 @@ def mlp_and_samples(folder):
 def test_a_target_no_single_exclusion_reaches_is_reached_by_a_set_of_them(tmp_path, monkeypatch):
     """An 8-layer MLP, 64 wide. Measured: every Gemm kept float alone (as deployed, its
     exclusion made real) stays below the target; tune's search reaches it with more (the
-    search of quantize_static's rows: a dynamic row would meet this target at once)."""
+    search of quantize_static's rows: a dynamic row would meet this target at once). On two
+    samples, the search's mechanics on point figures."""
     without_dynamic_candidates(monkeypatch)
+    point_estimates(monkeypatch)
     files = mlp_and_samples(tmp_path)
     target = 34.0
     answer = graphscan.tune(
@@ -153,15 +156,17 @@ class ScriptedTrials:
     ``{added nodes: (fails, metric)}``; ``tried`` records each trial's nodes_to_exclude."""
 
     def __init__(self, outcomes):
-        self.outcomes, self.tried = outcomes, []
+        self.outcomes, self.tried, self.rows = outcomes, [], []
         self.files = {0: ("start.onnx", "prepared.onnx", "cache")}
         self.measure = types.SimpleNamespace(models={"start.onnx": None}, evaluation=[{}])
 
-    def add(self, settings, rewrites, prepared_path, cache, trial, kept):
+    def add(self, settings, rewrites, prepared_path, cache, kept, origin):
         nodes = settings["nodes_to_exclude"]
         self.tried.append(nodes)
-        fails, value = self.outcomes[tuple(trial["added"])]
-        return {"error": None, "fails": fails, "metric_value": value, "excluded": dict.fromkeys(nodes, "float")}
+        fails, value = self.outcomes[tuple(origin.trial["added"])]
+        row = {"id": len(self.rows), "error": None, "fails": fails, "metric_value": value, "metric_bound": value}
+        self.rows.append({**row, "excluded": dict.fromkeys(nodes, "float"), "speedup": 1.0, "sqnr_db": value})
+        return self.rows[-1]
 
 
 def test_after_a_refused_block_only_cheaper_blocks_are_tried_and_it_is_never_kept(monkeypatch):
@@ -185,9 +190,9 @@ def test_after_a_refused_block_only_cheaper_blocks_are_tried_and_it_is_never_kep
     )
     start = {
         "id": 0, "quantize_static": {"nodes_to_exclude": ["seed"]}, "rewrites": False, "kept_float": [],
-        "worst_part": None, "metric_value": 10.0, "fails": ["slower"],
+        "worst_part": None, "metric_value": 10.0, "sqnr_db": 10.0, "speedup": 1.0, "fails": ["slower"],
     }  # fmt: skip
-    stages.exclusions(trials, start, 100.0, (None, 8), {"none": None}, in_db=False)
+    stages.exclusions(trials, Policy(100.0), start, (None, 8), {"none": None}, in_db=False)
     assert trials.tried == [["seed", "x"], ["seed", "y"], ["seed", "y", "z"]]
 
 

@@ -1,10 +1,10 @@
 """A candidate's row: one typed ``Candidate`` built once from its outcome (trials.candidate_row),
-and the front marked anew after every stage that adds rows (choice.settle)."""
+and the front marked anew after every stage that adds rows (choice.Policy.settle)."""
 
 import pytest
 
 from graphscan_ort.shared.answers import Candidate
-from graphscan_ort.tune.choice import settle
+from graphscan_ort.tune.choice import Policy
 from graphscan_ort.tune.trials import candidate_row
 
 # What a measurement gives, hand-written: every figure of SPEC's candidate row but the
@@ -72,10 +72,13 @@ def row(ident, speedup, sqnr):
 def test_settle_marks_the_front_anew_when_a_stage_adds_a_row_that_dominates():
     """Row 0 is alone on the front; a later stage adds row 1, faster and more accurate: after
     settle, 0 is off the front (its old mark does not survive) and 1 is chosen; a refused row
-    is never on it."""
-    rows = [row(0, 1.5, 20.0)]  # 20 dB misses 25 dB: the most accurate passing row, not met
-    assert settle(rows, 25.0) == (rows[0], False) and rows[0]["pareto"] is True
+    is never on it. Each row's SQNR sample by sample: 19, 21 for row 0 (20 misses 25 dB), 29.9,
+    30.1 for row 1 (its bound, 30 less t(1 - 0.05 / 2, 1) = 12.71 times 0.1, stays above 25)."""
+    by_sample = {0: [19.0, 21.0], 1: [29.9, 30.1], 2: None}
+    policy = Policy(25.0, by_sample=by_sample)
+    rows = [row(0, 1.5, 20.0)]
+    assert policy.settle(rows) == (rows[0], False) and rows[0]["pareto"] is True
     rows.append(row(1, 2.0, 30.0))
     rows.append({**row(2, None, None), "error": "quantize_static: refused"})
-    assert settle(rows, 25.0) == (rows[1], True)
+    assert policy.settle(rows) == (rows[1], True)
     assert [r["pareto"] for r in rows] == [False, True, False]

@@ -50,8 +50,13 @@ def brute_force_front(rows):
 
 
 def brute_force_choice(rows, target):
+    """The policy's choice by its definition, for rows whose bounds are given: met where the
+    bound reaches the target; of those the fastest (no runs: ties at equal speedups alone),
+    then the most accurate; else the most accurate passing row, then the fastest."""
     passing = [r for r in rows if r["error"] is None and not r.get("fails")]
-    meeting = [r for r in passing if target is not None and tune_choice.accuracy(r) >= target]
+    meeting = [
+        r for r in passing if target is not None and r["metric_bound"] is not None and r["metric_bound"] >= target
+    ]
     pool, reached = (meeting, True) if meeting else (passing, False)
     if not pool:
         return None, False
@@ -66,24 +71,26 @@ def brute_force_choice(rows, target):
 
 @pytest.mark.parametrize("seed", range(40))
 def test_the_front_and_the_choice_match_their_definitions_with_ties(seed):
-    """Random rows on a coarse grid, so that speeds and accuracies tie often."""
+    """Random rows on a coarse grid, so that speeds, accuracies and bounds tie often."""
     rng = np.random.default_rng(seed)
     rows = []
     for k in range(int(rng.integers(1, 9))):
         refused = rng.random() < 0.15
+        value = None if refused or rng.random() < 0.1 else float(rng.choice([1.0, 2.0, 3.0, math.inf]))
         rows.append(
             {
                 "id": k,
                 "speedup": None if refused else float(rng.choice([0.5, 1.0, 1.5, 2.0])),
-                "metric_value": None if refused or rng.random() < 0.1 else float(rng.choice([1.0, 2.0, 3.0, math.inf])),
+                "metric_value": value,
+                "metric_bound": None if value is None or rng.random() < 0.2 else value - float(rng.choice([0.0, 1.0])),
                 "fails": None if refused else [[], [], ["slower"], ["larger"]][int(rng.integers(4))],
                 "error": "refused" if refused else None,
             }
         )
     tune_choice.pareto(rows)
     assert {r["id"] for r in rows if r["pareto"]} == brute_force_front(rows)
-    for target in (None, 1.0, 2.5, 100.0):
-        chosen, reached = tune_choice.chosen_row(rows, target)
+    for target in (None, 0.5, 1.0, 2.5, 100.0):
+        chosen, reached = tune_choice.Policy(target).chosen(rows)
         expected, expected_reached = brute_force_choice(rows, target)
         assert reached == expected_reached
         if expected is None:
@@ -106,15 +113,15 @@ def test_the_speedup_is_floats_time_over_the_candidates_never_the_reverse(monkey
     candidate = onnx.ModelProto()
     candidate.CopyFrom(float_model)
     candidate.graph.name = "candidate_graph"
-    figures = deployed.latency_figures(
+    (figures,) = deployed.latency_figures(
         Named(float_model, "f.onnx"),
-        Named(candidate, "c.onnx"),
+        [Named(candidate, "c.onnx")],
         [{"x": np.ones(2, np.float32)}],
         Session("all", 1),
         Timing(3),
     )
     assert seen == [["float_graph", "candidate_graph"]]
-    assert figures["speedup"] == pytest.approx(4.0) and figures["ms"] == pytest.approx(1000.0)
+    assert figures["speedup"] == pytest.approx(4.0) and figures["ms"] == pytest.approx(1000.0)  # the median ratio
     assert figures["float_ms"] == pytest.approx(4000.0)
     assert figures["speedup_spread"] == [pytest.approx(3.0), pytest.approx(4.0)]  # ratios 4, 2, 4
 
@@ -202,6 +209,6 @@ def test_the_search_starts_from_the_most_accurate_row_that_can_still_be_written(
         {"id": 1, "speedup": 1.5, "metric_value": 0.83, "fails": [], "float_weights": 0, "error": None},
         {"id": 2, "speedup": 1.9, "metric_value": 0.70, "fails": [], "float_weights": 0, "error": None},
     ]
-    assert tune_choice.start_row(rows)["id"] == 1  # exclusions only slow a model: 0 can never pass
+    assert tune_choice.Policy(None).start(rows)["id"] == 1  # exclusions only slow a model: 0 can never pass
     slow = [{**r, "fails": ["slower"]} for r in rows]
-    assert tune_choice.start_row(slow)["id"] == 0  # none passes: the most accurate with integer weights
+    assert tune_choice.Policy(None).start(slow)["id"] == 0  # none passes: the most accurate with integer weights

@@ -11,8 +11,10 @@ from onnxruntime.quantization import CalibrationMethod, quantize_static
 from onnxruntime.quantization.calibrate import TensorsData
 
 import graphscan
+import graphscan_ort.tune.stages as tune_stages
 from graphscan_ort.tune.candidates import keyword_arguments, quiet
-from graphscan_ort.tune.overrides import OUTLIER_FACTOR, STEP, outlier_overrides, overridden
+from graphscan_ort.tune.choice import Policy
+from graphscan_ort.tune.overrides import OUTLIER_FACTOR, STEP, outlier_overrides
 from graphscan_ort.tune.progress import Progress
 from tests.helpers import calibration_reader
 from tests.tune.outliers import outlier_model, outlier_samples
@@ -157,6 +159,9 @@ class ReachedTrials:
 
 
 def test_a_reached_target_tries_no_overrides():
-    trials = ReachedTrials()
-    overridden(trials, 25.0, Progress())
-    assert len(trials.rows) == 1
+    """The overrides are a search stage: the pipeline runs it only while no row meets the target."""
+    (stage,) = [stage for stage in tune_stages.STAGES if stage.name == "overrides"]
+    assert not stage.always
+    run = tune_stages.Run(ReachedTrials(), Policy(25.0), None, [], {}, (None, None), [], Progress(), [])
+    run.target, run.met = {"value": 25.0, "source": "user"}, True
+    assert not run.searching()

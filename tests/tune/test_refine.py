@@ -12,7 +12,7 @@ import graphscan
 import graphscan_ort.tune.stages as tune_stages
 import graphscan_ort.tune.trials as tune_trials
 from graphscan_ort.tune.candidates import REFINEMENTS, calibration_key, keyword_arguments, quiet, refinements
-from tests.helpers import calibration_reader, mlp_with_samples, without_dynamic_candidates
+from tests.helpers import calibration_reader, mlp_with_samples, point_estimates, without_dynamic_candidates
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +82,7 @@ def test_twins_are_found_by_content(tmp_path, monkeypatch):
               "calibrate_method": "MinMax"}]  # fmt: skip
     monkeypatch.setattr(tune_stages, "candidate_settings", lambda: plain * 2)
     without_dynamic_candidates(monkeypatch)
+    point_estimates(monkeypatch)  # one sample: met on its figure alone, no search after the grid
     calls = []
     measured = tune_trials.measure_candidate
     monkeypatch.setattr(tune_trials, "measure_candidate", lambda *a, **k: calls.append(1) or measured(*a, **k))

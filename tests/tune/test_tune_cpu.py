@@ -21,7 +21,7 @@ from graphscan import Session
 from graphscan_ort.shared import targets
 from graphscan_ort.shared.options import Named, Timing
 from graphscan_ort.tune.guards import failed_guards
-from tests.helpers import main_error_line, run_main, small_cnn
+from tests.helpers import main_error_line, point_estimates, run_main, small_cnn
 from tests.targets.test_targets import INSTALL, empty_bin, fake_tools
 
 FLOAT, QUANT = "ops/fp32.onnx", "ops/full.onnx"
@@ -42,8 +42,10 @@ def argv_of(cnn, out, *more):
 def fixed_speed(speedup):
     """latency_figures replaced by fixed ones: the answers become comparable byte for byte."""
 
-    def figures(*args, **kwargs):
-        return {"ms": 1.0, "float_ms": speedup, "speedup": speedup, "speedup_spread": [speedup, speedup]}
+    def figures(reference, candidates, *args, **kwargs):
+        return [{"ms": 1.0, "float_ms": speedup, "speedup": speedup, "speedup_spread": [speedup, speedup]}] * len(
+            candidates
+        )
 
     return figures
 
@@ -176,6 +178,7 @@ def test_on_an_emulated_target_tune_chooses_by_the_targets_kernels_first(cnn, tm
     (a stand-in for a CPU whose kernels differ from this one's), every speed is the same here
     and every candidate meets the target (0 dB). The one with the most kernels there is chosen,
     the least accurate, where this machine's rule (speed, then the metric) takes the most accurate."""
+    point_estimates(monkeypatch)  # two samples: the rule's mechanics on point figures
     measured = deployed.OnTarget.measure
 
     def fewer_kernels_the_more_accurate(self, reference, candidate, pairs):

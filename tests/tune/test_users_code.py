@@ -60,6 +60,9 @@ def small(tmp_path_factory):
     }
 
 
+UNSHOWN = 8  # tune's exit on these: one held-out sample can show no target met (no spread to bound by)
+
+
 def tune_argv(small, out, function):
     return [
         "tune", small["float"], "--calibrate", small["cal"], "--inputs", small["held"], "--out", out,
@@ -93,7 +96,7 @@ def test_every_candidate_of_tune_is_measured_on_float_outputs_no_metric_changed(
     """A metric that multiplies its arrays in place ran on outputs it had already changed:
     10 of 12 rows wrong. Law: each row's noise energy, the metric here, is the float outputs'
     energy (onnxruntime run directly) over 10^(sqnr_db / 10), the row's own SQNR."""
-    answer = json_answer(run_graphscan(tune_argv(small, tmp_path / "o", "in_place")))
+    answer = json_answer(run_graphscan(tune_argv(small, tmp_path / "o", "in_place")), UNSHOWN)
     held = dict(np.load(small["held"]))
     signal = sum(float(np.sum(np.square(y.astype(np.float64)))) for y in run_onnx(small["float"], held, "all"))
     rows = [c for c in answer["candidates"] if c["error"] is None]
@@ -116,7 +119,7 @@ def test_what_a_metric_writes_on_descriptor_1_or_a_subprocess_prints_goes_to_std
     the JSON. They go to stderr, in the order they were written."""
     argv = check_argv(small, "loud") if command == "check" else tune_argv(small, tmp_path / "o", "loud")
     proc = run_graphscan_process(argv)
-    assert proc.returncode == 0, describe(proc)
+    assert proc.returncode == (0 if command == "check" else UNSHOWN), describe(proc)
     answer = json.loads(proc.stdout)  # the whole of stdout is one JSON object
     assert isinstance(answer, dict) and proc.stdout.endswith(b"}\n")
     lines = proc.stderr.decode().splitlines()
