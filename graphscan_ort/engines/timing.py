@@ -252,16 +252,16 @@ FAR_OFF_FACTOR = 2.0
 
 
 def far_off(value: float, others: Sequence[float]) -> bool:
-    """Whether ``value``, a median time of a model, lies far off ``others``, medians of the
-    same model timed at other moments: more than FAR_OFF_MADS scaled MADs from their median
-    and beyond FAR_OFF_FACTOR times or a FAR_OFF_FACTOR-th of it. The factor keeps ordinary
-    jitter from counting (the medians of a 0.02 ms model spread up to about 2 times across
-    tune's rows on 2 shared cores); the MADs keep a run noisy throughout from judging one
-    row by it."""
+    """Whether ``value``, a median time of a model, lies far above ``others``, medians of the
+    same model timed at other moments: more than FAR_OFF_MADS scaled MADs above their median
+    and more than FAR_OFF_FACTOR times it. A busy machine only slows a run, so only a slow time
+    is a disturbed moment; a time far below the others says they were the disturbed ones (a
+    run busy throughout: tune's warnings say so). The factor keeps ordinary jitter from
+    counting (the medians of a 0.02 ms model spread up to about 2 times across tune's rows on
+    2 shared cores); the MADs keep a run noisy throughout from judging one row by it."""
     middle = statistics.median(others)
     spread = 1.4826 * statistics.median(abs(other - middle) for other in others)
-    beyond_factor = value > FAR_OFF_FACTOR * middle or value * FAR_OFF_FACTOR < middle
-    return abs(value - middle) > FAR_OFF_MADS * spread and beyond_factor
+    return value - middle > FAR_OFF_MADS * spread and value > FAR_OFF_FACTOR * middle
 
 
 def runtime_time(

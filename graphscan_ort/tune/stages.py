@@ -166,6 +166,13 @@ def undecided(run: Run) -> list[str]:
     policy, chosen, target = run.policy, run.chosen, run.target["value"]
     if run.met or chosen is None or target is None or chosen["broken_parts"]:
         return []
+    if policy.method(chosen) is None:
+        said = (
+            "the chosen model's metric has no bound on these samples (a bound needs at least 2 samples whose "
+            "values vary, or a metric that returns (value, events)): no target can be shown met; give more "
+            "held-out --inputs"
+        )
+        return [said]
     needed = policy.samples_to_decide(chosen)
     if needed is None:
         return []

@@ -17,9 +17,10 @@ Every command shown in README.md and docs/*.md runs. The convention, the same on
 
 Commands run in one scratch folder per worker holding a copy of ``ops/`` and stand-ins for
 the tour's files: ``det.onnx`` / ``det.int8.onnx`` (a small CNN with PP-OCR det's input
-``x`` [N, 3, H, W], quantized by onnxruntime's quantize_static) and ``page0.npz`` /
-``page1.npz``. A command on the committed ``ops/`` models must print exactly what the doc
-shows (``...`` in the shown output stands for any text); a command on a stand-in must exit
+``x`` [N, 3, H, W], quantized by onnxruntime's quantize_static), ``page0.npz`` /
+``page1.npz`` and the folders ``calibration/`` and ``held/``. A command on the committed
+``ops/`` models must print exactly what the doc shows (``...`` in the shown output stands for
+any text); a command on a stand-in must exit
 with the code shown and print one JSON object (DOT text for ``dot``, a table for
 ``--format table``).
 """
@@ -272,6 +273,9 @@ def stand_in_cnn(folder):
     (folder / "calibration").mkdir()  # tune's folder of calibration pages, as wide as the pages
     for k in range(2):
         np.savez(folder / "calibration" / f"cal{k}.npz", x=rng.normal(0, 1, (1, 3, SIDE, SIDE)).astype(np.float32))
+    (folder / "held").mkdir()  # tune's held-out pages: enough for its verdict to show the tour's target
+    for k in range(8):
+        np.savez(folder / "held" / f"held{k}.npz", x=rng.normal(0, 1, (1, 3, SIDE, SIDE)).astype(np.float32))
 
 
 @pytest.fixture(scope="session")

@@ -111,7 +111,10 @@ def test_the_tour_runs_isolated_and_writes_only_its_own_folder(tmp_path):
     assert sorted(p.name for p in work.iterdir()) == ["tour"]  # nothing in the folder it was run from
     written = sorted(p.relative_to(work / "tour").as_posix() for p in (work / "tour").rglob("*") if p.is_file())
     calibration = [f"calibration/cal{k}.npz" for k in range(8)]
-    assert written == sorted([*calibration, "det.int8.onnx", "det.onnx", "page0.npz", "page1.npz"])
+    # held/: every 320-tile of each page's held-out half scaled to heights 320, 480, 640, 800 and
+    # 960 (2h wide, a half h wide: h // 320 tiles across and down): 1 + 1 + 4 + 4 + 9 per page.
+    held = [f"held/held{k:02d}.npz" for k in range(2 * (1 + 1 + 4 + 4 + 9))]
+    assert written == sorted([*calibration, *held, "det.int8.onnx", "det.onnx", "page0.npz", "page1.npz"])
     samples = {name: np.load(work / "tour" / name)["x"] for name in ["page0.npz", "page1.npz", *calibration]}
     assert all(x.shape == (1, 3, 320, 320) and x.dtype == np.float32 for x in samples.values())
     photos = [x for x in samples.values() if not np.allclose(x[0, 0], x[0, 2])]  # red: B and R differ
@@ -122,9 +125,11 @@ def test_the_tour_runs_isolated_and_writes_only_its_own_folder(tmp_path):
     spans = {name: (x.min(), x.max()) for name, x in samples.items() if np.allclose(x[0, 0], x[0, 2])}
     seen_pages = [name for name in spans if name.startswith("calibration/")]
     assert len(spans) == 4 and len(seen_pages) == 2  # the two pages: a half each for calibration
-    for held in ["page0.npz", "page1.npz"]:
+    for name in ["page0.npz", "page1.npz", *held]:  # no held-out value in a calibration cut's span
+        x = np.load(work / "tour" / name)["x"]
+        assert x.shape == (1, 3, 320, 320) and np.allclose(x[0, 0], x[0, 2])  # a page's gray, never a photo
         for seen in seen_pages:
-            assert spans[held][1] < spans[seen][0] or spans[seen][1] < spans[held][0], (held, seen, spans)
+            assert x.max() < spans[seen][0] or spans[seen][1] < x.min(), (name, seen, spans)
     assert any(n.op_type == "QuantizeLinear" for n in onnx.load(work / "tour" / "det.int8.onnx").graph.node)
     ignored = (ROOT / ".gitignore").read_text().splitlines()
     assert "/tour/" in ignored and "/wheels/" in ignored  # what the README's two lines leave in a clone
