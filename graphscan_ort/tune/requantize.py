@@ -71,7 +71,7 @@ from graphscan_ort.tune.candidates import (
     quantize_candidate,
 )
 
-__all__ = ["RangePlan", "quantize_by_plan", "structure_key"]
+__all__ = ["FirstRow", "RangePlan", "quantize_by_plan", "structure_key"]
 
 # TensorQuantOverrides keys that change only the values computed from a tensor's range.
 RANGE_OVERRIDES = frozenset({"rmin", "rmax", "symmetric", "reduce_range", "scale", "zero_point"})
@@ -397,14 +397,17 @@ def quantize_by_plan(
     settings: dict[str, Any],
     make_reader: Callable[[], CalibrationDataReader],
     cache_folder: str,
+    fallback: Callable[..., None] | None = None,
 ) -> None:
     """quantize_candidate's stand-in: a row that differs only in its ranges from an earlier row
     of the same prepared model (``plans``, kept by the caller for the whole run) is made from
-    that row's model, the bytes quantize_static writes; any other is quantize_static's, and the
-    first of its structure is kept to make the next from (the plan is built at the second)."""
+    that row's model, the bytes quantize_static writes; any other is quantize_static's (by
+    ``fallback``, quantize_candidate's signature; None: quantize_candidate), and the first of
+    its structure is kept to make the next from (the plan is built at the second)."""
+    fallback = fallback or quantize_candidate
     key = structure_key(settings)
     if key is None:
-        quantize_candidate(prepared, output, settings, make_reader, cache_folder)
+        fallback(prepared, output, settings, make_reader, cache_folder)
         return
     cache = cache_path(cache_folder, calibration_key(settings))
     if not os.path.isfile(cache):  # the same cache quantize_candidate fills and reads
@@ -419,7 +422,7 @@ def quantize_by_plan(
         if model is not None:
             onnx.save_model(model, output)
             return
-    quantize_candidate(prepared, output, settings, make_reader, cache_folder)
+    fallback(prepared, output, settings, make_reader, cache_folder)
     if isinstance(entry, FirstRow):  # its file changed since: this row's is the base
         plans[(prepared, key)] = RangePlan(prepared, onnx.load(output), settings, ranges)
     elif entry is None:

@@ -46,6 +46,7 @@ from graphscan_ort.tune.choice import Policy, TimedRuns, accuracy
 from graphscan_ort.tune.deployed import OnTarget, accuracy_figures, measure_candidate
 from graphscan_ort.tune.fallback import honoured
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
+from graphscan_ort.tune.requantize import FirstRow, RangePlan, quantize_by_plan
 from graphscan_ort.tune.verdict import levels_figures, sqnr_broken
 
 LATENCY = ("ms", "float_ms", "speedup", "speedup_spread")  # deployed.latency_figures' keys
@@ -304,6 +305,7 @@ class Trials:
         self.ranges: dict[str, FloatRanges] = {}  # per prepared model: its float values by part
         self.disturbed: list[str] = []  # what the answer's warnings say of each row whose speed stayed disturbed
         self.policy: Policy | None = None
+        self.plans: dict[tuple[str, str], RangePlan | FirstRow] = {}  # requantize's: one quantized graph per structure, many ranges
         self.sessions = itertools.count()  # each timing session's key: the runs of one are paired
 
     @property
@@ -353,7 +355,7 @@ class Trials:
         target_path = os.path.join(self.work, f"candidate-{ident}.onnx")
         row = functools.partial(candidate_row, ident, quantizer, settings, rewrites, kept or [], origin.trial)
         try:
-            quantize = quantize_dynamic_candidate if quantizer == DYNAMIC else quantize_candidate
+            quantize = quantize_dynamic_candidate if quantizer == DYNAMIC else self.quantize_static
             quantize(prepared_path, target_path, settings, self.reader, cache)
             if post is not None:  # a change to the quantized file itself (recovery.py's bias correction)
                 post.change(target_path)
@@ -400,6 +402,11 @@ class Trials:
         self.book(record, measured)
         self.steady()
         return measured
+
+    def quantize_static(self, prepared: str, output: str, settings: dict[str, Any], *calibration: Any) -> None:
+        """quantize_static's row: made from an earlier row's model where only its ranges differ
+        (requantize.quantize_by_plan: the same bytes), else quantize_candidate's."""
+        quantize_by_plan(self.plans, prepared, output, settings, *calibration, fallback=quantize_candidate)
 
     def recovery(self, record: Record) -> dict[str, Any] | None:
         """A recovery row's ``recovery``: its step and source, what it did and gained, whether
