@@ -83,6 +83,7 @@ AREA_TESTS = {
         "tests/targets/test_check_on_targets.py",
         "tests/check/test_numbers_only.py",
         "tests/check/test_levels_budget.py",
+        "tests/trace/test_levels.py",
     ],
     # Issue 33: parts, the worst-part SQNR, levels, tune's seeds and verdict.
     "parts": [

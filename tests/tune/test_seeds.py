@@ -297,6 +297,7 @@ def concat_of(low, high):
     [
         pytest.param(1.0, 320.0, True, id="pixels-and-probabilities"),
         pytest.param(1.0, 15.0, False, id="within-the-factor"),
+        pytest.param(1.0, 16.0, False, id="exactly-the-factor"),
         pytest.param(320.0, 1.0, True, id="either-order"),
     ],
 )
@@ -304,6 +305,15 @@ def test_a_concat_is_wide_when_its_inputs_ranges_differ_by_more_than_the_factor(
     samples = [{"a": np.linspace(0, 1, 4, dtype=np.float32), "b": np.linspace(0, 1, 4, dtype=np.float32)}]
     assert seeds.wide_concats(concat_of(low, high), samples, "m.onnx") == (["cat"] if wide else [])
     assert (max(low, high) / min(low, high) > seeds.WIDE_CONCAT_FACTOR) == wide
+
+
+def test_a_wide_concat_that_produces_an_output_is_one_structural_seed_not_two():
+    """The wide Concat is also the output's producer: the outputs' seed already holds it, so
+    the wide Concats' seed, the same node, is not tried again."""
+    samples = [{"a": np.linspace(0, 1, 4, dtype=np.float32), "b": np.linspace(0, 1, 4, dtype=np.float32)}]
+    model = concat_of(1.0, 320.0)
+    assert seeds.wide_concats(model, samples, "m.onnx") == ["cat"] and seeds.output_producers(model) == ["cat"]
+    assert seeds.structural_seeds(model, samples, "m.onnx", []) == [("outputs", ["cat"])]
 
 
 def concat_of_scaled(*factors):
