@@ -97,6 +97,8 @@ AREA_TESTS = {
         "tests/impact/test_impact.py",
         "tests/loading/test_malformed_graphs.py",
         "tests/check/test_numbers_only.py",
+        "tests/views/test_tables.py",
+        "tests/check/test_check.py",
     ],
     "tune": [
         "tests/tune/test_candidate_rows.py",
