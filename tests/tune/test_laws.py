@@ -204,3 +204,6 @@ def test_the_search_starts_from_the_most_accurate_row_that_can_still_be_written(
     assert tune_choice.start_row(rows)["id"] == 1  # exclusions only slow a model: 0 can never pass
     slow = [{**r, "fails": ["slower"]} for r in rows]
     assert tune_choice.start_row(slow)["id"] == 0  # none passes: the most accurate with integer weights
+    corrected = {**rows[1], "id": 3, "metric_value": 0.9, "recovery": {"step": "bias_correction", "from": 1}}
+    # A bias-corrected row's correction fits its own weights; every later model is quantized again without it.
+    assert tune_choice.start_row([*rows, corrected])["id"] == 1

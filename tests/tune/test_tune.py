@@ -669,6 +669,50 @@ def test_a_model_holding_an_integer_operator_is_refused_as_already_quantized(tmp
     assert not (tmp_path / "o").exists()
 
 
+def test_a_model_quantized_inside_an_ifs_branch_is_refused_as_already_quantized(tmp_path, capsys):
+    """The top graph holds an If alone; its else-branch holds a Loop whose body holds a
+    QLinearMatMul: the refusal looks into bodies at any depth."""
+    h = onnx.helper
+
+    def body(nodes, name, inputs=()):
+        outputs = [h.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)]
+        return h.make_graph(nodes, name, list(inputs), outputs)
+
+    loop_body = h.make_graph(
+        [h.make_node("QLinearMatMul", ["x"], ["deep"]), h.make_node("Identity", ["cond_in"], ["cond_out"])],
+        "loop_body",
+        [
+            h.make_tensor_value_info(n, t, [])
+            for n, t in (("i", onnx.TensorProto.INT64), ("cond_in", onnx.TensorProto.BOOL))
+        ],
+        [
+            h.make_tensor_value_info("cond_out", onnx.TensorProto.BOOL, []),
+            h.make_tensor_value_info("deep", onnx.TensorProto.FLOAT, None),
+        ],
+    )
+    then_branch = body([h.make_node("Relu", ["x"], ["plain"])], "plain")
+    else_branch = body([h.make_node("Loop", ["", ""], ["looped"], body=loop_body)], "looped")
+    node = h.make_node("If", ["c"], ["y"], name="choose", then_branch=then_branch, else_branch=else_branch)
+    inputs = [
+        h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4]),
+        h.make_tensor_value_info("c", onnx.TensorProto.BOOL, []),
+    ]
+    graph = h.make_graph([node], "g", inputs, [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 13)]), tmp_path / "nested.onnx")
+    np.savez(tmp_path / "s.npz", x=np.ones((1, 4), np.float32), c=np.array(True))
+    argv = ["tune", str(tmp_path / "nested.onnx"), "--calibrate", str(tmp_path / "s.npz"), "--out", str(tmp_path / "o")]
+    line = main_error_line(capsys, argv, graphscan.EXIT_USAGE)
+    assert "is already quantized (it holds QLinearMatMul)" in line and not (tmp_path / "o").exists()
+
+
+def test_evaluation_samples_are_held_out_only_when_none_is_a_calibration_sample():
+    """One of two --inputs samples equal to a --calibrate one (by content): not held out."""
+    first, second = ({"x": np.full((1, 4), v, np.float32)} for v in (1.0, 2.0))
+    assert tune.held_out([first], [second]) is True
+    assert tune.held_out([first], [second, {"x": first["x"].copy()}]) is False
+    assert tune.held_out([first], [{"x": first["x"].copy()}, second]) is False
+
+
 def test_a_dynamically_quantized_cnn_is_refused_not_blamed_on_the_quantizer(tmp_path, capsys):
     """onnxruntime's quantize_dynamic of a CNN (ConvInteger, DynamicQuantizeLinear: an OCR
     wheel's default model) given as the float model: exit 2 in one line, where the quantizer
