@@ -634,14 +634,29 @@ def test_samples_that_measure_nothing_are_exit_7(tuned, tmp_path, capsys, values
     assert "nothing to measure" in line and str(sample) in line and not (tmp_path / "o").exists()
 
 
-def one_node_model(folder, op_type, domain):
-    """A model whose one node is ``op_type`` (never run: tune refuses it before any work)."""
+def test_float_outputs_with_a_finite_value_are_measurable_beside_nans():
+    """check_measurable refuses outputs NaN or infinite everywhere, not ones where some value is
+    finite (the metrics measure those values): [NaN, 1.0] passes, named by the model's output."""
+    model = one_node_model_proto("Relu", "")
+    mixed = [[np.array([[np.nan, 1.0, np.inf, 0.5]], np.float32)]]
+    assert tune.check_measurable(model, mixed, "m.onnx", ["s.npz"])[0]["y"][0, 1] == 1.0
+    with pytest.raises(graphscan.GraphscanError, match="NaN or infinite everywhere"):
+        tune.check_measurable(model, [[np.full((1, 4), np.nan, np.float32)]], "m.onnx", ["s.npz"])
+
+
+def one_node_model_proto(op_type, domain):
+    """A model whose one node is ``op_type``, x [1, 4] to y [1, 4]."""
     x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])
     y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])
     node = onnx.helper.make_node(op_type, ["x"], ["y"], name="n", domain=domain)
     opsets = [onnx.helper.make_opsetid("", 13), onnx.helper.make_opsetid("com.microsoft", 1)]
+    return onnx.helper.make_model(onnx.helper.make_graph([node], "g", [x], [y]), opset_imports=opsets)
+
+
+def one_node_model(folder, op_type, domain):
+    """A model whose one node is ``op_type`` (never run: tune refuses it before any work)."""
     path = folder / f"{op_type}.onnx"
-    onnx.save(onnx.helper.make_model(onnx.helper.make_graph([node], "g", [x], [y]), opset_imports=opsets), path)
+    onnx.save(one_node_model_proto(op_type, domain), path)
     return path
 
 
