@@ -244,6 +244,19 @@ def test_a_node_followed_through_a_fusion_and_one_nothing_runs():
         seeds.followed([{"node": "fc2_add", "why": "--exclude"}], original, folded, "mlp.onnx")
 
 
+def test_two_seeds_followed_to_one_node_exclude_it_once():
+    """--exclude conv1 and --exclude bn, which prepare folds into conv1: both seeds are listed
+    (one says it holds bn), and the quantizer's nodes_to_exclude names conv1 once."""
+    from graphscan_ort.tune.stages import excluding
+
+    kept = [{"node": "conv1", "why": "--exclude"}, {"node": "conv1", "why": "--exclude", "folded": "bn"}]
+    assert excluding(kept) == {"nodes_to_exclude": ["conv1"]}
+    assert excluding([*kept, {"node": "head", "why": "--keep-outputs-float"}]) == {
+        "nodes_to_exclude": ["conv1", "head"]
+    }
+    assert excluding([]) == {}  # no seed: no key, the quantizer's own default
+
+
 def test_an_excluded_node_that_prepare_folds_into_a_constant_is_refused(tmp_path):
     """y = x + Mul(c, d), c and d initializers: quant_pre_process folds the Mul into a constant,
     so nothing of it runs in any model tune writes: --exclude of it is exit 2 saying so."""
