@@ -1011,3 +1011,13 @@ def test_a_min_gain_of_0_adds_every_operator_that_gains_anything(tmp_path):
     assert answer["exclude"]["nodes"] == ["neg", "add"] and answer["exclude"]["reached"]
     default = graphscan.impact(str(a), str(b), inputs=[str(sample)], target_sqnr=1000)
     assert default["exclude"]["nodes"] == ["neg"] and not default["exclude"]["reached"]
+
+
+def test_rows_rank_an_exact_variant_first_then_by_gain_and_rows_without_a_gain_last():
+    """Gains 1, none, 3, 0 and an exact variant (its SQNR null, the baseline not exact): the
+    exact one first, then 3, 1, 0, and the row without a gain last; equal gains in graph
+    order. When the baseline is exact too, an exact variant ranks by its gain (none: last)."""
+    rows = [{"gain_db": g} for g in (1.0, None, 3.0, 0.0, None, 1.0)]
+    exact = [False, False, False, False, True, False]
+    assert attribution.ranked(rows, exact, False) == [4, 2, 0, 5, 3, 1]
+    assert attribution.ranked(rows, exact, True) == [2, 0, 5, 3, 1, 4]

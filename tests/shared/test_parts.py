@@ -226,6 +226,39 @@ def test_labels_follow_an_ifs_condition_and_what_its_body_reads_from_outside():
         np.testing.assert_array_equal(labels, [0] * (k if c else 6) + [1] * 6)
 
 
+def test_one_samples_paired_outputs_are_that_samples_own():
+    """PairedOutputs.sample(k): sample k's float and quantized outputs and its parts' labels
+    alone; its worst part by hand: part 0 of sample 1 is off by 1 on 6 and 8 (20 dB), part 1 exact."""
+    x = np.linspace(-3, 3, 8).astype(np.float32)
+    layout = metrics.output_layout(two_part_model(1.0), ["y"], [{"x": x}, {"x": x}])
+    f = [np.array([6.0, 8.0] + [0.0] * 6 + [1.0] * 8), np.array([6.0, 8.0] + [0.0] * 6 + [2.0] * 8)]
+    q = [f[0] + 0.5, f[1].copy()]
+    q[1][0] += 1.0
+    paired = metrics.PairedOutputs(metrics.FloatOutputs([[f[0]], [f[1]]], ("y",), layout), [[q[0]], [q[1]]])
+    alone = paired.sample(1)
+    assert (
+        alone.figures().worst_db == pytest.approx(10 * math.log10(100 / 1)) and alone.figures().worst_part["part"] == 0
+    )
+    assert alone.candidate_by_name() == [{"y": q[1]}] and alone.reference.outputs == [[f[1]]]
+
+
+def test_each_shape_deciding_input_of_the_common_operators_decides_the_parts():
+    """A Split's sizes, a Tile's repeats, an Expand's shape and a Pad's pads read from an input:
+    each such input decides the parts by its values; the data inputs, and Pad's constant value
+    (a value, not a shape), do not."""
+    i64 = [helper.make_tensor_value_info(n, TensorProto.INT64, [None]) for n in ("sizes", "repeats", "dims", "pads")]
+    floats = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [None]) for n in ("x", "fill")]
+    nodes = [
+        helper.make_node("Split", ["x", "sizes"], ["s0", "s1"]),
+        helper.make_node("Tile", ["s0", "repeats"], ["tiled"]),
+        helper.make_node("Expand", ["s1", "dims"], ["expanded"]),
+        helper.make_node("Pad", ["x", "pads", "fill"], ["padded"]),
+        helper.make_node("Concat", ["tiled", "expanded", "padded"], ["y"], axis=0),
+    ]
+    graph = helper.make_graph(nodes, "m", i64 + floats, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None])])
+    assert parts.value_inputs(helper.make_model(graph), ["y"]) == {"sizes", "repeats", "dims", "pads"}
+
+
 def test_labels_are_the_runtimes_and_kept_per_input_shape_where_only_floats_come_in(monkeypatch):
     """y = Concat(a, Reshape(b, Shape(b))): the floats' values reach no shape (Shape reads b's
     shape alone), so samples of one shape are labelled by one run, whatever their values."""

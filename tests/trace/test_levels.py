@@ -400,3 +400,31 @@ def test_every_input_of_a_concat_whose_qdq_reaches_an_output_is_an_output_tensor
     )
     found = levels.output_tensors(helper.make_model(graph))
     assert found == {"a": "y", "b": "y", "c": "c_dq"}
+
+
+def test_a_per_axis_q_over_a_concat_counts_each_parts_channels_apart(tmp_path):
+    """t = Concat(a, b, axis=2) under a Q with scales (0.5, 0.25) along axis 1. Part 0 (a = -xa)
+    spans 20 and 2 in its channels: 40 and 8 levels; part 1 (b = Relu(xb)) spans 1 and 100:
+    2 and 400. The fewest is part 1's 2, from b's Relu (over both parts at once, every channel
+    would span 20 and 100: 40)."""
+    qparams = [
+        numpy_helper.from_array(np.array([0.5, 0.25], np.float32), "s"),
+        numpy_helper.from_array(np.zeros(2, np.int8), "zp"),
+    ]
+    chain, dq = qdq("t", "s", "zp", axis=1)
+    common = [
+        helper.make_node("Neg", ["xa"], ["a"], name="neg"),
+        helper.make_node("Relu", ["xb"], ["b"], name="relu"),
+        helper.make_node("Concat", ["a", "b"], ["t"], name="join", axis=2),
+    ]
+    float_nodes = [*common, helper.make_node("Abs", ["t"], ["y"], name="abs")]
+    quant_nodes = [*common, *chain, helper.make_node("Abs", [dq], ["y"], name="abs")]
+    io = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [1, 2, 3]) for n in ("xa", "xb")]
+    out = [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 2, 6])]
+    paths = save_pair(tmp_path, float_nodes, quant_nodes, io, out, qparams)
+    xa = -np.array([[[-10.0, 0.0, 10.0], [0.0, 1.0, 2.0]]], np.float32)
+    xb = np.array([[[0.0, 0.5, 1.0], [0.0, 50.0, 100.0]]], np.float32)
+    np.savez(tmp_path / "s.npz", xa=xa, xb=xb)
+    answer = graphscan.check(paths[1], float_path=paths[0], min_levels=16, inputs=[str(tmp_path / "s.npz")])
+    budget = answer["budgets"][0]
+    assert budget["value"] == 2.0 and budget["tensor"] == "t" and budget["part"] == {"part": 1, "node": "relu"}

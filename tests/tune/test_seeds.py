@@ -244,6 +244,50 @@ def test_a_node_followed_through_a_fusion_and_one_nothing_runs():
         seeds.followed([{"node": "fc2_add", "why": "--exclude"}], original, folded, "mlp.onnx")
 
 
+def test_a_seed_fused_away_is_followed_to_its_nearest_reader_that_runs():
+    """a is gone; of its readers (gone too, fused with it), b's output is made by x, while c's
+    reader e is gone as well and e's output made by z: breadth first, the nearest, x."""
+    original = helper.make_graph(
+        [
+            helper.make_node("Relu", ["in"], ["ta"], name="a"),
+            helper.make_node("Relu", ["ta"], ["tb"], name="b"),
+            helper.make_node("Relu", ["ta"], ["tc"], name="c"),
+            helper.make_node("Relu", ["tc"], ["te"], name="e"),
+            helper.make_node("Add", ["tb", "te"], ["out"], name="add"),
+        ],
+        "original",
+        [helper.make_tensor_value_info("in", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2])],
+    )
+    given = helper.make_graph(
+        [
+            helper.make_node("Relu", ["in"], ["tb"], name="x"),
+            helper.make_node("Relu", ["in"], ["te"], name="z"),
+            helper.make_node("Add", ["tb", "te"], ["out"], name="add"),
+        ],
+        "given",
+        list(original.input),
+        list(original.output),
+    )
+    assert seeds.where_it_runs("a", helper.make_model(original), helper.make_model(given)) == "x"
+
+
+def test_a_node_excluded_that_also_makes_an_output_says_it_was_excluded():
+    """--exclude narrow --exclude cat with --keep-outputs-float: cat, the output's producer,
+    is the user's --exclude, listed once; without --exclude cat, it is --keep-outputs-float's."""
+    from graphscan_ort.tune.command import seed_rows
+
+    model = concat_of(1.0, 320.0)
+    assert seed_rows(model, ["narrow", "cat"], True, "m.onnx") == [
+        {"node": "narrow", "why": "--exclude"},
+        {"node": "cat", "why": "--exclude"},
+    ]
+    assert seed_rows(model, ["narrow"], True, "m.onnx") == [
+        {"node": "narrow", "why": "--exclude"},
+        {"node": "cat", "why": "--keep-outputs-float"},
+    ]
+
+
 def test_two_seeds_followed_to_one_node_exclude_it_once():
     """--exclude conv1 and --exclude bn, which prepare folds into conv1: both seeds are listed
     (one says it holds bn), and the quantizer's nodes_to_exclude names conv1 once."""
