@@ -135,3 +135,14 @@ def test_an_answer_line_without_an_answer_file_is_exit_5_naming_the_target(monke
 )
 def test_how_an_interpreter_ended_is_its_exit_code_or_signal_and_its_last_words(code, stderr, said):
     assert targets.stopped(code, stderr, "at the end") == said
+
+
+def test_a_target_that_runs_another_onnxruntime_is_not_installed(worker, monkeypatch):
+    """The trivial call asks the target's interpreter for its onnxruntime: here this very one,
+    against pins that say another version: that target does not run this environment's release."""
+    import onnxruntime
+
+    assert targets.trivial_call(worker) is None  # the same release: installed
+    real = targets.pins()
+    monkeypatch.setattr(targets, "pins", lambda: {**real, "onnxruntime": "0.0.1"})
+    assert targets.trivial_call(worker) == f"it runs onnxruntime {onnxruntime.__version__}, not 0.0.1"
