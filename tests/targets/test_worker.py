@@ -146,3 +146,12 @@ def test_a_target_that_runs_another_onnxruntime_is_not_installed(worker, monkeyp
     real = targets.pins()
     monkeypatch.setattr(targets, "pins", lambda: {**real, "onnxruntime": "0.0.1"})
     assert targets.trivial_call(worker) == f"it runs onnxruntime {onnxruntime.__version__}, not 0.0.1"
+
+
+def test_a_target_out_of_memory_is_exit_5_naming_the_function(worker):
+    """A MemoryError in the target's interpreter (a petabyte asked for): the model did not run
+    there, exit 5 in one line, and the worker goes on."""
+    with pytest.raises(graphscan.GraphscanError) as caught:
+        worker.run("builtins:bytearray", [10**15])
+    assert caught.value.exit_code == graphscan.EXIT_RUNTIME and str(caught.value) == "builtins:bytearray: out of memory"
+    assert worker.run("math:hypot", [3, 4])["result"] == 5.0

@@ -428,3 +428,20 @@ def test_a_per_axis_q_over_a_concat_counts_each_parts_channels_apart(tmp_path):
     answer = graphscan.check(paths[1], float_path=paths[0], min_levels=16, inputs=[str(tmp_path / "s.npz")])
     budget = answer["budgets"][0]
     assert budget["value"] == 2.0 and budget["tensor"] == "t" and budget["part"] == {"part": 1, "node": "relu"}
+
+
+def test_a_q_that_reads_a_weight_is_no_quantized_activation():
+    """y = MatMul(DQ(Q(x)), DQ(Q(w))) with w an initializer (a float weight quantized by a Q
+    node): x's Q is an activation's, w's a constant's, which levels leave to its own scale."""
+    w = numpy_helper.from_array(np.full((4, 4), 0.01, np.float32), "w")
+    x_chain, x_dq = qdq("x", "s", "zp")
+    w_chain, w_dq = qdq("w", "s", "zp")
+    qparams = [numpy_helper.from_array(np.array(0.5, np.float32), "s"), numpy_helper.from_array(np.int8(0), "zp")]
+    graph = helper.make_graph(
+        [*x_chain, *w_chain, helper.make_node("MatMul", [x_dq, w_dq], ["y"])],
+        "weights",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])],
+        [w, *qparams],
+    )
+    assert list(levels.quantized_activations(helper.make_model(graph))) == ["x"]

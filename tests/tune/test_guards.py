@@ -421,10 +421,13 @@ class RetimedRows:
         measure = SimpleNamespace(float_bytes=10**9, min_speedup=1.0, models={}, timed=timed)
         self.trials = tune_trials.Trials(str(tmp_path), None, measure)
 
-    def add(self, float_ms, same_as=None):
-        """A row timed at ``float_ms`` (``same_as``: a twin, its figures copied), then steady."""
+    def add(self, float_ms, same_as=None, inherits=None):
+        """A row timed at ``float_ms`` (``same_as``: a twin, its figures copied; ``inherits``: a
+        row whose timing it takes, bias.same_graph's), then steady."""
         trials = self.trials
         k = len(trials.rows)
+        if inherits is not None:
+            trials.speed_from[k] = inherits
         figures = {"ms": 1.0, "float_ms": float_ms, "speedup": float_ms, "speedup_spread": [float_ms] * 2}
         figures |= {"bytes": 1, "float_weights": 0, "fails": []}
         trials.rows.append(
@@ -479,3 +482,33 @@ def test_a_row_still_far_off_is_timed_again_once_flagged_and_fails_the_slower_gu
         ["slower"],
     )
     assert len(rows.trials.disturbed) == 1 and rows.trials.disturbed[0].startswith("candidate 4's float time")
+
+
+def test_a_row_that_inherits_another_rows_timing_is_no_timing_of_its_own(tmp_path):
+    """Three rows at 2.4-2.6 ms, a fourth at 15, and a fifth that takes row 0's timing (a
+    bias-corrected model of the same graph): four rows timed themselves, too few to judge by."""
+    rows = RetimedRows(tmp_path, retimed_ms=2.55)
+    for float_ms in (2.4, 2.5, 2.6, 15.0):
+        rows.add(float_ms)
+    rows.add(2.4, inherits=0)
+    assert rows.calls == []
+    rows.add(2.7)
+    assert rows.calls == [3]
+
+
+def test_a_row_is_timed_again_on_the_samples_its_first_timing_used(tmp_path, monkeypatch):
+    """Measure.timed, Trials.steady's second timing, times on --latency-inputs when given (as
+    the first timing did), else on the first evaluation sample."""
+    from graphscan_ort.shared.options import Named, Session, Timing
+
+    path = tmp_path / "m.onnx"
+    onnx.save(gen_models.build_mlp(1, 4, 0, ("N",)), path)
+    model = onnx.load(path)
+    evaluation = [{"x": np.full((1, 4), v, np.float32)} for v in (1.0, 2.0)]
+    latency = [{"x": np.full((1, 4), 3.0, np.float32)}]
+    used = []
+    monkeypatch.setattr(deployed, "latency_figures", lambda reference, candidate, samples, *rest: used.append(samples))
+    for given, expected in ((latency, latency), (None, evaluation[:1])):
+        measure = tune_trials.Measure(Named(model, str(path)), evaluation, Session("all", 1), Timing(2), latency=given)
+        measure.timed(model, str(path))
+        assert used.pop() == expected
