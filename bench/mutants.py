@@ -84,6 +84,7 @@ AREA_TESTS = {
         "tests/check/test_numbers_only.py",
         "tests/check/test_levels_budget.py",
         "tests/trace/test_levels.py",
+        "tests/check/test_metric.py",
     ],
     # Issue 33: parts, the worst-part SQNR, levels, tune's seeds and verdict.
     "parts": [
