@@ -134,6 +134,7 @@ AREA_TESTS = {
         "tests/views/test_tables.py",
         "tests/shared/test_metrics.py",
         "tests/cli/test_keyword_rules.py",
+        "tests/check/test_numbers_only.py",
     ],
     "plugin": ["tests/cli/test_plugin_fixture.py", "tests/cli/test_plugin_sharing.py", "tests/cli/test_plugin.py"],
     "recovery": [
