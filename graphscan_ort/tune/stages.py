@@ -94,11 +94,13 @@ class Run:
         return self.trials.rows
 
     def searching(self) -> bool:
-        """Whether a search stage runs: no row meets a defined target, and a quantize_static
-        row was measured to start from (a dynamic one calibrates nothing)."""
+        """Whether a search stage runs: no row meets a defined target, nor meets it by its
+        measured value alone (then only more samples can show it: Policy.only_samples_lack),
+        and a quantize_static row was measured to start from (a dynamic one calibrates nothing)."""
         return (
             not self.met
             and self.target["value"] is not None
+            and not self.policy.only_samples_lack(self.rows)
             and any(r["error"] is None for r in static_rows(self.rows))
         )
 
@@ -475,6 +477,6 @@ STAGES = (
 
 def stages_text() -> str:
     """The pipeline as tune --help and DESIGN.md list it: one numbered line per stage."""
-    lines = [f"{k}. {stage.name}: {stage.does}{'' if stage.always else ' (while no row meets the target)'}"
-             for k, stage in enumerate(STAGES, 1)]  # fmt: skip
+    searching = " (while no row meets the target, even by its measured value)"
+    lines = [f"{k}. {stage.name}: {stage.does}{'' if stage.always else searching}" for k, stage in enumerate(STAGES, 1)]
     return "stages, each settled by the policy (the rows bounded, the front marked, a row chosen):\n" + "\n".join(lines)

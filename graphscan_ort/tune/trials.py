@@ -305,7 +305,8 @@ class Trials:
         self.ranges: dict[str, FloatRanges] = {}  # per prepared model: its float values by part
         self.disturbed: list[str] = []  # what the answer's warnings say of each row whose speed stayed disturbed
         self.policy: Policy | None = None
-        self.plans: dict[tuple[str, str], RangePlan | FirstRow] = {}  # requantize's: one quantized graph per structure, many ranges
+        # requantize's plans: one quantized graph per structure, many ranges
+        self.plans: dict[tuple[str, str], RangePlan | FirstRow] = {}
         self.sessions = itertools.count()  # each timing session's key: the runs of one are paired
 
     @property

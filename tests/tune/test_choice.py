@@ -197,6 +197,30 @@ def test_a_target_from_onnxruntimes_defaults_is_met_by_rows_shown_at_least_as_ac
     assert policy.method(rows[1]) == "paired_student_t" and policy.method(rows[0]) == "defaults_row"
 
 
+def test_only_samples_lack_when_a_row_meets_the_target_by_its_value_but_none_by_its_bound():
+    """Row 0 reaches 25 against 20 by its value, its bound 18 below: only samples lack, the
+    search stops. Shown by a bound (row 1's 21), met: nothing lacks. A row that breaks a guard
+    or a part is no evidence; below the target by value, the search goes on."""
+    policy = Policy(20.0)
+    assert policy.only_samples_lack([row(0, 2.0, 25.0, bound=18.0), row(2, 3.0, 15.0)])
+    assert not policy.only_samples_lack([row(0, 2.0, 25.0, bound=18.0), row(1, 1.5, 25.0, bound=21.0)])
+    assert not policy.only_samples_lack([row(0, 2.0, 25.0, bound=18.0) | {"fails": ["slower"]}])
+    assert not policy.only_samples_lack([row(0, 2.0, 25.0, bound=18.0, broken_parts=[{"part": 0}])])
+    assert not policy.only_samples_lack([row(0, 2.0, 19.9, bound=18.0)])
+    assert not Policy(None).only_samples_lack([row(0, 2.0, 25.0, bound=18.0)])
+
+
+def test_against_onnxruntimes_defaults_a_mean_paired_difference_of_0_or_more_meets_by_value():
+    """Row 2 is ahead of the defaults' row on average (differences 3, -2, 3, -2: mean 0.5) but
+    not shown: it meets by value, only samples lack. Row 3 is behind on average (-0.5): not."""
+    rows = [row(0, 1.0, 20.0, fails=["slower"]), row(2, 3.0, 20.5), row(3, 3.0, 19.5)]
+    by_sample = {0: [20.0] * 4, 2: [23.0, 18.0, 23.0, 18.0], 3: [17.0, 22.0, 17.0, 22.0]}
+    policy = Policy(20.0, "defaults", by_sample=by_sample, reference=rows[0])
+    assert [policy.measured_meeting(r) for r in rows] == [False, True, False]  # 0 breaks a guard
+    assert policy.only_samples_lack(rows)
+    assert not policy.only_samples_lack([rows[0], rows[2]])  # without row 2, none meets by value
+
+
 def claims(true_mean, spread, samples, rows, target, seeds, events=False):
     """How often the policy claims ``target`` met over ``seeds`` runs of ``rows`` rows whose
     true metric is ``true_mean``: each row's metric sample by sample drawn around it (or, with

@@ -236,9 +236,14 @@ class NoTrials:
 
 
 def test_a_target_the_refinements_reached_tries_no_recovery():
-    """The pipeline runs a search stage (recovery among them) only while no row meets the target."""
-    run = stages.Run(NoTrials(), Policy(25.0), None, [], {}, (None, None), [], Progress(), [])
+    """The pipeline runs a search stage (recovery among them) only while no row meets the
+    target: not when one is shown to (met), nor when one meets it by its measured value alone
+    (30 dB against 25, no samples to bound it: only more samples could show it)."""
+    trials = NoTrials()
+    run = stages.Run(trials, Policy(25.0), None, [], {}, (None, None), [], Progress(), [])
     run.target = {"value": 25.0, "source": "user"}
+    assert not run.searching()
+    trials.rows[0]["metric_value"] = 24.9  # below the target: the search may find a more accurate row
     assert run.searching()
     run.met = True
     assert not run.searching()
