@@ -13,11 +13,16 @@ onnxruntime's own calibrator (its augmented model and its choice of tensors):
   gets a single call (MinMax keeps two numbers per tensor and sample, not the tensors).
   ``CalibMaxIntermediateOutputs`` is not the way: onnxruntime 1.32 drops the samples it
   collected without reducing them (github.com/microsoft/onnxruntime/issues/18893).
-- histograms: two passes over the samples, first each tensor's extremes, then its
-  histogram over those extremes one sample at a time. These are the bins onnxruntime's
-  ``HistogramCollector`` sets over all samples at once, and a histogram over fixed bins is
-  the sum of the samples' histograms, so the histogram is the same, count for count, and
-  its own ``compute_collection_result`` turns it into the same ranges.
+- histograms: two passes over the samples, first each tensor's extremes (reduced inside the
+  graph: a few numbers per tensor and sample), then its histogram over those extremes one
+  sample and one group of at most ``GROUP_BYTES`` of tensors at a time (each group a run of
+  the graph cut to what it needs). These are the bins onnxruntime's ``HistogramCollector``
+  sets over all samples at once, and a histogram over fixed bins is the sum of the samples'
+  histograms, so the histogram is the same, count for count, and its own
+  ``compute_collection_result`` turns it into the same ranges. ``histograms`` counts several
+  binnings in the same passes when asked; tune asks for one at a time: counting Entropy's
+  beside Percentile's costs as much again (numpy's histogram is most of the time at page
+  size), and Entropy is a refinement a run may never reach.
 
 Example (``quantize_static`` then reads the ranges instead of calibrating)::
 
@@ -147,58 +152,61 @@ class ListReader(CalibrationDataReader):
         return next(self.left, None)
 
 
-def calibrated_tensors(
-    calibrator: HistogramCalibrater, reader: CalibrationDataReader
-) -> Iterator[dict[str, np.ndarray]]:
-    """Each sample's calibrated tensors, by name in the augmented model's output order."""
-    names = [o.name for o in calibrator.infer_session.get_outputs()]
-    wanted = [(i, name) for i, name in enumerate(names) if name in calibrator.tensors_to_calibrate]
-    for sample in samples_of(reader):
-        outputs = calibrator.infer_session.run(None, sample)
-        yield {name: outputs[i] for i, name in wanted}
+GROUP_BYTES = 256 * 2**20  # one sample's calibrated tensors fetched per run: at most this many bytes
+Binning = tuple[bool, int]  # (magnitudes, bins): what a histogram counts and over how many bins
 
 
 class Extremes:
     """One tensor over every sample: its shape (one, as onnxruntime stacks them), element
-    type, element count, least and greatest value, and (``magnitudes``) least and greatest
-    magnitude."""
+    type, element count, least and greatest value, and least and greatest magnitude."""
 
-    def __init__(self, array: np.ndarray, magnitudes: bool) -> None:
-        self.shape, self.dtype, self.size, self.magnitudes = array.shape, array.dtype, 0, magnitudes
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        self.shape, self.dtype, self.size = shape, dtype, 0
         self.low: Any = None  # numpy scalars of the tensor's type once a sample has elements
         self.high: Any = None
         self.least: Any = None
         self.most: Any = None
 
-    def add(self, name: str, array: np.ndarray) -> None:
-        if array.shape != self.shape:
-            raise ValueError(f"{name}: the samples' arrays have an inhomogeneous shape ({self.shape}, {array.shape})")
-        if array.size == 0:
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def add(self, name: str, reduced: list[np.ndarray]) -> None:
+        """One sample's reductions of the tensor (extremes_model's, in its order)."""
+        low, high, least, most, finite, shape = reduced
+        if tuple(shape) != self.shape:
+            raise ValueError(f"{name}: the samples' arrays have an inhomogeneous shape ({self.shape}, {tuple(shape)})")
+        if not int(np.prod(shape, dtype=np.int64)):
             return
-        low, high = array.min(), array.max()
-        if not (np.isfinite(low) and np.isfinite(high)):
+        if not np.isfinite(finite):  # a value times 0 summed: NaN where any value is NaN or infinite
             raise ValueError(f"{name}: range of [{low}, {high}] is not finite")
         first = self.size == 0
-        self.size += array.size
+        self.size += int(np.prod(shape, dtype=np.int64))
         self.low = low if first else min(self.low, low)
         self.high = high if first else max(self.high, high)
-        if self.magnitudes:
-            magnitude = np.absolute(array)
-            least, most = magnitude.min(), magnitude.max()
-            self.least = least if first else min(self.least, least)
-            self.most = most if first else max(self.most, most)
+        self.least = least if first else min(self.least, least)
+        self.most = most if first else max(self.most, most)
 
 
 def histogram_ranges(
     calibrator: HistogramCalibrater, make_reader: Callable[[], CalibrationDataReader], folder: str | None = None
 ) -> TensorsData:
-    """onnxruntime's histogram ranges from two passes over the samples, one sample's tensors
-    held at a time: the bins ``HistogramCollector.collect`` sets over all, then the counts.
+    """onnxruntime's histogram ranges, one sample's tensors held at a time, in groups of at
+    most GROUP_BYTES: the bins ``HistogramCollector.collect`` sets over all, then the counts.
     ``folder``: where the histograms are kept for the next calibration that bins alike
     (histogram_file: Percentile at 99.999, 99.99 and 99.9 differ only in the ranges read
     off them), and read from instead of running the samples again."""
     # HistogramCollector.collect: magnitudes for a symmetric Percentile, values otherwise.
-    magnitudes = calibrator.method == "percentile" and calibrator.symmetric
+    binning = (calibrator.method == "percentile" and calibrator.symmetric, calibrator.num_bins)
+    kept = None if folder is None else histogram_file(folder, *binning)
+    if kept is not None and os.path.isfile(kept):
+        with open(kept, "rb") as f:
+            found = pickle.load(f)  # tune's own file in its own temporary folder
+    else:
+        found = histograms(calibrator, make_reader, [binning])[binning]
+        if kept is not None:
+            with open(kept, "wb") as f:
+                pickle.dump(found, f)
     collector = HistogramCollector(
         method=calibrator.method,
         symmetric=calibrator.symmetric,
@@ -207,15 +215,7 @@ def histogram_ranges(
         percentile=calibrator.percentile,
         scenario=calibrator.scenario,
     )
-    kept = None if folder is None else histogram_file(folder, magnitudes, calibrator.num_bins)
-    if kept is not None and os.path.isfile(kept):
-        with open(kept, "rb") as f:
-            collector.histogram_dict = pickle.load(f)  # tune's own file in its own temporary folder
-    else:
-        collector.histogram_dict = histograms(calibrator, make_reader, collector, magnitudes)
-        if kept is not None:
-            with open(kept, "wb") as f:
-                pickle.dump(collector.histogram_dict, f)
+    collector.histogram_dict = found
     calibrator.collector = collector
     return calibrator.compute_data()
 
@@ -227,37 +227,184 @@ def histogram_file(folder: str, magnitudes: bool, bins: int) -> str:
     return os.path.join(folder, f"histograms-{'magnitudes' if magnitudes else 'values'}-{bins}.pickle")
 
 
+def calibrated_names(calibrator: HistogramCalibrater) -> list[str]:
+    """The tensors onnxruntime's histogram calibrator counts, in its augmented model's output order."""
+    return [o.name for o in calibrator.model.graph.output if o.name in calibrator.tensors_to_calibrate]
+
+
 def histograms(
-    calibrator: HistogramCalibrater,
-    make_reader: Callable[[], CalibrationDataReader],
-    collector: HistogramCollector,
-    magnitudes: bool,
-) -> dict[str, tuple]:
-    """The histogram of every calibrated tensor, as ``collector.histogram_dict`` holds it."""
+    calibrator: HistogramCalibrater, make_reader: Callable[[], CalibrationDataReader], binnings: list[Binning]
+) -> dict[Binning, dict[str, tuple]]:
+    """The histogram of every calibrated tensor for each of ``binnings``, as
+    ``HistogramCollector.histogram_dict`` holds it: each tensor's extremes reduced inside the
+    graph over every sample (one run each, tiny outputs), then its counts over those bins,
+    fetched a group of tensors at a time (fetch_groups)."""
+    names = calibrated_names(calibrator)
+    providers = calibrator.execution_providers
     extremes: dict[str, Extremes] = {}
-    for tensors in calibrated_tensors(calibrator, make_reader()):
-        for name, array in tensors.items():
-            extremes.setdefault(name, Extremes(array, magnitudes)).add(name, array)
+    session = calibration_session(extremes_model(calibrator.model, names), providers)
+    for sample in samples_of(make_reader()):
+        reduced = session.run(None, sample)
+        for k, name in enumerate(names):
+            parts = reduced[6 * k : 6 * k + 6]
+            extremes.setdefault(name, Extremes(tuple(parts[5]), parts[0].dtype)).add(name, parts)
+    del session
     if not extremes:
         raise ValueError("No data is collected.")
-    bounds = {name: outer_edges(e, magnitudes) for name, e in extremes.items() if e.size}
-    counts: dict[str, np.ndarray] = {}
-    edges: dict[str, np.ndarray] = {}
-    for tensors in calibrated_tensors(calibrator, make_reader()):
-        for name, array in tensors.items():
-            if name not in bounds:
-                continue
-            values = np.absolute(array.ravel()) if magnitudes else array.ravel()
-            hist, edges[name] = np.histogram(values, calibrator.num_bins, range=bounds[name])
-            counts[name] = counts[name] + hist if name in counts else hist
+    bounds = {(name, b): outer_edges(e, b[0]) for name, e in extremes.items() if e.size for b in binnings}
+    counts: dict[tuple[str, Binning], np.ndarray] = {}
+    edges: dict[tuple[str, Binning], np.ndarray] = {}
+    for group in fetch_groups(calibrator.model, names, extremes):
+        session = calibration_session(group_model(calibrator.model, group), providers)
+        for sample in samples_of(make_reader()):
+            for name, array in zip(group, session.run(group, sample), strict=True):
+                if not extremes[name].size:
+                    continue
+                views = {False: array.ravel()}  # what each binning counts: values, or their magnitudes
+                if any(magnitudes for magnitudes, _ in binnings):
+                    views[True] = np.absolute(views[False])
+                for b in binnings:
+                    hist, edges[name, b] = np.histogram(views[b[0]], b[1], range=bounds[name, b])
+                    counts[name, b] = counts[name, b] + hist if (name, b) in counts else hist
+        del session
+    return {b: histogram_dict(extremes, counts, edges, b) for b in binnings}
+
+
+def histogram_dict(
+    extremes: dict[str, Extremes],
+    counts: dict[tuple[str, Binning], np.ndarray],
+    edges: dict[tuple[str, Binning], np.ndarray],
+    binning: Binning,
+) -> dict[str, tuple]:
+    """One binning's histograms as onnxruntime's collector keeps them: magnitudes as
+    ``collect_absolute_value`` does, values as ``collect_value`` (a tensor empty in every
+    sample gets the default bins its collector sets itself)."""
+    magnitudes, bins = binning
+    collector = HistogramCollector(
+        method="percentile" if magnitudes else "entropy",
+        symmetric=magnitudes,
+        num_bins=bins,
+        num_quantized_bins=128,
+        percentile=99.999,
+        scenario="same",
+    )
     for name, e in extremes.items():
-        if not e.size:  # every sample empty: onnxruntime's collector sets its default bins itself
+        key = (name, binning)
+        if not e.size:
             collector.collect({name: [np.zeros(e.shape, e.dtype)]})
         elif magnitudes:
-            collector.histogram_dict[name] = (counts[name], edges[name].astype(e.dtype), e.low, e.high)
+            collector.histogram_dict[name] = (counts[key], edges[key].astype(e.dtype), e.low, e.high)
         else:
-            collector.histogram_dict[name] = (counts[name], edges[name], e.low, e.high, threshold(e))
+            collector.histogram_dict[name] = (counts[key], edges[key], e.low, e.high, threshold(e))
     return collector.histogram_dict
+
+
+def calibration_session(model: onnx.ModelProto, providers: list[str] | None) -> Any:
+    """A session of ``model`` as onnxruntime's calibrator runs its own: no optimization, so
+    the tensors are those of the graph as written."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+    # Kernels run in the order the graph lists them (each tensor's reductions right after it,
+    # extremes_model), not the default order that ran every reduction last, every tensor
+    # alive till then (120 MB against 34 MB for 28 tensors of 4.7 MB): the same kernels.
+    options.execution_order = onnxruntime.ExecutionOrder.PRIORITY_BASED
+    with tempfile.TemporaryDirectory(prefix="graphscan-calibration-") as folder:
+        path = os.path.join(folder, "model.onnx")  # external data: a model past protobuf's 2 GB
+        onnx.save_model(model, path, save_as_external_data=True, size_threshold=1024 * 1024)
+        return onnxruntime.InferenceSession(path, options, providers=providers)
+
+
+def extremes_model(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """``model`` answering, for each tensor of ``names`` in turn, six small outputs computed
+    in the graph: its least and greatest value and magnitude, the sum of its values times 0
+    (NaN where any is NaN or infinite: a reduction's NaN rule is its own) and its shape. Each
+    tensor's reductions follow its producer, so it is freed as the graph runs on."""
+    reduced = copy.deepcopy(model)
+    del reduced.graph.output[:]
+    after: dict[str, list[onnx.NodeProto]] = {}  # a tensor's producer's output (or "": an input): its reductions
+    produced = {output for node in model.graph.node for output in node.output}
+    for k, name in enumerate(names):
+        out = [f"graphscan_extremes_{k}_{part}" for part in ("low", "high", "least", "most", "finite", "shape")]
+        magnitude, zero = f"graphscan_extremes_{k}_abs", f"graphscan_extremes_{k}_zero"
+        after.setdefault(name if name in produced else "", []).extend(
+            [
+                onnx.helper.make_node("ReduceMin", [name], [out[0]], keepdims=0),
+                onnx.helper.make_node("ReduceMax", [name], [out[1]], keepdims=0),
+                onnx.helper.make_node("Abs", [name], [magnitude]),
+                onnx.helper.make_node("ReduceMin", [magnitude], [out[2]], keepdims=0),
+                onnx.helper.make_node("ReduceMax", [magnitude], [out[3]], keepdims=0),
+                onnx.helper.make_node("Sub", [name, name], [zero]),
+                onnx.helper.make_node("ReduceSum", [zero], [out[4]], keepdims=0),
+                onnx.helper.make_node("Shape", [name], [out[5]]),
+            ]
+        )
+        reduced.graph.output.extend(onnx.helper.make_empty_tensor_value_info(o) for o in out)
+    nodes = list(after.get("", []))
+    for node in model.graph.node:
+        nodes.append(node)
+        for output in node.output:
+            nodes.extend(after.get(output, []))
+    del reduced.graph.node[:]
+    reduced.graph.node.extend(nodes)
+    return reduced
+
+
+def fetch_groups(model: onnx.ModelProto, names: list[str], extremes: dict[str, Extremes]) -> list[list[str]]:
+    """``names`` in the order the graph computes them, cut into groups of at most
+    GROUP_BYTES of one sample's tensors (a larger tensor alone): each group is one run."""
+    produced = {output: k for k, node in enumerate(model.graph.node) for output in node.output}
+    ordered = sorted(names, key=lambda name: produced.get(name, -1))
+    groups: list[list[str]] = [[]]
+    held = 0
+    for name in ordered:
+        size = extremes[name].nbytes
+        if groups[-1] and held + size > GROUP_BYTES:
+            groups.append([])
+            held = 0
+        groups[-1].append(name)
+        held += size
+    return [g for g in groups if g]
+
+
+def group_model(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """``model`` cut to the nodes ``names`` need, answering ``names``: a group's run computes
+    no more of the graph than its tensors ask."""
+    graph = model.graph
+    producer = {output: k for k, node in enumerate(graph.node) for output in node.output}
+    kept: set[int] = set()
+    wanted = list(names)
+    while wanted:
+        k = producer.get(wanted.pop())
+        if k is None or k in kept:
+            continue
+        kept.add(k)
+        wanted.extend(read_names(graph.node[k]))
+    nodes = [node for k, node in enumerate(graph.node) if k in kept]
+    read = {name for node in nodes for name in read_names(node)}
+    cut = onnx.helper.make_graph(
+        nodes,
+        graph.name,
+        list(graph.input),
+        [onnx.helper.make_empty_tensor_value_info(name) for name in names],
+        [t for t in graph.initializer if t.name in read],
+        sparse_initializer=[t for t in graph.sparse_initializer if t.values.name in read],
+    )
+    made = onnx.helper.make_model(cut, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    made.functions.extend(model.functions)
+    return made
+
+
+def read_names(node: onnx.NodeProto) -> Iterator[str]:
+    """The names ``node`` reads: its inputs, and every name its subgraphs read (those they
+    define themselves too: harmless, no node of the outer graph produces them)."""
+    yield from (name for name in node.input if name)
+    for attribute in node.attribute:
+        bodies = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
+        for body in bodies:
+            for inner in body.node:
+                yield from read_names(inner)
 
 
 def outer_edges(e: Extremes, magnitudes: bool) -> tuple[Any, Any]:

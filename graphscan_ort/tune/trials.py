@@ -404,10 +404,17 @@ class Trials:
         self.steady()
         return measured
 
-    def quantize_static(self, prepared: str, output: str, settings: dict[str, Any], *calibration: Any) -> None:
+    def quantize_static(
+        self,
+        prepared: str,
+        output: str,
+        settings: dict[str, Any],
+        make_reader: Callable[[], SampleReader],
+        cache: str,
+    ) -> None:
         """quantize_static's row: made from an earlier row's model where only its ranges differ
         (requantize.quantize_by_plan: the same bytes), else quantize_candidate's."""
-        quantize_by_plan(self.plans, prepared, output, settings, *calibration, fallback=quantize_candidate)
+        quantize_by_plan(self.plans, prepared, output, settings, make_reader, cache, fallback=quantize_candidate)
 
     def recovery(self, record: Record) -> dict[str, Any] | None:
         """A recovery row's ``recovery``: its step and source, what it did and gained, whether

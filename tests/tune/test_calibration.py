@@ -82,10 +82,11 @@ def test_the_ranges_are_onnxruntimes_own_over_every_sample_at_once(cnn, tmp_path
 
 def test_histograms_are_collected_once_per_binning_and_every_way_keeps_onnxruntimes_ranges(cnn, tmp_path):
     """Every histogram way calibrated in turn into one folder (as tune's stages do on one
-    prepared model): the samples are run only for the first way of each binning (magnitudes
-    at 2048 bins: Percentile at 99.999, then 99.9, onnxruntime's Percentile being symmetric by
-    default; values at 2048: the values-Percentile; values at 128: Entropy, then
-    Distribution), and each cache still holds the ranges onnxruntime computes on its own."""
+    prepared model): the samples are run twice (the extremes, then one group of tensors: this
+    model's fit in one) only for the first way of each binning (magnitudes at 2048 bins:
+    Percentile at 99.999, then 99.9, onnxruntime's Percentile being symmetric by default;
+    values at 2048: the values-Percentile; values at 128: Entropy, then Distribution), and
+    each cache still holds the ranges onnxruntime computes on its own."""
     readers = []
 
     def make_reader():
@@ -118,6 +119,74 @@ def test_histograms_are_collected_once_per_binning_and_every_way_keeps_onnxrunti
     assert sorted(f.name for f in tmp_path.glob("histograms-*")) == [
         "histograms-magnitudes-2048.pickle", "histograms-values-128.pickle", "histograms-values-2048.pickle"
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "options"), [w for w in WAYS if w.values[0] != "MinMax"])
+def test_tensors_fetched_one_at_a_time_count_the_histograms_onnxruntime_counts(
+    cnn, tmp_path, monkeypatch, method, options
+):
+    """GROUP_BYTES of 1: every calibrated tensor is a group of its own, a run of the graph cut
+    to what it needs; each sample is run once for the extremes and once per tensor, and the
+    ranges are still onnxruntime's own, holding all 5 samples at once."""
+    monkeypatch.setattr(calibration, "GROUP_BYTES", 1)
+    arguments = candidates.keyword_arguments(
+        {"calibrate_method": method, **({"extra_options": options} if options else {})}
+    )
+    ours, theirs = tmp_path / "ours.json", tmp_path / "theirs.json"
+    readers = []
+
+    def make_reader():
+        readers.append(Samples(5))
+        return readers[-1]
+
+    with gen_models.quiet_quantizer():
+        calibration.calibrate(cnn, arguments, make_reader, str(ours))
+        quantize_static(cnn, str(tmp_path / "q.onnx"), Samples(5), calibration_cache_path=str(theirs), **arguments)
+    mine, reference = load_tensors_data(ours), load_tensors_data(theirs)
+    assert len(readers) == 1 + len(reference.keys())
+    for name, expected in reference.items():
+        for attribute in expected._attrs:
+            np.testing.assert_array_equal(getattr(mine[name], attribute), getattr(expected, attribute), err_msg=name)
+
+
+def test_binnings_counted_in_the_same_passes_equal_each_counted_alone(cnn, tmp_path):
+    """Percentile's magnitudes at 2048 bins and Entropy's values at 128, counted together in
+    one pair of passes, are the histograms each counts alone, array for array."""
+    from onnxruntime.quantization.calibrate import create_calibrator
+
+    calibrator = create_calibrator(
+        cnn, augmented_model_path=str(tmp_path / "a.onnx"), calibrate_method=CalibrationMethod.Entropy
+    )
+    both = calibration.histograms(calibrator, lambda: Samples(4), [(True, 2048), (False, 128)])
+    for binning in both:
+        alone = calibration.histograms(calibrator, lambda: Samples(4), [binning])[binning]
+        assert list(alone) == list(both[binning])
+        for name, counted in alone.items():
+            for got, want in zip(both[binning][name], counted, strict=True):
+                np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def test_a_histograms_peak_is_one_group_of_tensors_not_one_samples_every_tensor(tmp_path, monkeypatch):
+    """One sample of a CNN with wide activations (8 channels at 96x96): counted with groups of
+    a sixteenth of the all-at-once peak, numpy's peak (traced: the fetched tensors and
+    their magnitudes) is under half the peak of fetching them all in one run."""
+    path = tmp_path / "wide.onnx"
+    onnx.save(gen_models.build_cnn(2, channels=8, size=96, seed=0), path)
+    arguments = candidates.keyword_arguments({"calibrate_method": "Percentile"})
+
+    def peak(group_bytes):
+        monkeypatch.setattr(calibration, "GROUP_BYTES", group_bytes)
+        gc.collect()
+        tracemalloc.start()
+        with gen_models.quiet_quantizer():
+            calibration.calibrate(str(path), arguments, lambda: Samples(1, [(1, 3, 96, 96)]), str(tmp_path / "c.json"))
+        _, top = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        return top
+
+    whole = peak(2**40)
+    assert whole > 8 * 96 * 96 * 4 * 4  # several tensors of 8x96x96 float32 fetched at once
+    assert peak(whole // 16) < whole / 2, whole
 
 
 def test_minmax_in_chunks_is_minmax_over_every_sample(cnn, tmp_path, monkeypatch):
