@@ -305,6 +305,8 @@ class Target(TypedDict):
 class Latency(TypedDict):
     inputs: dict[str, Any]  # the shapes timed
     samples: int
+    first_runs: int  # every row's first timing
+    runs: int  # the retime stage's, of the written row and its rivals (--runs)
     min_speedup: float | None  # None: no slower guard (an emulated --cpu without --min-speedup)
     cpu: NotRequired[CpuFacts]  # with --cpu other than native only: the CPU the speed was timed on, this one
 

@@ -219,6 +219,8 @@ def answer(run: Run, measure: Measure, written: list[str]) -> TuneChoice:
         "latency": {
             "inputs": inputs_answer(measure.latency or evaluation[:1]),
             "samples": len(measure.latency or evaluation[:1]),
+            "first_runs": measure.first.runs,
+            "runs": measure.timing.runs,
             "min_speedup": measure.min_speedup,
         },
         "chosen": None if chosen is None else chosen["id"],

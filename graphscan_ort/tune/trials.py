@@ -61,9 +61,16 @@ class Post(NamedTuple):
     parent: Candidate
 
 
+# A row's first timing: enough runs for the policy's paired bounds to tell most rows apart;
+# the retime stage times the written row and its rivals on --runs (a race: the runs go to
+# the rows still in contention, as successive halving gives its budget to the survivors).
+FIRST_RUNS = 5
+
+
 class Measure:
     """How every candidate is measured: the float model (and its path), the evaluation
-    samples, the session group (level, threads), the timed runs, the metric (None: the
+    samples, the session group (level, threads), the timed runs (``first``: every row's first
+    timing, at most FIRST_RUNS of them), the metric (None: the
     SQNR), the latency samples (None: the first evaluation sample), the speedup a
     model must beat (None: no ``slower`` guard, an emulated CPU target's run without
     --min-speedup) and the CPU target the accuracy and kernels are measured on (None:
@@ -82,6 +89,7 @@ class Measure:
         on: OnTarget | None = None,
     ) -> None:
         self.reference, self.evaluation, self.session, self.timing = reference, evaluation, session, timing
+        self.first = Timing(min(timing.runs, FIRST_RUNS))  # every row's first timing; --runs for the contenders
         self.model, self.path, self.level = reference.model, reference.path, session.level  # as Trials reads them
         self.metric, self.latency, self.min_speedup, self.on = metric, latency, min_speedup, on
         self.models: dict[str, onnx.ModelProto] = {}
@@ -93,7 +101,7 @@ class Measure:
         measure_candidate timed them with: deployed.latency_figures, looked up when called."""
         latency = self.latency or self.evaluation[:1]
         named = Named(candidate, candidate_path)
-        return deployed.latency_figures(self.reference, [named], latency, self.session, self.timing)[0]
+        return deployed.latency_figures(self.reference, [named], latency, self.session, self.first)[0]
 
     def __call__(
         self,
@@ -112,7 +120,7 @@ class Measure:
                 named,
                 self.evaluation,
                 self.session,
-                self.timing,
+                self.first,
                 references,
                 self.metric,
                 self.latency,

@@ -238,7 +238,13 @@ def test_latency_is_measured_at_the_deployed_shape_and_named(tmp_path, build_cas
         min_speedup=0,
     )
     assert answer["evaluation"]["inputs"] == {"x": [[2, 64], [7, 64]]}
-    assert answer["latency"] == {"inputs": {"x": [32, 64]}, "samples": 1, "min_speedup": 0.0}
+    assert answer["latency"] == {
+        "inputs": {"x": [32, 64]},
+        "samples": 1,
+        "first_runs": 2,
+        "runs": 2,
+        "min_speedup": 0.0,
+    }
     assert "latency at x 32x64" in graphscan.render_table("tune", answer)
     chosen = next(c for c in answer["candidates"] if c["id"] == answer["chosen"])
     budget = graphscan.check(
@@ -533,3 +539,25 @@ def test_a_row_is_timed_again_on_the_samples_its_first_timing_used(tmp_path, mon
         measure = tune_trials.Measure(Named(model, str(path)), evaluation, Session("all", 1), Timing(2), latency=given)
         measure.timed(model, str(path))
         assert used.pop() == expected
+
+
+def test_every_row_is_first_timed_on_5_runs_and_the_written_row_and_its_rivals_on_runs(cnn, tmp_path, monkeypatch):
+    """--runs 9: each latency session tune opens (every row's first timing) takes 5 runs, but
+    the retime stage's last one, which times the written row (and the rows speed-tied with
+    it) on 9; the answer says both, and the written row's figures are that session's."""
+    sessions = []
+    timer = deployed.latency_figures
+
+    def recording(reference, candidates, samples, session, timing):
+        found = timer(reference, candidates, samples, session, timing)
+        sessions.append((timing.runs, [c.path for c in candidates], found))
+        return found
+
+    monkeypatch.setattr(deployed, "latency_figures", recording)
+    answer = run_tune(cnn, tmp_path / "o", runs=9)
+    assert answer["latency"]["first_runs"] == 5 and answer["latency"]["runs"] == 9
+    *first, (runs, paths, found) = sessions
+    assert {r for r, _, _ in first} == {5} and len(first) >= len(answer["candidates"]) - 2 and runs == 9
+    chosen = next(c for c in answer["candidates"] if c["id"] == answer["chosen"])
+    assert paths[0].endswith(f"candidate-{chosen['id']}.onnx")
+    assert len(found[0]["speedup_runs"]) == 9 and chosen["speedup"] == found[0]["speedup"]

@@ -86,7 +86,7 @@ def test_native_is_the_answer_without_cpu_byte_for_byte(cnn, tmp_path, capsys, m
     assert plain[0] in (0, 8) and plain[2] == ""
     assert plain == (native[0], native[1].replace(str(tmp_path / "native"), str(tmp_path / "plain")), native[2])
     answer = json.loads(plain[1])
-    assert "cpu" not in answer and list(answer["latency"]) == ["inputs", "samples", "min_speedup"]
+    assert "cpu" not in answer and list(answer["latency"]) == ["inputs", "samples", "first_runs", "runs", "min_speedup"]
     assert answer["latency"]["min_speedup"] == 1.0
 
 
