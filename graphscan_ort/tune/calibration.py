@@ -7,7 +7,10 @@ every sample and stack them, so their peak grows with the number of samples (3.7
 cache (``calibration_cache_path``) while holding one sample's tensors at a time, with
 onnxruntime's own calibrator (its augmented model and its choice of tensors):
 
-- MinMax: ``collect_data`` called on ``MINMAX_CHUNK`` samples at a time; each call reduces
+- MinMax: ``collect_data`` called on ``MINMAX_CHUNK`` samples at a time, its session running
+  the kernels in the graph's order (each reduction right before the tensor's first reader,
+  where onnxruntime puts it: the default order ran them last, every tensor alive till
+  then); each call reduces
   its samples and merges min with min and max with max, so the ranges are those of one call
   over all samples. ``CalibMovingAverage`` averages per call, not per sample, so that option
   gets a single call (MinMax keeps two numbers per tensor and sample, not the tensors).
@@ -96,6 +99,11 @@ def calibrate(
             ranges = histogram_ranges(calibrator, make_reader, os.path.dirname(os.path.abspath(cache)))
         else:
             assert isinstance(calibrator, MinMaxCalibrater)
+            # Its reductions sit before each tensor's first reader: run in that order, each
+            # tensor is freed as the run goes on (2,514 MB to 363 MB on PP-OCRv4 det, 6 pages).
+            calibrator.infer_session = calibration_session(
+                calibrator.augmented_model_path, calibrator.execution_providers
+            )
             ranges = minmax_ranges(calibrator, make_reader())
         del calibrator  # its session holds the augmented model in the folder
     save_tensors_data(ranges, cache)
@@ -299,9 +307,9 @@ def histogram_dict(
     return collector.histogram_dict
 
 
-def calibration_session(model: onnx.ModelProto, providers: list[str] | None) -> Any:
-    """A session of ``model`` as onnxruntime's calibrator runs its own: no optimization, so
-    the tensors are those of the graph as written."""
+def calibration_session(model: onnx.ModelProto | str, providers: list[str] | None) -> Any:
+    """A session of ``model`` (or the model file at that path) as onnxruntime's calibrator
+    runs its own: no optimization, so the tensors are those of the graph as written."""
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
@@ -310,6 +318,9 @@ def calibration_session(model: onnx.ModelProto, providers: list[str] | None) -> 
     # extremes_model), not the default order that ran every reduction last, every tensor
     # alive till then (120 MB against 34 MB for 28 tensors of 4.7 MB): the same kernels.
     options.execution_order = onnxruntime.ExecutionOrder.PRIORITY_BASED
+    options.enable_cpu_mem_arena = False  # each run's tensors handed back, not kept for the next group's session
+    if isinstance(model, str):
+        return onnxruntime.InferenceSession(model, options, providers=providers)
     with tempfile.TemporaryDirectory(prefix="graphscan-calibration-") as folder:
         path = os.path.join(folder, "model.onnx")  # external data: a model past protobuf's 2 GB
         onnx.save_model(model, path, save_as_external_data=True, size_threshold=1024 * 1024)
