@@ -52,8 +52,8 @@ def plain_loop(float_path: str, calibrate: list[str], inputs: list[str], work: s
     import onnx
     from onnxruntime.quantization import quantize_static
 
-    from graphscan import load_with_weights
-    from graphscan_ort.shared.options import Named, Session, Timing
+    from graphscan import Session, load_with_weights
+    from graphscan_ort.shared.options import Named, Timing
     from graphscan_ort.shared.sessions import quiet
     from graphscan_ort.tune.candidates import SampleReader, candidate_settings, keyword_arguments
     from graphscan_ort.tune.deployed import measure_candidate
