@@ -132,7 +132,14 @@ AREA_TESTS = {
         "tests/shared/test_metrics.py",
         "tests/cli/test_keyword_rules.py",
     ],
-    "plugin": ["tests/cli/test_plugin_fixture.py", "tests/cli/test_plugin_sharing.py", "tests/cli/test_plugin.py"],
+    "plugin": [
+        "tests/cli/test_plugin_fixture.py",
+        "tests/cli/test_plugin_sharing.py",
+        "tests/cli/test_plugin.py",
+        "tests/report/test_gate_pages.py",
+    ],
+    # The report's page (graphscan_ort/report/, commands/report.py), read back by a parser of its own.
+    "report": ["tests/report/test_page.py", "tests/report/test_gate_pages.py"],
     "recovery": [
         "tests/tune/test_equalize.py",
         "tests/tune/test_bias.py",
