@@ -83,6 +83,8 @@ AREA_TESTS = {
         "tests/targets/test_check_on_targets.py",
         "tests/check/test_numbers_only.py",
         "tests/check/test_levels_budget.py",
+        "tests/trace/test_levels.py",
+        "tests/check/test_metric.py",
     ],
     # Issue 33: parts, the worst-part SQNR, levels, tune's seeds and verdict.
     "parts": [
@@ -96,6 +98,8 @@ AREA_TESTS = {
         "tests/impact/test_impact.py",
         "tests/loading/test_malformed_graphs.py",
         "tests/check/test_numbers_only.py",
+        "tests/views/test_tables.py",
+        "tests/check/test_check.py",
     ],
     "tune": [
         "tests/tune/test_candidate_rows.py",
@@ -131,6 +135,7 @@ AREA_TESTS = {
         "tests/views/test_tables.py",
         "tests/shared/test_metrics.py",
         "tests/cli/test_keyword_rules.py",
+        "tests/check/test_numbers_only.py",
     ],
     "plugin": [
         "tests/cli/test_plugin_fixture.py",

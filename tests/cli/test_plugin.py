@@ -481,6 +481,18 @@ def test_a_linked_model_is_named_by_its_link(repository, tmp_path, run_pytest):
     assert snapshots_taken(folder) == ["link.onnx.json"]
 
 
+def test_pointed_at_the_folder_that_holds_the_config_each_gate_is_collected_once(repository, tmp_path, run_pytest):
+    """``pytest --graphscan --keep-duplicates FOLDER``: FOLDER already holds graphscan.toml, so
+    the plugin adds it to no arguments, and even pytest's keep-duplicates sees one item."""
+    (tmp_path / "repo").mkdir()
+    gate_folder(tmp_path / "repo", repository, '[[model]]\npath = "models/full.onnx"\nmax_islands = 1000\n')
+    code, output = run_pytest(
+        tmp_path, "--graphscan", "--graphscan-config", "repo/graphscan.toml", "--keep-duplicates", "repo", "-rA"
+    )
+    assert code == 0 and item_outcomes(output) == {"repo/graphscan.toml::full.onnx::max_islands": "passed"}, output
+    assert output.count("::full.onnx::max_islands") == 1, output
+
+
 def test_a_metric_file_is_found_beside_the_config_from_any_folder(repository, tmp_path, run_pytest):
     """``metric = "f1.py:f"`` in ``models/graphscan.toml``, pytest run from the folder above
     that holds another ``f1.py``: the gate runs the config's one (1.0), never the other (0.0)."""

@@ -101,6 +101,78 @@ def test_models_whose_onnx_files_are_alike_are_told_apart_by_their_external_data
     assert min_sqnr(fixture, lab / "a" / "m.onnx", lab) == pytest.approx(sqnr_db(second, [X]), abs=1e-3)
 
 
+def test_the_float_models_external_data_is_read_by_the_key_too(lab):
+    """``float=`` a model whose weight lies beside it: that weight rewritten in place (the
+    float .onnx untouched) changes the reference, so min_sqnr is measured again against it."""
+    candidate, reference = lab / "q.onnx", lab / "f" / "ref.onnx"
+    onnx.save(matmul(noisy(0.1, 2)), candidate)
+    reference.parent.mkdir()
+    save_with_weight_beside(reference, W0)
+    fixture = Graphscan({})
+
+    def measured():
+        answer = fixture.check(candidate, float=reference, inputs=[lab / "x.npz"], min_sqnr=-1000)
+        return answer["budgets"][0]["value"]
+
+    assert measured() == pytest.approx(sqnr_db(noisy(0.1, 2), [X]), abs=1e-3)
+    other = noisy(0.5, 7)  # the new reference
+    (lab / "f" / "ref.onnx.data").write_bytes(other.tobytes())
+    x, q = X.astype(np.float64), noisy(0.1, 2).astype(np.float64)
+    f = x @ other.astype(np.float64)
+    assert measured() == pytest.approx(10 * math.log10(np.sum(f**2) / np.sum((f - x @ q) ** 2)), abs=1e-3)
+
+
+def if_matmul(weight, path=None):
+    """``y = If(c, then: x @ weight, else: x @ weight) + bias`` (bias zeros), each branch
+    holding its own copy of the weight; with ``path``: saved there, every tensor in a file of
+    its own beside it, named as the tensor (``w_then``, ``w_else``, ``bias``)."""
+
+    def branch(name):
+        return helper.make_graph(
+            [helper.make_node("MatMul", ["x", name], [f"{name}_y"])],
+            name,
+            [],
+            [helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, ["N", 3])],
+            [numpy_helper.from_array(weight.astype(np.float32), name)],
+        )
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("If", ["c"], ["chosen"], then_branch=branch("w_then"), else_branch=branch("w_else")),
+            helper.make_node("Add", ["chosen", "bias"], ["y"]),
+        ],
+        "if_matmul",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+        [numpy_helper.from_array(np.zeros(3, np.float32), "bias")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    if path is not None:
+        onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=False, size_threshold=0)
+    return model
+
+
+def test_weights_inside_an_ifs_branches_kept_beside_the_model_are_read_by_the_key(tmp_path):
+    """The branches' weights lie in files of their own beside m.onnx: rewritten in place (the
+    .onnx and the top graph's bias untouched), the model's SQNR against x @ W0 is measured again."""
+    onnx.save(if_matmul(W0), tmp_path / "ref.onnx")
+    np.savez(tmp_path / "xc.npz", x=X, c=np.array(True))
+    first, second = noisy(0.01, 2), noisy(0.1, 3)
+    if_matmul(first, tmp_path / "m.onnx")
+    assert (tmp_path / "w_then").read_bytes() == (tmp_path / "w_else").read_bytes() == first.tobytes()
+    fixture = Graphscan({})
+    for weight in (first, second):
+        for name in ("w_then", "w_else"):
+            (tmp_path / name).write_bytes(weight.tobytes())
+        answer = fixture.check(
+            tmp_path / "m.onnx", float=tmp_path / "ref.onnx", inputs=[tmp_path / "xc.npz"], min_sqnr=-1000
+        )
+        assert answer["budgets"][0]["value"] == pytest.approx(sqnr_db(weight, [X]), abs=1e-3)
+
+
 def test_a_model_rewritten_in_place_with_its_size_and_time_is_measured_again(lab):
     """A rewrite within the clock's step leaves a file's size and mtime as they were: its
     contents are what tells it apart."""

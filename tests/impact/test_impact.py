@@ -946,3 +946,79 @@ def test_each_sample_is_labelled_by_the_input_values_that_decide_its_parts(tmp_p
     assert answer["output_sqnr_db"] == pytest.approx(expected, abs=1e-9)
     assert answer["deployed_output_sqnr_db"] == pytest.approx(expected, abs=1e-9)
     assert answer["worst_part"] == {"output": "y", "part": part, "node": ["big_part", "small_part"][part]}
+
+
+def test_a_leaky_relu_the_quantized_model_still_runs_is_never_applied_again(tmp_path):
+    """MatMul -> LeakyRelu -> MatMul quantized the lab's way keeps its LeakyRelu (Q->DQ around
+    it): nothing was absorbed, so float(t) of its output is t itself, as the brute force says
+    (a LeakyRelu re-applied to its own output scales the negatives by alpha once more)."""
+    rng = np.random.default_rng(21)
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), w) for w in ("w1", "w2")]
+    model = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("MatMul", ["x", "w1"], ["m1"], name="mm1"),
+                helper.make_node("LeakyRelu", ["m1"], ["leaky"], name="leaky_relu", alpha=0.3),
+                helper.make_node("MatMul", ["leaky", "w2"], ["y"], name="mm2"),
+            ],
+            "leaky",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])],
+            inits,
+        ),
+        opset_imports=[helper.make_opsetid("", gen_models.OPSET)],
+    )
+    a, b = quantized(tmp_path, model, "leaky")
+    assert "LeakyRelu" in {n.op_type for n in onnx.load(b).graph.node}
+    assert reference.absorbed(model, onnx.load(b), "leaky") is None
+    answer, _ = assert_equals_brute_force(a, b, write_samples(tmp_path, {"x": (4, 8)}, 2, seed=5))
+    assert "leaky" in {row["tensor"] for row in answer["tensors"]}
+
+
+def test_a_min_gain_of_0_adds_every_operator_that_gains_anything(tmp_path):
+    """y = Neg(DQ(Q(x))) + DQ(Q(z)): x at a step of 0.5 misses 0.2 on y's first value, z at a
+    step of 1e-4 misses 3e-5 on the second. Keeping the Add's input z float gains
+    10 log10(1 + (3e-5)^2 / 0.2^2), about 1e-7 dB: under the default 0.01 dB, over 0. With a
+    target out of reach, --min-gain 0 adds it after the Neg; the default leaves it out."""
+    qparams = [
+        numpy_helper.from_array(np.array(0.5, np.float32), "sx"),
+        numpy_helper.from_array(np.array(1e-4, np.float32), "sz"),
+        numpy_helper.from_array(np.array(0, np.int8), "zp"),
+    ]
+    float_nodes = [
+        helper.make_node("Neg", ["x"], ["n"], name="neg"),
+        helper.make_node("Add", ["n", "z"], ["y"], name="add"),
+    ]
+    quant_nodes = [
+        helper.make_node("QuantizeLinear", ["x", "sx", "zp"], ["xq"], name="x_q"),
+        helper.make_node("DequantizeLinear", ["xq", "sx", "zp"], ["xd"], name="x_dq"),
+        helper.make_node("QuantizeLinear", ["z", "sz", "zp"], ["zq"], name="z_q"),
+        helper.make_node("DequantizeLinear", ["zq", "sz", "zp"], ["zd"], name="z_dq"),
+        helper.make_node("Neg", ["xd"], ["n"], name="neg"),
+        helper.make_node("Add", ["n", "zd"], ["y"], name="add"),
+    ]
+    io = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 2]) for name in ("x", "z")]
+    out = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])]
+    a, b = tmp_path / "f.onnx", tmp_path / "q.onnx"
+    for path, nodes, inits in ((a, float_nodes, []), (b, quant_nodes, qparams)):
+        graph = helper.make_graph(nodes, path.stem, io, out, inits)
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    sample = tmp_path / "s.npz"
+    np.savez(sample, x=np.array([[0.2, 0.0]], np.float32), z=np.array([[0.0, 3e-5]], np.float32))
+    answer = graphscan.impact(str(a), str(b), inputs=[str(sample)], target_sqnr=1000, min_gain=0.0)
+    gains = {row["node"]: row["gain_db"] for row in answer["ops"]}
+    expected = 10 * math.log10(1 + float(np.float32(3e-5)) ** 2 / float(np.float32(0.2)) ** 2)
+    assert gains["add"] == pytest.approx(expected, rel=1e-3) and 0 < gains["add"] < attribution.MIN_GAIN_DB
+    assert answer["exclude"]["nodes"] == ["neg", "add"] and answer["exclude"]["reached"]
+    default = graphscan.impact(str(a), str(b), inputs=[str(sample)], target_sqnr=1000)
+    assert default["exclude"]["nodes"] == ["neg"] and not default["exclude"]["reached"]
+
+
+def test_rows_rank_an_exact_variant_first_then_by_gain_and_rows_without_a_gain_last():
+    """Gains 1, none, 3, 0 and an exact variant (its SQNR null, the baseline not exact): the
+    exact one first, then 3, 1, 0, and the row without a gain last; equal gains in graph
+    order. When the baseline is exact too, an exact variant ranks by its gain (none: last)."""
+    rows = [{"gain_db": g} for g in (1.0, None, 3.0, 0.0, None, 1.0)]
+    exact = [False, False, False, False, True, False]
+    assert attribution.ranked(rows, exact, False) == [4, 2, 0, 5, 3, 1]
+    assert attribution.ranked(rows, exact, True) == [2, 0, 5, 3, 1, 4]

@@ -113,6 +113,7 @@ def declared_output(type_proto):
     [
         pytest.param(helper.make_tensor_type_proto(TensorProto.STRING, [2]), "a string tensor", id="string"),
         pytest.param(helper.make_tensor_type_proto(TensorProto.COMPLEX64, [2]), "a complex tensor", id="complex"),
+        pytest.param(helper.make_tensor_type_proto(TensorProto.COMPLEX128, [2]), "a complex tensor", id="complex128"),
         pytest.param(
             helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None)),
             "a sequence",

@@ -171,6 +171,94 @@ def test_an_exact_part_is_never_the_worst_and_all_exact_is_exact():
     assert metrics.OutputNoise([[f]], layout).figures([[f]]) == metrics.SqnrFigures(None, None, None, True)
 
 
+def test_of_parts_at_the_same_sqnr_the_first_is_named_the_worst():
+    """Both parts of y carry the same signal and noise: part 0 is named, in the Concat's order;
+    made worse by a hair, part 1 is."""
+    x = np.linspace(-3, 3, 8).astype(np.float32)
+    layout = metrics.output_layout(two_part_model(1.0), ["y"], [{"x": x}])
+    f = np.ones(16)
+    q = f + 0.25
+    assert metrics.OutputNoise([[f]], layout).figures([[q]]).worst_part["part"] == 0
+    q[15] += 1e-6
+    assert metrics.OutputNoise([[f]], layout).figures([[q]]).worst_part["part"] == 1
+
+
+def if_model():
+    """y = Concat(If(c, then: x[:k], else: x), x * 2): the If's branch and the bound its body
+    reads from outside (k) decide the first part's length, k or 6 (a body's reads and an If's
+    condition decide shapes by their values)."""
+    then_branch = helper.make_graph(
+        [helper.make_node("Slice", ["x", "zero", "k"], ["head"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("head", TensorProto.FLOAT, [None])],
+    )
+    else_branch = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["whole"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("whole", TensorProto.FLOAT, [None])],
+    )
+    nodes = [
+        helper.make_node("If", ["c"], ["chosen"], name="choose", then_branch=then_branch, else_branch=else_branch),
+        helper.make_node("Mul", ["x", "two"], ["doubled"], name="double"),
+        helper.make_node("Concat", ["chosen", "doubled"], ["y"], name="cat", axis=0),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [6]),
+        helper.make_tensor_value_info("k", TensorProto.INT64, [1]),
+        helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+    ]
+    inits = [const("zero", [0]), numpy_helper.from_array(np.array(2, np.float32), "two")]
+    graph = helper.make_graph(
+        nodes, "if", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None])], inits
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_labels_follow_an_ifs_condition_and_what_its_body_reads_from_outside():
+    """One shape of inputs, x the same on every sample: the partition moves with k (read inside
+    the then-branch) and with c (which branch runs), in any order."""
+    found = parts.TensorParts(if_model(), ["y"])
+    x = np.arange(6, dtype=np.float32)
+    for c, k in ((True, 2), (True, 4), (False, 4), (True, 2), (False, 2)):
+        labels = found.labels({"x": x, "k": np.array([k], np.int64), "c": np.array(c)})["y"]
+        np.testing.assert_array_equal(labels, [0] * (k if c else 6) + [1] * 6)
+
+
+def test_one_samples_paired_outputs_are_that_samples_own():
+    """PairedOutputs.sample(k): sample k's float and quantized outputs and its parts' labels
+    alone; its worst part by hand: part 0 of sample 1 is off by 1 on 6 and 8 (20 dB), part 1 exact."""
+    x = np.linspace(-3, 3, 8).astype(np.float32)
+    layout = metrics.output_layout(two_part_model(1.0), ["y"], [{"x": x}, {"x": x}])
+    f = [np.array([6.0, 8.0] + [0.0] * 6 + [1.0] * 8), np.array([6.0, 8.0] + [0.0] * 6 + [2.0] * 8)]
+    q = [f[0] + 0.5, f[1].copy()]
+    q[1][0] += 1.0
+    paired = metrics.PairedOutputs(metrics.FloatOutputs([[f[0]], [f[1]]], ("y",), layout), [[q[0]], [q[1]]])
+    alone = paired.sample(1)
+    assert (
+        alone.figures().worst_db == pytest.approx(10 * math.log10(100 / 1)) and alone.figures().worst_part["part"] == 0
+    )
+    assert alone.candidate_by_name() == [{"y": q[1]}] and alone.reference.outputs == [[f[1]]]
+
+
+def test_each_shape_deciding_input_of_the_common_operators_decides_the_parts():
+    """A Split's sizes, a Tile's repeats, an Expand's shape and a Pad's pads read from an input:
+    each such input decides the parts by its values; the data inputs, and Pad's constant value
+    (a value, not a shape), do not."""
+    i64 = [helper.make_tensor_value_info(n, TensorProto.INT64, [None]) for n in ("sizes", "repeats", "dims", "pads")]
+    floats = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [None]) for n in ("x", "fill")]
+    nodes = [
+        helper.make_node("Split", ["x", "sizes"], ["s0", "s1"]),
+        helper.make_node("Tile", ["s0", "repeats"], ["tiled"]),
+        helper.make_node("Expand", ["s1", "dims"], ["expanded"]),
+        helper.make_node("Pad", ["x", "pads", "fill"], ["padded"]),
+        helper.make_node("Concat", ["tiled", "expanded", "padded"], ["y"], axis=0),
+    ]
+    graph = helper.make_graph(nodes, "m", i64 + floats, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None])])
+    assert parts.value_inputs(helper.make_model(graph), ["y"]) == {"sizes", "repeats", "dims", "pads"}
+
+
 def test_labels_are_the_runtimes_and_kept_per_input_shape_where_only_floats_come_in(monkeypatch):
     """y = Concat(a, Reshape(b, Shape(b))): the floats' values reach no shape (Shape reads b's
     shape alone), so samples of one shape are labelled by one run, whatever their values."""
@@ -236,6 +324,7 @@ def test_a_model_before_opset_9_is_one_part_per_output():
     )
     found = parts.TensorParts(model, ["y"])
     assert found.labels({"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)})["y"] is None
+    assert found.sources["y"] == ["cat"]  # its one part holds the Concat's values, not its first input's
 
 
 def test_the_labelled_copy_leaves_the_model_alone():

@@ -78,9 +78,9 @@ def tune_evidence(float_path: str, model_path: str, feeds: str) -> dict:
     """What tune --cpu's chosen row is checked against, in one start of the target: both
     models' plain outputs (``one_thread_outputs``) and runtime's classes of the written model
     at level all, the function ``runtime --cpu`` itself runs inside the target."""
-    from graphscan_ort.commands.runtime import classes
+    from graphscan_ort.engines.classify import classes_answer
 
     return {
         "outputs": one_thread_outputs([float_path, model_path], feeds),
-        "classes": classes(model_path, "all", "CPUExecutionProvider", False)["classes"],
+        "classes": classes_answer(model_path, "all", "CPUExecutionProvider", False)["classes"],
     }

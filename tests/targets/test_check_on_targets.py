@@ -377,7 +377,7 @@ def test_the_outputs_check_measures_on_a_target_are_a_plain_sessions(tmp_path, t
     float_model, quant_model = graphscan.load_with_weights(float_path), graphscan.load_with_weights(quant_path)
     reference, candidate = Named(float_model, float_path), Named(quant_model, quant_path)
     runs = check_module.checked_samples(reference, candidate, graphscan.Samples())
-    on = check_module.Target(target)
+    on = graphscan.CpuTarget(target).runner()
     paired = check_module.outputs_on_target(on, reference, candidate, runs, "all")
     assert on.facts is not None and on.facts["machine"] == MACHINES[target]
     feeds = str(tmp_path / "feeds.npz")

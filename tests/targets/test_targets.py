@@ -390,3 +390,17 @@ def test_an_interpreter_that_dies_in_a_call_is_one_line_naming_the_target(stand_
         targets.run("x86-avx2", function, args)
     assert raised.value.exit_code == graphscan.EXIT_RUNTIME
     assert re.fullmatch(rf"CPU target x86-avx2: its interpreter was {expected}", str(raised.value)), raised.value
+
+
+def test_a_targets_interpreter_runs_this_repositorys_graphscan_alone(monkeypatch):
+    """The x86-avx2 command line: this interpreter under qemu's Haswell, with this repository
+    first on its path, and neither the user's site-packages nor a startup file or another
+    Python home read (a user's own onnxruntime there would be the one the target runs)."""
+    monkeypatch.setattr(targets, "qemu", lambda arch: f"/opt/qemu-{arch}")
+    monkeypatch.setenv("PYTHONSTARTUP", "/home/user/startup.py")
+    monkeypatch.setenv("PYTHONHOME", "/elsewhere")
+    monkeypatch.delenv("PYTHONNOUSERSITE", raising=False)
+    line, env = targets.command(targets.X86_AVX2, ["-m", "x"])
+    assert line == ["/opt/qemu-x86_64", "-cpu", targets.X86_AVX2_CPU, sys.executable, "-m", "x"]
+    assert env["PYTHONNOUSERSITE"] == "1" and env["PYTHONPATH"] == str(targets.repository())
+    assert "PYTHONSTARTUP" not in env and "PYTHONHOME" not in env

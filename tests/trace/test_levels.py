@@ -298,3 +298,150 @@ def test_a_float16_tensors_levels_are_its_float16_values_span_in_steps_of_its_sc
     assert m.dtype == np.float16
     expected = (float(m.max()) - float(m.min())) / float(scale)
     assert traced_rows(paths, x, tmp_path)["mul"] == expected
+
+
+def neg_pair(tmp_path, *qs):
+    """t = Neg(x) on [1, 2, 3], read by one Q->DQ per ``(scale, axis)`` of ``qs`` (a number: a
+    per-tensor scale; a list: per axis, along ``axis``, None leaving the attribute out for
+    ONNX's default 1), each DQ followed by its own Relu output; the float model's outputs are
+    the Relus of t."""
+    quant_nodes, float_nodes, outs, params = [helper.make_node("Neg", ["x"], ["t"], name="neg")], [], [], []
+    float_nodes.append(quant_nodes[0])
+    for k, (scales, axis) in enumerate(qs):
+        scale = np.array(scales, np.float32)  # 0-d for a number
+        params += [
+            numpy_helper.from_array(scale, f"s{k}"),
+            numpy_helper.from_array(np.zeros_like(scale, np.int8), f"z{k}"),
+        ]
+        extra = {} if axis is None else {"axis": axis}
+        quant_nodes += [
+            helper.make_node("QuantizeLinear", ["t", f"s{k}", f"z{k}"], [f"q{k}"], name=f"t_Q{k}", **extra),
+            helper.make_node("DequantizeLinear", [f"q{k}", f"s{k}", f"z{k}"], [f"d{k}"], name=f"t_DQ{k}", **extra),
+            helper.make_node("Relu", [f"d{k}"], [f"y{k}"], name=f"relu{k}"),
+        ]
+        float_nodes.append(helper.make_node("Relu", ["t"], [f"y{k}"], name=f"relu{k}"))
+        outs.append(helper.make_tensor_value_info(f"y{k}", onnx.TensorProto.FLOAT, [1, 2, 3]))
+    io = [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 2, 3])]
+    return save_pair(tmp_path, float_nodes, quant_nodes, io, outs, params)
+
+
+def checked_levels(paths, tmp_path, *xs):
+    """check --min-levels 16 on one sample per array of ``xs``: its budget row."""
+    files = []
+    for k, x in enumerate(xs):
+        np.savez(tmp_path / f"x{k}.npz", x=np.asarray(x, np.float32))
+        files.append(str(tmp_path / f"x{k}.npz"))
+    return graphscan.check(paths[1], float_path=paths[0], min_levels=16, inputs=files)["budgets"][0]
+
+
+WIDE_AND_NARROW = [[[-10.0, 0.0, 10.0], [0.0, 1.0, 2.0]]]  # t's channels span 20 and 2, the whole 20
+
+
+def test_a_tensor_that_two_per_tensor_qs_read_takes_the_larger_scale_whatever_their_order(tmp_path):
+    """t spans 20 under Qs of scales 0.5 and 0.25: 40 and 80 levels; the fewest, 40, whichever Q comes last."""
+    for order, name in ((0.5, 0.25), "big-first"), ((0.25, 0.5), "small-first"):
+        folder = tmp_path / name
+        folder.mkdir()
+        paths = neg_pair(folder, *((scale, None) for scale in order))
+        assert traced_rows(paths, np.array(WIDE_AND_NARROW, np.float32), folder)["neg"] == 40.0
+        assert checked_levels(paths, folder, WIDE_AND_NARROW)["value"] == 40.0
+
+
+def test_a_tensor_read_by_a_per_tensor_and_a_per_axis_q_takes_the_fewest_levels_either_gives(tmp_path):
+    """Per tensor at 0.25: 20 / 0.25 = 80 levels; per axis at (0.5, 0.25): 40 and 2 / 0.25 = 8.
+    The tensor's levels are the fewest, 8; then with the per-axis Q's steps made (0.05, 0.01):
+    400 and 200, so the per-tensor Q's 80."""
+    paths = neg_pair(tmp_path, (0.25, None), ([0.5, 0.25], 1))
+    assert checked_levels(paths, tmp_path, WIDE_AND_NARROW)["value"] == 8.0
+    (tmp_path / "fine").mkdir()
+    paths = neg_pair(tmp_path / "fine", (0.25, None), ([0.05, 0.01], 1))
+    assert checked_levels(paths, tmp_path / "fine", WIDE_AND_NARROW)["value"] == pytest.approx(80.0)
+
+
+def test_a_per_axis_q_without_an_axis_attribute_counts_channels_along_axis_1(tmp_path):
+    """ONNX's default axis is 1: channels span 20 and 2 in steps of 0.5 and 0.25, 40 and 8 levels."""
+    paths = neg_pair(tmp_path, ([0.5, 0.25], None))
+    assert traced_rows(paths, np.array(WIDE_AND_NARROW, np.float32), tmp_path)["neg"] == 8.0
+
+
+def test_a_part_constant_on_each_sample_spans_what_it_takes_over_the_samples(tmp_path):
+    """t = -x is -5 everywhere on one sample and -7 on the other: over both it spans 2, 8 steps
+    of 0.25 (a sample's own range is empty, the samples' together are not)."""
+    paths = neg_pair(tmp_path, (0.25, None))
+    budget = checked_levels(paths, tmp_path, np.full((1, 2, 3), 5.0), np.full((1, 2, 3), 7.0))
+    assert budget["value"] == 8.0 and budget["tensor"] == "t"
+
+
+def test_min_levels_of_a_model_whose_quantized_tensors_never_vary_holds(tmp_path):
+    """t = -5 everywhere on the only sample: no part varies, nothing to lose; the budget holds
+    (its value infinite: null)."""
+    paths = neg_pair(tmp_path, (0.25, None))
+    budget = checked_levels(paths, tmp_path, np.full((1, 2, 3), 5.0))
+    assert budget["value"] is None and budget["ok"] and budget["tensor"] is None
+
+
+def test_every_input_of_a_concat_whose_qdq_reaches_an_output_is_an_output_tensor():
+    """y = Concat(DQ(Q(a)), Transpose(DQ(Q(b)))): both a and b reach y, through the Concat's
+    first and second input; c's DQ is an output itself; d's feeds a Relu first and reaches none."""
+    nodes = []
+    for t in ("a", "b", "c", "d"):
+        chain, _ = qdq(t, "s", "zp")
+        nodes += chain
+    nodes += [
+        helper.make_node("Transpose", ["b_dq"], ["bt"], perm=[0, 1]),
+        helper.make_node("Concat", ["a_dq", "bt"], ["y"], axis=0),
+        helper.make_node("Relu", ["d_dq"], ["w"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "outs",
+        [helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, [2, 2]) for t in "abcd"],
+        [helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, None) for o in ("y", "c_dq", "w")],
+    )
+    found = levels.output_tensors(helper.make_model(graph))
+    assert found == {"a": "y", "b": "y", "c": "c_dq"}
+
+
+def test_a_per_axis_q_over_a_concat_counts_each_parts_channels_apart(tmp_path):
+    """t = Concat(a, b, axis=2) under a Q with scales (0.5, 0.25) along axis 1. Part 0 (a = -xa)
+    spans 20 and 2 in its channels: 40 and 8 levels; part 1 (b = Relu(xb)) spans 1 and 100:
+    2 and 400. The fewest is part 1's 2, from b's Relu (over both parts at once, every channel
+    would span 20 and 100: 40)."""
+    qparams = [
+        numpy_helper.from_array(np.array([0.5, 0.25], np.float32), "s"),
+        numpy_helper.from_array(np.zeros(2, np.int8), "zp"),
+    ]
+    chain, dq = qdq("t", "s", "zp", axis=1)
+    common = [
+        helper.make_node("Neg", ["xa"], ["a"], name="neg"),
+        helper.make_node("Relu", ["xb"], ["b"], name="relu"),
+        helper.make_node("Concat", ["a", "b"], ["t"], name="join", axis=2),
+    ]
+    float_nodes = [*common, helper.make_node("Abs", ["t"], ["y"], name="abs")]
+    quant_nodes = [*common, *chain, helper.make_node("Abs", [dq], ["y"], name="abs")]
+    io = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [1, 2, 3]) for n in ("xa", "xb")]
+    out = [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 2, 6])]
+    paths = save_pair(tmp_path, float_nodes, quant_nodes, io, out, qparams)
+    xa = -np.array([[[-10.0, 0.0, 10.0], [0.0, 1.0, 2.0]]], np.float32)
+    xb = np.array([[[0.0, 0.5, 1.0], [0.0, 50.0, 100.0]]], np.float32)
+    np.savez(tmp_path / "s.npz", xa=xa, xb=xb)
+    answer = graphscan.check(paths[1], float_path=paths[0], min_levels=16, inputs=[str(tmp_path / "s.npz")])
+    budget = answer["budgets"][0]
+    assert budget["value"] == 2.0 and budget["tensor"] == "t" and budget["part"] == {"part": 1, "node": "relu"}
+
+
+def test_a_q_that_reads_a_weight_is_no_quantized_activation():
+    """y = MatMul(DQ(Q(x)), DQ(Q(w))) with w an initializer (a float weight quantized by a Q
+    node): x's Q is an activation's, w's a constant's, which levels leave to its own scale."""
+    w = numpy_helper.from_array(np.full((4, 4), 0.01, np.float32), "w")
+    x_chain, x_dq = qdq("x", "s", "zp")
+    w_chain, w_dq = qdq("w", "s", "zp")
+    qparams = [numpy_helper.from_array(np.array(0.5, np.float32), "s"), numpy_helper.from_array(np.int8(0), "zp")]
+    graph = helper.make_graph(
+        [*x_chain, *w_chain, helper.make_node("MatMul", [x_dq, w_dq], ["y"])],
+        "weights",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])],
+        [w, *qparams],
+    )
+    assert list(levels.quantized_activations(helper.make_model(graph))) == ["x"]

@@ -57,6 +57,9 @@ def test_ctc_decodes_greedily_merging_repeats_and_dropping_the_blank():
     reference = [{"y": np.stack([first, first])}]  # one sample, two sequences
     assert agreement.ctc(reference, [{"y": np.stack([same, other])}], blank=0) == 0.5
     assert agreement.greedy_ctc(first[None], blank=3) == [(1, 0, 1, 2)]  # another blank keeps 0
+    assert agreement.greedy_ctc(first[None], blank=0) == [(1, 1, 2)]
+    # Where the blanks fall is no part of the text: [0, 1, 1] and [1, 1, 0] both read (1,).
+    assert agreement.ctc([{"y": onehot([0, 1, 1])[None]}], [{"y": onehot([1, 1, 0])[None]}], blank=0) == 1.0
 
 
 def test_cosine_of_everything_flattened():
@@ -123,6 +126,13 @@ def test_a_metric_file_rewritten_at_the_same_size_and_second_is_read_anew(tmp_pa
     assert not (tmp_path / "__pycache__").exists()  # nothing written beside the user's file
 
 
+@pytest.mark.parametrize("events", [0, 3])
+def test_a_user_function_may_return_its_value_and_how_many_events_it_rests_on(tmp_path, events):
+    """``(value, events)``: a count of events is an integer of 0 or more (no event fired is a count too)."""
+    path = write_metric(tmp_path, f"def f(r, c):\n    return 0.5, {events}\n")
+    assert agreement.metric(f"{path}:f").measure(outputs([1.0]), outputs([1.0])) == (0.5, events)
+
+
 @pytest.mark.parametrize(
     ("body", "said"),
     [
@@ -169,6 +179,10 @@ def test_a_metric_describes_the_parameters_it_used_defaults_included():
     assert metric("iou").describe() == {"name": "iou", "threshold": 0.5}
     assert metric("ctc").describe() == {"name": "ctc", "blank": 0}
     assert metric("ctc", blank=3).describe() == {"name": "ctc", "blank": 3}
+    assert metric("ctc", blank=0).describe() == {"name": "ctc", "blank": 0}  # the default, given: class 0
+    with pytest.raises(graphscan.GraphscanError) as raised:
+        metric("ctc", blank=-1)
+    assert raised.value.exit_code == graphscan.EXIT_USAGE and ">= 0" in str(raised.value)
     assert metric(None).describe() == {"name": "sqnr"}
 
 

@@ -424,3 +424,112 @@ def test_a_time_is_far_off_above_3_scaled_mads_and_a_factor_of_2(value, others, 
     from graphscan_ort.engines.timing import far_off
 
     assert far_off(value, others) is far
+
+
+class RetimedRows:
+    """Trials with scripted rows for its steady rule alone: each row's float time as given, its
+    ms 1.0, and a second timing (Measure.timed) that gives ``retimed_ms`` as float time."""
+
+    def __init__(self, tmp_path, retimed_ms):
+        from types import SimpleNamespace
+
+        self.calls = []
+
+        def timed(model, path):
+            self.calls.append(model)
+            return {"ms": 1.0, "float_ms": retimed_ms, "speedup": retimed_ms, "speedup_spread": [retimed_ms] * 2}
+
+        measure = SimpleNamespace(float_bytes=10**9, min_speedup=1.0, models={}, timed=timed)
+        self.trials = tune_trials.Trials(str(tmp_path), None, measure)
+
+    def add(self, float_ms, same_as=None, inherits=None):
+        """A row timed at ``float_ms`` (``same_as``: a twin, its figures copied; ``inherits``: a
+        row whose timing it takes, bias.same_graph's), then steady."""
+        trials = self.trials
+        k = len(trials.rows)
+        figures = {"ms": 1.0, "float_ms": float_ms, "speedup": float_ms, "speedup_spread": [float_ms] * 2}
+        figures |= {"bytes": 1, "float_weights": 0, "fails": []}
+        row = tune_trials.candidate_row(k, "quantize_static", {}, False, [], None, same_as=same_as, figures=figures)
+        files = (f"candidate-{k}.onnx", "prepared.onnx", "cache")
+        trials.book(tune_trials.Record(row, tune_trials.Origin(), files=files, speed_from=inherits), row)
+        trials.measure.models[f"candidate-{k}.onnx"] = k
+        trials.steady()
+        return trials.rows[-1]
+
+
+def test_five_rows_timed_are_enough_to_judge_a_float_time_by(tmp_path):
+    """Four rows at 2.4-2.7 ms, then a fifth at 15 ms: five rows timed themselves, so the
+    fifth is judged at once (far off: beyond 3 scaled MADs and 2 times) and timed again."""
+    rows = RetimedRows(tmp_path, retimed_ms=2.55)
+    for float_ms in (2.4, 2.5, 2.6, 2.7):
+        rows.add(float_ms)
+    assert rows.calls == []  # four rows: nothing judged yet
+    fifth = rows.add(15.0)
+    assert rows.calls == [4] and (fifth["float_ms"], fifth["speedup"]) == (2.55, 2.55)
+
+
+def test_a_twin_of_a_row_timed_again_takes_its_new_speed(tmp_path):
+    """Row 3 at 15 ms has a twin (the quantizer made the same model: same_as 3, its figures
+    copied, never timed itself); the fifth row that timed itself makes row 3 timed again, at
+    2.55 ms, and its twin says so too."""
+    rows = RetimedRows(tmp_path, retimed_ms=2.55)
+    for float_ms in (2.4, 2.5, 2.6):
+        rows.add(float_ms)
+    rows.add(15.0)
+    twin = rows.add(15.0, same_as=3)
+    assert rows.calls == []  # the twin is no timing of its own: four rows timed
+    rows.add(2.7)
+    assert rows.calls == [3] and (twin["float_ms"], twin["speedup"]) == (2.55, 2.55)
+    assert twin["fails"] == [] and rows.trials.rows[3]["float_ms"] == 2.55
+
+
+def test_a_row_still_far_off_is_timed_again_once_flagged_and_fails_the_slower_guard(tmp_path):
+    """Timed again at 15 ms too: its speedup and spread are null, so the slower guard (1.0)
+    fails it, one warning names it, and the rows after it never time it a third time."""
+    rows = RetimedRows(tmp_path, retimed_ms=15.0)
+    for float_ms in (2.4, 2.5, 2.6, 2.7):
+        rows.add(float_ms)
+    fifth = rows.add(15.0)
+    rows.add(2.8)
+    rows.add(2.9)
+    assert rows.calls == [4]
+    assert (fifth["float_ms"], fifth["speedup"], fifth["speedup_spread"], fifth["fails"]) == (
+        15.0,
+        None,
+        None,
+        ["slower"],
+    )
+    assert len(rows.trials.disturbed) == 1 and rows.trials.disturbed[0].startswith("candidate 4's float time")
+
+
+def test_a_row_that_inherits_another_rows_timing_is_no_timing_of_its_own(tmp_path):
+    """Three rows at 2.4-2.6 ms, a fourth at 15, and a fifth that takes row 0's timing (a
+    bias-corrected model of the same graph): four rows timed themselves, too few to judge by."""
+    rows = RetimedRows(tmp_path, retimed_ms=2.55)
+    for float_ms in (2.4, 2.5, 2.6, 15.0):
+        rows.add(float_ms)
+    rows.add(2.4, inherits=0)
+    assert rows.calls == []
+    rows.add(2.7)
+    assert rows.calls == [3]
+
+
+def test_a_row_is_timed_again_on_the_samples_its_first_timing_used(tmp_path, monkeypatch):
+    """Measure.timed, Trials.steady's second timing, times on --latency-inputs when given (as
+    the first timing did), else on the first evaluation sample."""
+    from graphscan import Session
+    from graphscan_ort.shared.options import Named, Timing
+
+    path = tmp_path / "m.onnx"
+    onnx.save(gen_models.build_mlp(1, 4, 0, ("N",)), path)
+    model = onnx.load(path)
+    evaluation = [{"x": np.full((1, 4), v, np.float32)} for v in (1.0, 2.0)]
+    latency = [{"x": np.full((1, 4), 3.0, np.float32)}]
+    used = []
+    monkeypatch.setattr(
+        deployed, "latency_figures", lambda reference, candidates, samples, *rest: [used.append(samples)]
+    )
+    for given, expected in ((latency, latency), (None, evaluation[:1])):
+        measure = tune_trials.Measure(Named(model, str(path)), evaluation, Session("all", 1), Timing(2), latency=given)
+        measure.timed(model, str(path))
+        assert used.pop() == expected

@@ -203,6 +203,18 @@ def test_no_two_blocks_of_one_search_repeat_and_all_sizes_are_powers_of_two():
     assert len(list(itertools.combinations(tails, 2))) == len(tails) * (len(tails) - 1) // 2
 
 
+def test_the_warning_without_a_choice_counts_the_measured_rows_by_the_guard_they_break():
+    """Two rows measured (one slower, one slower and larger) and one the quantizer refused:
+    the warning counts 2 not faster and 1 larger, of the 2 measured."""
+    rows = [
+        {"id": 0, "error": None, "fails": ["slower"]},
+        {"id": 1, "error": None, "fails": ["slower", "larger"]},
+        {"id": 2, "error": "quantize_static: refused", "fails": None},
+    ]
+    said = "no candidate passes the guards (2 not faster than float, 1 larger than float of 2): only prepared.onnx"
+    assert tune_choice.choice_warnings(rows, None, False, 10.0) == [f"{said} is written"]
+
+
 def test_the_search_starts_from_the_most_accurate_row_that_can_still_be_written():
     rows = [
         {"id": 0, "speedup": 0.6, "metric_value": 0.84, "fails": ["slower"], "float_weights": 0, "error": None},
@@ -212,3 +224,6 @@ def test_the_search_starts_from_the_most_accurate_row_that_can_still_be_written(
     assert tune_choice.Policy(None).start(rows)["id"] == 1  # exclusions only slow a model: 0 can never pass
     slow = [{**r, "fails": ["slower"]} for r in rows]
     assert tune_choice.Policy(None).start(slow)["id"] == 0  # none passes: the most accurate with integer weights
+    corrected = {**rows[1], "id": 3, "metric_value": 0.9, "recovery": {"step": "bias_correction", "from": 1}}
+    # A bias-corrected row's correction fits its own weights; every later model is quantized again without it.
+    assert tune_choice.Policy(None).start([*rows, corrected])["id"] == 1

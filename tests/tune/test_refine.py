@@ -118,3 +118,27 @@ def test_calibration_samples_of_several_shapes_are_said_to_stop_histogram_method
     assert all(tune_trials.HISTOGRAM_SHAPES in c["error"] for c in refused)
     assert any(w.startswith(tune_trials.HISTOGRAM_SHAPES) for w in answer["warnings"])
     assert any(c["error"] is None for c in answer["candidates"])  # MinMax takes them
+
+
+def test_the_refinements_keep_the_nodes_their_row_kept_float(tmp_path):
+    """A row with --exclude conv1 (and its seed entry) refined: every refinement keeps conv1
+    float and lists the same seed, calibrated each way of REFINEMENTS."""
+    from types import SimpleNamespace
+
+    added = []
+
+    class Recording:
+        def __init__(self):
+            self.files = {5: (str(tmp_path / "candidate-5.onnx"), str(tmp_path / "prepared.onnx"), str(tmp_path / "c"))}
+
+        def add(self, settings, rewrites, prepared_path, cache, kept=None, **more):
+            added.append((settings, rewrites, kept))
+
+    kept = [{"node": "conv1", "why": "--exclude"}]
+    settings = {"calibrate_method": "MinMax", "per_channel": True, "nodes_to_exclude": ["conv1"]}
+    base = {"id": 5, "quantize_static": settings, "rewrites": True, "kept_float": kept}
+    run = SimpleNamespace(trials=Recording(), start=lambda: base, progress=SimpleNamespace(show=lambda *args: None))
+    tune_stages.refine(run)
+    assert [(s["calibrate_method"], s.get("extra_options", {})) for s, _, _ in added] == REFINEMENTS
+    assert all(s["nodes_to_exclude"] == ["conv1"] and s["per_channel"] for s, _, _ in added)
+    assert all(rewrites is True and k == kept for _, rewrites, k in added)

@@ -244,6 +244,63 @@ def test_a_node_followed_through_a_fusion_and_one_nothing_runs():
         seeds.followed([{"node": "fc2_add", "why": "--exclude"}], original, folded, "mlp.onnx")
 
 
+def test_a_seed_fused_away_is_followed_to_its_nearest_reader_that_runs():
+    """a is gone; of its readers (gone too, fused with it), b's output is made by x, while c's
+    reader e is gone as well and e's output made by z: breadth first, the nearest, x."""
+    original = helper.make_graph(
+        [
+            helper.make_node("Relu", ["in"], ["ta"], name="a"),
+            helper.make_node("Relu", ["ta"], ["tb"], name="b"),
+            helper.make_node("Relu", ["ta"], ["tc"], name="c"),
+            helper.make_node("Relu", ["tc"], ["te"], name="e"),
+            helper.make_node("Add", ["tb", "te"], ["out"], name="add"),
+        ],
+        "original",
+        [helper.make_tensor_value_info("in", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2])],
+    )
+    given = helper.make_graph(
+        [
+            helper.make_node("Relu", ["in"], ["tb"], name="x"),
+            helper.make_node("Relu", ["in"], ["te"], name="z"),
+            helper.make_node("Add", ["tb", "te"], ["out"], name="add"),
+        ],
+        "given",
+        list(original.input),
+        list(original.output),
+    )
+    assert seeds.where_it_runs("a", helper.make_model(original), helper.make_model(given)) == "x"
+
+
+def test_a_node_excluded_that_also_makes_an_output_says_it_was_excluded():
+    """--exclude narrow --exclude cat with --keep-outputs-float: cat, the output's producer,
+    is the user's --exclude, listed once; without --exclude cat, it is --keep-outputs-float's."""
+    from graphscan_ort.tune.command import seed_rows
+
+    model = concat_of(1.0, 320.0)
+    assert seed_rows(model, ["narrow", "cat"], True, "m.onnx") == [
+        {"node": "narrow", "why": "--exclude"},
+        {"node": "cat", "why": "--exclude"},
+    ]
+    assert seed_rows(model, ["narrow"], True, "m.onnx") == [
+        {"node": "narrow", "why": "--exclude"},
+        {"node": "cat", "why": "--keep-outputs-float"},
+    ]
+
+
+def test_two_seeds_followed_to_one_node_exclude_it_once():
+    """--exclude conv1 and --exclude bn, which prepare folds into conv1: both seeds are listed
+    (one says it holds bn), and the quantizer's nodes_to_exclude names conv1 once."""
+    from graphscan_ort.tune.stages import excluding
+
+    kept = [{"node": "conv1", "why": "--exclude"}, {"node": "conv1", "why": "--exclude", "folded": "bn"}]
+    assert excluding(kept) == {"nodes_to_exclude": ["conv1"]}
+    assert excluding([*kept, {"node": "head", "why": "--keep-outputs-float"}]) == {
+        "nodes_to_exclude": ["conv1", "head"]
+    }
+    assert excluding([]) == {}  # no seed: no key, the quantizer's own default
+
+
 def test_an_excluded_node_that_prepare_folds_into_a_constant_is_refused(tmp_path):
     """y = x + Mul(c, d), c and d initializers: quant_pre_process folds the Mul into a constant,
     so nothing of it runs in any model tune writes: --exclude of it is exit 2 saying so."""
@@ -297,6 +354,7 @@ def concat_of(low, high):
     [
         pytest.param(1.0, 320.0, True, id="pixels-and-probabilities"),
         pytest.param(1.0, 15.0, False, id="within-the-factor"),
+        pytest.param(1.0, 16.0, False, id="exactly-the-factor"),
         pytest.param(320.0, 1.0, True, id="either-order"),
     ],
 )
@@ -304,6 +362,15 @@ def test_a_concat_is_wide_when_its_inputs_ranges_differ_by_more_than_the_factor(
     samples = [{"a": np.linspace(0, 1, 4, dtype=np.float32), "b": np.linspace(0, 1, 4, dtype=np.float32)}]
     assert seeds.wide_concats(concat_of(low, high), samples, "m.onnx") == (["cat"] if wide else [])
     assert (max(low, high) / min(low, high) > seeds.WIDE_CONCAT_FACTOR) == wide
+
+
+def test_a_wide_concat_that_produces_an_output_is_one_structural_seed_not_two():
+    """The wide Concat is also the output's producer: the outputs' seed already holds it, so
+    the wide Concats' seed, the same node, is not tried again."""
+    samples = [{"a": np.linspace(0, 1, 4, dtype=np.float32), "b": np.linspace(0, 1, 4, dtype=np.float32)}]
+    model = concat_of(1.0, 320.0)
+    assert seeds.wide_concats(model, samples, "m.onnx") == ["cat"] and seeds.output_producers(model) == ["cat"]
+    assert seeds.structural_seeds(model, samples, "m.onnx", []) == [("outputs", ["cat"])]
 
 
 def concat_of_scaled(*factors):

@@ -640,14 +640,29 @@ def test_samples_that_measure_nothing_are_exit_7(tuned, tmp_path, capsys, values
     assert "nothing to measure" in line and str(sample) in line and not (tmp_path / "o").exists()
 
 
-def one_node_model(folder, op_type, domain):
-    """A model whose one node is ``op_type`` (never run: tune refuses it before any work)."""
+def test_float_outputs_with_a_finite_value_are_measurable_beside_nans():
+    """check_measurable refuses outputs NaN or infinite everywhere, not ones where some value is
+    finite (the metrics measure those values): [NaN, 1.0] passes, named by the model's output."""
+    model = one_node_model_proto("Relu", "")
+    mixed = [[np.array([[np.nan, 1.0, np.inf, 0.5]], np.float32)]]
+    assert tune.check_measurable(model, mixed, "m.onnx", ["s.npz"])[0]["y"][0, 1] == 1.0
+    with pytest.raises(graphscan.GraphscanError, match="NaN or infinite everywhere"):
+        tune.check_measurable(model, [[np.full((1, 4), np.nan, np.float32)]], "m.onnx", ["s.npz"])
+
+
+def one_node_model_proto(op_type, domain):
+    """A model whose one node is ``op_type``, x [1, 4] to y [1, 4]."""
     x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])
     y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])
     node = onnx.helper.make_node(op_type, ["x"], ["y"], name="n", domain=domain)
     opsets = [onnx.helper.make_opsetid("", 13), onnx.helper.make_opsetid("com.microsoft", 1)]
+    return onnx.helper.make_model(onnx.helper.make_graph([node], "g", [x], [y]), opset_imports=opsets)
+
+
+def one_node_model(folder, op_type, domain):
+    """A model whose one node is ``op_type`` (never run: tune refuses it before any work)."""
     path = folder / f"{op_type}.onnx"
-    onnx.save(onnx.helper.make_model(onnx.helper.make_graph([node], "g", [x], [y]), opset_imports=opsets), path)
+    onnx.save(one_node_model_proto(op_type, domain), path)
     return path
 
 
@@ -673,6 +688,50 @@ def test_a_model_holding_an_integer_operator_is_refused_as_already_quantized(tmp
     line = main_error_line(capsys, argv, graphscan.EXIT_USAGE)
     assert line == f"graphscan: usage: {path} is already quantized (it holds {op_type}): give tune the float model"
     assert not (tmp_path / "o").exists()
+
+
+def test_a_model_quantized_inside_an_ifs_branch_is_refused_as_already_quantized(tmp_path, capsys):
+    """The top graph holds an If alone; its else-branch holds a Loop whose body holds a
+    QLinearMatMul: the refusal looks into bodies at any depth."""
+    h = onnx.helper
+
+    def body(nodes, name, inputs=()):
+        outputs = [h.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)]
+        return h.make_graph(nodes, name, list(inputs), outputs)
+
+    loop_body = h.make_graph(
+        [h.make_node("QLinearMatMul", ["x"], ["deep"]), h.make_node("Identity", ["cond_in"], ["cond_out"])],
+        "loop_body",
+        [
+            h.make_tensor_value_info(n, t, [])
+            for n, t in (("i", onnx.TensorProto.INT64), ("cond_in", onnx.TensorProto.BOOL))
+        ],
+        [
+            h.make_tensor_value_info("cond_out", onnx.TensorProto.BOOL, []),
+            h.make_tensor_value_info("deep", onnx.TensorProto.FLOAT, None),
+        ],
+    )
+    then_branch = body([h.make_node("Relu", ["x"], ["plain"])], "plain")
+    else_branch = body([h.make_node("Loop", ["", ""], ["looped"], body=loop_body)], "looped")
+    node = h.make_node("If", ["c"], ["y"], name="choose", then_branch=then_branch, else_branch=else_branch)
+    inputs = [
+        h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4]),
+        h.make_tensor_value_info("c", onnx.TensorProto.BOOL, []),
+    ]
+    graph = h.make_graph([node], "g", inputs, [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 13)]), tmp_path / "nested.onnx")
+    np.savez(tmp_path / "s.npz", x=np.ones((1, 4), np.float32), c=np.array(True))
+    argv = ["tune", str(tmp_path / "nested.onnx"), "--calibrate", str(tmp_path / "s.npz"), "--out", str(tmp_path / "o")]
+    line = main_error_line(capsys, argv, graphscan.EXIT_USAGE)
+    assert "is already quantized (it holds QLinearMatMul)" in line and not (tmp_path / "o").exists()
+
+
+def test_evaluation_samples_are_held_out_only_when_none_is_a_calibration_sample():
+    """One of two --inputs samples equal to a --calibrate one (by content): not held out."""
+    first, second = ({"x": np.full((1, 4), v, np.float32)} for v in (1.0, 2.0))
+    assert tune.held_out([first], [second]) is True
+    assert tune.held_out([first], [second, {"x": first["x"].copy()}]) is False
+    assert tune.held_out([first], [{"x": first["x"].copy()}, second]) is False
 
 
 def test_a_dynamically_quantized_cnn_is_refused_not_blamed_on_the_quantizer(tmp_path, capsys):

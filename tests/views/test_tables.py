@@ -553,7 +553,9 @@ def test_red_flags_lead_where_absolute_errors_hide_them():
         assert first_column(text, "ops by isolated error in LSB, largest first")[0] == "tiny_sigmoid"
         assert first_column(text, "ops by clipped share, largest first") == ["saturated_conv"]
         assert text.index("ops by SQNR") < text.index("ops by isolated error" if top else "ops in graph order")
-    impact = {**IMPACT_ANSWER, "tensors": [{**IMPACT_ANSWER["tensors"][0], "tensor": "all_clipped", "clipped": 1.0}]}
+    tensor = IMPACT_ANSWER["tensors"][0]
+    never = {**tensor, "tensor": "never_clipped", "gain_db": 30.0, "clipped": 0.0}  # the largest gain, inside its range
+    impact = {**IMPACT_ANSWER, "tensors": [never, {**tensor, "tensor": "all_clipped", "clipped": 1.0}]}
     assert first_column(graphscan.render_table("impact", impact), "tensors by clipped share, largest first") == [
         "all_clipped"
     ]
