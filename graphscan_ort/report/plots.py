@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import io
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -35,14 +36,27 @@ PASSING, REFUSED, CHOSEN, TARGET = "#2166ac", "#999999", "#d7191c", "#b2182b"
 def require_plotting(needed_by: str) -> None:
     """Exit 2 in one line naming the install command when matplotlib cannot be imported."""
     try:
-        import matplotlib  # noqa: F401
+        import_quietly()
     except ImportError:
         raise GraphscanError(
             f"usage: {needed_by} draws its charts with matplotlib, not installed: {INSTALL}", EXIT_USAGE
         ) from None
 
 
+def import_quietly() -> None:
+    """matplotlib imported with its start-up warnings (the font cache built on a fresh machine,
+    a temporary config folder) kept off stderr, which holds graphscan's one line alone."""
+    logger = logging.getLogger("matplotlib")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        import matplotlib.font_manager  # noqa: F401  (its import builds the font cache)
+    finally:
+        logger.setLevel(level)
+
+
 def new_figure(width: float, height: float) -> Figure:
+    import_quietly()
     from matplotlib.figure import Figure
 
     return Figure(figsize=(width, height), dpi=100, layout="constrained")
@@ -144,7 +158,7 @@ def draw_row(ax: Axes, p: FrontPoint, x: float, speed_bar: bool = True) -> None:
     bound up to its value (``metric-bar-<id>``: one-sided) and the speedup's quartiles
     (``speed-bar-<id>``); its id beside it; a ring around it when chosen."""
     colour = REFUSED if p.refused else PASSING
-    bars = []
+    bars: list[tuple[str, list[list[float]] | None, list[list[float]] | None]] = []  # (gid, xerr, yerr)
     if p.bound is not None:
         bars.append((f"metric-bar-{p.id}", None, [[p.value - p.bound], [0.0]]))
     if speed_bar and p.spread is not None:
@@ -190,7 +204,8 @@ def grouped_bars(groups: Sequence[str], series: Mapping[str, Sequence[float | No
     ax.set_xticks(range(len(groups)), groups, fontsize=8)
     ax.set_ylabel(ylabel)
     ax.axhline(0, color="#555555", linewidth=0.6)
-    ax.legend(fontsize=8)
+    ax.margins(y=0.12)  # room for the bars' labels
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(series), frameon=False)
     ax.grid(True, axis="y", linewidth=0.3, alpha=0.5)
     return svg_of(figure, salt)
 
