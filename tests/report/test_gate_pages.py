@@ -10,14 +10,16 @@ import pytest
 import graphscan
 from tests.helpers import item_outcomes
 from tests.lab import DEFAULT_LAB
+from tests.report.conftest import PLOTTING, needs_plotting
 from tests.report.pages import Page
 
+pytestmark = needs_plotting
 # One chart drawn here, before pytester's runs: each run in this process forgets the modules it
 # imported (matplotlib imports some at its first chart), and a matplotlib imported twice over
 # meets its own classes as strangers.
-importlib.import_module("graphscan_ort.report.gate")
-importlib.import_module("graphscan_ort.report.plots").kernel_picture({"native": {"int8": 1}}, "warm-up")
-pytest_plugins = ["tests.cli.conftest"]  # run_pytest: pytest in a folder, in this process
+if PLOTTING:
+    importlib.import_module("graphscan_ort.report.gate")
+    importlib.import_module("graphscan_ort.report.plots").kernel_picture({"native": {"int8": 1}}, "warm-up")
 
 # The pytester folder's conftest: each write of the pages, with the process that wrote them.
 WRITES_LOGGED = """
@@ -131,15 +133,6 @@ def test_under_two_workers_the_pages_are_written_once_and_whole(gated, run_pytes
     (full,) = (gated / "pages2").glob("models_full.onnx~*.html")
     page = Page(full.read_text(encoding="utf-8"))
     assert page.sections == ["gate", "check", "runs", "check-2", "islands"]  # both tables' answers, from the workers
-
-
-def test_the_report_needs_graphscan_and_matplotlib(gated, run_pytest, monkeypatch):
-    code, output = run_pytest(gated, "--graphscan-report", "pages")
-    assert code == 4 and "--graphscan-report: only with --graphscan" in output
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
-    code, output = run_pytest(gated, "--graphscan", "--graphscan-report", "pages")
-    assert code == 4 and "pip install 'graphscan[report]'" in output
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pytest_html") is None, reason="pytest-html is not installed")

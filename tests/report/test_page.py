@@ -13,9 +13,10 @@ import onnx
 import pytest
 
 from tests.helpers import main_error_line, run_main
-from tests.report.conftest import save
+from tests.report.conftest import needs_plotting, save
 from tests.report.pages import Page
 
+pytestmark = needs_plotting
 CLASSES = ["int8", "int8_data", "float", "absorbed"]
 
 
@@ -282,12 +283,3 @@ def test_out_must_be_given_and_be_a_file(saved, capsys, tmp_path):
     assert "report needs --out" in main_error_line(capsys, ["report", saved["paths"]["check"]], 2)
     line = main_error_line(capsys, ["report", saved["paths"]["check"], "--out", tmp_path], 3)
     assert "not a regular file" in line
-
-
-def test_without_matplotlib_report_and_tune_report_say_how_to_install_it(saved, capsys, tmp_path, monkeypatch):
-    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib fails
-    line = main_error_line(capsys, ["report", saved["paths"]["check"], "--out", tmp_path / "p.html"], 2)
-    assert "pip install 'graphscan[report]'" in line
-    argv = ["tune", saved["float"], "--calibrate", saved["folder"] / "cal0.npz", "--out", tmp_path / "o", "--report"]
-    assert "pip install 'graphscan[report]'" in main_error_line(capsys, argv, 2)
-    assert not (tmp_path / "o").exists() and not (tmp_path / "p.html").exists()
