@@ -28,6 +28,7 @@ OFFLINE = [
     "--disable-component-update",
     "--disable-sync",
     "--no-first-run",
+    "--hide-scrollbars",  # screenshots of the page alone
     "--proxy-server=127.0.0.1:9",  # discard: no request leaves
     "--host-resolver-rules=MAP * ~NOTFOUND",
     "--enable-logging=stderr",

@@ -8,14 +8,17 @@ review in the folder the run prints (``-s``), or in ``$GRAPHSCAN_SCREENSHOTS``.
 """
 
 import os
+import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import graphscan
-from graphscan_ort.report.gate import ItemOutcome, ModelGates, write_gate_report
 from graphscan_ort.report.html import Html, Section, document
+from tests.helpers import ROOT
 from tests.report import browser
 from tests.report.pages import Page
 
@@ -37,23 +40,40 @@ def screenshots(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pages(saved, tmp_path_factory):
     """``{name: (page, its sections, the tune answer drawn on it or None)}``: tune --report's
-    own page, one page of every answer kind, and the plugin's index and a model's page."""
+    own page, one page of every answer kind, and the plugin's index and its model's page."""
     folder = tmp_path_factory.mktemp("pages")
     answers, paths = saved["answers"], saved["paths"]
     every = folder / "every.html"
     kinds = ("tune", "runtime", "runtime_arm64", "check", "trace", "impact")
     graphscan.report(*(str(paths[kind]) for kind in kinds), out=str(every))
-    model = str(saved["out"] / "model.onnx")
-    items = [ItemOutcome("graphscan.toml::m::min_sqnr", "min_sqnr", "passed"), ItemOutcome("t::m::x", "x", "not run")]
-    gated = [("check", answers["check"]), ("runtime", answers["runtime"]), ("runtime", answers["runtime_arm64"])]
-    write_gate_report(str(folder / "gate"), "graphscan.toml", [ModelGates("m.onnx", model, "m.html", items, gated)])
+    index = gate_run(saved, folder / "gate")
+    (model_page,) = set(index.parent.glob("*.html")) - {index}
     tune = ["tune", "accuracy", "kernels"]
     return {
         "tune-report": (saved["out"] / "report.html", [*tune, "islands"], answers["tune"]),
         "every-kind": (every, [*tune, "runs", "check", "trace", "impact", "islands"], answers["tune"]),
-        "gate-index": (folder / "gate" / "index.html", ["models"], None),
-        "gate-model": (folder / "gate" / "m.html", ["gate", "check", "runs", "islands"], None),
+        "gate-index": (index, ["models"], None),
+        # check's answers: the counted budgets and the sampled ones, measured apart
+        "gate-model": (model_page, ["gate", "check", "check-2", "runs", "islands"], None),
     }
+
+
+def gate_run(saved, folder):
+    """``pytest --graphscan --graphscan-report pages -n 2`` in a new process, as a user's CI runs
+    it, on a repository of the tuned model (one budget holds, one is broken): the index's path."""
+    (folder / "models").mkdir(parents=True)
+    shutil.copy(saved["out"] / "model.onnx", folder / "models" / "cnn.int8.onnx")
+    shutil.copy(saved["float"], folder / "models" / "cnn.onnx")
+    (folder / "graphscan.toml").write_text(
+        '[[model]]\npath = "models/cnn.int8.onnx"\nfloat = "models/cnn.onnx"\nmax_islands = 1000\nmin_sqnr = 200\n'
+    )
+    argv = ["-m", "pytest", "-p", "graphscan_pytest", "-p", "no:cacheprovider", "--graphscan", "-n", "2"]
+    done = subprocess.run(
+        [sys.executable, *argv, "--graphscan-report", "pages"],
+        cwd=folder, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1 and "graphscan: the report, a page per model: pages/index.html" in done.stdout, done
+    return folder / "pages" / "index.html"
 
 
 def png_size(path):
