@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import pytest
 
+import graphscan
 from tests.helpers import main_error_line, run_main
 from tests.report.conftest import needs_plotting, save
 from tests.report.pages import Page
@@ -33,8 +34,6 @@ def every_kind(saved, tmp_path_factory):
     """One page of every saved answer, read back: ``(answer, page, html text)``."""
     folder = tmp_path_factory.mktemp("every_kind")
     out = folder / "page.html"
-    import graphscan
-
     paths = saved["paths"]
     answer = graphscan.report(
         *(str(paths[k]) for k in ("tune", "runtime", "runtime_arm64", "check", "trace", "impact")), out=str(out)
@@ -283,3 +282,14 @@ def test_out_must_be_given_and_be_a_file(saved, capsys, tmp_path):
     assert "report needs --out" in main_error_line(capsys, ["report", saved["paths"]["check"]], 2)
     line = main_error_line(capsys, ["report", saved["paths"]["check"], "--out", tmp_path], 3)
     assert "not a regular file" in line
+
+
+def test_an_answer_of_another_command_is_its_table_beside_its_models_island_map(capsys, tmp_path, small_lab):
+    """islands' answer has no view of its own: its section holds what ``table`` prints for it."""
+    islands = graphscan.islands(small_lab["matmul_only"])
+    answer, page = drawn(capsys, tmp_path, save(tmp_path, "islands", islands))
+    assert page.sections == ["answer", "islands"] and answer["answers"][0]["command"] == "islands"
+    shown = page.text_of["answer"]
+    assert f"island_count {islands['island_count']}" in " ".join(shown.split())
+    assert all(island["nodes"][0] in shown for island in islands["islands"])
+    assert small_lab["matmul_only"] in page.text_of["islands"]
