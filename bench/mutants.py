@@ -144,7 +144,7 @@ AREA_TESTS = {
         "tests/report/test_gate_pages.py",
     ],
     # The report's page (graphscan_ort/report/, commands/report.py), read back by a parser of its own.
-    "report": ["tests/report/test_page.py", "tests/report/test_gate_pages.py"],
+    "report": ["tests/report/test_page.py", "tests/report/test_without_plotting.py", "tests/report/test_gate_pages.py"],
     "recovery": [
         "tests/tune/test_equalize.py",
         "tests/tune/test_bias.py",
