@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 import gen_models
 from tests.lab import DEFAULT_LAB, SMALL_LAB, TRACE_LAB, case_params
 
-pytest_plugins = ["pytester"]  # tests/cli/test_plugin.py runs the graphscan plugin in pytest, in process
+pytest_plugins = ["pytester"]  # the plugin's tests run the graphscan plugin in pytest, in process (run_pytest)
 
 # Hypothesis profiles for tests/counting/test_properties.py. Registered here because the plugin
 # loads `--hypothesis-profile NAME` in pytest_configure, before test modules import.
@@ -100,3 +100,21 @@ def fresh_install(tmp_path_factory):
     from tests.helpers import install_into_fresh_venv
 
     return install_into_fresh_venv(tmp_path_factory.mktemp("fresh_install"), index=False)
+
+
+@pytest.fixture
+def run_pytest(pytester, monkeypatch):
+    """``run(folder, *args)``: pytest in ``folder``, in this process (pytester's run, which
+    restores every module and option after it), the plugin loaded with -p:
+    ``(exit code, output)``. The plugin's tests share it (tests/cli/test_plugin*.py and the
+    report's pages, tests/report/test_gate_pages.py). Without hypothesis's plugin: a user's
+    gate needs none, and each xdist worker of ``-n 2`` would import it (0.6 s)."""
+
+    def run(folder, *args):
+        monkeypatch.chdir(folder)
+        result = pytester.runpytest(
+            "-p", "graphscan_pytest", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", *args
+        )
+        return int(result.ret), "\n".join(result.outlines + result.errlines)
+
+    return run

@@ -100,11 +100,11 @@ __all__ = [
     "GraphscanError",
     "interruption",
     "one_line",
-    "report",
     "shown",
+    "stderr_line",
 ]
-# loading
-__all__ += ["check_readable", "load_model", "load_with_weights", "parse_model"]
+# loading (a saved answer too)
+__all__ += ["check_readable", "load_model", "load_with_weights", "parse_model", "read_answer"]
 # the index and its graph and Q/DQ vocabulary
 __all__ += [
     "DEQUANTIZE",
@@ -177,6 +177,7 @@ __all__ += [
     "main",
     "nodes",
     "qdq",
+    "report",
     "runtime",
     "table",
     "trace",
@@ -2439,7 +2440,8 @@ class Command:
     keywords alike (``_built_keywords``), each option left out given its declared default;
     ``only_with``: the rules of options that apply only with another; ``table`` renders
     the answer for people (None: the generic table); ``text``: the answer is text, not JSON
-    (dot); ``exit_code``: the exit code an answer gives (check's 8).
+    (dot); ``exit_code``: the exit code an answer gives (check's 8); ``many``: the last path
+    is one or more (report's ANSWER.json...), each a positional argument of ``run``.
     """
 
     name: str
@@ -2453,6 +2455,7 @@ class Command:
     answer: Any = None  # the TypedDict of its answer: which command a saved answer is from
     path_help: str = "path to an .onnx file"
     epilog: str = ""  # --help's text after the options, its line breaks kept (tune's stages)
+    many: bool = False
 
     def render(self, answer: dict, top: int | None = None) -> str:
         """The answer as text for a terminal: the command's own table, else the generic one."""
@@ -2639,8 +2642,9 @@ def _answer_command(answer: dict[str, Any], path: str) -> Command:
     raise GraphscanError(f"usage: {shown(path)}: not the JSON answer of a graphscan command", EXIT_USAGE)
 
 
-def table(path: str, top: int | None = None) -> str:
-    """A saved JSON answer of any command rendered as that command's table (``--format table``)."""
+def read_answer(path: str) -> tuple[Command, dict[str, Any]]:
+    """The saved JSON answer at ``path`` and the command it is the answer of (``table`` and
+    ``report`` read answers so): exit 3 when it cannot be read, 2 when it is not one."""
     check_readable(path)
     try:
         with open(path, encoding="utf-8") as f:
@@ -2651,7 +2655,12 @@ def table(path: str, top: int | None = None) -> str:
         raise GraphscanError(f"usage: {shown(path)}: not a JSON answer ({one_line(exc)})", EXIT_USAGE)
     if not isinstance(answer, dict):
         raise GraphscanError(f"usage: {shown(path)}: not the JSON answer of a graphscan command", EXIT_USAGE)
-    command = _answer_command(answer, path)
+    return _answer_command(answer, path), answer
+
+
+def table(path: str, top: int | None = None) -> str:
+    """A saved JSON answer of any command rendered as that command's table (``--format table``)."""
+    command, answer = read_answer(path)
     try:
         return command.render(answer, top)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # keys right, values not
@@ -2720,6 +2729,7 @@ _COMMANDS = {
         "quantize a float model every way and keep the fastest that is accurate enough, measured as deployed"
     ),
     "table": _Entry("a saved JSON answer of any command, shown as that command's table", lambda: _TABLE),
+    "report": _Entry("one self-contained HTML page of saved answers: tune's front, what runs, the island map"),
 }
 
 
@@ -2755,6 +2765,7 @@ trace = _command_function("trace")
 runtime = _command_function("runtime")
 impact = _command_function("impact")
 tune = _command_function("tune")
+report = _command_function("report")
 
 
 def render_table(command: str, answer: dict, top: int | None = None) -> str:
@@ -2789,7 +2800,10 @@ def _exit_code_epilog() -> str:
 def _add_arguments(parser: argparse.ArgumentParser, command: Command) -> None:
     """``command``'s paths and options (its own and its groups'), then the output group (--format, --top)."""
     for path in command.paths:
-        parser.add_argument(path, help=command.path_help)
+        if command.many and path == command.paths[-1]:
+            parser.add_argument(path, nargs="+", help=command.path_help)
+        else:
+            parser.add_argument(path, help=command.path_help)
     for flag, settings in command.flat_options():
         parser.add_argument(flag, **settings)
     if not command.text:
@@ -2912,7 +2926,10 @@ def _answer_text(argv: list[str]) -> tuple[str, int]:
     command = _load_command(args.command)
     output = _Output.parsed(args, command.own_top)
     keywords = _command_keywords(command, args)
-    answer = command.run(*(getattr(args, p) for p in command.paths), **keywords)
+    paths = [getattr(args, p) for p in command.paths]
+    if command.many:  # the last path's values, each a positional argument
+        paths[-1:] = paths[-1]
+    answer = command.run(*paths, **keywords)
     if command.text:
         return answer.rstrip("\n"), EXIT_OK
     exit_code = command.exit_code(answer) if command.exit_code else EXIT_OK
@@ -2944,7 +2961,7 @@ def _finite_or_null(value: object) -> object:
     return value
 
 
-def report(line: str) -> None:
+def stderr_line(line: str) -> None:
     """One line on stderr; a closed or full stderr cannot make it a traceback."""
     stream = sys.stderr
     if stream is None:
@@ -3001,21 +3018,21 @@ def main(argv: list[str] | None = None) -> int:
             text, exit_code = _answer_text(argv)
         _write_answer(text + "\n")
     except GraphscanError as exc:
-        report(str(exc))
+        stderr_line(str(exc))
         return exc.exit_code
     except SystemExit as exc:  # argparse after printing --help
         return exc.code if isinstance(exc.code, int) else EXIT_OK
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated): unwound, nothing half-written
         terminated = isinstance(exc, _Terminated) or signal.SIGTERM in INTERRUPTED
-        report("terminated" if terminated else "interrupted")
+        stderr_line("terminated" if terminated else "interrupted")
         return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except MemoryError:  # graphscan's own arrays or onnxruntime's: the model did not run here
-        report(
+        stderr_line(
             f"{argv[0] if argv else 'graphscan'}: out of memory (give smaller inputs with --shape, or fewer samples)"
         )
         return EXIT_RUNTIME
     except Exception as exc:  # a bug: still one line, never a traceback
-        report(f"internal error: {type(exc).__name__}: {one_line(exc)}")
+        stderr_line(f"internal error: {type(exc).__name__}: {one_line(exc)}")
         return EXIT_INTERNAL
     finally:
         if gc_was_enabled:

@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="rewrite the runtime snapshots (syrupy's --snapshot-update does too)",
     )
+    group.addoption("--graphscan-report", metavar="DIR", help="write a page per model and index.html into DIR")
 
 
 def config_path(config: pytest.Config) -> Path:
@@ -100,8 +102,14 @@ def config_path(config: pytest.Config) -> Path:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("graphscan_report") and not config.getoption("graphscan"):
+        raise pytest.UsageError("--graphscan-report: only with --graphscan")
     if not config.getoption("graphscan"):
         return
+    if config.getoption("graphscan_report") and importlib.util.find_spec("matplotlib") is None:
+        raise pytest.UsageError(
+            "--graphscan-report draws with matplotlib, not installed: pip install 'graphscan[report]'"
+        )
     path = config_path(config)
     if not path.is_file():
         raise pytest.UsageError(f"--graphscan: no {path} (give --graphscan-config FILE)")
@@ -488,6 +496,7 @@ class SessionState:
     pinned: set[str] = dataclasses.field(default_factory=set)  # the snapshot files its items pin
     ran: set[str] = dataclasses.field(default_factory=set)  # the ids of the items that ran
     written: set[str] = dataclasses.field(default_factory=set)  # the snapshot files this session wrote
+    outcomes: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # --graphscan-report: [outcome, why]
     report: list[str] = dataclasses.field(default_factory=list)  # the terminal summary's lines
 
 
@@ -695,15 +704,20 @@ def record_claims(config: pytest.Config, record: dict[str, list[str]], claimed: 
 
 
 def finish_session(config: pytest.Config) -> None:
-    """An xdist worker sends what it collected, ran and wrote to the controller; the
-    controller, or a session without workers, writes the report (and, updating, deletes and
-    records)."""
+    """An xdist worker sends what it collected, ran and wrote to the controller (and, with
+    --graphscan-report, its items' outcomes and the answers it measured); the controller, or a
+    session without workers, writes the report (and, updating, deletes and records) and the pages."""
     state = session_state(config)
     workeroutput = getattr(config, "workeroutput", None)
     if workeroutput is not None:
         workeroutput[GATHERED] = {key: sorted(getattr(state, key)) for key in ("declared", "pinned", "ran", "written")}
+        if config.getoption("graphscan_report"):
+            answers = [[list(key), answer] for key, answer in gate_answers(state)]
+            workeroutput[REPORTED] = json.dumps({"outcomes": state.outcomes, "answers": answers})
     else:
         state.report = unused_report(config, state)
+        if config.getoption("graphscan_report"):
+            state.report += write_pages(config, state)
 
 
 def gather(config: pytest.Config, workeroutput: dict[str, Any]) -> None:
@@ -711,6 +725,66 @@ def gather(config: pytest.Config, workeroutput: dict[str, Any]) -> None:
     state = session_state(config)
     for key, names in workeroutput.get(GATHERED, {}).items():
         getattr(state, key).update(names)
+    reported = json.loads(workeroutput.get(REPORTED, "{}"))  # JSON: an answer's infinite SQNR travels too
+    state.outcomes.update(reported.get("outcomes", {}))
+    for key, answer in reported.get("answers", []):
+        state.answers.setdefault(tuple(key), answer)
+
+
+# ---------------------------------------------------------------------------
+# --graphscan-report: a page per model and an index (graphscan_ort/report/gate.py), from each
+# item's outcome and the answers the gates measured, written once by the controller.
+
+REPORTED = "graphscan_report"  # the key of a worker's workeroutput
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    folder = item.config.getoption("graphscan_report")
+    if folder and isinstance(item, GateItem) and (report.when == "call" or not report.passed):
+        from graphscan_ort.report.gate import why_not_passed
+
+        session_state(item.config).outcomes[item.nodeid] = [report.outcome, why_not_passed(report)]
+        if importlib.util.find_spec("pytest_html") is not None:  # the model's page as the item's extra
+            from pytest_html import extras
+
+            page = Path(folder, f"{item.gate.snapshot_name}.html").resolve().as_uri()
+            vars(report)["extras"] = [*vars(report).get("extras", []), extras.url(page, name="graphscan report")]
+    return report
+
+
+def gate_answers(state: SessionState) -> list[tuple[Any, Any]]:
+    """The gates' answers (check's and runtime's, keyed by the table's index), not the fixture's."""
+    return [(key, answer) for key, answer in state.answers.items() if isinstance(key[1], int)]
+
+
+def write_pages(config: pytest.Config, state: SessionState) -> list[str]:
+    """Each model's page and the index: every item of the config with its outcome (``not run``
+    when left out); runtime measured here for a model no item measured it for."""
+    from graphscan_ort.report.gate import ItemOutcome, ModelGates, write_gate_report
+
+    if not state.declared:  # the config did not collect: its error says why
+        return []
+    prefix = next(iter(state.declared)).split("::")[0]
+    tables = []
+    for gate in read_config(config_path(config)):
+        ids = [(f"{prefix}::{gate.node_name}::{name}", name) for name, _, _ in gate_items(gate)]
+        items = [ItemOutcome(i, name, *state.outcomes.get(i, ["not run", ""])) for i, name in ids]
+        answers = [("check", answer) for key, answer in gate_answers(state) if key[:2] == ("check", gate.index)]
+        notes = []
+        for target in gate.targets:
+            try:
+                answers.append(("runtime", runtime_answer(config, gate, target)))
+            except GateFailed as exc:
+                notes.append(f"runtime{'' if target == native() else ' on ' + target}: {exc}")
+        tables.append(ModelGates(gate.name, gate.settings["path"], f"{gate.snapshot_name}.html", items, answers, notes))
+    folder = config.getoption("graphscan_report")
+    try:
+        index = write_gate_report(folder, str(config_path(config)), tables)
+    except graphscan_core().GraphscanError as exc:
+        return [f"graphscan: the report: {exc}"]
+    return [f"graphscan: the report, a page per model: {shown(config, Path(index))}"]
 
 
 # ---------------------------------------------------------------------------

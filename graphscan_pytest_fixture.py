@@ -24,10 +24,17 @@ if TYPE_CHECKING:  # the answers' types, for the methods: nothing is imported at
     import onnx
 
     from graphscan import BoundaryAnswer, CheckAnswer, DiffAnswer, IslandsAnswer, NodesAnswer, QdqAnswer
-    from graphscan_ort.shared.answers import FuseAnswer, ImpactAnswer, RuntimeAnswer, TraceAnswer, TuneAnswer
+    from graphscan_ort.shared.answers import (
+        FuseAnswer,
+        ImpactAnswer,
+        ReportAnswer,
+        RuntimeAnswer,
+        TraceAnswer,
+        TuneAnswer,
+    )
 
 StrPath = str | os.PathLike[str]  # a path the methods take
-ANSWER_PATHS = ("table",)  # the commands whose path is a saved answer; every other command's paths are models
+ANSWER_PATHS = ("table", "report")  # the commands whose paths are saved answers; every other's are models
 MODEL_OPTIONS = ("float_path",)  # the options that name a model
 
 
@@ -141,7 +148,7 @@ class Graphscan:
     (``graphscan.runtime(path)``, ``graphscan.check(path, float=..., inputs=..., min_int8=...)``):
     the paths as the command line takes them, the options as the function's keywords. An
     answer is kept for the test session under its call's key (call_key) and each call gets
-    its own copy; a call that writes a file (fuse, ``trace(save=...)``, ``tune(out=...)``)
+    its own copy; a call that writes a file (fuse, ``trace(save=...)``, ``tune(out=...)``, report)
     runs every time. A bad input raises ``graphscan.GraphscanError`` with its one line and
     exit code."""
 
@@ -211,3 +218,7 @@ class Graphscan:
     def table(self, answer: StrPath, **options: Any) -> str:
         """A saved JSON answer shown as its command's table."""
         return self._answer(graphscan_core().table, (answer,), options)
+
+    def report(self, answer: StrPath, *more: StrPath, **options: Any) -> ReportAnswer:
+        """Saved answers drawn as one HTML page, written to ``out=`` (every call writes it)."""
+        return self._answer(graphscan_core().report, (answer, *more), options, writes=True)

@@ -137,7 +137,14 @@ AREA_TESTS = {
         "tests/cli/test_keyword_rules.py",
         "tests/check/test_numbers_only.py",
     ],
-    "plugin": ["tests/cli/test_plugin_fixture.py", "tests/cli/test_plugin_sharing.py", "tests/cli/test_plugin.py"],
+    "plugin": [
+        "tests/cli/test_plugin_fixture.py",
+        "tests/cli/test_plugin_sharing.py",
+        "tests/cli/test_plugin.py",
+        "tests/report/test_gate_pages.py",
+    ],
+    # The report's page (graphscan_ort/report/, commands/report.py), read back by a parser of its own.
+    "report": ["tests/report/test_page.py", "tests/report/test_without_plotting.py", "tests/report/test_gate_pages.py"],
     "recovery": [
         "tests/tune/test_equalize.py",
         "tests/tune/test_bias.py",

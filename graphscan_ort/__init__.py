@@ -12,7 +12,10 @@ go down the layers, never sideways between commands (``tests/cli/test_layout.py`
   optimized graph (``classify``), trace's combined model (``combined``,
   ``measures``), impact's derived model and its segments (``attribution``,
   ``segments``), and timing;
-- ``commands``: ``fuse``, ``trace``, ``runtime``, ``impact`` and check's budgets
+- ``report``, beside the engines: a page drawn from answers alone (html, plots with
+  matplotlib, the tune, runtime, check, trace and impact views, the island map, the
+  plugin's pages), written by ``report``, tune's ``--report`` and the plugin;
+- ``commands``: ``fuse``, ``trace``, ``runtime``, ``impact``, ``report`` and check's budgets
   that run the model (``check``), each declared in its own module;
 - ``tune``: the tune pipeline (prepare, candidates, deployed, rewrites, command).
 

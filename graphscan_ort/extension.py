@@ -51,6 +51,12 @@ def tune() -> Command:
     return COMMAND
 
 
+def report() -> Command:
+    from graphscan_ort.commands.report import COMMAND
+
+    return COMMAND
+
+
 # The package's commands: the core's registry names each with its summary alone.
 DECLARED: dict[str, Callable[[], Command]] = {
     "fuse": fuse,
@@ -58,6 +64,7 @@ DECLARED: dict[str, Callable[[], Command]] = {
     "runtime": runtime,
     "impact": impact,
     "tune": tune,
+    "report": report,
 }
 
 

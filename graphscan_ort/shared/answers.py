@@ -336,3 +336,19 @@ class TuneAnswer(TuneChoice):
     calibration: Calibration
     evaluation: Evaluation
     output: str
+
+
+# -- report
+
+
+class ReportedAnswer(TypedDict):
+    path: str
+    command: str
+
+
+class ReportAnswer(TypedDict):
+    answers: list[ReportedAnswer]
+    output: str
+    bytes: int
+    sections: list[str]  # the page's sections, by id, in order
+    notes: list[str]  # what the page leaves out or shows as text, each with why

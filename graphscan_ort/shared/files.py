@@ -148,10 +148,13 @@ def in_folder(exc: BaseException, folder: str) -> bool:
     return any(isinstance(n, str) and os.path.abspath(n).startswith(inside) for n in names) or inside in str(exc)
 
 
+PLACED = ("model.onnx", "prepared.onnx", "report.html")  # what tune leaves in --out
+
+
 def place(work: str, out: str) -> None:
-    """Keep model.onnx and prepared.onnx in ``work`` and rename it to ``out`` (absent or empty)."""
+    """Keep tune's files (PLACED) in ``work`` and rename it to ``out`` (absent or empty)."""
     for name in os.listdir(work):
-        if name not in ("model.onnx", "prepared.onnx"):
+        if name not in PLACED:
             target = os.path.join(work, name)
             shutil.rmtree(target) if os.path.isdir(target) else os.unlink(target)
     try:

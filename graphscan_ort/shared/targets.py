@@ -59,8 +59,8 @@ from graphscan import (
     NATIVE,
     GraphscanError,
     one_line,
-    report,
     shown,
+    stderr_line,
 )
 
 ReturnT = TypeVar("ReturnT")
@@ -694,13 +694,13 @@ def main(argv: list[str] | None = None) -> int:
             raise GraphscanError(f"usage: {INSTALL_COMMAND} | python -m {MODULE} status", EXIT_USAGE)
         answer = install() if argv == ["install"] else status()
     except GraphscanError as exc:
-        report(str(exc))
+        stderr_line(str(exc))
         return exc.exit_code
     except KeyboardInterrupt:
-        report("interrupted")
+        stderr_line("interrupted")
         return EXIT_INTERRUPTED
     except Exception as exc:  # a bug: still one line
-        report(f"internal error: {type(exc).__name__}: {one_line(exc)}")
+        stderr_line(f"internal error: {type(exc).__name__}: {one_line(exc)}")
         return EXIT_INTERNAL
     print(json.dumps(answer))
     return 0

@@ -67,9 +67,10 @@ from graphscan import (
     shown,
     subgraphs,
 )
+from graphscan_ort.report.plots import require_plotting
 from graphscan_ort.shared.agreement import check_layout_fits
 from graphscan_ort.shared.answers import TuneAnswer
-from graphscan_ort.shared.files import check_out, place, write_failure
+from graphscan_ort.shared.files import check_out, place, write_atomically, write_failure
 from graphscan_ort.shared.inputs import check_calibrates, input_specs, inputs_answer, read_npz_inputs, sample_files
 from graphscan_ort.shared.kernels import INT8_KERNELS, QUANTIZE_KERNELS
 from graphscan_ort.shared.metrics import named_outputs, require_numbers
@@ -86,6 +87,8 @@ from graphscan_ort.tune.seeds import user_seeds
 from graphscan_ort.tune.stages import DEFAULT_MAX_TRIALS, stages_text, tune_in
 from graphscan_ort.tune.table import tune_table
 from graphscan_ort.tune.trials import Measure
+
+REPORT = "report.html"  # --report's page, written into --out beside model.onnx
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +143,9 @@ class TuneSamples:
 class Search:
     """What tune aims at and how far it searches: the ``--metric``'s ``--target`` (or
     ``--target-sqnr``), the speedup a written model must beat (``--min-speedup``), the nodes
-    kept float in every candidate (``--exclude``, ``--keep-outputs-float``) and the fallback
-    search's limits (``--max-exclude``, ``--max-trials``)."""
+    kept float in every candidate (``--exclude``, ``--keep-outputs-float``), the fallback
+    search's limits (``--max-exclude``, ``--max-trials``) and whether its front is drawn
+    (``--report``: report.html in --out)."""
 
     target: float | None = None
     target_sqnr: float | None = None
@@ -151,6 +155,7 @@ class Search:
     keep_outputs_float: bool = False
     max_exclude: int | None = None
     max_trials: int | None = None
+    report: bool = False
 
     @classmethod
     def taken(cls) -> Takes:
@@ -210,6 +215,14 @@ class Search:
                     "help": f"at most N re-quantizations in the fallback search (default: {DEFAULT_MAX_TRIALS})",
                 },
             ),
+            (
+                "--report",
+                {
+                    "action": "store_true",
+                    "help": f"also write {REPORT} into --out: the front, accuracy by part, what runs, the island map "
+                    "(needs matplotlib: pip install 'graphscan[report]')",
+                },
+            ),
         )
         return Takes("search", options, cls.built)
 
@@ -225,6 +238,7 @@ class Search:
             bool(given["keep_outputs_float"]),
             given["max_exclude"],
             given["max_trials"],
+            bool(given["report"]),
         )
 
 
@@ -253,6 +267,8 @@ def tune(
     chosen_metric = metric_of(metric, search.target, search.target_sqnr)
     target = search.target_sqnr if search.target is None else search.target
     cpu.require()  # a missing target is one line naming the install command, before any work
+    if search.report:
+        require_plotting("tune --report")
     speedup_floor = speedup_guard(search.min_speedup, cpu)
     calibrate = sample_files(samples.calibrate)
     inputs = sample_files(samples.inputs) if samples.inputs else None
@@ -289,8 +305,37 @@ def tune(
         goal = Goal(chosen_metric, target, own, search.confidence)
         limits = (search.max_exclude, search.max_trials)
         answer, verdict = tune_in(calibration, work, goal, measure, limits, progress, seeds)
+        if search.report:
+            answer["written"].append(REPORT)
         if on is not None:
             answer["warnings"] += speed_warnings(cpu, search.min_speedup)
+        if not inputs:
+            answer["warnings"].insert(
+                0, "the evaluation samples are the calibration samples: give held-out --inputs to measure accuracy"
+            )
+        facts: dict = {}
+        if runner is not None:  # the CPU the accuracy and kernels are from; the speed's, this one
+            assert runner.facts is not None, "every candidate measured ran on the target"
+            facts["cpu"] = runner.facts
+            answer["latency"]["cpu"] = native_facts()
+        result: TuneAnswer = {
+            "model": path,
+            "environment": environment(session.level, threads=session.threads),
+            **facts,
+            "calibration": {"samples": len(calibration), "methods": METHODS},
+            "evaluation": {
+                "samples": len(evaluation),
+                "held_out": held_out(calibration, evaluation) if inputs else False,
+                "inputs": inputs_answer(evaluation),
+                "defaulted": [],
+                "events": next((c["metric_events"] for c in answer["candidates"] if c["id"] == answer["chosen"]), None),
+                **verdict,
+            },
+            **answer,
+            "output": out,
+        }
+        if search.report:  # drawn from the answer, beside the model it names, before --out is in place
+            write_report(result, work)
         place(work, out)
     except Exception as exc:
         if isinstance(exc, GraphscanError) or not write_failure(exc):
@@ -302,31 +347,14 @@ def tune(
         if runner is not None:
             runner.close()
         shutil.rmtree(work, ignore_errors=True)  # also on Ctrl-C: nothing half-written
-    if not inputs:
-        answer["warnings"].insert(
-            0, "the evaluation samples are the calibration samples: give held-out --inputs to measure accuracy"
-        )
-    facts: dict = {}
-    if runner is not None:  # the CPU the accuracy and kernels are from; the speed's, this one
-        assert runner.facts is not None, "every candidate measured ran on the target"
-        facts["cpu"] = runner.facts
-        answer["latency"]["cpu"] = native_facts()
-    return {
-        "model": path,
-        "environment": environment(session.level, threads=session.threads),
-        **facts,
-        "calibration": {"samples": len(calibration), "methods": METHODS},
-        "evaluation": {
-            "samples": len(evaluation),
-            "held_out": held_out(calibration, evaluation) if inputs else False,
-            "inputs": inputs_answer(evaluation),
-            "defaulted": [],
-            "events": next((c["metric_events"] for c in answer["candidates"] if c["id"] == answer["chosen"]), None),
-            **verdict,
-        },
-        **answer,
-        "output": out,
-    }
+    return result
+
+
+def write_report(answer: TuneAnswer, work: str) -> None:
+    """``--report``: the page of ``answer`` into ``work``, beside the model it draws (renamed to --out with it)."""
+    from graphscan_ort.report.page import tune_page
+
+    write_atomically(tune_page(answer, work).encode("utf-8"), os.path.join(work, REPORT))
 
 
 def speedup_guard(min_speedup: float | None, cpu: CpuTarget) -> float | None:
@@ -428,7 +456,10 @@ COMMAND = Command(
     tune,
     options=(
         TuneSamples.taken(),
-        ("--out", {"metavar": "DIR", "help": "absent or empty folder for model.onnx and prepared.onnx"}),
+        (
+            "--out",
+            {"metavar": "DIR", "help": f"absent or empty folder for model.onnx and prepared.onnx ({REPORT} too)"},
+        ),
         MetricChoice.taken(default=" (default: sqnr)"),
         Search.taken(),
         CpuTarget.taken(

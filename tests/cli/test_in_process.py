@@ -46,6 +46,7 @@ CASES = {
     "impact": ["impact", "fp32.onnx", "full.onnx", "--inputs", "sample.npz", "--target-sqnr", "40"],
     "check broken": ["check", "full.onnx", "--float", "fp32.onnx", "--inputs", "sample.npz", "--min-sqnr", "90"],
     "table": ["table", "islands.json"],
+    "report": ["report", "islands.json", "--out", "islands.html"],
     "help": ["--help"],
     "unknown option": ["nodes", "full.onnx", "--frob"],
     "missing file": ["qdq", "missing.onnx"],

@@ -140,7 +140,7 @@ def test_every_command_is_a_function_of_graphscan_that_runs_its_declaration(monk
         built = graphscan._in_process_keywords(command, given.get(name, {}))
         assert calls[-1] == (name, tuple(paths), built), name
         assert {group.keyword for group in command.groups} <= set(built), name
-    assert [name for name, _, _ in calls] == ["fuse", "trace", "runtime", "check", "impact", "tune"]
+    assert [name for name, _, _ in calls] == ["fuse", "trace", "runtime", "check", "impact", "tune", "report"]
     with pytest.raises(AttributeError):
         graphscan.no_such_command  # noqa: B018
 
