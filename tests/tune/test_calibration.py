@@ -149,6 +149,35 @@ def test_tensors_fetched_one_at_a_time_count_the_histograms_onnxruntime_counts(
             np.testing.assert_array_equal(getattr(mine[name], attribute), getattr(expected, attribute), err_msg=name)
 
 
+@pytest.mark.parametrize("bad", [pytest.param(-1.0, id="nan"), pytest.param(0.0, id="infinity")])
+def test_a_tensor_that_is_not_finite_inside_the_graph_is_refused_by_name(tmp_path, bad):
+    """Log of one -1 (NaN) or of one 0 (minus infinity) among positive inputs: the histogram
+    way refuses a tensor it reaches by name (the first the calibrator lists: the output or the
+    Log's, both hold it), as a NaN or an infinity would make its bins
+    meaningless, whatever rule a reduction has for NaN."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Log", ["x"], ["logged"]), helper.make_node("MatMul", ["logged", "w"], ["y"])]
+    w = onnx.numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [w],
+    )  # fmt: skip
+    path = tmp_path / "log.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.left = [{"x": np.array([[1.0, 2.0, bad, 3.0]], np.float32)}]
+
+        def get_next(self):
+            return self.left.pop() if self.left else None
+
+    arguments = candidates.keyword_arguments({"calibrate_method": "Percentile"})
+    with pytest.raises(ValueError, match=r"^(logged|y): range of \[.*\] is not finite$"):
+        calibration.calibrate(str(path), arguments, Reader, str(tmp_path / "c.json"))
+
+
 def test_binnings_counted_in_the_same_passes_equal_each_counted_alone(cnn, tmp_path):
     """Percentile's magnitudes at 2048 bins and Entropy's values at 128, counted together in
     one pair of passes, are the histograms each counts alone, array for array."""
