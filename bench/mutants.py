@@ -199,7 +199,9 @@ def run_tests(copy: Path, files: list[str], timeout: int) -> tuple[bool, str]:
     except subprocess.TimeoutExpired:
         return False, f"timeout after {timeout} s"
     lines = done.stdout.strip().splitlines() or ["(no output)"]
-    failed = next((line.split(" - ")[0] for line in lines if line.startswith(("FAILED ", "ERROR "))), None)
+    # pytest's own summary, not a FAILED line inside a failing test's captured output
+    summary = next((k for k in range(len(lines) - 1, -1, -1) if "short test summary info" in lines[k]), len(lines))
+    failed = next((line.split(" - ")[0] for line in lines[summary:] if line.startswith(("FAILED ", "ERROR "))), None)
     return done.returncode == 0, lines[-1] if failed is None else f"{lines[-1]}: {failed}"
 
 
