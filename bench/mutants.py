@@ -198,15 +198,18 @@ def locate(mutant: dict, sources: dict[Path, str]) -> tuple[str | None, Path | N
 
 
 def run_tests(copy: Path, files: list[str], timeout: int) -> tuple[bool, str]:
-    """``(passed, last line)`` of pytest on ``files`` (all tests when empty) in ``copy``."""
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "2", "-p", "no:cacheprovider", "-rf", *files]
+    """``(passed, last line)`` of pytest on ``files`` (all tests when empty) in ``copy``; the
+    line names the first test that failed, so a kill by a flaky test can be told from a real one."""
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "2", "-p", "no:cacheprovider", *files]
     try:
         done = subprocess.run(command, cwd=copy, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return False, f"timeout after {timeout} s"
     lines = done.stdout.strip().splitlines() or ["(no output)"]
-    failed = [line for line in lines if line.startswith("FAILED ")]  # -rf: which test, for the unmutated run's error
-    return done.returncode == 0, "; ".join([lines[-1], *failed])
+    # pytest's own summary, not a FAILED line inside a failing test's captured output
+    summary = next((k for k in range(len(lines) - 1, -1, -1) if "short test summary info" in lines[k]), len(lines))
+    failed = next((line.split(" - ")[0] for line in lines[summary:] if line.startswith(("FAILED ", "ERROR "))), None)
+    return done.returncode == 0, lines[-1] if failed is None else f"{lines[-1]}: {failed}"
 
 
 def run_campaign(mutants: list[dict], whole_suite: bool, timeout: int, log=print) -> list[dict]:

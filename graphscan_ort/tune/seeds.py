@@ -37,10 +37,10 @@ def output_producers(model: onnx.ModelProto) -> list[str]:
 
 def wide_concats(model: onnx.ModelProto, samples: list[dict[str, np.ndarray]], path: str) -> list[str]:
     """The Concats of ``model`` whose inputs' float ranges on ``samples`` differ by more than
-    WIDE_CONCAT_FACTOR (inputs that never vary are left out)."""
+    WIDE_CONCAT_FACTOR (inputs that never vary are left out). A constant input counts by the
+    spread of its values: the Concat's output scale spans them as it spans an activation's."""
     concats = [n for n in model.graph.node if n.op_type == "Concat" and n.name and n.domain in ("", "ai.onnx")]
-    constants = {i.name for i in model.graph.initializer}
-    tensors = sorted({x for n in concats for x in n.input if x and x not in constants})
+    tensors = sorted({x for n in concats for x in n.input if x})
     if not tensors:
         return []
     ranges, _ = part_ranges(model, tensors, samples, path)

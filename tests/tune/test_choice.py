@@ -78,6 +78,21 @@ def test_the_most_accurate_row_speed_tied_with_the_fastest_is_chosen():
     assert Policy(8.0).chosen(rows) == (rows[0], True)  # no runs known: the fastest's very speedup alone
 
 
+def test_rows_timed_once_tie_in_speed_only_at_the_fastests_very_speedup():
+    """--runs 1 leaves each row one ratio, too few to pair: speeds tie only where they are equal.
+    Rows 0 and 1 are both at 2.0 (row 0, more accurate, is the fastest), row 2 at 1.99 is not
+    tied. Row 1's metric lies within its paired noise of row 0's (differences 1, -1, -3: mean
+    -1, standard error 2 / sqrt(3), margin -t(0.95, 2) * 1.155 = -3.37): the worst part's SQNR
+    decides between the two tied rows, row 1's 30 dB."""
+    rows = [row(0, 2.0, 20.0, sqnr=10.0), row(1, 2.0, 19.0, sqnr=30.0), row(2, 1.99, 19.5, sqnr=40.0)]
+    once = {k: runs(k, r["speedup"]) for k, r in enumerate(rows)}
+    by_sample = {0: [20.0, 18.0, 22.0], 1: [21.0, 17.0, 19.0], 2: [19.5, 19.5, 19.5]}
+    assert -t2(0.95) * 2 / math.sqrt(3) < -1
+    policy = Policy(8.0, runs=once, by_sample=by_sample)
+    assert [r["id"] for r in policy.speed_tied(rows)] == [0, 1]
+    assert policy.chosen(rows) == (rows[1], True)
+
+
 def test_only_rows_that_pass_the_guards_and_meet_the_target_unbroken_can_be_chosen_met():
     rows = [
         row(0, 2.0, 10.0),

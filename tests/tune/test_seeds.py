@@ -405,6 +405,35 @@ def test_a_concat_input_that_never_varies_is_left_out_of_the_comparison(factors,
     assert seeds.wide_concats(concat_of_scaled(*factors), samples, "m.onnx") == (["cat"] if wide else [])
 
 
+def concat_with_constant(values):
+    """y = Concat(a, c): the input a on [0, 1] beside the initializer c holding ``values``."""
+    graph = helper.make_graph(
+        [helper.make_node("Concat", ["a", "c"], ["y"], name="cat", axis=0)],
+        "concat",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4 + len(values)])],
+        [helper.make_tensor("c", TensorProto.FLOAT, [len(values)], values)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(
+    ("values", "wide"),
+    [
+        pytest.param([0.0, 100.0, 200.0, 320.0], True, id="a-constant-320-wide-beside-a-range-of-1"),
+        pytest.param([-5.0, 0.0, 10.0], False, id="a-constant-15-wide-within-the-factor"),
+        pytest.param([7.0, 7.0], False, id="a-constant-that-never-varies"),
+    ],
+)
+def test_a_constant_concat_input_counts_by_the_spread_of_its_values(values, wide):
+    """The Concat's output scale spans a constant input's values as it spans an activation's:
+    beside a of range 1, a constant of range 320 makes a step of 320 / 255 = 1.25, wider than
+    all of a (wide); one of range 15 lies within the factor 16, and one of equal values (range
+    0) takes no levels and is left out."""
+    samples = [{"a": np.linspace(0, 1, 4, dtype=np.float32)}]
+    assert seeds.wide_concats(concat_with_constant(values), samples, "m.onnx") == (["cat"] if wide else [])
+
+
 def test_the_answer_is_strict_json_with_the_new_keys_in_place(tuned):
     row = tuned["answer"]["candidates"][0]
     keys = list(row)
