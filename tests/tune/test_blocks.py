@@ -71,6 +71,9 @@ def test_a_target_no_single_exclusion_reaches_is_reached_by_a_set_of_them(tmp_pa
     samples, the search's mechanics on point figures."""
     without_dynamic_candidates(monkeypatch)
     point_estimates(monkeypatch)
+    # One run per row on a shared machine: a busy moment would null a row's speedup (its float
+    # time far off) and the slower guard would refuse it; this test is of the search's accuracy.
+    monkeypatch.setattr("graphscan_ort.tune.trials.far_off", lambda value, others: False)
     files = mlp_and_samples(tmp_path)
     target = 34.0
     answer = graphscan.tune(
