@@ -722,6 +722,13 @@ def string_agreement(reference, candidate, time_first, alphabet):
     return same / total
 
 
+def undisturbed_timings(monkeypatch):
+    """tune taking every row's float time as undisturbed, for tests of accuracy that time
+    each row once (--runs 1) on a shared machine: a busy moment would null a row's speedup
+    (its float time far off, Trials.steady) and the slower guard would refuse it."""
+    monkeypatch.setattr("graphscan_ort.tune.trials.far_off", lambda value, others: False)
+
+
 def point_estimates(monkeypatch):
     """tune's policy taking every figure as exact: a row's bound is its value, and a row is
     shown at least as accurate as another where its mean paired difference is 0 or above. For

@@ -184,12 +184,13 @@ class Extremes:
         low, high, least, most, finite, shape = reduced
         if tuple(shape) != self.shape:
             raise ValueError(f"{name}: the samples' arrays have an inhomogeneous shape ({self.shape}, {tuple(shape)})")
-        if not int(np.prod(shape, dtype=np.int64)):
+        count = int(np.prod(shape, dtype=np.int64))
+        if not count:
             return
         if not np.isfinite(finite):  # a value times 0 summed: NaN where any value is NaN or infinite
             raise ValueError(f"{name}: range of [{low}, {high}] is not finite")
         first = self.size == 0
-        self.size += int(np.prod(shape, dtype=np.int64))
+        self.size += count
         self.low = low if first else min(self.low, low)
         self.high = high if first else max(self.high, high)
         self.least = least if first else min(self.least, least)

@@ -217,8 +217,8 @@ def answer(run: Run, measure: Measure, written: list[str]) -> TuneChoice:
         "target": run.target,
         "target_sqnr_db": run.target["value"] if goal.metric.name == "sqnr" else None,
         "latency": {
-            "inputs": inputs_answer(measure.latency or evaluation[:1]),
-            "samples": len(measure.latency or evaluation[:1]),
+            "inputs": inputs_answer(measure.timed_samples),
+            "samples": len(measure.timed_samples),
             "first_runs": measure.first.runs,
             "runs": measure.timing.runs,
             "min_speedup": measure.min_speedup,

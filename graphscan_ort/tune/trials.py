@@ -96,12 +96,16 @@ class Measure:
         self.references: dict[tuple[str, ...], FloatOutputs] = {}  # the float model's outputs, run once
         self.float_bytes = file_bytes(reference.path, reference.model)
 
+    @property
+    def timed_samples(self) -> list[dict[str, np.ndarray]]:
+        """The samples every latency is timed on: --latency-inputs, else the first evaluation sample."""
+        return self.latency or self.evaluation[:1]
+
     def timed(self, candidate: onnx.ModelProto, candidate_path: str) -> dict:
         """``candidate``'s latency figures timed again (Trials.steady) by the timer that
         measure_candidate timed them with: deployed.latency_figures, looked up when called."""
-        latency = self.latency or self.evaluation[:1]
         named = Named(candidate, candidate_path)
-        return deployed.latency_figures(self.reference, [named], latency, self.session, self.first)[0]
+        return deployed.latency_figures(self.reference, [named], self.timed_samples, self.session, self.first)[0]
 
     def __call__(
         self,
@@ -480,10 +484,7 @@ class Trials:
                 )
                 speed = {**speed, "speedup": None, "speedup_spread": None, "speedup_runs": None}
             floats[ident] = speed["float_ms"]
-            runs = self.timed_runs(speed)
-            carriers = [r for r in self.records.values() if r.row["same_as"] == ident or r.speed_from == ident]
-            for carrier in [record, *carriers]:
-                self.retake(carrier, speed, runs)
+            self.retake_with_carriers(record, speed, self.timed_runs(speed))
 
     def retime_together(self, rows: list[Candidate]) -> None:
         """``rows`` timed again together in one interleaved session with the float model
@@ -496,16 +497,21 @@ class Trials:
         owners = [self.records[r.speed_from] if r.speed_from is not None else r for r in owners]
         records = list({id(r): r for r in owners}.values())
         models = [Named(measure.models[r.files[0]], r.files[0]) for r in records if r.files is not None]
-        latency = measure.latency or measure.evaluation[:1]
-        timed = deployed.latency_figures(measure.reference, models, latency, measure.session, measure.timing)
+        timed = deployed.latency_figures(
+            measure.reference, models, measure.timed_samples, measure.session, measure.timing
+        )
         session = next(self.sessions)
         for record, speed in zip(records, timed, strict=True):
             ratios = speed.get("speedup_runs")
-            runs = None if ratios is None else TimedRuns(session, tuple(ratios))
-            ident = record.row["id"]
-            carriers = [r for r in self.records.values() if r.row["same_as"] == ident or r.speed_from == ident]
-            for carrier in [record, *carriers]:
-                self.retake(carrier, speed, runs)
+            self.retake_with_carriers(record, speed, None if ratios is None else TimedRuns(session, tuple(ratios)))
+
+    def retake_with_carriers(self, record: Record, speed: Mapping[str, Any], runs: TimedRuns | None) -> None:
+        """``record`` retaken (retake), and every row that carries its speed: its twins (the
+        quantizer made the same model) and the bias-corrected rows of its graph."""
+        ident = record.row["id"]
+        carriers = [r for r in self.records.values() if r.row["same_as"] == ident or r.speed_from == ident]
+        for carrier in [record, *carriers]:
+            self.retake(carrier, speed, runs)
 
     def retake(self, record: Record, speed: Mapping[str, Any], runs: TimedRuns | None) -> None:
         """``record``'s row with the latency figures ``speed`` and their ``runs``, its guards judged anew."""

@@ -16,7 +16,13 @@ from graphscan_ort.tune import trials as trials_module
 from graphscan_ort.tune.blocks import Block, next_block, noise_share, search_blocks, weight_elements
 from graphscan_ort.tune.candidates import keyword_arguments, quiet
 from graphscan_ort.tune.choice import Policy
-from tests.helpers import calibration_reader, mlp_with_samples, point_estimates, without_dynamic_candidates
+from tests.helpers import (
+    calibration_reader,
+    mlp_with_samples,
+    point_estimates,
+    undisturbed_timings,
+    without_dynamic_candidates,
+)
 
 
 def test_noise_shares_add_in_power():
@@ -71,9 +77,7 @@ def test_a_target_no_single_exclusion_reaches_is_reached_by_a_set_of_them(tmp_pa
     samples, the search's mechanics on point figures."""
     without_dynamic_candidates(monkeypatch)
     point_estimates(monkeypatch)
-    # One run per row on a shared machine: a busy moment would null a row's speedup (its float
-    # time far off) and the slower guard would refuse it; this test is of the search's accuracy.
-    monkeypatch.setattr("graphscan_ort.tune.trials.far_off", lambda value, others: False)
+    undisturbed_timings(monkeypatch)
     files = mlp_and_samples(tmp_path)
     target = 34.0
     answer = graphscan.tune(

@@ -16,7 +16,7 @@ from graphscan_ort.tune.candidates import keyword_arguments, quiet
 from graphscan_ort.tune.choice import Policy
 from graphscan_ort.tune.overrides import OUTLIER_FACTOR, STEP, outlier_overrides
 from graphscan_ort.tune.progress import Progress
-from tests.helpers import calibration_reader
+from tests.helpers import calibration_reader, undisturbed_timings
 from tests.tune.outliers import outlier_model, outlier_samples
 from tests.tune.test_recovery import tuned as recovery_run
 
@@ -76,9 +76,7 @@ def outliers(tmp_path_factory):
     calibration = outlier_samples(folder, 8, 1, True)
     evaluation = outlier_samples(folder, 4, 2, False)
     with pytest.MonkeyPatch.context() as patch:
-        # One run per row on a shared machine: a busy moment would null a row's speedup (its
-        # float time far off), and the slower guard would refuse it; these tests are of accuracy.
-        patch.setattr("graphscan_ort.tune.trials.far_off", lambda value, others: False)
+        undisturbed_timings(patch)
         answer = tuned_at_500(folder, calibration, evaluation)
     return {"answer": answer, "folder": folder, "calibration": calibration, "evaluation": evaluation}
 
