@@ -22,10 +22,11 @@ onnxruntime's own calibrator (its augmented model and its choice of tensors):
   the graph cut to what it needs). These are the bins onnxruntime's ``HistogramCollector``
   sets over all samples at once, and a histogram over fixed bins is the sum of the samples'
   histograms, so the histogram is the same, count for count, and its own
-  ``compute_collection_result`` turns it into the same ranges. ``histograms`` counts several
-  binnings in the same passes when asked; tune asks for one at a time: counting Entropy's
-  beside Percentile's costs as much again (numpy's histogram is most of the time at page
-  size), and Entropy is a refinement a run may never reach.
+  ``compute_collection_result`` turns it into the same ranges. The counting (bin_counts) is
+  numpy's histogram, step for step, in threads: numpy's loops let go of the GIL, and the
+  counting is most of the time at page size. ``histograms`` counts several binnings in the
+  same passes when asked; tune asks for one at a time: counting Entropy's beside
+  Percentile's costs as much again, and Entropy is a refinement a run may never reach.
 
 Example (``quantize_static`` then reads the ranges instead of calibrating)::
 
@@ -42,6 +43,7 @@ import os
 import pickle
 import tempfile
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -261,22 +263,58 @@ def histograms(
     if not extremes:
         raise ValueError("No data is collected.")
     bounds = {(name, b): outer_edges(e, b[0]) for name, e in extremes.items() if e.size for b in binnings}
+    edges = {
+        key: np.histogram_bin_edges(np.empty(0, extremes[key[0]].dtype), key[1][1], range=bounds[key]) for key in bounds
+    }
     counts: dict[tuple[str, Binning], np.ndarray] = {}
-    edges: dict[tuple[str, Binning], np.ndarray] = {}
-    for group in fetch_groups(calibrator.model, names, extremes):
-        session = calibration_session(group_model(calibrator.model, group), providers)
-        for sample in samples_of(make_reader()):
-            for name, array in zip(group, session.run(group, sample), strict=True):
-                if not extremes[name].size:
-                    continue
-                views = {False: array.ravel()}  # what each binning counts: values, or their magnitudes
-                if any(magnitudes for magnitudes, _ in binnings):
-                    views[True] = np.absolute(views[False])
-                for b in binnings:
-                    hist, edges[name, b] = np.histogram(views[b[0]], b[1], range=bounds[name, b])
+    with ThreadPoolExecutor(COUNTING_THREADS) as pool:
+        for group in fetch_groups(calibrator.model, names, extremes):
+            session = calibration_session(group_model(calibrator.model, group), providers)
+            for sample in samples_of(make_reader()):
+                fetched = zip(group, session.run(group, sample), strict=True)
+                tasks = [(name, b, array) for name, array in fetched if extremes[name].size for b in binnings]
+                found = pool.map(lambda task: bin_counts(task[2], task[1][0], edges[task[0], task[1]]), tasks)
+                for (name, b, _), hist in zip(tasks, found, strict=True):  # the tasks' order: the same sums
                     counts[name, b] = counts[name, b] + hist if (name, b) in counts else hist
-        del session
+                del tasks
+            del session
     return {b: histogram_dict(extremes, counts, edges, b) for b in binnings}
+
+
+# numpy's elementwise loops let go of the GIL, so threads count tensors side by side; the
+# blocks are large enough that a thread spends most of its time in them.
+COUNTING_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+COUNTING_BLOCK = 1 << 18
+
+
+def bin_counts(array: np.ndarray, magnitudes: bool, edges: np.ndarray) -> np.ndarray:
+    """``np.histogram`` of ``array`` (its magnitudes when ``magnitudes``) over ``edges``
+    (histogram_bin_edges'), count for count: for float32, numpy's own steps for equal bins
+    (the element's offset from the first edge over the width times the bins, in float32 and
+    truncated, the last edge in the last bin, then one bin down where the element is below
+    its bin's left edge and one up where it is at or past its right edge but in the last
+    bin), without the mask numpy builds to drop elements outside the edges: the extremes set
+    them, so none is. Any other type goes to np.histogram itself."""
+    values = array.ravel()
+    bins = len(edges) - 1
+    if values.dtype != np.float32 or edges.dtype != np.float32:
+        return np.histogram(np.absolute(values) if magnitudes else values, bins, range=(edges[0], edges[-1]))[0]
+    first, width, count = edges[0], np.subtract(edges[-1], edges[0], dtype=np.float32), np.float32(bins)
+    last_bin = np.float32(bins - 1)
+    found = np.zeros(bins, np.intp)
+    for start in range(0, values.size, COUNTING_BLOCK):
+        block = values[start : start + COUNTING_BLOCK]
+        if magnitudes:
+            block = np.absolute(block)
+        scaled = np.subtract(block, first, dtype=np.float32)
+        np.divide(scaled, width, out=scaled)
+        np.multiply(scaled, count, out=scaled)
+        np.minimum(scaled, last_bin, out=scaled)  # numpy: a bin number of ``bins`` (the last edge) less one
+        index = scaled.astype(np.intp)
+        index -= block < edges.take(index)
+        index += (block >= edges.take(index + 1)) & (index != bins - 1)
+        found += np.bincount(index, minlength=bins)
+    return found
 
 
 def histogram_dict(

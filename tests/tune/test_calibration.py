@@ -178,6 +178,42 @@ def test_a_tensor_that_is_not_finite_inside_the_graph_is_refused_by_name(tmp_pat
         calibration.calibrate(str(path), arguments, Reader, str(tmp_path / "c.json"))
 
 
+def hard_arrays():
+    """Arrays where a bin number is easiest to get wrong: every edge itself and its float32
+    neighbours, a range so narrow that a bin is 3 float32 steps wide (narrower, numpy refuses
+    the bins), zeros alone (numpy widens that range by 0.5 each way), negatives only, a wide
+    spread of magnitudes, and more elements than one block."""
+    rng = np.random.default_rng(3)
+    wide = (rng.standard_normal(20000) * np.exp(rng.uniform(-12, 12, 20000))).astype(np.float32)
+    edges = np.histogram_bin_edges(wide, 2048, range=(-np.abs(wide).max(), np.abs(wide).max()))
+    near = np.concatenate([edges, np.nextafter(edges, np.inf), np.nextafter(edges, -np.inf)]).astype(np.float32)
+    narrow = np.float32(1) + np.arange(-3000, 3001, dtype=np.float32) * np.finfo(np.float32).eps
+    return {
+        "edges-and-neighbours": np.concatenate([near, wide]),
+        "narrow": narrow.astype(np.float32),
+        "zeros": np.zeros(64, np.float32),
+        "negative": -np.abs(wide[:5000]) - np.float32(3),
+        "wide": wide,
+        "blocks": rng.standard_normal(calibration.COUNTING_BLOCK * 2 + 7).astype(np.float32),
+    }
+
+
+@pytest.mark.parametrize("values", hard_arrays().values(), ids=list(hard_arrays()))
+@pytest.mark.parametrize("binning", [(True, 2048), (False, 2048), (False, 128)], ids=str)
+def test_bins_counted_by_numpys_own_steps_are_np_histograms_count_for_count(values, binning):
+    """bin_counts over a tensor's range as HistogramCollector sets it (outer_edges) is
+    np.histogram over that range, count for count, on the arrays where float32 rounding puts
+    an element one bin off: numpy's corrections, replayed in blocks."""
+    magnitudes, bins = binning
+    e = calibration.Extremes(values.shape, values.dtype)
+    e.add("x", [values.min(), values.max(), np.abs(values).min(), np.abs(values).max(), np.float32(0), values.shape])
+    low, high = calibration.outer_edges(e, magnitudes)
+    edges = np.histogram_bin_edges(np.empty(0, np.float32), bins, range=(low, high))
+    want, want_edges = np.histogram(np.abs(values) if magnitudes else values, bins, range=(low, high))
+    np.testing.assert_array_equal(calibration.bin_counts(values, magnitudes, edges), want)
+    np.testing.assert_array_equal(edges, want_edges)
+
+
 def test_binnings_counted_in_the_same_passes_equal_each_counted_alone(cnn, tmp_path):
     """Percentile's magnitudes at 2048 bins and Entropy's values at 128, counted together in
     one pair of passes, are the histograms each counts alone, array for array."""
