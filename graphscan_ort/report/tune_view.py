@@ -85,6 +85,8 @@ def settings_words(row: Row) -> str:
         words.append("then float inputs")
     if row["same_as"] is not None:
         words.append(f"same model as row {row['same_as']}")
+    if row.get("speed_from") is not None:
+        words.append(f"timed as row {row['speed_from']} (the same plan)")
     return "; ".join(words)
 
 

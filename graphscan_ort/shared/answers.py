@@ -244,6 +244,7 @@ class Candidate(TypedDict):
     post_step: dict[str, list[str]] | None  # applied after quantize_static: {"float_inputs": [node, ...]}
     excluded: dict[str, str] | None  # per excluded node, what it runs: float, float_inputs or int8
     same_as: int | None  # the candidate whose model the quantizer made byte for byte: measured once
+    speed_from: int | None  # the candidate whose timing it carries: the same plan in onnxruntime (null: timed)
     recovery: dict[str, Any] | None  # recovery.py: {"step", "from", "detail", "sqnr_gain_db", "metric_gain", "helps"}
     # (bias_correction also "speed_from": the row whose timing it inherits, null when timed)
     sqnr_db: float | None  # the worst part's output SQNR (parts.py)

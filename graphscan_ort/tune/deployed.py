@@ -25,9 +25,11 @@ the time is still this machine's, natively (an emulated CPU's time is no latency
 
 from __future__ import annotations
 
+import hashlib
 import os
 import statistics
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -45,8 +47,10 @@ from graphscan_ort.tune.verdict import spread
 
 
 def kernel_counts(model: onnx.ModelProto, path: str, level: str) -> dict:
-    """int8 share, int8 kernels and the reasons wrapped nodes run float, from runtime's classification."""
-    rows = classify(model, path, level=level).rows
+    """int8 share, int8 kernels and the reasons wrapped nodes run float, from runtime's
+    classification, and the digest of the graph onnxruntime runs (plan_digest)."""
+    found = classify(model, path, level=level)
+    rows = found.rows
     classes = runtime_counts(rows)["classes"]
     reasons = Counter(
         row["reason"]["code"] if row["reason"] else None for row in rows if row["wrapped"] and row["class"] == "float"
@@ -55,7 +59,28 @@ def kernel_counts(model: onnx.ModelProto, path: str, level: str) -> dict:
         "int8_fraction": int8_fraction(classes),
         "int8_kernels": classes["int8"],
         "wrapped_but_float": dict(sorted(reasons.items())),
+        "plan": plan_digest(found.optimized_model),  # not a row's key: the ledger keeps it (Trials.timed_alike)
     }
+
+
+def plan_digest(optimized: onnx.ModelProto) -> str:
+    """The SHA-256 of the graph onnxruntime saved after optimizing a model, its initializers
+    taken by type and shape alone: models of one digest run the same kernels in one plan, so
+    one's timing is the other's. The optimized graph, not the model as written: some of
+    onnxruntime's fusions read values (a Relu goes where its QuantizeLinear's zero point is
+    the type's least), so ranges alone can change what runs. Not by name either: onnxruntime
+    shares initializers of equal values, so which name a node reads follows the values."""
+    graph = optimized.graph
+    constants = {t.name: f"{t.data_type}:{list(t.dims)}" for t in graph.initializer}
+    digest = hashlib.sha256()
+    for node in graph.node:
+        plain = onnx.NodeProto()
+        plain.CopyFrom(node)
+        plain.input[:] = [f"constant {constants[name]}" if name in constants else name for name in node.input]
+        digest.update(plain.SerializeToString(deterministic=True))
+    for value in [*graph.input, *graph.output]:
+        digest.update(value.SerializeToString(deterministic=True))
+    return digest.hexdigest()
 
 
 DEPLOYED = Session()  # onnxruntime's defaults: level all, one thread
@@ -71,6 +96,7 @@ def measure_candidate(
     references: dict[tuple[str, ...], FloatOutputs] | OnTarget | None = None,
     metric: Metric | None = None,
     latency: list[dict] | None = None,
+    timed_alike: Callable[[str], dict | None] | None = None,
 ) -> dict:
     """``{"sqnr_db", "metric_value", "int8_fraction", "int8_kernels", "wrapped_but_float", "ms",
     "float_ms", "speedup", "speedup_spread", "bytes"}`` of ``candidate`` (the quantized model
@@ -78,12 +104,14 @@ def measure_candidate(
     float model's outputs are kept from one candidate to the next, a dict (run in this
     process) or an ``OnTarget`` (run on that CPU target, whose outputs and kernels the
     candidate's then are too); ``latency``: the samples timed (default: the first of
-    ``samples``); no ``metric``: ``metric_value`` is the SQNR."""
-    return {
-        **accuracy_figures(reference, candidate, samples, session, references, metric),
-        **latency_figures(reference, [candidate], latency or samples[:1], session, timing)[0],
-        "bytes": os.path.getsize(candidate.path),
-    }
+    ``samples``); no ``metric``: ``metric_value`` is the SQNR; ``timed_alike``: the latency
+    figures of a model timed already whose optimized graph has this plan_digest (None: none;
+    the candidate is then timed)."""
+    accuracy = accuracy_figures(reference, candidate, samples, session, references, metric)
+    speed = timed_alike(accuracy["plan"]) if timed_alike is not None else None
+    if speed is None:
+        speed = latency_figures(reference, [candidate], latency or samples[:1], session, timing)[0]
+    return {**accuracy, **speed, "bytes": os.path.getsize(candidate.path)}
 
 
 def accuracy_figures(

@@ -107,8 +107,8 @@ def recovered(candidate: dict[str, Any]) -> str:
         f"{value:+.3g}{unit}" if value is not None else f"undefined{unit}"
         for value, unit in ((done["sqnr_gain_db"], " dB"), (done["metric_gain"], " in the metric"))
     )
-    inherited = done.get("speed_from")
-    speed = "" if inherited is None else f"; the same graph: candidate {inherited}'s speed, not timed again"
+    inherited = candidate.get("speed_from")
+    speed = "" if inherited is None else f"; the same plan: candidate {inherited}'s speed, not timed again"
     return f"candidate {candidate['id']}: {done['step']} of candidate {done['from']} ({done['detail']}): {gains}{speed}"
 
 

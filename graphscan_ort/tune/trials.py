@@ -113,9 +113,11 @@ class Measure:
         candidate_path: str,
         excluded: list[str] | None = None,
         speed: dict | None = None,
+        timed_alike: Callable[[str], dict | None] | None = None,
     ) -> dict:
         """A candidate's figures as deployed (``candidate``, read from ``candidate_path``), with
-        its weights' storage and the guards it breaks; ``speed``: latency figures it inherits."""
+        its weights' storage and the guards it breaks; ``speed``: latency figures it inherits;
+        ``timed_alike``: those of a row timed already that runs the same plan (measure_candidate)."""
         named = Named(candidate, candidate_path)
         references = self.references if self.on is None else self.on  # where the float outputs are run
         if speed is None:
@@ -128,6 +130,7 @@ class Measure:
                 references,
                 self.metric,
                 self.latency,
+                timed_alike if self.on is None else None,  # a CPU target's plan is not the timed one
             )
         else:  # the same graph as a row timed already: its speed, this model's own accuracy and file
             accuracy = accuracy_figures(self.reference, named, self.evaluation, self.session, references, self.metric)
@@ -170,6 +173,7 @@ def candidate_row(
     excluded: dict[str, str] | None = None,
     post_step: dict[str, list[str]] | None = None,
     same_as: int | None = None,
+    speed_from: int | None = None,
     figures: Mapping[str, Any] | None = None,
     error: str | None = None,
 ) -> Candidate:
@@ -188,6 +192,7 @@ def candidate_row(
         "post_step": post_step,
         "excluded": excluded,
         "same_as": same_as,
+        "speed_from": speed_from,
         "recovery": None,  # recovery.py fills it in on the rows it adds
         "sqnr_db": got.get("sqnr_db"),
         "pooled_sqnr_db": got.get("pooled_sqnr_db"),
@@ -319,6 +324,7 @@ class Trials:
         self.policy: Policy | None = None
         # requantize's plans: one quantized graph per structure, many ranges
         self.plans: dict[tuple[str, str], RangePlan | FirstRow] = {}
+        self.timed_plans: dict[str | None, int] = {}  # the optimized graph's digest: the first row timed on it
         self.sessions = itertools.count()  # each timing session's key: the runs of one are paired
 
     @property
@@ -396,19 +402,24 @@ class Trials:
             speed = None
             parent = None if post is None else self.records[post.parent["id"]]
             if parent is not None and parent.files and same_graph(model, self.measure.models[parent.files[0]]):
-                record.speed_from = parent.row["id"]  # the same kernels: timing it again adds only noise
-                speed = {key: parent.row.get(key) for key in LATENCY}
+                owner = self.timing_owner(parent).row  # the same kernels: timing it again adds only noise
+                speed = {**{key: owner.get(key) for key in LATENCY}, "speed_from": owner["id"]}
             try:
-                figures = self.measure(model, target_path, excluded, speed)
+                figures = self.measure(model, target_path, excluded, speed, self.timed_alike)
             except GraphscanError as exc:  # a model the quantizer made that onnxruntime refuses
                 if exc.exit_code != EXIT_RUNTIME:
                     raise
                 error = f"onnxruntime: {self.users_terms(str(exc))}"
                 return self.book(record, row(excluded=status, post_step=post_step, error=error))
             figures.update(self.verdict(model, prepared_path, figures))
-            measured = row(excluded=status, post_step=post_step, figures=figures)
+            record.speed_from = figures.get("speed_from")
+            measured = row(excluded=status, post_step=post_step, speed_from=record.speed_from, figures=figures)
             record.by_sample = figures.get("metric_by_sample")
-            record.runs = parent.runs if record.speed_from is not None and parent else self.timed_runs(figures)
+            if record.speed_from is None:
+                record.runs = self.timed_runs(figures)
+                self.timed_plans.setdefault(figures.get("plan"), measured["id"])
+            else:
+                record.runs = self.records[record.speed_from].runs
             self.digests[digest] = measured
         record.files = (target_path, prepared_path, cache)
         self.measure.models[target_path] = model
@@ -427,6 +438,17 @@ class Trials:
         """quantize_static's row: made from an earlier row's model where only its ranges differ
         (requantize.quantize_by_plan: the same bytes), else quantize_candidate's."""
         quantize_by_plan(self.plans, prepared, output, settings, make_reader, cache, fallback=quantize_candidate)
+
+    def timed_alike(self, plan: str) -> dict[str, Any] | None:
+        """The latency figures of the first row timed itself whose optimized graph has the
+        digest ``plan`` (deployed.plan_digest), ``speed_from`` naming it; None: no such row.
+        A row made from another by its ranges alone (a calibration method or percentile,
+        overrides, a bias correction) most often runs the same plan: timing it again would
+        add only noise, and half the rows' time on a page-size model."""
+        ident = self.timed_plans.get(plan)
+        if ident is None:
+            return None
+        return {**{key: self.records[ident].row.get(key) for key in LATENCY}, "speed_from": ident}
 
     def recovery(self, record: Record) -> dict[str, Any] | None:
         """A recovery row's ``recovery``: its step and source, what it did and gained, whether
@@ -493,8 +515,7 @@ class Trials:
         measure = self.measure
         # The records whose timing they are: a row that carries another's (a bias-corrected
         # row of the same graph) is timed as that one, and takes its figures with the rest.
-        owners = [self.records[row["id"]] for row in rows]
-        owners = [self.records[r.speed_from] if r.speed_from is not None else r for r in owners]
+        owners = [self.timing_owner(self.records[row["id"]]) for row in rows]
         records = list({id(r): r for r in owners}.values())
         models = [Named(measure.models[r.files[0]], r.files[0]) for r in records if r.files is not None]
         timed = deployed.latency_figures(
@@ -505,12 +526,26 @@ class Trials:
             ratios = speed.get("speedup_runs")
             self.retake_with_carriers(record, speed, None if ratios is None else TimedRuns(session, tuple(ratios)))
 
+    def timing_owner(self, record: Record) -> Record:
+        """The record whose timing ``record``'s is: its own, or, following ``speed_from`` and
+        ``same_as``, the row that was timed."""
+        while (source := record.speed_from if record.speed_from is not None else record.row["same_as"]) is not None:
+            record = self.records[source]
+        return record
+
     def retake_with_carriers(self, record: Record, speed: Mapping[str, Any], runs: TimedRuns | None) -> None:
         """``record`` retaken (retake), and every row that carries its speed: its twins (the
-        quantizer made the same model) and the bias-corrected rows of its graph."""
-        ident = record.row["id"]
-        carriers = [r for r in self.records.values() if r.row["same_as"] == ident or r.speed_from == ident]
-        for carrier in [record, *carriers]:
+        quantizer made the same model) and the rows timed alike (``speed_from``: a bias
+        correction of its graph, a row that runs its plan), and theirs in turn."""
+        carriers = [record]
+        for carrier in carriers:  # grows as it goes: a twin of a row that carries this one's speed
+            ident = carrier.row["id"]
+            carriers += [
+                r
+                for r in self.records.values()
+                if (r.row["same_as"] == ident or r.speed_from == ident) and all(r is not c for c in carriers)
+            ]
+        for carrier in carriers:
             self.retake(carrier, speed, runs)
 
     def retake(self, record: Record, speed: Mapping[str, Any], runs: TimedRuns | None) -> None:

@@ -21,6 +21,9 @@ ALLOWED = {
     "and the combined model's names beside the session's inputs",
     "graphscan_ort/tune/trials.py:candidate_row": "a candidate row built once from its outcome: each keyword "
     "is one key of shared/answers.Candidate that only some outcomes know (a twin, a refusal, a measurement)",
+    "graphscan_ort/tune/deployed.py:measure_candidate": "one candidate measured as deployed, the function tests "
+    "stand in for: trials.Measure holds its inputs as one group (the float model, the samples, the session and "
+    "timing, the float outputs kept, the metric, the latency samples) and adds the timings already taken by plan",
 }
 
 

@@ -48,3 +48,74 @@ def test_every_figure_equals_an_independent_measurement(cnn_pair):
     assert measured["ms"] > 0 and len(ratios) == 3
     assert measured["speedup"] == pytest.approx(sorted(ratios)[1])
     assert all(isinstance(count, int) and count > 0 for count in measured["wrapped_but_float"].values())
+
+
+def relu_kept_between_convs(folder, overrides):
+    """Conv, Relu, Conv quantized by onnxruntime with the Relu kept in the QDQ graph
+    (QDQKeepRemovableActivations) and ``overrides``, ranges by tensor (c: the Relu's input,
+    r: its output): the model file."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+               for n, s in (("w1", (8, 3, 3, 3)), ("w2", (8, 8, 3, 3)))]  # fmt: skip
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("Conv", ["r", "w2"], ["y"], name="conv2", pads=[1, 1, 1, 1]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])], weights,
+    )  # fmt: skip
+    fp32 = folder / "float.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), fp32)
+
+    class Samples(CalibrationDataReader):
+        def __init__(self):
+            rngs = [np.random.default_rng(k) for k in range(3)]
+            self.left = [{"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for rng in rngs]
+
+        def get_next(self):
+            return self.left.pop() if self.left else None
+
+    extra = {"QDQKeepRemovableActivations": True}
+    if overrides:
+        ranges = {t: [{"rmin": np.float32(lo), "rmax": np.float32(hi)}] for t, (lo, hi) in overrides.items()}
+        extra["TensorQuantOverrides"] = ranges
+    path = folder / f"q{len(list(folder.glob('q*.onnx')))}.onnx"
+    with gen_models.quiet_quantizer():
+        quantize_static(str(fp32), str(path), Samples(), quant_format=QuantFormat.QDQ,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, extra_options=extra)  # fmt: skip
+    return str(path)
+
+
+def optimized_operators(path, folder):
+    """The operators of the graph onnxruntime saves after optimizing the model at ``path``
+    (its defaults: level all), read by onnxruntime itself, not by graphscan."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.optimized_model_filepath = str(folder / (Path(path).stem + "-optimized.onnx"))
+    onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    return [n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node]
+
+
+def test_models_alike_but_for_values_run_one_plan_or_two_as_their_zero_points_say(tmp_path):
+    """Three models that differ in initializer values alone (bias.same_graph): the Relu's
+    input and output ranged alike from 0 by calibration, both from 0 to 2 by overrides
+    (other scales, the same zero point: uint8's least), and the output from -1 to 4.
+    onnxruntime drops a Relu whose QuantizeLinear's zero point is its type's least, so the
+    first two run one plan and the third runs the Relu: plan_digest is one for the first two
+    and another for the third, as onnxruntime's own optimized graphs are."""
+    from graphscan_ort.tune.bias import same_graph
+
+    ranges = ({}, {"c": (0.0, 2.0), "r": (0.0, 2.0)}, {"r": (-1.0, 4.0)})
+    paths = [relu_kept_between_convs(tmp_path, overrides) for overrides in ranges]
+    models = [onnx.load(p) for p in paths]
+    assert all(same_graph(m, models[0]) for m in models) and len({p.read_bytes() for p in map(Path, paths)}) == 3
+    operators = [optimized_operators(p, tmp_path) for p in paths]
+    plans = [deployed.kernel_counts(m, p, "all")["plan"] for m, p in zip(models, paths, strict=True)]
+    assert operators[0] == operators[1] and "Relu" not in operators[0] and "Relu" in operators[2]
+    assert plans[0] == plans[1] != plans[2]

@@ -352,15 +352,18 @@ def test_a_trial_onnxruntime_cannot_optimize_is_a_row_never_the_end_of_tune(cnn,
 
 
 def rows_carried(answer, timed):
-    """Whether the chosen row carries the timing of a row in ``timed`` (a bias-corrected row of its graph)."""
+    """Whether the chosen row carries the timing of a row in ``timed`` (one of its plan)."""
     chosen = next(c for c in answer["candidates"] if c["id"] == answer["chosen"])
-    return (chosen["recovery"] or {}).get("speed_from") in timed
+    return chosen["speed_from"] in timed
+
+
+DISTURBED = 2  # a grid row timed itself (QUInt8 per channel MinMax): row 3, its Percentile twin, runs its plan
 
 
 def disturbed_timer(disturbed_times):
     """A stub of deployed.latency_figures and the candidates it timed: candidate k (its file's
     number) runs in 1.3 ms against float's 2.4 + 0.05 k ms, except that float runs take 15 ms
-    the first ``disturbed_times`` times candidate 3 is timed (a busy moment: speedup 11.5)."""
+    the first ``disturbed_times`` times candidate DISTURBED is timed (a busy moment: speedup 11.5)."""
     timed, calls = [], []
 
     def figures(reference, candidates, latency, session, timing):
@@ -370,7 +373,7 @@ def disturbed_timer(disturbed_times):
             k = int(re.search(r"candidate-(\d+)\.onnx$", candidate.path).group(1))
             timed.append(k)
             calls[-1].append(k)
-            float_ms = 15.0 if k == 3 and timed.count(3) <= disturbed_times else 2.4 + 0.05 * k
+            float_ms = 15.0 if k == DISTURBED and timed.count(k) <= disturbed_times else 2.4 + 0.05 * k
             speedup = float_ms / 1.3
             spread = [0.95 * speedup, 1.05 * speedup]
             found.append({"ms": 1.3, "float_ms": float_ms, "speedup": speedup, "speedup_spread": spread})
@@ -380,17 +383,21 @@ def disturbed_timer(disturbed_times):
 
 
 def test_a_float_time_far_off_the_runs_is_timed_again_and_then_its_own(cnn, tmp_path, monkeypatch):
-    """Candidate 3's float time, 15 ms where the other rows' lie at 2.4-2.75 ms, is timed again
-    once (the fifth row timed makes five to judge by) and the second timing, 2.55 ms, is its
-    row's: speedup 2.55 / 1.3. No other row is timed twice and nothing is said."""
+    """Candidate 2's float time, 15 ms where the other rows' lie at 2.4-2.75 ms, is timed again
+    once (the fifth row timed makes five to judge by) and the second timing, 2.5 ms, is its
+    row's, and the rows' that run its plan: speedup 2.5 / 1.3. No other row is timed twice
+    and nothing is said."""
     figures, calls = disturbed_timer(1)
     monkeypatch.setattr(deployed, "latency_figures", figures)
-    answer = run_tune(cnn, tmp_path / "out")
-    row = next(c for c in answer["candidates"] if c["id"] == 3)
+    answer = run_tune(cnn, tmp_path / "out", target=500.0, max_trials=1)  # out of reach: rows of more plans
+    rows = {c["id"]: c for c in answer["candidates"]}
     timed = [k for call in calls[:-1] for k in call]  # the last: the chosen row and its rivals timed together
-    assert timed.count(3) == 2 and all(timed.count(k) == 1 for k in set(timed) - {3})
+    assert timed.count(DISTURBED) == 2 and all(timed.count(k) == 1 for k in set(timed) - {DISTURBED})
     assert answer["chosen"] in calls[-1] or rows_carried(answer, calls[-1])
-    assert row["float_ms"] == pytest.approx(2.55) and row["speedup"] == pytest.approx(2.55 / 1.3)
+    carriers = [c for c in rows.values() if c["speed_from"] == DISTURBED]
+    assert carriers  # its Percentile twin runs its plan
+    for row in [rows[DISTURBED], *carriers]:
+        assert row["float_ms"] == pytest.approx(2.5) and row["speedup"] == pytest.approx(2.5 / 1.3)
     assert not any("far off" in w for w in answer["warnings"])
 
 
@@ -400,16 +407,17 @@ def test_a_float_time_that_stays_far_off_is_flagged_and_never_ranked_by_its_spee
     warning names it, and its keys are every row's (the answer's schema is unchanged)."""
     figures, calls = disturbed_timer(2)
     monkeypatch.setattr(deployed, "latency_figures", figures)
-    answer = run_tune(cnn, tmp_path / "out")
+    answer = run_tune(cnn, tmp_path / "out", target=500.0, max_trials=1)  # out of reach: rows of more plans
     rows = {c["id"]: c for c in answer["candidates"]}
-    row = rows[3]
+    row = rows[DISTURBED]
     timed = [k for call in calls[:-1] for k in call]
-    assert timed.count(3) == 2
+    assert timed.count(DISTURBED) == 2
     assert (row["float_ms"], row["ms"], row["speedup"], row["speedup_spread"]) == (15.0, 1.3, None, None)
-    assert row["fails"] == ["slower"] and answer["chosen"] != 3 and answer["candidates"][0]["id"] != 3
+    assert row["fails"] == ["slower"] and answer["chosen"] != DISTURBED and answer["candidates"][0]["id"] != DISTURBED
     assert all(list(c) == list(row) for c in rows.values())
     said = [w for w in answer["warnings"] if "far off" in w]
-    assert len(said) == 1 and said[0].startswith("candidate 3's float time") and "15 ms, then 15 ms" in said[0]
+    assert len(said) == 1 and said[0].startswith(f"candidate {DISTURBED}'s float time")
+    assert "15 ms, then 15 ms" in said[0]
 
 
 @pytest.mark.parametrize(
@@ -489,6 +497,21 @@ def test_a_twin_of_a_row_timed_again_takes_its_new_speed(tmp_path):
     assert twin["fails"] == [] and rows.trials.rows[3]["float_ms"] == 2.55
 
 
+def test_a_twin_of_a_row_that_carries_a_retimed_rows_speed_takes_the_new_speed_too(tmp_path):
+    """Row 4 runs row 3's plan (speed_from 3) and row 5 is row 4's twin (same_as 4): when
+    row 3 is timed again, both take its new figures, the twin through the row it copies."""
+    rows = RetimedRows(tmp_path, retimed_ms=2.55)
+    for float_ms in (2.4, 2.5, 2.6):
+        rows.add(float_ms)
+    rows.add(15.0)
+    carrier = rows.add(15.0, inherits=3)
+    twin = rows.add(15.0, same_as=4)
+    rows.add(2.7)
+    assert rows.calls == [3]
+    for row in (rows.trials.rows[3], carrier, twin):
+        assert (row["float_ms"], row["speedup"], row["fails"]) == (2.55, 2.55, [])
+
+
 def test_a_row_still_far_off_is_timed_again_once_flagged_and_fails_the_slower_guard(tmp_path):
     """Timed again at 15 ms too: its speedup and spread are null, so the slower guard (1.0)
     fails it, one warning names it, and the rows after it never time it a third time."""
@@ -557,7 +580,9 @@ def test_every_row_is_first_timed_on_5_runs_and_the_written_row_and_its_rivals_o
     answer = run_tune(cnn, tmp_path / "o", runs=9)
     assert answer["latency"]["first_runs"] == 5 and answer["latency"]["runs"] == 9
     *first, (runs, paths, found) = sessions
-    assert {r for r, _, _ in first} == {5} and len(first) >= len(answer["candidates"]) - 2 and runs == 9
+    timed_itself = [c for c in answer["candidates"] if (c["speed_from"], c["same_as"], c["error"]) == (None,) * 3]
+    assert {r for r, _, _ in first} == {5} and len(first) >= len(timed_itself) and runs == 9
     chosen = next(c for c in answer["candidates"] if c["id"] == answer["chosen"])
-    assert paths[0].endswith(f"candidate-{chosen['id']}.onnx")
+    timed_as = chosen["id"] if chosen["speed_from"] is None else chosen["speed_from"]
+    assert paths[0].endswith(f"candidate-{timed_as}.onnx")
     assert len(found[0]["speedup_runs"]) == 9 and chosen["speedup"] == found[0]["speedup"]

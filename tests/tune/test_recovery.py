@@ -144,7 +144,8 @@ def test_a_corrected_row_inherits_its_parents_timing_its_graph_being_the_same(re
     rows = {c["id"]: c for c in answer["candidates"]}
     (variant,) = recovered(answer, "bias_correction")
     parent = rows[variant["recovery"]["from"]]
-    assert variant["recovery"]["speed_from"] == parent["id"] and variant["same_as"] is None
+    timed = parent["id"] if parent["speed_from"] is None else parent["speed_from"]  # the row that was timed
+    assert variant["recovery"]["speed_from"] == variant["speed_from"] == timed and variant["same_as"] is None
     for key in ("ms", "float_ms", "speedup", "speedup_spread"):
         assert variant[key] == parent[key], key
     assert variant["sqnr_db"] != parent["sqnr_db"]
@@ -153,8 +154,9 @@ def test_a_corrected_row_inherits_its_parents_timing_its_graph_being_the_same(re
 def test_the_recovery_stages_corrected_row_inherits_its_sources_timing_too(unreachable):
     rows = {c["id"]: c for c in unreachable["answer"]["candidates"]}
     (variant,) = recovered(unreachable["answer"], "bias_correction")
-    assert variant["recovery"]["speed_from"] == variant["recovery"]["from"]
-    assert variant["speedup"] == rows[variant["recovery"]["from"]]["speedup"]
+    source = rows[variant["recovery"]["from"]]
+    assert variant["recovery"]["speed_from"] == (source["id"] if source["speed_from"] is None else source["speed_from"])
+    assert variant["speedup"] == source["speedup"] and rows[variant["speed_from"]]["speed_from"] is None
 
 
 def row(ident, metric, sqnr=None, fails=(), broken=(), source=None):
@@ -218,8 +220,9 @@ def test_the_table_says_what_each_recovery_did(unreachable):
         gain = row["recovery"]["sqnr_gain_db"]
         assert f"candidate {row['id']}: {step} of candidate {row['recovery']['from']} (" in text
         assert f"{gain:+.3g} dB" in text
-        inherited = f"the same graph: candidate {row['recovery']['from']}'s speed, not timed again"
-        assert (inherited in text) == (step == "bias_correction")
+        inherited = f"the same plan: candidate {row['speed_from']}'s speed, not timed again"
+        assert (inherited in text) == (row["speed_from"] is not None)
+        assert (row["speed_from"] is not None) or step != "bias_correction"  # a bias correction's graph is its source's
 
 
 class NoTrials:
@@ -251,17 +254,19 @@ def test_a_target_the_refinements_reached_tries_no_recovery():
 
 
 def test_a_corrected_row_whose_graph_differs_is_timed_on_its_own(tmp_path, monkeypatch):
-    """A correction that also renamed a node (a stub): not the same graph, so not the same
-    kernels by proof: the row is timed like any other and ``speed_from`` is null."""
+    """A correction that also renamed every node (a stub): neither the same graph nor the
+    same plan (onnxruntime's optimized graph keeps the names), so not the same kernels by
+    proof: the row is timed like any other and ``speed_from`` is null."""
     import graphscan_ort.tune.recovery as recovery
 
     def renaming(quantized, *args):
         corrected, done = bias_corrected(quantized, *args)
-        corrected.graph.node[0].name += "_renamed"
+        for node in corrected.graph.node:
+            node.name += "_renamed"
         return corrected, done
 
     monkeypatch.setattr(recovery, "bias_corrected", renaming)
     answer = tuned(tmp_path, -1000.0)["answer"]
     (variant,) = recovered(answer, "bias_correction")
     parent = next(c for c in answer["candidates"] if c["id"] == variant["recovery"]["from"])
-    assert variant["recovery"]["speed_from"] is None and variant["ms"] != parent["ms"]
+    assert variant["recovery"]["speed_from"] is None and variant["speed_from"] is None and variant["ms"] != parent["ms"]

@@ -142,3 +142,40 @@ def test_the_refinements_keep_the_nodes_their_row_kept_float(tmp_path):
     assert [(s["calibrate_method"], s.get("extra_options", {})) for s, _, _ in added] == REFINEMENTS
     assert all(s["nodes_to_exclude"] == ["conv1"] and s["per_channel"] for s, _, _ in added)
     assert all(rewrites is True and k == kept for _, rewrites, k in added)
+
+
+def test_a_row_that_runs_a_timed_rows_plan_carries_its_timing_and_names_it(unreachable, tmp_path):
+    """A refinement changes the ranges alone, so its model most often runs the plan of a row
+    timed already: it is not timed again, ``speed_from`` names that row (timed itself, and
+    earlier), and its four latency figures are that row's to the last bit. Both rows' models,
+    made again from their arguments, optimize in onnxruntime to graphs of the same operators,
+    names and tensors, each initializer read of the same type and shape."""
+    import onnxruntime
+
+    answer = unreachable["answer"]
+    rows = {c["id"]: c for c in answer["candidates"]}
+    carried = [c for c in rows.values() if c["speed_from"] is not None and c["error"] is None]
+    assert carried  # the refinements of the best row: its graph, other ranges
+
+    def optimized_graph(row):
+        path, optimized = tmp_path / f"row-{row['id']}.onnx", tmp_path / f"row-{row['id']}-optimized.onnx"
+        with quiet():
+            quantize_static(
+                str(unreachable["out"] / "prepared.onnx"), str(path),
+                calibration_reader(unreachable["files"][:2]), **keyword_arguments(row["quantize_static"]),
+            )  # fmt: skip
+        options = onnxruntime.SessionOptions()
+        options.optimized_model_filepath = str(optimized)
+        onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        graph = onnx.load(optimized).graph
+        constants = {t.name: (t.data_type, list(t.dims)) for t in graph.initializer}  # shared by value: names vary
+        return [(n.op_type, n.name, [constants.get(i, i) for i in n.input], list(n.output)) for n in graph.node]
+
+    for row in carried:
+        source = rows[row["speed_from"]]
+        assert source["id"] < row["id"] and (source["speed_from"], source["same_as"]) == (None, None)
+        for key in ("ms", "float_ms", "speedup", "speedup_spread"):
+            assert row[key] == source[key], key
+        assert row["quantize_static"] != source["quantize_static"]
+        if row["post_step"] is None and source["post_step"] is None:
+            assert optimized_graph(row) == optimized_graph(source)
