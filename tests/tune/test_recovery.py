@@ -20,7 +20,7 @@ from graphscan_ort.tune.choice import Policy
 from graphscan_ort.tune.progress import Progress
 from graphscan_ort.tune.recovery import polished
 from graphscan_ort.tune.table import tune_table
-from tests.helpers import calibration_reader
+from tests.helpers import calibration_reader, without_dynamic_candidates
 
 
 def tuned(folder, target):
@@ -270,3 +270,22 @@ def test_a_corrected_row_whose_graph_differs_is_timed_on_its_own(tmp_path, monke
     (variant,) = recovered(answer, "bias_correction")
     parent = next(c for c in answer["candidates"] if c["id"] == variant["recovery"]["from"])
     assert variant["recovery"]["speed_from"] is None and variant["speed_from"] is None and variant["ms"] != parent["ms"]
+
+
+def test_a_corrected_row_of_a_row_that_carries_a_timing_names_the_row_that_was_timed(tmp_path, monkeypatch):
+    """Two grid rows of one plan, Percentile first (timed) then MinMax (more accurate on this
+    CNN, so chosen, carrying the Percentile row's timing): the MinMax row's bias correction
+    carries that same timing, and its ``speed_from`` (in the row and in ``recovery``) names
+    the Percentile row, timed itself, not the MinMax row that carries it."""
+    base = {"quant_format": "QDQ", "activation_type": "QUInt8", "weight_type": "QInt8", "per_channel": False}
+    without_dynamic_candidates(monkeypatch)
+    monkeypatch.setattr(stages, "candidate_settings", lambda: [
+        {**base, "calibrate_method": "Percentile"}, {**base, "calibrate_method": "MinMax"},
+    ])  # fmt: skip
+    rows = {c["id"]: c for c in tuned(tmp_path, -1000.0)["answer"]["candidates"]}
+    (variant,) = [c for c in rows.values() if c["recovery"] and c["recovery"]["step"] == "bias_correction"]
+    source = rows[variant["recovery"]["from"]]
+    assert source["quantize_static"]["calibrate_method"] == "MinMax" and source["speed_from"] == 0
+    assert variant["speed_from"] == variant["recovery"]["speed_from"] == 0 and rows[0]["speed_from"] is None
+    for key in ("ms", "float_ms", "speedup", "speedup_spread"):
+        assert variant[key] == source[key] == rows[0][key], key
