@@ -111,12 +111,17 @@ def main(argv: list[str] | None = None) -> int:
         tune += [a for c in calibrate for a in ("--calibrate", c)]
         tune += [a for i in inputs for a in ("--inputs", i)]
         tune += shlex.split(args.tune_args)
-        commands = {
-            "one-shot": ([sys.executable, __file__, "--one-shot", args.model, tmp, *calibrate, "--", *inputs], (0,)),
-            "defaults": ([*tune, "--out", os.path.join(tmp, "defaults")], (0, 8)),
-            "whole": ([*tune, "--target", "1000", "--out", os.path.join(tmp, "whole")], (0, 8)),
-        }
-        for _ in range(args.rounds):
+        for k in range(args.rounds):
+            work = os.path.join(tmp, f"round-{k}")  # tune refuses an --out that holds another run's files
+            os.makedirs(work)
+            commands = {
+                "one-shot": (
+                    [sys.executable, __file__, "--one-shot", args.model, work, *calibrate, "--", *inputs],
+                    (0,),
+                ),
+                "defaults": ([*tune, "--out", os.path.join(work, "defaults")], (0, 8)),
+                "whole": ([*tune, "--target", "1000", "--out", os.path.join(work, "whole")], (0, 8)),
+            }
             for side in sides:
                 loads.append(load_average())
                 runs[side].append(measured(*commands[side]))

@@ -541,7 +541,8 @@ def tune_masked(answer: dict) -> dict:
     rows = {}
     for row in answer.pop("candidates", []):
         masked = {key: (type(value).__name__ if key in TUNE_TIMED else value) for key, value in row.items()}
-        for key in ("id", "same_as"):  # numbered in the order tried, which timing decides (the fastest rows are seeded)
+        # numbered in the order tried, which timing decides (the fastest rows are seeded)
+        for key in ("id", "same_as", "speed_from"):
             if masked.get(key) is not None:
                 masked[key] = "int"
         if isinstance(masked.get("fails"), list):
