@@ -4,6 +4,7 @@ Calibrating once through onnxruntime's calibration cache must give the same mode
 byte for byte, as a plain quantize_static call with a fresh reader of the same data.
 """
 
+import contextlib
 import hashlib
 
 import numpy as np
@@ -75,3 +76,33 @@ def test_files_that_differ_only_after_the_first_mib_have_different_digests(tmp_p
     b.write_bytes(head + b"b")
     assert candidates.file_digest(str(a)) == hashlib.sha256(a.read_bytes()).hexdigest()
     assert candidates.file_digest(str(a)) != candidates.file_digest(str(b))
+
+
+def test_readers_renamed_quickly_rename_what_onnxruntime_renames_and_the_quantizer_writes_the_same_bytes(tmp_path):
+    """Every tensor of a residual CNN renamed in turn (and a name no node reads), once by
+    onnxruntime's own ONNXModel.replace_input_of_all_nodes and once inside
+    readers_renamed_quickly: the graphs are the same after every rename. quantize_static
+    inside it writes the model it writes outside, byte for byte, and onnxruntime's method is
+    its own again after."""
+    from onnxruntime.quantization.onnx_model import ONNXModel
+
+    model = gen_models.build_cnn(2, channels=4, size=8, seed=0)
+    theirs, ours = ONNXModel(onnx.ModelProto()), ONNXModel(onnx.ModelProto())
+    theirs.model.CopyFrom(model)
+    ours.model.CopyFrom(model)
+    names = sorted({name for node in model.graph.node for name in node.input if name}) + ["read_by_none"]
+    for k, name in enumerate(names):
+        theirs.replace_input_of_all_nodes(name, f"renamed_{k}")
+        with candidates.readers_renamed_quickly():
+            ours.replace_input_of_all_nodes(name, f"renamed_{k}")
+        assert ours.model.SerializeToString() == theirs.model.SerializeToString(), name
+    assert theirs.model.SerializeToString() != model.SerializeToString()  # the renames did rename
+
+    onnx.save(model, tmp_path / "cnn.onnx")
+    samples = [{"x": np.random.default_rng(k).standard_normal((1, 3, 8, 8)).astype(np.float32)} for k in range(3)]
+    original = ONNXModel.replace_input_of_all_nodes
+    for path, quick in ((tmp_path / "plain.onnx", False), (tmp_path / "quick.onnx", True)):
+        with gen_models.quiet_quantizer(), candidates.readers_renamed_quickly() if quick else contextlib.nullcontext():
+            quantize_static(str(tmp_path / "cnn.onnx"), str(path), candidates.SampleReader(list(samples)))
+    assert (tmp_path / "quick.onnx").read_bytes() == (tmp_path / "plain.onnx").read_bytes()
+    assert ONNXModel.replace_input_of_all_nodes is original
