@@ -324,7 +324,7 @@ class Trials:
         self.policy: Policy | None = None
         # requantize's plans: one quantized graph per structure, many ranges
         self.plans: dict[tuple[str, str], RangePlan | FirstRow] = {}
-        self.timed_plans: dict[str | None, int] = {}  # the optimized graph's digest: the first row timed on it
+        self.timed_plans: dict[str, int] = {}  # the optimized graph's digest: the first row timed on it
         self.sessions = itertools.count()  # each timing session's key: the runs of one are paired
 
     @property
@@ -417,7 +417,8 @@ class Trials:
             record.by_sample = figures.get("metric_by_sample")
             if record.speed_from is None:
                 record.runs = self.timed_runs(figures)
-                self.timed_plans.setdefault(figures.get("plan"), measured["id"])
+                if figures.get("plan") is not None:
+                    self.timed_plans.setdefault(figures["plan"], measured["id"])
             else:
                 record.runs = self.records[record.speed_from].runs
             self.digests[digest] = measured
@@ -444,9 +445,10 @@ class Trials:
         digest ``plan`` (deployed.plan_digest), ``speed_from`` naming it; None: no such row.
         A row made from another by its ranges alone (a calibration method or percentile,
         overrides, a bias correction) most often runs the same plan: timing it again would
-        add only noise, and half the rows' time on a page-size model."""
+        add only noise, and half the rows' time on a page-size model. A row whose speedup was
+        nulled (its float time stayed far off: steady) lends none: the next row is timed."""
         ident = self.timed_plans.get(plan)
-        if ident is None:
+        if ident is None or self.records[ident].row["speedup"] is None:
             return None
         return {**{key: self.records[ident].row.get(key) for key in LATENCY}, "speed_from": ident}
 

@@ -586,3 +586,17 @@ def test_every_row_is_first_timed_on_5_runs_and_the_written_row_and_its_rivals_o
     timed_as = chosen["id"] if chosen["speed_from"] is None else chosen["speed_from"]
     assert paths[0].endswith(f"candidate-{timed_as}.onnx")
     assert len(found[0]["speedup_runs"]) == 9 and chosen["speedup"] == found[0]["speedup"]
+
+
+def test_a_plan_lends_its_first_timed_rows_figures_unless_that_rows_speedup_was_nulled(tmp_path):
+    """timed_alike gives the latency figures of the row first timed on a plan, naming it; a
+    plan no row was timed on gives none, and so does a row whose speedup steady nulled (its
+    float time stayed far off): the next row of that plan is timed itself."""
+    rows = RetimedRows(tmp_path, retimed_ms=2.55)
+    first = rows.add(2.4)
+    rows.trials.timed_plans["plan-a"] = first["id"]
+    lent = rows.trials.timed_alike("plan-a")
+    assert lent == {"ms": 1.0, "float_ms": 2.4, "speedup": 2.4, "speedup_spread": [2.4, 2.4], "speed_from": 0}
+    assert rows.trials.timed_alike("plan-b") is None
+    first["speedup"] = first["speedup_spread"] = None
+    assert rows.trials.timed_alike("plan-a") is None
