@@ -61,6 +61,8 @@ from onnxruntime.quantization.calibrate import (
 from onnxruntime.quantization.quant_utils import load_model_with_shape_infer, update_opset_version
 from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
+from graphscan_ort.shared.graph import node_reads
+
 __all__ = ["MINMAX_CHUNK", "calibrate"]
 
 MINMAX_CHUNK = 16  # samples per MinMax collect_data call: their reduced outputs, not their tensors
@@ -430,9 +432,9 @@ def group_model(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
         if k is None or k in kept:
             continue
         kept.add(k)
-        wanted.extend(read_names(graph.node[k]))
+        wanted.extend(node_reads(graph.node[k]))
     nodes = [node for k, node in enumerate(graph.node) if k in kept]
-    read = {name for node in nodes for name in read_names(node)}
+    read = {name for node in nodes for name in node_reads(node)}
     cut = onnx.helper.make_graph(
         nodes,
         graph.name,
@@ -444,17 +446,6 @@ def group_model(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
     made = onnx.helper.make_model(cut, opset_imports=list(model.opset_import), ir_version=model.ir_version)
     made.functions.extend(model.functions)
     return made
-
-
-def read_names(node: onnx.NodeProto) -> Iterator[str]:
-    """The names ``node`` reads: its inputs, and every name its subgraphs read (those they
-    define themselves too: harmless, no node of the outer graph produces them)."""
-    yield from (name for name in node.input if name)
-    for attribute in node.attribute:
-        bodies = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
-        for body in bodies:
-            for inner in body.node:
-                yield from read_names(inner)
 
 
 def outer_edges(e: Extremes, magnitudes: bool) -> tuple[Any, Any]:
