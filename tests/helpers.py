@@ -607,10 +607,11 @@ def without_structural_seeds(monkeypatch):
     monkeypatch.setattr(tune_stages, "part_blocks", lambda *args, **kwargs: [])
 
 
-def small_cnn(folder, blocks, count, seed):
+def small_cnn(folder, blocks, count, seed, names=None):
     """gen_models' residual CNN (``blocks`` blocks, 16 channels: int8 is smaller than float, 8x8
     pixels) saved as ``folder/cnn.onnx``, and ``count`` seeded standard-normal samples
-    ``s0.npz``, ``s1.npz``, ...: the model's path and the sample files."""
+    ``s0.npz``, ``s1.npz``, ... (``names``: their paths under ``folder`` instead, folders
+    made), drawn in that order: the model's path and the sample files."""
     import numpy as np
     import onnx
 
@@ -620,10 +621,21 @@ def small_cnn(folder, blocks, count, seed):
     onnx.save(gen_models.build_cnn(blocks, channels=16, size=8, seed=0), fp32)
     rng = np.random.default_rng(seed)
     files = []
-    for k in range(count):
-        files.append(str(Path(folder) / f"s{k}.npz"))
+    for name in names or [f"s{k}.npz" for k in range(count)]:
+        files.append(str(Path(folder) / name))
+        Path(files[-1]).parent.mkdir(parents=True, exist_ok=True)
         np.savez(files[-1], x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
     return fp32, files
+
+
+def small_cnn_held_out(folder):
+    """small_cnn with 2 blocks, 2 calibration samples ``cal0.npz``, ``cal1.npz`` and 8
+    held-out samples ``held/h0.npz``, ... drawn after them (seed 4): enough held-out samples
+    to show a row at least as accurate as the defaults'. The model's path, the calibration
+    files and the held-out folder."""
+    names = ["cal0.npz", "cal1.npz", *(f"held/h{k}.npz" for k in range(8))]
+    fp32, files = small_cnn(folder, 2, len(names), seed=4, names=names)
+    return fp32, files[:2], Path(folder) / "held"
 
 
 def item_outcomes(output):

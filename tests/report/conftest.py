@@ -4,12 +4,10 @@ import importlib.util
 import json
 from pathlib import Path
 
-import numpy as np
-import onnx
 import pytest
 
-import gen_models
 import graphscan
+from tests.helpers import small_cnn_held_out
 
 # matplotlib is the extra `report`, pinned in requirements.txt: CI has it. Where it is missing the
 # pages cannot be drawn, and only tests/report/test_without_plotting.py runs.
@@ -60,17 +58,7 @@ def saved(tmp_path_factory):
     then runtime, check, trace and impact on the model it wrote, each answer saved as JSON;
     and runtime's answer as an arm64 target would give it."""
     folder = tmp_path_factory.mktemp("answers")
-    fp32 = folder / "cnn.onnx"
-    onnx.save(gen_models.build_cnn(2, channels=16, size=8, seed=0), fp32)
-    rng = np.random.default_rng(4)
-    calibration = []
-    for k in range(2):
-        calibration.append(str(folder / f"cal{k}.npz"))
-        np.savez(calibration[-1], x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
-    held = folder / "held"
-    held.mkdir()
-    for k in range(8):
-        np.savez(held / f"h{k}.npz", x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    fp32, calibration, held = small_cnn_held_out(folder)
     out = folder / "out"
     tune = graphscan.tune(
         str(fp32), calibrate=calibration, inputs=[str(held)], out=str(out), runs=3, min_speedup=0, report=True

@@ -36,6 +36,7 @@ from tests.helpers import (
     main_error_line,
     run_graphscan,
     searched,
+    small_cnn_held_out,
     without_structural_seeds,
 )
 from tests.lab import Case
@@ -48,17 +49,7 @@ def tuned(tmp_path_factory):
     faster, so ``--min-speedup 0`` lets the speed guard pass whatever the machine's noise
     (the guards are tested on their own)."""
     folder = tmp_path_factory.mktemp("tune")
-    fp32 = folder / "cnn.onnx"
-    onnx.save(gen_models.build_cnn(2, channels=16, size=8, seed=0), fp32)
-    rng = np.random.default_rng(4)
-    calibration = []
-    for k in range(2):
-        calibration.append(folder / f"cal{k}.npz")
-        np.savez(calibration[-1], x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
-    held = folder / "held"  # 8 held-out samples: enough to show a row at least as accurate as the defaults'
-    held.mkdir()
-    for k in range(8):
-        np.savez(held / f"h{k}.npz", x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    fp32, calibration, held = small_cnn_held_out(folder)
     out = folder / "tuned"
     argv = ["tune", fp32, *[a for c in calibration for a in ("--calibrate", c)], "--inputs", held, "--out", out]
     answer = json_answer(run_graphscan([*argv, "--runs", "3", "--min-speedup", "0"]))
