@@ -7,22 +7,23 @@ every sample and stack them, so their peak grows with the number of samples (3.7
 cache (``calibration_cache_path``) while holding one sample's tensors at a time, with
 onnxruntime's own calibrator (its augmented model and its choice of tensors):
 
-- MinMax: ``collect_data`` called on ``MINMAX_CHUNK`` samples at a time, its session running
-  the kernels in the graph's order (each reduction right before the tensor's first reader,
-  where onnxruntime puts it: the default order ran them last, every tensor alive till
-  then); each call reduces
-  its samples and merges min with min and max with max, so the ranges are those of one call
-  over all samples. ``CalibMovingAverage`` averages per call, not per sample, so that option
-  gets a single call (MinMax keeps two numbers per tensor and sample, not the tensors).
-  ``CalibMaxIntermediateOutputs`` is not the way: onnxruntime 1.32 drops the samples it
-  collected without reducing them (github.com/microsoft/onnxruntime/issues/18893).
-- histograms: two passes over the samples, first each tensor's extremes (reduced inside the
-  graph: a few numbers per tensor and sample), then its histogram over those extremes one
-  sample and one group of at most ``GROUP_BYTES`` of tensors at a time (each group a run of
-  the graph cut to what it needs). These are the bins onnxruntime's ``HistogramCollector``
-  sets over all samples at once, and a histogram over fixed bins is the sum of the samples'
-  histograms, so the histogram is the same, count for count, and its own
-  ``compute_collection_result`` turns it into the same ranges. The counting (bin_counts) is
+- one pass over the samples per prepared model (kept_reductions, kept in the cache's folder):
+  each calibrated tensor reduced inside the graph to its least and greatest value and
+  magnitude, a finiteness test and its shape, a few numbers per tensor and sample, each
+  reduction right after the tensor's producer, so it is freed as the run goes on.
+- MinMax: onnxruntime's own ``collect_data`` and ``compute_data`` fed those least and greatest
+  values, shaped as its augmented model's ReduceMin and Reshape return them (``Replayed``),
+  ``MINMAX_CHUNK`` samples a call; each call merges min with min and max with max, so the
+  ranges are those of one call over all samples. ``CalibMovingAverage`` averages per call,
+  not per sample, so that option gets a single call. ``CalibMaxIntermediateOutputs`` is not
+  the way: onnxruntime 1.32 drops the samples it collected without reducing them
+  (github.com/microsoft/onnxruntime/issues/18893).
+- histograms: the bins set by those extremes, then one more pass per binning: each tensor's
+  histogram over them, one sample and one group of at most ``GROUP_BYTES`` of tensors at a
+  time (each group a run of the graph cut to what it needs). These are the bins onnxruntime's
+  ``HistogramCollector`` sets over all samples at once, and a histogram over fixed bins is
+  the sum of the samples' histograms, so the histogram is the same, count for count, and its
+  own ``compute_collection_result`` turns it into the same ranges. The counting (bin_counts) is
   numpy's histogram, step for step, in threads: numpy's loops let go of the GIL, and the
   counting is most of the time at page size. ``histograms`` counts several binnings in the
   same passes when asked; tune asks for one at a time: counting Entropy's beside
@@ -37,6 +38,7 @@ Example (``quantize_static`` then reads the ranges instead of calibrating)::
 
 from __future__ import annotations
 
+import array
 import copy
 import itertools
 import os
@@ -45,6 +47,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -99,16 +102,12 @@ def calibrate(
             providers=arguments.get("calibration_providers"),
             extra_options=options,
         )
+        folder = os.path.dirname(os.path.abspath(cache))
         if isinstance(calibrator, HistogramCalibrater):
-            ranges = histogram_ranges(calibrator, make_reader, os.path.dirname(os.path.abspath(cache)))
+            ranges = histogram_ranges(calibrator, make_reader, folder)
         else:
             assert isinstance(calibrator, MinMaxCalibrater)
-            # Its reductions sit before each tensor's first reader: run in that order, each
-            # tensor is freed as the run goes on (2,514 MB to 363 MB on PP-OCRv4 det, 6 pages).
-            calibrator.infer_session = calibration_session(
-                calibrator.augmented_model_path, calibrator.execution_providers
-            )
-            ranges = minmax_ranges(calibrator, make_reader())
+            ranges = minmax_calibrated(calibrator, make_reader, folder)
         del calibrator  # its session holds the augmented model in the folder
     save_tensors_data(ranges, cache)
 
@@ -134,6 +133,74 @@ def calibrated_model(model_path: str, arguments: dict[str, Any], folder: str) ->
     source = os.path.join(folder, "model_input.onnx")
     onnx.save_model(copy.deepcopy(updated), source, save_as_external_data=True)
     return source
+
+
+def minmax_calibrated(
+    calibrator: MinMaxCalibrater, make_reader: Callable[[], CalibrationDataReader], folder: str | None
+) -> TensorsData:
+    """onnxruntime's MinMax ranges: its own ``collect_data`` and ``compute_data`` fed each
+    sample's least and greatest value of every tensor from the reductions the histograms read
+    too (kept_reductions: one pass over the samples for MinMax and every histogram of a
+    prepared model). Those are onnxruntime's ReduceMin and ReduceMax of the same tensors, so
+    a NaN, an infinity or an empty sample comes out as its own reductions leave it."""
+    outputs = [o.name for o in calibrator.model.graph.output]
+    reduced = outputs[calibrator.num_model_outputs :]
+    names = [reduced[k].rpartition("_")[0] for k in range(0, len(reduced), 2)]  # as compute_data names them
+    if not names:  # nothing to calibrate: onnxruntime's own session and its own answer
+        calibrator.infer_session = calibration_session(calibrator.augmented_model_path, calibrator.execution_providers)
+        return minmax_ranges(calibrator, make_reader())
+    reductions = kept_reductions(
+        unreduced(calibrator.model, names), names, make_reader, calibrator.execution_providers, folder
+    )
+    calibrator.infer_session = Replayed(outputs, calibrator.num_model_outputs, names, reductions)
+    return minmax_ranges(calibrator, Placeholders(reductions[names[0]].samples))
+
+
+def unreduced(augmented: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """onnxruntime's MinMax augmented model without the ReduceMin, ReduceMax and Reshape nodes
+    its ``augment_graph`` added for ``names`` (named after each tensor): the graph calibrated."""
+    added = {f"{name}_{op}{tail}" for name in names for op in ("ReduceMin", "ReduceMax") for tail in ("", "_Reshape")}
+    model = copy.deepcopy(augmented)
+    kept = [node for node in model.graph.node if node.name not in added]
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    return model
+
+
+class Replayed:
+    """The session onnxruntime's MinMax calibrator runs, answered from reductions already made:
+    for each sample in turn, None for the model's own outputs (it drops them), then each
+    tensor's least and greatest value shaped as its ReduceMin and Reshape leave them ([1])."""
+
+    def __init__(
+        self, outputs: list[str], model_outputs: int, names: list[str], reductions: dict[str, Reduced]
+    ) -> None:
+        self.outputs = [SimpleNamespace(name=name) for name in outputs]
+        lows = [reductions[name].lows() for name in names]
+        highs = [reductions[name].highs() for name in names]
+        samples = reductions[names[0]].samples
+        self.answers = iter(
+            [None] * model_outputs
+            + [part[k : k + 1] for low, high in zip(lows, highs, strict=True) for part in (low, high)]
+            for k in range(samples)
+        )
+
+    def get_outputs(self) -> list[SimpleNamespace]:
+        return self.outputs
+
+    def run(self, output_names: list[str] | None, feeds: Any) -> list[np.ndarray | None]:
+        return next(self.answers)
+
+
+class Placeholders(CalibrationDataReader):
+    """``count`` stand-ins for samples (``Replayed`` answers them), none of them empty."""
+
+    def __init__(self, count: int) -> None:
+        self.left = iter(range(count))
+
+    def get_next(self) -> dict[str, int] | None:
+        k = next(self.left, None)
+        return None if k is None else {"sample": k}
 
 
 def minmax_ranges(calibrator: MinMaxCalibrater, reader: CalibrationDataReader) -> TensorsData:
@@ -201,6 +268,51 @@ class Extremes:
         self.most = most if first else max(self.most, most)
 
 
+class Reduced:
+    """One tensor's reductions (extremes_model's) over every sample, in memory flat in the
+    samples but for two numbers a sample: its Extremes, or the error they raised (a shape
+    that changed, a value not finite: a histogram's to raise), and each sample's least and
+    greatest value, as MinMax reduces it."""
+
+    def __init__(self) -> None:
+        self.extremes: Extremes | None = None
+        self.problem: str | None = None
+        self.low_values = array.array("d")  # a float16 or float32 value, exactly
+        self.high_values = array.array("d")
+        self.dtype: np.dtype | None = None
+
+    @property
+    def samples(self) -> int:
+        return len(self.low_values)
+
+    def add(self, name: str, parts: list[np.ndarray]) -> None:
+        """One sample's six reductions of the tensor, in extremes_model's order."""
+        low, high = parts[0], parts[1]
+        self.dtype = low.dtype
+        self.low_values.append(float(low))
+        self.high_values.append(float(high))
+        if self.problem is None:
+            try:
+                if self.extremes is None:
+                    self.extremes = Extremes(tuple(parts[5]), low.dtype)
+                self.extremes.add(name, parts)
+            except ValueError as exc:
+                self.problem = str(exc)
+
+    def lows(self) -> np.ndarray:
+        return np.asarray(self.low_values, self.dtype)
+
+    def highs(self) -> np.ndarray:
+        return np.asarray(self.high_values, self.dtype)
+
+    def checked(self) -> Extremes:
+        """The tensor's Extremes for a histogram; raises what Extremes raised."""
+        if self.problem is not None:
+            raise ValueError(self.problem)
+        assert self.extremes is not None, "a tensor with reductions has extremes"
+        return self.extremes
+
+
 def histogram_ranges(
     calibrator: HistogramCalibrater, make_reader: Callable[[], CalibrationDataReader], folder: str | None = None
 ) -> TensorsData:
@@ -216,7 +328,7 @@ def histogram_ranges(
         with open(kept, "rb") as f:
             found = pickle.load(f)  # tune's own file in its own temporary folder
     else:
-        found = histograms(calibrator, make_reader, [binning])[binning]
+        found = histograms(calibrator, make_reader, [binning], folder)[binning]
         if kept is not None:
             with open(kept, "wb") as f:
                 pickle.dump(found, f)
@@ -240,13 +352,57 @@ def histogram_file(folder: str, magnitudes: bool, bins: int) -> str:
     return os.path.join(folder, f"histograms-{'magnitudes' if magnitudes else 'values'}-{bins}.pickle")
 
 
+def kept_reductions(
+    model: onnx.ModelProto,
+    names: list[str],
+    make_reader: Callable[[], CalibrationDataReader],
+    providers: list[str] | None,
+    folder: str | None,
+) -> dict[str, Reduced]:
+    """Each of ``names``' reductions (extremes_model's) on every sample of ``make_reader()``,
+    run in ``model``; kept in ``folder`` (a calibration cache's: one prepared model's, like
+    histogram_file) for the next calibration, which reads them instead of running the samples
+    when they hold every tensor it calibrates."""
+    path = None if folder is None else os.path.join(folder, "reductions.pickle")
+    kept: dict[str, Reduced] = {}
+    if path is not None and os.path.isfile(path):
+        with open(path, "rb") as f:
+            kept = pickle.load(f)  # tune's own file in its own temporary folder
+        if all(name in kept for name in names):
+            return {name: kept[name] for name in names}
+    found = sample_reductions(model, names, make_reader, providers)
+    if path is not None:
+        with open(path, "wb") as f:
+            pickle.dump({**kept, **found}, f)
+    return found
+
+
+def sample_reductions(
+    model: onnx.ModelProto,
+    names: list[str],
+    make_reader: Callable[[], CalibrationDataReader],
+    providers: list[str] | None,
+) -> dict[str, Reduced]:
+    """Each of ``names``' reductions (extremes_model) over the samples: one run a sample."""
+    found = {name: Reduced() for name in names}
+    session = calibration_session(extremes_model(model, names), providers)
+    for sample in samples_of(make_reader()):
+        reduced = session.run(None, sample)
+        for k, name in enumerate(names):
+            found[name].add(name, reduced[6 * k : 6 * k + 6])
+    return found
+
+
 def calibrated_names(calibrator: HistogramCalibrater) -> list[str]:
     """The tensors onnxruntime's histogram calibrator counts, in its augmented model's output order."""
     return [o.name for o in calibrator.model.graph.output if o.name in calibrator.tensors_to_calibrate]
 
 
 def histograms(
-    calibrator: HistogramCalibrater, make_reader: Callable[[], CalibrationDataReader], binnings: list[Binning]
+    calibrator: HistogramCalibrater,
+    make_reader: Callable[[], CalibrationDataReader],
+    binnings: list[Binning],
+    folder: str | None = None,
 ) -> dict[Binning, dict[str, tuple]]:
     """The histogram of every calibrated tensor for each of ``binnings``, as
     ``HistogramCollector.histogram_dict`` holds it: each tensor's extremes reduced inside the
@@ -254,14 +410,8 @@ def histograms(
     fetched a group of tensors at a time (fetch_groups)."""
     names = calibrated_names(calibrator)
     providers = calibrator.execution_providers
-    extremes: dict[str, Extremes] = {}
-    session = calibration_session(extremes_model(calibrator.model, names), providers)
-    for sample in samples_of(make_reader()):
-        reduced = session.run(None, sample)
-        for k, name in enumerate(names):
-            parts = reduced[6 * k : 6 * k + 6]
-            extremes.setdefault(name, Extremes(tuple(parts[5]), parts[0].dtype)).add(name, parts)
-    del session
+    reductions = kept_reductions(calibrator.model, names, make_reader, providers, folder)
+    extremes = {name: reduced.checked() for name, reduced in reductions.items() if reduced.samples}
     if not extremes:
         raise ValueError("No data is collected.")
     bounds = {(name, b): outer_edges(e, b[0]) for name, e in extremes.items() if e.size for b in binnings}

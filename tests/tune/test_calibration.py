@@ -6,8 +6,10 @@ ranges (and, for the histogram methods, the same histograms) one sample at a tim
 peak must not grow with the number of samples the way onnxruntime's does.
 """
 
+import contextlib
 import gc
 import tracemalloc
+import warnings
 
 import numpy as np
 import onnx
@@ -80,10 +82,13 @@ def test_the_ranges_are_onnxruntimes_own_over_every_sample_at_once(cnn, tmp_path
             np.testing.assert_array_equal(getattr(got, attribute), getattr(expected, attribute), err_msg=name)
 
 
-def test_histograms_are_collected_once_per_binning_and_every_way_keeps_onnxruntimes_ranges(cnn, tmp_path):
-    """Every histogram way calibrated in turn into one folder (as tune's stages do on one
-    prepared model): the samples are run twice (the extremes, then one group of tensors: this
-    model's fit in one) only for the first way of each binning (magnitudes at 2048 bins:
+def test_the_samples_are_run_once_for_every_way_then_once_per_binning_and_every_way_keeps_onnxruntimes_ranges(
+    cnn, tmp_path
+):
+    """Every way calibrated in turn into one folder (as tune's stages do on one prepared
+    model): the samples are run once for the extremes, which MinMax reads whatever its
+    options (symmetric, moving average), then once more (one group of tensors: this model's
+    fit in one) only for the first histogram of each binning (magnitudes at 2048 bins:
     Percentile at 99.999, then 99.9, onnxruntime's Percentile being symmetric by default;
     values at 2048: the values-Percentile; values at 128: Entropy, then Distribution), and
     each cache still holds the ranges onnxruntime computes on its own."""
@@ -93,9 +98,8 @@ def test_histograms_are_collected_once_per_binning_and_every_way_keeps_onnxrunti
         readers.append(Samples(11))
         return readers[-1]
 
-    histogram_ways = [w for w in WAYS if w.values[0] != "MinMax"]
     passes = []
-    for param in histogram_ways:
+    for param in WAYS:
         method, options = param.values
         arguments = candidates.keyword_arguments(
             {"calibrate_method": method, **({"extra_options": options} if options else {})}
@@ -108,14 +112,16 @@ def test_histograms_are_collected_once_per_binning_and_every_way_keeps_onnxrunti
             quantize_static(cnn, str(tmp_path / "q.onnx"), Samples(11), calibration_cache_path=str(theirs), **arguments)
         passes.append(len(readers) - before)
         mine, reference = load_tensors_data(ours), load_tensors_data(theirs)
+        assert list(mine.keys()) == list(reference.keys()) and len(reference.keys()) > 10
         for name, expected in reference.items():
             for attribute in expected._attrs:
                 got, want = getattr(mine[name], attribute), getattr(expected, attribute)
                 np.testing.assert_array_equal(got, want, err_msg=name)
-    assert [p.id for p in histogram_ways] == [
-        "percentile", "percentile-99.9", "percentile-values-not-magnitudes", "entropy", "distribution"
+    assert [p.id for p in WAYS] == [
+        "minmax", "minmax-symmetric", "minmax-moving-average",
+        "percentile", "percentile-99.9", "percentile-values-not-magnitudes", "entropy", "distribution",
     ]  # fmt: skip
-    assert passes == [2, 0, 2, 2, 0]
+    assert passes == [1, 0, 0, 1, 0, 1, 1, 0]
     assert sorted(f.name for f in tmp_path.glob("histograms-*")) == [
         "histograms-magnitudes-2048.pickle", "histograms-values-128.pickle", "histograms-values-2048.pickle"
     ]  # fmt: skip
@@ -231,27 +237,45 @@ def test_binnings_counted_in_the_same_passes_equal_each_counted_alone(cnn, tmp_p
                 np.testing.assert_array_equal(got, want, err_msg=name)
 
 
-def test_a_histograms_peak_is_one_group_of_tensors_not_one_samples_every_tensor(tmp_path, monkeypatch):
-    """One sample of a CNN with wide activations (8 channels at 96x96): counted with groups of
-    a sixteenth of the all-at-once peak, numpy's peak (traced: the fetched tensors and
-    their magnitudes) is under half the peak of fetching them all in one run."""
+def test_a_histogram_fetches_one_group_of_tensors_a_run_not_one_samples_every_tensor(tmp_path, monkeypatch):
+    """One sample of a CNN with wide activations (8 channels at 96x96), counted with groups of
+    a sixteenth of its calibrated tensors' bytes: no run of the samples hands back more than
+    one group (or one tensor larger than a group), under a quarter of what one run fetching
+    every tensor hands back. (The fetched arrays are onnxruntime's, which tracemalloc does
+    not see: the bytes each run returns are the measure.)"""
     path = tmp_path / "wide.onnx"
     onnx.save(gen_models.build_cnn(2, channels=8, size=96, seed=0), path)
     arguments = candidates.keyword_arguments({"calibrate_method": "Percentile"})
+    opened = calibration.calibration_session
+    fetched = []
 
-    def peak(group_bytes):
+    class Counted:
+        def __init__(self, session):
+            self.session = session
+
+        def run(self, names, feeds):
+            outputs = self.session.run(names, feeds)
+            if names is not None:  # a group's run (the extremes run asks for every small output)
+                fetched.append((len(names), sum(o.nbytes for o in outputs), max(o.nbytes for o in outputs)))
+            return outputs
+
+    monkeypatch.setattr(calibration, "calibration_session", lambda *a: Counted(opened(*a)))
+
+    def runs(group_bytes):
         monkeypatch.setattr(calibration, "GROUP_BYTES", group_bytes)
-        gc.collect()
-        tracemalloc.start()
+        folder = tmp_path / str(group_bytes)  # a folder each: the histograms kept in one are read, not counted
+        folder.mkdir()
+        fetched.clear()
         with gen_models.quiet_quantizer():
-            calibration.calibrate(str(path), arguments, lambda: Samples(1, [(1, 3, 96, 96)]), str(tmp_path / "c.json"))
-        _, top = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        return top
+            calibration.calibrate(str(path), arguments, lambda: Samples(1, [(1, 3, 96, 96)]), str(folder / "c.json"))
+        return list(fetched)
 
-    whole = peak(2**40)
-    assert whole > 8 * 96 * 96 * 4 * 4  # several tensors of 8x96x96 float32 fetched at once
-    assert peak(whole // 16) < whole / 2, whole
+    [(tensors, whole, _)] = runs(2**40)
+    assert tensors > 10 and whole > 8 * 96 * 96 * 4 * 4  # several tensors of 8x96x96 float32 in one run
+    grouped = runs(whole // 16)
+    assert sum(n for n, _, _ in grouped) == tensors and len(grouped) > 4
+    assert all(total <= max(whole // 16, largest) for _, total, largest in grouped), grouped
+    assert max(total for _, total, _ in grouped) < whole / 4, (whole, grouped)
 
 
 def test_minmax_in_chunks_is_minmax_over_every_sample(cnn, tmp_path, monkeypatch):
@@ -274,12 +298,58 @@ def test_minmax_in_chunks_is_minmax_over_every_sample(cnn, tmp_path, monkeypatch
         assert (np.asarray(low).item(), np.asarray(high).item()) == (values.min(), values.max()), name
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"CalibTensorRangeSymmetric": True}, {"CalibMovingAverage": True}],
+    ids=["minmax", "symmetric", "moving-average"],
+)
+def test_minmax_read_off_the_extremes_is_onnxruntimes_own_on_nan_infinite_and_empty_samples(tmp_path, options):
+    """MinMax's ranges come from the reductions the histograms' extremes pass makes, replayed
+    into onnxruntime's own collect_data and compute_data: on samples whose tensors hold a NaN
+    (Log of -1), an infinity (Log of 0) or no element at all (a batch of 0), where each
+    reduction's rule is its own, they equal the ranges quantize_static calibrates itself."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Log", ["x"], ["logged"]), helper.make_node("MatMul", ["logged", "w"], ["y"])]
+    w = onnx.numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])], [w],
+    )  # fmt: skip
+    path = str(tmp_path / "log.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
+    rows = [[1.0, 2.0, 3.0, 4.0], [0.5, -1.0, 2.0, 6.0], [0.0, 2.5, 1.0, 1.5], [3.0, 0.25, 8.0, 2.0]]
+    samples = [{"x": np.array([row], np.float32)} for row in rows] + [{"x": np.zeros((0, 4), np.float32)}]
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.left = iter(samples)
+
+        def get_next(self):
+            return next(self.left, None)
+
+    arguments = candidates.keyword_arguments({"calibrate_method": "MinMax", "extra_options": options})
+    ours, theirs = tmp_path / "ours.json", tmp_path / "theirs.json"
+    with gen_models.quiet_quantizer(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the quantizer's own about a range not finite
+        calibration.calibrate(path, arguments, Reader, str(ours))
+        with contextlib.suppress(Exception):  # it writes its cache before it quantizes (or refuses to)
+            quantize_static(path, str(tmp_path / "q.onnx"), Reader(), calibration_cache_path=str(theirs), **arguments)
+    mine, reference = load_tensors_data(ours), load_tensors_data(theirs)
+    assert sorted(mine.keys()) == sorted(reference.keys()) == ["logged", "y"]
+    assert not np.isfinite(reference["logged"].range_value[0]).all()  # the infinity reached the range
+    for name, expected in reference.items():
+        np.testing.assert_array_equal(mine[name].range_value, expected.range_value, err_msg=name)
+        assert [np.asarray(v).dtype for v in mine[name].range_value] == [np.float32, np.float32]
+
+
 @pytest.mark.parametrize("method", [pytest.param("Percentile", id="percentile"), pytest.param("MinMax", id="minmax")])
 def test_peak_memory_does_not_grow_with_the_number_of_samples(tmp_path, monkeypatch, method):
     """Calibrating 48 samples peaks about where 12 do (numpy's allocations, traced): a
     histogram holds one sample's tensors at a time, MinMax one chunk's reductions (4 here,
-    so both counts merge chunks). onnxruntime's own calibrators hold every sample's: all
-    their tensors for a histogram (1.4 MB a sample here), all their reductions for MinMax."""
+    so both counts merge chunks) beside two numbers a sample and tensor. onnxruntime's own
+    calibrators hold every sample's: all their tensors for a histogram (1.4 MB a sample
+    here), all their reductions for MinMax."""
     monkeypatch.setattr(calibration, "MINMAX_CHUNK", 4)
     path = tmp_path / "wide.onnx"
     onnx.save(gen_models.build_cnn(2, channels=8, size=48, seed=0), path)
