@@ -376,13 +376,17 @@ def classify(
     level: str = "extended",
     provider: str = CPU,
     int8_allowed: bool = False,
+    optimized: onnx.ModelProto | None = None,
 ) -> Classification:
     """What onnxruntime runs for each compute node of ``model`` (read from ``path``,
-    which failures name) in one session at ``level`` on ``provider``."""
+    which failures name) in one session at ``level`` on ``provider``; ``optimized``: the
+    graph a session of ``model`` at that level saved already (used where every node of
+    ``model`` has its own name, so that it is the named model's graph too)."""
     check_provider(provider)
     named, names = session_names(model)
     named_bytes = named.SerializeToString()
-    optimized = optimized_model(named_bytes, path, level, provider, int8_allowed)
+    if optimized is None or names != [node.name for node in model.graph.node]:
+        optimized = optimized_model(named_bytes, path, level, provider, int8_allowed)
     graph = OptimizedGraph(optimized.graph)
     rows, unmapped = classify_nodes(GraphIndex(named.graph), names, graph, level, provider, int8_allowed)
     return Classification(rows, unmapped, named, named_bytes, optimized, graph)

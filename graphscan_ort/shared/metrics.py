@@ -157,6 +157,7 @@ def paired_outputs(
     pairs: list[tuple[str, str]],
     options: ort.SessionOptions,
     kept: dict[tuple[str, ...], FloatOutputs] | None = None,
+    candidate_options: ort.SessionOptions | None = None,
 ) -> PairedOutputs:
     """Both models (the float ``reference_model``, the quantized ``candidate_model``) run
     on ``samples`` in sessions at ``options``, the outputs paired by ``pairs`` (``output_pairs``):
@@ -164,7 +165,8 @@ def paired_outputs(
     tune candidate's accuracy; exit 2 for an output that is not a tensor of numbers
     (``require_numbers``). ``kept``: the float model's outputs already run, by the float
     outputs wanted; a new run is added to it (tune runs the float model once for all its
-    candidates)."""
+    candidates); ``candidate_options``: the candidate's session's, where they differ (tune's
+    save its optimized graph)."""
     names, candidate_names = tuple(f for f, _ in pairs), [q for _, q in pairs]
     require_numbers(reference_model, names)
     require_numbers(candidate_model, candidate_names)
@@ -175,7 +177,9 @@ def paired_outputs(
         reference = FloatOutputs(outputs, names, output_layout(reference_model.model, names, samples))
         if kept is not None:
             kept[names] = reference
-    candidate = model_outputs(candidate_model.model, samples, candidate_model.path, candidate_names, options)
+    candidate = model_outputs(
+        candidate_model.model, samples, candidate_model.path, candidate_names, candidate_options or options
+    )
     require_numbers(candidate_model, candidate_names, candidate)
     return PairedOutputs(reference, candidate)
 

@@ -42,14 +42,15 @@ from graphscan_ort.shared.kernels import int8_fraction
 from graphscan_ort.shared.metrics import FloatOutputs, PairedOutputs, output_layout, output_pairs, paired_outputs
 from graphscan_ort.shared.on_target import keyed_outputs, load_samples, read_outputs, save_samples
 from graphscan_ort.shared.options import Named, Timing
-from graphscan_ort.shared.sessions import model_outputs, open_session, session_options
+from graphscan_ort.shared.sessions import model_outputs, open_session, session_options, temporary_folder
 from graphscan_ort.tune.verdict import spread
 
 
-def kernel_counts(model: onnx.ModelProto, path: str, level: str) -> dict:
+def kernel_counts(model: onnx.ModelProto, path: str, level: str, optimized: onnx.ModelProto | None = None) -> dict:
     """int8 share, int8 kernels and the reasons wrapped nodes run float, from runtime's
-    classification, and the digest of the graph onnxruntime runs (plan_digest)."""
-    found = classify(model, path, level=level)
+    classification, and the digest of the graph onnxruntime runs (plan_digest); ``optimized``:
+    the graph a session of ``model`` at ``level`` saved already (classify's)."""
+    found = classify(model, path, level=level, optimized=optimized)
     rows = found.rows
     classes = runtime_counts(rows)["classes"]
     reasons = Counter(
@@ -128,8 +129,14 @@ def accuracy_figures(
         outputs, kernels = references.measure(reference, candidate, pairs)
     else:
         options = session_options(session.level, session.threads)
-        outputs = paired_outputs(reference, candidate, samples, pairs, options, references)
-        kernels = kernel_counts(candidate.model, candidate.path, session.level)
+        # The candidate's session saves the graph it optimized: the kernels are read off it,
+        # not off a session of their own (one model's session fewer a row).
+        with temporary_folder("graphscan-tune-") as folder:
+            saving = session_options(session.level, session.threads)
+            saving.optimized_model_filepath = os.path.join(folder, "optimized.onnx")
+            outputs = paired_outputs(reference, candidate, samples, pairs, options, references, saving)
+            optimized = saved_graph(saving.optimized_model_filepath)
+        kernels = kernel_counts(candidate.model, candidate.path, session.level, optimized)
     figures = outputs.figures()
     sqnr = figures.worst_db
     value, events = (sqnr, None) if metric is None or metric.name == "sqnr" else paired_events(outputs, metric)
@@ -146,6 +153,12 @@ def accuracy_figures(
         "metric_by_sample": by_sample,  # not a row's key: the ledger keeps it for the policy's paired rules
         **kernels,
     }
+
+
+def saved_graph(path: str) -> onnx.ModelProto | None:
+    """The optimized graph a session saved at ``path`` (None where it saved none: a session
+    of its own makes it then)."""
+    return onnx.load(path) if os.path.isfile(path) else None
 
 
 def sample_value(outputs: PairedOutputs, metric: Metric | None) -> float | None:

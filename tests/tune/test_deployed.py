@@ -50,6 +50,40 @@ def test_every_figure_equals_an_independent_measurement(cnn_pair):
     assert all(isinstance(count, int) and count > 0 for count in measured["wrapped_but_float"].values())
 
 
+@pytest.mark.parametrize("unnamed", [False, True], ids=["named", "a-node-unnamed"])
+def test_a_rows_kernels_are_read_off_its_own_accuracy_session_and_equal_runtimes(
+    cnn_pair, tmp_path, monkeypatch, unnamed
+):
+    """Once the float outputs are kept, a row's accuracy and kernels take one onnxruntime
+    session: the candidate's, which saves the graph it optimized for the kernels. With a node
+    unnamed (classify names it: the saved graph would not carry its name) classify opens its
+    own. Either way the kernels are those the runtime command finds at level all."""
+    import onnxruntime
+
+    fp32, quant, samples, _ = cnn_pair
+    model = onnx.load(quant)
+    if unnamed:
+        next(n for n in model.graph.node if n.op_type == "Conv").name = ""
+        quant = str(tmp_path / "unnamed.onnx")
+        onnx.save(model, quant)
+    reference, candidate = Named(onnx.load(fp32), fp32), Named(model, quant)
+    kept = {}
+    deployed.accuracy_figures(reference, candidate, samples, references=kept)  # the float outputs, kept
+    opened = []
+    made = onnxruntime.InferenceSession
+
+    def counted(*args, **kwargs):
+        opened.append(args)
+        return made(*args, **kwargs)
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", counted)
+    figures = deployed.accuracy_figures(reference, candidate, samples, references=kept)
+    assert len(opened) == (2 if unnamed else 1)
+    classes = graphscan.runtime(quant, level="all")["classes"]
+    assert figures["int8_kernels"] == classes["int8"] > 0
+    assert figures["wrapped_but_float"] == deployed.kernel_counts(model, quant, "all")["wrapped_but_float"]
+
+
 def relu_kept_between_convs(folder, overrides):
     """Conv, Relu, Conv quantized by onnxruntime with the Relu kept in the QDQ graph
     (QDQKeepRemovableActivations) and ``overrides``, ranges by tensor (c: the Relu's input,
