@@ -14,9 +14,10 @@ set size), in turn, ``--rounds`` times (the machine is shared: medians):
   whole:    the same with a target out of reach (``--target 1000``: 1000 dB of SQNR), so
             every stage runs (seeds, refinements, recovery, exclusions).
 
-Prints one JSON object: each side's medians, tune's ratios to the one-shot, and whether the
-bounds hold (defaults at most 8x, whole at most 20x, both at most 2 GiB). Run by hand; not
-a test. On PP-OCRv4's detector: 6 calibration pages at 1x3x768x896, 4 inputs of other sizes.
+Prints one JSON object: each side's median time and greatest peak (and each round's,
+``each``), tune's ratios to the one-shot, and whether the bounds hold (defaults at most 8x,
+whole at most 20x, both at most 2 GiB). Run by hand; not a test. On PP-OCRv4's detector: 6
+calibration pages at 1x3x768x896, 4 inputs of other sizes.
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": round(statistics.median(m["seconds"] for m in measures), 1),
             "peak_gib": round(max(m["peak_gib"] for m in measures), 3),
             "exits": sorted({m["exit"] for m in measures}),
+            "each": [[round(m["seconds"], 1), round(m["peak_gib"], 3)] for m in measures],  # seconds, GiB a round
         }
     holds = True
     if "one-shot" in runs:
