@@ -41,3 +41,52 @@ def test_onnxruntime_failing_to_write_into_the_temporary_folder_is_exit_3():
     # A failure that does not name the folder is the model's, and stays exit 5.
     _, error = failing_inside(lambda folder: "m.onnx: model does not run in onnxruntime (bad)")
     assert error.exit_code == graphscan.EXIT_RUNTIME
+
+
+def test_a_one_thread_session_runs_samples_side_by_side_with_the_outputs_of_one_at_a_time(tmp_path, monkeypatch):
+    """model_outputs in a one-thread session (a deployed one: tune's accuracy, check's) runs
+    two samples at a time in the one session: two runs were in flight together, and every
+    output, in the samples' order, is bit for bit what one run after another gives; a sample
+    that does not run fails the call as it would alone (exit 5, the model named)."""
+    import threading
+
+    import numpy as np
+
+    import gen_models
+
+    monkeypatch.setattr(sessions, "SAMPLE_WORKERS", 2)
+    model = gen_models.build_cnn(2, channels=8, size=32, seed=0)
+    samples = [{"x": np.random.default_rng(k).standard_normal((1, 3, 32, 32)).astype(np.float32)} for k in range(6)]
+    options = sessions.session_options("all", threads=1)
+    alone = list(
+        sessions.each_sample_outputs(model, samples, "m.onnx", None, sessions.session_options("all", threads=1))
+    )
+    made, in_flight, most = sessions.open_session, [0], [0]
+    lock = threading.Lock()
+
+    class Watched:
+        def __init__(self, session):
+            self.session = session
+
+        def run(self, names, feeds):
+            with lock:
+                in_flight[0] += 1
+                most[0] = max(most[0], in_flight[0])
+            try:
+                threading.Event().wait(0.05)  # long enough for the other worker to start its run
+                return self.session.run(names, feeds)
+            finally:
+                with lock:
+                    in_flight[0] -= 1
+
+    monkeypatch.setattr(sessions, "open_session", lambda *args: Watched(made(*args)))
+    together = sessions.model_outputs(model, samples, "m.onnx", None, options)
+    assert most[0] == 2
+    assert len(together) == len(alone) == 6
+    for got, want in zip(together, alone, strict=True):
+        for a, b in zip(got, want, strict=True):
+            assert a.tobytes() == b.tobytes() and a.shape == b.shape
+    wrong = [*samples[:3], {"x": np.zeros((1, 5, 32, 32), np.float32)}, *samples[3:]]
+    with pytest.raises(graphscan.GraphscanError) as raised:
+        sessions.model_outputs(model, wrong, "m.onnx", None, options)
+    assert raised.value.exit_code == graphscan.EXIT_RUNTIME and "m.onnx: model does not run" in str(raised.value)
