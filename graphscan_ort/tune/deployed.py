@@ -131,11 +131,18 @@ def accuracy_figures(
         options = session_options(session.level, session.threads)
         # The candidate's session saves the graph it optimized: the kernels are read off it,
         # not off a session of their own (one model's session fewer a row).
-        with temporary_folder("graphscan-tune-") as folder:
-            saving = session_options(session.level, session.threads)
-            saving.optimized_model_filepath = os.path.join(folder, "optimized.onnx")
-            outputs = paired_outputs(reference, candidate, samples, pairs, options, references, saving)
-            optimized = saved_graph(saving.optimized_model_filepath)
+        optimized = None
+        try:
+            with temporary_folder("graphscan-tune-") as folder:
+                saving = session_options(session.level, session.threads)
+                saving.optimized_model_filepath = os.path.join(folder, "optimized.onnx")
+                outputs = paired_outputs(reference, candidate, samples, pairs, options, references, saving)
+                optimized = saved_graph(saving.optimized_model_filepath)
+        except GraphscanError:
+            # Saving the graph can fail where the model runs (a full disk): onnxruntime then
+            # blames the model. Run it without saving; classify saves it in a session of its
+            # own and says which of the two failed (exit 3 or 5), as it did before.
+            outputs = paired_outputs(reference, candidate, samples, pairs, options, references)
         kernels = kernel_counts(candidate.model, candidate.path, session.level, optimized)
     figures = outputs.figures()
     sqnr = figures.worst_db

@@ -84,6 +84,26 @@ def test_a_rows_kernels_are_read_off_its_own_accuracy_session_and_equal_runtimes
     assert figures["wrapped_but_float"] == deployed.kernel_counts(model, quant, "all")["wrapped_but_float"]
 
 
+def test_a_graph_the_accuracy_session_cannot_save_leaves_the_kernels_to_classify(cnn_pair, tmp_path, monkeypatch):
+    """Where onnxruntime cannot write the optimized graph (here a folder that is not there; a
+    full disk alike) it fails the session as if the model did not run: the row is measured
+    again without saving, and classify's own session finds the kernels (and, were saving
+    broken there too, says so with exit 3), the same figures as a row whose graph was saved."""
+    import contextlib
+
+    fp32, quant, samples, _ = cnn_pair
+    reference, candidate = Named(onnx.load(fp32), fp32), Named(onnx.load(quant), quant)
+    saved = deployed.accuracy_figures(reference, candidate, samples)
+
+    @contextlib.contextmanager
+    def gone(prefix):
+        yield str(tmp_path / "not-there")
+
+    monkeypatch.setattr(deployed, "temporary_folder", gone)
+    unsaved = deployed.accuracy_figures(reference, candidate, samples)
+    assert unsaved == saved and unsaved["int8_kernels"] > 0
+
+
 def relu_kept_between_convs(folder, overrides):
     """Conv, Relu, Conv quantized by onnxruntime with the Relu kept in the QDQ graph
     (QDQKeepRemovableActivations) and ``overrides``, ranges by tensor (c: the Relu's input,
