@@ -7,7 +7,7 @@ import io
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, cast
 
@@ -178,25 +178,22 @@ def model_outputs(
     A session of one intra-op thread (tune's, check's: a deployed session) runs the samples
     side by side on up to SAMPLE_WORKERS cores, each run on one thread as deployed: the same
     kernels, the same outputs, as many samples' tensors alive at once as runs."""
+    run = sample_runner(model, path, names, options)
     workers = min(SAMPLE_WORKERS, len(samples))
     if options is None or options.intra_op_num_threads != 1 or workers < 2:
-        return list(each_sample_outputs(model, samples, path, names, options))
-    session = open_session(model, f"{shown(path)}: model", options)
-    wanted = names or [o.name for o in model.graph.output]
-
-    def run(feeds: dict) -> list:
-        try:
-            return session.run(wanted, feeds)
-        except Exception as exc:
-            raise does_not_run(f"{shown(path)}: model", exc)
-
+        return [run(feeds) for feeds in samples]
     with ThreadPoolExecutor(workers) as pool:  # onnxruntime lets go of the GIL while it runs
         return list(pool.map(run, samples))
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (1 where the platform cannot tell)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+
+
 # Samples run at once by model_outputs in one-thread sessions: one per usable core, up to 2
 # (the outputs of every sample are held anyway; each run in flight adds its own tensors).
-SAMPLE_WORKERS = min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+SAMPLE_WORKERS = min(2, usable_cores())
 
 
 def each_sample_outputs(
@@ -209,14 +206,28 @@ def each_sample_outputs(
     """``model_outputs`` one sample at a time: a caller that reduces each sample's outputs
     holds one sample's, not every sample's (a model's inner tensors on a recognizer's 40
     crops up to 1105 wide: 3.6 GB at once)."""
-    session = open_session(model, f"{shown(path)}: model", options or impact_options())
-    names = names or [o.name for o in model.graph.output]
+    run = sample_runner(model, path, names, options)
     for feeds in samples:
+        yield run(feeds)
+
+
+def sample_runner(
+    model: onnx.ModelProto, path: str, names: list[str] | None, options: ort.SessionOptions | None
+) -> Callable[[dict], list]:
+    """One session of ``model`` (``options``, else impact's), as a function of one sample's
+    feeds to its outputs ``names`` (default: every graph output); exit 5 blaming the model
+    when it cannot be built or a run fails."""
+    subject = f"{shown(path)}: model"
+    session = open_session(model, subject, options or impact_options())
+    wanted = names or [o.name for o in model.graph.output]
+
+    def run(feeds: dict) -> list:
         try:
-            outputs = session.run(names, feeds)
+            return session.run(wanted, feeds)
         except Exception as exc:
-            raise does_not_run(f"{shown(path)}: model", exc)
-        yield outputs
+            raise does_not_run(subject, exc)
+
+    return run
 
 
 def sample_outputs(

@@ -65,6 +65,7 @@ from onnxruntime.quantization.quant_utils import load_model_with_shape_infer, up
 from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
 from graphscan_ort.shared.graph import node_reads
+from graphscan_ort.shared.sessions import usable_cores
 
 __all__ = ["MINMAX_CHUNK", "calibrate"]
 
@@ -435,7 +436,7 @@ def histograms(
 
 # numpy's elementwise loops let go of the GIL, so threads count tensors side by side; the
 # blocks are large enough that a thread spends most of its time in them.
-COUNTING_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+COUNTING_THREADS = min(4, usable_cores())
 COUNTING_BLOCK = 1 << 18
 
 
