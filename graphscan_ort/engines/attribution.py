@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import cached_property
 from typing import Any, cast
 
 import numpy as np
@@ -438,7 +439,8 @@ class ImpactRun:
     """The derived model of ``quant_model`` as segment sessions, ready to measure variants.
 
     ``baseline``: ``(sqnr_db, exact)`` of the quantized model as it is;
-    ``stats``: per tensor row with a known range, the ValueStats of its values;
+    ``stats``: per tensor row with a known range, the ValueStats of its values (one more
+    session over the samples, run when first read: an operators' ranking never reads it);
     ``measure(variant)``: ``(sqnr_db, exact)`` with ``variant`` on, run once per distinct variant.
     """
 
@@ -451,7 +453,7 @@ class ImpactRun:
         noise: OutputNoise,
         path: str,
     ) -> None:
-        self.noise = noise
+        self.noise, self.quant_model, self.samples, self.path = noise, quant_model, samples, path
         self.plan = plan = ImpactPlan(float_model, quant_model)
         prefix = fresh_prefix(quant_model, float_model)
         derived, self.defaults, self.op_variants, self.tensor_variants = switched_model(
@@ -464,8 +466,11 @@ class ImpactRun:
         self.baseline_figures = noise.figures(self.runner.run({}))  # the worst part named, the pooled figure
         self.measured[variant_key({})] = (self.baseline_figures.worst_db, self.baseline_figures.exact)
         self.baseline = self.measure({})
-        ranges = {t: q_range for t, _, q_range, _ in plan.tensor_rows if q_range is not None}
-        self.stats = tensor_stats(quant_model, samples, ranges, path)
+
+    @cached_property
+    def stats(self) -> dict[str, ValueStats]:
+        ranges = {t: q_range for t, _, q_range, _ in self.plan.tensor_rows if q_range is not None}
+        return tensor_stats(self.quant_model, self.samples, ranges, self.path)
 
     def measure(self, variant: dict[str, Any]) -> tuple[float | None, bool]:
         key = variant_key(variant)
@@ -500,6 +505,45 @@ def weight_warnings(plan: ImpactPlan, a: str) -> list[str]:
     return [warning]
 
 
+def impact_run(reference: Named, candidate: Named, samples: list[dict]) -> tuple[ImpactRun, list[tuple[str, str]]]:
+    """The float ``reference`` and the quantized ``candidate`` (their paths named in failures)
+    checked and run on ``samples``: ``(ImpactRun, output pairs)``, ready to measure variants."""
+    float_model, quant_model, a, b = reference.model, candidate.model, reference.path, candidate.path
+    pairs = output_pairs(Named(float_model, a), Named(quant_model, b))
+    require_numbers(reference, [f for f, _ in pairs])
+    require_numbers(candidate, [q for _, q in pairs])
+    float_outputs = model_outputs(float_model, samples, a, [f for f, _ in pairs])
+    require_numbers(reference, [f for f, _ in pairs], float_outputs)
+    noise = OutputNoise(float_outputs, output_layout(float_model, [f for f, _ in pairs], samples))
+    if noise.empty:
+        raise GraphscanError(
+            f"{shown(a)}: the float model's outputs are empty on these inputs: nothing to measure", EXIT_INPUTS
+        )
+    return ImpactRun(float_model, quant_model, samples, [q for _, q in pairs], noise, b), pairs
+
+
+def op_gains(measured: ImpactRun) -> tuple[list[OpGain], list[bool]]:
+    """Each operator's row (in the graph's order) and whether its variant's output equals float's."""
+    index, baseline = measured.plan.index, measured.baseline
+    rows: list[OpGain] = []
+    exact: list[bool] = []
+    for (i, _), variant in zip(measured.plan.op_rows, measured.op_variants):
+        sqnr, same = measured.measure(variant)
+        rows.append(
+            {"node": index.names[i], "op_type": index.op_types[i], "sqnr_db": sqnr, "gain_db": gain(sqnr, baseline[0])}
+        )
+        exact.append(same)
+    return rows, exact
+
+
+def ranked_ops(reference: Named, candidate: Named, samples: list[dict]) -> list[OpGain]:
+    """impact's ``ops``, all of them in its order, without its tensors' rows (two runs a
+    tensor, half of impact's time) nor its deployed figure: what tune's search ranks by."""
+    measured, _ = impact_run(reference, candidate, samples)
+    rows, exact = op_gains(measured)
+    return [rows[k] for k in ranked(rows, exact, measured.baseline[1])]
+
+
 def measure(
     reference: Named,
     candidate: Named,
@@ -513,35 +557,13 @@ def measure(
     ``candidate``, their paths named in failures and warnings), from ``samples`` on: the
     output SQNR each operator and tensor of the candidate costs, and with ``target_sqnr``
     what to exclude."""
-    float_model, quant_model, a, b = reference.model, candidate.model, reference.path, candidate.path
-    pairs = output_pairs(Named(float_model, a), Named(quant_model, b))
-    output_names = [q for _, q in pairs]
-
-    require_numbers(reference, [f for f, _ in pairs])
-    require_numbers(candidate, output_names)
-    float_outputs = model_outputs(float_model, samples, a, [f for f, _ in pairs])
-    require_numbers(reference, [f for f, _ in pairs], float_outputs)
-    noise = OutputNoise(float_outputs, output_layout(float_model, [f for f, _ in pairs], samples))
-    if noise.empty:
-        raise GraphscanError(
-            f"{shown(a)}: the float model's outputs are empty on these inputs: nothing to measure", EXIT_INPUTS
-        )
-    measured = ImpactRun(float_model, quant_model, samples, output_names, noise, b)
+    measured, pairs = impact_run(reference, candidate, samples)
     plan, baseline, measure = measured.plan, measured.baseline, measured.measure
-    op_variants, tensor_variants = measured.op_variants, measured.tensor_variants
-
     index = plan.index
-    op_rows: list[OpGain] = []
-    op_exact: list[bool] = []
-    for (i, _), variant in zip(plan.op_rows, op_variants):
-        sqnr, exact = measure(variant)
-        op_rows.append(
-            {"node": index.names[i], "op_type": index.op_types[i], "sqnr_db": sqnr, "gain_db": gain(sqnr, baseline[0])}
-        )
-        op_exact.append(exact)
+    op_rows, op_exact = op_gains(measured)
     tensor_rows: list[TensorGain] = []
     tensor_exact: list[bool] = []
-    for m, ((t, q_dq_pairs, q_range, _), (kept, _)) in enumerate(zip(plan.tensor_rows, tensor_variants)):
+    for m, ((t, q_dq_pairs, q_range, _), (kept, _)) in enumerate(zip(plan.tensor_rows, measured.tensor_variants)):
         sqnr, exact = measure(kept)
         rounded = measured.rounding_variant(m)
         rounding = measure(rounded)[0] if rounded is not None else None
@@ -572,7 +594,7 @@ def measure(
         "worst_part": cast(WorstPart | None, stated.worst_part),
         "deployed_output_sqnr_db": deployed.figures().worst_db,
         "weights": {"matched": len(plan.weight_of), "total": plan.weight_dqs},
-        "warnings": weight_warnings(plan, a),
+        "warnings": weight_warnings(plan, reference.path),
         "ops": [op_rows[k] for k in op_order][:top],
         "tensors": [tensor_rows[k] for k in tensor_order][:top],
     }
@@ -584,6 +606,6 @@ def measure(
             gained = op_rows[k]["gain_db"] or 0.0
             return (op_exact[k] and not baseline[1]) or (gained > 0 and gained >= least)
 
-        candidates = [(op_rows[k]["node"], op_variants[k]) for k in op_order if helps(k)]
+        candidates = [(op_rows[k]["node"], measured.op_variants[k]) for k in op_order if helps(k)]
         answer["exclude"] = exclusion(measure, candidates, baseline, target_sqnr, max_exclude)
     return answer

@@ -29,8 +29,7 @@ import numpy as np
 import onnx
 
 from graphscan import EXIT_RUNTIME, GraphscanError, shown
-from graphscan_ort.engines.attribution import MIN_GAIN_DB
-from graphscan_ort.engines.attribution import measure as impact_of
+from graphscan_ort.engines.attribution import MIN_GAIN_DB, ranked_ops
 from graphscan_ort.shared.answers import Candidate, PrepareStep, Shown, Target, TuneChoice
 from graphscan_ort.shared.inputs import inputs_answer
 from graphscan_ort.shared.options import Named
@@ -373,7 +372,7 @@ def exclusions(
     candidate = measure.models[candidate_path]
     # A ranking, not a measurement (every trial is measured on every sample): impact runs the
     # model once per operator, so it ranks on the first evaluation sample alone.
-    ranked = impact_of(Named(given, prepared_path), Named(candidate, candidate_path), measure.evaluation[:1])["ops"]
+    ranked = ranked_ops(Named(given, prepared_path), Named(candidate, candidate_path), measure.evaluation[:1])
     blocks = search_blocks(given, ranked, MIN_GAIN_DB)
     part = best["worst_part"]
     given_seeds = frozenset(static_settings(best).get("nodes_to_exclude") or [])

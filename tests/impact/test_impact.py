@@ -21,6 +21,7 @@ import graphscan_ort.engines.segments as segment_engine
 import graphscan_ort.shared.graph as graph_edit
 import graphscan_ort.shared.metrics as metrics
 import graphscan_ort.shared.sessions as sessions
+from graphscan_ort.shared.options import Named
 from tests import impact_reference as reference
 from tests import parts_models
 from tests.helpers import error_line, json_answer, run_graphscan, run_onnx, with_weight_scale_times
@@ -323,6 +324,37 @@ def test_top_limits_the_lists_not_the_measurement(trace_lab, faulty, mlp_samples
     assert len(full["ops"]) > 2
     # The exclusion still walks every op with a gain, not just the two listed.
     assert len(top["exclude"]["nodes"]) == len([r for r in full["ops"] if r["gain_db"] > 0])
+
+
+@pytest.mark.parametrize("model", ["faulty-mlp", "cnn"])
+def test_the_ops_ranking_alone_equals_impacts_and_runs_no_tensor_variant(
+    model, trace_lab, faulty, mlp_samples, cnn, monkeypatch
+):
+    """tune's ranking (ranked_ops) is impact's ``ops`` row for row, made without the
+    tensors' runs, their value statistics or the deployed figure: one run per operator
+    variant and the baseline, nothing more."""
+    a, b, paths = {"faulty-mlp": (trace_lab["fp32"], faulty, mlp_samples), "cnn": cnn}[model]
+    samples = load_samples(paths)
+    expected = graphscan.impact(str(a), str(b), inputs=[str(p) for p in paths])["ops"]
+    runs, stats_read, impact_runs = [], [], []
+    real_run, real_stats, real_init = (
+        segment_engine.SegmentRunner.run,
+        attribution.tensor_stats,
+        attribution.ImpactRun.__init__,
+    )
+    monkeypatch.setattr(segment_engine.SegmentRunner, "run", lambda self, s=None: runs.append(s) or real_run(self, s))
+    monkeypatch.setattr(
+        attribution.ImpactRun, "__init__", lambda self, *args: impact_runs.append(self) or real_init(self, *args)
+    )
+    monkeypatch.setattr(attribution, "tensor_stats", lambda *args: stats_read.append(args) or real_stats(*args))
+    monkeypatch.setattr(attribution, "paired_outputs", lambda *args: pytest.fail("the deployed figure was measured"))
+    ranked = attribution.ranked_ops(Named(onnx.load(a), str(a)), Named(onnx.load(b), str(b)), samples)
+    assert ranked == expected
+    assert not stats_read
+    (run,) = impact_runs
+    distinct = {attribution.variant_key(v) for v in run.op_variants} - {attribution.variant_key({})}
+    assert len(distinct) > 1
+    assert sorted(map(attribution.variant_key, runs)) == sorted([attribution.variant_key({}), *distinct])
 
 
 def test_by_subprocess_strict_json(trace_lab, faulty, mlp_samples, tmp_path):

@@ -194,7 +194,7 @@ def test_after_a_refused_block_only_cheaper_blocks_are_tried_and_it_is_never_kep
         Block("node", ("y",), (0.1,), cost=20),
         Block("node", ("z",), (0.05,), cost=10),
     ]
-    monkeypatch.setattr(stages, "impact_of", lambda *args: {"ops": []})
+    monkeypatch.setattr(stages, "ranked_ops", lambda *args: [])
     monkeypatch.setattr(stages, "search_blocks", lambda *args: blocks)
     monkeypatch.setattr(stages, "part_blocks", lambda *args: [])
     trials = ScriptedTrials(

@@ -82,7 +82,7 @@ def test_tune_reports_each_exclusion_and_its_row_reproduces_the_model(prepared, 
     """The search tries b1_conv2 (a fixed ranking): its row says it runs float only with
     float inputs, and quantize_static with the row's arguments, then the post-step the
     row names, gives the model tune measured, byte for byte."""
-    monkeypatch.setattr(tune_stages, "impact_of", lambda *a, **k: {"ops": [{"node": "b1_conv2", "gain_db": 1.0}]})
+    monkeypatch.setattr(tune_stages, "ranked_ops", lambda *a, **k: [{"node": "b1_conv2", "gain_db": 1.0}])
     measured = {}
     real_honoured = tune_trials.honoured
 

@@ -137,7 +137,7 @@ def test_when_every_candidate_is_slower_only_prepared_onnx_is_written_and_exit_8
 
 
 def test_a_target_out_of_reach_writes_the_most_accurate_passing_model_and_exits_8(cnn, tmp_path, monkeypatch):
-    monkeypatch.setattr(tune_stages, "impact_of", lambda *args, **kwargs: {"ops": []})  # no exclusion to try
+    monkeypatch.setattr(tune_stages, "ranked_ops", lambda *args, **kwargs: [])  # no exclusion to try
     answer = run_tune(cnn, tmp_path / "out", target=500.0)
     assert answer["reached"] is False and answer["target"] == {"value": 500.0, "source": "user"}
     passing = [c for c in answer["candidates"] if c["fails"] == []]
@@ -263,7 +263,7 @@ def test_when_every_metric_is_undefined_the_target_is_never_reached(cnn, tmp_pat
             return {**measured(*args, **kwargs), "sqnr_db": None, "metric_value": None}
 
         monkeypatch.setattr(tune_trials, name, undefined)
-    monkeypatch.setattr(tune_stages, "impact_of", lambda *args, **kwargs: {"ops": []})
+    monkeypatch.setattr(tune_stages, "ranked_ops", lambda *args, **kwargs: [])
     answer = run_tune(cnn, tmp_path / "out", runs=1)
     assert answer["target"] == {"value": None, "source": "defaults"} and answer["reached"] is False
     assert any("undefined" in w for w in answer["warnings"])
@@ -281,7 +281,7 @@ def test_a_trial_onnxruntime_refuses_is_a_row_never_the_end_of_tune(cnn, tmp_pat
         return measured(reference, candidate, *args, **kwargs)
 
     monkeypatch.setattr(tune_trials, "measure_candidate", refuse_exclusions)
-    monkeypatch.setattr(tune_stages, "impact_of", lambda *a, **k: {"ops": [{"node": "b1_conv1", "gain_db": 1.0}]})
+    monkeypatch.setattr(tune_stages, "ranked_ops", lambda *a, **k: [{"node": "b1_conv1", "gain_db": 1.0}])
     answer = run_tune(cnn, tmp_path / "out", target=500.0, max_trials=1)
     (row,) = [c for c in answer["candidates"] if c["trial"] is not None]
     assert row["error"].startswith("onnxruntime: ") and row["fails"] is None and row["sqnr_db"] is None
@@ -301,7 +301,7 @@ def test_the_search_stops_as_soon_as_the_target_is_met(cnn, tmp_path, monkeypatc
 
     monkeypatch.setattr(tune_trials, "measure_candidate", exclusions_meet_it)
     ranking = [{"node": name, "gain_db": 1.0} for name in ("b1_conv1", "b1_conv2", "b2_conv1")]
-    monkeypatch.setattr(tune_stages, "impact_of", lambda *a, **k: {"ops": ranking})
+    monkeypatch.setattr(tune_stages, "ranked_ops", lambda *a, **k: ranking)
     answer = run_tune(cnn, tmp_path / "out", target=500.0, max_trials=5)
     trials = [c for c in answer["candidates"] if c["trial"] is not None]
     assert len(trials) == 1 and answer["reached"] is True and answer["chosen"] == trials[0]["id"]
@@ -322,7 +322,7 @@ def test_an_exclusion_onnxruntime_still_runs_int8_is_never_kept(cnn, tmp_path, m
 
     monkeypatch.setattr(tune_trials, "honoured", first_stays_int8)
     ranking = [{"node": "b1_conv1", "gain_db": 5.0}, {"node": "b2_conv1", "gain_db": 1.0}]
-    monkeypatch.setattr(tune_stages, "impact_of", lambda *a, **k: {"ops": ranking})
+    monkeypatch.setattr(tune_stages, "ranked_ops", lambda *a, **k: ranking)
     answer = run_tune(cnn, tmp_path / "out", target=500.0, max_trials=2, max_exclude=1)
     trials = sorted((c for c in answer["candidates"] if c["trial"] is not None), key=lambda c: c["id"])
     assert trials[0]["quantize_static"]["nodes_to_exclude"] == ["b1_conv1"]
@@ -343,7 +343,7 @@ def test_a_trial_onnxruntime_cannot_optimize_is_a_row_never_the_end_of_tune(cnn,
         return real(model, path, level, excluded, given)
 
     monkeypatch.setattr(tune_trials, "honoured", refuses)
-    monkeypatch.setattr(tune_stages, "impact_of", lambda *a, **k: {"ops": [{"node": "b1_conv1", "gain_db": 1.0}]})
+    monkeypatch.setattr(tune_stages, "ranked_ops", lambda *a, **k: [{"node": "b1_conv1", "gain_db": 1.0}])
     answer = run_tune(cnn, tmp_path / "out", target=500.0, max_trials=1)
     (row,) = [c for c in answer["candidates"] if c["trial"] is not None]
     assert row["error"].startswith("onnxruntime: ") and "graphscan's prepared copy" in row["error"]

@@ -136,9 +136,9 @@ def test_impact_ranks_the_quantized_candidate_against_the_model_the_quantizer_wa
 
     def recording(given, candidate, samples):
         calls.append((given.model, candidate.model, given.path, candidate.path))
-        return {"ops": []}
+        return []
 
-    monkeypatch.setattr(tune_stages, "impact_of", recording)
+    monkeypatch.setattr(tune_stages, "ranked_ops", recording)
     graphscan.tune(
         str(tmp_path / "mlp.onnx"),
         calibrate=[str(tmp_path / "s.npz")],
@@ -175,6 +175,18 @@ def test_a_step_is_verified_on_every_sample_not_the_first():
     assert problem is not None
     assert error == pytest.approx(2.0)
     assert metrics.verified(model("Identity"), model("Relu"), samples[:1]) == (0.0, None)
+
+
+def model(op):
+        return one_node_model(op, [3])
+
+    samples = [{"x": np.array([1.0, 2.0, 3.0], np.float32)}, {"x": np.array([1.0, -2.0, -0.5], np.float32)}] * 3
+    built = []
+    real = sessions.open_session
+    monkeypatch.setattr(sessions, "open_session", lambda model, *args: built.append(model) or real(model, *args))
+    error, problem = metrics.verified(model("Identity"), model("Relu"), samples)
+    assert problem is not None and error == pytest.approx(2.0)
+    assert [m.graph.node[0].op_type for m in built] == ["Identity", "Relu"]
 
 
 def test_output_pairs_pair_by_name_and_refuse_nothing_extra():

@@ -353,8 +353,8 @@ def test_exclusions_are_realized_by_the_quantizer_and_measured(tuned, tmp_path, 
     impact; here it is fixed, so the search is what is tested."""
     without_structural_seeds(monkeypatch)  # the search alone; seeds are tested in test_seeds.py
     convs = [n.name for n in onnx.load(tuned["float"]).graph.node if n.op_type == "Conv"]
-    ranking = {"ops": [{"node": name, "gain_db": 1.0} for name in convs] + [{"node": "noise", "gain_db": 1e-9}]}
-    monkeypatch.setattr(tune_stages, "impact_of", lambda *args, **kwargs: ranking)
+    ranking = [{"node": name, "gain_db": 1.0} for name in convs] + [{"node": "noise", "gain_db": 1e-9}]
+    monkeypatch.setattr(tune_stages, "ranked_ops", lambda *args, **kwargs: ranking)
     answer = graphscan.tune(
         tuned["float"],
         calibrate=[str(c) for c in tuned["calibration"]],
