@@ -22,7 +22,7 @@ from graphscan import (
 )
 from graphscan_ort.shared.options import Named
 from graphscan_ort.shared.parts import TensorParts
-from graphscan_ort.shared.sessions import model_outputs, run_model
+from graphscan_ort.shared.sessions import model_outputs, model_runner
 
 
 def output_pairs(reference: Named, candidate: Named) -> list[tuple[str, str]]:
@@ -472,9 +472,10 @@ def verify(
     ``subjects`` name the two models when one does not run."""
     worst, compared, empty, per_value = 0.0, 0, True, True
     signal = noise = 0.0
+    run_original, run_changed = model_runner(original, subjects[0]), model_runner(changed, subjects[1])
     for k, feeds in enumerate(samples):
-        expected = run_model(original, feeds, subjects[0])
-        actual = run_model(changed, feeds, subjects[1])
+        expected = run_original(feeds)
+        actual = run_changed(feeds)
         error, scale, counted, problem = compare_outputs(expected, actual)
         empty = empty and not any(np_size(e) for e in expected)
         if problem is None:

@@ -282,11 +282,23 @@ def impact_options(threads: int = 0) -> ort.SessionOptions:
 def run_model(model: onnx.ModelProto, feeds: dict[str, np.ndarray], subject: str) -> list[Any]:
     """All graph outputs of ``model`` on ``feeds``, with ORT's own fusions off;
     a failure blames ``subject``."""
-    session = open_session(model, subject)
-    try:
-        return session.run(None, feeds, run_options())
-    except Exception as exc:
-        raise does_not_run(subject, exc)
+    return model_runner(model, subject)(feeds)
+
+
+def model_runner(model: onnx.ModelProto, subject: str) -> Callable[[dict[str, np.ndarray]], list[Any]]:
+    """``run_model`` for many samples: one session, built at the first run (a model that
+    cannot be built fails there, as run_model does), then each run on its feeds."""
+    session: list[ort.InferenceSession] = []
+
+    def run(feeds: dict[str, np.ndarray]) -> list[Any]:
+        if not session:
+            session.append(open_session(model, subject))
+        try:
+            return session[0].run(None, feeds, run_options())
+        except Exception as exc:
+            raise does_not_run(subject, exc)
+
+    return run
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from onnx.reference import ReferenceEvaluator
 
 import graphscan
 import graphscan_ort.shared.metrics as metrics
+import graphscan_ort.shared.sessions as sessions
 import graphscan_ort.tune.choice as tune_choice
 import graphscan_ort.tune.deployed as deployed
 import graphscan_ort.tune.rewrites as rewrites
@@ -177,7 +178,12 @@ def test_a_step_is_verified_on_every_sample_not_the_first():
     assert metrics.verified(model("Identity"), model("Relu"), samples[:1]) == (0.0, None)
 
 
-def model(op):
+def test_a_step_is_verified_with_one_session_per_model_whatever_the_samples(monkeypatch):
+    """Each model of a check is built once and run on every sample (a session a sample and a
+    model was a second of prepare at page size), and the answer is the one per-sample
+    sessions gave: the second sample's error."""
+
+    def model(op):
         return one_node_model(op, [3])
 
     samples = [{"x": np.array([1.0, 2.0, 3.0], np.float32)}, {"x": np.array([1.0, -2.0, -0.5], np.float32)}] * 3
