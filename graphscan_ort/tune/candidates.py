@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import itertools
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -36,6 +37,7 @@ from onnxruntime.quantization import (
     CalibrationMethod,
     QuantFormat,
     QuantType,
+    quant_utils,
     quantize_dynamic,
     quantize_static,
 )
@@ -198,7 +200,7 @@ def quantize_candidate(
     with quiet():
         if not os.path.isfile(cache):
             calibrate(prepared, arguments, make_reader, cache)
-        with readers_renamed_quickly():
+        with readers_renamed_quickly(), initializers_found_quickly():
             quantize_static(prepared, output, None, calibration_cache_path=cache, **arguments)
 
 
@@ -223,6 +225,83 @@ def readers_renamed_quickly() -> Iterator[None]:
         yield
     finally:
         ONNXModel.replace_input_of_all_nodes = original
+
+
+class FirstByName:
+    """Where the first item of each name sits in one protobuf repeated field (a model's
+    initializers), kept current as the field grows by appends, which is how onnxruntime's
+    quantizer adds to it. Rebuilt whole when the field shrank, when the item indexed last is
+    no longer there (a removal, then appends), or when a found item has another name. An item
+    renamed in place is not followed (its new name is not found): onnxruntime's quantizer
+    never does that, it names a tensor before it adds it, and tests/tune/test_candidates.py
+    holds its models to the bytes it writes without the index."""
+
+    def __init__(self, items: Any) -> None:
+        self.items = items
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        self.first: dict[str, int] = {}
+        self.indexed, self.last = 0, None
+        self.extend()
+
+    def extend(self) -> None:
+        for k in range(self.indexed, len(self.items)):
+            self.first.setdefault(self.items[k].name, k)
+        self.indexed = len(self.items)
+        self.last = self.items[-1].name if self.indexed else None
+
+    def find(self, name: str) -> Any:
+        """The first item named ``name``, or None: quant_utils.find_by_name's answer."""
+        count = len(self.items)
+        if count < self.indexed or (self.indexed and self.items[self.indexed - 1].name != self.last):
+            self.rebuild()
+        elif count > self.indexed:
+            self.extend()
+        k = self.first.get(name)
+        if k is not None and self.items[k].name != name:
+            self.rebuild()
+            k = self.first.get(name)
+        return None if k is None else self.items[k]
+
+
+@contextlib.contextmanager
+def initializers_found_quickly() -> Iterator[None]:
+    """onnxruntime's quantizer, its lookups of an initializer by name (``find_by_name``, as
+    each of its modules imported it, and ``ONNXModel.get_initializer``) answered from a
+    FirstByName of the field, not by reading every initializer in Python: a quarter of a
+    quantize_static call from a calibration cache on PP-OCRv4's detector (0.57-0.61 s, not
+    0.76-0.90 s). The same item, so the same model, byte for byte. Lists (the quantizer's new
+    nodes) are still searched by onnxruntime's own function."""
+    original = quant_utils.find_by_name
+    original_get = ONNXModel.get_initializer
+    indexes: dict[int, FirstByName] = {}  # by id: each index holds its field, so no id is reused
+
+    def find_by_name(item_name: str, item_list: Any) -> Any:
+        if isinstance(item_list, list):
+            return original(item_name, item_list)
+        index = indexes.get(id(item_list))
+        if index is None:
+            index = indexes[id(item_list)] = FirstByName(item_list)
+        return index.find(item_name)
+
+    def get_initializer(self: ONNXModel, name: str) -> Any:
+        return find_by_name(name, self.model.graph.initializer)
+
+    importers = [
+        module
+        for module_name, module in list(sys.modules.items())
+        if module_name.startswith("onnxruntime.quantization") and getattr(module, "find_by_name", None) is original
+    ]
+    for module in importers:
+        module.find_by_name = find_by_name  # type: ignore[attr-defined]
+    ONNXModel.get_initializer = get_initializer
+    try:
+        yield
+    finally:
+        for module in importers:
+            module.find_by_name = original  # type: ignore[attr-defined]
+        ONNXModel.get_initializer = original_get
 
 
 def quantize_dynamic_candidate(prepared: str, output: str, settings: dict, *_calibration: object) -> None:

@@ -67,6 +67,7 @@ from graphscan_ort.tune.candidates import (
     cache_path,
     calibration_key,
     file_digest,
+    initializers_found_quickly,
     keyword_arguments,
     quantize_candidate,
 )
@@ -363,20 +364,21 @@ def marked(prepared_path: str, arguments: dict[str, Any], ranges: TensorsData) -
         tensor_quant_overrides=extra.get("TensorQuantOverrides"),
         block_size=extra.get("BlockSize", 0),
     )
-    quantizer = Marking(
-        model,
-        arguments.get("per_channel", False),
-        arguments.get("reduce_range", False),
-        weight_type,
-        activation_type,
-        TensorsData(ranges.calibration_method, dict(ranges.data)),  # it edits its copy
-        arguments.get("nodes_to_quantize") or [],
-        arguments.get("nodes_to_exclude") or [],
-        arguments.get("op_types_to_quantize") or list(set(QLinearOpsRegistry) | set(QDQRegistry)),
-        extra,
-    )
-    with contextlib.suppress(Decided):
-        quantizer.quantize_model()
+    with initializers_found_quickly():  # the quantizer's own lookups, answered alike
+        quantizer = Marking(
+            model,
+            arguments.get("per_channel", False),
+            arguments.get("reduce_range", False),
+            weight_type,
+            activation_type,
+            TensorsData(ranges.calibration_method, dict(ranges.data)),  # it edits its copy
+            arguments.get("nodes_to_quantize") or [],
+            arguments.get("nodes_to_exclude") or [],
+            arguments.get("op_types_to_quantize") or list(set(QLinearOpsRegistry) | set(QDQRegistry)),
+            extra,
+        )
+        with contextlib.suppress(Decided):
+            quantizer.quantize_model()
     return quantizer
 
 

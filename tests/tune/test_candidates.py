@@ -108,3 +108,85 @@ def test_readers_renamed_quickly_rename_what_onnxruntime_renames_and_the_quantiz
             quantize_static(str(tmp_path / "cnn.onnx"), str(path), candidates.SampleReader(list(samples)))
     assert (tmp_path / "quick.onnx").read_bytes() == (tmp_path / "plain.onnx").read_bytes()
     assert ONNXModel.replace_input_of_all_nodes is original
+
+
+def test_an_initializer_found_by_its_index_is_the_one_onnxruntime_finds_after_every_edit():
+    """FirstByName against onnxruntime's own find_by_name on one model's initializers, after
+    each way the field changes: appends (a name twice among them), a removal in the middle, a
+    removal at the end, a removal then an append of the last name again, a field cleared and
+    refilled. Every name, and one no item has, is found alike each time. (An item renamed in
+    place is not followed: onnxruntime's quantizer names a tensor before it adds it.)"""
+    from onnxruntime.quantization.quant_utils import find_by_name
+
+    graph = onnx.GraphProto()
+    field = graph.initializer
+
+    def tensor(name, value):
+        return onnx.numpy_helper.from_array(np.array([value], np.float32), name)
+
+    def append(name, value=0.0):
+        field.extend([tensor(name, value)])
+
+    index = candidates.FirstByName(field)
+
+    def same():
+        names = {item.name for item in field} | {"absent"}
+        for name in sorted(names):
+            found, theirs = index.find(name), find_by_name(name, field)
+            assert (found is None) == (theirs is None), name
+            if theirs is not None:
+                assert found.SerializeToString() == theirs.SerializeToString(), name
+
+    same()
+    for k in range(6):
+        append(f"w{k}", k)
+        same()
+    append("w2", 99.0)  # a second w2: the first is still the one found
+    same()
+    field.remove(field[1])
+    same()
+    del field[len(field) - 1]
+    same()
+    last = field[len(field) - 1].name
+    field.remove(field[0])
+    append(last, 7.0)
+    same()
+    del field[:]
+    same()
+    for k in range(3):
+        append(f"v{k}", k)
+    same()
+
+
+def test_the_quantizer_with_its_lookups_indexed_writes_the_same_bytes_and_gets_its_own_back(tmp_path):
+    """quantize_static inside initializers_found_quickly writes what it writes outside, for
+    each activation type and granularity, and every module's find_by_name is onnxruntime's
+    own again after."""
+    import sys
+
+    from onnxruntime.quantization.onnx_model import ONNXModel
+
+    onnx.save(gen_models.build_cnn(2, channels=4, size=8, seed=1), tmp_path / "cnn.onnx")
+    samples = [{"x": np.random.default_rng(k).standard_normal((1, 3, 8, 8)).astype(np.float32)} for k in range(3)]
+    own = {name: module.find_by_name for name, module in sys.modules.items() if hasattr(module, "find_by_name")}
+    own_get = ONNXModel.get_initializer
+    for settings in candidates.candidate_settings():
+        arguments = candidates.keyword_arguments(settings)
+        written = []
+        for quick in (False, True):
+            path = tmp_path / f"{quick}.onnx"
+            with (
+                gen_models.quiet_quantizer(),
+                candidates.initializers_found_quickly() if quick else contextlib.nullcontext(),
+            ):
+                if quick:
+                    assert ONNXModel.get_initializer is not own_get
+                    module = sys.modules["onnxruntime.quantization.qdq_quantizer"]
+                    assert module.find_by_name is not own["onnxruntime.quantization.qdq_quantizer"]
+                quantize_static(
+                    str(tmp_path / "cnn.onnx"), str(path), candidates.SampleReader(list(samples)), **arguments
+                )
+            written.append(path.read_bytes())
+        assert written[0] == written[1], settings
+    assert {name: module.find_by_name for name, module in sys.modules.items() if hasattr(module, "find_by_name")} == own
+    assert ONNXModel.get_initializer is own_get
