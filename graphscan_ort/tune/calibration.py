@@ -445,7 +445,7 @@ def bin_counts(array: np.ndarray, magnitudes: bool, edges: np.ndarray) -> np.nda
     (histogram_bin_edges'), count for count: for float32, numpy's own steps for equal bins
     (the element's offset from the first edge over the width times the bins, in float32 and
     truncated, the last edge in the last bin, then one bin down where the element is below
-    its bin's left edge and one up where it is at or past its right edge but in the last
+    its bin's left edge and one up where it is at or past its right edge but not in the last
     bin), without the mask numpy builds to drop elements outside the edges: the extremes set
     them, so none is. Any other type goes to np.histogram itself."""
     values = array.ravel()
@@ -454,6 +454,10 @@ def bin_counts(array: np.ndarray, magnitudes: bool, edges: np.ndarray) -> np.nda
         return np.histogram(np.absolute(values) if magnitudes else values, bins, range=(edges[0], edges[-1]))[0]
     first, width, count = edges[0], np.subtract(edges[-1], edges[0], dtype=np.float32), np.float32(bins)
     last_bin = np.float32(bins - 1)
+    # Each bin's right edge, the last bin's +inf: numpy never moves an element up out of the
+    # last bin, and no finite element is at or past +inf (one comparison, not three passes).
+    right = np.append(edges[1:-1], np.float32(np.inf))
+    index_type = np.int32 if bins < 2**31 else np.intp  # half intp's bytes to read where it fits
     found = np.zeros(bins, np.intp)
     for start in range(0, values.size, COUNTING_BLOCK):
         block = values[start : start + COUNTING_BLOCK]
@@ -463,9 +467,9 @@ def bin_counts(array: np.ndarray, magnitudes: bool, edges: np.ndarray) -> np.nda
         np.divide(scaled, width, out=scaled)
         np.multiply(scaled, count, out=scaled)
         np.minimum(scaled, last_bin, out=scaled)  # numpy: a bin number of ``bins`` (the last edge) less one
-        index = scaled.astype(np.intp)
+        index = scaled.astype(index_type)
         index -= block < edges.take(index)
-        index += (block >= edges.take(index + 1)) & (index != bins - 1)
+        index += block >= right.take(index)
         found += np.bincount(index, minlength=bins)
     return found
 

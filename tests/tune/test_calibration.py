@@ -205,7 +205,7 @@ def hard_arrays():
 
 
 @pytest.mark.parametrize("values", hard_arrays().values(), ids=list(hard_arrays()))
-@pytest.mark.parametrize("binning", [(True, 2048), (False, 2048), (False, 128)], ids=str)
+@pytest.mark.parametrize("binning", [(True, 2048), (False, 2048), (False, 128), (True, 1)], ids=str)
 def test_bins_counted_by_numpys_own_steps_are_np_histograms_count_for_count(values, binning):
     """bin_counts over a tensor's range as HistogramCollector sets it (outer_edges) is
     np.histogram over that range, count for count, on the arrays where float32 rounding puts
