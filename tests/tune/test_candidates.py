@@ -113,8 +113,8 @@ def test_readers_renamed_quickly_rename_what_onnxruntime_renames_and_the_quantiz
 def test_an_initializer_found_by_its_index_is_the_one_onnxruntime_finds_after_every_edit():
     """FirstByName against onnxruntime's own find_by_name on one model's initializers, after
     each way the field changes: appends (a name twice among them), a removal in the middle, a
-    removal at the end, a removal then an append of the last name again, a field cleared and
-    refilled. Every name, and one no item has, is found alike each time. (An item renamed in
+    removal at the end, a removal then an append of the last name again or of a new name, a
+    field cleared and refilled. Every name, and one no item has, is found alike each time. (An item renamed in
     place is not followed: onnxruntime's quantizer names a tensor before it adds it.)"""
     from onnxruntime.quantization.quant_utils import find_by_name
 
@@ -150,6 +150,9 @@ def test_an_initializer_found_by_its_index_is_the_one_onnxruntime_finds_after_ev
     last = field[len(field) - 1].name
     field.remove(field[0])
     append(last, 7.0)
+    same()
+    field.remove(field[1])
+    append("new", 8.0)  # as many items as indexed, the last one new
     same()
     del field[:]
     same()
