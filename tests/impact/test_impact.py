@@ -1054,3 +1054,24 @@ def test_rows_rank_an_exact_variant_first_then_by_gain_and_rows_without_a_gain_l
     exact = [False, False, False, False, True, False]
     assert attribution.ranked(rows, exact, False) == [4, 2, 0, 5, 3, 1]
     assert attribution.ranked(rows, exact, True) == [2, 0, 5, 3, 1, 4]
+
+
+def test_sessions_closed_beyond_the_cap_are_built_again_with_the_same_rows(cnn, monkeypatch):
+    """With room for 3 segment sessions, the least recently used are closed and built again
+    when a variant needs them: every row still equals the brute force, and no more than 3
+    sessions are ever held."""
+    monkeypatch.setattr(segment_engine, "MAX_SESSIONS", 3)
+    held, built = [], []
+    real = segment_engine.SegmentRunner.session
+
+    def counted(self, j, version, values):
+        found = real(self, j, version, values)
+        held.append(len(self.sessions))
+        return found
+
+    real_open = segment_engine.open_session
+    monkeypatch.setattr(segment_engine.SegmentRunner, "session", counted)
+    monkeypatch.setattr(segment_engine, "open_session", lambda *args: built.append(1) or real_open(*args))
+    assert_equals_brute_force(*cnn)
+    assert max(held) == 3
+    assert len(built) > 3
