@@ -510,16 +510,17 @@ def impact_run(reference: Named, candidate: Named, samples: list[dict]) -> tuple
     checked and run on ``samples``: ``(ImpactRun, output pairs)``, ready to measure variants."""
     float_model, quant_model, a, b = reference.model, candidate.model, reference.path, candidate.path
     pairs = output_pairs(Named(float_model, a), Named(quant_model, b))
-    require_numbers(reference, [f for f, _ in pairs])
-    require_numbers(candidate, [q for _, q in pairs])
-    float_outputs = model_outputs(float_model, samples, a, [f for f, _ in pairs])
-    require_numbers(reference, [f for f, _ in pairs], float_outputs)
-    noise = OutputNoise(float_outputs, output_layout(float_model, [f for f, _ in pairs], samples))
+    float_names, quant_names = [f for f, _ in pairs], [q for _, q in pairs]
+    require_numbers(reference, float_names)
+    require_numbers(candidate, quant_names)
+    float_outputs = model_outputs(float_model, samples, a, float_names)
+    require_numbers(reference, float_names, float_outputs)
+    noise = OutputNoise(float_outputs, output_layout(float_model, float_names, samples))
     if noise.empty:
         raise GraphscanError(
             f"{shown(a)}: the float model's outputs are empty on these inputs: nothing to measure", EXIT_INPUTS
         )
-    return ImpactRun(float_model, quant_model, samples, [q for _, q in pairs], noise, b), pairs
+    return ImpactRun(float_model, quant_model, samples, quant_names, noise, b), pairs
 
 
 def op_gains(measured: ImpactRun) -> tuple[list[OpGain], list[bool]]:
