@@ -2,15 +2,19 @@
 
     python bench/bench_tune.py FLOAT.onnx --calibrate-glob 'cal*.npz' --inputs-glob 'held*.npz' [--runs R]
 
-Both sides quantize the same candidates of the same prepared models and measure
-each the same way (graphscan_ort.tune.deployed.measure_candidate):
+Both sides make the same rows from the same prepared models and measure each the same way
+(graphscan_ort.tune.deployed.measure_candidate):
 
   tune:   python graphscan.py tune FLOAT --calibrate ... --inputs ... --out DIR
-          --target -1000 --min-speedup 0 (met by the first stage: the same candidates as
-          the loop, no refinements or exclusions)
-  plain:  this file with --plain: for every candidate, quantize_static with a new
-          reader and no calibration cache (so it calibrates every time), then the
-          same measurement. The prepared models come from tune's own preparation.
+          --target -1000 --min-speedup 0 (most often met by the grid; where every grid
+          row breaks an output part, the search goes on, and its rows are made by both)
+  plain:  this file with --plain and tune's answer: for every row tune made with
+          quantize_static, that function with the row's arguments, a new reader and no
+          calibration cache (so it calibrates every time), on the prepared model of the
+          row's ``rewrites`` (an ``equalize`` row's: that model equalized), then the same
+          measurement. The prepared models come from tune's own preparation. The loop does
+          less than tune where a row's model takes more than quantize_static (a bias
+          correction's, an exclusion's post step) and makes no dynamic row.
 
 The requirement (issue 18): tune takes at most 0.6x the plain loop's time (aim
 0.5x) with 64 calibration samples on a real CNN. Run by hand; not a test.
@@ -45,8 +49,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BOUND = 0.6
 
 
-def plain_loop(float_path: str, calibrate: list[str], inputs: list[str], work: str, runs: int) -> int:
-    """Every candidate of tune's prepared models, calibrated every time; prints how many."""
+def plain_loop(
+    float_path: str, answer_path: str, calibrate: list[str], inputs: list[str], work: str, runs: int
+) -> int:
+    """Every row tune's answer (at ``answer_path``) made with quantize_static, calibrated
+    every time; prints how many."""
     sys.path.insert(0, str(REPO_ROOT))
     import numpy as np
     import onnx
@@ -55,27 +62,36 @@ def plain_loop(float_path: str, calibrate: list[str], inputs: list[str], work: s
     from graphscan import Session, load_with_weights
     from graphscan_ort.shared.options import Named, Timing
     from graphscan_ort.shared.sessions import quiet
-    from graphscan_ort.tune.candidates import SampleReader, candidate_settings, keyword_arguments
+    from graphscan_ort.tune.candidates import SampleReader, keyword_arguments
     from graphscan_ort.tune.deployed import measure_candidate
+    from graphscan_ort.tune.equalize import equalized
     from graphscan_ort.tune.prepare import prepare
 
+    with open(answer_path) as f:
+        rows = [r for r in json.load(f)["candidates"] if r["quantize_static"] is not None and r["error"] is None]
     evaluation = [dict(np.load(p)) for p in inputs]
     calibration = [dict(np.load(p)) for p in calibrate]
     original = load_with_weights(float_path)
     base, rewritten, _ = prepare(float_path, work, evaluation, original)
-    models = [base] + ([rewritten] if rewritten is not base else [])
-    count = 0
-    for k, model in enumerate(models):
-        prepared = os.path.join(work, f"prepared{k}.onnx")
-        onnx.save(model, prepared)
-        for settings in candidate_settings():
-            target = os.path.join(work, f"plain{count}.onnx")
-            with quiet():
-                quantize_static(prepared, target, SampleReader(calibration), **keyword_arguments(settings))
-            measured = Named(onnx.load(target), target)
-            measure_candidate(Named(original, float_path), measured, evaluation, Session("all", 1), Timing(runs))
-            count += 1
-    print(count)
+    prepared: dict[tuple[bool, bool], str] = {}
+
+    def prepared_path(rewrites: bool, equalize: bool) -> str:
+        if (rewrites, equalize) not in prepared:
+            model = rewritten if rewrites else base
+            path = os.path.join(work, f"prepared-{rewrites}-{equalize}.onnx")
+            onnx.save(equalized(model)[0] if equalize else model, path)
+            prepared[rewrites, equalize] = path
+        return prepared[rewrites, equalize]
+
+    for count, row in enumerate(sorted(rows, key=lambda r: r["id"])):
+        equalize = (row["recovery"] or {}).get("step") == "equalize"
+        target = os.path.join(work, f"plain{count}.onnx")
+        arguments = keyword_arguments(row["quantize_static"])
+        with quiet():
+            quantize_static(prepared_path(row["rewrites"], equalize), target, SampleReader(calibration), **arguments)
+        measured = Named(onnx.load(target), target)
+        measure_candidate(Named(original, float_path), measured, evaluation, Session("all", 1), Timing(runs))
+    print(len(rows))
     return 0
 
 
@@ -179,21 +195,22 @@ def rows_bench(model_path: str | None, calibrate: list[str], repeats: int) -> di
         return report
 
 
-def timed(command: list[str], accepted: tuple[int, ...] = (0,)) -> float:
+def timed(command: list[str], accepted: tuple[int, ...] = (0,)) -> tuple[float, str]:
+    """``command``'s wall time and its stdout (its exit code one of ``accepted``)."""
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - start
     if done.returncode not in accepted:
         raise SystemExit(f"bench_tune: {command[:4]}... failed: {done.stderr.strip()[-300:]}")
-    return seconds
+    return seconds, done.stdout
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--plain"]:
-        float_path, runs, work, *files = argv[1:]
+        float_path, answer_path, runs, work, *files = argv[1:]
         split = files.index("--")
-        return plain_loop(float_path, files[:split], files[split + 1 :], work, int(runs))
+        return plain_loop(float_path, answer_path, files[:split], files[split + 1 :], work, int(runs))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?")
     parser.add_argument("--calibrate-glob")
@@ -219,23 +236,28 @@ def main(argv: list[str] | None = None) -> int:
         tune_command += [a for i in inputs for a in ("--inputs", i)]
         tune_command += ["--out", os.path.join(tmp, "out"), "--runs", str(args.runs)]
         tune_command += ["--target", "-1000", "--min-speedup", "0"]
+        answer_path = os.path.join(tmp, "answer.json")
         plain_command = [
             sys.executable,
             __file__,
             "--plain",
             args.model,
+            answer_path,
             str(args.runs),
             tmp,
             *calibrate,
             "--",
             *inputs,
         ]
-        tune_s = timed(tune_command, accepted=(0, 8))
-        plain_s = timed(plain_command)
+        tune_s, answer = timed(tune_command, accepted=(0, 8))
+        with open(answer_path, "w") as f:
+            f.write(answer)
+        plain_s, made = timed(plain_command)
     report = {
         "model": args.model,
         "calibration_samples": len(calibrate),
         "evaluation_samples": len(inputs),
+        "rows": int(made),
         "tune_seconds": round(tune_s, 2),
         "plain_seconds": round(plain_s, 2),
         "ratio": round(tune_s / plain_s, 3),
