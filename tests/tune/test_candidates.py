@@ -110,6 +110,76 @@ def test_readers_renamed_quickly_rename_what_onnxruntime_renames_and_the_quantiz
     assert ONNXModel.replace_input_of_all_nodes is original
 
 
+def test_readers_renamed_by_their_index_are_the_ones_onnxruntime_renames_after_every_edit():
+    """ReadersIndex (inside readers_renamed_quickly) against onnxruntime's own
+    replace_input_of_all_nodes on twin graphs, after each way the quantizer's graph changes:
+    nodes appended that read a renamed or a new name, a node reading one name twice, a
+    reader given a name by replace_node_input itself (a dedicated pair's), a removal in the
+    middle and at the end, a removal then an append, the field cleared and refilled. The
+    graphs are the same after every rename, and replace_node_input is onnxruntime's own again after."""
+    from onnxruntime.quantization.onnx_model import ONNXModel
+
+    own_replace = ONNXModel.__dict__["replace_node_input"]
+    theirs, ours = ONNXModel(onnx.ModelProto()), ONNXModel(onnx.ModelProto())
+    count = iter(range(1000))
+
+    def both(edit):
+        edit(theirs)
+        with candidates.readers_renamed_quickly():
+            edit(ours)
+        assert ours.model.SerializeToString() == theirs.model.SerializeToString()
+
+    def append(*inputs):
+        k = next(count)
+        return lambda m: m.model.graph.node.extend(
+            [onnx.helper.make_node("Add", list(inputs), [f"y{k}"], name=f"n{k}")]
+        )
+
+    def rename(old):
+        new = f"r{next(count)}"
+        return lambda m: m.replace_input_of_all_nodes(old, new)
+
+    for inputs in (("a", "b"), ("a", "a"), ("b", "c"), ("y0", "a")):
+        both(append(*inputs))
+    both(rename("a"))
+    both(append("r4", "d"))  # a new node reads the renamed name
+    both(rename("r4"))
+    both(lambda m: m.replace_node_input(m.model.graph.node[2], "c", "given"))  # a dedicated pair's rename
+    both(rename("given"))
+    both(rename("absent"))
+    both(lambda m: m.model.graph.node.remove(m.model.graph.node[1]))
+    both(rename("b"))
+    both(lambda m: m.model.graph.node.__delitem__(len(m.model.graph.node) - 1))
+    both(append("y0", "e"))  # as many nodes as indexed, the last one new
+    both(rename("y0"))
+    both(lambda m: m.model.graph.node.__delitem__(slice(None)))
+    both(append("f", "g"))
+    both(rename("f"))
+    assert ONNXModel.__dict__["replace_node_input"] is own_replace
+
+
+def test_the_quantizer_with_dedicated_pairs_and_its_readers_indexed_writes_the_same_bytes(tmp_path):
+    """quantize_static with a Q/DQ pair for each reader (DedicatedQDQPair, which renames
+    readers one by one) writes the same bytes inside readers_renamed_quickly as outside, for
+    each grid setting: the residual CNN's tensors read by two nodes."""
+    onnx.save(gen_models.build_cnn(2, channels=4, size=8, seed=2), tmp_path / "cnn.onnx")
+    samples = [{"x": np.random.default_rng(k).standard_normal((1, 3, 8, 8)).astype(np.float32)} for k in range(3)]
+    for settings in candidates.candidate_settings():
+        arguments = candidates.keyword_arguments(settings) | {"extra_options": {"DedicatedQDQPair": True}}
+        written = []
+        for quick in (False, True):
+            path = tmp_path / f"{quick}.onnx"
+            with (
+                gen_models.quiet_quantizer(),
+                candidates.readers_renamed_quickly() if quick else contextlib.nullcontext(),
+            ):
+                quantize_static(
+                    str(tmp_path / "cnn.onnx"), str(path), candidates.SampleReader(list(samples)), **arguments
+                )
+            written.append(path.read_bytes())
+        assert written[0] == written[1], settings
+
+
 def test_an_initializer_found_by_its_index_is_the_one_onnxruntime_finds_after_every_edit():
     """FirstByName against onnxruntime's own find_by_name on one model's initializers, after
     each way the field changes: appends (a name twice among them), a removal in the middle, a
