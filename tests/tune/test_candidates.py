@@ -111,51 +111,66 @@ def test_readers_renamed_quickly_rename_what_onnxruntime_renames_and_the_quantiz
 
 
 def test_readers_renamed_by_their_index_are_the_ones_onnxruntime_renames_after_every_edit():
-    """ReadersIndex (inside readers_renamed_quickly) against onnxruntime's own
-    replace_input_of_all_nodes on twin graphs, after each way the quantizer's graph changes:
-    nodes appended that read a renamed or a new name, a node reading one name twice, a
-    reader given a name by replace_node_input itself (a dedicated pair's), a removal in the
-    middle and at the end, a removal then an append, the field cleared and refilled. The
-    graphs are the same after every rename, and replace_node_input is onnxruntime's own again after."""
+    """ReadersIndex (one readers_renamed_quickly for the whole run, as in one quantize_static
+    call) against onnxruntime's own replace_input_of_all_nodes on a twin graph, after each way
+    the quantizer's graph changes: nodes appended that read a renamed or a new name, a node
+    reading one name twice, a reader given a name by replace_node_input itself (a dedicated
+    pair's), a removal in the middle and at the end, a removal then an append, the field
+    cleared and refilled. The graphs are the same after every edit, and replace_node_input is
+    onnxruntime's own again after."""
     from onnxruntime.quantization.onnx_model import ONNXModel
 
-    own_replace = ONNXModel.__dict__["replace_node_input"]
+    own_descriptor = ONNXModel.__dict__["replace_node_input"]
+    own_replace = ONNXModel.replace_node_input
     theirs, ours = ONNXModel(onnx.ModelProto()), ONNXModel(onnx.ModelProto())
     count = iter(range(1000))
 
-    def both(edit):
-        edit(theirs)
-        with candidates.readers_renamed_quickly():
-            edit(ours)
-        assert ours.model.SerializeToString() == theirs.model.SerializeToString()
-
     def append(*inputs):
         k = next(count)
-        return lambda m: m.model.graph.node.extend(
-            [onnx.helper.make_node("Add", list(inputs), [f"y{k}"], name=f"n{k}")]
-        )
+        node = onnx.helper.make_node("Add", list(inputs), [f"y{k}"], name=f"n{k}")
+        for model in (theirs, ours):
+            model.model.graph.node.extend([node])
 
     def rename(old):
         new = f"r{next(count)}"
-        return lambda m: m.replace_input_of_all_nodes(old, new)
+        for node in theirs.model.graph.node:  # onnxruntime's own method, its own replace_node_input
+            own_replace(node, old, new)  # (inside the context the class's is the one that marks names)
+        ours.replace_input_of_all_nodes(old, new)
 
-    for inputs in (("a", "b"), ("a", "a"), ("b", "c"), ("y0", "a")):
-        both(append(*inputs))
-    both(rename("a"))
-    both(append("r4", "d"))  # a new node reads the renamed name
-    both(rename("r4"))
-    both(lambda m: m.replace_node_input(m.model.graph.node[2], "c", "given"))  # a dedicated pair's rename
-    both(rename("given"))
-    both(rename("absent"))
-    both(lambda m: m.model.graph.node.remove(m.model.graph.node[1]))
-    both(rename("b"))
-    both(lambda m: m.model.graph.node.__delitem__(len(m.model.graph.node) - 1))
-    both(append("y0", "e"))  # as many nodes as indexed, the last one new
-    both(rename("y0"))
-    both(lambda m: m.model.graph.node.__delitem__(slice(None)))
-    both(append("f", "g"))
-    both(rename("f"))
-    assert ONNXModel.__dict__["replace_node_input"] is own_replace
+    def given(position, old, new):  # a dedicated pair's rename of one reader
+        own_replace(theirs.model.graph.node[position], old, new)
+        ours.replace_node_input(ours.model.graph.node[position], old, new)
+
+    def remove(position):
+        for model in (theirs, ours):
+            del model.model.graph.node[position]
+
+    def clear():
+        for model in (theirs, ours):
+            del model.model.graph.node[:]
+
+    edits = [
+        *[lambda inputs=inputs: append(*inputs) for inputs in (("a", "b"), ("a", "a"), ("b", "c"), ("y0", "a"))],
+        lambda: rename("a"),
+        lambda: append("r4", "d"),  # a new node reads the renamed name
+        lambda: rename("r4"),
+        lambda: given(2, "c", "given"),
+        lambda: rename("given"),
+        lambda: rename("absent"),
+        lambda: remove(1),
+        lambda: rename("b"),
+        lambda: remove(len(ours.model.graph.node) - 1),
+        lambda: append("y0", "e"),  # as many nodes as indexed, the last one new
+        lambda: rename("y0"),
+        clear,
+        lambda: append("f", "g"),
+        lambda: rename("f"),
+    ]
+    with candidates.readers_renamed_quickly():
+        for k, edit in enumerate(edits):
+            edit()
+            assert ours.model.SerializeToString() == theirs.model.SerializeToString(), k
+    assert ONNXModel.__dict__["replace_node_input"] is own_descriptor
 
 
 def test_the_quantizer_with_dedicated_pairs_and_its_readers_indexed_writes_the_same_bytes(tmp_path):
