@@ -269,6 +269,7 @@ class Candidate(TypedDict):
     fails: list[str] | None  # the guards broken: slower, larger, float_weights
     pareto: bool
     error: str | None
+    raced: str | None  # why a grid row shown slower than --min-speedup was not measured for accuracy
 
 
 class Calibration(TypedDict):

@@ -86,10 +86,14 @@ def static_rows(rows: list[Row]) -> list[Row]:
 DEFAULT_SETTINGS = {"activation_type": "QInt8", "per_channel": False, "calibrate_method": "MinMax"}
 
 
+def defaults_settings(settings: Mapping[str, Any], rewrites: bool) -> bool:
+    """Whether quantize_static's ``settings`` are onnxruntime's defaults, without rewrites."""
+    return not rewrites and all(settings.get(k) == v for k, v in DEFAULT_SETTINGS.items())
+
+
 def default_row(rows: list[Row]) -> Row | None:
     """The row quantize_static made with onnxruntime's defaults, without rewrites (None: none)."""
-    defaults = (r for r in static_rows(rows) if all(r[STATIC][k] == v for k, v in DEFAULT_SETTINGS.items()))
-    return next((r for r in defaults if not r["rewrites"]), None)
+    return next((r for r in static_rows(rows) if defaults_settings(r[STATIC], r["rewrites"])), None)
 
 
 # quantize_dynamic's weight types: its default first, then the other (u8 weights).

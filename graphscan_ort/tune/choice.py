@@ -14,6 +14,9 @@ best of many; so the policy decides with each figure's uncertainty (bounds.py), 
   cannot tell two rows apart (a **noise tie**), then the worst part's SQNR (a figure of every
   output element), then speed;
 - **speed tie**: speeds the paired run-by-run ratios cannot tell apart;
+- **raced**: a grid row whose speed is shown not above ``--min-speedup`` (the upper bound of
+  its runs' mean log ratio) while another row passes every guard: it can never be written,
+  so its accuracy is not measured (and it is not among the rows compared);
 - and four rankings built from those: **met here** (the most accurate of the rows speed-tied
   with the fastest that meet the target), **met on an emulated CPU** (the most int8 kernels
   there: its time is no latency), **not met** (the most accurate passing row) and **the
@@ -78,6 +81,23 @@ def passing(row: Mapping[str, Any]) -> bool:
     return row["error"] is None and not row.get("fails")
 
 
+def compared(row: Mapping[str, Any]) -> bool:
+    """Measured for accuracy: not refused, not raced out on speed (the rows every bound is
+    corrected for)."""
+    return row["error"] is None and row.get("raced") is None
+
+
+def speed_bound_above(ratios: Sequence[float], confidence: float) -> float | None:
+    """The one-sided upper bound at ``confidence`` of the speedup whose runs' ratios are
+    ``ratios``: exp of their mean log plus the Student-t margin (None: fewer than 2 runs, or a
+    ratio not above 0)."""
+    if len(ratios) < 2 or min(ratios) <= 0:
+        return None
+    logs = np.log(np.asarray(ratios, np.float64))
+    error = float(logs.std(ddof=1)) / math.sqrt(len(logs))
+    return math.exp(float(logs.mean()) + t_quantile(confidence, len(logs) - 1) * error)
+
+
 @dataclasses.dataclass
 class Policy:
     """The policy of one tune run: the target (None: undefined, never met) and where it came
@@ -99,7 +119,7 @@ class Policy:
 
     def bound_confidence(self, rows: Sequence[Mapping[str, Any]]) -> float:
         """Each row's bound is at this confidence: the run's, corrected for the rows compared."""
-        return corrected(self.confidence, sum(r["error"] is None for r in rows))
+        return corrected(self.confidence, sum(compared(r) for r in rows))
 
     def bound(self, row: Mapping[str, Any], confidence: float) -> float | None:
         """``row``'s metric's lower bound at ``confidence`` (None: cannot be had)."""
@@ -225,9 +245,7 @@ class Policy:
         already can never be written), else the most accurate with integer weights, else the
         most accurate of all. A bias-corrected row is never the start: its correction fits its
         own weights, and every later model is quantized again without it."""
-        measured = [
-            r for r in rows if r["error"] is None and (r.get("recovery") or {}).get("step") != "bias_correction"
-        ]
+        measured = [r for r in rows if compared(r) and (r.get("recovery") or {}).get("step") != "bias_correction"]
         stored = [r for r in measured if passing(r)] or [r for r in measured if not r["float_weights"]] or measured
         return self.most_accurate(stored)
 
@@ -314,13 +332,14 @@ def kernels_first(row: Mapping[str, Any]) -> tuple[float, float, float, float]:
 
 
 def pareto(rows: list[Candidate]) -> None:
-    """Mark each measured row on the front of (fastest, most accurate): no other is at least as fast and as
-    accurate, and better in one. Accuracy is the target's metric, its ties broken by the worst
-    part's SQNR (ranked): where a metric scores every row alike (all collapsed, say), the front
-    still holds the most accurate fast row, not only the one a timing put first."""
-    measured = [r for r in rows if r["error"] is None]
+    """Mark each row measured for accuracy (compared) on the front of (fastest, most
+    accurate): no other is at least as fast and as accurate, and better in one. Accuracy is
+    the target's metric, its ties broken by the worst part's SQNR (ranked): where a metric
+    scores every row alike (all collapsed, say), the front still holds the most accurate fast
+    row, not only the one a timing put first."""
+    measured = [r for r in rows if compared(r)]
     for row in rows:
-        row["pareto"] = row["error"] is None and not any(
+        row["pareto"] = compared(row) and not any(
             other is not row
             and speed(other) >= speed(row)
             and ranked(other) >= ranked(row)

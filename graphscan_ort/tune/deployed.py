@@ -98,6 +98,7 @@ def measure_candidate(
     metric: Metric | None = None,
     latency: list[dict] | None = None,
     timed_alike: Callable[[str], dict | None] | None = None,
+    race: Callable[[dict], str | None] | None = None,
 ) -> dict:
     """``{"sqnr_db", "metric_value", "int8_fraction", "int8_kernels", "wrapped_but_float", "ms",
     "float_ms", "speedup", "speedup_spread", "bytes"}`` of ``candidate`` (the quantized model
@@ -107,12 +108,43 @@ def measure_candidate(
     candidate's then are too); ``latency``: the samples timed (default: the first of
     ``samples``); no ``metric``: ``metric_value`` is the SQNR; ``timed_alike``: the latency
     figures of a model timed already whose optimized graph has this plan_digest (None: none;
-    the candidate is then timed)."""
-    accuracy = accuracy_figures(reference, candidate, samples, session, references, metric)
-    speed = timed_alike(accuracy["plan"]) if timed_alike is not None else None
-    if speed is None:
-        speed = latency_figures(reference, [candidate], latency or samples[:1], session, timing)[0]
+    the candidate is then timed). ``race`` (this process only): given the speed figures, why
+    the candidate need not be measured for accuracy (None: it is); it is then timed first,
+    and a raced one's accuracy figures are null and ``raced`` says why."""
+    if race is None or isinstance(references, OnTarget):
+        accuracy = accuracy_figures(reference, candidate, samples, session, references, metric)
+        speed = speed_figures(
+            reference, candidate, accuracy["plan"], latency or samples[:1], session, timing, timed_alike
+        )
+        return {**accuracy, **speed, "bytes": os.path.getsize(candidate.path)}
+    kernels = kernel_counts(candidate.model, candidate.path, session.level)
+    speed = speed_figures(reference, candidate, kernels["plan"], latency or samples[:1], session, timing, timed_alike)
+    reason = race(speed)
+    if reason is not None:
+        return {**UNMEASURED, **kernels, **speed, "bytes": os.path.getsize(candidate.path), "raced": reason}
+    accuracy = accuracy_figures(reference, candidate, samples, session, references, metric, kernels)
     return {**accuracy, **speed, "bytes": os.path.getsize(candidate.path)}
+
+
+# A raced candidate's accuracy figures (measure_candidate): none measured.
+UNMEASURED = dict.fromkeys(
+    ("sqnr_db", "pooled_sqnr_db", "worst_part", "metric_value", "metric_events", "metric_worst", "metric_spread")
+) | {"metric_by_sample": None}
+
+
+def speed_figures(
+    reference: Named,
+    candidate: Named,
+    plan: str,
+    latency: list[dict],
+    session: Session,
+    timing: Timing,
+    timed_alike: Callable[[str], dict | None] | None,
+) -> dict:
+    """The latency figures of a model timed already on ``plan`` (``timed_alike``), else
+    ``candidate`` timed now (latency_figures)."""
+    speed = timed_alike(plan) if timed_alike is not None else None
+    return speed if speed is not None else latency_figures(reference, [candidate], latency, session, timing)[0]
 
 
 def accuracy_figures(
@@ -122,11 +154,17 @@ def accuracy_figures(
     session: Session = DEPLOYED,
     references: dict[tuple[str, ...], FloatOutputs] | OnTarget | None = None,
     metric: Metric | None = None,
+    kernels: dict | None = None,
 ) -> dict:
-    """measure_candidate's figures but the timing and the file's size: accuracy and kernels."""
+    """measure_candidate's figures but the timing and the file's size: accuracy and kernels
+    (``kernels``: kernel_counts' of ``candidate``, counted already)."""
     pairs = output_pairs(reference, candidate)
     if isinstance(references, OnTarget):
         outputs, kernels = references.measure(reference, candidate, pairs)
+    elif kernels is not None:
+        outputs = paired_outputs(
+            reference, candidate, samples, pairs, session_options(session.level, session.threads), references
+        )
     else:
         options = session_options(session.level, session.threads)
         # The candidate's session saves the graph it optimized: the kernels are read off it,

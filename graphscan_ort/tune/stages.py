@@ -48,6 +48,7 @@ from graphscan_ort.tune.choice import (
     accuracy,
     broken_words,
     choice_warnings,
+    compared,
     listing_order,
     speed,
 )
@@ -100,7 +101,7 @@ class Run:
             not self.met
             and self.target["value"] is not None
             and not self.policy.only_samples_lack(self.rows)
-            and any(r["error"] is None for r in static_rows(self.rows))
+            and any(compared(r) for r in static_rows(self.rows))
         )
 
     def start(self) -> Candidate:
@@ -139,7 +140,7 @@ def tune_in(
     prepared = {"none": base}
     if rewritten is not base:
         prepared["rewrites"] = rewritten
-    trials = Trials(work, functools.partial(SampleReader, calibration), measure)
+    trials = Trials(work, functools.partial(SampleReader, calibration), measure, goal.confidence)
     policy = Policy(None, emulated=measure.on is not None, confidence=goal.confidence)
     run = Run(trials, policy, goal, calibration, prepared, limits, seeds or [], progress, steps)
     for stage in STAGES:
@@ -156,7 +157,7 @@ def verdict(run: Run) -> Shown:
     policy, chosen = run.policy, run.chosen
     return {
         "confidence": policy.confidence,
-        "rows_compared": sum(r["error"] is None for r in run.rows),
+        "rows_compared": sum(compared(r) for r in run.rows),
         "method": None if chosen is None else policy.method(chosen),
     }
 
@@ -181,7 +182,7 @@ def undecided(run: Run) -> list[str]:
     measured = len(run.trials.measure.evaluation) if unit == "samples" else chosen.get("metric_events")
     said = (
         f"the chosen model was not shown to meet the target at {policy.confidence:g} confidence over "
-        f"{sum(r['error'] is None for r in run.rows)} rows on {measured} {unit}: with the spread it showed, "
+        f"{sum(compared(r) for r in run.rows)} rows on {measured} {unit}: with the spread it showed, "
         f"about {count} {unit} would (give more held-out --inputs)"
     )
     return [said]
@@ -205,7 +206,7 @@ def answer(run: Run, measure: Measure, written: list[str]) -> TuneChoice:
         )
     if any(HISTOGRAM_SHAPES in (r["error"] or "") for r in rows):
         warnings.append(f"{HISTOGRAM_SHAPES}: give --calibrate samples of one shape to try Percentile and Entropy")
-    if all(accuracy(r) == -math.inf for r in rows if r["error"] is None):
+    if all(accuracy(r) == -math.inf for r in rows if compared(r)):
         warnings.append(f"every candidate's {goal.metric.name} is undefined on these samples: none can be reached")
     float_ms = sorted(row["float_ms"] for row in rows if row["float_ms"] is not None)
     return {

@@ -34,15 +34,17 @@ from graphscan_ort.shared.metrics import FloatOutputs
 from graphscan_ort.shared.options import Named, Timing
 from graphscan_ort.tune import deployed
 from graphscan_ort.tune.bias import same_graph
+from graphscan_ort.tune.bounds import DEFAULT_CONFIDENCE
 from graphscan_ort.tune.candidates import (
     DYNAMIC,
     STATIC,
     SampleReader,
+    defaults_settings,
     file_digest,
     quantize_candidate,
     quantize_dynamic_candidate,
 )
-from graphscan_ort.tune.choice import Policy, TimedRuns, accuracy
+from graphscan_ort.tune.choice import Policy, TimedRuns, accuracy, compared, passing, speed_bound_above
 from graphscan_ort.tune.deployed import OnTarget, accuracy_figures, measure_candidate
 from graphscan_ort.tune.fallback import honoured
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
@@ -114,10 +116,12 @@ class Measure:
         excluded: list[str] | None = None,
         speed: dict | None = None,
         timed_alike: Callable[[str], dict | None] | None = None,
+        race: Callable[[dict], str | None] | None = None,
     ) -> dict:
         """A candidate's figures as deployed (``candidate``, read from ``candidate_path``), with
         its weights' storage and the guards it breaks; ``speed``: latency figures it inherits;
-        ``timed_alike``: those of a row timed already that runs the same plan (measure_candidate)."""
+        ``timed_alike``: those of a row timed already that runs the same plan; ``race``: why
+        its accuracy need not be measured, given its speed (measure_candidate)."""
         named = Named(candidate, candidate_path)
         references = self.references if self.on is None else self.on  # where the float outputs are run
         if speed is None:
@@ -131,6 +135,7 @@ class Measure:
                 self.metric,
                 self.latency,
                 timed_alike if self.on is None else None,  # a CPU target's plan is not the timed one
+                race,
             )
         else:  # the same graph as a row timed already: its speed, this model's own accuracy and file
             accuracy = accuracy_figures(self.reference, named, self.evaluation, self.session, references, self.metric)
@@ -216,6 +221,7 @@ def candidate_row(
         "fails": got.get("fails"),
         "pareto": False,
         "error": error,
+        "raced": got.get("raced"),
     }
 
 
@@ -313,8 +319,14 @@ class Trials:
     once), each prepared model's float values by part (``ranges``). ``policy``: the run's
     policy (choice.Policy), once the target is known; a recovery row's ``helps`` is its word."""
 
-    def __init__(self, work: str, reader: Callable[[], SampleReader], measure: Measure) -> None:
-        self.work, self.reader, self.measure = work, reader, measure
+    def __init__(
+        self,
+        work: str,
+        reader: Callable[[], SampleReader],
+        measure: Measure,
+        confidence: float = DEFAULT_CONFIDENCE,
+    ) -> None:
+        self.work, self.reader, self.measure, self.confidence = work, reader, measure, confidence
         self.records: dict[int, Record] = {}
         self.rows: list[Candidate] = []
         self.given: dict[str, onnx.ModelProto] = {}  # the prepared models the quantizer is given, by path
@@ -367,7 +379,8 @@ class Trials:
         ``post``: a change to the quantized file before it is measured, and the row it changes
         (whose speed the model takes, untimed, when its graph is that row's: bias.same_graph);
         ``origin``: where the row came from (a recovery step's row says what it did and gained,
-        an exclusion trial the block it added)."""
+        an exclusion trial the block it added). A grid row may be raced out on speed
+        (raced_out), but for onnxruntime's defaults' own: its accuracy may be the target."""
         ident = len(self.rows)
         origin = origin or Origin()
         record = Record(cast(Candidate, {}), origin)
@@ -405,13 +418,16 @@ class Trials:
                 owner = self.timing_owner(parent).row  # the same kernels: timing it again adds only noise
                 speed = {**{key: owner.get(key) for key in LATENCY}, "speed_from": owner["id"]}
             try:
-                figures = self.measure(model, target_path, excluded, speed, self.timed_alike)
+                race = origin.stage == "grid" and quantizer == STATIC and speed is None
+                racing = self.raced_out if race and not defaults_settings(settings, rewrites) else None
+                figures = self.measure(model, target_path, excluded, speed, self.timed_alike, racing)
             except GraphscanError as exc:  # a model the quantizer made that onnxruntime refuses
                 if exc.exit_code != EXIT_RUNTIME:
                     raise
                 error = f"onnxruntime: {self.users_terms(str(exc))}"
                 return self.book(record, row(excluded=status, post_step=post_step, error=error))
-            figures.update(self.verdict(model, prepared_path, figures))
+            if figures.get("raced") is None:  # a raced row has no outputs to judge
+                figures.update(self.verdict(model, prepared_path, figures))
             record.speed_from = figures.get("speed_from")
             measured = row(excluded=status, post_step=post_step, speed_from=record.speed_from, figures=figures)
             record.by_sample = figures.get("metric_by_sample")
@@ -421,12 +437,34 @@ class Trials:
                     self.timed_plans.setdefault(figures["plan"], measured["id"])
             else:
                 record.runs = self.records[record.speed_from].runs
-            self.digests[digest] = measured
+            if figures.get("raced") is None:  # a twin of a raced row is measured: it may be wanted later
+                self.digests[digest] = measured
         record.files = (target_path, prepared_path, cache)
         self.measure.models[target_path] = model
         self.book(record, measured)
         self.steady()
         return measured
+
+    def raced_out(self, speed: Mapping[str, Any]) -> str | None:
+        """Why a row timed at ``speed`` (latency figures, its own or a plan twin's) need not be
+        measured for accuracy, or None: its speedup is shown not above ``--min-speedup`` (the
+        upper bound of its runs' speedup at the run's confidence, choice.speed_bound_above) while
+        a row measured already passes every guard, so the policy can never write it."""
+        floor = self.measure.min_speedup
+        rival = next((r for r in self.rows if passing(r) and compared(r)), None)
+        if floor is None or floor <= 0 or rival is None or speed.get("speedup") is None:
+            return None
+        twin = speed.get("speed_from")
+        twin_runs = self.records[twin].runs if twin is not None else None
+        ratios = twin_runs.ratios if twin_runs is not None else speed.get("speedup_runs") or ()
+        upper = speed_bound_above(ratios, self.confidence)
+        if upper is None or upper > floor:
+            return None
+        return (
+            f"not measured for accuracy: its speedup, {speed['speedup']:.3g}x, is at most {upper:.3g}x at "
+            f"{self.confidence:g} confidence ({len(ratios)} runs), not above --min-speedup {floor:g}, while "
+            f"candidate {rival['id']} passes every guard: it is never written"
+        )
 
     def quantize_static(
         self,

@@ -4,6 +4,7 @@ target and latency options that say what "better" means."""
 
 import json
 import math
+import os
 import re
 
 import numpy as np
@@ -600,3 +601,94 @@ def test_a_plan_lends_its_first_timed_rows_figures_unless_that_rows_speedup_was_
     assert rows.trials.timed_alike("plan-b") is None
     first["speedup"] = first["speedup_spread"] = None
     assert rows.trials.timed_alike("plan-a") is None
+
+
+def int8_activations(model):
+    """Whether ``model`` quantizes its activations to int8 (a QuantizeLinear of a tensor no
+    initializer holds, its zero point int8)."""
+    constants = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "QuantizeLinear" and node.input[0] not in constants and len(node.input) > 2:
+            return constants[node.input[2]].data_type == onnx.TensorProto.INT8
+    return False
+
+
+def int8_activations_slow(slow_runs, slow=int8_activations):
+    """A stub of deployed.latency_figures, its runs included: models of int8 activations (or
+    what ``slow`` says is slow) run at ``slow_runs``' speedups, the others at about 2x."""
+
+    def figures(reference, candidates, *rest):
+        found = []
+        for candidate in candidates:
+            runs = list(slow_runs) if slow(candidate.model) else [2.0, 2.1, 1.9, 2.0, 2.05]
+            middle = sorted(runs)[len(runs) // 2]
+            spread = [min(runs), max(runs)]
+            found.append({"ms": 1.0 / middle, "float_ms": 1.0, "speedup": middle, "speedup_spread": spread})
+            found[-1]["speedup_runs"] = runs
+        return found
+
+    return figures
+
+
+def test_grid_rows_shown_slower_than_the_guard_are_raced_out_unmeasured(cnn, tmp_path, monkeypatch):
+    """int8 activations run at half float's speed: once a row passes every guard, each grid row
+    of int8 activations (but onnxruntime's defaults' own, whose accuracy may be the target) is
+    timed, shown not above --min-speedup 1, and never measured for accuracy: its accuracy
+    figures null, ``raced`` says why, it fails ``slower`` and it is not among the rows compared.
+    Every other row is measured."""
+    monkeypatch.setattr(deployed, "latency_figures", int8_activations_slow([0.5, 0.52, 0.49, 0.51, 0.5]))
+    measured = []
+    accuracy_figures = deployed.accuracy_figures
+    monkeypatch.setattr(
+        deployed,
+        "accuracy_figures",
+        lambda ref, candidate, *a: measured.append(candidate.path) or accuracy_figures(ref, candidate, *a),
+    )
+    answer = run_tune(cnn, tmp_path / "out", min_speedup=1.0)
+    grid = [c for c in answer["candidates"] if c["quantize_static"] and not c["kept_float"] and not c["recovery"]]
+    grid = [c for c in grid if not c["trial"] and c["id"] < 16]
+    for row in grid:
+        settings = row["quantize_static"]
+        defaults = settings["activation_type"] == "QInt8" and not settings["per_channel"]
+        defaults = defaults and settings["calibrate_method"] == "MinMax" and not row["rewrites"]
+        if settings["activation_type"] == "QInt8" and not defaults:
+            assert row["raced"] is not None and "--min-speedup 1" in row["raced"], row["id"]
+            assert row["sqnr_db"] is None and row["metric_value"] is None and row["metric_bound"] is None
+            assert row["fails"] == ["slower"] and row["speedup"] == 0.5 and not row["pareto"]
+        else:
+            assert row["raced"] is None and row["sqnr_db"] is not None, row["id"]
+    raced = [c for c in answer["candidates"] if c["raced"] is not None]
+    files = {os.path.basename(path) for path in measured}
+    assert raced and not files & {f"candidate-{c['id']}.onnx" for c in raced}  # never run on the samples
+    assert {f"candidate-{c['id']}.onnx" for c in grid if c["raced"] is None and c["same_as"] is None} <= files
+    assert answer["evaluation"]["rows_compared"] == sum(
+        c["error"] is None and c["raced"] is None for c in answer["candidates"]
+    )
+    assert answer["chosen"] not in {c["id"] for c in raced}
+
+
+@pytest.mark.parametrize(
+    ("slow_runs", "min_speedup"),
+    [([0.5, 0.52, 0.49, 0.51, 0.5], 0.0), ([0.5, 1.6, 0.4, 1.5, 0.45], 1.0), ([0.5], 1.0)],
+    ids=["no_guard", "runs_that_cannot_show_it", "one_run"],
+)
+def test_no_row_is_raced_out_without_a_guard_or_runs_that_show_it_slower(
+    cnn, tmp_path, monkeypatch, slow_runs, min_speedup
+):
+    """Raced out only where the ``slower`` guard is on and the runs' upper bound lies at or
+    below it: --min-speedup 0, runs whose spread reaches above 1x, and a single run (no bound)
+    race no row: every row is measured."""
+    monkeypatch.setattr(deployed, "latency_figures", int8_activations_slow(slow_runs))
+    answer = run_tune(cnn, tmp_path / "out", min_speedup=min_speedup)
+    assert all(c["raced"] is None for c in answer["candidates"])
+    assert all(c["sqnr_db"] is not None for c in answer["candidates"] if c["error"] is None)
+
+
+def test_no_row_is_raced_out_before_a_row_passes_every_guard(cnn, tmp_path, monkeypatch):
+    """Every model runs at half float's speed: no row passes, so none is raced (the most
+    accurate is still wanted: prepared.onnx is its), and every row is measured."""
+    every_model = int8_activations_slow([0.5, 0.52, 0.49, 0.51, 0.5], slow=lambda model: True)
+    monkeypatch.setattr(deployed, "latency_figures", every_model)
+    answer = run_tune(cnn, tmp_path / "out", min_speedup=1.0)
+    assert answer["chosen"] is None
+    assert all(c["raced"] is None and c["sqnr_db"] is not None for c in answer["candidates"] if c["error"] is None)
