@@ -144,7 +144,12 @@ def unplotted(answer: Mapping[str, Any]) -> list[str]:
     said = []
     for row in answer["candidates"]:
         if row["metric_value"] is None:
-            why = refusal(row, answer) if row["error"] else "its metric is undefined (or, for sqnr, infinite)"
+            if row["error"]:
+                why = refusal(row, answer)
+            elif row.get("raced"):  # answers before the race have no such key
+                why = f"raced out on speed ({row['speedup']:.3g}x): its accuracy was not measured"
+            else:
+                why = "its metric is undefined (or, for sqnr, infinite)"
             said.append(f"row {row['id']}: {why}")
     return said
 

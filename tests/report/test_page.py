@@ -293,3 +293,25 @@ def test_an_answer_of_another_command_is_its_table_beside_its_models_island_map(
     assert f"island_count {islands['island_count']}" in " ".join(shown.split())
     assert all(island["nodes"][0] in shown for island in islands["islands"])
     assert small_lab["matmul_only"] in page.text_of["islands"]
+
+
+def test_the_rows_the_chart_cannot_hold_each_say_why():
+    """A refused row says its refusal, a row raced out on speed says so with its speedup (not
+    that its metric is undefined), a row whose metric is undefined says that; measured rows
+    are plotted, not listed. An answer from before the race (no ``raced`` key) still reads."""
+    from graphscan_ort.report.tune_view import unplotted
+
+    def row(ident, **keys):
+        return {"id": ident, "metric_value": None, "error": None, "raced": None, "speedup": 0.5, **keys}
+
+    answer = {
+        "candidates": [
+            row(0, metric_value=12.0),
+            row(1, raced="not measured for accuracy: ..."),
+            row(2),
+            {key: value for key, value in row(3).items() if key != "raced"},
+        ]
+    }
+    said = unplotted(answer)
+    assert said[0] == "row 1: raced out on speed (0.5x): its accuracy was not measured"
+    assert said[1:] == [f"row {k}: its metric is undefined (or, for sqnr, infinite)" for k in (2, 3)]
