@@ -452,7 +452,7 @@ class Trials:
         a row measured already passes every guard, so the policy can never write it."""
         floor = self.measure.min_speedup
         rival = next((r for r in self.rows if passing(r) and compared(r)), None)
-        if floor is None or floor <= 0 or rival is None or speed.get("speedup") is None:
+        if floor is None or rival is None or speed.get("speedup") is None:  # (0: every bound lies above it)
             return None
         twin = speed.get("speed_from")
         twin_runs = self.records[twin].runs if twin is not None else None
