@@ -76,15 +76,16 @@ def ranked(row: Mapping[str, Any]) -> tuple[float, float]:
     return accuracy(row), sqnr_rank(row)
 
 
-def passing(row: Mapping[str, Any]) -> bool:
-    """Measured, and no guard broken."""
-    return row["error"] is None and not row.get("fails")
-
-
 def compared(row: Mapping[str, Any]) -> bool:
     """Measured for accuracy: not refused, not raced out on speed (the rows every bound is
     corrected for)."""
     return row["error"] is None and row.get("raced") is None
+
+
+def passing(row: Mapping[str, Any]) -> bool:
+    """Measured (for accuracy too: a raced row never passes, even timed again faster), and no
+    guard broken."""
+    return compared(row) and not row.get("fails")
 
 
 def speed_bound_above(ratios: Sequence[float], confidence: float) -> float | None:

@@ -44,7 +44,7 @@ from graphscan_ort.tune.candidates import (
     quantize_candidate,
     quantize_dynamic_candidate,
 )
-from graphscan_ort.tune.choice import Policy, TimedRuns, accuracy, compared, passing, speed_bound_above
+from graphscan_ort.tune.choice import Policy, TimedRuns, accuracy, passing, speed_bound_above
 from graphscan_ort.tune.deployed import OnTarget, accuracy_figures, measure_candidate
 from graphscan_ort.tune.fallback import honoured
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
@@ -451,7 +451,7 @@ class Trials:
         upper bound of its runs' speedup at the run's confidence, choice.speed_bound_above) while
         a row measured already passes every guard, so the policy can never write it."""
         floor = self.measure.min_speedup
-        rival = next((r for r in self.rows if passing(r) and compared(r)), None)
+        rival = next((r for r in self.rows if passing(r)), None)
         if floor is None or rival is None or speed.get("speedup") is None:  # (0: every bound lies above it)
             return None
         twin = speed.get("speed_from")

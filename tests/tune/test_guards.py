@@ -692,3 +692,18 @@ def test_no_row_is_raced_out_before_a_row_passes_every_guard(cnn, tmp_path, monk
     answer = run_tune(cnn, tmp_path / "out", min_speedup=1.0)
     assert answer["chosen"] is None
     assert all(c["raced"] is None and c["sqnr_db"] is not None for c in answer["candidates"] if c["error"] is None)
+
+
+def test_a_raced_row_never_passes_nor_is_chosen_even_timed_again_faster():
+    """A raced row has no accuracy: where a later timing lifts its speed above the guard (no
+    ``fails`` left), it still does not pass, is not compared, and the choice never takes it,
+    not even when every measured row's metric is undefined."""
+    from graphscan_ort.tune.choice import compared, passing
+
+    raced = {"id": 0, "speedup": 3.0, "metric_value": None, "fails": [], "error": None, "raced": "not measured"}
+    measured = {"id": 1, "speedup": 1.5, "metric_value": None, "fails": [], "error": None, "raced": None}
+    for row in (raced, measured):
+        row["metric_bound"] = None
+    assert not passing(raced) and not compared(raced) and passing(measured) and compared(measured)
+    assert Policy(10.0).chosen([raced, measured]) == (measured, False)
+    assert Policy(10.0).chosen([raced]) == (None, False)
