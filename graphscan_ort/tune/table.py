@@ -50,6 +50,12 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
     whole += [exclusion(c) for c in answer["candidates"] if arguments(c).get("nodes_to_exclude")]
     whole += [recovered(c) for c in answer["candidates"] if c.get("recovery")]
     whole += [f"candidate {c['id']}: {c['error']}" for c in answer["candidates"] if c["error"]]
+    raced = sorted(c["id"] for c in answer["candidates"] if c.get("raced"))  # answers before the race: no key
+    if raced:
+        whole.append(
+            f"candidate{'s' if len(raced) > 1 else ''} {', '.join(map(str, raced))}: raced out on speed (shown not "
+            "above min speedup while another passed every guard), never run on the evaluation samples"
+        )
     whole += [f"warning: {w}" for w in answer["warnings"]]
     notes = "\n".join(textwrap.fill(visible(text), TABLE_WIDTH, subsequent_indent="  ") for text in whole)
     return page(

@@ -665,6 +665,8 @@ def test_grid_rows_shown_slower_than_the_guard_are_raced_out_unmeasured(cnn, tmp
         c["error"] is None and c["raced"] is None for c in answer["candidates"]
     )
     assert answer["chosen"] not in {c["id"] for c in raced}
+    said = " ".join(graphscan.render_table("tune", answer).split())  # the table says which were raced, once
+    assert f"candidates {', '.join(str(k) for k in sorted(c['id'] for c in raced))}: raced out on speed" in said
 
 
 @pytest.mark.parametrize(
