@@ -159,12 +159,19 @@ def minmax_calibrated(
 
 def unreduced(augmented: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
     """onnxruntime's MinMax augmented model without the ReduceMin, ReduceMax and Reshape nodes
-    its ``augment_graph`` added for ``names`` (named after each tensor): the graph calibrated."""
+    its ``augment_graph`` added for ``names`` (named after each tensor), nor the shape those
+    Reshapes read: the graph calibrated. (An initializer no node reads fails the session of a
+    model older than IR 4, whose initializers must each be a graph input.)"""
     added = {f"{name}_{op}{tail}" for name in names for op in ("ReduceMin", "ReduceMax") for tail in ("", "_Reshape")}
     model = copy.deepcopy(augmented)
+    shapes = {node.input[1] for node in model.graph.node if node.name in added and node.op_type == "Reshape"}
     kept = [node for node in model.graph.node if node.name not in added]
     del model.graph.node[:]
     model.graph.node.extend(kept)
+    still_read = {name for node in kept for name in node_reads(node)}
+    unread = [t for t in model.graph.initializer if t.name in shapes - still_read]
+    for tensor in unread:
+        model.graph.initializer.remove(tensor)
     return model
 
 

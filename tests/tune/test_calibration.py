@@ -559,3 +559,30 @@ def test_calibration_peaks_within_a_few_plain_sessions_on_a_model_with_wide_acti
     session = growth("session")
     assert growth("MinMax") <= 1.5 * session
     assert growth("Percentile") <= 3.5 * session
+
+
+def test_a_model_older_than_ir_4_is_calibrated_as_onnxruntime_calibrates_it(tmp_path):
+    """An IR 3 model (each initializer also a graph input, as such models must list them):
+    MinMax's ranges come from the graph onnxruntime calibrates without the Reshape shape its
+    augmentation added (an unread initializer fails such a model's session), and the quantized
+    model is quantize_static's own, byte for byte, for both activation types."""
+    model = gen_models.build_cnn(2, channels=4, size=8, seed=4)
+    model.ir_version = 3
+    known = {value.name for value in model.graph.input}
+    model.graph.input.extend(
+        onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+        for t in model.graph.initializer
+        if t.name not in known
+    )
+    path = tmp_path / "ir3.onnx"
+    onnx.save(model, path)
+    samples = [{"x": np.random.default_rng(k).standard_normal((1, 3, 8, 8)).astype(np.float32)} for k in range(3)]
+    for activation in ("QUInt8", "QInt8"):
+        settings = {"quant_format": "QDQ", "activation_type": activation, "weight_type": "QInt8"}
+        settings |= {"per_channel": False, "calibrate_method": "MinMax"}
+        ours, plain = tmp_path / f"ours-{activation}.onnx", tmp_path / f"plain-{activation}.onnx"
+        with gen_models.quiet_quantizer():
+            reader = lambda: candidates.SampleReader(list(samples))  # noqa: E731
+            candidates.quantize_candidate(str(path), str(ours), settings, reader, str(tmp_path))
+            quantize_static(str(path), str(plain), reader(), **candidates.keyword_arguments(settings))
+        assert ours.read_bytes() == plain.read_bytes(), activation
