@@ -49,9 +49,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BOUND = 0.6
 
 
-def plain_loop(
-    float_path: str, answer_path: str, calibrate: list[str], inputs: list[str], work: str, runs: int
-) -> int:
+def plain_loop(float_path: str, answer_path: str, calibrate: list[str], inputs: list[str], work: str, runs: int) -> int:
     """Every row tune's answer (at ``answer_path``) made with quantize_static, calibrated
     every time; prints how many."""
     sys.path.insert(0, str(REPO_ROOT))
