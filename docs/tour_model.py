@@ -48,7 +48,7 @@ HELD_OUT = [("page0.npz", "page.png", 0.0), ("page1.npz", "text.png", 1.0)]
 # held/: tune's held-out pages, enough for an honest verdict: every 320x320 tile of the same
 # halves (page.png's left, text.png's right, which calibration never sees) scaled to these heights.
 HELD_HALVES = [("page.png", 0.0), ("text.png", 1.0)]
-HELD_HEIGHTS = [320, 480, 640, 800, 960]
+HELD_HEIGHTS = [320, 480, 640, 800, 960, 1120]
 CALIBRATION = [
     ("cal0.npz", "page.png", 1.0),
     ("cal1.npz", "text.png", 0.0),

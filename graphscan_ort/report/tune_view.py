@@ -140,17 +140,22 @@ def points(answer: Mapping[str, Any]) -> list[FrontPoint]:
 
 
 def unplotted(answer: Mapping[str, Any]) -> list[str]:
-    """The rows the chart cannot hold, each with why."""
+    """The rows the chart cannot hold, each with why; the rows raced out on speed in one line."""
     said = []
     for row in answer["candidates"]:
-        if row["metric_value"] is None:
-            if row["error"]:
-                why = refusal(row, answer)
-            elif row.get("raced"):  # answers before the race have no such key
-                why = f"raced out on speed ({row['speedup']:.3g}x): its accuracy was not measured"
-            else:
-                why = "its metric is undefined (or, for sqnr, infinite)"
+        if row["metric_value"] is None and not row.get("raced"):  # answers before the race have no such key
+            why = refusal(row, answer) if row["error"] else "its metric is undefined (or, for sqnr, infinite)"
             said.append(f"row {row['id']}: {why}")
+    raced = sorted((row for row in answer["candidates"] if row.get("raced")), key=lambda row: row["id"])
+    if raced:
+        speeds = sorted(row["speedup"] for row in raced)
+        span = (
+            f"{speeds[0]:.3g}x" if f"{speeds[0]:.3g}" == f"{speeds[-1]:.3g}" else f"{speeds[0]:.3g}-{speeds[-1]:.3g}x"
+        )
+        rows = ", ".join(str(row["id"]) for row in raced)
+        said.append(
+            f"row{'s' if len(raced) > 1 else ''} {rows}: raced out on speed ({span}): not measured for accuracy"
+        )
     return said
 
 

@@ -111,9 +111,9 @@ def test_the_tour_runs_isolated_and_writes_only_its_own_folder(tmp_path):
     assert sorted(p.name for p in work.iterdir()) == ["tour"]  # nothing in the folder it was run from
     written = sorted(p.relative_to(work / "tour").as_posix() for p in (work / "tour").rglob("*") if p.is_file())
     calibration = [f"calibration/cal{k}.npz" for k in range(8)]
-    # held/: every 320-tile of each page's held-out half scaled to heights 320, 480, 640, 800 and
-    # 960 (2h wide, a half h wide: h // 320 tiles across and down): 1 + 1 + 4 + 4 + 9 per page.
-    held = [f"held/held{k:02d}.npz" for k in range(2 * (1 + 1 + 4 + 4 + 9))]
+    # held/: every 320-tile of each page's held-out half scaled to heights 320, 480, 640, 800, 960
+    # and 1120 (2h wide, a half h wide: h // 320 tiles across and down): 1 + 1 + 4 + 4 + 9 + 9 per page.
+    held = [f"held/held{k:02d}.npz" for k in range(2 * (1 + 1 + 4 + 4 + 9 + 9))]
     assert written == sorted([*calibration, *held, "det.int8.onnx", "det.onnx", "page0.npz", "page1.npz"])
     samples = {name: np.load(work / "tour" / name)["x"] for name in ["page0.npz", "page1.npz", *calibration]}
     assert all(x.shape == (1, 3, 320, 320) and x.dtype == np.float32 for x in samples.values())

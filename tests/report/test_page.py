@@ -296,9 +296,9 @@ def test_an_answer_of_another_command_is_its_table_beside_its_models_island_map(
 
 
 def test_the_rows_the_chart_cannot_hold_each_say_why():
-    """A refused row says its refusal, a row raced out on speed says so with its speedup (not
-    that its metric is undefined), a row whose metric is undefined says that; measured rows
-    are plotted, not listed. An answer from before the race (no ``raced`` key) still reads."""
+    """A row whose metric is undefined says that, and the rows raced out on speed say so in one
+    line with their speedups (not that their metric is undefined); measured rows are plotted,
+    not listed. An answer from before the race (no ``raced`` key) still reads."""
     from graphscan_ort.report.tune_view import unplotted
 
     def row(ident, **keys):
@@ -307,11 +307,14 @@ def test_the_rows_the_chart_cannot_hold_each_say_why():
     answer = {
         "candidates": [
             row(0, metric_value=12.0),
+            row(4, raced="not measured for accuracy: ...", speedup=0.71),
             row(1, raced="not measured for accuracy: ..."),
             row(2),
             {key: value for key, value in row(3).items() if key != "raced"},
         ]
     }
     said = unplotted(answer)
-    assert said[0] == "row 1: raced out on speed (0.5x): its accuracy was not measured"
-    assert said[1:] == [f"row {k}: its metric is undefined (or, for sqnr, infinite)" for k in (2, 3)]
+    assert said[:2] == [f"row {k}: its metric is undefined (or, for sqnr, infinite)" for k in (2, 3)]
+    assert said[2:] == ["rows 1, 4: raced out on speed (0.5-0.71x): not measured for accuracy"]
+    answer["candidates"] = answer["candidates"][2:3]
+    assert unplotted(answer) == ["row 1: raced out on speed (0.5x): not measured for accuracy"]
