@@ -59,7 +59,7 @@ from graphscan_ort.tune.prepare import dynamic_base, prepare, typing_failures
 from graphscan_ort.tune.progress import Progress
 from graphscan_ort.tune.recovery import polished, recover
 from graphscan_ort.tune.seeds import followed, structural_seeds
-from graphscan_ort.tune.trials import HISTOGRAM_SHAPES, Measure, Origin, Trials
+from graphscan_ort.tune.trials import BUSY_FACTOR, HISTOGRAM_SHAPES, Measure, Origin, Trials
 from graphscan_ort.tune.verdict import FEW_SAMPLES, low_levels_warning
 
 
@@ -228,9 +228,6 @@ def answer(run: Run, measure: Measure, written: list[str]) -> TuneChoice:
         "written": written,
         "warnings": warnings,
     }
-
-
-BUSY_FACTOR = 2.0  # the float model's own times across the run spread wider than this: a busy machine
 
 
 def busy(rows: list[Candidate]) -> list[str]:

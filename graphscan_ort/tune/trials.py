@@ -53,6 +53,7 @@ from graphscan_ort.tune.verdict import levels_figures, sqnr_broken
 
 LATENCY = ("ms", "float_ms", "speedup", "speedup_spread")  # deployed.latency_figures' keys
 STEADY_ROWS = 5  # rows timed before one's float time is judged against the others' (Trials.steady)
+BUSY_FACTOR = 2.0  # the float model's own times across the run spread wider than this: a busy machine
 
 
 class Post(NamedTuple):
@@ -449,10 +450,15 @@ class Trials:
         """Why a row timed at ``speed`` (latency figures, its own or a plan twin's) need not be
         measured for accuracy, or None: its speedup is shown not above ``--min-speedup`` (the
         upper bound of its runs' speedup at the run's confidence, choice.speed_bound_above) while
-        a row measured already passes every guard, so the policy can never write it."""
+        a row measured already passes every guard, so the policy can never write it. Never on
+        a busy machine (the float model's times so far spread more than BUSY_FACTOR times):
+        a burst on a row's own runs could make a fast row look slow."""
         floor = self.measure.min_speedup
         rival = next((r for r in self.rows if passing(r)), None)
         if floor is None or rival is None or speed.get("speedup") is None:  # (0: every bound lies above it)
+            return None
+        floats = [r["float_ms"] for r in self.rows if r["float_ms"] is not None] + [speed["float_ms"]]
+        if min(floats) <= 0 or max(floats) > BUSY_FACTOR * min(floats):
             return None
         twin = speed.get("speed_from")
         twin_runs = self.records[twin].runs if twin is not None else None

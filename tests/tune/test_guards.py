@@ -613,17 +613,20 @@ def int8_activations(model):
     return False
 
 
-def int8_activations_slow(slow_runs, slow=int8_activations):
+def int8_activations_slow(slow_runs, slow=int8_activations, slow_float_ms=1.0):
     """A stub of deployed.latency_figures, its runs included: models of int8 activations (or
-    what ``slow`` says is slow) run at ``slow_runs``' speedups, the others at about 2x."""
+    what ``slow`` says is slow) run at ``slow_runs``' speedups, the others at about 2x; the
+    float model beside a slow one takes ``slow_float_ms``, beside the others 1 ms."""
 
     def figures(reference, candidates, *rest):
         found = []
         for candidate in candidates:
-            runs = list(slow_runs) if slow(candidate.model) else [2.0, 2.1, 1.9, 2.0, 2.05]
+            is_slow = slow(candidate.model)
+            runs = list(slow_runs) if is_slow else [2.0, 2.1, 1.9, 2.0, 2.05]
             middle = sorted(runs)[len(runs) // 2]
             spread = [min(runs), max(runs)]
-            found.append({"ms": 1.0 / middle, "float_ms": 1.0, "speedup": middle, "speedup_spread": spread})
+            float_ms = slow_float_ms if is_slow else 1.0
+            found.append({"ms": float_ms / middle, "float_ms": float_ms, "speedup": middle, "speedup_spread": spread})
             found[-1]["speedup_runs"] = runs
         return found
 
@@ -709,3 +712,13 @@ def test_a_raced_row_never_passes_nor_is_chosen_even_timed_again_faster():
     assert not passing(raced) and not compared(raced) and passing(measured) and compared(measured)
     assert Policy(10.0).chosen([raced, measured]) == (measured, False)
     assert Policy(10.0).chosen([raced]) == (None, False)
+
+
+def test_no_row_is_raced_out_on_a_busy_machine(cnn, tmp_path, monkeypatch):
+    """The float model's own times spread 3 times over the run (1 ms, then 3 ms beside the slow
+    rows: a busy machine, whose bursts could make a fast row look slow): no row is raced, and
+    every row is measured; the answer says the machine was busy."""
+    monkeypatch.setattr(deployed, "latency_figures", int8_activations_slow([0.5] * 5, slow_float_ms=3.0))
+    answer = run_tune(cnn, tmp_path / "out", min_speedup=1.0)
+    assert all(c["raced"] is None and c["sqnr_db"] is not None for c in answer["candidates"] if c["error"] is None)
+    assert any("the machine was busy" in w for w in answer["warnings"])
