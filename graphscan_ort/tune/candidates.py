@@ -270,7 +270,7 @@ class ReadersIndex:
 
     def add(self, name: str, k: int) -> None:
         positions = self.readers.setdefault(name, [])
-        if k not in positions[-4:]:  # a node reading one name twice: its position once, mostly
+        if not positions or positions[-1] != k:  # a node reading one name twice; readers_of drops the rest
             positions.append(k)
 
     def current(self) -> None:

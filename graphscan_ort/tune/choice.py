@@ -94,9 +94,14 @@ def speed_bound_above(ratios: Sequence[float], confidence: float) -> float | Non
     ratio not above 0)."""
     if len(ratios) < 2 or min(ratios) <= 0:
         return None
-    logs = np.log(np.asarray(ratios, np.float64))
-    error = float(logs.std(ddof=1)) / math.sqrt(len(logs))
-    return math.exp(float(logs.mean()) + t_quantile(confidence, len(logs) - 1) * error)
+    mean, error = mean_and_error(np.log(np.asarray(ratios, np.float64)))
+    return math.exp(mean + t_quantile(confidence, len(ratios) - 1) * error)
+
+
+def mean_and_error(values: np.ndarray) -> tuple[float, float]:
+    """The mean of ``values`` (at least 2) and its standard error, ``sd / sqrt(n)``: what each
+    of the policy's one-sided Student-t rules reads."""
+    return float(values.mean()), float(values.std(ddof=1)) / math.sqrt(len(values))
 
 
 @dataclasses.dataclass
@@ -289,8 +294,7 @@ def not_measurably_below(
         return None
     if len(differences) < 2:
         return False
-    mean = float(differences.mean())
-    error = float(differences.std(ddof=1)) / math.sqrt(len(differences))
+    mean, error = mean_and_error(differences)
     return mean >= -t_quantile(confidence, len(differences) - 1) * error
 
 
@@ -301,8 +305,7 @@ def shown_above(values: Sequence[float | None] | None, other: Sequence[float | N
     differences = paired(values, other)
     if differences is None or len(differences) < 2:
         return False
-    mean = float(differences.mean())
-    error = float(differences.std(ddof=1)) / math.sqrt(len(differences))
+    mean, error = mean_and_error(differences)
     return mean - t_quantile(confidence, len(differences) - 1) * error >= 0
 
 

@@ -59,7 +59,7 @@ from graphscan_ort.tune.prepare import dynamic_base, prepare, typing_failures
 from graphscan_ort.tune.progress import Progress
 from graphscan_ort.tune.recovery import polished, recover
 from graphscan_ort.tune.seeds import followed, structural_seeds
-from graphscan_ort.tune.trials import BUSY_FACTOR, HISTOGRAM_SHAPES, Measure, Origin, Trials
+from graphscan_ort.tune.trials import HISTOGRAM_SHAPES, Measure, Origin, Trials, busy_spread
 from graphscan_ort.tune.verdict import FEW_SAMPLES, low_levels_warning
 
 
@@ -232,10 +232,10 @@ def answer(run: Run, measure: Measure, written: list[str]) -> TuneChoice:
 
 def busy(rows: list[Candidate]) -> list[str]:
     """A warning when the float model's own times, timed beside every row, spread more than
-    BUSY_FACTOR times over the run: the machine was busy, and the speedups are less sure than
-    their spreads say."""
+    trials.BUSY_FACTOR times over the run (busy_spread): the machine was busy, and the
+    speedups are less sure than their spreads say."""
     floats = sorted(row["float_ms"] for row in rows if row["float_ms"] is not None)
-    if len(floats) < 2 or floats[0] <= 0 or floats[-1] <= BUSY_FACTOR * floats[0]:
+    if not busy_spread(floats):
         return []
     middle = floats[len(floats) // 2]
     said = (

@@ -18,7 +18,7 @@ import os
 import re
 import statistics
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -54,6 +54,12 @@ from graphscan_ort.tune.verdict import levels_figures, sqnr_broken
 LATENCY = ("ms", "float_ms", "speedup", "speedup_spread")  # deployed.latency_figures' keys
 STEADY_ROWS = 5  # rows timed before one's float time is judged against the others' (Trials.steady)
 BUSY_FACTOR = 2.0  # the float model's own times across the run spread wider than this: a busy machine
+
+
+def busy_spread(float_times: Sequence[float]) -> bool:
+    """Whether the float model's own times, timed beside each row, spread more than
+    BUSY_FACTOR times (at least 2 of them, all above 0): the machine was busy."""
+    return len(float_times) >= 2 and min(float_times) > 0 and max(float_times) > BUSY_FACTOR * min(float_times)
 
 
 class Post(NamedTuple):
@@ -458,7 +464,7 @@ class Trials:
         if floor is None or rival is None or speed.get("speedup") is None:  # (0: every bound lies above it)
             return None
         floats = [r["float_ms"] for r in self.rows if r["float_ms"] is not None] + [speed["float_ms"]]
-        if min(floats) <= 0 or max(floats) > BUSY_FACTOR * min(floats):
+        if min(floats) <= 0 or busy_spread(floats):
             return None
         twin = speed.get("speed_from")
         twin_runs = self.records[twin].runs if twin is not None else None

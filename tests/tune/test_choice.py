@@ -174,6 +174,10 @@ def test_the_standard_error_is_the_sample_standard_deviation_over_the_root_of_th
     assert tune_choice.not_measurably_below([3.0, 2.0, 1.0], [3.0, 3.0, 3.0], 0.95) is True
     assert tune_choice.not_measurably_below([0.30, 0.20, 0.10], [0.30, 0.30, 0.30], 0.95) is True
     assert tune_choice.not_measurably_below([2.0, 0.0, 0.0], [3.0, 3.0, 3.0], 0.95) is False
+    # Differences 0.15, -0.5, -1, -1: mean -0.5875, sample standard deviation 0.5452 (over
+    # n - 1), standard error 0.2726; t(0.95, 3) = 2.3534 gives a margin of 0.6416: tied. Over
+    # n the deviation would be 0.4722 and the margin 0.5556, short of 0.5875: not tied.
+    assert tune_choice.not_measurably_below([0.15, -0.5, -1.0, -1.0], [0.0] * 4, 0.95) is True
 
 
 def t2(p):
