@@ -22,7 +22,7 @@ from graphscan import (
 )
 from graphscan_ort.shared.options import Named
 from graphscan_ort.shared.parts import TensorParts
-from graphscan_ort.shared.sessions import model_outputs, model_runner
+from graphscan_ort.shared.sessions import KeptRuns, model_outputs, model_runner
 
 
 def output_pairs(reference: Named, candidate: Named) -> list[tuple[str, str]]:
@@ -158,6 +158,7 @@ def paired_outputs(
     options: ort.SessionOptions,
     kept: dict[tuple[str, ...], FloatOutputs] | None = None,
     candidate_options: ort.SessionOptions | None = None,
+    candidate_session: ort.InferenceSession | None = None,
 ) -> PairedOutputs:
     """Both models (the float ``reference_model``, the quantized ``candidate_model``) run
     on ``samples`` in sessions at ``options``, the outputs paired by ``pairs`` (``output_pairs``):
@@ -166,7 +167,8 @@ def paired_outputs(
     (``require_numbers``). ``kept``: the float model's outputs already run, by the float
     outputs wanted; a new run is added to it (tune runs the float model once for all its
     candidates); ``candidate_options``: the candidate's session's, where they differ (tune's
-    save its optimized graph)."""
+    save its optimized graph); ``candidate_session``: the candidate's session, open already
+    (tune's, which timed it too)."""
     names, candidate_names = tuple(f for f, _ in pairs), [q for _, q in pairs]
     require_numbers(reference_model, names)
     require_numbers(candidate_model, candidate_names)
@@ -178,7 +180,12 @@ def paired_outputs(
         if kept is not None:
             kept[names] = reference
     candidate = model_outputs(
-        candidate_model.model, samples, candidate_model.path, candidate_names, candidate_options or options
+        candidate_model.model,
+        samples,
+        candidate_model.path,
+        candidate_names,
+        candidate_options or options,
+        candidate_session,
     )
     require_numbers(candidate_model, candidate_names, candidate)
     return PairedOutputs(reference, candidate)
@@ -462,6 +469,7 @@ def verify(
     samples: list[dict],
     subjects: tuple[str, str] = ("the model before the rewrite", "graphscan's rewritten model"),
     min_sqnr_db: float | None = None,
+    kept: KeptRuns | None = None,
 ) -> Verification:
     """``changed`` against ``original`` on every sample, graph optimizations off: NaN and
     infinities at the same places, integers equal, then the finite outputs within the
@@ -469,12 +477,14 @@ def verify(
     value (fuse's rule); with ``min_sqnr_db``, that or an output SQNR of at least
     ``min_sqnr_db`` (prepare's: float reassociation passes one or the other, on big outputs
     and on tiny ones, a real change neither). The one check of a changed model.
-    ``subjects`` name the two models when one does not run."""
+    ``subjects`` name the two models when one does not run; ``kept``: ``original``'s runs,
+    kept from one verification to the next."""
     worst, compared, empty, per_value = 0.0, 0, True, True
     signal = noise = 0.0
-    run_original, run_changed = model_runner(original, subjects[0]), model_runner(changed, subjects[1])
+    run_original = kept if kept is not None else KeptRuns(original, subjects[0], budget=0)
+    run_changed = model_runner(changed, subjects[1])
     for k, feeds in enumerate(samples):
-        expected = run_original(feeds)
+        expected = run_original(k, feeds)
         actual = run_changed(feeds)
         error, scale, counted, problem = compare_outputs(expected, actual)
         empty = empty and not any(np_size(e) for e in expected)
@@ -504,12 +514,13 @@ def verified(
     rewritten: onnx.ModelProto,
     samples: list[dict],
     min_sqnr_db: float = PREPARE_MIN_SQNR_DB,
+    kept: KeptRuns | None = None,
 ) -> tuple[float, str | None]:
     """``(max_abs_error, problem or None)`` of a prepared model (a step of tune's prepare,
     a rewrite) against the original: ``verify`` at ``min_sqnr_db`` (``inf``: bit-exact), the
     problem naming its sample. Outputs with nothing finite to compare verify nothing: a
     problem too."""
-    result = verify(original, rewritten, samples, min_sqnr_db=min_sqnr_db)
+    result = verify(original, rewritten, samples, min_sqnr_db=min_sqnr_db, kept=kept)
     if result.problem is not None:
         where = "" if result.sample is None else f"sample {result.sample}: "
         return result.max_abs_error, where + result.problem

@@ -172,13 +172,15 @@ def model_outputs(
     path: str,
     names: list[str] | None = None,
     options: ort.SessionOptions | None = None,
+    opened: ort.InferenceSession | None = None,
 ) -> list:
     """Per sample, the outputs ``names`` (default: every graph output, in graph
-    order) of ``model``, one session: run as written unless ``options`` say otherwise.
+    order) of ``model``, one session: run as written unless ``options`` say otherwise;
+    ``opened``: a session of ``model`` at ``options`` open already, run instead of a new one.
     A session of one intra-op thread (tune's, check's: a deployed session) runs the samples
     side by side on up to SAMPLE_WORKERS cores, each run on one thread as deployed: the same
     kernels, the same outputs, as many samples' tensors alive at once as runs."""
-    run = sample_runner(model, path, names, options)
+    run = sample_runner(model, path, names, options, opened)
     workers = min(SAMPLE_WORKERS, len(samples))
     if options is None or options.intra_op_num_threads != 1 or workers < 2:
         return [run(feeds) for feeds in samples]
@@ -212,13 +214,17 @@ def each_sample_outputs(
 
 
 def sample_runner(
-    model: onnx.ModelProto, path: str, names: list[str] | None, options: ort.SessionOptions | None
+    model: onnx.ModelProto,
+    path: str,
+    names: list[str] | None,
+    options: ort.SessionOptions | None,
+    opened: ort.InferenceSession | None = None,
 ) -> Callable[[dict], list]:
-    """One session of ``model`` (``options``, else impact's), as a function of one sample's
-    feeds to its outputs ``names`` (default: every graph output); exit 5 blaming the model
-    when it cannot be built or a run fails."""
+    """One session of ``model`` (``opened``, else a new one at ``options``, else impact's),
+    as a function of one sample's feeds to its outputs ``names`` (default: every graph
+    output); exit 5 blaming the model when it cannot be built or a run fails."""
     subject = f"{shown(path)}: model"
-    session = open_session(model, subject, options or impact_options())
+    session = opened or open_session(model, subject, options or impact_options())
     wanted = names or [o.name for o in model.graph.output]
 
     def run(feeds: dict) -> list:
@@ -299,6 +305,30 @@ def model_runner(model: onnx.ModelProto, subject: str) -> Callable[[dict[str, np
             raise does_not_run(subject, exc)
 
     return run
+
+
+# What KeptRuns holds at most of one model's outputs: past it, a sample is run again.
+KEPT_RUNS_BYTES = 256 * 2**20
+
+
+class KeptRuns:
+    """``model_runner`` of a model compared with several others on the same samples
+    (prepare verifies each of its steps against the original): sample ``k``'s outputs run
+    once and kept, up to ``budget`` bytes in all (past that, run again each time)."""
+
+    def __init__(self, model: onnx.ModelProto, subject: str, budget: int = KEPT_RUNS_BYTES) -> None:
+        self.run = model_runner(model, subject)
+        self.kept: dict[int, list[Any]] = {}
+        self.held, self.budget = 0, budget
+
+    def __call__(self, k: int, feeds: dict[str, np.ndarray]) -> list[Any]:
+        if k in self.kept:
+            return self.kept[k]
+        outputs = self.run(feeds)
+        size = sum(getattr(o, "nbytes", 0) for o in outputs)  # arrays; a sequence or map counts nothing
+        if self.held + size <= self.budget:
+            self.kept[k], self.held = outputs, self.held + size
+        return outputs
 
 
 @contextlib.contextmanager

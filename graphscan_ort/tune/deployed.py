@@ -25,11 +25,13 @@ the time is still this machine's, natively (an emulated CPU's time is no latency
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import statistics
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -99,6 +101,7 @@ def measure_candidate(
     latency: list[dict] | None = None,
     timed_alike: Callable[[str], dict | None] | None = None,
     race: Callable[[dict], str | None] | None = None,
+    kept: Kept | None = None,
 ) -> dict:
     """``{"sqnr_db", "metric_value", "int8_fraction", "int8_kernels", "wrapped_but_float", "ms",
     "float_ms", "speedup", "speedup_spread", "bytes"}`` of ``candidate`` (the quantized model
@@ -110,20 +113,65 @@ def measure_candidate(
     figures of a model timed already whose optimized graph has this plan_digest (None: none;
     the candidate is then timed). ``race`` (this process only): given the speed figures, why
     the candidate need not be measured for accuracy (None: it is); it is then timed first,
-    and a raced one's accuracy figures are null and ``raced`` says why."""
-    if race is None or isinstance(references, OnTarget):
+    and a raced one's accuracy figures are null and ``raced`` says why; ``kept``: sessions
+    the caller holds open already (Kept). In this process, one session of the candidate
+    (measured_session) gives its kernels, its time and its accuracy."""
+    kept = kept or Kept()
+    if isinstance(references, OnTarget):  # its kernels and accuracy are the target's
         accuracy = accuracy_figures(reference, candidate, samples, session, references, metric)
-        speed = speed_figures(
-            reference, candidate, accuracy["plan"], latency or samples[:1], session, timing, timed_alike
-        )
+        plan, timed_on = accuracy["plan"], latency or samples[:1]
+        speed = speed_figures(reference, candidate, plan, timed_on, session, timing, timed_alike, [kept.float_timing])
         return {**accuracy, **speed, "bytes": os.path.getsize(candidate.path)}
-    kernels = kernel_counts(candidate.model, candidate.path, session.level)
-    speed = speed_figures(reference, candidate, kernels["plan"], latency or samples[:1], session, timing, timed_alike)
+    opened, optimized = kept.candidate or measured_session(candidate, session)
+    kernels = kernel_counts(candidate.model, candidate.path, session.level, optimized)
+
+    def timed_now() -> dict:
+        plan, timed_on, sessions = kernels["plan"], latency or samples[:1], [kept.float_timing, opened]
+        return speed_figures(reference, candidate, plan, timed_on, session, timing, timed_alike, sessions)
+
+    if race is None:
+        accuracy = accuracy_figures(reference, candidate, samples, session, references, metric, kernels, opened)
+        return {**accuracy, **timed_now(), "bytes": os.path.getsize(candidate.path)}
+    speed = timed_now()
     reason = race(speed)
     if reason is not None:
         return {**UNMEASURED, **kernels, **speed, "bytes": os.path.getsize(candidate.path), "raced": reason}
-    accuracy = accuracy_figures(reference, candidate, samples, session, references, metric, kernels)
+    accuracy = accuracy_figures(reference, candidate, samples, session, references, metric, kernels, opened)
     return {**accuracy, **speed, "bytes": os.path.getsize(candidate.path)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """Sessions held open for a candidate's measurement: the float model's timing session (a
+    tune run keeps one: every row timed beside the same session, built and warmed once) and
+    the candidate's own with the optimized graph it saved (measured_session's, opened when its
+    exclusions were checked); None where measure_candidate opens one."""
+
+    float_timing: Any = None
+    candidate: tuple[Any, onnx.ModelProto | None] | None = None
+
+
+def measured_session(candidate: Named, session: Session) -> tuple[Any, onnx.ModelProto | None]:
+    """One session of ``candidate`` for everything it is measured by, ``(session, the
+    optimized graph it saved)``: the graph, saved as it opens, gives its kernels
+    (kernel_counts), then the session is timed and runs the accuracy samples, at the
+    timing's options (spinning decides when a thread works, never what it computes): one
+    build a row, not three. The graph is None where saving it failed (a full disk):
+    classify then saves it in a session of its own and says which of the two failed."""
+    subject = f"{shown(candidate.path)}: model"
+    with temporary_folder("graphscan-tune-") as folder:
+        saving = timing_options(session)
+        saving.optimized_model_filepath = os.path.join(folder, "optimized.onnx")
+        try:
+            opened = open_session(candidate.model, subject, saving)
+        except GraphscanError:
+            return open_session(candidate.model, subject, timing_options(session)), None
+        return opened, saved_graph(saving.optimized_model_filepath)
+
+
+def timing_options(session: Session) -> Any:
+    """The options every timed session is opened with: the deployed ones, threads spinning as in users' sessions."""
+    return session_options(session.level, session.threads, spinning=True)
 
 
 # A raced candidate's accuracy figures (measure_candidate): none measured.
@@ -140,11 +188,12 @@ def speed_figures(
     session: Session,
     timing: Timing,
     timed_alike: Callable[[str], dict | None] | None,
+    opened: Sequence[Any] | None = None,
 ) -> dict:
     """The latency figures of a model timed already on ``plan`` (``timed_alike``), else
-    ``candidate`` timed now (latency_figures)."""
+    ``candidate`` timed now (latency_figures, in the sessions ``opened`` already)."""
     speed = timed_alike(plan) if timed_alike is not None else None
-    return speed if speed is not None else latency_figures(reference, [candidate], latency, session, timing)[0]
+    return speed if speed is not None else latency_figures(reference, [candidate], latency, session, timing, opened)[0]
 
 
 def accuracy_figures(
@@ -155,16 +204,18 @@ def accuracy_figures(
     references: dict[tuple[str, ...], FloatOutputs] | OnTarget | None = None,
     metric: Metric | None = None,
     kernels: dict | None = None,
+    opened: Any = None,
 ) -> dict:
     """measure_candidate's figures but the timing and the file's size: accuracy and kernels
-    (``kernels``: kernel_counts' of ``candidate``, counted already)."""
+    (``kernels``: kernel_counts' of ``candidate``, counted already; ``opened``: its session,
+    open already at timing_options, run instead of a new one)."""
     pairs = output_pairs(reference, candidate)
     if isinstance(references, OnTarget):
         outputs, kernels = references.measure(reference, candidate, pairs)
     elif kernels is not None:
-        outputs = paired_outputs(
-            reference, candidate, samples, pairs, session_options(session.level, session.threads), references
-        )
+        options = session_options(session.level, session.threads)
+        candidate_options = None if opened is None else timing_options(session)
+        outputs = paired_outputs(reference, candidate, samples, pairs, options, references, candidate_options, opened)
     else:
         options = session_options(session.level, session.threads)
         # The candidate's session saves the graph it optimized: the kernels are read off it,
@@ -218,14 +269,25 @@ def sample_value(outputs: PairedOutputs, metric: Metric | None) -> float | None:
 
 
 def latency_figures(
-    reference: Named, candidates: list[Named], latency: list[dict], session: Session, timing: Timing
+    reference: Named,
+    candidates: list[Named],
+    latency: list[dict],
+    session: Session,
+    timing: Timing,
+    opened: Sequence[Any] | None = None,
 ) -> list[dict]:
     """``ms``, ``float_ms``, ``speedup`` and ``speedup_spread`` of each of ``candidates``, timed
     in one interleaved session with the float model on each latency sample: round k runs the
     float model, then each candidate, so every candidate's ratios (``speedup_runs``) are paired
-    round by round with the float model's and with every other candidate's."""
-    options = session_options(session.level, session.threads, spinning=True)
-    sessions = [open_session(m.model, f"{shown(m.path)}: model", options) for m in (reference, *candidates)]
+    round by round with the float model's and with every other candidate's. ``opened``:
+    sessions open already at timing_options, the float model's then each candidate's
+    (None where one is opened here)."""
+    models = (reference, *candidates)
+    given = list(opened or []) + [None] * (len(models) - len(opened or []))
+    sessions = [
+        kept or open_session(m.model, f"{shown(m.path)}: model", timing_options(session))
+        for m, kept in zip(models, given, strict=True)
+    ]
     float_s = 0.0
     quant_s = [0.0] * len(candidates)
     ratios: list[list[float]] = [[] for _ in candidates]

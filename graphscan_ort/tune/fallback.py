@@ -147,22 +147,31 @@ def remove_unused_round_trips(graph: onnx.GraphProto) -> None:
         graph.initializer.remove(initializer)
 
 
-def int8_nodes(model: onnx.ModelProto, path: str, level: str, nodes: list[str]) -> list[str]:
-    """The nodes of ``nodes`` that run an int8 kernel in a session at ``level``."""
+def int8_nodes(
+    model: onnx.ModelProto, path: str, level: str, nodes: list[str], optimized: onnx.ModelProto | None = None
+) -> list[str]:
+    """The nodes of ``nodes`` that run an int8 kernel in a session at ``level`` (``optimized``:
+    the graph such a session saved already, as classify takes it)."""
     wanted = set(nodes)
-    rows = classify(model, path, level=level).rows
+    rows = classify(model, path, level=level, optimized=optimized).rows
     return [row["node"] for row in rows if row["node"] in wanted and row["class"] in ("int8", "int8_data")]
 
 
 def honoured(
-    model: onnx.ModelProto, path: str, level: str, excluded: list[str], given: onnx.ModelProto
+    model: onnx.ModelProto,
+    path: str,
+    level: str,
+    excluded: list[str],
+    given: onnx.ModelProto,
+    optimized: onnx.ModelProto | None = None,
 ) -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
     """``model`` (``given`` quantized with ``excluded`` in nodes_to_exclude, written at
     ``path``) with its exclusions made real where they were not: the model to deploy
     (rewritten at ``path`` when it changed), what each excluded node does there, and the
-    nodes the post-step ``float_inputs`` was applied to."""
+    nodes the post-step ``float_inputs`` was applied to; ``optimized``: the graph a session
+    of ``model`` at ``level`` saved already."""
     status = dict.fromkeys(excluded, AS_EXCLUDED)
-    quantized = int8_nodes(model, path, level, excluded)
+    quantized = int8_nodes(model, path, level, excluded, optimized)
     if not quantized:
         return model, status, []
     fixed, changed = float_inputs(model, quantized, given)

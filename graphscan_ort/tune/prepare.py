@@ -36,7 +36,7 @@ from graphscan import GraphscanError, node_name, one_line
 from graphscan_ort.shared.answers import PrepareStep
 from graphscan_ort.shared.graph import default_opset, fresh_name, graph_names
 from graphscan_ort.shared.metrics import PREPARE_MIN_SQNR_DB, verified
-from graphscan_ort.shared.sessions import quiet
+from graphscan_ort.shared.sessions import KeptRuns, quiet
 from graphscan_ort.tune.candidates import has_dynamic_work
 from graphscan_ort.tune.rewrites import REWRITES
 
@@ -222,12 +222,17 @@ def step(name: str, ok: bool, detail: str, error: float | None) -> PrepareStep:
 
 
 def checked(
-    original: onnx.ModelProto, candidate: onnx.ModelProto, samples: list[dict], min_sqnr_db: float = PREPARE_MIN_SQNR_DB
+    original: onnx.ModelProto,
+    candidate: onnx.ModelProto,
+    samples: list[dict],
+    min_sqnr_db: float = PREPARE_MIN_SQNR_DB,
+    kept: KeptRuns | None = None,
 ) -> tuple[float | None, str | None]:
-    """``verified``, with a model that cannot even be run counted as a failure of the step."""
+    """``verified``, with a model that cannot even be run counted as a failure of the step;
+    ``kept``: ``original``'s runs kept from one step's check to the next."""
     try:
         onnx.checker.check_model(candidate, full_check=True)
-        return verified(original, candidate, samples, min_sqnr_db)
+        return verified(original, candidate, samples, min_sqnr_db, kept)
     except GraphscanError as exc:
         return None, str(exc)
     except Exception as exc:
@@ -240,23 +245,30 @@ def prepare(
     """tune's first step on ``original``, the model at ``float_path`` as tune read it:
     ``(base, rewritten, steps)``, the model without rewrites, the model with every rewrite
     that verifies (``base`` itself when none does), and every step
-    (``{"step", "ok", "detail", "max_abs_error"}``)."""
-    base, steps = prepared_base(float_path, folder, samples, original)
-    rewritten, rewrite_steps = with_rewrites(base, original, samples)
+    (``{"step", "ok", "detail", "max_abs_error"}``). Each step checked against the original
+    reads its outputs, run once."""
+    kept = KeptRuns(original, "the model before the rewrite")
+    base, steps = prepared_base(float_path, folder, samples, original, kept)
+    rewritten, rewrite_steps = with_rewrites(base, original, samples, kept)
     return base, rewritten, steps + rewrite_steps
 
 
 def prepared_base(
-    float_path: str, folder: str, samples: list[dict[str, np.ndarray]], original: onnx.ModelProto
+    float_path: str,
+    folder: str,
+    samples: list[dict[str, np.ndarray]],
+    original: onnx.ModelProto,
+    kept: KeptRuns | None = None,
 ) -> tuple[onnx.ModelProto, list[PrepareStep]]:
-    """quant_pre_process and the opset, each verified: ``(model, steps)``."""
+    """quant_pre_process and the opset, each verified (``kept``: the original's runs, as
+    checked takes them): ``(model, steps)``."""
     steps, current = [], original
     path, detail = pre_processed(float_path, os.path.join(folder, "pre_processed.onnx"))
     if path is None:
         steps.append(step("quant_pre_process", False, detail, None))
     else:
         model = onnx.load(path)
-        error, problem = checked(original, model, samples)
+        error, problem = checked(original, model, samples, kept=kept)
         if problem:
             detail = f"{detail}; {problem}; dropped, it costs {folding_lost(original, model)}"
         steps.append(step("quant_pre_process", problem is None, detail, error))
@@ -274,7 +286,7 @@ def prepared_base(
     if default_opset(current) < PER_CHANNEL_OPSET:
         try:
             model = onnx.version_converter.convert_version(current, PER_CHANNEL_OPSET)
-            error, problem = checked(original, model, samples)
+            error, problem = checked(original, model, samples, kept=kept)
         except Exception as exc:
             error, problem = None, f"the version converter failed ({one_line(exc)})"
         detail = f"opset {default_opset(current)} -> {PER_CHANNEL_OPSET} (per-channel weights need it)"
@@ -305,15 +317,19 @@ def dynamic_base(
 
 
 def with_rewrites(
-    base: onnx.ModelProto, original: onnx.ModelProto, samples: list[dict[str, np.ndarray]]
+    base: onnx.ModelProto,
+    original: onnx.ModelProto,
+    samples: list[dict[str, np.ndarray]],
+    kept: KeptRuns | None = None,
 ) -> tuple[onnx.ModelProto, list[PrepareStep]]:
-    """``base`` with every rewrite that verifies: ``(model, steps)``."""
+    """``base`` with every rewrite that verifies (``kept``: the original's runs, as checked
+    takes them): ``(model, steps)``."""
     steps, current = [], base
     for name, rewrite in REWRITES.items():
         model, count = rewrite(current)
         if not count:
             continue
-        error, problem = checked(original, model, samples)
+        error, problem = checked(original, model, samples, kept=kept)
         steps.append(step(name, problem is None, problem or f"{count} nodes rewritten", error))
         current = model if problem is None else current
     return current, steps

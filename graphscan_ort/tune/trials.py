@@ -32,6 +32,7 @@ from graphscan_ort.shared.answers import Candidate
 from graphscan_ort.shared.files import in_folder, out_of_room, write_failure
 from graphscan_ort.shared.metrics import FloatOutputs
 from graphscan_ort.shared.options import Named, Timing
+from graphscan_ort.shared.sessions import open_session
 from graphscan_ort.tune import deployed
 from graphscan_ort.tune.bias import same_graph
 from graphscan_ort.tune.bounds import DEFAULT_CONFIDENCE
@@ -104,6 +105,17 @@ class Measure:
         self.models: dict[str, onnx.ModelProto] = {}
         self.references: dict[tuple[str, ...], FloatOutputs] = {}  # the float model's outputs, run once
         self.float_bytes = file_bytes(reference.path, reference.model)
+        self.float_session: Any = None  # the float model's timing session, opened once (float_timing)
+
+    def float_timing(self) -> Any:
+        """The float model's timing session, opened at the first timing and kept for the run:
+        every row is timed beside the same session, built and warmed once (its arena stays,
+        at the latency samples' sizes)."""
+        if self.float_session is None:
+            self.float_session = open_session(
+                self.reference.model, f"{shown(self.reference.path)}: model", deployed.timing_options(self.session)
+            )
+        return self.float_session
 
     @property
     def timed_samples(self) -> list[dict[str, np.ndarray]]:
@@ -114,7 +126,10 @@ class Measure:
         """``candidate``'s latency figures timed again (Trials.steady) by the timer that
         measure_candidate timed them with: deployed.latency_figures, looked up when called."""
         named = Named(candidate, candidate_path)
-        return deployed.latency_figures(self.reference, [named], self.timed_samples, self.session, self.first)[0]
+        timed = deployed.latency_figures(
+            self.reference, [named], self.timed_samples, self.session, self.first, [self.float_timing()]
+        )
+        return timed[0]
 
     def __call__(
         self,
@@ -124,11 +139,13 @@ class Measure:
         speed: dict | None = None,
         timed_alike: Callable[[str], dict | None] | None = None,
         race: Callable[[dict], str | None] | None = None,
+        opened: tuple[Any, onnx.ModelProto | None] | None = None,
     ) -> dict:
         """A candidate's figures as deployed (``candidate``, read from ``candidate_path``), with
         its weights' storage and the guards it breaks; ``speed``: latency figures it inherits;
         ``timed_alike``: those of a row timed already that runs the same plan; ``race``: why
-        its accuracy need not be measured, given its speed (measure_candidate)."""
+        its accuracy need not be measured, given its speed (measure_candidate); ``opened``: its
+        session and saved graph, open already (deployed.measured_session)."""
         named = Named(candidate, candidate_path)
         references = self.references if self.on is None else self.on  # where the float outputs are run
         if speed is None:
@@ -143,6 +160,7 @@ class Measure:
                 self.latency,
                 timed_alike if self.on is None else None,  # a CPU target's plan is not the timed one
                 race,
+                deployed.Kept(self.float_timing(), opened),
             )
         else:  # the same graph as a row timed already: its speed, this model's own accuracy and file
             accuracy = accuracy_figures(self.reference, named, self.evaluation, self.session, references, self.metric)
@@ -404,15 +422,20 @@ class Trials:
         excluded = settings.get("nodes_to_exclude")
         model = onnx.load(target_path)  # read once: checked, measured and kept for the exclusions
         status, post_step = None, None
+        opened = None  # the session its exclusions are checked in, measured in too when they hold
         if excluded:  # checked in the deployed session, made real where onnxruntime undid it
             given = self.given[prepared_path]
             try:
-                model, status, fixed = honoured(model, target_path, self.measure.level, excluded, given)
+                if self.measure.on is None:
+                    opened = deployed.measured_session(Named(model, target_path), self.measure.session)
+                optimized = None if opened is None else opened[1]
+                model, status, fixed = honoured(model, target_path, self.measure.level, excluded, given, optimized)
             except GraphscanError as exc:  # a trial onnxruntime cannot even optimize: a row, not the end
                 if exc.exit_code != EXIT_RUNTIME:
                     raise
                 return self.book(record, row(error=f"onnxruntime: {self.users_terms(str(exc))}"))
             post_step = {"float_inputs": fixed} if fixed else None
+            opened = None if fixed else opened  # a model made real anew is another file
         digest = file_digest(target_path)
         twin = self.digests.get(digest)
         if twin is not None:  # the quantizer made the very same model: measured once
@@ -427,7 +450,7 @@ class Trials:
             try:
                 race = origin.stage == "grid" and quantizer == STATIC and speed is None
                 racing = self.raced_out if race and not defaults_settings(settings, rewrites) else None
-                figures = self.measure(model, target_path, excluded, speed, self.timed_alike, racing)
+                figures = self.measure(model, target_path, excluded, speed, self.timed_alike, racing, opened)
             except GraphscanError as exc:  # a model the quantizer made that onnxruntime refuses
                 if exc.exit_code != EXIT_RUNTIME:
                     raise
@@ -571,7 +594,7 @@ class Trials:
         records = list({id(r): r for r in owners}.values())
         models = [Named(measure.models[r.files[0]], r.files[0]) for r in records if r.files is not None]
         timed = deployed.latency_figures(
-            measure.reference, models, measure.timed_samples, measure.session, measure.timing
+            measure.reference, models, measure.timed_samples, measure.session, measure.timing, [measure.float_timing()]
         )
         session = next(self.sessions)
         for record, speed in zip(records, timed, strict=True):

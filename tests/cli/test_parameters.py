@@ -23,8 +23,8 @@ ALLOWED = {
     "is one key of shared/answers.Candidate that only some outcomes know (a twin, a refusal, a measurement)",
     "graphscan_ort/tune/deployed.py:measure_candidate": "one candidate measured as deployed, the function tests "
     "stand in for: trials.Measure holds its inputs as one group (the float model, the samples, the session and "
-    "timing, the float outputs kept, the metric, the latency samples) and adds the timings already taken by plan "
-    "and the race that may spare a slow row its accuracy",
+    "timing, the float outputs kept, the metric, the latency samples) and adds the timings already taken by plan, "
+    "the race that may spare a slow row its accuracy and the float model's timing session kept for the run",
 }
 
 

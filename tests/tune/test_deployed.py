@@ -104,6 +104,61 @@ def test_a_graph_the_accuracy_session_cannot_save_leaves_the_kernels_to_classify
     assert unsaved == saved and unsaved["int8_kernels"] > 0
 
 
+def counted_sessions(monkeypatch):
+    """onnxruntime.InferenceSession recording the arguments of each session built."""
+    import onnxruntime
+
+    opened, made = [], onnxruntime.InferenceSession
+
+    def counted(*args, **kwargs):
+        opened.append(args)
+        return made(*args, **kwargs)
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", counted)
+    return opened
+
+
+@pytest.mark.parametrize("race", [None, lambda speed: None, lambda speed: "raced"], ids=["no-race", "kept", "raced"])
+def test_a_measured_row_is_one_session_for_its_kernels_its_time_and_its_accuracy(cnn_pair, monkeypatch, race):
+    """With the float outputs kept and the float model's timing session open, a row's kernels,
+    timing and accuracy (unless raced) take one session of the candidate, and its figures are
+    the runtime command's kernels and the accuracy of a measurement of its own."""
+    fp32, quant, samples, _ = cnn_pair
+    reference, candidate = Named(onnx.load(fp32), fp32), Named(onnx.load(quant), quant)
+    kept = {}
+    alone = deployed.accuracy_figures(reference, candidate, samples, references=kept)
+    float_session = deployed.open_session(reference.model, "float", deployed.timing_options(deployed.DEPLOYED))
+    opened = counted_sessions(monkeypatch)
+    figures = deployed.measure_candidate(
+        reference, candidate, samples, timing=Timing(2), references=kept, race=race, kept=deployed.Kept(float_session)
+    )
+    assert len(opened) == 1 and len(figures["speedup_runs"]) == 2
+    assert figures["int8_kernels"] == graphscan.runtime(quant, level="all")["classes"]["int8"] > 0
+    assert figures["sqnr_db"] == (None if figures.get("raced") else alone["sqnr_db"])
+
+
+def test_a_row_whose_graph_cannot_be_saved_is_still_measured_with_classifys_kernels(cnn_pair, tmp_path, monkeypatch):
+    """Where the measured session cannot save its optimized graph (a folder not there, a full
+    disk alike), it is opened without saving and classify's own session finds the kernels:
+    the same kernels and accuracy as a row whose graph was saved."""
+    import contextlib
+
+    fp32, quant, samples, _ = cnn_pair
+    reference, candidate = Named(onnx.load(fp32), fp32), Named(onnx.load(quant), quant)
+    saved = deployed.measure_candidate(reference, candidate, samples, timing=Timing(1))
+
+    @contextlib.contextmanager
+    def gone(prefix):
+        yield str(tmp_path / "not-there")
+
+    monkeypatch.setattr(deployed, "temporary_folder", gone)
+    opened = counted_sessions(monkeypatch)
+    unsaved = deployed.measure_candidate(reference, candidate, samples, timing=Timing(1))
+    steady = ("int8_kernels", "int8_fraction", "wrapped_but_float", "sqnr_db", "metric_value", "plan")
+    assert {key: unsaved[key] for key in steady} == {key: saved[key] for key in steady}
+    assert len(opened) > 2  # the unsaved session, classify's own, the float model's
+
+
 def relu_kept_between_convs(folder, overrides):
     """Conv, Relu, Conv quantized by onnxruntime with the Relu kept in the QDQ graph
     (QDQKeepRemovableActivations) and ``overrides``, ranges by tensor (c: the Relu's input,

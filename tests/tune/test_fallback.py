@@ -86,8 +86,8 @@ def test_tune_reports_each_exclusion_and_its_row_reproduces_the_model(prepared, 
     measured = {}
     real_honoured = tune_trials.honoured
 
-    def keep_copy(model, path, level, excluded, given):
-        result = real_honoured(model, path, level, excluded, given)
+    def keep_copy(model, path, level, excluded, given, optimized=None):
+        result = real_honoured(model, path, level, excluded, given, optimized)
         measured[tuple(excluded)] = tmp_path / f"measured-{len(measured)}.onnx"
         shutil.copy(path, measured[tuple(excluded)])
         return result
@@ -190,3 +190,40 @@ def test_a_folded_clip_with_initializer_bounds_is_applied_again_with_them(tmp_pa
     assert budget["budgets"][0]["value"] is not None  # it runs, and is measured
     names = {t.name for t in fixed.graph.initializer} | {o for n in fixed.graph.node for o in n.output}
     assert all(i in names or i == "" for n in fixed.graph.node if n.op_type == "Clip" for i in n.input[1:])
+
+
+def test_an_exclusion_that_holds_is_measured_in_the_session_it_was_checked_in(prepared, tmp_path, monkeypatch):
+    """b2_down excluded runs float as written: the session its exclusion was checked in (the
+    graph it saved) is the one its row is measured in, so its file is opened once for both,
+    and classify never opens a session of its own for it."""
+    import graphscan_ort.engines.classify as classify_module
+    import graphscan_ort.tune.deployed as deployed
+
+    monkeypatch.setattr(tune_stages, "ranked_ops", lambda *a, **k: [{"node": "b2_down", "gain_db": 1.0}])
+    opened, classified = [], []
+    real_session, real_optimized = deployed.measured_session, classify_module.optimized_model
+
+    def measured_session(candidate, session):
+        opened.append(Path(candidate.path).name)
+        return real_session(candidate, session)
+
+    def optimized_model(data, path, *rest):
+        classified.append(Path(path).name)
+        return real_optimized(data, path, *rest)
+
+    monkeypatch.setattr(deployed, "measured_session", measured_session)
+    monkeypatch.setattr(classify_module, "optimized_model", optimized_model)
+    without_structural_seeds(monkeypatch)
+    answer = graphscan.tune(
+        prepared["float"],
+        calibrate=prepared["files"][:2],
+        inputs=prepared["files"][2:],
+        out=str(tmp_path / "out"),
+        target=500.0,
+        runs=1,
+        min_speedup=0,
+    )
+    (row,) = [c for c in answer["candidates"] if c["quantize_static"].get("nodes_to_exclude")]
+    assert row["excluded"] == {"b2_down": fallback.AS_EXCLUDED} and row["sqnr_db"] is not None
+    name = f"candidate-{row['id']}.onnx"
+    assert opened.count(name) == 1 and name not in classified

@@ -315,8 +315,8 @@ def test_an_exclusion_onnxruntime_still_runs_int8_is_never_kept(cnn, tmp_path, m
     monkeypatch.setattr(tune_stages, "recover", lambda *args: [])  # the exclusions start from the grid's best
     real = tune_trials.honoured
 
-    def first_stays_int8(model, path, level, excluded, given):
-        fixed, status, applied = real(model, path, level, excluded, given)
+    def first_stays_int8(model, path, level, excluded, given, optimized=None):
+        fixed, status, applied = real(model, path, level, excluded, given, optimized)
         if "b1_conv1" in status:
             status = {**status, "b1_conv1": "int8"}
         return fixed, status, applied
@@ -338,10 +338,10 @@ def test_a_trial_onnxruntime_cannot_optimize_is_a_row_never_the_end_of_tune(cnn,
     without_structural_seeds(monkeypatch)
     real = tune_trials.honoured
 
-    def refuses(model, path, level, excluded, given):
+    def refuses(model, path, level, excluded, given, optimized=None):
         if excluded == ["b1_conv1"]:
             raise graphscan.GraphscanError(f"{path}: model does not run in onnxruntime (Attempt to replace)", 5)
-        return real(model, path, level, excluded, given)
+        return real(model, path, level, excluded, given, optimized)
 
     monkeypatch.setattr(tune_trials, "honoured", refuses)
     monkeypatch.setattr(tune_stages, "ranked_ops", lambda *a, **k: [{"node": "b1_conv1", "gain_db": 1.0}])
@@ -367,7 +367,7 @@ def disturbed_timer(disturbed_times):
     the first ``disturbed_times`` times candidate DISTURBED is timed (a busy moment: speedup 11.5)."""
     timed, calls = [], []
 
-    def figures(reference, candidates, latency, session, timing):
+    def figures(reference, candidates, latency, session, timing, opened=None):
         found = []
         calls.append([])
         for candidate in candidates:
@@ -572,8 +572,8 @@ def test_every_row_is_first_timed_on_5_runs_and_the_written_row_and_its_rivals_o
     sessions = []
     timer = deployed.latency_figures
 
-    def recording(reference, candidates, samples, session, timing):
-        found = timer(reference, candidates, samples, session, timing)
+    def recording(reference, candidates, samples, session, timing, opened=None):
+        found = timer(reference, candidates, samples, session, timing, opened)
         sessions.append((timing.runs, [c.path for c in candidates], found))
         return found
 

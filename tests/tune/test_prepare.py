@@ -8,6 +8,7 @@ from onnx import TensorProto, helper
 
 import graphscan_ort.shared.graph as graph_edit
 import graphscan_ort.shared.metrics as metrics
+import graphscan_ort.shared.sessions as sessions
 import graphscan_ort.tune.prepare as prepare
 import graphscan_ort.tune.rewrites as rewrites
 from graphscan import load_with_weights
@@ -364,12 +365,12 @@ def test_a_step_whose_verification_fails_leaves_no_trace_in_the_prepared_model(t
     calls, given = [], []
     real = prepare.checked
 
-    def checked(original, candidate, samples, min_sqnr_db=metrics.PREPARE_MIN_SQNR_DB):
+    def checked(original, candidate, samples, min_sqnr_db=metrics.PREPARE_MIN_SQNR_DB, kept=None):
         calls.append(candidate)
         if len(calls) > EVERY_STEP.index(failing):
             return None, "made to fail"
         given.append(candidate)
-        return real(original, candidate, samples, min_sqnr_db)
+        return real(original, candidate, samples, min_sqnr_db, kept)
 
     monkeypatch.setattr(prepare, "pre_processed", copied)
     monkeypatch.setattr(prepare, "checked", checked)
@@ -403,3 +404,51 @@ def test_a_step_whose_model_fails_onnxs_full_checker_is_dropped(tmp_path, monkey
     assert div["ok"] is False and "fails the checker" in div["detail"]
     assert "Div" in [n.op_type for n in prepared.graph.node]
     onnx.checker.check_model(prepared, full_check=True)
+
+
+def counted_runs(monkeypatch):
+    """sessions.model_runner recording the model (by identity) of each run."""
+    runs, real = [], sessions.model_runner
+
+    def counting(model, subject):
+        run = real(model, subject)
+
+        def counted(feeds):
+            runs.append(id(model))
+            return run(feeds)
+
+        return counted
+
+    monkeypatch.setattr(sessions, "model_runner", counting)
+    return runs
+
+
+def test_the_original_runs_once_a_sample_for_every_step_checked_against_it(tmp_path, monkeypatch):
+    """Four steps of every_step_model are checked against the original (quant_pre_process,
+    opset and both rewrites): its outputs on each sample are run once and kept for all four."""
+    runs = counted_runs(monkeypatch)
+    path = tmp_path / "model.onnx"
+    onnx.save(every_step_model(), path)
+    original = load_with_weights(str(path))
+    _, _, steps = prepare.prepare(str(path), str(tmp_path), EVERY_STEP_SAMPLES, original)
+    assert [s["step"] for s in steps if s["ok"]] == [
+        "quant_pre_process",
+        "opset",
+        "names",
+        "div_by_constant",
+        "hard_sigmoid",
+    ]
+    assert runs.count(id(original)) == len(EVERY_STEP_SAMPLES)
+
+
+def test_kept_runs_keep_what_fits_their_budget_and_run_the_rest_again(monkeypatch):
+    """A budget of one sample's outputs (4 float32: 16 bytes): sample 0 is run once however
+    often it is asked for, sample 1 every time, and each answer is the model's own."""
+    runs = counted_runs(monkeypatch)
+    model = every_step_model()
+    kept = sessions.KeptRuns(model, "the model", budget=16)
+    first = [kept(k, feeds) for _ in range(3) for k, feeds in enumerate(EVERY_STEP_SAMPLES)]
+    assert len(runs) == 1 + 3
+    plain = sessions.model_runner(model, "the model")
+    for k, outputs in enumerate(first):
+        np.testing.assert_array_equal(outputs[0], plain(EVERY_STEP_SAMPLES[k % 2])[0])
