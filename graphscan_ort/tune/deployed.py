@@ -142,10 +142,11 @@ def measure_candidate(
 
 @dataclasses.dataclass(frozen=True)
 class Kept:
-    """Sessions held open for a candidate's measurement: the float model's timing session (a
-    tune run keeps one: every row timed beside the same session, built and warmed once) and
-    the candidate's own with the optimized graph it saved (measured_session's, opened when its
-    exclusions were checked); None where measure_candidate opens one."""
+    """Sessions held open for a candidate's measurement: the float model's timing session, or
+    a function that gives it when the candidate is timed (a tune run keeps one: rows timed
+    beside the same session, built and warmed once), and the candidate's own with the
+    optimized graph it saved (measured_session's, opened when its exclusions were checked);
+    None where measure_candidate opens one."""
 
     float_timing: Any = None
     candidate: tuple[Any, onnx.ModelProto | None] | None = None
@@ -191,9 +192,13 @@ def speed_figures(
     opened: Sequence[Any] | None = None,
 ) -> dict:
     """The latency figures of a model timed already on ``plan`` (``timed_alike``), else
-    ``candidate`` timed now (latency_figures, in the sessions ``opened`` already)."""
+    ``candidate`` timed now (latency_figures, in the sessions ``opened`` already: each a
+    session, or a function that opens it, called only when it is timed)."""
     speed = timed_alike(plan) if timed_alike is not None else None
-    return speed if speed is not None else latency_figures(reference, [candidate], latency, session, timing, opened)[0]
+    if speed is not None:
+        return speed
+    sessions = [given() if callable(given) else given for given in opened or []]
+    return latency_figures(reference, [candidate], latency, session, timing, sessions)[0]
 
 
 def accuracy_figures(

@@ -95,6 +95,7 @@ def overridden(trials: Any, policy: Policy, progress: Progress) -> None:
     given = cast(dict[str, Any], base["quantize_static"])  # static_rows: never null
     plain = {k: v for k, v in given.items() if k not in ("calibrate_method", "extra_options")}
     progress.show("looking for tensors whose outliers set their range")
+    trials.measure.release_float()  # a calibration may come (ranges), holding many tensors
     try:
         minmax = ranges(prepared_path, {**plain, "calibrate_method": "MinMax"}, trials.reader, cache)
         percentile = ranges(prepared_path, {**plain, "calibrate_method": "Percentile"}, trials.reader, cache)

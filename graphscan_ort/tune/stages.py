@@ -370,6 +370,7 @@ def exclusions(
     candidate = measure.models[candidate_path]
     # A ranking, not a measurement (every trial is measured on every sample): impact runs the
     # model once per operator, so it ranks on the first evaluation sample alone.
+    measure.release_float()  # the ranking's segment sessions hold many tensors
     ranked = ranked_ops(Named(given, prepared_path), Named(candidate, candidate_path), measure.evaluation[:1])
     blocks = search_blocks(given, ranked, MIN_GAIN_DB)
     part = best["worst_part"]

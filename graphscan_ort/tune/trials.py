@@ -40,6 +40,8 @@ from graphscan_ort.tune.candidates import (
     DYNAMIC,
     STATIC,
     SampleReader,
+    cache_path,
+    calibration_key,
     defaults_settings,
     file_digest,
     quantize_candidate,
@@ -108,14 +110,22 @@ class Measure:
         self.float_session: Any = None  # the float model's timing session, opened once (float_timing)
 
     def float_timing(self) -> Any:
-        """The float model's timing session, opened at the first timing and kept for the run:
-        every row is timed beside the same session, built and warmed once (its arena stays,
-        at the latency samples' sizes)."""
+        """The float model's timing session, opened at the first timing and kept from one
+        timing to the next: rows are timed beside the same session, built and warmed once.
+        Its arena holds the float model's tensors at the latency samples' sizes (180 MB for a
+        detector at 736x736), so steps that hold many tensors of their own drop it first
+        (release_float) and the next timing opens it again."""
         if self.float_session is None:
             self.float_session = open_session(
                 self.reference.model, f"{shown(self.reference.path)}: model", deployed.timing_options(self.session)
             )
         return self.float_session
+
+    def release_float(self) -> None:
+        """Drop the float model's timing session (float_timing) before a step that holds many
+        tensors (a calibration, a bias correction, the exclusions' ranking): its arena would
+        add to that step's peak."""
+        self.float_session = None
 
     @property
     def timed_samples(self) -> list[dict[str, np.ndarray]]:
@@ -160,7 +170,7 @@ class Measure:
                 self.latency,
                 timed_alike if self.on is None else None,  # a CPU target's plan is not the timed one
                 race,
-                deployed.Kept(self.float_timing(), opened),
+                deployed.Kept(self.float_timing, opened),  # opened when the row is timed
             )
         else:  # the same graph as a row timed already: its speed, this model's own accuracy and file
             accuracy = accuracy_figures(self.reference, named, self.evaluation, self.session, references, self.metric)
@@ -411,6 +421,9 @@ class Trials:
         record = Record(cast(Candidate, {}), origin)
         target_path = os.path.join(self.work, f"candidate-{ident}.onnx")
         row = functools.partial(candidate_row, ident, quantizer, settings, rewrites, kept or [], origin.trial)
+        calibrates = quantizer == STATIC and not os.path.isfile(cache_path(cache, calibration_key(settings)))
+        if post is not None or calibrates:
+            self.measure.release_float()  # a calibration or a bias correction to come
         try:
             quantize = quantize_dynamic_candidate if quantizer == DYNAMIC else self.quantize_static
             quantize(prepared_path, target_path, settings, self.reader, cache)

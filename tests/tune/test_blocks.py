@@ -170,7 +170,7 @@ class ScriptedTrials:
     def __init__(self, outcomes):
         self.outcomes, self.tried, self.rows = outcomes, [], []
         self.files = {0: ("start.onnx", "prepared.onnx", "cache")}
-        self.measure = types.SimpleNamespace(models={"start.onnx": None}, evaluation=[{}])
+        self.measure = types.SimpleNamespace(models={"start.onnx": None}, evaluation=[{}], release_float=lambda: None)
 
     def add(self, settings, rewrites, prepared_path, cache, kept, origin):
         nodes = settings["nodes_to_exclude"]

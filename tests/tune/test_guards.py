@@ -722,3 +722,44 @@ def test_no_row_is_raced_out_on_a_busy_machine(cnn, tmp_path, monkeypatch):
     answer = run_tune(cnn, tmp_path / "out", min_speedup=1.0)
     assert all(c["raced"] is None and c["sqnr_db"] is not None for c in answer["candidates"] if c["error"] is None)
     assert any("the machine was busy" in w for w in answer["warnings"])
+
+
+def test_the_float_timing_session_is_kept_between_timings_but_never_beside_a_calibration(cnn, tmp_path, monkeypatch):
+    """The float model's timing session (Measure.float_timing) is opened once for many rows,
+    fewer times than rows are timed, yet it is never open while a calibration, a bias
+    correction or the exclusions' ranking holds its own tensors (release_float)."""
+    import graphscan_ort.tune.bias as bias
+    import graphscan_ort.tune.candidates as candidates
+    import graphscan_ort.tune.overrides as overrides
+    import graphscan_ort.tune.requantize as requantize
+
+    measures, opened, timed, beside = [], [], [], []
+    real_timing, real_latency = tune_trials.Measure.float_timing, deployed.latency_figures
+
+    def float_timing(self):
+        measures.append(self)
+        if self.float_session is None:
+            opened.append(1)
+        return real_timing(self)
+
+    def latency_figures(*args, **kwargs):
+        timed.append(1)
+        return real_latency(*args, **kwargs)
+
+    def watching(name, real):
+        def called(*args, **kwargs):
+            beside.extend(name for m in measures if m.float_session is not None)
+            return real(*args, **kwargs)
+
+        return called
+
+    monkeypatch.setattr(tune_trials.Measure, "float_timing", float_timing)
+    monkeypatch.setattr(deployed, "latency_figures", latency_figures)
+    for module in (candidates, overrides, requantize):  # where calibrate is called
+        monkeypatch.setattr(module, "calibrate", watching("calibrate", module.calibrate))
+    monkeypatch.setattr(bias, "mean_errors", watching("bias", bias.mean_errors))
+    monkeypatch.setattr(tune_stages, "ranked_ops", watching("ranking", tune_stages.ranked_ops))
+    answer = run_tune(cnn, tmp_path / "out", target=500.0, max_trials=2)
+    steps = {c["recovery"]["step"] for c in answer["candidates"] if c["recovery"]}
+    assert "bias_correction" in steps and any(c["trial"] for c in answer["candidates"])  # each step ran
+    assert 1 <= len(opened) < len(timed) and beside == []
