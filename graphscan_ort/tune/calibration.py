@@ -28,6 +28,8 @@ onnxruntime's own calibrator (its augmented model and its choice of tensors):
   counting is most of the time at page size. ``histograms`` counts several binnings in the
   same passes when asked; tune asks for one at a time: counting Entropy's beside
   Percentile's costs as much again, and Entropy is a refinement a run may never reach.
+- a symmetric Percentile (onnxruntime's default) at 99.9 or above: read off each tensor's
+  greatest magnitudes, not a whole histogram (percentile_tails.py).
 
 Example (``quantize_static`` then reads the ranges instead of calibrating)::
 
@@ -66,6 +68,7 @@ from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
 from graphscan_ort.shared.graph import node_reads
 from graphscan_ort.shared.sessions import usable_cores
+from graphscan_ort.tune import percentile_tails
 
 __all__ = ["MINMAX_CHUNK", "calibrate"]
 
@@ -331,15 +334,13 @@ def histogram_ranges(
     off them), and read from instead of running the samples again."""
     # HistogramCollector.collect: magnitudes for a symmetric Percentile, values otherwise.
     binning = (calibrator.method == "percentile" and calibrator.symmetric, calibrator.num_bins)
-    kept = None if folder is None else histogram_file(folder, *binning)
-    if kept is not None and os.path.isfile(kept):
-        with open(kept, "rb") as f:
-            found = pickle.load(f)  # tune's own file in its own temporary folder
+    if binning[0] and calibrator.percentile >= percentile_tails.TAIL_PERCENTILE:
+        found = percentile_histograms(calibrator, make_reader, folder)
     else:
-        found = histograms(calibrator, make_reader, [binning], folder)[binning]
-        if kept is not None:
-            with open(kept, "wb") as f:
-                pickle.dump(found, f)
+        found = kept_pickle(
+            None if folder is None else histogram_file(folder, *binning),
+            lambda: histograms(calibrator, make_reader, [binning], folder)[binning],
+        )
     collector = HistogramCollector(
         method=calibrator.method,
         symmetric=calibrator.symmetric,
@@ -351,6 +352,19 @@ def histogram_ranges(
     collector.histogram_dict = found
     calibrator.collector = collector
     return calibrator.compute_data()
+
+
+def kept_pickle(path: str | None, make: Callable[[], Any]) -> Any:
+    """What ``make()`` returns, kept at ``path`` (None: not kept) for the next calibration of
+    the same prepared model, and read from there instead when it is."""
+    if path is not None and os.path.isfile(path):
+        with open(path, "rb") as f:
+            return pickle.load(f)  # tune's own file in its own temporary folder
+    found = make()
+    if path is not None:
+        with open(path, "wb") as f:
+            pickle.dump(found, f)
+    return found
 
 
 def histogram_file(folder: str, magnitudes: bool, bins: int) -> str:
@@ -411,15 +425,17 @@ def histograms(
     make_reader: Callable[[], CalibrationDataReader],
     binnings: list[Binning],
     folder: str | None = None,
+    only: list[str] | None = None,
 ) -> dict[Binning, dict[str, tuple]]:
-    """The histogram of every calibrated tensor for each of ``binnings``, as
-    ``HistogramCollector.histogram_dict`` holds it: each tensor's extremes reduced inside the
-    graph over every sample (one run each, tiny outputs), then its counts over those bins,
+    """The histogram of every calibrated tensor (``only``: of these) for each of ``binnings``,
+    as ``HistogramCollector.histogram_dict`` holds it: each tensor's extremes reduced inside
+    the graph over every sample (one run each, tiny outputs), then its counts over those bins,
     fetched a group of tensors at a time (fetch_groups)."""
     names = calibrated_names(calibrator)
     providers = calibrator.execution_providers
     reductions = kept_reductions(calibrator.model, names, make_reader, providers, folder)
-    extremes = {name: reduced.checked() for name, reduced in reductions.items() if reduced.samples}
+    names = names if only is None else [name for name in names if name in only]
+    extremes = {name: reductions[name].checked() for name in names if reductions[name].samples}
     if not extremes:
         raise ValueError("No data is collected.")
     bounds = {(name, b): outer_edges(e, b[0]) for name, e in extremes.items() if e.size for b in binnings}
@@ -459,26 +475,96 @@ def bin_counts(array: np.ndarray, magnitudes: bool, edges: np.ndarray) -> np.nda
     bins = len(edges) - 1
     if values.dtype != np.float32 or edges.dtype != np.float32:
         return np.histogram(np.absolute(values) if magnitudes else values, bins, range=(edges[0], edges[-1]))[0]
+    found = np.zeros(bins, np.intp)
+    for start in range(0, values.size, COUNTING_BLOCK):
+        block = values[start : start + COUNTING_BLOCK]
+        found += np.bincount(bin_indices(np.absolute(block) if magnitudes else block, edges), minlength=bins)
+    return found
+
+
+def bin_indices(values: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """The bin np.histogram counts each of ``values`` (float32, within the edges) in over
+    ``edges`` (float32, histogram_bin_edges'), by its own steps (bin_counts)."""
+    bins = len(edges) - 1
     first, width, count = edges[0], np.subtract(edges[-1], edges[0], dtype=np.float32), np.float32(bins)
-    last_bin = np.float32(bins - 1)
     # Each bin's right edge, the last bin's +inf: numpy never moves an element up out of the
     # last bin, and no finite element is at or past +inf (one comparison, not three passes).
     right = np.append(edges[1:-1], np.float32(np.inf))
     index_type = np.int32 if bins < 2**31 else np.intp  # half intp's bytes to read where it fits
-    found = np.zeros(bins, np.intp)
-    for start in range(0, values.size, COUNTING_BLOCK):
-        block = values[start : start + COUNTING_BLOCK]
-        if magnitudes:
-            block = np.absolute(block)
-        scaled = np.subtract(block, first, dtype=np.float32)
-        np.divide(scaled, width, out=scaled)
-        np.multiply(scaled, count, out=scaled)
-        np.minimum(scaled, last_bin, out=scaled)  # numpy: a bin number of ``bins`` (the last edge) less one
-        index = scaled.astype(index_type)
-        index -= block < edges.take(index)
-        index += block >= right.take(index)
-        found += np.bincount(index, minlength=bins)
-    return found
+    scaled = np.subtract(values, first, dtype=np.float32)
+    np.divide(scaled, width, out=scaled)
+    np.multiply(scaled, count, out=scaled)
+    np.minimum(scaled, np.float32(bins - 1), out=scaled)  # numpy: a bin number of ``bins`` (the last edge) less one
+    index = scaled.astype(index_type)
+    index -= values < edges.take(index)
+    index += values >= right.take(index)
+    return index
+
+
+def percentile_histograms(
+    calibrator: HistogramCalibrater, make_reader: Callable[[], CalibrationDataReader], folder: str | None
+) -> dict[str, tuple]:
+    """``histogram_dict`` for a symmetric Percentile at or above TAIL_PERCENTILE: for each
+    tensor a histogram onnxruntime's ``compute_percentile`` reads the same range off as off
+    the whole one (tail_histogram), the others (undecided: a crossing too near, a tensor not
+    float32 or empty) counted whole (``histograms``). The tails are kept in ``folder`` for the
+    next percentile of the same prepared model."""
+    bins = calibrator.num_bins
+    names = calibrated_names(calibrator)
+    providers = calibrator.execution_providers
+    reductions = kept_reductions(calibrator.model, names, make_reader, providers, folder)
+    extremes = {name: reductions[name].checked() for name in names if reductions[name].samples}
+    if not extremes:
+        raise ValueError("No data is collected.")
+    edges = {name: magnitude_edges(e, bins) for name, e in extremes.items()}
+    tailed = [n for n, e in extremes.items() if e.size and e.dtype == np.float32 and bins >= 3]
+    path = None if folder is None else os.path.join(folder, f"tails-{bins}.pickle")
+    tails = kept_pickle(path, lambda: tensor_tails(calibrator, make_reader, tailed, extremes, edges))
+    found: dict[str, tuple] = {}
+    for name in tailed:
+        tail, size = tails[name], extremes[name].size
+        index = bin_indices(tail.top, edges[name])
+        histogram = percentile_tails.tail_histogram(tail, index, size, bins, calibrator.percentile)
+        if histogram is not None:
+            e = extremes[name]
+            found[name] = (histogram, edges[name].astype(e.dtype), e.low, e.high)
+    undecided = [name for name in names if name not in found]
+    whole = histograms(calibrator, make_reader, [(True, bins)], folder, undecided)[True, bins] if undecided else {}
+    return {name: found[name] if name in found else whole[name] for name in names if name in found or name in whole}
+
+
+def magnitude_edges(e: Extremes, bins: int) -> np.ndarray:
+    """The edges HistogramCollector bins a tensor's magnitudes over (histograms')."""
+    return np.histogram_bin_edges(np.empty(0, e.dtype), bins, range=outer_edges(e, True))
+
+
+def tensor_tails(
+    calibrator: HistogramCalibrater,
+    make_reader: Callable[[], CalibrationDataReader],
+    names: list[str],
+    extremes: dict[str, Extremes],
+    edges: dict[str, np.ndarray],
+) -> dict[str, percentile_tails.Tail]:
+    """Each of ``names``' Tail over the samples, fetched a group of tensors at a time
+    (fetch_groups), the samples' shares found in threads and added in the samples' order."""
+    tails = {
+        name: percentile_tails.Tail(percentile_tails.tail_keep(extremes[name].size), extremes[name].dtype)
+        for name in names
+    }
+    providers = calibrator.execution_providers
+    with ThreadPoolExecutor(COUNTING_THREADS) as pool:
+        for group in fetch_groups(calibrator.model, names, extremes):
+            session = calibration_session(group_model(calibrator.model, group), providers)
+            for sample in samples_of(make_reader()):
+                fetched = zip(group, session.run(group, sample), strict=True)
+                tasks = [(array, tails[name].keep, tails[name].floor(), edges[name]) for name, array in fetched]
+                for name, part in zip(
+                    group, pool.map(lambda task: percentile_tails.tail_part(*task), tasks), strict=True
+                ):
+                    tails[name].add(part)
+                del tasks
+            del session
+    return tails
 
 
 def histogram_dict(

@@ -10,6 +10,7 @@ import contextlib
 import gc
 import tracemalloc
 import warnings
+from fractions import Fraction
 
 import numpy as np
 import onnx
@@ -23,6 +24,7 @@ import graphscan
 import graphscan_ort.tune.calibration as calibration
 import graphscan_ort.tune.candidates as candidates
 import graphscan_ort.tune.command as tune
+import graphscan_ort.tune.percentile_tails as percentile_tails
 
 
 class Samples(CalibrationDataReader):
@@ -122,8 +124,8 @@ def test_the_samples_are_run_once_for_every_way_then_once_per_binning_and_every_
         "percentile", "percentile-99.9", "percentile-values-not-magnitudes", "entropy", "distribution",
     ]  # fmt: skip
     assert passes == [1, 0, 0, 1, 0, 1, 1, 0]
-    assert sorted(f.name for f in tmp_path.glob("histograms-*")) == [
-        "histograms-magnitudes-2048.pickle", "histograms-values-128.pickle", "histograms-values-2048.pickle"
+    assert sorted(f.name for f in tmp_path.glob("*.pickle") if f.name != "reductions.pickle") == [
+        "histograms-values-128.pickle", "histograms-values-2048.pickle", "tails-2048.pickle"
     ]  # fmt: skip
 
 
@@ -218,6 +220,98 @@ def test_bins_counted_by_numpys_own_steps_are_np_histograms_count_for_count(valu
     want, want_edges = np.histogram(np.abs(values) if magnitudes else values, bins, range=(low, high))
     np.testing.assert_array_equal(calibration.bin_counts(values, magnitudes, edges), want)
     np.testing.assert_array_equal(edges, want_edges)
+
+
+def percentile_of(histogram, edges, low, high, percentile):
+    """onnxruntime's own compute_percentile on one magnitudes histogram: (low, high, hist[0], hist[1])."""
+    from onnxruntime.quantization.calibrate import HistogramCollector
+
+    collector = HistogramCollector("percentile", True, len(edges) - 1, 128, percentile, "same")
+    collector.histogram_dict = {"x": (histogram, edges, low, high)}
+    with contextlib.redirect_stdout(None):
+        return tuple(np.asarray(v).item() for v in collector.compute_percentile()["x"])
+
+
+@pytest.mark.parametrize("values", hard_arrays().values(), ids=list(hard_arrays()))
+@pytest.mark.parametrize("percentile", [99.999, 99.99, 99.95, 99.9])
+def test_a_percentile_read_off_the_greatest_magnitudes_is_onnxruntimes_off_the_whole_histogram(values, percentile):
+    """A tensor's Tail over three samples (its greatest magnitudes and its counts below the
+    first two inner edges) gives a histogram onnxruntime's compute_percentile reads the same
+    range and first two bins off as off np.histogram of every magnitude, on the arrays where
+    a bin is easiest to get wrong, at every percentile tune asks and one between; where the
+    crossing is too near p it says so (None: p N within the margin of a cumulative count, as
+    it is for a round count like 20,000 elements at 99.99), and only there."""
+    magnitudes = np.abs(values)
+    e = calibration.Extremes(values.shape, values.dtype)
+    e.add("x", [values.min(), values.max(), magnitudes.min(), magnitudes.max(), np.float32(0), values.shape])
+    edges = calibration.magnitude_edges(e, 2048)
+    tail = percentile_tails.Tail(percentile_tails.tail_keep(values.size), values.dtype)
+    for part in np.array_split(values, 3):
+        tail.add(percentile_tails.tail_part(part, tail.keep, tail.floor(), edges))
+    whole = np.histogram(magnitudes, 2048, range=(edges[0], edges[-1]))[0]
+    assert tail.below == [whole[0], whole[0] + whole[1]]
+    index = calibration.bin_indices(tail.top, edges)
+    histogram = percentile_tails.tail_histogram(tail, index, values.size, 2048, percentile)
+    if histogram is None:  # only where a cumulative count lies within the margin of p N
+        p_n = Fraction(percentile / 100.0) * values.size
+        near = [c for c in np.cumsum(whole) if abs(c - p_n) <= percentile_tails.TAIL_MARGIN * values.size]
+        assert near, "undecided, though no count lies near p N"
+        return
+    assert histogram.sum() == values.size
+    got = percentile_of(histogram, edges, e.low, e.high, percentile)
+    assert got == percentile_of(whole, edges, e.low, e.high, percentile)
+
+
+def test_a_crossing_too_near_p_is_counted_whole(cnn, tmp_path, monkeypatch):
+    """With no margin anything can cross (TAIL_MARGIN 1: every tensor undecided), the whole
+    histograms are counted for every tensor, and the ranges are onnxruntime's own."""
+    monkeypatch.setattr(percentile_tails, "TAIL_MARGIN", 1.0)
+    counted = []
+    real = calibration.histograms
+
+    def histograms(calibrator, make_reader, binnings, folder=None, only=None):
+        counted.append(list(only or []))
+        return real(calibrator, make_reader, binnings, folder, only)
+
+    monkeypatch.setattr(calibration, "histograms", histograms)
+    arguments = candidates.keyword_arguments({"calibrate_method": "Percentile"})
+    ours, theirs = tmp_path / "ours.json", tmp_path / "theirs.json"
+    with gen_models.quiet_quantizer():
+        calibration.calibrate(cnn, arguments, lambda: Samples(5), str(ours))
+        quantize_static(cnn, str(tmp_path / "q.onnx"), Samples(5), calibration_cache_path=str(theirs), **arguments)
+    mine, reference = load_tensors_data(ours), load_tensors_data(theirs)
+    assert counted and sorted(counted[0]) == sorted(reference.keys())
+    for name, expected in reference.items():
+        for attribute in expected._attrs:
+            np.testing.assert_array_equal(getattr(mine[name], attribute), getattr(expected, attribute), err_msg=name)
+
+
+@pytest.mark.parametrize("percentile", [99.999, 99.99, 99.9])
+def test_percentiles_read_off_tails_of_larger_tensors_are_onnxruntimes_own(tmp_path, monkeypatch, percentile):
+    """Samples of 1x3x48x48 (tensors of 9,216 to 36,864 elements a sample, 6 samples): most
+    ranges end inside the tensor's magnitudes, not at the greatest, and each is the range and
+    the first bins onnxruntime computes holding every sample, with no tensor counted whole."""
+    counted = []
+    monkeypatch.setattr(calibration, "histograms", lambda *args, **kwargs: counted.append(args) or {})
+    shapes = ((1, 3, 48, 48),)
+    model = tmp_path / "cnn48.onnx"
+    onnx.save(gen_models.build_cnn(2, channels=4, size=48, seed=0), model)
+    settings = {"calibrate_method": "Percentile", "extra_options": {"CalibPercentile": percentile}}
+    arguments = candidates.keyword_arguments(settings)
+    ours, theirs, extremes = tmp_path / "ours.json", tmp_path / "theirs.json", tmp_path / "minmax.json"
+    with gen_models.quiet_quantizer():
+        calibration.calibrate(str(model), arguments, lambda: Samples(6, shapes), str(ours))
+        calibration.calibrate(str(model), {}, lambda: Samples(6, shapes), str(extremes))
+        quantize_static(
+            str(model), str(tmp_path / "q.onnx"), Samples(6, shapes), calibration_cache_path=str(theirs), **arguments
+        )
+    mine, reference, minmax = load_tensors_data(ours), load_tensors_data(theirs), load_tensors_data(extremes)
+    assert list(mine.keys()) == list(reference.keys()) and not counted
+    for name, expected in reference.items():
+        for attribute in expected._attrs:
+            np.testing.assert_array_equal(getattr(mine[name], attribute), getattr(expected, attribute), err_msg=name)
+    inside = [n for n, r in reference.items() if r.highest < max(-minmax[n].lowest, minmax[n].highest)]
+    assert len(inside) > len(reference.keys()) / 2
 
 
 def test_binnings_counted_in_the_same_passes_equal_each_counted_alone(cnn, tmp_path):
