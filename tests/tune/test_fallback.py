@@ -78,6 +78,23 @@ def test_a_node_that_runs_float_as_excluded_is_left_alone(prepared, tmp_path):
     assert (tmp_path / "q.onnx").read_bytes() == data
 
 
+def tune_with_one_trial(prepared, tmp_path, monkeypatch):
+    """tune on the fixture's CNN with a target out of reach and no structural seeds, so that
+    the one exclusion trial is the ranking's first node: the answer and that trial's row."""
+    without_structural_seeds(monkeypatch)
+    answer = graphscan.tune(
+        prepared["float"],
+        calibrate=prepared["files"][:2],
+        inputs=prepared["files"][2:],
+        out=str(tmp_path / "out"),
+        target=500.0,
+        runs=1,
+        min_speedup=0,
+    )
+    (row,) = [c for c in answer["candidates"] if c["quantize_static"].get("nodes_to_exclude")]
+    return answer, row
+
+
 def test_tune_reports_each_exclusion_and_its_row_reproduces_the_model(prepared, tmp_path, monkeypatch):
     """The search tries b1_conv2 (a fixed ranking): its row says it runs float only with
     float inputs, and quantize_static with the row's arguments, then the post-step the
@@ -93,17 +110,7 @@ def test_tune_reports_each_exclusion_and_its_row_reproduces_the_model(prepared, 
         return result
 
     monkeypatch.setattr(tune_trials, "honoured", keep_copy)
-    without_structural_seeds(monkeypatch)
-    answer = graphscan.tune(
-        prepared["float"],
-        calibrate=prepared["files"][:2],
-        inputs=prepared["files"][2:],
-        out=str(tmp_path / "out"),
-        target=500.0,
-        runs=1,
-        min_speedup=0,
-    )
-    (row,) = [c for c in answer["candidates"] if c["quantize_static"].get("nodes_to_exclude")]
+    answer, row = tune_with_one_trial(prepared, tmp_path, monkeypatch)
     assert row["excluded"] == {"b1_conv2": "float_inputs"} and row["post_step"] == {"float_inputs": ["b1_conv2"]}
     assert all(c["excluded"] is None and c["post_step"] is None for c in answer["candidates"] if c is not row)
     again = tmp_path / "again.onnx"
@@ -213,17 +220,7 @@ def test_an_exclusion_that_holds_is_measured_in_the_session_it_was_checked_in(pr
 
     monkeypatch.setattr(deployed, "measured_session", measured_session)
     monkeypatch.setattr(classify_module, "optimized_model", optimized_model)
-    without_structural_seeds(monkeypatch)
-    answer = graphscan.tune(
-        prepared["float"],
-        calibrate=prepared["files"][:2],
-        inputs=prepared["files"][2:],
-        out=str(tmp_path / "out"),
-        target=500.0,
-        runs=1,
-        min_speedup=0,
-    )
-    (row,) = [c for c in answer["candidates"] if c["quantize_static"].get("nodes_to_exclude")]
+    _, row = tune_with_one_trial(prepared, tmp_path, monkeypatch)
     assert row["excluded"] == {"b2_down": fallback.AS_EXCLUDED} and row["sqnr_db"] is not None
     name = f"candidate-{row['id']}.onnx"
     assert opened.count(name) == 1 and name not in classified
