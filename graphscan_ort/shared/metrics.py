@@ -157,7 +157,6 @@ def paired_outputs(
     pairs: list[tuple[str, str]],
     options: ort.SessionOptions,
     kept: dict[tuple[str, ...], FloatOutputs] | None = None,
-    candidate_options: ort.SessionOptions | None = None,
     candidate_session: ort.InferenceSession | None = None,
 ) -> PairedOutputs:
     """Both models (the float ``reference_model``, the quantized ``candidate_model``) run
@@ -166,9 +165,8 @@ def paired_outputs(
     tune candidate's accuracy; exit 2 for an output that is not a tensor of numbers
     (``require_numbers``). ``kept``: the float model's outputs already run, by the float
     outputs wanted; a new run is added to it (tune runs the float model once for all its
-    candidates); ``candidate_options``: the candidate's session's, where they differ (tune's
-    save its optimized graph); ``candidate_session``: the candidate's session, open already
-    (tune's, which timed it too)."""
+    candidates); ``candidate_session``: the candidate's session, open already (tune's, which
+    saved its optimized graph and times it too), run instead of a new one."""
     names, candidate_names = tuple(f for f, _ in pairs), [q for _, q in pairs]
     require_numbers(reference_model, names)
     require_numbers(candidate_model, candidate_names)
@@ -180,12 +178,7 @@ def paired_outputs(
         if kept is not None:
             kept[names] = reference
     candidate = model_outputs(
-        candidate_model.model,
-        samples,
-        candidate_model.path,
-        candidate_names,
-        candidate_options or options,
-        candidate_session,
+        candidate_model.model, samples, candidate_model.path, candidate_names, options, candidate_session
     )
     require_numbers(candidate_model, candidate_names, candidate)
     return PairedOutputs(reference, candidate)
@@ -478,10 +471,11 @@ def verify(
     ``min_sqnr_db`` (prepare's: float reassociation passes one or the other, on big outputs
     and on tiny ones, a real change neither). The one check of a changed model.
     ``subjects`` name the two models when one does not run; ``kept``: ``original``'s runs,
-    kept from one verification to the next."""
+    kept from one verification to the next (used only when they are that model's)."""
     worst, compared, empty, per_value = 0.0, 0, True, True
     signal = noise = 0.0
-    run_original = kept if kept is not None else KeptRuns(original, subjects[0], budget=0)
+    # Another model's kept runs never stand in for this one's.
+    run_original = kept if kept is not None and kept.model is original else KeptRuns(original, subjects[0], budget=0)
     run_changed = model_runner(changed, subjects[1])
     for k, feeds in enumerate(samples):
         expected = run_original(k, feeds)

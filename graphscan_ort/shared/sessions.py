@@ -317,7 +317,7 @@ class KeptRuns:
     once and kept, up to ``budget`` bytes in all (past that, run again each time)."""
 
     def __init__(self, model: onnx.ModelProto, subject: str, budget: int = KEPT_RUNS_BYTES) -> None:
-        self.run = model_runner(model, subject)
+        self.model, self.run = model, model_runner(model, subject)
         self.kept: dict[int, list[Any]] = {}
         self.held, self.budget = 0, budget
 

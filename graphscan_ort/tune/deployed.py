@@ -212,32 +212,17 @@ def accuracy_figures(
     opened: Any = None,
 ) -> dict:
     """measure_candidate's figures but the timing and the file's size: accuracy and kernels
-    (``kernels``: kernel_counts' of ``candidate``, counted already; ``opened``: its session,
-    open already at timing_options, run instead of a new one)."""
+    (``kernels``: kernel_counts' of ``candidate``, counted already in ``opened``, its session
+    open already; without them, measured_session opens one and its saved graph gives them)."""
     pairs = output_pairs(reference, candidate)
     if isinstance(references, OnTarget):
         outputs, kernels = references.measure(reference, candidate, pairs)
-    elif kernels is not None:
-        options = session_options(session.level, session.threads)
-        candidate_options = None if opened is None else timing_options(session)
-        outputs = paired_outputs(reference, candidate, samples, pairs, options, references, candidate_options, opened)
     else:
+        if kernels is None:  # the candidate's own session, whose saved graph gives the kernels
+            opened, optimized = measured_session(candidate, session)
+            kernels = kernel_counts(candidate.model, candidate.path, session.level, optimized)
         options = session_options(session.level, session.threads)
-        # The candidate's session saves the graph it optimized: the kernels are read off it,
-        # not off a session of their own (one model's session fewer a row).
-        optimized = None
-        try:
-            with temporary_folder("graphscan-tune-") as folder:
-                saving = session_options(session.level, session.threads)
-                saving.optimized_model_filepath = os.path.join(folder, "optimized.onnx")
-                outputs = paired_outputs(reference, candidate, samples, pairs, options, references, saving)
-                optimized = saved_graph(saving.optimized_model_filepath)
-        except GraphscanError:
-            # Saving the graph can fail where the model runs (a full disk): onnxruntime then
-            # blames the model. Run it without saving; classify saves it in a session of its
-            # own and says which of the two failed (exit 3 or 5), as it did before.
-            outputs = paired_outputs(reference, candidate, samples, pairs, options, references)
-        kernels = kernel_counts(candidate.model, candidate.path, session.level, optimized)
+        outputs = paired_outputs(reference, candidate, samples, pairs, options, references, opened)
     figures = outputs.figures()
     sqnr = figures.worst_db
     value, events = (sqnr, None) if metric is None or metric.name == "sqnr" else paired_events(outputs, metric)

@@ -27,11 +27,7 @@ from typing import Any
 
 import numpy as np
 
-# A symmetric Percentile at least this high is read off each tensor's greatest magnitudes
-# (Tail), not a whole histogram: its range is the edge of the bin that holds the magnitude of
-# rank ceil(p N), and the bins above it hold fewer than N (1 - p) + 1 magnitudes, all of them
-# among the greatest. tune asks for 99.999, 99.99 and 99.9.
-TAIL_PERCENTILE = 99.9
+TAIL_PERCENTILE = 99.9  # the lowest percentile read off the tails: tune's least
 # How far (a share of the elements) a cumulative count must lie from p N for the crossing bin
 # to be the one onnxruntime's float64 cumsum of the histogram finds: its rounding is at most
 # about bins * 2**-53 (2.3e-13 for 2,048 bins); nearer, the whole histogram is counted.

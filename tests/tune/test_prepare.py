@@ -452,3 +452,14 @@ def test_kept_runs_keep_what_fits_their_budget_and_run_the_rest_again(monkeypatc
     plain = sessions.model_runner(model, "the model")
     for k, outputs in enumerate(first):
         np.testing.assert_array_equal(outputs[0], plain(EVERY_STEP_SAMPLES[k % 2])[0])
+
+
+def test_kept_runs_of_another_model_never_stand_in_for_the_original():
+    """A check whose original is not the model the kept runs are of (a bit-exact step checked
+    against the step before) compares against its own original, not the kept one's outputs:
+    y = x against itself verifies, though the kept runs are of y = 2 x."""
+    samples = [{"x": np.ones((1, 4), np.float32)}]
+    kept = sessions.KeptRuns(scaled_model(2.0), "the model before the rewrite")
+    with_kept = metrics.verify(scaled_model(1.0), scaled_model(1.0), samples, min_sqnr_db=80.0, kept=kept)
+    assert with_kept.problem is None
+    assert with_kept == metrics.verify(scaled_model(1.0), scaled_model(1.0), samples, min_sqnr_db=80.0)
