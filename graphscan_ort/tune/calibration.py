@@ -420,6 +420,24 @@ def calibrated_names(calibrator: HistogramCalibrater) -> list[str]:
     return [o.name for o in calibrator.model.graph.output if o.name in calibrator.tensors_to_calibrate]
 
 
+def calibrated_extremes(
+    calibrator: HistogramCalibrater,
+    make_reader: Callable[[], CalibrationDataReader],
+    folder: str | None,
+    only: list[str] | None = None,
+) -> tuple[list[str], dict[str, Extremes]]:
+    """The tensors a histogram calibrator counts (``only``: of these), in its order, and the
+    Extremes of those the samples hold, from the reductions kept in ``folder`` (run when not
+    kept); onnxruntime's error when no sample holds any."""
+    names = calibrated_names(calibrator)
+    reductions = kept_reductions(calibrator.model, names, make_reader, calibrator.execution_providers, folder)
+    names = names if only is None else [name for name in names if name in only]
+    extremes = {name: reductions[name].checked() for name in names if reductions[name].samples}
+    if not extremes:
+        raise ValueError("No data is collected.")
+    return names, extremes
+
+
 def histograms(
     calibrator: HistogramCalibrater,
     make_reader: Callable[[], CalibrationDataReader],
@@ -431,13 +449,8 @@ def histograms(
     as ``HistogramCollector.histogram_dict`` holds it: each tensor's extremes reduced inside
     the graph over every sample (one run each, tiny outputs), then its counts over those bins,
     fetched a group of tensors at a time (fetch_groups)."""
-    names = calibrated_names(calibrator)
+    names, extremes = calibrated_extremes(calibrator, make_reader, folder, only)
     providers = calibrator.execution_providers
-    reductions = kept_reductions(calibrator.model, names, make_reader, providers, folder)
-    names = names if only is None else [name for name in names if name in only]
-    extremes = {name: reductions[name].checked() for name in names if reductions[name].samples}
-    if not extremes:
-        raise ValueError("No data is collected.")
     bounds = {(name, b): outer_edges(e, b[0]) for name, e in extremes.items() if e.size for b in binnings}
     edges = {
         key: np.histogram_bin_edges(np.empty(0, extremes[key[0]].dtype), key[1][1], range=bounds[key]) for key in bounds
@@ -510,12 +523,7 @@ def percentile_histograms(
     float32 or empty) counted whole (``histograms``). The tails are kept in ``folder`` for the
     next percentile of the same prepared model."""
     bins = calibrator.num_bins
-    names = calibrated_names(calibrator)
-    providers = calibrator.execution_providers
-    reductions = kept_reductions(calibrator.model, names, make_reader, providers, folder)
-    extremes = {name: reductions[name].checked() for name in names if reductions[name].samples}
-    if not extremes:
-        raise ValueError("No data is collected.")
+    names, extremes = calibrated_extremes(calibrator, make_reader, folder)
     edges = {name: magnitude_edges(e, bins) for name, e in extremes.items()}
     tailed = [n for n, e in extremes.items() if e.size and e.dtype == np.float32 and bins >= 3]
     path = None if folder is None else os.path.join(folder, f"tails-{bins}.pickle")
