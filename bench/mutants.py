@@ -122,6 +122,7 @@ AREA_TESTS = {
         "tests/tune/test_contrib.py",
         "tests/tune/test_seeds.py",
         "tests/tune/test_tune_cpu.py",
+        "tests/tune/test_race.py",
     ],
     "shared": [
         "tests/shared/test_inputs.py",

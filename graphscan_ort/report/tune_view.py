@@ -21,6 +21,7 @@ from graphscan_ort.report.html import (
     table,
 )
 from graphscan_ort.report.plots import FrontPoint, Lines, front_chart, grouped_bars
+from graphscan_ort.shared.answers import raced_on_speed
 
 Row = Mapping[str, Any]
 # The seeds a user asks for (tune's --exclude, --keep-outputs-float): onnxruntime's defaults
@@ -147,16 +148,25 @@ def unplotted(answer: Mapping[str, Any]) -> list[str]:
             why = refusal(row, answer) if row["error"] else "its metric is undefined (or, for sqnr, infinite)"
             said.append(f"row {row['id']}: {why}")
     raced = sorted((row for row in answer["candidates"] if row.get("raced")), key=lambda row: row["id"])
-    if raced:
-        speeds = sorted(row["speedup"] for row in raced)
+    on_speed = [row for row in raced if raced_on_speed(row)]
+    on_samples = [row for row in raced if not raced_on_speed(row)]
+    if on_speed:
+        speeds = sorted(row["speedup"] for row in on_speed)
         span = (
             f"{speeds[0]:.3g}x" if f"{speeds[0]:.3g}" == f"{speeds[-1]:.3g}" else f"{speeds[0]:.3g}-{speeds[-1]:.3g}x"
         )
-        rows = ", ".join(str(row["id"]) for row in raced)
+        said.append(f"{row_ids(on_speed)}: raced out on speed ({span}): not measured for accuracy")
+    if on_samples:
         said.append(
-            f"row{'s' if len(raced) > 1 else ''} {rows}: raced out on speed ({span}): not measured for accuracy"
+            f"{row_ids(on_samples)}: raced out on their first evaluation samples (less accurate there than a row at "
+            "least as fast): not measured on the rest"
         )
     return said
+
+
+def row_ids(rows: list[Mapping[str, Any]]) -> str:
+    """``row 3`` or ``rows 3, 5``."""
+    return f"row{'s' if len(rows) > 1 else ''} {', '.join(str(row['id']) for row in rows)}"
 
 
 def front(answer: Mapping[str, Any]) -> Html:

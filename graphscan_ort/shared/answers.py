@@ -269,7 +269,18 @@ class Candidate(TypedDict):
     fails: list[str] | None  # the guards broken: slower, larger, float_weights
     pareto: bool
     error: str | None
-    raced: str | None  # why a grid row shown slower than --min-speedup was not measured for accuracy
+    raced: str | None  # why a grid row was not measured on every evaluation sample (raced_on_speed: on none)
+
+
+# How a row raced on its speed alone begins its ``raced`` (tune's Trials.raced_out): the
+# answer's one sign of the two races, for the table and the report.
+RACED_ON_SPEED = "not measured for accuracy"
+
+
+def raced_on_speed(row: Any) -> bool:
+    """Whether a tune row was raced on its speed, never run on an evaluation sample (else, where
+    ``raced``, on its first samples)."""
+    return bool((row.get("raced") or "").startswith(RACED_ON_SPEED))
 
 
 class Calibration(TypedDict):

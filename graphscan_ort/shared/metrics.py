@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ from graphscan import (
 )
 from graphscan_ort.shared.options import Named
 from graphscan_ort.shared.parts import TensorParts
-from graphscan_ort.shared.sessions import KeptRuns, model_outputs, model_runner
+from graphscan_ort.shared.sessions import KeptRuns, model_outputs, model_runner, open_session
 
 
 def output_pairs(reference: Named, candidate: Named) -> list[tuple[str, str]]:
@@ -150,6 +150,15 @@ class PairedOutputs:
         return named_outputs(self.candidate, self.reference.names)
 
 
+@dataclasses.dataclass(frozen=True)
+class Checkpoints:
+    """Where a caller may stop a candidate's run short of every sample (paired_outputs): after
+    each count of samples in ``at`` (ascending), ``stop`` is asked with the outputs so far."""
+
+    at: tuple[int, ...]
+    stop: Callable[[PairedOutputs], bool]
+
+
 def paired_outputs(
     reference_model: Named,
     candidate_model: Named,
@@ -158,6 +167,7 @@ def paired_outputs(
     options: ort.SessionOptions,
     kept: dict[tuple[str, ...], FloatOutputs] | None = None,
     candidate_session: ort.InferenceSession | None = None,
+    checkpoints: Checkpoints | None = None,
 ) -> PairedOutputs:
     """Both models (the float ``reference_model``, the quantized ``candidate_model``) run
     on ``samples`` in sessions at ``options``, the outputs paired by ``pairs`` (``output_pairs``):
@@ -166,7 +176,8 @@ def paired_outputs(
     (``require_numbers``). ``kept``: the float model's outputs already run, by the float
     outputs wanted; a new run is added to it (tune runs the float model once for all its
     candidates); ``candidate_session``: the candidate's session, open already (tune's, which
-    saved its optimized graph and times it too), run instead of a new one."""
+    saved its optimized graph and times it too), run instead of a new one; ``checkpoints``:
+    the candidate's run may stop there, its outputs then those of the first samples alone."""
     names, candidate_names = tuple(f for f, _ in pairs), [q for _, q in pairs]
     require_numbers(reference_model, names)
     require_numbers(candidate_model, candidate_names)
@@ -177,10 +188,18 @@ def paired_outputs(
         reference = FloatOutputs(outputs, names, output_layout(reference_model.model, names, samples))
         if kept is not None:
             kept[names] = reference
-    candidate = model_outputs(
-        candidate_model.model, samples, candidate_model.path, candidate_names, options, candidate_session
-    )
-    require_numbers(candidate_model, candidate_names, candidate)
+    if checkpoints is not None and candidate_session is None:  # one session for every stretch of samples
+        candidate_session = open_session(candidate_model.model, f"{shown(candidate_model.path)}: model", options)
+    stops = [] if checkpoints is None else [at for at in checkpoints.at if 0 < at < len(samples)]
+    candidate: list = []
+    for start, end in itertools.pairwise([0, *stops, len(samples)]):
+        stretch = samples[start:end]
+        candidate += model_outputs(
+            candidate_model.model, stretch, candidate_model.path, candidate_names, options, candidate_session
+        )
+        require_numbers(candidate_model, candidate_names, candidate[start:])
+        if checkpoints is not None and end < len(samples) and checkpoints.stop(PairedOutputs(reference, candidate[:])):
+            break
     return PairedOutputs(reference, candidate)
 
 

@@ -15,8 +15,10 @@ best of many; so the policy decides with each figure's uncertainty (bounds.py), 
   output element), then speed;
 - **speed tie**: speeds the paired run-by-run ratios cannot tell apart;
 - **raced**: a grid row whose speed is shown not above ``--min-speedup`` (the upper bound of
-  its runs' mean log ratio) while another row passes every guard: it can never be written,
-  so its accuracy is not measured (and it is not among the rows compared);
+  its runs' mean log ratio) while another row passes every guard, or whose metric on its
+  first samples is shown below that of a passing row at least as fast (paired): it can never
+  be written, so it is not measured further (a row raced on its samples is still among the
+  rows compared);
 - and four rankings built from those: **met here** (the most accurate of the rows speed-tied
   with the fastest that meet the target), **met on an emulated CPU** (the most int8 kernels
   there: its time is no latency), **not met** (the most accurate passing row) and **the
@@ -77,8 +79,7 @@ def ranked(row: Mapping[str, Any]) -> tuple[float, float]:
 
 
 def compared(row: Mapping[str, Any]) -> bool:
-    """Measured for accuracy: not refused, not raced out on speed (the rows every bound is
-    corrected for)."""
+    """Measured for accuracy on every evaluation sample: not refused, not raced."""
     return row["error"] is None and row.get("raced") is None
 
 
@@ -125,7 +126,13 @@ class Policy:
 
     def bound_confidence(self, rows: Sequence[Mapping[str, Any]]) -> float:
         """Each row's bound is at this confidence: the run's, corrected for the rows compared."""
-        return corrected(self.confidence, sum(compared(r) for r in rows))
+        return corrected(self.confidence, self.rows_compared(rows))
+
+    def rows_compared(self, rows: Sequence[Mapping[str, Any]]) -> int:
+        """The rows whose accuracy the choice looked at, each bound is corrected for: those
+        measured on every sample (compared) and those raced on their first samples (whose
+        metric there the ledger keeps); not a row raced on its speed alone."""
+        return sum(compared(r) or (r["error"] is None and self.by_sample.get(r["id"]) is not None) for r in rows)
 
     def bound(self, row: Mapping[str, Any], confidence: float) -> float | None:
         """``row``'s metric's lower bound at ``confidence`` (None: cannot be had)."""
@@ -307,6 +314,20 @@ def shown_above(values: Sequence[float | None] | None, other: Sequence[float | N
         return False
     mean, error = mean_and_error(differences)
     return mean - t_quantile(confidence, len(differences) - 1) * error >= 0
+
+
+def shown_behind(
+    values: Sequence[float | None] | None, other: Sequence[float | None] | None, confidence: float
+) -> bool:
+    """Whether a row's metric sample by sample (``values``) is shown below another's on the
+    same samples: the one-sided Student-t lower bound of their mean paired difference (the
+    other's less these) at ``confidence`` is above 0 (at least 2 paired samples); rows equal
+    sample by sample never are."""
+    differences = paired(other, values)
+    if differences is None or len(differences) < 2:
+        return False
+    mean, error = mean_and_error(differences)
+    return mean - t_quantile(confidence, len(differences) - 1) * error > 0
 
 
 def speeds_tie(runs: TimedRuns | None, fastest: TimedRuns | None, confidence: float) -> bool | None:

@@ -26,6 +26,7 @@ the time is still this machine's, natively (an emulated CPU's time is no latency
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import statistics
@@ -41,7 +42,14 @@ from graphscan_ort.engines.classify import classify, runtime_counts
 from graphscan_ort.engines.timing import interleaved_runs
 from graphscan_ort.shared.agreement import Metric, paired_events, paired_value
 from graphscan_ort.shared.kernels import int8_fraction
-from graphscan_ort.shared.metrics import FloatOutputs, PairedOutputs, output_layout, output_pairs, paired_outputs
+from graphscan_ort.shared.metrics import (
+    Checkpoints,
+    FloatOutputs,
+    PairedOutputs,
+    output_layout,
+    output_pairs,
+    paired_outputs,
+)
 from graphscan_ort.shared.on_target import keyed_outputs, load_samples, read_outputs, save_samples
 from graphscan_ort.shared.options import Named, Timing
 from graphscan_ort.shared.sessions import model_outputs, open_session, session_options, temporary_folder
@@ -100,7 +108,7 @@ def measure_candidate(
     metric: Metric | None = None,
     latency: list[dict] | None = None,
     timed_alike: Callable[[str], dict | None] | None = None,
-    race: Callable[[dict], str | None] | None = None,
+    race: Race | None = None,
     kept: Kept | None = None,
 ) -> dict:
     """``{"sqnr_db", "metric_value", "int8_fraction", "int8_kernels", "wrapped_but_float", "ms",
@@ -111,10 +119,10 @@ def measure_candidate(
     candidate's then are too); ``latency``: the samples timed (default: the first of
     ``samples``); no ``metric``: ``metric_value`` is the SQNR; ``timed_alike``: the latency
     figures of a model timed already whose optimized graph has this plan_digest (None: none;
-    the candidate is then timed). ``race`` (this process only): given the speed figures, why
-    the candidate need not be measured for accuracy (None: it is); it is then timed first,
-    and a raced one's accuracy figures are null and ``raced`` says why; ``kept``: sessions
-    the caller holds open already (Kept). In this process, one session of the candidate
+    the candidate is then timed). ``race`` (this process only, Race): why the candidate need
+    not be measured for accuracy, or on its remaining samples; it is then timed first, and a
+    raced one's accuracy figures are null and ``raced`` says why; ``kept``: sessions the
+    caller holds open already (Kept). In this process, one session of the candidate
     (measured_session) gives its kernels, its time and its accuracy."""
     kept = kept or Kept()
     if isinstance(references, OnTarget):  # its kernels and accuracy are the target's
@@ -129,15 +137,44 @@ def measure_candidate(
         plan, timed_on, sessions = kernels["plan"], latency or samples[:1], [kept.float_timing, opened]
         return speed_figures(reference, candidate, plan, timed_on, session, timing, timed_alike, sessions)
 
+    counted = (opened, kernels)
     if race is None:
-        accuracy = accuracy_figures(reference, candidate, samples, session, references, metric, kernels, opened)
+        accuracy = accuracy_figures(reference, candidate, samples, session, references, metric, counted)
         return {**accuracy, **timed_now(), "bytes": os.path.getsize(candidate.path)}
     speed = timed_now()
-    reason = race(speed)
+    reason = race.on_speed(speed)
     if reason is not None:
         return {**UNMEASURED, **kernels, **speed, "bytes": os.path.getsize(candidate.path), "raced": reason}
-    accuracy = accuracy_figures(reference, candidate, samples, session, references, metric, kernels, opened)
+    on_samples = None if race.on_samples is None else functools.partial(race.on_samples, speed)
+    accuracy = accuracy_figures(reference, candidate, samples, session, references, metric, counted, on_samples)
     return {**accuracy, **speed, "bytes": os.path.getsize(candidate.path)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Race:
+    """Why a candidate need not be measured further (measure_candidate), each None where it
+    is: ``on_speed``, given its speed figures, before any evaluation sample; ``on_samples``,
+    given those and its metric on each of its first samples (at RACE_CHECKPOINTS), before the
+    rest."""
+
+    on_speed: Callable[[dict], str | None]
+    on_samples: Callable[[dict, list[float | None]], str | None] | None = None
+
+
+def race_checkpoints(samples: int) -> tuple[int, ...]:
+    """Where a candidate's run on ``samples`` evaluation samples may stop (Race.on_samples):
+    after the first RACE_FIRST, then at each doubling, short of every sample (successive
+    halving's schedule: a row far behind is stopped early, a close one measured further)."""
+    found, at = [], RACE_FIRST
+    while at < samples:
+        found.append(at)
+        at *= 2
+    return tuple(found)
+
+
+# A candidate's first stretch of evaluation samples before it may be raced on them: enough
+# for a paired Student-t bound with 7 degrees of freedom, few beside a run's usual dozens.
+RACE_FIRST = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,25 +245,41 @@ def accuracy_figures(
     session: Session = DEPLOYED,
     references: dict[tuple[str, ...], FloatOutputs] | OnTarget | None = None,
     metric: Metric | None = None,
-    kernels: dict | None = None,
-    opened: Any = None,
+    counted: tuple[Any, dict] | None = None,
+    race: Callable[[list[float | None]], str | None] | None = None,
 ) -> dict:
     """measure_candidate's figures but the timing and the file's size: accuracy and kernels
-    (``kernels``: kernel_counts' of ``candidate``, counted already in ``opened``, its session
-    open already; without them, measured_session opens one and its saved graph gives them)."""
+    (``counted``: ``candidate``'s session open already and kernel_counts' of it; without it,
+    measured_session opens one and its saved graph gives them). ``race`` (this process only):
+    given the metric on each of the first samples (at race_checkpoints), why the rest need
+    not be run; the figures are then UNMEASURED's but the kernels, ``metric_by_sample`` the
+    values on the samples run, and ``raced`` says why."""
     pairs = output_pairs(reference, candidate)
+    by_sample: list[float | None] = []  # the metric on each sample run, in order, taken once
+    reason: list[str] = []
+
+    def stop(outputs: PairedOutputs) -> bool:
+        by_sample.extend(sample_value(outputs.sample(k), metric) for k in range(len(by_sample), len(outputs.candidate)))
+        found = race(list(by_sample)) if race is not None else None
+        reason.extend([found] if found is not None else [])
+        return found is not None
+
     if isinstance(references, OnTarget):
         outputs, kernels = references.measure(reference, candidate, pairs)
     else:
-        if kernels is None:  # the candidate's own session, whose saved graph gives the kernels
+        if counted is None:  # the candidate's own session, whose saved graph gives the kernels
             opened, optimized = measured_session(candidate, session)
-            kernels = kernel_counts(candidate.model, candidate.path, session.level, optimized)
+            counted = opened, kernel_counts(candidate.model, candidate.path, session.level, optimized)
+        opened, kernels = counted
         options = session_options(session.level, session.threads)
-        outputs = paired_outputs(reference, candidate, samples, pairs, options, references, opened)
+        checkpoints = None if race is None else Checkpoints(race_checkpoints(len(samples)), stop)
+        outputs = paired_outputs(reference, candidate, samples, pairs, options, references, opened, checkpoints)
+    if reason:
+        return {**UNMEASURED, **kernels, "metric_by_sample": by_sample, "raced": reason[0]}
     figures = outputs.figures()
     sqnr = figures.worst_db
     value, events = (sqnr, None) if metric is None or metric.name == "sqnr" else paired_events(outputs, metric)
-    by_sample = [sample_value(outputs.sample(k), metric) for k in range(len(samples))]
+    by_sample.extend(sample_value(outputs.sample(k), metric) for k in range(len(by_sample), len(samples)))
     worst, spread_of = spread(by_sample)
     return {
         "sqnr_db": sqnr,

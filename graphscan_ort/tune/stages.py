@@ -157,7 +157,7 @@ def verdict(run: Run) -> Shown:
     policy, chosen = run.policy, run.chosen
     return {
         "confidence": policy.confidence,
-        "rows_compared": sum(compared(r) for r in run.rows),
+        "rows_compared": policy.rows_compared(run.rows),
         "method": None if chosen is None else policy.method(chosen),
     }
 
@@ -182,7 +182,7 @@ def undecided(run: Run) -> list[str]:
     measured = len(run.trials.measure.evaluation) if unit == "samples" else chosen.get("metric_events")
     said = (
         f"the chosen model was not shown to meet the target at {policy.confidence:g} confidence over "
-        f"{sum(compared(r) for r in run.rows)} rows on {measured} {unit}: with the spread it showed, "
+        f"{policy.rows_compared(run.rows)} rows on {measured} {unit}: with the spread it showed, "
         f"about {count} {unit} would (give more held-out --inputs)"
     )
     return [said]

@@ -8,6 +8,7 @@ from typing import Any, cast
 
 from graphscan import TABLE_WIDTH, format_fields, metric_words, page, section, visible
 from graphscan_ort.shared.agreement import BUILT_IN
+from graphscan_ort.shared.answers import raced_on_speed
 
 
 def tune_table(answer: dict[str, Any], top: int | None) -> str:
@@ -50,11 +51,18 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
     whole += [exclusion(c) for c in answer["candidates"] if arguments(c).get("nodes_to_exclude")]
     whole += [recovered(c) for c in answer["candidates"] if c.get("recovery")]
     whole += [f"candidate {c['id']}: {c['error']}" for c in answer["candidates"] if c["error"]]
-    raced = sorted(c["id"] for c in answer["candidates"] if c.get("raced"))  # answers before the race: no key
-    if raced:
+    raced = [c for c in answer["candidates"] if c.get("raced")]  # answers before the race: no key
+    on_speed = sorted(c["id"] for c in raced if raced_on_speed(c))
+    on_samples = sorted(c["id"] for c in raced if not raced_on_speed(c))
+    if on_speed:
         whole.append(
-            f"candidate{'s' if len(raced) > 1 else ''} {', '.join(map(str, raced))}: raced out on speed (shown not "
-            "above min speedup while another passed every guard), never run on the evaluation samples"
+            f"{candidates(on_speed)}: raced out on speed (shown not above min speedup while another passed every "
+            "guard), never run on the evaluation samples"
+        )
+    if on_samples:
+        whole.append(
+            f"{candidates(on_samples)}: raced out on their first evaluation samples (shown less accurate than a "
+            "row at least as fast that passed every guard), never run on the rest"
         )
     whole += [f"warning: {w}" for w in answer["warnings"]]
     notes = "\n".join(textwrap.fill(visible(text), TABLE_WIDTH, subsequent_indent="  ") for text in whole)
@@ -65,6 +73,11 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
         section("times (ms), each candidate's beside its own float run", TIME_TITLES, time_rows(answer), top),
         *([f"in full:\n{notes}"] if notes else []),
     )
+
+
+def candidates(ids: list[int]) -> str:
+    """``candidate 3`` or ``candidates 3, 5``."""
+    return f"candidate{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
 
 
 def arguments(candidate: dict[str, Any]) -> dict[str, Any]:

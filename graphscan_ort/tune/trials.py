@@ -28,12 +28,12 @@ from graphscan import EXIT_NO_FILE, EXIT_RUNTIME, GraphscanError, Session, one_l
 from graphscan_ort.engines.levels import FloatRanges
 from graphscan_ort.engines.timing import far_off
 from graphscan_ort.shared.agreement import Metric
-from graphscan_ort.shared.answers import Candidate
+from graphscan_ort.shared.answers import RACED_ON_SPEED, Candidate
 from graphscan_ort.shared.files import in_folder, out_of_room, write_failure
 from graphscan_ort.shared.metrics import FloatOutputs
 from graphscan_ort.shared.options import Named, Timing
 from graphscan_ort.shared.sessions import open_session
-from graphscan_ort.tune import deployed
+from graphscan_ort.tune import choice, deployed
 from graphscan_ort.tune.bias import same_graph
 from graphscan_ort.tune.bounds import DEFAULT_CONFIDENCE
 from graphscan_ort.tune.candidates import (
@@ -47,7 +47,14 @@ from graphscan_ort.tune.candidates import (
     quantize_candidate,
     quantize_dynamic_candidate,
 )
-from graphscan_ort.tune.choice import Policy, TimedRuns, accuracy, passing, speed_bound_above
+from graphscan_ort.tune.choice import (
+    Policy,
+    TimedRuns,
+    accuracy,
+    passing,
+    shown_behind,
+    speed_bound_above,
+)
 from graphscan_ort.tune.deployed import OnTarget, accuracy_figures, measure_candidate
 from graphscan_ort.tune.fallback import honoured
 from graphscan_ort.tune.guards import failed_guards, file_bytes, float_weight_nodes
@@ -148,7 +155,7 @@ class Measure:
         excluded: list[str] | None = None,
         speed: dict | None = None,
         timed_alike: Callable[[str], dict | None] | None = None,
-        race: Callable[[dict], str | None] | None = None,
+        race: deployed.Race | None = None,
         opened: tuple[Any, onnx.ModelProto | None] | None = None,
     ) -> dict:
         """A candidate's figures as deployed (``candidate``, read from ``candidate_path``), with
@@ -415,7 +422,8 @@ class Trials:
         (whose speed the model takes, untimed, when its graph is that row's: bias.same_graph);
         ``origin``: where the row came from (a recovery step's row says what it did and gained,
         an exclusion trial the block it added). A grid row may be raced out on speed
-        (raced_out), but for onnxruntime's defaults' own: its accuracy may be the target."""
+        (raced_out) or on its first evaluation samples (raced_on_samples), but for
+        onnxruntime's defaults' own: its accuracy may be the target."""
         ident = len(self.rows)
         origin = origin or Origin()
         record = Record(cast(Candidate, {}), origin)
@@ -462,7 +470,7 @@ class Trials:
                 speed = {**{key: owner.get(key) for key in LATENCY}, "speed_from": owner["id"]}
             try:
                 race = origin.stage == "grid" and quantizer == STATIC and speed is None
-                racing = self.raced_out if race and not defaults_settings(settings, rewrites) else None
+                racing = self.race if race and not defaults_settings(settings, rewrites) else None
                 figures = self.measure(model, target_path, excluded, speed, self.timed_alike, racing, opened)
             except GraphscanError as exc:  # a model the quantizer made that onnxruntime refuses
                 if exc.exit_code != EXIT_RUNTIME:
@@ -488,6 +496,41 @@ class Trials:
         self.steady()
         return measured
 
+    @property
+    def race(self) -> deployed.Race:
+        """How a grid row may be raced (measure_candidate): on its speed, then on its first samples."""
+        return deployed.Race(self.raced_out, self.raced_on_samples)
+
+    def raced_on_samples(self, timed: Mapping[str, Any], values: list[float | None]) -> str | None:
+        """Why a grid row timed at ``timed`` (latency figures) need not be run on its remaining
+        evaluation samples, or None: on the first ones (its metric on each, ``values``) it is
+        shown less accurate (choice.shown_behind, paired, at the run's confidence) than a row
+        measured already that passes every guard, breaks no output part, is no bias correction
+        and is at least as fast, so the policy would write that row before it. Never on a busy
+        machine (unsteady): a speed read in a burst could name the wrong row the faster."""
+        if timed.get("speedup") is None or self.unsteady(timed):
+            return None
+        for rival in self.rows:
+            theirs = self.records[rival["id"]].by_sample
+            if theirs is None or not passing(rival) or rival.get("broken_parts"):
+                continue
+            corrected = (rival.get("recovery") or {}).get("step") == "bias_correction"
+            slower = choice.speed(rival) < choice.speed(timed)
+            if not corrected and not slower and shown_behind(values, theirs[: len(values)], self.confidence):
+                rest = len(self.measure.evaluation) - len(values)
+                return (
+                    f"not run on its last {rest} evaluation samples: on its first {len(values)}, its metric is "
+                    f"shown below candidate {rival['id']}'s at {self.confidence:g} confidence (paired), a row at "
+                    "least as fast that passes every guard: it is never written"
+                )
+        return None
+
+    def unsteady(self, timed: Mapping[str, Any]) -> bool:
+        """Whether the float model's times so far, with the one timed beside ``timed``, spread
+        more than BUSY_FACTOR times (busy_spread), or one is not above 0: no race is run then."""
+        floats = [r["float_ms"] for r in self.rows if r["float_ms"] is not None] + [timed["float_ms"]]
+        return min(floats) <= 0 or busy_spread(floats)
+
     def raced_out(self, speed: Mapping[str, Any]) -> str | None:
         """Why a row timed at ``speed`` (latency figures, its own or a plan twin's) need not be
         measured for accuracy, or None: its speedup is shown not above ``--min-speedup`` (the
@@ -499,8 +542,7 @@ class Trials:
         rival = next((r for r in self.rows if passing(r)), None)
         if floor is None or rival is None or speed.get("speedup") is None:  # (0: every bound lies above it)
             return None
-        floats = [r["float_ms"] for r in self.rows if r["float_ms"] is not None] + [speed["float_ms"]]
-        if min(floats) <= 0 or busy_spread(floats):
+        if self.unsteady(speed):
             return None
         twin = speed.get("speed_from")
         twin_runs = self.records[twin].runs if twin is not None else None
@@ -509,7 +551,7 @@ class Trials:
         if upper is None or upper > floor:
             return None
         return (
-            f"not measured for accuracy: its speedup, {speed['speedup']:.3g}x, is at most {upper:.3g}x at "
+            f"{RACED_ON_SPEED}: its speedup, {speed['speedup']:.3g}x, is at most {upper:.3g}x at "
             f"{self.confidence:g} confidence ({len(ratios)} runs), not above --min-speedup {floor:g}, while "
             f"candidate {rival['id']} passes every guard: it is never written"
         )

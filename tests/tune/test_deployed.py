@@ -118,7 +118,11 @@ def counted_sessions(monkeypatch):
     return opened
 
 
-@pytest.mark.parametrize("race", [None, lambda speed: None, lambda speed: "raced"], ids=["no-race", "kept", "raced"])
+@pytest.mark.parametrize(
+    "race",
+    [None, deployed.Race(lambda speed: None), deployed.Race(lambda speed: "raced")],
+    ids=["no-race", "kept", "raced"],
+)
 def test_a_measured_row_is_one_session_for_its_kernels_its_time_and_its_accuracy(cnn_pair, monkeypatch, race):
     """With the float outputs kept and the float model's timing session open, a row's kernels,
     timing and accuracy (unless raced) take one session of the candidate, and its figures are
