@@ -158,8 +158,8 @@ def unplotted(answer: Mapping[str, Any]) -> list[str]:
         said.append(f"{row_ids(on_speed)}: raced out on speed ({span}): not measured for accuracy")
     if on_samples:
         said.append(
-            f"{row_ids(on_samples)}: raced out on their first evaluation samples (less accurate there than a row at "
-            "least as fast): not measured on the rest"
+            f"{row_ids(on_samples)}: raced out on their first evaluation samples (less accurate there than a row as "
+            "fast): not measured on the rest"
         )
     return said
 

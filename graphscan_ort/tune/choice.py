@@ -16,7 +16,7 @@ best of many; so the policy decides with each figure's uncertainty (bounds.py), 
 - **speed tie**: speeds the paired run-by-run ratios cannot tell apart;
 - **raced**: a grid row whose speed is shown not above ``--min-speedup`` (the upper bound of
   its runs' mean log ratio) while another row passes every guard, or whose metric on its
-  first samples is shown below that of a passing row at least as fast (paired): it can never
+  first samples is shown below that of a passing row as fast (paired): it can never
   be written, so it is not measured further (a row raced on its samples is still among the
   rows compared);
 - and four rankings built from those: **met here** (the most accurate of the rows speed-tied

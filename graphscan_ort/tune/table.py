@@ -62,7 +62,7 @@ def tune_table(answer: dict[str, Any], top: int | None) -> str:
     if on_samples:
         whole.append(
             f"{candidates(on_samples)}: raced out on their first evaluation samples (shown less accurate than a "
-            "row at least as fast that passed every guard), never run on the rest"
+            "row as fast that passed every guard), never run on the rest"
         )
     whole += [f"warning: {w}" for w in answer["warnings"]]
     notes = "\n".join(textwrap.fill(visible(text), TABLE_WIDTH, subsequent_indent="  ") for text in whole)

@@ -54,6 +54,7 @@ from graphscan_ort.tune.choice import (
     passing,
     shown_behind,
     speed_bound_above,
+    speeds_tie,
 )
 from graphscan_ort.tune.deployed import OnTarget, accuracy_figures, measure_candidate
 from graphscan_ort.tune.fallback import honoured
@@ -64,6 +65,9 @@ from graphscan_ort.tune.verdict import levels_figures, sqnr_broken
 LATENCY = ("ms", "float_ms", "speedup", "speedup_spread")  # deployed.latency_figures' keys
 STEADY_ROWS = 5  # rows timed before one's float time is judged against the others' (Trials.steady)
 BUSY_FACTOR = 2.0  # the float model's own times across the run spread wider than this: a busy machine
+
+
+UNBOOKED = -1  # the timing session of a row's runs before it is booked (Trials.sessions counts from 0)
 
 
 def busy_spread(float_times: Sequence[float]) -> bool:
@@ -506,10 +510,28 @@ class Trials:
         evaluation samples, or None: on the first ones (its metric on each, ``values``) it is
         shown less accurate (choice.shown_behind, paired, at the run's confidence) than a row
         measured already that passes every guard, breaks no output part, is no bias correction
-        and is at least as fast, so the policy would write that row before it. Never on a busy
-        machine (unsteady): a speed read in a burst could name the wrong row the faster."""
+        and is at least as fast (its speedup at least this row's, or their runs cannot tell
+        them apart: the policy's speed tie), so the policy would write that row before it.
+        Never on a busy machine (unsteady): a speed read in a burst could name the wrong row
+        the faster."""
         if timed.get("speedup") is None or self.unsteady(timed):
             return None
+        mine = self.race_runs(timed)
+        for rival in self.rows:
+            theirs = self.records[rival["id"]].by_sample
+            if theirs is None or not passing(rival) or rival.get("broken_parts"):
+                continue
+            corrected = (rival.get("recovery") or {}).get("step") == "bias_correction"
+            tie = speeds_tie(self.records[rival["id"]].runs, mine, self.confidence)
+            as_fast = choice.speed(rival) >= choice.speed(timed) or tie is True
+            if not corrected and as_fast and shown_behind(values, theirs[: len(values)], self.confidence):
+                rest = len(self.measure.evaluation) - len(values)
+                return (
+                    f"not run on its last {rest} evaluation samples: on its first {len(values)}, its metric is "
+                    f"shown below candidate {rival['id']}'s at {self.confidence:g} confidence (paired), a row as "
+                    "fast that passes every guard: it is never written"
+                )
+        return None
         for rival in self.rows:
             theirs = self.records[rival["id"]].by_sample
             if theirs is None or not passing(rival) or rival.get("broken_parts"):
@@ -531,6 +553,16 @@ class Trials:
         floats = [r["float_ms"] for r in self.rows if r["float_ms"] is not None] + [timed["float_ms"]]
         return min(floats) <= 0 or busy_spread(floats)
 
+    def race_runs(self, timed: Mapping[str, Any]) -> TimedRuns | None:
+        """The runs behind latency figures ``timed`` before their row is booked: those of the
+        row whose plan it runs (``speed_from``), else its own, in a session no booked row
+        shares (None: none)."""
+        twin = timed.get("speed_from")
+        if twin is not None and self.records[twin].runs is not None:
+            return self.records[twin].runs
+        ratios = timed.get("speedup_runs")
+        return TimedRuns(UNBOOKED, tuple(ratios)) if ratios else None
+
     def raced_out(self, speed: Mapping[str, Any]) -> str | None:
         """Why a row timed at ``speed`` (latency figures, its own or a plan twin's) need not be
         measured for accuracy, or None: its speedup is shown not above ``--min-speedup`` (the
@@ -544,9 +576,8 @@ class Trials:
             return None
         if self.unsteady(speed):
             return None
-        twin = speed.get("speed_from")
-        twin_runs = self.records[twin].runs if twin is not None else None
-        ratios = twin_runs.ratios if twin_runs is not None else speed.get("speedup_runs") or ()
+        runs = self.race_runs(speed)
+        ratios = () if runs is None else runs.ratios
         upper = speed_bound_above(ratios, self.confidence)
         if upper is None or upper > floor:
             return None

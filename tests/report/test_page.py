@@ -296,9 +296,10 @@ def test_an_answer_of_another_command_is_its_table_beside_its_models_island_map(
 
 
 def test_the_rows_the_chart_cannot_hold_each_say_why():
-    """A row whose metric is undefined says that, and the rows raced out on speed say so in one
-    line with their speedups (not that their metric is undefined); measured rows are plotted,
-    not listed. An answer from before the race (no ``raced`` key) still reads."""
+    """A row whose metric is undefined says that, the rows raced out on speed say so in one
+    line with their speedups and those raced on their first samples in another (not that
+    their metric is undefined); measured rows are plotted, not listed. An answer from before
+    the race (no ``raced`` key) still reads."""
     from graphscan_ort.report.tune_view import unplotted
 
     def row(ident, **keys):
@@ -311,10 +312,17 @@ def test_the_rows_the_chart_cannot_hold_each_say_why():
             row(1, raced="not measured for accuracy: ..."),
             row(2),
             {key: value for key, value in row(3).items() if key != "raced"},
+            row(6, raced="not run on its last 8 evaluation samples: ..."),
         ]
     }
     said = unplotted(answer)
     assert said[:2] == [f"row {k}: its metric is undefined (or, for sqnr, infinite)" for k in (2, 3)]
-    assert said[2:] == ["rows 1, 4: raced out on speed (0.5-0.71x): not measured for accuracy"]
+    assert said[2:] == [
+        "rows 1, 4: raced out on speed (0.5-0.71x): not measured for accuracy",
+        (
+            "row 6: raced out on their first evaluation samples (less accurate there than a row as fast): not "
+            "measured on the rest"
+        ),
+    ]
     answer["candidates"] = answer["candidates"][2:3]
     assert unplotted(answer) == ["row 1: raced out on speed (0.5x): not measured for accuracy"]

@@ -17,6 +17,7 @@ import graphscan_ort.tune.trials as tune_trials
 from graphscan_ort.shared.metrics import Checkpoints, output_pairs, paired_outputs
 from graphscan_ort.shared.options import Named, Timing
 from graphscan_ort.shared.sessions import session_options
+from graphscan_ort.tune.choice import TimedRuns
 
 
 @pytest.fixture(scope="module")
@@ -129,29 +130,41 @@ class ScriptedRows:
         self.trials = tune_trials.Trials(str(tmp_path), None, measure)
         self.float_ms = float_ms
 
-    def add(self, speedup, values, fails=(), broken=None, step=None):
+    def add(self, speedup, values, fails=(), broken=None, step=None, runs=None):
         trials, k = self.trials, len(self.trials.rows)
         figures = {"ms": 1.0, "float_ms": self.float_ms, "speedup": speedup, "speedup_spread": [speedup] * 2}
         figures |= {"bytes": 1, "float_weights": 0, "fails": list(fails), "broken_parts": broken}
         row = tune_trials.candidate_row(k, "quantize_static", {}, False, [], None, figures=figures)
         record = tune_trials.Record(row, tune_trials.Origin(), files=(f"candidate-{k}.onnx", "p.onnx", "c"))
         record.by_sample = list(values)
+        record.runs = None if runs is None else TimedRuns(k, tuple(runs))
         trials.book(record, row)
         row["recovery"] = None if step is None else {"step": step}
         return row
 
-    def race(self, speedup, values, float_ms=1.0):
-        return self.trials.raced_on_samples({"speedup": speedup, "float_ms": float_ms}, list(values))
+    def race(self, speedup, values, float_ms=1.0, runs=None):
+        timed = {"speedup": speedup, "float_ms": float_ms, "speedup_runs": runs}
+        return self.trials.raced_on_samples(timed, list(values))
 
 
 AHEAD = [30.0 + 0.1 * (k % 3) for k in range(16)]  # a row's SQNR on each sample
 BEHIND = [value - 6.0 + 0.1 * (k % 2) for k, value in enumerate(AHEAD[:8])]  # 6 dB below it on the first 8
 
 
-def test_a_row_shown_below_a_passing_row_at_least_as_fast_is_raced_naming_it(tmp_path):
+MINE = [2.0, 2.3, 1.8, 2.1, 1.9]  # a row's speedup run by run
+
+
+@pytest.mark.parametrize(
+    ("speedup", "runs"),
+    [(2.0, None), (1.9, [1.7, 2.2, 1.9, 2.0, 1.8])],
+    ids=["as-fast", "speed-tied"],
+)
+def test_a_row_shown_below_a_passing_row_as_fast_is_raced_naming_it(tmp_path, speedup, runs):
+    """Behind a row whose speedup is at least its own, or below it but tied by their runs
+    (the policy's speed tie): raced, the rival and the samples named."""
     rows = ScriptedRows(tmp_path)
-    rows.add(2.0, AHEAD)
-    said = rows.race(2.0, BEHIND)
+    rows.add(speedup, AHEAD, runs=runs)
+    said = rows.race(2.0, BEHIND, runs=MINE)
     assert said is not None and "candidate 0's" in said and "last 8 evaluation samples" in said
     assert "on its first 8" in said
 
@@ -159,7 +172,8 @@ def test_a_row_shown_below_a_passing_row_at_least_as_fast_is_raced_naming_it(tmp
 @pytest.mark.parametrize(
     ("rival", "mine"),
     [
-        ({"speedup": 1.9}, {}),  # the rival is slower: this row may win on speed
+        ({"speedup": 1.9}, {}),  # the rival is slower, no runs to tie them: this row may win on speed
+        ({"speedup": 1.5, "runs": [1.5, 1.52, 1.49, 1.51, 1.5]}, {}),  # shown slower by its runs
         ({"fails": ["larger"]}, {}),  # the rival breaks a guard: it is never written
         ({"broken": [{"output": "y"}]}, {}),  # the rival breaks an output part
         ({"step": "bias_correction"}, {}),  # a bias correction is never a start
@@ -167,13 +181,22 @@ def test_a_row_shown_below_a_passing_row_at_least_as_fast_is_raced_naming_it(tmp
         ({}, {"values": [v + (8.0 if k % 2 else -8.0) for k, v in enumerate(AHEAD[:8])]}),  # too noisy to show
         ({}, {"float_ms": 3.0}),  # the float model's times spread 3 times: a busy machine
     ],
-    ids=["rival-slower", "rival-fails", "rival-broken", "rival-corrected", "equal", "noisy", "busy"],
+    ids=[
+        "rival-slower",
+        "rival-shown-slower",
+        "rival-fails",
+        "rival-broken",
+        "rival-corrected",
+        "equal",
+        "noisy",
+        "busy",
+    ],
 )
 def test_no_row_is_raced_on_its_samples_but_behind_a_written_candidate_at_least_as_fast(tmp_path, rival, mine):
     rows = ScriptedRows(tmp_path)
     given = {"speedup": 2.0, "values": AHEAD, **rival}
     rows.add(given.pop("speedup"), given.pop("values"), **given)
-    assert rows.race(2.0, mine.get("values", BEHIND), mine.get("float_ms", 1.0)) is None
+    assert rows.race(2.0, mine.get("values", BEHIND), mine.get("float_ms", 1.0), MINE) is None
 
 
 def outlier_conv(folder, count):
