@@ -27,9 +27,11 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 
 from graphscan import DEQUANTIZE, shown
-from graphscan_ort.shared.graph import fresh_name, graph_names, with_outputs
+from graphscan_ort.engines.combined import schedule
+from graphscan_ort.shared.graph import default_opset, fresh_name, graph_names, with_outputs
 from graphscan_ort.shared.sessions import does_not_run, impact_options, open_session
 
 CORRECTED = ("Conv", "Gemm")
@@ -73,28 +75,72 @@ def mean_errors(
     """Per node name, the mean of (quantized - float) output per output channel (axis 1)
     over ``samples`` and every other axis, in float64: the float output is a twin of the node
     with the prepared model's weights reading the same input, so each node's error is its
-    weights' own (an upstream error is not counted again downstream)."""
+    weights' own (an upstream error is not counted again downstream). Summed inside
+    onnxruntime (ErrorSums), so a run holds each node's output only until its sum is taken."""
     copy = onnx.ModelProto()
     copy.CopyFrom(quantized)
     twins, exposed = float_twins(copy, prepared, nodes)
-    exposing = with_outputs(copy, exposed, twins)
+    sums_model = ErrorSums(copy, twins, exposed)
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, int] = {}
-    session = open_session(exposing, f"{shown(path)}: model", impact_options())
-    names = [o.name for o in exposing.graph.output]
-    for feeds in samples:  # one sample's outputs held at a time: every node's output and its twin's
+    session = open_session(sums_model.model, f"{shown(path)}: model", sums_model.options)
+    for feeds in samples:
         try:
-            sample = session.run(names, feeds)
+            sample = session.run(sums_model.outputs, feeds)
         except Exception as exc:
             raise does_not_run(f"{shown(path)}: model", exc)
         for k, node in enumerate(nodes):
-            error = np.asarray(sample[2 * k], np.float64) - np.asarray(sample[2 * k + 1], np.float64)
-            if error.ndim < 2:
-                continue
-            channels = np.moveaxis(error, 1, 0).reshape(error.shape[1], -1)
-            sums[node.name] = sums.get(node.name, 0.0) + channels.sum(axis=1)
-            counts[node.name] = counts.get(node.name, 0) + channels.shape[1]
+            total, shape = sample[2 * k], sample[2 * k + 1]  # shape: (N, channels, the rest)
+            sums[node.name] = sums.get(node.name, 0.0) + np.asarray(total, np.float64)
+            counts[node.name] = counts.get(node.name, 0) + int(shape[0]) * int(shape[2])
     return {name: sums[name] / counts[name] for name in sums if counts[name]}
+
+
+class ErrorSums:
+    """A copy of a quantized model (``model``, its float ``twins`` added) that sums each pair
+    of ``exposed`` (a node's output, then its twin's) to ``sum(output - twin)`` per channel of
+    axis 1 in float64, and gives the shape it summed, (N, channels, the rest): each sum right
+    after its pair is made (onnxruntime's PRIORITY_BASED order, as levels.Reductions), so a
+    run holds a few outputs at a time, not every node's and its twin's."""
+
+    def __init__(self, model: onnx.ModelProto, twins: list[onnx.NodeProto], exposed: list[str]) -> None:
+        self.pool = onnx.GraphProto()
+        taken = set(graph_names(model.graph)) | {o for twin in twins for o in twin.output}
+        self.prefix = fresh_name("bias/", taken)
+        flat = self.constant(onnx.numpy_helper.from_array(np.array([0, 0, -1], np.int64)))
+        new_reduce = default_opset(model) >= 13  # ReduceSum's axes: an input from opset 13, an attribute before
+        axes = self.constant(onnx.numpy_helper.from_array(np.array([0, 2], np.int64))) if new_reduce else ""
+        self.outputs: list[str] = []
+        for output, twin in zip(exposed[::2], exposed[1::2], strict=True):
+            doubles = [self.node("Cast", [name], to=onnx.TensorProto.DOUBLE) for name in (output, twin)]
+            error = self.node("Reshape", [self.node("Sub", doubles), flat])
+            if new_reduce:
+                total = self.node("ReduceSum", [error, axes], keepdims=0)
+            else:
+                total = self.node("ReduceSum", [error], axes=[0, 2], keepdims=0)
+            self.outputs += [total, self.node("Shape", [error])]
+        entries: list[tuple[int, onnx.GraphProto, int, list[str] | None]]
+        entries = [(rank, model.graph, rank, None) for rank in range(len(model.graph.node))]
+        pool = onnx.GraphProto()
+        pool.node.extend([*twins, *self.pool.node])
+        entries += [(-1, pool, k, None) for k in range(len(pool.node))]  # each as soon as it can run
+        copy = with_outputs(model, self.outputs)
+        del copy.graph.node[:]
+        copy.graph.node.extend(graph.node[k] for graph, k, _, _ in schedule(entries))
+        copy.graph.initializer.extend(self.pool.initializer)
+        self.model = copy
+        self.options = impact_options()
+        self.options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+
+    def node(self, op_type: str, inputs: list[str], **attributes: Any) -> str:
+        output = f"{self.prefix}{len(self.pool.node)}/{op_type}"
+        self.pool.node.append(onnx.helper.make_node(op_type, inputs, [output], name=output, **attributes))
+        return output
+
+    def constant(self, tensor: onnx.TensorProto) -> str:
+        tensor.name = f"{self.prefix}constant/{len(self.pool.initializer)}"
+        self.pool.initializer.append(tensor)
+        return tensor.name
 
 
 def float_twins(
