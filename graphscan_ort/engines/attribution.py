@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 
 from graphscan import EXIT_INPUTS, GraphIndex, GraphscanError, shown
+from graphscan_ort.engines.levels import TENSORS_PER_RUN
 from graphscan_ort.engines.segments import IMPACT_PREFIX, segment_runner
 from graphscan_ort.shared.answers import Exclusion, ImpactMeasures, OpGain, TensorGain, WorstPart
 from graphscan_ort.shared.graph import (
@@ -394,23 +395,25 @@ def tensor_stats(
     model: onnx.ModelProto, samples: list[dict[str, np.ndarray]], ranges: dict[str, tuple[float, float, int]], path: str
 ) -> dict[str, ValueStats]:
     """``{tensor: ValueStats}`` of ``model``'s own tensors (``ranges``: ``{tensor:
-    Q range}``), one session; each sample's values are dropped once counted."""
+    Q range}``): the computed ones fetched TENSORS_PER_RUN per run of the model, a session
+    a group (as levels fetches them), so a run holds one sample's values of one group, each
+    dropped once counted."""
     stats = {t: ValueStats(q_range) for t, q_range in ranges.items()}
-    computed = [t for t in ranges if t not in samples[0]]
-    if computed:
-        session = open_session(with_outputs(model, computed), f"{shown(path)}: model", impact_options())
     for feeds in samples:
         for t in ranges.keys() & feeds.keys():
             stats[t].add(feeds[t])
-        if not computed:
-            continue
-        try:
-            outputs = session.run(computed, feeds)
-        except Exception as exc:
-            raise does_not_run(f"{shown(path)}: model", exc)
-        for t, value in zip(computed, outputs):
-            stats[t].add(value)
-        del outputs
+    computed = [t for t in ranges if t not in samples[0]]
+    for start in range(0, len(computed), TENSORS_PER_RUN):
+        group = computed[start : start + TENSORS_PER_RUN]
+        session = open_session(with_outputs(model, group), f"{shown(path)}: model", impact_options())
+        for feeds in samples:
+            try:
+                outputs = session.run(group, feeds)
+            except Exception as exc:
+                raise does_not_run(f"{shown(path)}: model", exc)
+            for t, value in zip(group, outputs):
+                stats[t].add(value)
+            del outputs
     return stats
 
 

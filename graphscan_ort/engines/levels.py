@@ -39,7 +39,7 @@ from graphscan_ort.shared.sessions import each_sample_outputs, session_options
 
 # Below this many levels, tune warns that a part of the model it writes has lost its values.
 LEVELS_FLOOR = 16.0
-# Tensors fetched per run of the float model where they are reduced in numpy.
+# Tensors fetched per run of a model where they are reduced in numpy (levels' ranges, impact's value statistics).
 TENSORS_PER_RUN = 64
 # Element types reduced inside onnxruntime, and the type they are reduced in (exact: a float16
 # or bfloat16 value is a float32 value too).

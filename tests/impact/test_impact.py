@@ -357,6 +357,34 @@ def test_the_ops_ranking_alone_equals_impacts_and_runs_no_tensor_variant(
     assert sorted(map(attribution.variant_key, runs)) == sorted([attribution.variant_key({}), *distinct])
 
 
+def test_value_statistics_fetched_a_few_tensors_a_run_are_those_of_one_run(cnn, monkeypatch):
+    """impact's value statistics (clipped, finite, least and greatest) fetch the tensors
+    TENSORS_PER_RUN a run, one sample at a time: with 3 a run, no run fetches more than 3 and
+    every statistic equals the one all tensors fetched in a single run give."""
+    _, quant, paths = cnn
+    samples, model = load_samples(paths), onnx.load(quant)
+    ranges = {t: (-1.0, 1.0, 8) for node in model.graph.node for t in node.output if node.op_type != "Constant"}
+    ranges["x"] = (-2.0, 2.0, 8)  # a graph input: counted from the samples themselves
+    monkeypatch.setattr(attribution, "TENSORS_PER_RUN", 10**6)
+    whole = attribution.tensor_stats(model, samples, ranges, quant)
+    fetched = []
+    real_run = sessions.ort.InferenceSession.run
+
+    def counted(self, names, feeds, *rest):
+        fetched.append(len(names))
+        return real_run(self, names, feeds, *rest)
+
+    monkeypatch.setattr(attribution, "TENSORS_PER_RUN", 3)
+    monkeypatch.setattr(sessions.ort.InferenceSession, "run", counted)
+    grouped = attribution.tensor_stats(model, samples, ranges, quant)
+    computed = len(ranges) - 1
+    assert max(fetched) == 3 and len(fetched) == math.ceil(computed / 3) * len(samples)
+    key = ("total", "outside", "finite", "dtype", "low", "high")
+    assert {t: [getattr(s, k) for k in key] for t, s in grouped.items()} == {
+        t: [getattr(s, k) for k in key] for t, s in whole.items()
+    }
+
+
 def test_by_subprocess_strict_json(trace_lab, faulty, mlp_samples, tmp_path):
     args = ["impact", trace_lab["fp32"], faulty]
     for path in mlp_samples:
