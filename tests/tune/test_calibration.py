@@ -443,14 +443,15 @@ def test_peak_memory_does_not_grow_with_the_number_of_samples(tmp_path, monkeypa
     histogram holds one sample's tensors at a time, MinMax one chunk's reductions (4 here,
     so both counts merge chunks) beside two numbers a sample and tensor. onnxruntime's own
     calibrators hold every sample's: all their tensors for a histogram (1.4 MB a sample
-    here), all their reductions for MinMax."""
+    here), all their reductions for MinMax. Each count's peak is the lesser of two runs:
+    tracemalloc also counts what another thread of an xdist worker allocates meanwhile."""
     monkeypatch.setattr(calibration, "MINMAX_CHUNK", 4)
     path = tmp_path / "wide.onnx"
     onnx.save(gen_models.build_cnn(2, channels=8, size=48, seed=0), path)
     settings = {**candidates.candidate_settings()[0], "calibrate_method": method}
 
-    def peak(count):
-        folder = tmp_path / f"{count}"
+    def peak(count, run):
+        folder = tmp_path / f"{count}-{run}"
         folder.mkdir()
         tracemalloc.start()
         with gen_models.quiet_quantizer():
@@ -461,7 +462,7 @@ def test_peak_memory_does_not_grow_with_the_number_of_samples(tmp_path, monkeypa
         tracemalloc.stop()
         return top
 
-    few, many = peak(12), peak(48)
+    few, many = (min(peak(count, run) for run in range(2)) for count in (12, 48))
     assert many < 1.25 * few, (few, many)
 
 
