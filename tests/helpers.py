@@ -628,6 +628,20 @@ def small_cnn(folder, blocks, count, seed, names=None):
     return fp32, files
 
 
+def small_cnn_and_qdq(folder):
+    """gen_models' residual CNN (2 blocks, 4 channels, 8x8 pixels) and its QDQ model the lab's
+    way, saved as ``folder/cnn.onnx`` and ``folder/cnn_qdq.onnx``: their paths."""
+    import onnx
+
+    import gen_models
+
+    fp32, quant = Path(folder) / "cnn.onnx", Path(folder) / "cnn_qdq.onnx"
+    onnx.save(gen_models.build_cnn(2, channels=4, size=8, seed=0), fp32)
+    with gen_models.quiet_quantizer():
+        gen_models.quantize_qdq(fp32, quant, seed=0)
+    return fp32, quant
+
+
 def small_cnn_held_out(folder):
     """small_cnn with 2 blocks, 2 calibration samples ``cal0.npz``, ``cal1.npz`` and 8
     held-out samples ``held/h0.npz``, ... drawn after them (seed 4): enough held-out samples

@@ -532,20 +532,6 @@ class Trials:
                     "fast that passes every guard: it is never written"
                 )
         return None
-        for rival in self.rows:
-            theirs = self.records[rival["id"]].by_sample
-            if theirs is None or not passing(rival) or rival.get("broken_parts"):
-                continue
-            corrected = (rival.get("recovery") or {}).get("step") == "bias_correction"
-            slower = choice.speed(rival) < choice.speed(timed)
-            if not corrected and not slower and shown_behind(values, theirs[: len(values)], self.confidence):
-                rest = len(self.measure.evaluation) - len(values)
-                return (
-                    f"not run on its last {rest} evaluation samples: on its first {len(values)}, its metric is "
-                    f"shown below candidate {rival['id']}'s at {self.confidence:g} confidence (paired), a row at "
-                    "least as fast that passes every guard: it is never written"
-                )
-        return None
 
     def unsteady(self, timed: Mapping[str, Any]) -> bool:
         """Whether the float model's times so far, with the one timed beside ``timed``, spread

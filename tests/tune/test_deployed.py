@@ -11,16 +11,14 @@ import gen_models
 import graphscan
 import graphscan_ort.tune.deployed as deployed
 from graphscan_ort.shared.options import Named, Timing
+from tests.helpers import small_cnn_and_qdq
 
 
 @pytest.fixture(scope="module")
 def cnn_pair(tmp_path_factory):
     """A small residual CNN and its onnxruntime QDQ model, with two samples."""
     folder = tmp_path_factory.mktemp("cnn")
-    fp32, quant = folder / "cnn.onnx", folder / "cnn_qdq.onnx"
-    onnx.save(gen_models.build_cnn(2, channels=4, size=8, seed=0), fp32)
-    with gen_models.quiet_quantizer():
-        gen_models.quantize_qdq(fp32, quant, seed=0)
+    fp32, quant = small_cnn_and_qdq(folder)
     samples = [{"x": np.random.default_rng(k).standard_normal((1, 3, 8, 8)).astype(np.float32)} for k in range(2)]
     paths = []
     for k, sample in enumerate(samples):

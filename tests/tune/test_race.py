@@ -10,7 +10,6 @@ import onnx
 import onnxruntime
 import pytest
 
-import gen_models
 import graphscan
 import graphscan_ort.tune.deployed as deployed
 import graphscan_ort.tune.trials as tune_trials
@@ -18,16 +17,13 @@ from graphscan_ort.shared.metrics import Checkpoints, output_pairs, paired_outpu
 from graphscan_ort.shared.options import Named, Timing
 from graphscan_ort.shared.sessions import session_options
 from graphscan_ort.tune.choice import TimedRuns
+from tests.helpers import small_cnn_and_qdq
 
 
 @pytest.fixture(scope="module")
 def cnn_pair(tmp_path_factory):
     """A small residual CNN, its onnxruntime QDQ model and 20 samples."""
-    folder = tmp_path_factory.mktemp("race")
-    fp32, quant = folder / "cnn.onnx", folder / "cnn_qdq.onnx"
-    onnx.save(gen_models.build_cnn(2, channels=4, size=8, seed=0), fp32)
-    with gen_models.quiet_quantizer():
-        gen_models.quantize_qdq(fp32, quant, seed=0)
+    fp32, quant = small_cnn_and_qdq(tmp_path_factory.mktemp("race"))
     rng = np.random.default_rng(3)
     samples = [{"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)} for _ in range(20)]
     return Named(onnx.load(fp32), str(fp32)), Named(onnx.load(quant), str(quant)), samples
