@@ -154,7 +154,7 @@ def measure_candidate(
 class Race:
     """Why a candidate need not be measured further (measure_candidate), each None where it
     is: ``on_speed``, given its speed figures, before any evaluation sample; ``on_samples``,
-    given those and its metric on each of its first samples (at RACE_CHECKPOINTS), before the
+    given those and its metric on each of its first samples (at race_checkpoints), before the
     rest."""
 
     on_speed: Callable[[dict], str | None]
