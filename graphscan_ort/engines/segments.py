@@ -48,9 +48,11 @@ SWITCH_GROUPS = 8
 
 # Segment sessions kept at once, the least recently used closed beyond (built again when a
 # later variant needs it: the same results). Each holds its graph and kernels: about 7 MB
-# on PP-OCRv4's detector, whose ranking built 123 of them (0.85 GiB held to the end; with
-# 24 it peaked at 0.99 GiB, not 1.25-1.30, in 3-9% more time).
-MAX_SESSIONS = 24
+# on PP-OCRv4's detector, whose ranking built 123 of them (0.85 GiB held to the end). impact
+# of the prepared detector on one page at 768x896 peaked at 1,398 MB with 24 (51.1 s), 1,300
+# MB with 12 (50.9 s), 1,139 MB with 8 (55.5 s); tune at real page sizes at 2,152 MB with 24,
+# 1,913 MB with 12, the exclusions' stage 34 s with either.
+MAX_SESSIONS = 12
 
 
 PLAIN, FULL = "plain", "switched"  # segment versions besides the groups 0 .. SWITCH_GROUPS - 1
