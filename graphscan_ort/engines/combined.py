@@ -36,7 +36,7 @@ from graphscan_ort.engines.measures import (
     tensor_bytes,
     tensor_dims,
 )
-from graphscan_ort.shared.graph import fresh_prefix, node_reads
+from graphscan_ort.shared.graph import fresh_prefix, node_reads, with_outputs
 from graphscan_ort.shared.metrics import float32_bounds
 from graphscan_ort.shared.sessions import OUT_OF_MEMORY, does_not_run, open_session, run_options, session_options
 
@@ -125,6 +125,21 @@ def schedule(
     placed = set(order)
     order += [e for e in range(len(entries)) if e not in placed]  # a cycle: onnxruntime says so
     return [(entries[e][1], entries[e][2], reads[e], writes[e]) for e in order]
+
+
+def added_as_soon_as_ready(model: onnx.ModelProto, added: onnx.GraphProto, outputs: list[str]) -> onnx.ModelProto:
+    """A copy of ``model`` whose outputs are ``outputs``, with ``added``'s nodes and
+    initializers: the model's own nodes in their order, each added node right when its
+    inputs are made (schedule, rank -1). Run in that order (PRIORITY_BASED), an added node
+    that reduces a tensor lets it be freed after its last reader, not at the end of the run."""
+    entries: list[tuple[int, onnx.GraphProto, int, list[str] | None]]
+    entries = [(rank, model.graph, rank, None) for rank in range(len(model.graph.node))]
+    entries += [(-1, added, k, None) for k in range(len(added.node))]
+    copy = with_outputs(model, outputs)
+    del copy.graph.node[:]
+    copy.graph.node.extend(graph.node[k] for graph, k, _, _ in schedule(entries))
+    copy.graph.initializer.extend(added.initializer)
+    return copy
 
 
 class CombinedModel:

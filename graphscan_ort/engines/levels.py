@@ -32,7 +32,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from graphscan import DEQUANTIZE, QUANTIZE
-from graphscan_ort.engines.combined import schedule, shared_arena
+from graphscan_ort.engines.combined import added_as_soon_as_ready, shared_arena
 from graphscan_ort.shared.graph import QDQ_SUFFIX, constant_arrays, element_types, with_outputs
 from graphscan_ort.shared.parts import PASS_THROUGH, TensorParts
 from graphscan_ort.shared.sessions import each_sample_outputs, session_options
@@ -162,14 +162,7 @@ class Reductions:
         for tensor in tensors:
             trace = parts.traces[tensor]
             self.reduce(tensor, REDUCED_IN[types[tensor]], types[tensor], trace.label, len(trace.sources))
-        entries: list[tuple[int, onnx.GraphProto, int, list[str] | None]]
-        entries = [(rank, model.graph, rank, None) for rank in range(len(model.graph.node))]
-        entries += [(-1, self.pool, k, None) for k in range(len(self.pool.node))]  # each as soon as it can run
-        copy = with_outputs(model, self.outputs)
-        del copy.graph.node[:]
-        copy.graph.node.extend(graph.node[k] for graph, k, _, _ in schedule(entries))
-        copy.graph.initializer.extend(self.pool.initializer)
-        self.model = copy
+        self.model = added_as_soon_as_ready(model, self.pool, self.outputs)
         config = {"session.disable_prepacking": "1"}
         if arena and shared_arena():
             config["session.use_env_allocators"] = "1"

@@ -30,8 +30,8 @@ import onnx
 import onnxruntime as ort
 
 from graphscan import DEQUANTIZE, shown
-from graphscan_ort.engines.combined import schedule
-from graphscan_ort.shared.graph import default_opset, fresh_name, graph_names, with_outputs
+from graphscan_ort.engines.combined import added_as_soon_as_ready
+from graphscan_ort.shared.graph import default_opset, fresh_name, graph_names
 from graphscan_ort.shared.sessions import does_not_run, impact_options, open_session
 
 CORRECTED = ("Conv", "Gemm")
@@ -105,6 +105,7 @@ class ErrorSums:
 
     def __init__(self, model: onnx.ModelProto, twins: list[onnx.NodeProto], exposed: list[str]) -> None:
         self.pool = onnx.GraphProto()
+        self.pool.node.extend(twins)  # each twin as soon as its input is made, its pair's sum right after both
         taken = set(graph_names(model.graph)) | {o for twin in twins for o in twin.output}
         self.prefix = fresh_name("bias/", taken)
         flat = self.constant(onnx.numpy_helper.from_array(np.array([0, 0, -1], np.int64)))
@@ -119,16 +120,7 @@ class ErrorSums:
             else:
                 total = self.node("ReduceSum", [error], axes=[0, 2], keepdims=0)
             self.outputs += [total, self.node("Shape", [error])]
-        entries: list[tuple[int, onnx.GraphProto, int, list[str] | None]]
-        entries = [(rank, model.graph, rank, None) for rank in range(len(model.graph.node))]
-        pool = onnx.GraphProto()
-        pool.node.extend([*twins, *self.pool.node])
-        entries += [(-1, pool, k, None) for k in range(len(pool.node))]  # each as soon as it can run
-        copy = with_outputs(model, self.outputs)
-        del copy.graph.node[:]
-        copy.graph.node.extend(graph.node[k] for graph, k, _, _ in schedule(entries))
-        copy.graph.initializer.extend(self.pool.initializer)
-        self.model = copy
+        self.model = added_as_soon_as_ready(model, self.pool, self.outputs)
         self.options = impact_options()
         self.options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
 

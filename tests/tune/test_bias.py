@@ -13,6 +13,7 @@ from onnx import TensorProto, helper
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
 import graphscan_ort.tune.bias as bias_module
+from graphscan_ort.shared.graph import with_outputs
 from graphscan_ort.tune.bias import bias_corrected
 
 RNG = np.random.default_rng(7)
@@ -242,7 +243,7 @@ def test_the_mean_error_is_the_float64_mean_of_each_node_less_its_twin_over_samp
     copy = onnx.ModelProto()
     copy.CopyFrom(quantized)
     twins, exposed = bias_module.float_twins(copy, prepared, nodes)
-    fetching = bias_module.with_outputs(copy, exposed, twins)
+    fetching = with_outputs(copy, exposed, twins)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.add_session_config_entry("session.disable_prepacking", "1")
