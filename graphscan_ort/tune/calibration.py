@@ -451,10 +451,7 @@ def histograms(
     fetched a group of tensors at a time (fetch_groups)."""
     names, extremes = calibrated_extremes(calibrator, make_reader, folder, only)
     providers = calibrator.execution_providers
-    bounds = {(name, b): outer_edges(e, b[0]) for name, e in extremes.items() if e.size for b in binnings}
-    edges = {
-        key: np.histogram_bin_edges(np.empty(0, extremes[key[0]].dtype), key[1][1], range=bounds[key]) for key in bounds
-    }
+    edges = {(name, b): bin_edges(e, *b) for name, e in extremes.items() if e.size for b in binnings}
     counts: dict[tuple[str, Binning], np.ndarray] = {}
     with ThreadPoolExecutor(COUNTING_THREADS) as pool:
         for group in fetch_groups(calibrator.model, names, extremes):
@@ -524,7 +521,7 @@ def percentile_histograms(
     next percentile of the same prepared model."""
     bins = calibrator.num_bins
     names, extremes = calibrated_extremes(calibrator, make_reader, folder)
-    edges = {name: magnitude_edges(e, bins) for name, e in extremes.items()}
+    edges = {name: bin_edges(e, True, bins) for name, e in extremes.items()}
     tailed = [n for n, e in extremes.items() if e.size and e.dtype == np.float32 and bins >= 3]
     path = None if folder is None else os.path.join(folder, f"tails-{bins}.pickle")
     tails = kept_pickle(path, lambda: tensor_tails(calibrator, make_reader, tailed, extremes, edges))
@@ -541,9 +538,10 @@ def percentile_histograms(
     return {name: found[name] if name in found else whole[name] for name in names if name in found or name in whole}
 
 
-def magnitude_edges(e: Extremes, bins: int) -> np.ndarray:
-    """The edges HistogramCollector bins a tensor's magnitudes over (histograms')."""
-    return np.histogram_bin_edges(np.empty(0, e.dtype), bins, range=outer_edges(e, True))
+def bin_edges(e: Extremes, magnitudes: bool, bins: int) -> np.ndarray:
+    """The edges HistogramCollector bins a tensor (of Extremes ``e``) over: its magnitudes' or
+    its values', in ``bins`` bins."""
+    return np.histogram_bin_edges(np.empty(0, e.dtype), bins, range=outer_edges(e, magnitudes))
 
 
 def tensor_tails(

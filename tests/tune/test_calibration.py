@@ -244,7 +244,7 @@ def test_a_percentile_read_off_the_greatest_magnitudes_is_onnxruntimes_off_the_w
     magnitudes = np.abs(values)
     e = calibration.Extremes(values.shape, values.dtype)
     e.add("x", [values.min(), values.max(), magnitudes.min(), magnitudes.max(), np.float32(0), values.shape])
-    edges = calibration.magnitude_edges(e, 2048)
+    edges = calibration.bin_edges(e, True, 2048)
     tail = percentile_tails.Tail(percentile_tails.tail_keep(values.size), values.dtype)
     for part in np.array_split(values, 3):
         tail.add(percentile_tails.tail_part(part, tail.keep, tail.floor(), edges))
