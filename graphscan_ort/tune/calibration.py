@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
@@ -66,7 +66,7 @@ from onnxruntime.quantization.calibrate import (
 from onnxruntime.quantization.quant_utils import load_model_with_shape_infer, update_opset_version
 from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
-from graphscan_ort.shared.graph import node_reads
+from graphscan_ort.shared.graph import element_types, node_reads
 from graphscan_ort.shared.sessions import usable_cores
 from graphscan_ort.tune import percentile_tails
 
@@ -448,22 +448,18 @@ def histograms(
     """The histogram of every calibrated tensor (``only``: of these) for each of ``binnings``,
     as ``HistogramCollector.histogram_dict`` holds it: each tensor's extremes reduced inside
     the graph over every sample (one run each, tiny outputs), then its counts over those bins,
-    fetched a group of tensors at a time (fetch_groups)."""
+    fetched a group of tensors at a time (grouped_tensors)."""
     names, extremes = calibrated_extremes(calibrator, make_reader, folder, only)
     providers = calibrator.execution_providers
     edges = {(name, b): bin_edges(e, *b) for name, e in extremes.items() if e.size for b in binnings}
     counts: dict[tuple[str, Binning], np.ndarray] = {}
     with ThreadPoolExecutor(COUNTING_THREADS) as pool:
-        for group in fetch_groups(calibrator.model, names, extremes):
-            session = calibration_session(group_model(calibrator.model, group), providers)
-            for sample in samples_of(make_reader()):
-                fetched = zip(group, session.run(group, sample), strict=True)
-                tasks = [(name, b, array) for name, array in fetched if extremes[name].size for b in binnings]
-                found = pool.map(lambda task: bin_counts(task[2], task[1][0], edges[task[0], task[1]]), tasks)
-                for (name, b, _), hist in zip(tasks, found, strict=True):  # the tasks' order: the same sums
-                    counts[name, b] = counts[name, b] + hist if (name, b) in counts else hist
-                del tasks
-            del session
+        for fetched in grouped_tensors(calibrator.model, names, extremes, make_reader, providers):
+            tasks = [(name, b, array) for name, array in fetched if extremes[name].size for b in binnings]
+            found = pool.map(lambda task: bin_counts(task[2], task[1][0], edges[task[0], task[1]]), tasks)
+            for (name, b, _), hist in zip(tasks, found, strict=True):  # the tasks' order: the same sums
+                counts[name, b] = counts[name, b] + hist if (name, b) in counts else hist
+            del fetched, tasks  # this group's tensors, before the next is run
     return {b: histogram_dict(extremes, counts, edges, b) for b in binnings}
 
 
@@ -552,24 +548,19 @@ def tensor_tails(
     edges: dict[str, np.ndarray],
 ) -> dict[str, percentile_tails.Tail]:
     """Each of ``names``' Tail over the samples, fetched a group of tensors at a time
-    (fetch_groups), the samples' shares found in threads and added in the samples' order."""
+    (grouped_tensors), the samples' shares found in threads and added in the samples' order."""
     tails = {
         name: percentile_tails.Tail(percentile_tails.tail_keep(extremes[name].size), extremes[name].dtype)
         for name in names
     }
     providers = calibrator.execution_providers
     with ThreadPoolExecutor(COUNTING_THREADS) as pool:
-        for group in fetch_groups(calibrator.model, names, extremes):
-            session = calibration_session(group_model(calibrator.model, group), providers)
-            for sample in samples_of(make_reader()):
-                fetched = zip(group, session.run(group, sample), strict=True)
-                tasks = [(array, tails[name].keep, tails[name].floor(), edges[name]) for name, array in fetched]
-                for name, part in zip(
-                    group, pool.map(lambda task: percentile_tails.tail_part(*task), tasks), strict=True
-                ):
-                    tails[name].add(part)
-                del tasks
-            del session
+        for fetched in grouped_tensors(calibrator.model, names, extremes, make_reader, providers):
+            tasks = [(array, tails[name].keep, tails[name].floor(), edges[name]) for name, array in fetched]
+            parts = pool.map(lambda task: percentile_tails.tail_part(*task), tasks)
+            for (name, _), part in zip(fetched, parts, strict=True):
+                tails[name].add(part)
+            del fetched, tasks  # this group's tensors, before the next is run
     return tails
 
 
@@ -672,6 +663,145 @@ def fetch_groups(model: onnx.ModelProto, names: list[str], extremes: dict[str, E
         groups[-1].append(name)
         held += size
     return [g for g in groups if g]
+
+
+def grouped_tensors(
+    model: onnx.ModelProto,
+    names: list[str],
+    extremes: dict[str, Extremes],
+    make_reader: Callable[[], CalibrationDataReader],
+    providers: list[str] | None,
+) -> Iterator[list[tuple[str, np.ndarray]]]:
+    """``names``' arrays on each sample of ``make_reader()``, a group at a time (fetch_groups),
+    groups in the graph's order within a sample: one pass over the graph a sample, cut into
+    segments (cut_segments), or, where a tensor carried between segments has no known type,
+    prefix_runs. Each group's arrays are let go before the next is run, once the caller has
+    let go of them too."""
+    groups = fetch_groups(model, names, extremes)
+    segments = cut_segments(model, groups)
+    if segments is None:
+        yield from prefix_runs(model, groups, make_reader, providers)
+        return
+    # A group whose tensors earlier segments made (or the sample holds) runs nothing of its own.
+    sessions = [calibration_session(s.model, providers) if s.answers else None for s in segments]
+    kept = [needed_after(segments, k) for k in range(len(segments))]
+    for sample in samples_of(make_reader()):
+        held = dict(sample)  # what later segments read: the sample's inputs, then tensors made
+        for segment, session, still_read in zip(segments, sessions, kept, strict=True):
+            if session is not None:
+                feeds = {name: held[name] for name in segment.reads}
+                held.update(zip(segment.answers, session.run(segment.answers, feeds), strict=True))
+            fetched = [(name, held[name]) for name in segment.group]
+            held = {name: array for name, array in held.items() if name in still_read}
+            yield fetched
+            del fetched
+        del held
+
+
+def prefix_runs(
+    model: onnx.ModelProto,
+    groups: list[list[str]],
+    make_reader: Callable[[], CalibrationDataReader],
+    providers: list[str] | None,
+) -> Iterator[list[tuple[str, np.ndarray]]]:
+    """grouped_tensors' arrays from one run a group and a sample of the nodes the group needs
+    (group_model), one group's session at a time, over every sample."""
+    for group in groups:
+        session = calibration_session(group_model(model, group), providers)
+        for sample in samples_of(make_reader()):
+            fetched = list(zip(group, session.run(group, sample), strict=True))
+            yield fetched
+            del fetched
+        del session
+
+
+class Segment(NamedTuple):
+    """One group's run (grouped_tensors): a model of the nodes it runs, the tensors it reads
+    (the sample's inputs, or tensors earlier segments made), the group's tensors and the
+    tensors it answers (the group's it makes, and those a later segment reads)."""
+
+    model: onnx.ModelProto
+    group: list[str]
+    reads: list[str]
+    answers: list[str]
+
+
+def needed_after(segments: list[Segment], k: int) -> set[str]:
+    """The tensors a segment after the k-th reads or fetches."""
+    return {name for later in segments[k + 1 :] for name in [*later.reads, *later.group]}
+
+
+def cut_segments(model: onnx.ModelProto, groups: list[list[str]]) -> list[Segment] | None:
+    """``model`` cut into one Segment a group: each runs the nodes its group's tensors need
+    that no earlier segment ran, reading the rest from the segments that made them (the same
+    kernels on the same values: one pass over the graph, not one a group); None where a
+    tensor carried between segments has no element type onnx's shape inference knows."""
+    graph = model.graph
+    producer = {output: k for k, node in enumerate(graph.node) for output in node.output}
+    initializers = {t.name for t in graph.initializer} | {t.values.name for t in graph.sparse_initializer}
+    ran: set[int] = set()
+    runs: list[list[int]] = []
+    for group in groups:
+        runs.append(sorted(needed_nodes(graph, producer, group, ran)))
+        ran.update(runs[-1])
+    made = [{o for k in run for o in graph.node[k].output if o} for run in runs]
+    outside = [
+        {n for k in run for n in node_reads(graph.node[k]) if n not in mine and n not in initializers}
+        for run, mine in zip(runs, made, strict=True)
+    ]
+    # A read no top-level node makes is a graph input, or a name a body defines for itself.
+    inputs = {value.name for value in graph.input}
+    reads = [sorted(n for n in reading if n in producer or n in inputs) for reading in outside]
+    types = element_types(model) if any(n in producer for reading in reads for n in reading) else {}
+    if any(n in producer and not types.get(n) for reading in reads for n in reading):
+        return None
+    segments = []
+    for k, (run, mine) in enumerate(zip(runs, made, strict=True)):
+        later = {n for reading in reads[k + 1 :] for n in reading} | {n for g in groups[k + 1 :] for n in g}
+        answers = sorted(n for n in mine if n in later or n in groups[k])
+        segments.append(Segment(segment_model(model, run, reads[k], answers, types), groups[k], reads[k], answers))
+    return segments
+
+
+def needed_nodes(graph: onnx.GraphProto, producer: dict[str, int], names: list[str], ran: set[int]) -> set[int]:
+    """The nodes (their places in ``graph``) ``names`` need that are not in ``ran``."""
+    kept: set[int] = set()
+    wanted = list(names)
+    while wanted:
+        k = producer.get(wanted.pop())
+        if k is None or k in kept or k in ran:
+            continue
+        kept.add(k)
+        wanted.extend(node_reads(graph.node[k]))
+    return kept
+
+
+def segment_model(
+    model: onnx.ModelProto, run: list[int], reads: list[str], answers: list[str], types: dict[str, int]
+) -> onnx.ModelProto:
+    """The nodes ``run`` of ``model`` as a model of their own, reading ``reads`` (graph inputs
+    as declared, tensors made elsewhere typed by ``types``) and answering ``answers``."""
+    graph = model.graph
+    declared = {value.name: value for value in graph.input}
+    nodes = [graph.node[k] for k in run]
+    read = {name for node in nodes for name in node_reads(node)}
+    inputs = [
+        declared[name] if name in declared else onnx.helper.make_tensor_value_info(name, types[name], None)
+        for name in reads
+    ]
+    # An initializer a segment reads that is also a graph input (IR < 4) stays one.
+    inputs += [value for value in graph.input if value.name in read and value.name not in reads]
+    cut = onnx.helper.make_graph(
+        nodes,
+        graph.name,
+        inputs,
+        [onnx.helper.make_empty_tensor_value_info(name) for name in answers],
+        [t for t in graph.initializer if t.name in read],
+        sparse_initializer=[t for t in graph.sparse_initializer if t.values.name in read],
+    )
+    made = onnx.helper.make_model(cut, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    made.functions.extend(model.functions)
+    return made
 
 
 def group_model(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:

@@ -129,14 +129,19 @@ def test_the_samples_are_run_once_for_every_way_then_once_per_binning_and_every_
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize("carried", ["typed", "untyped"])
 @pytest.mark.parametrize(("method", "options"), [w for w in WAYS if w.values[0] != "MinMax"])
 def test_tensors_fetched_one_at_a_time_count_the_histograms_onnxruntime_counts(
-    cnn, tmp_path, monkeypatch, method, options
+    cnn, tmp_path, monkeypatch, method, options, carried
 ):
-    """GROUP_BYTES of 1: every calibrated tensor is a group of its own, a run of the graph cut
-    to what it needs; each sample is run once for the extremes and once per tensor, and the
-    ranges are still onnxruntime's own, holding all 5 samples at once."""
+    """GROUP_BYTES of 1: every calibrated tensor is a group of its own. Where onnx types the
+    tensors carried between groups, the graph is cut into a segment a group and each sample
+    is read once for the extremes and once for every group; where it does not (no types
+    known), each group is a run of the graph cut to what it needs, a pass over the samples a
+    group. The ranges are onnxruntime's own, holding all 5 samples at once, either way."""
     monkeypatch.setattr(calibration, "GROUP_BYTES", 1)
+    if carried == "untyped":
+        monkeypatch.setattr(calibration, "element_types", lambda model: {})
     arguments = candidates.keyword_arguments(
         {"calibrate_method": method, **({"extra_options": options} if options else {})}
     )
@@ -151,10 +156,69 @@ def test_tensors_fetched_one_at_a_time_count_the_histograms_onnxruntime_counts(
         calibration.calibrate(cnn, arguments, make_reader, str(ours))
         quantize_static(cnn, str(tmp_path / "q.onnx"), Samples(5), calibration_cache_path=str(theirs), **arguments)
     mine, reference = load_tensors_data(ours), load_tensors_data(theirs)
-    assert len(readers) == 1 + len(reference.keys())
+    assert len(readers) == 1 + (1 if carried == "typed" else len(reference.keys()))
     for name, expected in reference.items():
         for attribute in expected._attrs:
             np.testing.assert_array_equal(getattr(mine[name], attribute), getattr(expected, attribute), err_msg=name)
+
+
+def carried_model():
+    """x -> Relu -> Split in two (one node, its outputs in two groups) -> each Conv'd and
+    joined; the Relu's output is added back at the end (a skip carried past every segment)
+    and its Shape (int64) reshapes the sum."""
+    h = onnx.helper
+    rng = np.random.default_rng(0)
+    weight = h.make_tensor("w", onnx.TensorProto.FLOAT, [2, 2, 3, 3], rng.standard_normal(36).astype(np.float32))
+    nodes = [
+        h.make_node("Relu", ["x"], ["relu"]),
+        h.make_node("Split", ["relu"], ["left", "right"], axis=1),
+        h.make_node("Conv", ["left", "w"], ["left_conv"], pads=[1, 1, 1, 1]),
+        h.make_node("Conv", ["right", "w"], ["right_conv"], pads=[1, 1, 1, 1]),
+        h.make_node("Shape", ["relu"], ["relu_shape"]),
+        h.make_node("Concat", ["left_conv", "right_conv"], ["joined"], axis=1),
+        h.make_node("Add", ["joined", "relu"], ["summed"]),
+        h.make_node("Reshape", ["summed", "relu_shape"], ["y"]),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "carried",
+        [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4, 6, 6])],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [weight],
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 13)])
+
+
+def test_a_segment_a_group_runs_each_node_once_and_fetches_what_one_run_of_the_graph_makes(monkeypatch):
+    """One group a tensor, in the graph's order (GROUP_BYTES of 1): the segments run each node
+    exactly once between them, and each group's arrays are bit for bit those one session of
+    the whole graph makes, the graph input, both outputs of one node, an int64 shape and a
+    tensor carried past every segment among them."""
+    monkeypatch.setattr(calibration, "GROUP_BYTES", 1)
+    model = carried_model()
+    names = ["x", "relu", "left", "right", "left_conv", "right_conv", "relu_shape", "joined", "summed", "y"]
+    extremes = {name: calibration.Extremes((1,), np.dtype(np.float32)) for name in names}
+    groups = calibration.fetch_groups(model, names, extremes)
+    assert len(groups) == len(names)
+    segments = calibration.cut_segments(model, groups)
+    ran = [node.output[0] for segment in segments for node in segment.model.graph.node]
+    assert sorted(ran) == sorted(node.output[0] for node in model.graph.node)
+    samples = [{"x": np.random.default_rng(k).standard_normal((1, 4, 6, 6)).astype(np.float32)} for k in range(2)]
+    fetched = list(calibration.grouped_tensors(model, names, extremes, lambda: calibration.ListReader(samples), None))
+    whole = onnx.ModelProto()
+    whole.CopyFrom(model)
+    del whole.graph.output[:]
+    whole.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in names if name != "x")
+    session = calibration.calibration_session(whole, None)
+    expected = [
+        [(name, array)]
+        for sample in samples
+        for name, array in [("x", sample["x"]), *zip(names[1:], session.run(names[1:], sample), strict=True)]
+    ]
+    assert [[name for name, _ in group] for group in fetched] == [[name for name, _ in group] for group in expected]
+    for got, want in zip(fetched, expected, strict=True):
+        assert got[0][1].dtype == want[0][1].dtype
+        np.testing.assert_array_equal(got[0][1], want[0][1], err_msg=got[0][0])
 
 
 @pytest.mark.parametrize("bad", [pytest.param(-1.0, id="nan"), pytest.param(0.0, id="infinity")])
@@ -260,6 +324,41 @@ def test_a_percentile_read_off_the_greatest_magnitudes_is_onnxruntimes_off_the_w
     assert histogram.sum() == values.size
     got = percentile_of(histogram, edges, e.low, e.high, percentile)
     assert got == percentile_of(whole, edges, e.low, e.high, percentile)
+
+
+def strided_arrays():
+    """A first sample whose every GUESS_STRIDE-th magnitude misleads a guessed floor: the
+    sampled ones the greatest (too high a floor: fewer than keep reach it), the least (too
+    low: all of them kept), and a plain one where the guess holds."""
+    rng = np.random.default_rng(5)
+    plain = rng.standard_normal(200_000).astype(np.float32)
+    high, low = plain.copy(), plain.copy()
+    high[:: percentile_tails.GUESS_STRIDE] = np.float32(1e6) + np.arange(len(high[:: percentile_tails.GUESS_STRIDE]))
+    low[:: percentile_tails.GUESS_STRIDE] = np.float32(0)
+    return {"plain": plain, "sampled-greatest": high, "sampled-least": low}
+
+
+@pytest.mark.parametrize("values", strided_arrays().values(), ids=list(strided_arrays()))
+@pytest.mark.parametrize("keep", [37, 1_217, 60_000])
+def test_a_first_samples_share_is_its_greatest_magnitudes_whatever_its_guessed_floor(values, keep):
+    """tail_part without a floor (a Tail's first sample) gives exactly the ``keep`` greatest
+    magnitudes and the counts below the edges, as a partition of every magnitude does, where
+    the floor guessed from every GUESS_STRIDE-th magnitude holds and where it is too high or
+    too low (a guess too few reach is never used)."""
+    magnitudes = np.abs(values)
+    edges = np.array([0, magnitudes.max() / 2048, magnitudes.max() / 1024], np.float32)
+    candidates, first, second = percentile_tails.tail_part(values, keep, None, edges)
+    assert len(candidates) >= keep
+    np.testing.assert_array_equal(np.sort(candidates)[::-1][:keep], np.sort(magnitudes)[::-1][:keep])
+    assert (first, second) == (np.count_nonzero(magnitudes < edges[1]), np.count_nonzero(magnitudes < edges[2]))
+
+
+def test_a_guessed_floor_is_reached_by_at_least_keep_or_not_used():
+    """at_least_keep_above cuts at a floor only where at least ``keep`` magnitudes reach it."""
+    magnitudes = np.arange(100, dtype=np.float32)
+    assert len(percentile_tails.at_least_keep_above(magnitudes, 10, np.float32(90))) == 10
+    assert len(percentile_tails.at_least_keep_above(magnitudes, 11, np.float32(90))) == 100
+    assert len(percentile_tails.at_least_keep_above(magnitudes, 11, None)) == 100
 
 
 def test_a_crossing_too_near_p_is_counted_whole(cnn, tmp_path, monkeypatch):
