@@ -228,13 +228,16 @@ def interleaved_wall_times(sessions: list[Any], feeds: dict[str, np.ndarray], ru
     return [statistics.median(t) for t in interleaved_runs(sessions, feeds, runs)]
 
 
-def interleaved_runs(sessions: list[Any], feeds: dict[str, np.ndarray], runs: int) -> list[list[float]]:
-    """Seconds of each of ``runs`` runs of each session (after one warm-up run each),
-    the sessions run in alternation: run k of every session was timed at one moment."""
+def interleaved_runs(
+    sessions: list[Any], feeds: dict[str, np.ndarray], runs: int, warm: bool = True
+) -> list[list[float]]:
+    """Seconds of each of ``runs`` runs of each session (after one warm-up run each, unless
+    ``warm`` is False: they have just run these feeds), the sessions run in alternation:
+    run k of every session was timed at one moment."""
     import time as clock
 
     times: list[list[float]] = [[] for _ in sessions]
-    for session in sessions:
+    for session in sessions if warm else []:
         session.run(None, feeds)  # warm-up
     for _ in range(runs):
         for k, session in enumerate(sessions):

@@ -120,7 +120,8 @@ def measure_candidate(
     ``samples``); no ``metric``: ``metric_value`` is the SQNR; ``timed_alike``: the latency
     figures of a model timed already whose optimized graph has this plan_digest (None: none;
     the candidate is then timed). ``race`` (this process only, Race): why the candidate need
-    not be measured for accuracy, or on its remaining samples; it is then timed first, and a
+    not be measured for accuracy, or on its remaining samples; it is then timed first (its
+    timing stops after RACE_FIRST_RUNS rounds where those already race it on speed), and a
     raced one's accuracy figures are null and ``raced`` says why; ``kept``: sessions the
     caller holds open already (Kept). In this process, one session of the candidate
     (measured_session) gives its kernels, its time and its accuracy."""
@@ -133,15 +134,15 @@ def measure_candidate(
     opened, optimized = kept.candidate or measured_session(candidate, session)
     kernels = kernel_counts(candidate.model, candidate.path, session.level, optimized)
 
-    def timed_now() -> dict:
+    def timed_now(stop: Callable[[dict], str | None] | None = None) -> dict:
         plan, timed_on, sessions = kernels["plan"], latency or samples[:1], [kept.float_timing, opened]
-        return speed_figures(reference, candidate, plan, timed_on, session, timing, timed_alike, sessions)
+        return speed_figures(reference, candidate, plan, timed_on, session, timing, timed_alike, sessions, stop)
 
     counted = (opened, kernels)
     if race is None:
         accuracy = accuracy_figures(reference, candidate, samples, session, references, metric, counted)
         return {**accuracy, **timed_now(), "bytes": os.path.getsize(candidate.path)}
-    speed = timed_now()
+    speed = timed_now(race.on_speed)  # its first rounds may already race it
     reason = race.on_speed(speed)
     if reason is not None:
         return {**UNMEASURED, **kernels, **speed, "bytes": os.path.getsize(candidate.path), "raced": reason}
@@ -227,15 +228,17 @@ def speed_figures(
     timing: Timing,
     timed_alike: Callable[[str], dict | None] | None,
     opened: Sequence[Any] | None = None,
+    stop: Callable[[dict], str | None] | None = None,
 ) -> dict:
     """The latency figures of a model timed already on ``plan`` (``timed_alike``), else
     ``candidate`` timed now (latency_figures, in the sessions ``opened`` already: each a
-    session, or a function that opens it, called only when it is timed)."""
+    session, or a function that opens it, called only when it is timed; ``stop``: why its
+    first rounds are enough)."""
     speed = timed_alike(plan) if timed_alike is not None else None
     if speed is not None:
         return speed
     sessions = [given() if callable(given) else given for given in opened or []]
-    return latency_figures(reference, [candidate], latency, session, timing, sessions)[0]
+    return latency_figures(reference, [candidate], latency, session, timing, sessions, stop)[0]
 
 
 def accuracy_figures(
@@ -318,24 +321,44 @@ def latency_figures(
     session: Session,
     timing: Timing,
     opened: Sequence[Any] | None = None,
+    stop: Callable[[dict], str | None] | None = None,
 ) -> list[dict]:
     """``ms``, ``float_ms``, ``speedup`` and ``speedup_spread`` of each of ``candidates``, timed
     in one interleaved session with the float model on each latency sample: round k runs the
     float model, then each candidate, so every candidate's ratios (``speedup_runs``) are paired
     round by round with the float model's and with every other candidate's. ``opened``:
     sessions open already at timing_options, the float model's then each candidate's
-    (None where one is opened here)."""
+    (None where one is opened here). ``stop`` (one candidate on one latency sample): given
+    the figures of its first RACE_FIRST_RUNS rounds, why the rest need not be run (None: they
+    are): its figures are then those rounds'."""
     models = (reference, *candidates)
     given = list(opened or []) + [None] * (len(models) - len(opened or []))
     sessions = [
         kept or open_session(m.model, f"{shown(m.path)}: model", timing_options(session))
         for m, kept in zip(models, given, strict=True)
     ]
+    if stop is not None and len(candidates) == 1 and len(latency) == 1 and timing.runs > RACE_FIRST_RUNS:
+        first = interleaved_runs(sessions, latency[0], RACE_FIRST_RUNS)
+        so_far = timed_figures([first], len(candidates))
+        if stop(so_far[0]) is not None:
+            return so_far
+        rest = interleaved_runs(sessions, latency[0], timing.runs - RACE_FIRST_RUNS, warm=False)
+        return timed_figures([[a + b for a, b in zip(first, rest, strict=True)]], len(candidates))
+    return timed_figures([interleaved_runs(sessions, feeds, timing.runs) for feeds in latency], len(candidates))
+
+
+# A row's first timing rounds before it may be raced on its speed (latency_figures' stop):
+# the fewest whose Student-t bound (2 degrees of freedom) can show a row far slower than float.
+RACE_FIRST_RUNS = 3
+
+
+def timed_figures(runs_by_sample: list[list[list[float]]], candidates: int) -> list[dict]:
+    """latency_figures' figures of each candidate from each latency sample's runs
+    (interleaved_runs': the float model's, then each candidate's)."""
     float_s = 0.0
-    quant_s = [0.0] * len(candidates)
-    ratios: list[list[float]] = [[] for _ in candidates]
-    for feeds in latency:
-        float_runs, *quant_runs = interleaved_runs(sessions, feeds, timing.runs)
+    quant_s = [0.0] * candidates
+    ratios: list[list[float]] = [[] for _ in range(candidates)]
+    for float_runs, *quant_runs in runs_by_sample:
         float_s += statistics.median(float_runs)
         for k, runs in enumerate(quant_runs):
             quant_s[k] += statistics.median(runs)
@@ -348,7 +371,7 @@ def latency_figures(
             "speedup_spread": quartiles(ratios[k]),
             "speedup_runs": ratios[k],  # not a row's key: the ledger keeps it for the policy's speed ties
         }
-        for k in range(len(candidates))
+        for k in range(candidates)
     ]
 
 

@@ -367,7 +367,7 @@ def disturbed_timer(disturbed_times):
     the first ``disturbed_times`` times candidate DISTURBED is timed (a busy moment: speedup 11.5)."""
     timed, calls = [], []
 
-    def figures(reference, candidates, latency, session, timing, opened=None):
+    def figures(reference, candidates, latency, session, timing, opened=None, stop=None):
         found = []
         calls.append([])
         for candidate in candidates:
@@ -572,8 +572,8 @@ def test_every_row_is_first_timed_on_5_runs_and_the_written_row_and_its_rivals_o
     sessions = []
     timer = deployed.latency_figures
 
-    def recording(reference, candidates, samples, session, timing, opened=None):
-        found = timer(reference, candidates, samples, session, timing, opened)
+    def recording(reference, candidates, samples, session, timing, opened=None, stop=None):
+        found = timer(reference, candidates, samples, session, timing, opened, stop)
         sessions.append((timing.runs, [c.path for c in candidates], found))
         return found
 
@@ -631,6 +631,43 @@ def int8_activations_slow(slow_runs, slow=int8_activations, slow_float_ms=1.0):
         return found
 
     return figures
+
+
+def test_grid_rows_far_slower_than_float_are_raced_on_their_first_timing_rounds(cnn, tmp_path, monkeypatch):
+    """int8 activations run at half float's speed, in onnxruntime's own timing of each row
+    (deployed.latency_figures; its runs stubbed): each grid row of int8 activations timed
+    itself (but onnxruntime's defaults' own) is raced on speed after RACE_FIRST_RUNS rounds,
+    its answer on those rounds; every other row timed runs those rounds and then the rest of
+    --runs' first 5, with no second warm-up."""
+    models, timed = {}, []
+    measured_session = deployed.measured_session
+
+    def recorded(candidate, session):
+        opened, graph = measured_session(candidate, session)
+        models[id(opened)] = candidate.model
+        return opened, graph
+
+    def interleaved(sessions, feeds, runs, warm=True):
+        slow = [int8_activations(models[id(s)]) if id(s) in models else False for s in sessions[1:]]
+        timed.append((id(sessions[-1]), runs, warm))
+        speeds = [0.5, 0.52, 0.49, 0.51, 0.5][:runs]
+        return [[1e-3] * runs] + [[1e-3 / (v if s else 2.0) for v in speeds] for s in slow]
+
+    monkeypatch.setattr(deployed, "measured_session", recorded)
+    monkeypatch.setattr(deployed, "interleaved_runs", interleaved)
+    answer = run_tune(cnn, tmp_path / "out", min_speedup=1.0, runs=5)
+    grid = [c for c in answer["candidates"] if c["id"] < 16 and c["quantize_static"] and not c["kept_float"]]
+    slow_rows = [c for c in grid if c["quantize_static"]["activation_type"] == "QInt8" and c["speed_from"] is None]
+    raced = [c for c in slow_rows if c["raced"] is not None]
+    assert raced and all(f"({deployed.RACE_FIRST_RUNS} runs)" in c["raced"] for c in raced)
+    assert all(len(c["speedup_spread"]) == 2 and c["speedup"] <= 0.52 for c in raced)
+    stretches: dict[int, list] = {}
+    for session, runs, warm in timed:
+        stretches.setdefault(session, []).append((runs, warm))
+    first, rest = (deployed.RACE_FIRST_RUNS, True), (5 - deployed.RACE_FIRST_RUNS, False)
+    shapes = [tuple(s) for s in stretches.values()]
+    assert set(shapes) == {(first,), (first, rest), ((5, True),)}  # raced, kept, the retime's
+    assert shapes.count((first,)) == len(raced)
 
 
 def test_grid_rows_shown_slower_than_the_guard_are_raced_out_unmeasured(cnn, tmp_path, monkeypatch):

@@ -255,3 +255,34 @@ def test_a_run_that_races_writes_the_model_of_a_run_that_does_not(tmp_path, monk
     assert plain["evaluation"]["rows_compared"] == len(plain["candidates"])
     said = " ".join(graphscan.render_table("tune", raced).split())
     assert f"{', '.join(str(c['id']) for c in on_samples)}: raced out on their first evaluation samples" in said
+
+
+class Timed:
+    """A session stand-in that counts its runs (interleaved_runs times whatever it runs)."""
+
+    def __init__(self):
+        self.runs = 0
+
+    def run(self, names, feeds):
+        self.runs += 1
+
+
+@pytest.mark.parametrize(("raced", "rounds"), [(True, deployed.RACE_FIRST_RUNS), (False, 5)])
+def test_a_row_raced_on_its_first_timing_rounds_runs_no_other(cnn_pair, raced, rounds):
+    """Timed on 5 rounds with a stop: after one warm-up run each, the float model and the row
+    run RACE_FIRST_RUNS rounds and the stop is asked with their figures; where it races the
+    row, those are its figures, else the rounds go on to 5 with no second warm-up and the
+    figures are all 5 rounds'."""
+    reference, candidate, samples = cnn_pair
+    sessions, asked = [Timed(), Timed()], []
+
+    def stop(figures):
+        asked.append(len(figures["speedup_runs"]))
+        return "raced" if raced else None
+
+    (figures,) = deployed.latency_figures(
+        reference, [candidate], samples[:1], deployed.DEPLOYED, Timing(5), sessions, stop
+    )
+    assert asked == [deployed.RACE_FIRST_RUNS]
+    assert [s.runs for s in sessions] == [1 + rounds, 1 + rounds]
+    assert len(figures["speedup_runs"]) == rounds
