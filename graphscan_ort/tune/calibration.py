@@ -263,7 +263,7 @@ class Extremes:
 
     def add(self, name: str, reduced: list[np.ndarray]) -> None:
         """One sample's reductions of the tensor (extremes_model's, in its order)."""
-        low, high, least, most, finite, shape = reduced
+        low, high, least, finite, shape = reduced
         if tuple(shape) != self.shape:
             raise ValueError(f"{name}: the samples' arrays have an inhomogeneous shape ({self.shape}, {tuple(shape)})")
         count = int(np.prod(shape, dtype=np.int64))
@@ -271,6 +271,7 @@ class Extremes:
             return
         if not np.isfinite(finite):  # a value times 0 summed: NaN where any value is NaN or infinite
             raise ValueError(f"{name}: range of [{low}, {high}] is not finite")
+        most = max(abs(low), abs(high))  # finite, so the greatest magnitude is an extreme's
         first = self.size == 0
         self.size += count
         self.low = low if first else min(self.low, low)
@@ -297,7 +298,7 @@ class Reduced:
         return len(self.low_values)
 
     def add(self, name: str, parts: list[np.ndarray]) -> None:
-        """One sample's six reductions of the tensor, in extremes_model's order."""
+        """One sample's REDUCTIONS reductions of the tensor, in extremes_model's order."""
         low, high = parts[0], parts[1]
         self.dtype = low.dtype
         self.low_values.append(float(low))
@@ -305,7 +306,7 @@ class Reduced:
         if self.problem is None:
             try:
                 if self.extremes is None:
-                    self.extremes = Extremes(tuple(parts[5]), low.dtype)
+                    self.extremes = Extremes(tuple(parts[-1]), low.dtype)
                 self.extremes.add(name, parts)
             except ValueError as exc:
                 self.problem = str(exc)
@@ -411,7 +412,7 @@ def sample_reductions(
     for sample in samples_of(make_reader()):
         reduced = session.run(None, sample)
         for k, name in enumerate(names):
-            found[name].add(name, reduced[6 * k : 6 * k + 6])
+            found[name].add(name, reduced[REDUCTIONS * k : REDUCTIONS * (k + 1)])
     return found
 
 
@@ -613,17 +614,21 @@ def calibration_session(model: onnx.ModelProto | str, providers: list[str] | Non
         return onnxruntime.InferenceSession(path, options, providers=providers)
 
 
+REDUCTIONS = 5  # extremes_model's outputs for each tensor
+
+
 def extremes_model(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
-    """``model`` answering, for each tensor of ``names`` in turn, six small outputs computed
-    in the graph: its least and greatest value and magnitude, the sum of its values times 0
-    (NaN where any is NaN or infinite: a reduction's NaN rule is its own) and its shape. Each
-    tensor's reductions follow its producer, so it is freed as the graph runs on."""
+    """``model`` answering, for each tensor of ``names`` in turn, REDUCTIONS small outputs
+    computed in the graph: its least and greatest value, its least magnitude (the greatest
+    is one of the extremes', Extremes.add), the sum of its values times 0 (NaN where any is
+    NaN or infinite: a reduction's NaN rule is its own) and its shape. Each tensor's
+    reductions follow its producer, so it is freed as the graph runs on."""
     reduced = copy.deepcopy(model)
     del reduced.graph.output[:]
     after: dict[str, list[onnx.NodeProto]] = {}  # a tensor's producer's output (or "": an input): its reductions
     produced = {output for node in model.graph.node for output in node.output}
     for k, name in enumerate(names):
-        out = [f"graphscan_extremes_{k}_{part}" for part in ("low", "high", "least", "most", "finite", "shape")]
+        out = [f"graphscan_extremes_{k}_{part}" for part in ("low", "high", "least", "finite", "shape")]
         magnitude, zero = f"graphscan_extremes_{k}_abs", f"graphscan_extremes_{k}_zero"
         after.setdefault(name if name in produced else "", []).extend(
             [
@@ -631,10 +636,9 @@ def extremes_model(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
                 onnx.helper.make_node("ReduceMax", [name], [out[1]], keepdims=0),
                 onnx.helper.make_node("Abs", [name], [magnitude]),
                 onnx.helper.make_node("ReduceMin", [magnitude], [out[2]], keepdims=0),
-                onnx.helper.make_node("ReduceMax", [magnitude], [out[3]], keepdims=0),
                 onnx.helper.make_node("Sub", [name, name], [zero]),
-                onnx.helper.make_node("ReduceSum", [zero], [out[4]], keepdims=0),
-                onnx.helper.make_node("Shape", [name], [out[5]]),
+                onnx.helper.make_node("ReduceSum", [zero], [out[3]], keepdims=0),
+                onnx.helper.make_node("Shape", [name], [out[4]]),
             ]
         )
         reduced.graph.output.extend(onnx.helper.make_empty_tensor_value_info(o) for o in out)
