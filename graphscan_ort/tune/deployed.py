@@ -129,14 +129,16 @@ def measure_candidate(
     if isinstance(references, OnTarget):  # its kernels and accuracy are the target's
         accuracy = accuracy_figures(reference, candidate, samples, session, references, metric)
         plan, timed_on = accuracy["plan"], latency or samples[:1]
-        speed = speed_figures(reference, candidate, plan, timed_on, session, timing, timed_alike, [kept.float_timing])
+        known = timed_alike(plan) if timed_alike is not None else None
+        speed = speed_figures(reference, candidate, timed_on, session, timing, known, [kept.float_timing])
         return {**accuracy, **speed, "bytes": os.path.getsize(candidate.path)}
     opened, optimized = kept.candidate or measured_session(candidate, session)
     kernels = kernel_counts(candidate.model, candidate.path, session.level, optimized)
 
     def timed_now(stop: Callable[[dict], str | None] | None = None) -> dict:
         plan, timed_on, sessions = kernels["plan"], latency or samples[:1], [kept.float_timing, opened]
-        return speed_figures(reference, candidate, plan, timed_on, session, timing, timed_alike, sessions, stop)
+        known = timed_alike(plan) if timed_alike is not None else None
+        return speed_figures(reference, candidate, timed_on, session, timing, known, sessions, stop)
 
     counted = (opened, kernels)
     if race is None:
@@ -222,21 +224,19 @@ UNMEASURED = dict.fromkeys(
 def speed_figures(
     reference: Named,
     candidate: Named,
-    plan: str,
     latency: list[dict],
     session: Session,
     timing: Timing,
-    timed_alike: Callable[[str], dict | None] | None,
+    timed_already: dict | None,
     opened: Sequence[Any] | None = None,
     stop: Callable[[dict], str | None] | None = None,
 ) -> dict:
-    """The latency figures of a model timed already on ``plan`` (``timed_alike``), else
-    ``candidate`` timed now (latency_figures, in the sessions ``opened`` already: each a
-    session, or a function that opens it, called only when it is timed; ``stop``: why its
-    first rounds are enough)."""
-    speed = timed_alike(plan) if timed_alike is not None else None
-    if speed is not None:
-        return speed
+    """The latency figures of a model timed already on the candidate's plan
+    (``timed_already``: timed_alike's answer), else ``candidate`` timed now (latency_figures,
+    in the sessions ``opened`` already: each a session, or a function that opens it, called
+    only when it is timed; ``stop``: why its first rounds are enough)."""
+    if timed_already is not None:
+        return timed_already
     sessions = [given() if callable(given) else given for given in opened or []]
     return latency_figures(reference, [candidate], latency, session, timing, sessions, stop)[0]
 

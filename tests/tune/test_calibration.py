@@ -24,6 +24,7 @@ import graphscan
 import graphscan_ort.tune.calibration as calibration
 import graphscan_ort.tune.candidates as candidates
 import graphscan_ort.tune.command as tune
+import graphscan_ort.tune.graph_segments as graph_segments
 import graphscan_ort.tune.percentile_tails as percentile_tails
 
 
@@ -141,7 +142,7 @@ def test_tensors_fetched_one_at_a_time_count_the_histograms_onnxruntime_counts(
     group. The ranges are onnxruntime's own, holding all 5 samples at once, either way."""
     monkeypatch.setattr(calibration, "GROUP_BYTES", 1)
     if carried == "untyped":
-        monkeypatch.setattr(calibration, "element_types", lambda model: {})
+        monkeypatch.setattr(graph_segments, "element_types", lambda model: {})
     arguments = candidates.keyword_arguments(
         {"calibrate_method": method, **({"extra_options": options} if options else {})}
     )
@@ -163,9 +164,10 @@ def test_tensors_fetched_one_at_a_time_count_the_histograms_onnxruntime_counts(
 
 
 def carried_model():
-    """x -> Relu -> Split in two (one node, its outputs in two groups) -> each Conv'd and
-    joined; the Relu's output is added back at the end (a skip carried past every segment)
-    and its Shape (int64) reshapes the sum."""
+    """x -> Relu -> Split in two (one node, its outputs in two groups; the second read by no
+    node, only fetched) -> the first Conv'd and joined to itself; the Relu's output is added
+    back at the end (a skip carried past every segment) and its Shape (int64) reshapes the
+    sum."""
     h = onnx.helper
     rng = np.random.default_rng(0)
     weight = h.make_tensor("w", onnx.TensorProto.FLOAT, [2, 2, 3, 3], rng.standard_normal(36).astype(np.float32))
@@ -173,9 +175,8 @@ def carried_model():
         h.make_node("Relu", ["x"], ["relu"]),
         h.make_node("Split", ["relu"], ["left", "right"], axis=1),
         h.make_node("Conv", ["left", "w"], ["left_conv"], pads=[1, 1, 1, 1]),
-        h.make_node("Conv", ["right", "w"], ["right_conv"], pads=[1, 1, 1, 1]),
         h.make_node("Shape", ["relu"], ["relu_shape"]),
-        h.make_node("Concat", ["left_conv", "right_conv"], ["joined"], axis=1),
+        h.make_node("Concat", ["left_conv", "left"], ["joined"], axis=1),
         h.make_node("Add", ["joined", "relu"], ["summed"]),
         h.make_node("Reshape", ["summed", "relu_shape"], ["y"]),
     ]
@@ -196,11 +197,11 @@ def test_a_segment_a_group_runs_each_node_once_and_fetches_what_one_run_of_the_g
     tensor carried past every segment among them."""
     monkeypatch.setattr(calibration, "GROUP_BYTES", 1)
     model = carried_model()
-    names = ["x", "relu", "left", "right", "left_conv", "right_conv", "relu_shape", "joined", "summed", "y"]
+    names = ["x", "relu", "left", "right", "left_conv", "relu_shape", "joined", "summed", "y"]
     extremes = {name: calibration.Extremes((1,), np.dtype(np.float32)) for name in names}
     groups = calibration.fetch_groups(model, names, extremes)
     assert len(groups) == len(names)
-    segments = calibration.cut_segments(model, groups)
+    segments = graph_segments.cut_segments(model, groups)
     ran = [node.output[0] for segment in segments for node in segment.model.graph.node]
     assert sorted(ran) == sorted(node.output[0] for node in model.graph.node)
     samples = [{"x": np.random.default_rng(k).standard_normal((1, 4, 6, 6)).astype(np.float32)} for k in range(2)]
