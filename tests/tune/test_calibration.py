@@ -130,8 +130,12 @@ def test_the_samples_are_run_once_for_every_way_then_once_per_binning_and_every_
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("carried", ["typed", "untyped"])
-@pytest.mark.parametrize(("method", "options"), [w for w in WAYS if w.values[0] != "MinMax"])
+@pytest.mark.parametrize(
+    ("method", "options", "carried"),
+    [pytest.param(*w.values, "typed", id=w.id) for w in WAYS if w.values[0] != "MinMax"]
+    + [pytest.param("Percentile", {}, "untyped", id="percentile-untyped")]  # the tails' pass
+    + [pytest.param("Entropy", {}, "untyped", id="entropy-untyped")],  # a whole histogram's
+)
 def test_tensors_fetched_one_at_a_time_count_the_histograms_onnxruntime_counts(
     cnn, tmp_path, monkeypatch, method, options, carried
 ):
