@@ -93,17 +93,7 @@ def segment_model(
     ]
     # An initializer a segment reads that is also a graph input (IR < 4) stays one.
     inputs += [value for value in graph.input if value.name in read and value.name not in reads]
-    cut = onnx.helper.make_graph(
-        nodes,
-        graph.name,
-        inputs,
-        [onnx.helper.make_empty_tensor_value_info(name) for name in answers],
-        [t for t in graph.initializer if t.name in read],
-        sparse_initializer=[t for t in graph.sparse_initializer if t.values.name in read],
-    )
-    made = onnx.helper.make_model(cut, opset_imports=list(model.opset_import), ir_version=model.ir_version)
-    made.functions.extend(model.functions)
-    return made
+    return nodes_as_model(model, nodes, inputs, answers)
 
 
 def group_model(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
@@ -113,12 +103,21 @@ def group_model(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
     producer = {output: k for k, node in enumerate(graph.node) for output in node.output}
     kept = needed_nodes(graph, producer, names, set())
     nodes = [node for k, node in enumerate(graph.node) if k in kept]
+    return nodes_as_model(model, nodes, list(graph.input), names)
+
+
+def nodes_as_model(
+    model: onnx.ModelProto, nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto], answers: list[str]
+) -> onnx.ModelProto:
+    """``nodes`` of ``model`` as a model of their own reading ``inputs`` and answering
+    ``answers``, with the initializers they read, ``model``'s opsets and functions."""
+    graph = model.graph
     read = {name for node in nodes for name in node_reads(node)}
     cut = onnx.helper.make_graph(
         nodes,
         graph.name,
-        list(graph.input),
-        [onnx.helper.make_empty_tensor_value_info(name) for name in names],
+        inputs,
+        [onnx.helper.make_empty_tensor_value_info(name) for name in answers],
         [t for t in graph.initializer if t.name in read],
         sparse_initializer=[t for t in graph.sparse_initializer if t.values.name in read],
     )
