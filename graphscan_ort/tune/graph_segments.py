@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import onnx
 
-from graphscan_ort.shared.graph import element_types, node_reads
+from graphscan_ort.shared.graph import declared_values, element_types, node_reads
 
 
 class Segment(NamedTuple):
@@ -54,8 +54,9 @@ def cut_segments(model: onnx.ModelProto, groups: list[list[str]]) -> list[Segmen
     # A read no top-level node makes is a graph input, or a name a body defines for itself.
     inputs = {value.name for value in graph.input}
     reads = [sorted(n for n in reading if n in producer or n in inputs) for reading in outside]
-    types = element_types(model) if any(n in producer for reading in reads for n in reading) else {}
-    if any(n in producer and not types.get(n) for reading in reads for n in reading):
+    carried = {n for reading in reads for n in reading if n in producer}
+    types = carried_types(model, carried)
+    if any(not types.get(n) for n in carried):
         return None
     segments = []
     for k, (run, mine) in enumerate(zip(runs, made, strict=True)):
@@ -63,6 +64,18 @@ def cut_segments(model: onnx.ModelProto, groups: list[list[str]]) -> list[Segmen
         answers = sorted(n for n in mine if n in later or n in groups[k])
         segments.append(Segment(segment_model(model, run, reads[k], answers, types), groups[k], reads[k], answers))
     return segments
+
+
+def carried_types(model: onnx.ModelProto, carried: set[str]) -> dict[str, int]:
+    """The element types of tensors ``carried`` between segments: as the model declares them
+    (the calibrator's model is typed), else as onnx's shape inference finds them (it copies
+    the whole model, weights included: run only where a declaration is missing)."""
+    declared = {
+        v.name: v.type.tensor_type.elem_type for v in declared_values(model.graph) if v.type.HasField("tensor_type")
+    }
+    if all(declared.get(name) for name in carried):
+        return declared
+    return element_types(model)
 
 
 def needed_nodes(graph: onnx.GraphProto, producer: dict[str, int], names: list[str], ran: set[int]) -> set[int]:

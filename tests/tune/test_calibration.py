@@ -146,7 +146,7 @@ def test_tensors_fetched_one_at_a_time_count_the_histograms_onnxruntime_counts(
     group. The ranges are onnxruntime's own, holding all 5 samples at once, either way."""
     monkeypatch.setattr(calibration, "GROUP_BYTES", 1)
     if carried == "untyped":
-        monkeypatch.setattr(graph_segments, "element_types", lambda model: {})
+        monkeypatch.setattr(graph_segments, "carried_types", lambda model, carried: {})
     arguments = candidates.keyword_arguments(
         {"calibrate_method": method, **({"extra_options": options} if options else {})}
     )
@@ -224,6 +224,22 @@ def test_a_segment_a_group_runs_each_node_once_and_fetches_what_one_run_of_the_g
     for got, want in zip(fetched, expected, strict=True):
         assert got[0][1].dtype == want[0][1].dtype
         np.testing.assert_array_equal(got[0][1], want[0][1], err_msg=got[0][0])
+
+
+def test_tensors_carried_between_segments_are_typed_as_declared_and_inferred_only_where_not(monkeypatch):
+    """The model's own declarations type the carried tensors; onnx's shape inference (a copy
+    of the whole model) runs only where one is undeclared, and finds it."""
+    model = carried_model()
+    inferred = []
+    element_types = graph_segments.element_types
+    monkeypatch.setattr(graph_segments, "element_types", lambda m: inferred.append(m) or element_types(m))
+    types = graph_segments.carried_types(model, {"relu", "relu_shape"})  # declares neither
+    assert (types["relu"], types["relu_shape"]) == (onnx.TensorProto.FLOAT, onnx.TensorProto.INT64)
+    assert len(inferred) == 1
+    typed = onnx.shape_inference.infer_shapes(model)
+    inferred.clear()
+    types = graph_segments.carried_types(typed, {"relu", "relu_shape"})
+    assert (types["relu"], types["relu_shape"]) == (onnx.TensorProto.FLOAT, onnx.TensorProto.INT64) and not inferred
 
 
 @pytest.mark.parametrize("bad", [pytest.param(-1.0, id="nan"), pytest.param(0.0, id="infinity")])
