@@ -37,7 +37,7 @@ def cut_segments(model: onnx.ModelProto, groups: list[list[str]]) -> list[Segmen
     """``model`` cut into one Segment a group: each runs the nodes its group's tensors need
     that no earlier segment ran, reading the rest from the segments that made them (the same
     kernels on the same values: one pass over the graph, not one a group); None where a
-    tensor carried between segments has no element type onnx's shape inference knows."""
+    tensor carried between segments has no element type (carried_types)."""
     graph = model.graph
     producer = {output: k for k, node in enumerate(graph.node) for output in node.output}
     initializers = {t.name for t in graph.initializer} | {t.values.name for t in graph.sparse_initializer}
