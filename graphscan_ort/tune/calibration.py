@@ -694,7 +694,7 @@ def grouped_tensors(
         held = dict(sample)  # what later segments read: the sample's inputs, then tensors made
         for segment, session, still_read in zip(segments, sessions, kept, strict=True):
             if session is not None:
-                feeds = {name: held[name] for name in segment.reads}
+                feeds = {name: held[name] for name in segment.reads if name in held}  # an unfed input: its initializer
                 held.update(zip(segment.answers, session.run(segment.answers, feeds), strict=True))
             fetched = [(name, held[name]) for name in segment.group]
             held = {name: array for name, array in held.items() if name in still_read}

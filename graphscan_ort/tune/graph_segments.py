@@ -47,12 +47,13 @@ def cut_segments(model: onnx.ModelProto, groups: list[list[str]]) -> list[Segmen
         runs.append(sorted(needed_nodes(graph, producer, group, ran)))
         ran.update(runs[-1])
     made = [{o for k in run for o in graph.node[k].output if o} for run in runs]
+    # A graph input may also be an initializer: its default, which a sample may override.
+    inputs = {value.name for value in graph.input}
     outside = [
-        {n for k in run for n in node_reads(graph.node[k]) if n not in mine and n not in initializers}
+        {n for k in run for n in node_reads(graph.node[k]) if n not in mine and (n not in initializers or n in inputs)}
         for run, mine in zip(runs, made, strict=True)
     ]
     # A read no top-level node makes is a graph input, or a name a body defines for itself.
-    inputs = {value.name for value in graph.input}
     reads = [sorted(n for n in reading if n in producer or n in inputs) for reading in outside]
     carried = {n for reading in reads for n in reading if n in producer}
     types = carried_types(model, carried)
@@ -99,13 +100,10 @@ def segment_model(
     graph = model.graph
     declared = {value.name: value for value in graph.input}
     nodes = [graph.node[k] for k in run]
-    read = {name for node in nodes for name in node_reads(node)}
     inputs = [
         declared[name] if name in declared else onnx.helper.make_tensor_value_info(name, types[name], None)
         for name in reads
     ]
-    # An initializer a segment reads that is also a graph input (IR < 4) stays one.
-    inputs += [value for value in graph.input if value.name in read and value.name not in reads]
     return nodes_as_model(model, nodes, inputs, answers)
 
 

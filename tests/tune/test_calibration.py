@@ -226,6 +226,39 @@ def test_a_segment_a_group_runs_each_node_once_and_fetches_what_one_run_of_the_g
         np.testing.assert_array_equal(got[0][1], want[0][1], err_msg=got[0][0])
 
 
+@pytest.mark.parametrize("fed", [True, False], ids=["sample-overrides", "default"])
+def test_an_input_with_an_initializer_is_the_samples_where_it_gives_one_else_the_default(monkeypatch, fed):
+    """A graph input that is also an initializer (its default) read by a later segment: the
+    segments fetch what one session of the whole graph makes from the same sample, the
+    sample's value where it gives one, the initializer's where it does not."""
+    monkeypatch.setattr(calibration, "GROUP_BYTES", 1)
+    h = onnx.helper
+    scale = np.float32(3.0)
+    graph = h.make_graph(
+        [h.make_node("Relu", ["x"], ["relu"]), h.make_node("Mul", ["relu", "scale"], ["y"])],
+        "default",
+        [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, s) for n, s in (("x", [2, 3]), ("scale", []))],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [onnx.numpy_helper.from_array(np.array(scale), "scale")],
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 13)])
+    names = ["relu", "y"]
+    extremes = {name: calibration.Extremes((1,), np.dtype(np.float32)) for name in names}
+    sample = {"x": np.arange(-3, 3, dtype=np.float32).reshape(2, 3)}
+    if fed:
+        sample["scale"] = np.array(-2.0, np.float32)
+    fetched = list(calibration.grouped_tensors(model, names, extremes, lambda: calibration.ListReader([sample]), None))
+    whole = onnx.ModelProto()
+    whole.CopyFrom(model)
+    whole.graph.output.extend([h.make_empty_tensor_value_info("relu")])
+    ran = calibration.calibration_session(whole, None).run(["y", "relu"], sample)
+    expected = dict(zip(["y", "relu"], ran, strict=True))
+    assert [name for group in fetched for name, _ in group] == names
+    for group in fetched:
+        for name, array in group:
+            np.testing.assert_array_equal(array, expected[name], err_msg=name)
+
+
 def test_tensors_carried_between_segments_are_typed_as_declared_and_inferred_only_where_not(monkeypatch):
     """The model's own declarations type the carried tensors; onnx's shape inference (a copy
     of the whole model) runs only where one is undeclared, and finds it."""
