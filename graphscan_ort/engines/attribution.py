@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from functools import cached_property
@@ -481,6 +482,15 @@ class ImpactRun:
             self.measured[key] = self.noise.measure(self.runner.run(variant))
         return self.measured[key]
 
+    def measure_all(self, variants: list[dict[str, Any]]) -> list[tuple[float | None, bool]]:
+        """``measure`` of each of ``variants``, in order; those not measured yet run side by
+        side where the runner can (SegmentRunner.run_each), each run once."""
+        keys = [variant_key(variant) for variant in variants]
+        missing = {key: variant for key, variant in zip(keys, variants) if key not in self.measured}
+        figures = self.runner.run_each(list(missing.values()), self.noise.measure)
+        self.measured.update(zip(missing, figures))
+        return [self.measured[key] for key in keys]
+
     def rounding_variant(self, m: int) -> dict[str, Any] | None:
         """Tensor row m's rounding-only variant, or its float(t) variant when the
         two are the same run: t's values never reach the Clip bounds that differ."""
@@ -531,8 +541,8 @@ def op_gains(measured: ImpactRun) -> tuple[list[OpGain], list[bool]]:
     index, baseline = measured.plan.index, measured.baseline
     rows: list[OpGain] = []
     exact: list[bool] = []
-    for (i, _), variant in zip(measured.plan.op_rows, measured.op_variants):
-        sqnr, same = measured.measure(variant)
+    figures = measured.measure_all(measured.op_variants)
+    for (i, _), (sqnr, same) in zip(measured.plan.op_rows, figures, strict=True):
         rows.append(
             {"node": index.names[i], "op_type": index.op_types[i], "sqnr_db": sqnr, "gain_db": gain(sqnr, baseline[0])}
         )
@@ -544,7 +554,8 @@ def ranked_ops(reference: Named, candidate: Named, samples: list[dict]) -> list[
     """impact's ``ops``, all of them in its order, without its tensors' rows (two runs a
     tensor, half of impact's time) nor its deployed figure: what tune's search ranks by."""
     measured, _ = impact_run(reference, candidate, samples)
-    rows, exact = op_gains(measured)
+    with contextlib.closing(measured.runner):
+        rows, exact = op_gains(measured)
     return [rows[k] for k in ranked(rows, exact, measured.baseline[1])]
 
 
@@ -562,54 +573,58 @@ def measure(
     output SQNR each operator and tensor of the candidate costs, and with ``target_sqnr``
     what to exclude."""
     measured, pairs = impact_run(reference, candidate, samples)
-    plan, baseline, measure = measured.plan, measured.baseline, measured.measure
-    index = plan.index
-    op_rows, op_exact = op_gains(measured)
-    tensor_rows: list[TensorGain] = []
-    tensor_exact: list[bool] = []
-    for m, ((t, q_dq_pairs, q_range, _), (kept, _)) in enumerate(zip(plan.tensor_rows, measured.tensor_variants)):
-        sqnr, exact = measure(kept)
-        rounded = measured.rounding_variant(m)
-        rounding = measure(rounded)[0] if rounded is not None else None
-        producer = index.producer_of(t)
-        readers = sorted({r for _, dq in q_dq_pairs for r in index.consumers_of(index.outputs[dq][0])})
-        tensor_rows.append(
-            {
-                "tensor": t,
-                "producer": index.names[producer] if producer is not None else None,
-                "consumers": [index.names[r] for r in readers],
-                "sqnr_db": sqnr,
-                "gain_db": gain(sqnr, baseline[0]),
-                "rounding_sqnr_db": rounding,
-                "rounding_gain_db": gain(rounding, baseline[0]),
-                "clipped": measured.stats[t].clipped if q_range else None,
-            }
-        )
-        tensor_exact.append(exact)
-    op_order = ranked(op_rows, op_exact, baseline[1])
-    tensor_order = ranked(tensor_rows, tensor_exact, baseline[1])
-    # As users run both models: onnxruntime may rewrite what impact measures as written.
-    deployed = paired_outputs(reference, candidate, samples, pairs, deployed_options())
-    stated = answer_figures(measured.baseline_figures, measured.noise.empty)
-    answer: ImpactMeasures = {
-        "samples": len(samples),
-        "output_sqnr_db": stated.worst_db,
-        "pooled_sqnr_db": stated.pooled_db,
-        "worst_part": cast(WorstPart | None, stated.worst_part),
-        "deployed_output_sqnr_db": deployed.figures().worst_db,
-        "weights": {"matched": len(plan.weight_of), "total": plan.weight_dqs},
-        "warnings": weight_warnings(plan, reference.path),
-        "ops": [op_rows[k] for k in op_order][:top],
-        "tensors": [tensor_rows[k] for k in tensor_order][:top],
-    }
-    if target_sqnr is not None:
-        # A gain of 1e-9 dB is noise, not a reason to keep an operator float.
-        least = MIN_GAIN_DB if min_gain is None else min_gain
+    with contextlib.closing(measured.runner):  # its sessions and values, once measured
+        plan, baseline, measure = measured.plan, measured.baseline, measured.measure
+        index = plan.index
+        op_rows, op_exact = op_gains(measured)
+        tensor_rows: list[TensorGain] = []
+        tensor_exact: list[bool] = []
+        kept_figures = measured.measure_all([kept for kept, _ in measured.tensor_variants])
+        rounded_variants = [measured.rounding_variant(m) for m in range(len(plan.tensor_rows))]
+        measured.measure_all([rounded for rounded in rounded_variants if rounded is not None])
+        for (t, q_dq_pairs, q_range, _), (sqnr, exact), rounded in zip(
+            plan.tensor_rows, kept_figures, rounded_variants, strict=True
+        ):
+            rounding = measure(rounded)[0] if rounded is not None else None
+            producer = index.producer_of(t)
+            readers = sorted({r for _, dq in q_dq_pairs for r in index.consumers_of(index.outputs[dq][0])})
+            tensor_rows.append(
+                {
+                    "tensor": t,
+                    "producer": index.names[producer] if producer is not None else None,
+                    "consumers": [index.names[r] for r in readers],
+                    "sqnr_db": sqnr,
+                    "gain_db": gain(sqnr, baseline[0]),
+                    "rounding_sqnr_db": rounding,
+                    "rounding_gain_db": gain(rounding, baseline[0]),
+                    "clipped": measured.stats[t].clipped if q_range else None,
+                }
+            )
+            tensor_exact.append(exact)
+        op_order = ranked(op_rows, op_exact, baseline[1])
+        tensor_order = ranked(tensor_rows, tensor_exact, baseline[1])
+        # As users run both models: onnxruntime may rewrite what impact measures as written.
+        deployed = paired_outputs(reference, candidate, samples, pairs, deployed_options())
+        stated = answer_figures(measured.baseline_figures, measured.noise.empty)
+        answer: ImpactMeasures = {
+            "samples": len(samples),
+            "output_sqnr_db": stated.worst_db,
+            "pooled_sqnr_db": stated.pooled_db,
+            "worst_part": cast(WorstPart | None, stated.worst_part),
+            "deployed_output_sqnr_db": deployed.figures().worst_db,
+            "weights": {"matched": len(plan.weight_of), "total": plan.weight_dqs},
+            "warnings": weight_warnings(plan, reference.path),
+            "ops": [op_rows[k] for k in op_order][:top],
+            "tensors": [tensor_rows[k] for k in tensor_order][:top],
+        }
+        if target_sqnr is not None:
+            # A gain of 1e-9 dB is noise, not a reason to keep an operator float.
+            least = MIN_GAIN_DB if min_gain is None else min_gain
 
-        def helps(k: int) -> bool:
-            gained = op_rows[k]["gain_db"] or 0.0
-            return (op_exact[k] and not baseline[1]) or (gained > 0 and gained >= least)
+            def helps(k: int) -> bool:
+                gained = op_rows[k]["gain_db"] or 0.0
+                return (op_exact[k] and not baseline[1]) or (gained > 0 and gained >= least)
 
-        candidates = [(op_rows[k]["node"], measured.op_variants[k]) for k in op_order if helps(k)]
-        answer["exclude"] = exclusion(measure, candidates, baseline, target_sqnr, max_exclude)
-    return answer
+            candidates = [(op_rows[k]["node"], measured.op_variants[k]) for k in op_order if helps(k)]
+            answer["exclude"] = exclusion(measure, candidates, baseline, target_sqnr, max_exclude)
+        return answer

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,7 +25,13 @@ import onnxruntime as ort
 
 from graphscan import shown
 from graphscan_ort.shared.graph import body_reads, dense_initializer
-from graphscan_ort.shared.sessions import does_not_run, impact_options, open_session
+from graphscan_ort.shared.sessions import (
+    does_not_run,
+    open_session,
+    shared_arena_options,
+    shrink_shared_arena,
+    usable_cores,
+)
 
 # A variant changes the graph only from its sites on, and only along their
 # cone. The derived model's data-dependent nodes are cut into segments of
@@ -53,6 +58,12 @@ SWITCH_GROUPS = 8
 # MB with 12 (50.9 s), 1,139 MB with 8 (55.5 s); tune at real page sizes at 2,152 MB with 24,
 # 1,913 MB with 12, the exclusions' stage 34 s with either.
 MAX_SESSIONS = 12
+
+
+# Variants of one sample run at once by run_each: each run in flight holds its own tensors.
+# tune's ranking of the page-size detector's 292 operators on one page at 768x896: 11.5 s
+# two at a time on a thread each, 18.2 s one at a time on two.
+RUNS_AT_ONCE = 2
 
 
 PLAIN, FULL = "plain", "switched"  # segment versions besides the groups 0 .. SWITCH_GROUPS - 1
@@ -396,9 +407,13 @@ class SegmentRunner:
         self.message = f"graphscan's derived model of {shown(path)}"
         self.value = ort.OrtValue.ortvalue_from_numpy
         self.true = self.value(np.array(True))
-        threads = min(len(samples), os.cpu_count() or 1)
-        self.threads = 1 if threads > 1 else 0  # samples run side by side instead
-        self.pool = concurrent.futures.ThreadPoolExecutor(threads)
+        # Runs side by side, each on its share of the cores: a sample's each with several, else
+        # RUNS_AT_ONCE variants' (run_each). A segment is a few milliseconds of work, which one
+        # thread does with less waiting than two; the bits are the same either way.
+        cores = usable_cores()
+        workers = min(cores, max(len(samples), RUNS_AT_ONCE))
+        self.threads = cores // workers if workers > 1 else 0
+        self.workers, self.pool = workers, concurrent.futures.ThreadPoolExecutor(workers)
         self.sessions: dict[
             tuple[int | tuple[str, int] | None, int | str], tuple[Any, list[str], list[str], list[tuple[str, str]]]
         ]
@@ -431,7 +446,7 @@ class SegmentRunner:
                 types = {name: value.data_type() for name, value in values.items()}
                 start = time.perf_counter()
                 model, inputs, outputs, aliases = self.plan.segment_model(j, version, types)
-                session = outputs and open_session(model, self.message, impact_options(self.threads))
+                session = outputs and open_session(model, self.message, shared_arena_options(self.threads))
                 self.sessions[j, version] = (session, inputs, outputs, aliases)
                 self.seconds["build", j, version] = time.perf_counter() - start
                 while len(self.sessions) > MAX_SESSIONS:
@@ -499,6 +514,22 @@ class SegmentRunner:
         if len(self.baseline) == 1:
             return [one(self.baseline[0])]
         return list(self.pool.map(one, self.baseline))
+
+    def close(self) -> None:
+        """Drops the sessions and the baseline's values, ends the worker threads and gives
+        the shared arena's free memory back: the runner runs nothing after."""
+        self.sessions.clear()
+        self.baseline, self.constants = [], {}
+        self.pool.shutdown()
+        shrink_shared_arena()
+
+    def run_each(self, variants: list[dict[str, Any]], reduce: Callable[[list[list[np.ndarray]]], Any]) -> list[Any]:
+        """``reduce(run(settings))`` for each settings of ``variants``, in order. With one
+        sample, variants run side by side, each reduced as it ends (no outputs held but the
+        runs' in flight); with several, one variant at a time, its samples side by side."""
+        if len(self.baseline) > 1 or self.workers < 2 or len(variants) < 2:
+            return [reduce(self.run(settings)) for settings in variants]
+        return list(self.pool.map(lambda settings: reduce(self.run(settings)), variants))
 
 
 def segment_runner(

@@ -8,6 +8,8 @@ branch is scaled by 1e-3 before it reaches the output.
 """
 
 import math
+import threading
+import time
 
 import numpy as np
 import onnx
@@ -218,8 +220,10 @@ def test_every_row_equals_the_brute_force(model, policy, trace_lab, faulty, mlp_
     (run,) = runs
     assert len(run.runner.plan.chunks) > 1
     assert run.runner.plan.selections  # the weights' Wheres are bindings
-    versions = {version for _, version in run.runner.sessions}
-    assert any(isinstance(j, tuple) for j, _ in run.runner.sessions)  # a plain tail as one session
+    built = [(j, version) for kind, j, version in run.runner.seconds if kind == "build"]
+    assert not run.runner.sessions  # closed once impact answered
+    versions = {version for _, version in built}
+    assert any(isinstance(j, tuple) for j, _ in built)  # a plain tail as one session
     if policy == "group-versions":
         assert segment_engine.FULL not in versions and any(isinstance(v, int) for v in versions), versions
     else:
@@ -1082,6 +1086,64 @@ def test_rows_rank_an_exact_variant_first_then_by_gain_and_rows_without_a_gain_l
     exact = [False, False, False, False, True, False]
     assert attribution.ranked(rows, exact, False) == [4, 2, 0, 5, 3, 1]
     assert attribution.ranked(rows, exact, True) == [2, 0, 5, 3, 1, 4]
+
+
+def test_one_samples_variants_run_two_at_a_time_each_on_its_share_of_the_cores(cnn, monkeypatch):
+    """On one sample there are no samples to run side by side: RUNS_AT_ONCE variants run at
+    once, each segment session on its share of the cores (4 cores: 2 threads each), and
+    every row still equals the brute force."""
+    fp32, quant, paths = cnn
+    monkeypatch.setattr(segment_engine, "usable_cores", lambda: 4)
+    runners, in_flight, most, lock = [], [0], [0], threading.Lock()
+    real_init, real_run = segment_engine.SegmentRunner.__init__, segment_engine.SegmentRunner.run
+
+    def counted(self, settings=None):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        time.sleep(0.005)  # time for the other worker to start its run
+        try:
+            return real_run(self, settings)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    monkeypatch.setattr(
+        segment_engine.SegmentRunner, "__init__", lambda self, *a: runners.append(self) or real_init(self, *a)
+    )
+    monkeypatch.setattr(segment_engine.SegmentRunner, "run", counted)
+    assert_equals_brute_force(fp32, quant, paths[:1])
+    assert most[0] == segment_engine.RUNS_AT_ONCE == 2
+    (runner,) = runners
+    assert runner.threads == 2
+
+
+@pytest.mark.parametrize("answer", ["impact", "ranked_ops"])
+def test_segment_sessions_run_on_the_shared_arena_given_back_once_answered(answer, cnn, monkeypatch):
+    """Every segment session takes the shared arena's options; once impact (or tune's
+    ranking) has its rows, the runner drops its sessions and values and shrinks the arena
+    once, and the rows are those of the brute force."""
+    fp32, quant, paths = cnn
+    opened, shrunk, runners = [], [], []
+    real_open, real_init = segment_engine.open_session, segment_engine.SegmentRunner.__init__
+    real_options, made = segment_engine.shared_arena_options, []
+    monkeypatch.setattr(segment_engine, "open_session", lambda *args: opened.append(args[2]) or real_open(*args))
+    monkeypatch.setattr(segment_engine, "shrink_shared_arena", lambda: shrunk.append(len(runners[0].sessions)))
+    monkeypatch.setattr(
+        segment_engine.SegmentRunner, "__init__", lambda self, *a: runners.append(self) or real_init(self, *a)
+    )
+    monkeypatch.setattr(
+        segment_engine, "shared_arena_options", lambda threads: made.append(real_options(threads)) or made[-1]
+    )
+    if answer == "impact":
+        assert_equals_brute_force(fp32, quant, paths)
+    else:
+        samples = load_samples(paths)
+        rows = attribution.ranked_ops(Named(onnx.load(fp32), str(fp32)), Named(onnx.load(quant), str(quant)), samples)
+        assert rows == graphscan.impact(str(fp32), str(quant), inputs=[str(p) for p in paths])["ops"]
+    assert opened and all(any(options is shared for shared in made) for options in opened)
+    assert shrunk[0] == 0 and not runners[0].baseline  # after the sessions were dropped
+    assert len(shrunk) == (2 if answer == "ranked_ops" else 1)  # ranked_ops, then impact's own
 
 
 def test_sessions_closed_beyond_the_cap_are_built_again_with_the_same_rows(cnn, monkeypatch):

@@ -90,3 +90,51 @@ def test_a_one_thread_session_runs_samples_side_by_side_with_the_outputs_of_one_
     with pytest.raises(graphscan.GraphscanError) as raised:
         sessions.model_outputs(model, wrong, "m.onnx", None, options)
     assert raised.value.exit_code == graphscan.EXIT_RUNTIME and "m.onnx: model does not run" in str(raised.value)
+
+
+def test_sessions_on_the_shared_arena_take_impacts_options_where_it_cannot_be_registered(monkeypatch):
+    """The shared arena is registered once per process; where onnxruntime refuses it, the
+    sessions are impact's own (no arena, nothing shared) and there is nothing to shrink."""
+    monkeypatch.setattr(sessions, "SHARED_ARENA", [])
+    tried = []
+
+    def refused(*args):
+        tried.append(args)
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(sessions.ort, "create_and_register_allocator", refused)
+    for _ in range(2):
+        options = sessions.shared_arena_options(1)
+        assert not options.enable_cpu_mem_arena
+        assert options.get_session_config_entry("session.disable_prepacking") == "1"
+        with pytest.raises(RuntimeError, match="does not have configuration"):
+            options.get_session_config_entry("session.use_env_allocators")
+    assert len(tried) == 1 and sessions.SHARED_ARENA == [False]
+    monkeypatch.setattr(sessions, "open_session", lambda *args: pytest.fail("a session was opened"))
+    sessions.shrink_shared_arena()
+
+
+def test_the_shared_arena_is_registered_once_and_shrunk_by_a_run_that_asks_it(monkeypatch):
+    """Every session on the shared arena reads the process's allocator (with pre-packing
+    off, as impact's); shrinking runs a one-node session on it with onnxruntime's shrinkage
+    asked for the CPU."""
+    sessions.shared_arena_options()  # registered by now, here or by an earlier test
+    if sessions.SHARED_ARENA != [True]:
+        pytest.skip("this onnxruntime refuses a shared allocator")
+    monkeypatch.setattr(
+        sessions.ort, "create_and_register_allocator", lambda *args: pytest.fail("registered a second time")
+    )
+    options = sessions.shared_arena_options(1)
+    assert options.enable_cpu_mem_arena and options.intra_op_num_threads == 1
+    assert options.get_session_config_entry("session.use_env_allocators") == "1"
+    assert options.get_session_config_entry("session.disable_prepacking") == "1"
+    shrunk = []
+    real = sessions.ort.InferenceSession.run
+
+    def run(self, names, feeds, run_options=None):
+        shrunk.append(run_options.get_run_config_entry("memory.enable_memory_arena_shrinkage"))
+        return real(self, names, feeds, run_options)
+
+    monkeypatch.setattr(sessions.ort.InferenceSession, "run", run)
+    sessions.shrink_shared_arena()
+    assert shrunk == ["cpu:0"]
