@@ -38,7 +38,14 @@ from graphscan_ort.engines.measures import (
 )
 from graphscan_ort.shared.graph import fresh_prefix, node_reads, with_outputs
 from graphscan_ort.shared.metrics import float32_bounds
-from graphscan_ort.shared.sessions import OUT_OF_MEMORY, does_not_run, open_session, run_options, session_options
+from graphscan_ort.shared.sessions import (
+    OUT_OF_MEMORY,
+    does_not_run,
+    open_session,
+    run_options,
+    session_options,
+    shared_arena,
+)
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -506,24 +513,6 @@ def float_in_quant_opset(float_model: onnx.ModelProto, quant_model: onnx.ModelPr
             f"{a}: opset {have} cannot join {b}'s opset {wanted} in graphscan's combined model ({one_line(exc)})",
             EXIT_RUNTIME,
         )
-
-
-SHARED_ARENA: list[bool] = []  # [True] once this process registered onnxruntime's shared CPU arena, [False] if not
-
-
-def shared_arena() -> bool:
-    """Whether every segment's session can allocate from one onnxruntime CPU arena
-    that grows only by what is asked. Separate arenas would each keep their own
-    high-water mark (and glibc the pages they free), so memory would grow with
-    the number of segments. Registered once per process."""
-    if not SHARED_ARENA:
-        try:
-            memory = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-            ort.create_and_register_allocator(memory, ort.OrtArenaCfg(0, 1, -1, -1))  # 1: kSameAsRequested
-            SHARED_ARENA.append(True)
-        except Exception:
-            SHARED_ARENA.append(False)
-    return SHARED_ARENA[0]
 
 
 def combined_options() -> Any:

@@ -32,10 +32,10 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from graphscan import DEQUANTIZE, QUANTIZE
-from graphscan_ort.engines.combined import added_as_soon_as_ready, shared_arena
+from graphscan_ort.engines.combined import added_as_soon_as_ready
 from graphscan_ort.shared.graph import QDQ_SUFFIX, constant_arrays, element_types, with_outputs
 from graphscan_ort.shared.parts import PASS_THROUGH, TensorParts
-from graphscan_ort.shared.sessions import each_sample_outputs, session_options
+from graphscan_ort.shared.sessions import each_sample_outputs, session_options, shared_arena
 
 # Below this many levels, tune warns that a part of the model it writes has lost its values.
 LEVELS_FLOOR = 16.0

@@ -283,27 +283,35 @@ def impact_options(threads: int = 0) -> ort.SessionOptions:
     return session_options(threads=threads, config={"session.disable_prepacking": "1"}, arena=False)
 
 
-# Whether the process's shared CPU arena is registered (shared_arena_options): None until tried.
-SHARED_ARENA: list[bool] = []
+SHARED_ARENA: list[bool] = []  # [True] once this process registered onnxruntime's shared CPU arena, [False] if not
 
 
-def shared_arena_options(threads: int = 0) -> ort.SessionOptions:
-    """``impact_options``, but every session's tensors come from one arena the process
-    shares (registered on first use), which grows by powers of two and is kept between
-    runs; where it cannot be registered, impact_options as they are.
-
-    For many sessions that each run many times (impact's segments): without an arena,
-    every run's tensors come from malloc, whose freed memory the heap keeps in pieces.
-    impact's ranking of PP-OCRv4's detector on one page at 736x1120 peaked at 1,222 MB
-    so, 554 MB on the shared arena, in the same time, with the same bits."""
+def shared_arena() -> bool:
+    """Whether sessions can take their tensors from one onnxruntime CPU arena the process
+    shares (``session.use_env_allocators``), registered on first use: trace's combined model
+    and levels' reductions, impact's segments. Separate arenas would each keep their own
+    high-water mark, and without one, glibc keeps in pieces what every run freed. It grows by
+    powers of two: growing by what is asked left as many pieces (impact's ranking of PP-OCRv4's
+    detector on one page at 736x1120 peaked at 945 MB so, 554 MB by powers of two)."""
     if not SHARED_ARENA:
-        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-        try:  # arena_extend_strategy 0: the next power of two; as requested, the pieces came back (945 MB)
-            ort.create_and_register_allocator(info, ort.OrtArenaCfg({"arena_extend_strategy": 0}))
+        memory = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+        try:  # arena_extend_strategy 0: kNextPowerOfTwo
+            ort.create_and_register_allocator(memory, ort.OrtArenaCfg({"arena_extend_strategy": 0}))
             SHARED_ARENA.append(True)
         except Exception:
             SHARED_ARENA.append(False)
-    if not SHARED_ARENA[0]:
+    return SHARED_ARENA[0]
+
+
+def shared_arena_options(threads: int = 0) -> ort.SessionOptions:
+    """``impact_options`` on the shared arena (shared_arena), kept between runs; where it
+    cannot be registered, impact_options as they are (no arena).
+
+    For many sessions that each run many times (impact's segments): without an arena every
+    run's tensors come from malloc. impact's ranking of PP-OCRv4's detector on one page at
+    736x1120 peaked at 1,222 MB so, 554 MB on the shared arena, in the same time, with the
+    same bits."""
+    if not shared_arena():
         return impact_options(threads)
     config = {"session.disable_prepacking": "1", "session.use_env_allocators": "1"}
     return session_options(threads=threads, config=config)
@@ -313,7 +321,7 @@ def shrink_shared_arena() -> None:
     """Gives the shared arena's free regions back to the system (a run of a one-node
     session that asks onnxruntime to shrink the arena after it): what a finished
     impact's sessions held is not kept for the rest of the process."""
-    if not SHARED_ARENA or not SHARED_ARENA[0]:
+    if not SHARED_ARENA or not SHARED_ARENA[0]:  # never registered: nothing to shrink
         return
     node = onnx.helper.make_node("Identity", ["x"], ["y"])
     scalar = onnx.TensorProto.FLOAT
