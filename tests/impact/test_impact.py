@@ -21,6 +21,7 @@ import graphscan
 import graphscan_ort.engines.attribution as attribution
 import graphscan_ort.engines.segments as segment_engine
 import graphscan_ort.shared.graph as graph_edit
+import graphscan_ort.shared.graph_segments as graph_segments
 import graphscan_ort.shared.metrics as metrics
 import graphscan_ort.shared.sessions as sessions
 from graphscan_ort.shared.options import Named
@@ -361,28 +362,36 @@ def test_the_ops_ranking_alone_equals_impacts_and_runs_no_tensor_variant(
     assert sorted(map(attribution.variant_key, runs)) == sorted([attribution.variant_key({}), *distinct])
 
 
-def test_value_statistics_fetched_a_few_tensors_a_run_are_those_of_one_run(cnn, monkeypatch):
+@pytest.mark.parametrize("carried", ["typed", "untyped"])
+def test_value_statistics_fetched_a_few_tensors_a_group_are_those_of_one_run(cnn, monkeypatch, carried):
     """impact's value statistics (clipped, finite, least and greatest) fetch the tensors
-    TENSORS_PER_RUN a run, one sample at a time: with 3 a run, no run fetches more than 3 and
-    every statistic equals the one all tensors fetched in a single run give."""
+    TENSORS_PER_RUN at a time: with 3, every statistic equals the one all tensors fetched in a
+    single run give. Where the tensors carried between groups are typed, a sample takes one
+    pass over the graph (each node in one segment model, each segment run once a sample);
+    else each group runs the nodes it needs, a session a group."""
     _, quant, paths = cnn
     samples, model = load_samples(paths), onnx.load(quant)
     ranges = {t: (-1.0, 1.0, 8) for node in model.graph.node for t in node.output if node.op_type != "Constant"}
     ranges["x"] = (-2.0, 2.0, 8)  # a graph input: counted from the samples themselves
     monkeypatch.setattr(attribution, "TENSORS_PER_RUN", 10**6)
     whole = attribution.tensor_stats(model, samples, ranges, quant)
-    fetched = []
-    real_run = sessions.ort.InferenceSession.run
+    if carried == "untyped":
+        monkeypatch.setattr(graph_segments, "carried_types", lambda model, carried: {})
+    cuts, runs = [], []
+    real_runner = attribution.names_runner
 
-    def counted(self, names, feeds, *rest):
-        fetched.append(len(names))
-        return real_run(self, names, feeds, *rest)
+    def counted_runner(cut, *args):
+        run, index = real_runner(cut, *args), len(cuts)
+        cuts.append(cut)
+        return lambda names, feeds: runs.append(index) or run(names, feeds)
 
     monkeypatch.setattr(attribution, "TENSORS_PER_RUN", 3)
-    monkeypatch.setattr(sessions.ort.InferenceSession, "run", counted)
+    monkeypatch.setattr(attribution, "names_runner", counted_runner)
     grouped = attribution.tensor_stats(model, samples, ranges, quant)
     computed = len(ranges) - 1
-    assert max(fetched) == 3 and len(fetched) == math.ceil(computed / 3) * len(samples)
+    assert len(cuts) == math.ceil(computed / 3) and sorted(runs) == sorted(list(range(len(cuts))) * len(samples))
+    names = [node.name for cut in cuts for node in cut.graph.node]
+    assert (len(names) == len(set(names))) == (carried == "typed")
     key = ("total", "outside", "finite", "dtype", "low", "high")
     assert {t: [getattr(s, k) for k in key] for t, s in grouped.items()} == {
         t: [getattr(s, k) for k in key] for t, s in whole.items()
