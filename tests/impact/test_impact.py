@@ -396,6 +396,18 @@ def test_value_statistics_fetched_a_few_tensors_a_group_are_those_of_one_run(cnn
     assert {t: [getattr(s, k) for k in key] for t, s in grouped.items()} == {
         t: [getattr(s, k) for k in key] for t, s in whole.items()
     }
+    # Counted once each, as numpy counts the values of one session answering every tensor.
+    every = onnx.ModelProto()
+    every.CopyFrom(model)
+    every.graph.output.extend(helper.make_empty_tensor_value_info(t) for t in ranges if t != "x")
+    path = cnn[0].parent / f"every_{carried}.onnx"
+    onnx.save(every, path)
+    values = [dict(zip([o.name for o in every.graph.output], run_onnx(path, s), strict=True)) for s in samples]
+    for t in ranges:
+        arrays = [s[t] for s in samples] if t == "x" else [v[t] for v in values]
+        lo, hi, _ = ranges[t]
+        assert grouped[t].total == sum(a.size for a in arrays), t
+        assert grouped[t].outside == sum(int(np.count_nonzero((a < lo) | (a > hi))) for a in arrays), t
 
 
 def test_by_subprocess_strict_json(trace_lab, faulty, mlp_samples, tmp_path):
