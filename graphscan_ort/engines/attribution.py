@@ -23,8 +23,8 @@ from graphscan_ort.shared.graph import (
     constant_arrays,
     fresh_prefix,
     quant_range,
+    with_outputs,
 )
-from graphscan_ort.shared.graph_segments import grouped_arrays, groups_of
 from graphscan_ort.shared.metrics import (
     OutputNoise,
     answer_figures,
@@ -35,7 +35,7 @@ from graphscan_ort.shared.metrics import (
     require_numbers,
 )
 from graphscan_ort.shared.options import Named
-from graphscan_ort.shared.sessions import deployed_options, model_outputs, names_runner
+from graphscan_ort.shared.sessions import deployed_options, does_not_run, impact_options, model_outputs, open_session
 
 MIN_GAIN_DB = 0.01  # --min-gain's default: the least gain an operator added to exclude.nodes brings
 
@@ -396,20 +396,25 @@ def tensor_stats(
     model: onnx.ModelProto, samples: list[dict[str, np.ndarray]], ranges: dict[str, tuple[float, float, int]], path: str
 ) -> dict[str, ValueStats]:
     """``{tensor: ValueStats}`` of ``model``'s own tensors (``ranges``: ``{tensor:
-    Q range}``): the computed ones fetched TENSORS_PER_RUN at a time in one pass over the
-    graph a sample (graph_segments.grouped_arrays, as levels fetches them), so a run holds
-    one sample's values of one group, each dropped once counted."""
+    Q range}``): the computed ones fetched TENSORS_PER_RUN per run of the model, a session
+    a group (as levels fetches them), so a run holds one sample's values of one group, each
+    dropped once counted."""
     stats = {t: ValueStats(q_range) for t, q_range in ranges.items()}
     for feeds in samples:
         for t in ranges.keys() & feeds.keys():
             stats[t].add(feeds[t])
     computed = [t for t in ranges if t not in samples[0]]
-    groups = groups_of(model, computed, TENSORS_PER_RUN)
-    subject = f"{shown(path)}: model"
-    for _, fetched in grouped_arrays(model, groups, lambda: samples, lambda cut: names_runner(cut, subject)):
-        for t, value in fetched:
-            stats[t].add(value)
-        del fetched
+    for start in range(0, len(computed), TENSORS_PER_RUN):
+        group = computed[start : start + TENSORS_PER_RUN]
+        session = open_session(with_outputs(model, group), f"{shown(path)}: model", impact_options())
+        for feeds in samples:
+            try:
+                outputs = session.run(group, feeds)
+            except Exception as exc:
+                raise does_not_run(f"{shown(path)}: model", exc)
+            for t, value in zip(group, outputs):
+                stats[t].add(value)
+            del outputs
     return stats
 
 

@@ -22,7 +22,6 @@ finite (its sum is not) is fetched and reduced in numpy instead, a few tensors p
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -32,12 +31,11 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from graphscan import DEQUANTIZE, QUANTIZE, shown
+from graphscan import DEQUANTIZE, QUANTIZE
 from graphscan_ort.engines.combined import added_as_soon_as_ready
-from graphscan_ort.shared.graph import QDQ_SUFFIX, constant_arrays, element_types
-from graphscan_ort.shared.graph_segments import grouped_arrays, groups_of
+from graphscan_ort.shared.graph import QDQ_SUFFIX, constant_arrays, element_types, with_outputs
 from graphscan_ort.shared.parts import PASS_THROUGH, TensorParts
-from graphscan_ort.shared.sessions import each_sample_outputs, names_runner, session_options, shared_arena
+from graphscan_ort.shared.sessions import each_sample_outputs, session_options, shared_arena
 
 # Below this many levels, tune warns that a part of the model it writes has lost its values.
 LEVELS_FLOOR = 16.0
@@ -232,17 +230,14 @@ def fetched_ranges(
     axes: dict[str, list[int | None]] = {}
     for tensor, axis in keys:
         axes.setdefault(tensor, []).append(axis)
-    computed = [t for t in tensors if t not in samples[0]]
-    groups = groups_of(float_model, computed, TENSORS_PER_RUN)
-    subject = f"{shown(path)}: model"
-    given = [(k, [(t, sample[t]) for t in tensors if t in sample]) for k, sample in enumerate(samples)]
-    fetched = grouped_arrays(float_model, groups, lambda: samples, lambda cut: names_runner(cut, subject))
-    for k, values in itertools.chain(given, fetched):
-        labels = parts.labels(samples[k])
-        for tensor, value in values:
-            for axis in axes[tensor]:
-                widen(ranges[(tensor, axis)], np.asarray(value), labels[tensor], axis)
-        del values
+    for start in range(0, len(tensors), TENSORS_PER_RUN):
+        chunk = tensors[start : start + TENSORS_PER_RUN]
+        copy = with_outputs(float_model, chunk)
+        for sample, values in zip(samples, each_sample_outputs(copy, samples, path, chunk), strict=True):
+            labels = parts.labels(sample)
+            for tensor, value in zip(chunk, values, strict=True):
+                for axis in axes[tensor]:
+                    widen(ranges[(tensor, axis)], np.asarray(value), labels[tensor], axis)
     return ranges, parts.sources
 
 

@@ -211,23 +211,6 @@ def each_sample_outputs(
         yield run(feeds)
 
 
-def names_runner(
-    model: onnx.ModelProto, subject: str, options: ort.SessionOptions | None = None
-) -> Callable[[list[str], dict], list]:
-    """A session of ``model`` (at ``options``, else impact's) as a function of the output
-    names and the feeds to those outputs; exit 5 blaming ``subject`` when it cannot be built
-    or a run fails."""
-    session = open_session(model, subject, options or impact_options())
-
-    def run(names: list[str], feeds: dict) -> list:
-        try:
-            return session.run(names, feeds)
-        except Exception as exc:
-            raise does_not_run(subject, exc)
-
-    return run
-
-
 def sample_runner(
     model: onnx.ModelProto,
     path: str,

@@ -67,9 +67,9 @@ from onnxruntime.quantization.quant_utils import load_model_with_shape_infer, up
 from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
 from graphscan_ort.shared.graph import node_reads
-from graphscan_ort.shared.graph_segments import SegmentRun, grouped_arrays
 from graphscan_ort.shared.sessions import usable_cores
 from graphscan_ort.tune import percentile_tails
+from graphscan_ort.tune.graph_segments import cut_segments, group_model, needed_after
 
 __all__ = ["MINMAX_CHUNK", "calibrate"]
 
@@ -677,16 +677,47 @@ def grouped_tensors(
     make_reader: Callable[[], CalibrationDataReader],
     providers: list[str] | None,
 ) -> Iterator[list[tuple[str, np.ndarray]]]:
-    """``names``' arrays on each sample of ``make_reader()``, a group at a time (fetch_groups):
-    grouped_arrays' passes over the graph in calibration's sessions."""
+    """``names``' arrays on each sample of ``make_reader()``, a group at a time (fetch_groups),
+    groups in the graph's order within a sample: one pass over the graph a sample, cut into
+    segments (cut_segments), or, where a tensor carried between segments has no known type,
+    prefix_runs. Each group's arrays are let go before the next is run, once the caller has
+    let go of them too."""
     groups = fetch_groups(model, names, extremes)
+    segments = cut_segments(model, groups)
+    if segments is None:
+        yield from prefix_runs(model, groups, make_reader, providers)
+        return
+    # A group whose tensors earlier segments made (or the sample holds) runs nothing of its own.
+    sessions = [calibration_session(s.model, providers) if s.answers else None for s in segments]
+    kept = [needed_after(segments, k) for k in range(len(segments))]
+    for sample in samples_of(make_reader()):
+        held = dict(sample)  # what later segments read: the sample's inputs, then tensors made
+        for segment, session, still_read in zip(segments, sessions, kept, strict=True):
+            if session is not None:
+                feeds = {name: held[name] for name in segment.reads if name in held}  # an unfed input: its initializer
+                held.update(zip(segment.answers, session.run(segment.answers, feeds), strict=True))
+            fetched = [(name, held[name]) for name in segment.group]
+            held = {name: array for name, array in held.items() if name in still_read}
+            yield fetched
+            del fetched
+        del held
 
-    def opened(cut: onnx.ModelProto) -> SegmentRun:
-        return calibration_session(cut, providers).run
 
-    for _, fetched in grouped_arrays(model, groups, lambda: samples_of(make_reader()), opened):
-        yield fetched
-        del fetched
+def prefix_runs(
+    model: onnx.ModelProto,
+    groups: list[list[str]],
+    make_reader: Callable[[], CalibrationDataReader],
+    providers: list[str] | None,
+) -> Iterator[list[tuple[str, np.ndarray]]]:
+    """grouped_tensors' arrays from one run a group and a sample of the nodes the group needs
+    (group_model), one group's session at a time, over every sample."""
+    for group in groups:
+        session = calibration_session(group_model(model, group), providers)
+        for sample in samples_of(make_reader()):
+            fetched = list(zip(group, session.run(group, sample), strict=True))
+            yield fetched
+            del fetched
+        del session
 
 
 def outer_edges(e: Extremes, magnitudes: bool) -> tuple[Any, Any]:

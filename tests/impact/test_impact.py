@@ -21,7 +21,6 @@ import graphscan
 import graphscan_ort.engines.attribution as attribution
 import graphscan_ort.engines.segments as segment_engine
 import graphscan_ort.shared.graph as graph_edit
-import graphscan_ort.shared.graph_segments as graph_segments
 import graphscan_ort.shared.metrics as metrics
 import graphscan_ort.shared.sessions as sessions
 from graphscan_ort.shared.options import Named
@@ -362,50 +361,42 @@ def test_the_ops_ranking_alone_equals_impacts_and_runs_no_tensor_variant(
     assert sorted(map(attribution.variant_key, runs)) == sorted([attribution.variant_key({}), *distinct])
 
 
-@pytest.mark.parametrize("carried", ["typed", "untyped"])
-def test_value_statistics_fetched_a_few_tensors_a_group_are_those_of_one_run(cnn, monkeypatch, carried):
+def test_value_statistics_fetched_a_few_tensors_a_run_are_those_of_one_run(cnn, monkeypatch):
     """impact's value statistics (clipped, finite, least and greatest) fetch the tensors
-    TENSORS_PER_RUN at a time: with 3, every statistic equals the one all tensors fetched in a
-    single run give. Where the tensors carried between groups are typed, a sample takes one
-    pass over the graph (each node in one segment model, each segment run once a sample);
-    else each group runs the nodes it needs, a session a group."""
+    TENSORS_PER_RUN a run, one sample at a time: with 3 a run, no run fetches more than 3 and
+    every statistic equals the one all tensors fetched in a single run give, each value
+    counted once as numpy counts them."""
     _, quant, paths = cnn
     samples, model = load_samples(paths), onnx.load(quant)
     ranges = {t: (-1.0, 1.0, 8) for node in model.graph.node for t in node.output if node.op_type != "Constant"}
     ranges["x"] = (-2.0, 2.0, 8)  # a graph input: counted from the samples themselves
     monkeypatch.setattr(attribution, "TENSORS_PER_RUN", 10**6)
     whole = attribution.tensor_stats(model, samples, ranges, quant)
-    if carried == "untyped":
-        monkeypatch.setattr(graph_segments, "carried_types", lambda model, carried: {})
-    cuts, runs = [], []
-    real_runner = attribution.names_runner
-
-    def counted_runner(cut, *args):
-        run, index = real_runner(cut, *args), len(cuts)
-        cuts.append(cut)
-        return lambda names, feeds: runs.append(index) or run(names, feeds)
-
-    monkeypatch.setattr(attribution, "TENSORS_PER_RUN", 3)
-    monkeypatch.setattr(attribution, "names_runner", counted_runner)
-    grouped = attribution.tensor_stats(model, samples, ranges, quant)
-    computed = len(ranges) - 1
-    assert len(cuts) == math.ceil(computed / 3) and sorted(runs) == sorted(list(range(len(cuts))) * len(samples))
-    names = [node.name for cut in cuts for node in cut.graph.node]
-    assert (len(names) == len(set(names))) == (carried == "typed")
-    key = ("total", "outside", "finite", "dtype", "low", "high")
-    assert {t: [getattr(s, k) for k in key] for t, s in grouped.items()} == {
-        t: [getattr(s, k) for k in key] for t, s in whole.items()
-    }
     # Counted once each, as numpy counts the values of one session answering every tensor.
     every = onnx.ModelProto()
     every.CopyFrom(model)
     every.graph.output.extend(helper.make_empty_tensor_value_info(t) for t in ranges if t != "x")
-    path = cnn[0].parent / f"every_{carried}.onnx"
+    path = quant.parent / "every_tensor.onnx"
     onnx.save(every, path)
     values = [dict(zip([o.name for o in every.graph.output], run_onnx(path, s), strict=True)) for s in samples]
-    for t in ranges:
+    fetched = []
+    real_run = sessions.ort.InferenceSession.run
+
+    def counted(self, names, feeds, *rest):
+        fetched.append(len(names))
+        return real_run(self, names, feeds, *rest)
+
+    monkeypatch.setattr(attribution, "TENSORS_PER_RUN", 3)
+    monkeypatch.setattr(sessions.ort.InferenceSession, "run", counted)
+    grouped = attribution.tensor_stats(model, samples, ranges, quant)
+    computed = len(ranges) - 1
+    assert max(fetched) == 3 and len(fetched) == math.ceil(computed / 3) * len(samples)
+    key = ("total", "outside", "finite", "dtype", "low", "high")
+    assert {t: [getattr(s, k) for k in key] for t, s in grouped.items()} == {
+        t: [getattr(s, k) for k in key] for t, s in whole.items()
+    }
+    for t, (lo, hi, _) in ranges.items():
         arrays = [s[t] for s in samples] if t == "x" else [v[t] for v in values]
-        lo, hi, _ = ranges[t]
         assert grouped[t].total == sum(a.size for a in arrays), t
         assert grouped[t].outside == sum(int(np.count_nonzero((a < lo) | (a > hi))) for a in arrays), t
 

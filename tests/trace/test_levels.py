@@ -15,7 +15,6 @@ from onnx import helper, numpy_helper
 import gen_models
 import graphscan
 from graphscan_ort.engines import levels
-from graphscan_ort.shared import graph_segments
 from tests import yolo_like
 from tests.helpers import ROOT, load_bench_script
 
@@ -96,7 +95,6 @@ sys.path.insert(0, sys.argv[1])
 import numpy as np
 import gen_models
 from graphscan_ort.engines import levels
-from graphscan_ort.shared import graph_segments
 count = int(sys.argv[2])
 model = gen_models.build_cnn(2, channels=8, size=160, seed=0)
 tensors = [n.output[0] for n in model.graph.node if n.op_type in ("Conv", "Relu")]
@@ -130,7 +128,6 @@ import sys
 sys.path.insert(0, sys.argv[1])
 import numpy as np
 from graphscan_ort.engines import levels
-from graphscan_ort.shared import graph_segments
 from graphscan_ort.shared.sessions import impact_options, open_session
 from tests.helpers import load_bench_script
 width, count = 2**21, 12
@@ -448,47 +445,3 @@ def test_a_q_that_reads_a_weight_is_no_quantized_activation():
         [w, *qparams],
     )
     assert list(levels.quantized_activations(helper.make_model(graph))) == ["x"]
-
-
-@pytest.mark.parametrize("carried", ["typed", "untyped"])
-def test_ranges_fetched_two_tensors_a_group_are_the_reductions_own(tmp_path, monkeypatch, carried):
-    """levels' fetched ranges (numpy's, per tensor and per axis) read the tensors
-    TENSORS_PER_RUN at a time: where the tensors carried between groups are typed, in one
-    pass over the graph a sample (each node in one segment model only); else each group
-    runs the nodes it needs. Either way each range is the one reduced inside onnxruntime,
-    and a graph input's comes from the samples themselves."""
-    model = gen_models.build_cnn(2, channels=4, size=16, seed=0)
-    tensors = [n.output[0] for n in model.graph.node if n.op_type in ("Conv", "Relu")]
-    rng = np.random.default_rng(8)
-    samples = [{"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(3)]
-    reduced, _ = levels.measured_ranges(model, [(t, None) for t in tensors], samples, "cnn.onnx")
-    if carried == "untyped":
-        monkeypatch.setattr(graph_segments, "carried_types", lambda model, carried: {})
-    monkeypatch.setattr(levels, "TENSORS_PER_RUN", 2)
-    cuts, real = [], levels.names_runner
-    monkeypatch.setattr(levels, "names_runner", lambda cut, *args: cuts.append(cut) or real(cut, *args))
-    keys = [(t, None) for t in ["x", *tensors]] + [(tensors[0], 1)]
-    fetched, _ = levels.fetched_ranges(model, keys, samples, "cnn.onnx")
-    assert {t: fetched[(t, None)] for t in tensors} == {t: reduced[(t, None)] for t in tensors}
-    every = np.concatenate([s["x"] for s in samples])
-    assert fetched[("x", None)] == [(float(every.min()), float(every.max()))]
-    first = np.stack([float_tensors_of(model, tensors[0], s) for s in samples])
-    ((lows, highs),) = fetched[(tensors[0], 1)]  # one part: each channel's least and greatest
-    np.testing.assert_allclose(lows, first.min(axis=(0, 1, 3, 4)), rtol=1e-5)
-    np.testing.assert_allclose(highs, first.max(axis=(0, 1, 3, 4)), rtol=1e-5)
-    names = [node.name for cut in cuts for node in cut.graph.node]
-    assert len(cuts) == -(-len(tensors) // 2)
-    if carried == "typed":
-        assert len(names) == len(set(names)), "a node ran in two segments"
-    else:
-        assert len(names) > len(set(names))  # each group's prefix
-
-
-def float_tensors_of(model, name, sample):
-    """``name``'s values on ``sample`` in a session of ``model`` that answers it alone."""
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    del copy.graph.output[:]
-    copy.graph.output.append(helper.make_empty_tensor_value_info(name))
-    session = ort.InferenceSession(copy.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run([name], sample)[0]

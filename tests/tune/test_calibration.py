@@ -21,10 +21,10 @@ from onnxruntime.quantization.calibrate import load_tensors_data
 
 import gen_models
 import graphscan
-import graphscan_ort.shared.graph_segments as graph_segments
 import graphscan_ort.tune.calibration as calibration
 import graphscan_ort.tune.candidates as candidates
 import graphscan_ort.tune.command as tune
+import graphscan_ort.tune.graph_segments as graph_segments
 import graphscan_ort.tune.percentile_tails as percentile_tails
 
 

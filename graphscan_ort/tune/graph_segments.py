@@ -1,18 +1,16 @@
-"""A model cut into consecutive segments, one per group of tensors fetched together.
+"""A model cut into consecutive segments, one per group of tensors calibration fetches.
 
-Calibration's histograms, impact's value statistics and levels' fetched ranges read a
-sample's tensors a group at a time (a bounded number of bytes or of tensors a run).
-``cut_segments`` makes one model per group of the nodes that group needs and no earlier
-group ran, reading what earlier segments made: the same kernels on the same values (these
-sessions optimize nothing), so a sample's groups take one pass over the graph
-(``each_group``), not one a group. ``group_model`` is the whole prefix a group needs, for a
-graph whose carried tensors have no type onnx knows (a segment's inputs must be typed).
+calibration's histograms fetch a sample's calibrated tensors a group at a time (at most
+GROUP_BYTES a run). ``cut_segments`` makes one model per group of the nodes that group needs
+and no earlier group ran, reading what earlier segments made: the same kernels on the same
+values (calibration's sessions optimize nothing), so a sample's groups take one pass over
+the graph. ``group_model`` is the whole prefix a group needs, for a graph whose carried
+tensors have no type onnx knows (a segment's inputs must be typed).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import onnx
 
@@ -20,7 +18,7 @@ from graphscan_ort.shared.graph import declared_values, element_types, node_read
 
 
 class Segment(NamedTuple):
-    """One group's run (each_group): a model of the nodes it runs, the tensors it reads
+    """One group's run (grouped_tensors): a model of the nodes it runs, the tensors it reads
     (the sample's inputs, or tensors earlier segments made), the group's tensors and the
     tensors it answers (the group's it makes, and those a later segment reads)."""
 
@@ -33,71 +31,6 @@ class Segment(NamedTuple):
 def needed_after(segments: list[Segment], k: int) -> set[str]:
     """The tensors a segment after the k-th reads or fetches."""
     return {name for later in segments[k + 1 :] for name in [*later.reads, *later.group]}
-
-
-# A segment's run: (the names it answers, its feeds) -> their arrays, in that order.
-SegmentRun = Callable[[list[str], dict[str, Any]], list[Any]]
-
-
-def each_group(
-    segments: list[Segment], runs: list[SegmentRun | None], samples: Iterable[dict[str, Any]]
-) -> Iterator[list[tuple[str, Any]]]:
-    """Per sample, per segment in order, the segment's group as ``[(name, array)]``: each
-    segment run once (``runs[k]``, None where it answers nothing of its own) on the sample's
-    inputs and what earlier segments made. A tensor is let go after the last segment that
-    reads or fetches it, and each group's arrays before the next is run, once the caller has
-    let go of them too."""
-    kept = [needed_after(segments, k) for k in range(len(segments))]
-    for sample in samples:
-        held = dict(sample)  # what later segments read: the sample's inputs, then tensors made
-        for segment, run, still_read in zip(segments, runs, kept, strict=True):
-            if run is not None:
-                feeds = {name: held[name] for name in segment.reads if name in held}  # an unfed input: its initializer
-                held.update(zip(segment.answers, run(segment.answers, feeds), strict=True))
-            fetched = [(name, held[name]) for name in segment.group]
-            held = {name: array for name, array in held.items() if name in still_read}
-            yield fetched
-            del fetched
-        del held
-
-
-def groups_of(model: onnx.ModelProto, names: list[str], size: int) -> list[list[str]]:
-    """``names`` (tensors nodes of ``model`` make) in the order of the nodes that make them,
-    cut into groups of ``size``: each segment then runs a stretch of the graph, holding few
-    tensors for later ones."""
-    place = {output: k for k, node in enumerate(model.graph.node) for output in node.output}
-    ordered = sorted(names, key=lambda name: place.get(name, -1))
-    return [ordered[start : start + size] for start in range(0, len(ordered), size)]
-
-
-def grouped_arrays(
-    model: onnx.ModelProto,
-    groups: list[list[str]],
-    samples: Callable[[], Iterable[dict[str, Any]]],
-    open_run: Callable[[onnx.ModelProto], SegmentRun],
-) -> Iterator[tuple[int, list[tuple[str, Any]]]]:
-    """Each group of ``groups`` (tensors of ``model``, in the graph's order) as ``(k, [(name,
-    array)])`` on the k-th sample of a pass ``samples()``: one pass over the graph a sample,
-    cut into a segment a group (cut_segments, each_group), sample by sample; where a tensor
-    carried between segments has no known type, one run a group and a sample of the nodes the
-    group needs (group_model), group by group, a pass over the samples each. ``open_run``
-    opens a model's session as its run. Each group's arrays are let go before the next is
-    run, once the caller has let go of them too."""
-    segments = cut_segments(model, groups)
-    if segments is None:
-        for group in groups:
-            run = open_run(group_model(model, group))
-            for k, sample in enumerate(samples()):
-                fetched = list(zip(group, run(group, sample), strict=True))
-                yield k, fetched
-                del fetched
-            del run
-        return
-    # A group whose tensors earlier segments made (or the sample holds) runs nothing of its own.
-    runs = [open_run(segment.model) if segment.answers else None for segment in segments]
-    for k, fetched in enumerate(each_group(segments, runs, samples())):
-        yield k // len(segments), fetched
-        del fetched
 
 
 def cut_segments(model: onnx.ModelProto, groups: list[list[str]]) -> list[Segment] | None:
