@@ -518,9 +518,9 @@ class SegmentRunner:
     def close(self) -> None:
         """Drops the sessions and the baseline's values, ends the worker threads and gives
         the shared arena's free memory back: the runner runs nothing after."""
+        self.pool.shutdown()  # first: a run still in flight may build a session
         self.sessions.clear()
         self.baseline, self.constants = [], {}
-        self.pool.shutdown()
         shrink_shared_arena()
 
     def run_each(self, variants: list[dict[str, Any]], reduce: Callable[[list[list[np.ndarray]]], Any]) -> list[Any]:

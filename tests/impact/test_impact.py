@@ -1158,6 +1158,39 @@ def test_segment_sessions_run_on_the_shared_arena_given_back_once_answered(answe
     assert len(shrunk) == (2 if answer == "ranked_ops" else 1)  # ranked_ops, then impact's own
 
 
+def test_a_variant_failing_beside_another_is_exit_5_with_the_runner_closed(cnn, monkeypatch):
+    """A run that fails in one of the two workers ends impact with onnxruntime's one line
+    (exit 5), the runs not yet started are not run, and the runner is closed: its threads
+    ended, its sessions dropped."""
+    fp32, quant, paths = cnn
+    monkeypatch.setattr(segment_engine, "usable_cores", lambda: 2)
+    runners, runs, real_init, real_run = [], [], segment_engine.SegmentRunner.__init__, segment_engine.SegmentRunner.run
+
+    def failing(self, settings=None):
+        runs.append(settings)
+        if len(runs) == 4 and failure:
+            raise graphscan.GraphscanError("m.onnx: model does not run in onnxruntime (broken)", graphscan.EXIT_RUNTIME)
+        return real_run(self, settings)
+
+    monkeypatch.setattr(
+        segment_engine.SegmentRunner, "__init__", lambda self, *a: runners.append(self) or real_init(self, *a)
+    )
+    monkeypatch.setattr(segment_engine.SegmentRunner, "run", failing)
+    failure = False
+    graphscan.impact(str(fp32), str(quant), inputs=[str(paths[0])])
+    every, failure = len(runs), True
+    runs.clear()
+    runners.clear()
+    with pytest.raises(graphscan.GraphscanError, match="does not run") as caught:
+        graphscan.impact(str(fp32), str(quant), inputs=[str(paths[0])])
+    assert caught.value.exit_code == graphscan.EXIT_RUNTIME
+    (runner,) = runners
+    assert not runner.sessions and not runner.baseline
+    assert len(runs) < every  # the variants not started when the failure surfaced were cancelled
+    with pytest.raises(RuntimeError):
+        runner.pool.submit(print)  # shut down
+
+
 def test_sessions_closed_beyond_the_cap_are_built_again_with_the_same_rows(cnn, monkeypatch):
     """With room for 3 segment sessions, the least recently used are closed and built again
     when a variant needs them: every row still equals the brute force, and no more than 3
