@@ -526,7 +526,8 @@ def impact_run(reference: Named, candidate: Named, samples: list[dict]) -> tuple
     float_names, quant_names = [f for f, _ in pairs], [q for _, q in pairs]
     require_numbers(reference, float_names)
     require_numbers(candidate, quant_names)
-    float_outputs = model_outputs(float_model, samples, a, float_names)
+    # One thread, as the segment sessions run: the same bits whatever the cores (SegmentRunner).
+    float_outputs = model_outputs(float_model, samples, a, float_names, impact_options(1))
     require_numbers(reference, float_names, float_outputs)
     noise = OutputNoise(float_outputs, output_layout(float_model, float_names, samples))
     if noise.empty:

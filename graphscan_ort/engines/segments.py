@@ -407,12 +407,14 @@ class SegmentRunner:
         self.message = f"graphscan's derived model of {shown(path)}"
         self.value = ort.OrtValue.ortvalue_from_numpy
         self.true = self.value(np.array(True))
-        # Runs side by side, each on its share of the cores: a sample's each with several, else
-        # RUNS_AT_ONCE variants' (run_each). A segment is a few milliseconds of work, which one
-        # thread does with less waiting than two; the bits are the same either way.
-        cores = usable_cores()
-        workers = min(cores, max(len(samples), RUNS_AT_ONCE))
-        self.threads = cores // workers if workers > 1 else 0
+        # Runs side by side: a sample's each with several, else RUNS_AT_ONCE variants' (run_each).
+        # Each on one thread, as impact's float reference (impact_run): a convolution's last bits
+        # can depend on how many threads share it (PP-OCRv4 rec's Conv_35 on one page: up to
+        # 1.9e-6 apart between one thread and two, 0.26 dB on a tensor's row), so the answer
+        # must not depend on the machine's cores. A segment is a few milliseconds of work, which
+        # one thread does with less waiting than two.
+        workers = min(usable_cores(), max(len(samples), RUNS_AT_ONCE))
+        self.threads = 1
         self.workers, self.pool = workers, concurrent.futures.ThreadPoolExecutor(workers)
         self.sessions: dict[
             tuple[int | tuple[str, int] | None, int | str], tuple[Any, list[str], list[str], list[tuple[str, str]]]
